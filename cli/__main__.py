@@ -1,0 +1,5 @@
+import sys
+
+from kvserve.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,137 @@
+"""kopf handlers: thin glue around observe -> resolve/plan -> render -> apply -> status.
+
+Run with `kvserve operator` or `kopf run -m kvserve.operator.handlers --all-namespaces`.
+Triggers: create/update/resume of an InferenceService; any event on a child it owns (a deleted or hand-edited
+child is restored at once, and readyReplicas follow the Deployment); a resync timer as the level-based
+safety net (KVSERVE_RESYNC_SECONDS, default 60).
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+
+from kvserve.operator import kube, render, spec as spec_mod, status as status_mod
+
+log = logging.getLogger("kvserve.operator")
+G, V, P = spec_mod.GROUP, spec_mod.VERSION, spec_mod.PLURAL
+RESYNC_SECONDS = float(os.environ.get("KVSERVE_RESYNC_SECONDS", "60"))
+CHILD_LABELS = {"app.kubernetes.io/managed-by": render.MANAGED_BY}
+
+_locks: dict[tuple[str, str], threading.Lock] = {}
+_locks_guard = threading.Lock()
+
+
+def _lock(namespace: str, name: str) -> threading.Lock:
+    with _locks_guard:
+        return _locks.setdefault((namespace, name), threading.Lock())
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def reconcile(namespace: str, name: str) -> dict[str, str]:
+    """Bring one InferenceService's children and status in line with its spec; returns what was done."""
+    actions: dict[str, str] = {}
+    with _lock(namespace, name):
+        parent = kube.get(spec_mod.KIND, namespace, name)  # fresh: the triggering event may be stale
+        if parent is None or parent["metadata"].get("deletionTimestamp"):
+            return actions
+        try:
+            resolved = spec_mod.resolve(parent.get("spec") or {})
+            spec, plan, reason, message = resolved.spec, resolved.plan, resolved.plan.reason, resolved.plan.message
+        except spec_mod.SpecError as exc:
+            resolved, plan, reason, message = None, None, exc.reason, exc.message
+            spec = spec_mod.with_defaults(parent.get("spec") or {})
+        desired = render.render(resolved, name, namespace) if resolved is not None else []
+
+        live = {kind: kube.get(kind, namespace, name) for kind in kube.CHILD_KINDS}
+        for obj in desired:
+            current = live[obj["kind"]]
+            if current is not None and not kube.owned_by(current, parent):
+                log.warning("%s %s/%s exists and is not owned by this InferenceService; leaving it alone",
+                            obj["kind"], namespace, name)
+                continue
+            actions[obj["kind"]] = kube.apply(kube.adopt(obj, parent), current)
+            if actions[obj["kind"]] != "unchanged":
+                live[obj["kind"]] = kube.get(obj["kind"], namespace, name)
+        if plan is not None and plan.fits:
+            # Children the spec no longer asks for (the HPA after autoscaling is switched off, ...).
+            wanted = {obj["kind"] for obj in desired}
+            for kind, current in live.items():
+                if kind not in wanted and current is not None and kube.owned_by(current, parent):
+                    kube.delete(kind, namespace, name)
+                    live[kind] = None
+                    actions[kind] = "deleted"
+        # else: an impossible spec creates nothing and leaves a previously working Deployment serving.
+
+        previous = parent.get("status") or {}
+        was = {c.get("type"): c for c in previous.get("conditions") or []}.get("CapacityPlanned", {})
+        if (plan is None or not plan.fits) and (was.get("status") != "False" or was.get("reason") != reason):
+            kopf.warn(parent, reason=reason, message=message)
+        new_status = status_mod.compute_status(
+            name=name, namespace=namespace, spec=spec, generation=parent["metadata"].get("generation"),
+            plan=plan, plan_reason=reason, plan_message=message, deployment=live["Deployment"],
+            previous=previous, now=_now())
+        if kube.patch_status(namespace, name, previous, new_status):
+            actions["status"] = "patched"
+    return actions
+
+
+def _reconcile_or_retry(namespace: str, name: str) -> None:
+    try:
+        actions = reconcile(namespace, name)
+    except kube.KubeError as exc:
+        raise kopf.TemporaryError(f"API error, will retry: {exc}", delay=10) from exc
+    if any(v != "unchanged" for v in actions.values()):
+        log.info("reconciled %s/%s: %s", namespace, name, actions)
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    # Only Warnings become Events (the capacity failures); kopf's per-handler success lines would flood them.
+    settings.posting.level = logging.WARNING
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="serving.kvserve.dev")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix="serving.kvserve.dev", key="last-handled-configuration")
+    if kube._client is None:
+        kube.configure()
+
+
+@kopf.on.resume(G, V, P)
+@kopf.on.create(G, V, P)
+@kopf.on.update(G, V, P)
+def on_change(namespace: str, name: str, **_: Any) -> None:
+    _reconcile_or_retry(namespace, name)
+
+
+@kopf.timer(G, V, P, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
+def resync(namespace: str, name: str, **_: Any) -> None:
+    _reconcile_or_retry(namespace, name)
+
+
+def _on_child_event(body: kopf.Body, type: str | None, **_: Any) -> None:
+    meta = body.get("metadata", {})
+    owner = (meta.get("labels") or {}).get(render.OWNER_LABEL)
+    if owner and any(ref.get("kind") == spec_mod.KIND for ref in meta.get("ownerReferences") or []):
+        _reconcile_or_retry(meta["namespace"], owner)
+
+
+for _group, _version, _plural in [("apps", "v1", "deployments"), ("", "v1", "services"),
+                                   ("autoscaling", "v2", "horizontalpodautoscalers"),
+                                   ("policy", "v1", "poddisruptionbudgets")]:
+    kopf.on.event(_group, _version, _plural, labels=CHILD_LABELS, id=f"child-{_plural}")(_on_child_event)

@@ -1,0 +1,169 @@
+"""The only module that talks to the Kubernetes API: get, create, merge-patch, delete, status patch.
+
+Apply is compare-then-write: a live object that already contains every field we render (extra fields the
+API server defaults are fine) is left alone, so reconciling an unchanged InferenceService sends no writes.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from typing import Any
+
+from kvserve.operator.spec import API_VERSION, KIND, PLURAL
+
+log = logging.getLogger("kvserve.operator")
+
+# kind -> (API path prefix, plural) for everything the operator reads or writes.
+RESOURCES: dict[str, tuple[str, str]] = {
+    "Deployment": ("/apis/apps/v1", "deployments"),
+    "Service": ("/api/v1", "services"),
+    "HorizontalPodAutoscaler": ("/apis/autoscaling/v2", "horizontalpodautoscalers"),
+    "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
+    KIND: (f"/apis/{API_VERSION}", PLURAL),
+}
+CHILD_KINDS = ("Deployment", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget")
+
+
+class KubeError(RuntimeError):
+    def __init__(self, status: int, message: str):
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+
+
+_client_lock = threading.Lock()
+_client: Any = None
+
+
+def configure(host: str | None = None) -> None:
+    """Build the API client: an explicit host (tests), else in-cluster, else the current kubeconfig."""
+    global _client
+    import kubernetes
+
+    with _client_lock:
+        if host is not None:
+            config = kubernetes.client.Configuration()
+            config.host = host
+        else:
+            config = kubernetes.client.Configuration()
+            try:
+                kubernetes.config.load_incluster_config(client_configuration=config)
+            except kubernetes.config.ConfigException:
+                kubernetes.config.load_kube_config(client_configuration=config)
+        _client = kubernetes.client.ApiClient(config)
+
+
+def _api() -> Any:
+    if _client is None:
+        configure()
+    return _client
+
+
+def path(kind: str, namespace: str, name: str | None = None, subresource: str | None = None) -> str:
+    prefix, plural = RESOURCES[kind]
+    out = f"{prefix}/namespaces/{namespace}/{plural}"
+    if name:
+        out += f"/{name}"
+    if subresource:
+        out += f"/{subresource}"
+    return out
+
+
+def request(method: str, url_path: str, body: Any = None, content_type: str = "application/json") -> dict | None:
+    """One API call; returns the decoded JSON body, None on 404, raises KubeError on other failures."""
+    api = _api()
+    headers = {"Accept": "application/json", "Content-Type": content_type}
+    method_, url, headers, body_, _ = api.param_serialize(
+        method=method, resource_path=url_path, header_params=headers, body=body, auth_settings=["BearerToken"])
+    import kubernetes
+
+    try:
+        response = api.call_api(method_, url, header_params=headers, body=body_, _request_timeout=30)
+        response.read()
+    except kubernetes.client.ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise KubeError(exc.status or 0, str(exc.reason)) from exc
+    if response.status == 404:
+        return None
+    if response.status >= 400:
+        raise KubeError(response.status, response.data.decode(errors="replace")[:500])
+    return json.loads(response.data) if response.data else {}
+
+
+def get(kind: str, namespace: str, name: str) -> dict | None:
+    return request("GET", path(kind, namespace, name))
+
+
+def contains(live: Any, desired: Any) -> bool:
+    """True when `live` has every field of `desired` with equal values (lists: same length, element-wise)."""
+    if isinstance(desired, dict):
+        return isinstance(live, dict) and all(k in live and contains(live[k], v) for k, v in desired.items())
+    if isinstance(desired, list):
+        return isinstance(live, list) and len(live) == len(desired) and all(map(contains, live, desired))
+    return live == desired
+
+
+def owner_reference(owner: dict) -> dict:
+    meta = owner["metadata"]
+    return {"apiVersion": owner.get("apiVersion", API_VERSION), "kind": owner.get("kind", KIND),
+            "name": meta["name"], "uid": meta["uid"], "controller": True, "blockOwnerDeletion": True}
+
+
+def owned_by(obj: dict, owner: dict) -> bool:
+    uid = owner["metadata"]["uid"]
+    return any(ref.get("uid") == uid for ref in obj.get("metadata", {}).get("ownerReferences") or [])
+
+
+def adopt(obj: dict, owner: dict) -> dict:
+    return {**obj, "metadata": {**obj["metadata"], "ownerReferences": [owner_reference(owner)]}}
+
+
+def apply(obj: dict, live: dict | None) -> str:
+    """Create or merge-patch `obj`; returns 'created', 'patched' or 'unchanged'."""
+    kind, meta = obj["kind"], obj["metadata"]
+    if live is None:
+        request("POST", path(kind, meta["namespace"]), obj)
+        log.info("created %s %s/%s", kind, meta["namespace"], meta["name"])
+        return "created"
+    if contains(live, obj):
+        return "unchanged"
+    # Merge patch replaces lists whole (containers, tolerations...), which restores hand-edited entries.
+    request("PATCH", path(kind, meta["namespace"], meta["name"]),
+            {k: v for k, v in obj.items() if k not in ("apiVersion", "kind")},
+            content_type="application/merge-patch+json")
+    log.info("patched %s %s/%s", kind, meta["namespace"], meta["name"])
+    return "patched"
+
+
+def delete(kind: str, namespace: str, name: str) -> None:
+    request("DELETE", path(kind, namespace, name))
+    log.info("deleted %s %s/%s", kind, namespace, name)
+
+
+def status_patch(live_status: dict, status: dict) -> dict:
+    """A merge patch turning live_status into status; kopf's own bookkeeping key is left alone."""
+    patch: dict[str, Any] = {}
+    for key in set(live_status) | set(status):
+        if key == "kopf":
+            continue
+        if key not in status:
+            patch[key] = None
+        elif key not in live_status:
+            patch[key] = status[key]
+        elif isinstance(status[key], dict) and isinstance(live_status[key], dict):
+            sub = status_patch(live_status[key], status[key])
+            if sub:
+                patch[key] = sub
+        elif live_status[key] != status[key]:
+            patch[key] = status[key]
+    return patch
+
+
+def patch_status(namespace: str, name: str, live_status: dict, status: dict) -> bool:
+    patch = status_patch(live_status, status)
+    if not patch:
+        return False
+    request("PATCH", path(KIND, namespace, name, "status"), {"status": patch},
+            content_type="application/merge-patch+json")
+    return True

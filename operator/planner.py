@@ -1,0 +1,168 @@
+"""KV-cache capacity planner: pure arithmetic from a model's shape and a GPU's memory.
+
+Per GPU rank with tensor parallelism t (the same budget the runtime enforces with `--kv-cache-bytes`):
+
+    budget   = gpu_memory * gpu_memory_utilization
+    kv_cache = budget - weights / t - activation_reserve - runtime_overhead     (floored to whole blocks)
+
+KV heads are split across ranks (replicated when t > kv_heads), so one token costs
+`2 * layers * kv_heads_per_rank * head_dim * kv_dtype_bytes` on each rank and every rank holds the same tokens.
+The activation reserve is estimated from the shape (see `activation_reserve_bytes`); the non-torch overhead
+is llm-d's constant (config_explorer/capacity_planner.py: 0.15 GiB at TP=1, 0.6 GiB at TP>=2). llm-d uses a flat
+~4.8 GiB activation constant for Llama-family models; that is more conservative than the estimate here for
+small models (Llama-3-8B on a 24 GB L4 would get almost no KV), so it is offered as an override instead:
+both numbers can be set per InferenceService (engine.activationReserveMiB, engine.runtimeOverheadMiB).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from kvserve.operator.catalog import DTYPE_BYTES, GiB, ModelShape
+
+LLM_D_ACTIVATION_BYTES = int(4.8 * GiB)  # llm-d's flat constant, for reference and tests
+FIXED_RESERVE_BYTES = 1 * GiB  # CUDA graphs, NCCL buffers, allocator fragmentation
+RUNTIME_OVERHEAD_TP1_BYTES = int(0.15 * GiB)
+RUNTIME_OVERHEAD_TP_BYTES = int(0.6 * GiB)
+
+
+@dataclass(frozen=True)
+class PlanInput:
+    model: ModelShape
+    gpu_memory_bytes: int
+    tensor_parallel_size: int = 1
+    dtype: str = "bfloat16"  # weights
+    kv_cache_dtype: str = "auto"  # "auto" = same as the weights
+    max_model_len: int = 8192
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.90
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    activation_reserve_bytes: int | None = None  # None: `activation_reserve_bytes()` estimate
+    runtime_overhead_bytes: int | None = None  # None: llm-d's non-torch constant for the TP size
+
+
+@dataclass(frozen=True)
+class Plan:
+    fits: bool
+    reason: str  # CamelCase condition reason: Fits, WeightsDoNotFit, ContextDoesNotFit, ...
+    message: str
+    kv_bytes_per_token: int  # whole model, all ranks together
+    kv_bytes_per_token_per_gpu: int
+    weight_bytes: int
+    weight_bytes_per_gpu: int
+    gpu_memory_bytes: int
+    memory_budget_bytes_per_gpu: int  # gpu_memory * utilization
+    activation_reserve_bytes: int
+    runtime_overhead_bytes: int
+    kv_cache_bytes_per_gpu: int  # what `--kv-cache-bytes` receives: whole blocks only, 0 when nothing fits
+    num_blocks_per_gpu: int
+    kv_tokens: int  # tokens one replica can hold (every rank holds its slice of the same tokens)
+    max_concurrency: int  # sequences of max_model_len tokens that fit at once
+    max_model_len_fit: int  # the longest single sequence that fits
+    max_model_len: int
+    block_size: int
+    tensor_parallel_size: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def dtype_bytes(dtype: str) -> int:
+    return DTYPE_BYTES[dtype]
+
+
+def kv_bytes_per_token(model: ModelShape, kv_dtype_bytes: int) -> int:
+    return 2 * model.num_layers * model.num_kv_heads * model.head_dim * kv_dtype_bytes
+
+
+def kv_heads_per_rank(model: ModelShape, tensor_parallel_size: int) -> int:
+    return max(1, model.num_kv_heads // tensor_parallel_size)
+
+
+def tensor_parallel_error(model: ModelShape, tensor_parallel_size: int) -> str | None:
+    t = tensor_parallel_size
+    if t < 1:
+        return f"tensorParallelSize must be >= 1, got {t}"
+    if model.num_attention_heads % t:
+        return f"{model.num_attention_heads} attention heads cannot be split across {t} GPUs"
+    if model.num_kv_heads % t and t % model.num_kv_heads:
+        return f"{model.num_kv_heads} KV heads cannot be split or replicated across {t} GPUs"
+    return None
+
+
+def valid_tensor_parallel_sizes(model: ModelShape, limit: int = 8) -> list[int]:
+    return [t for t in range(1, limit + 1) if tensor_parallel_error(model, t) is None]
+
+
+def activation_reserve_bytes(model: ModelShape, tensor_parallel_size: int, max_num_batched_tokens: int,
+                             max_num_seqs: int, act_dtype_bytes: int = 2) -> int:
+    """Peak forward-pass memory per rank for one step of `max_num_batched_tokens` tokens.
+
+    Per token: ~6 hidden-size buffers (residual, norm output, attention output, q/k/v slices) plus the MLP's
+    gate+up intermediate (split by TP; top-k experts for MoE); plus fp32 logits for every running sequence
+    (the vocab is gathered before sampling) and a fixed 1 GiB for CUDA graphs / NCCL / fragmentation.
+    """
+    per_token = 6 * model.hidden_size + 2 * model.intermediate_size * model.experts_per_token // tensor_parallel_size
+    logits = max_num_seqs * model.vocab_size * 4
+    return max_num_batched_tokens * per_token * act_dtype_bytes + logits + FIXED_RESERVE_BYTES
+
+
+def plan(inp: PlanInput) -> Plan:
+    m, t = inp.model, inp.tensor_parallel_size
+    kv_dtype = inp.dtype if inp.kv_cache_dtype == "auto" else inp.kv_cache_dtype
+    kv_per_token = kv_bytes_per_token(m, dtype_bytes(kv_dtype))
+    kv_per_token_per_gpu = 2 * m.num_layers * kv_heads_per_rank(m, t) * m.head_dim * dtype_bytes(kv_dtype)
+    weight_bytes = m.num_parameters * dtype_bytes(inp.dtype)
+    weight_bytes_per_gpu = math.ceil(weight_bytes / t)
+    budget = int(inp.gpu_memory_bytes * inp.gpu_memory_utilization)
+    activation = inp.activation_reserve_bytes
+    if activation is None:
+        activation = activation_reserve_bytes(m, t, inp.max_num_batched_tokens, inp.max_num_seqs)
+    overhead = inp.runtime_overhead_bytes
+    if overhead is None:
+        overhead = RUNTIME_OVERHEAD_TP1_BYTES if t == 1 else RUNTIME_OVERHEAD_TP_BYTES
+    free_bytes = budget - weight_bytes_per_gpu - activation - overhead
+    block_bytes = inp.block_size * kv_per_token_per_gpu
+    num_blocks = max(0, free_bytes // block_bytes)
+    kv_tokens = num_blocks * inp.block_size
+    blocks_per_seq = math.ceil(inp.max_model_len / inp.block_size)
+    max_concurrency = num_blocks // blocks_per_seq
+    common = dict(
+        kv_bytes_per_token=kv_per_token, kv_bytes_per_token_per_gpu=kv_per_token_per_gpu,
+        weight_bytes=weight_bytes, weight_bytes_per_gpu=weight_bytes_per_gpu,
+        gpu_memory_bytes=inp.gpu_memory_bytes, memory_budget_bytes_per_gpu=budget,
+        activation_reserve_bytes=activation, runtime_overhead_bytes=overhead,
+        kv_cache_bytes_per_gpu=num_blocks * block_bytes, num_blocks_per_gpu=num_blocks, kv_tokens=kv_tokens,
+        max_concurrency=max_concurrency, max_model_len_fit=kv_tokens, max_model_len=inp.max_model_len,
+        block_size=inp.block_size, tensor_parallel_size=t,
+    )
+
+    tp_error = tensor_parallel_error(m, t)
+    if tp_error:
+        return Plan(False, "InvalidTensorParallelSize",
+                    f"{tp_error}; valid sizes: {valid_tensor_parallel_sizes(m)}", **common)
+    if inp.max_model_len > m.max_position_embeddings:
+        return Plan(False, "ContextExceedsModel",
+                    f"maxModelLen {inp.max_model_len} exceeds the model's {m.max_position_embeddings} positions",
+                    **common)
+    if free_bytes <= 0:
+        fixed = weight_bytes_per_gpu + activation + overhead
+        return Plan(False, "WeightsDoNotFit",
+                    f"weights {_gb(weight_bytes_per_gpu)} + activations {_gb(activation)} + overhead "
+                    f"{_gb(overhead)} = {_gb(fixed)} per GPU exceed the {_gb(budget)} budget "
+                    f"({inp.gpu_memory_utilization:g} x {_gb(inp.gpu_memory_bytes)}) at tensorParallelSize {t}",
+                    **common)
+    if max_concurrency < 1:
+        return Plan(False, "ContextDoesNotFit",
+                    f"one {inp.max_model_len}-token sequence needs {_gb(blocks_per_seq * block_bytes)} of KV per GPU "
+                    f"but only {_gb(num_blocks * block_bytes)} is left; the longest that fits is {kv_tokens} tokens",
+                    **common)
+    return Plan(True, "Fits",
+                f"{kv_tokens} KV tokens per replica ({num_blocks} blocks of {inp.block_size} per GPU, "
+                f"{_gb(num_blocks * block_bytes)}); {max_concurrency} concurrent {inp.max_model_len}-token sequences",
+                **common)
+
+
+def _gb(num_bytes: int) -> str:
+    return f"{num_bytes / 1e9:.2f} GB"

@@ -1,0 +1,235 @@
+"""Pure renderer: a resolved InferenceService (spec with defaults + capacity plan) -> child manifests.
+
+No I/O and no owner references here (the apply step adds those), so `kvserve render` prints exactly what the
+operator would create, and golden-file tests pin it.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from kvserve.operator.spec import API_VERSION, KIND, Resolved
+
+MODEL_MOUNT = "/mnt/models"
+MANAGED_BY = "kvserve-operator"
+OWNER_LABEL = "serving.kvserve.dev/inferenceservice"
+METRIC_NAME = "vllm_num_requests_waiting"  # prometheus-adapter's name for vllm:num_requests_waiting
+STARTUP_PERIOD_SECONDS = 10
+
+# Scale up by at most 2 pods a minute, down by 1 pod per 5 minutes after a 10-minute window: GPU pods take
+# minutes to load weights, so flapping costs far more than a slightly late scale-down.
+DEFAULT_BEHAVIOR: dict[str, Any] = {
+    "scaleUp": {"stabilizationWindowSeconds": 0, "selectPolicy": "Max",
+                "policies": [{"type": "Pods", "value": 2, "periodSeconds": 60}]},
+    "scaleDown": {"stabilizationWindowSeconds": 600, "selectPolicy": "Max",
+                  "policies": [{"type": "Pods", "value": 1, "periodSeconds": 300}]},
+}
+
+
+def selector_labels(name: str) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "kvserve", "app.kubernetes.io/instance": name}
+
+
+def selector_string(name: str) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(name).items()))
+
+
+def labels(name: str) -> dict[str, str]:
+    return {**selector_labels(name), "app.kubernetes.io/component": "engine",
+            "app.kubernetes.io/managed-by": MANAGED_BY, OWNER_LABEL: name}
+
+
+def service_url(name: str, namespace: str, port: int) -> str:
+    return f"http://{name}.{namespace}.svc.cluster.local:{port}"
+
+
+def served_model_name(spec: dict, name: str) -> str:
+    return spec["model"].get("servedName") or spec["model"].get("name") or name
+
+
+def model_source(spec: dict) -> tuple[list[dict], list[dict], str]:
+    """(volumes, volumeMounts, model directory inside the container) for spec.model.uri."""
+    uri: str = spec["model"]["uri"]
+    if uri.startswith("pvc://"):
+        claim, _, sub_path = uri.removeprefix("pvc://").partition("/")
+        volume = {"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
+        mount = {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
+        return [volume], [mount], f"{MODEL_MOUNT}/{sub_path}".rstrip("/")
+    if uri.startswith("file://"):
+        return [], [], uri.removeprefix("file://")
+    raise ValueError(f"spec.model.uri must start with pvc:// or file://, got {uri!r}")
+
+
+def runtime_args(resolved: Resolved, name: str, model_dir: str) -> list[str]:
+    spec, plan, engine = resolved.spec, resolved.plan, resolved.spec["engine"]
+    args = [
+        "kvserve", "serve", model_dir,
+        "--host", "0.0.0.0",
+        "--port", str(spec["port"]),
+        "--served-model-name", served_model_name(spec, name),
+        "--dtype", spec["model"]["dtype"],
+        "--tensor-parallel-size", str(spec["gpu"]["tensorParallelSize"]),
+        "--max-model-len", str(engine["maxModelLen"]),
+        "--block-size", str(engine["blockSize"]),
+        "--max-num-seqs", str(engine["maxNumSeqs"]),
+        "--max-num-batched-tokens", str(engine["maxNumBatchedTokens"]),
+        # The planned budget per GPU rank, in whole blocks: the pod never allocates more KV than planned.
+        "--kv-cache-bytes", str(plan.kv_cache_bytes_per_gpu),
+        "--kv-cache-dtype", engine["kvCacheDtype"],
+        "--enable-prefix-caching" if engine["enablePrefixCaching"] else "--no-enable-prefix-caching",
+        # Leave the kubelet 10 s after the drain before it sends SIGKILL.
+        "--drain-timeout", str(max(1, spec["terminationGracePeriodSeconds"] - 10)),
+    ]
+    if not engine["enableChunkedPrefill"]:
+        args.append("--no-enable-chunked-prefill")
+    return args + [str(a) for a in engine.get("extraArgs", [])]
+
+
+def _resources(spec: dict) -> dict:
+    gpus = str(spec["gpu"]["tensorParallelSize"])
+    resource = spec["gpu"]["resourceName"]
+    user = spec.get("resources") or {}
+    # nvidia.com/gpu cannot be overcommitted: requests must equal limits.
+    return {"requests": {**{k: str(v) for k, v in (user.get("requests") or {}).items()}, resource: gpus},
+            "limits": {**{k: str(v) for k, v in (user.get("limits") or {}).items()}, resource: gpus}}
+
+
+def _tolerations(spec: dict) -> list[dict]:
+    gpu_toleration = {"key": spec["gpu"]["resourceName"], "operator": "Exists", "effect": "NoSchedule"}
+    user = list(spec.get("tolerations") or [])
+    return user if any(t.get("key") == gpu_toleration["key"] for t in user) else user + [gpu_toleration]
+
+
+def _probe(port_name: str, period: int, failures: int) -> dict:
+    return {"httpGet": {"path": "/health", "port": port_name}, "periodSeconds": period,
+            "timeoutSeconds": 5, "failureThreshold": failures}
+
+
+def deployment(resolved: Resolved, name: str, namespace: str) -> dict:
+    spec = resolved.spec
+    volumes, mounts, model_dir = model_source(spec)
+    volumes = volumes + [
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec["shmSize"]}},
+        {"name": "tmp", "emptyDir": {}},
+    ]
+    mounts = mounts + [{"name": "dshm", "mountPath": "/dev/shm"}, {"name": "tmp", "mountPath": "/tmp"}]
+    node_selector = {"nvidia.com/gpu.product": resolved.gpu_product} if resolved.gpu_product else {}
+    node_selector.update(spec.get("nodeSelector") or {})
+    container = {
+        "name": "kvserve",
+        "image": spec["image"],
+        "imagePullPolicy": spec["imagePullPolicy"],
+        "command": runtime_args(resolved, name, model_dir),
+        "ports": [{"name": "http", "containerPort": spec["port"], "protocol": "TCP"}],
+        "env": [{"name": "HOME", "value": "/tmp"}],
+        "resources": _resources(spec),
+        "volumeMounts": mounts,
+        # Weights for a 70B model take many minutes to load: the startup probe holds off liveness until then.
+        "startupProbe": _probe("http", STARTUP_PERIOD_SECONDS,
+                               math.ceil(spec["startupTimeoutSeconds"] / STARTUP_PERIOD_SECONDS)),
+        "readinessProbe": _probe("http", 5, 3),
+        # /health answers 503 while draining; 6 x 20 s outlasts the drain so liveness never kills a draining pod.
+        "livenessProbe": _probe("http", 20, 6),
+        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                            "capabilities": {"drop": ["ALL"]}},
+    }
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": volumes,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "terminationGracePeriodSeconds": spec["terminationGracePeriodSeconds"],
+        "tolerations": _tolerations(spec),
+        "topologySpreadConstraints": [{
+            "maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
+            # ScheduleAnyway: scarce GPU nodes must never leave a replica Pending for the sake of spreading.
+            "whenUnsatisfiable": "ScheduleAnyway",
+            "labelSelector": {"matchLabels": selector_labels(name)},
+        }],
+    }
+    if node_selector:
+        pod_spec["nodeSelector"] = node_selector
+    if spec.get("serviceAccountName"):
+        pod_spec["serviceAccountName"] = spec["serviceAccountName"]
+    if spec.get("imagePullSecrets"):
+        pod_spec["imagePullSecrets"] = spec["imagePullSecrets"]
+    if spec.get("priorityClassName"):
+        pod_spec["priorityClassName"] = spec["priorityClassName"]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels(name)},
+        "spec": {
+            "replicas": spec["replicas"],
+            "revisionHistoryLimit": 3,
+            "progressDeadlineSeconds": spec["startupTimeoutSeconds"] + 600,
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "selector": {"matchLabels": selector_labels(name)},
+            "template": {
+                "metadata": {
+                    "labels": labels(name),
+                    "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(spec["port"]),
+                                    "prometheus.io/path": "/metrics"},
+                },
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def service(resolved: Resolved, name: str, namespace: str) -> dict:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels(name)},
+        "spec": {"type": "ClusterIP", "selector": selector_labels(name),
+                 "ports": [{"name": "http", "port": resolved.spec["port"], "targetPort": "http",
+                            "protocol": "TCP"}]},
+    }
+
+
+def autoscaler(resolved: Resolved, name: str, namespace: str) -> dict:
+    auto = resolved.spec["autoscaling"]
+    return {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels(name)},
+        "spec": {
+            # The HPA scales the InferenceService through its /scale subresource; the operator then rolls
+            # the replica count into the Deployment, so nothing else fights over Deployment.spec.replicas.
+            "scaleTargetRef": {"apiVersion": API_VERSION, "kind": KIND, "name": name},
+            "minReplicas": auto["minReplicas"],
+            "maxReplicas": auto["maxReplicas"],
+            "metrics": [{"type": "Pods", "pods": {
+                "metric": {"name": METRIC_NAME},
+                "target": {"type": "AverageValue", "averageValue": str(auto["targetQueueDepth"])},
+            }}],
+            "behavior": auto.get("behavior") or DEFAULT_BEHAVIOR,
+        },
+    }
+
+
+def disruption_budget(resolved: Resolved, name: str, namespace: str) -> dict:
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels(name)},
+        "spec": {
+            "maxUnavailable": resolved.spec["podDisruptionBudget"]["maxUnavailable"],
+            "selector": {"matchLabels": selector_labels(name)},
+            # Pods still loading weights are not Ready; without this they would block node drains.
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
+    }
+
+
+def render(resolved: Resolved, name: str, namespace: str) -> list[dict]:
+    """Every child the InferenceService should have; empty when the capacity plan does not fit."""
+    if not resolved.plan.fits:
+        return []
+    objs = [deployment(resolved, name, namespace), service(resolved, name, namespace)]
+    if resolved.spec["autoscaling"]["enabled"]:
+        objs.append(autoscaler(resolved, name, namespace))
+    if resolved.spec["podDisruptionBudget"]["enabled"]:
+        objs.append(disruption_budget(resolved, name, namespace))
+    return objs

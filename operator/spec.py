@@ -1,0 +1,146 @@
+"""InferenceService spec: the CRD's defaults applied in Python, and the spec -> planner input mapping.
+
+The API server applies the CRD's structural defaults; `kvserve render` on a file and the K8s emulator in the
+e2e tests do not, so `with_defaults` applies the same ones (tests/operator/test_crd.py checks that every
+default here equals the CRD's). Validation that needs the catalogs (unknown model or GPU, TP split) lives
+here; shape/enum/range validation is the CRD schema's job.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+from kvserve.operator import catalog, planner
+
+GROUP = "serving.kvserve.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "InferenceService"
+PLURAL = "inferenceservices"
+
+DEFAULT_IMAGE = "ghcr.io/kvserve/kvserve-runtime:0.1.0"
+
+DEFAULTS: dict[str, Any] = {
+    "model": {"dtype": "bfloat16"},
+    "gpu": {"tensorParallelSize": 1, "resourceName": "nvidia.com/gpu"},
+    "engine": {
+        "maxModelLen": 8192,
+        "blockSize": 16,
+        "enablePrefixCaching": True,
+        "enableChunkedPrefill": True,
+        "maxNumSeqs": 256,
+        "maxNumBatchedTokens": 8192,
+        "gpuMemoryUtilization": 0.9,
+        "kvCacheDtype": "auto",
+    },
+    "replicas": 1,
+    "autoscaling": {"enabled": False, "minReplicas": 1, "maxReplicas": 4, "targetQueueDepth": 5},
+    "image": DEFAULT_IMAGE,
+    "imagePullPolicy": "IfNotPresent",
+    "port": 8000,
+    "shmSize": "16Gi",
+    "startupTimeoutSeconds": 3600,
+    "terminationGracePeriodSeconds": 120,
+    "podDisruptionBudget": {"enabled": True, "maxUnavailable": 1},
+}
+
+
+class SpecError(ValueError):
+    """A spec the planner cannot even start on (unknown model or GPU). `reason` becomes the condition reason."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+def _merge_defaults(value: dict, defaults: dict) -> dict:
+    out = dict(value)
+    for key, default in defaults.items():
+        if key not in out:
+            out[key] = copy.deepcopy(default)
+        elif isinstance(default, dict) and isinstance(out[key], dict):
+            out[key] = _merge_defaults(out[key], default)
+    return out
+
+
+def with_defaults(spec: dict) -> dict:
+    return _merge_defaults(copy.deepcopy(dict(spec or {})), DEFAULTS)
+
+
+@dataclass(frozen=True)
+class Resolved:
+    spec: dict  # defaults applied
+    model: catalog.ModelShape
+    gpu_memory_bytes: int
+    gpu_product: str | None  # node-selector value; None when the spec names no known product
+    plan: planner.Plan
+
+
+_SHAPE_FIELDS = {
+    "numLayers": "num_layers",
+    "numAttentionHeads": "num_attention_heads",
+    "numKeyValueHeads": "num_kv_heads",
+    "headDim": "head_dim",
+    "hiddenSize": "hidden_size",
+    "numParameters": "num_parameters",
+    "maxPositionEmbeddings": "max_position_embeddings",
+    "intermediateSize": "intermediate_size",
+    "vocabSize": "vocab_size",
+    "expertsPerToken": "experts_per_token",
+}
+
+
+def model_shape(model_spec: dict) -> catalog.ModelShape:
+    base = catalog.lookup_model(model_spec["name"]) if model_spec.get("name") else None
+    overrides = model_spec.get("shape") or {}
+    if base is None:
+        missing = [k for k in _SHAPE_FIELDS if k != "expertsPerToken" and k not in overrides]
+        if missing:
+            known = ", ".join(sorted(catalog.MODELS))
+            raise SpecError("UnknownModel",
+                            f"model {model_spec.get('name')!r} is not in the catalog ({known}); "
+                            f"give spec.model.shape with {', '.join(missing)}")
+        fields = {py: overrides[k] for k, py in _SHAPE_FIELDS.items() if k in overrides}
+        return catalog.ModelShape(**fields)
+    replace = {py: overrides[k] for k, py in _SHAPE_FIELDS.items() if k in overrides}
+    return catalog.ModelShape(**{**base.__dict__, **replace})
+
+
+def resolve(spec: dict) -> Resolved:
+    """Defaults + catalogs + planner. Raises SpecError for an unknown model/GPU."""
+    spec = with_defaults(spec)
+    model = model_shape(spec["model"])
+    gpu_spec, engine = spec["gpu"], spec["engine"]
+    gpu = catalog.lookup_gpu(gpu_spec["product"]) if gpu_spec.get("product") else None
+    if gpu_spec.get("memoryMiB"):
+        memory_bytes = int(gpu_spec["memoryMiB"]) * catalog.MiB
+    elif gpu is not None:
+        memory_bytes = gpu.memory_bytes
+    else:
+        raise SpecError("UnknownGPU",
+                        f"GPU {gpu_spec.get('product')!r} is not in the catalog ({', '.join(sorted(catalog.GPUS))}); "
+                        "give spec.gpu.memoryMiB")
+    product = gpu_spec.get("nodeSelectorProduct") or (gpu.product if gpu else gpu_spec.get("product"))
+    mib = catalog.MiB
+    plan = planner.plan(planner.PlanInput(
+        model=model,
+        gpu_memory_bytes=memory_bytes,
+        tensor_parallel_size=gpu_spec["tensorParallelSize"],
+        dtype=spec["model"]["dtype"],
+        kv_cache_dtype=engine["kvCacheDtype"],
+        max_model_len=engine["maxModelLen"],
+        block_size=engine["blockSize"],
+        gpu_memory_utilization=engine["gpuMemoryUtilization"],
+        max_num_batched_tokens=engine["maxNumBatchedTokens"],
+        max_num_seqs=engine["maxNumSeqs"],
+        activation_reserve_bytes=engine["activationReserveMiB"] * mib if "activationReserveMiB" in engine else None,
+        runtime_overhead_bytes=engine["runtimeOverheadMiB"] * mib if "runtimeOverheadMiB" in engine else None,
+    ))
+    if plan.fits and not engine["enableChunkedPrefill"] and engine["maxNumBatchedTokens"] < engine["maxModelLen"]:
+        plan = planner.Plan(**{**plan.to_dict(), "fits": False, "reason": "InvalidEngineConfig",
+                               "message": "without chunked prefill maxNumBatchedTokens "
+                                          f"({engine['maxNumBatchedTokens']}) must be >= maxModelLen "
+                                          f"({engine['maxModelLen']})"})
+    return Resolved(spec=spec, model=model, gpu_memory_bytes=memory_bytes, gpu_product=product, plan=plan)

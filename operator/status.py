@@ -1,0 +1,113 @@
+"""Pure status: (plan, observed Deployment, previous status) -> the InferenceService's .status.
+
+Condition timestamps move only when a condition's status flips, so recomputing the status of an unchanged
+object yields an identical dict and the operator patches nothing.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from kvserve.operator.planner import Plan
+from kvserve.operator.render import selector_string, service_url
+
+CONDITION_TYPES = ("Ready", "CapacityPlanned", "Progressing", "Degraded")
+
+_PLAN_FIELDS = {
+    "kvBytesPerToken": "kv_bytes_per_token",
+    "kvBytesPerTokenPerGpu": "kv_bytes_per_token_per_gpu",
+    "weightBytesPerGpu": "weight_bytes_per_gpu",
+    "gpuMemoryBytes": "gpu_memory_bytes",
+    "memoryBudgetBytesPerGpu": "memory_budget_bytes_per_gpu",
+    "kvCacheBytesPerGpu": "kv_cache_bytes_per_gpu",
+    "numBlocksPerGpu": "num_blocks_per_gpu",
+    "kvTokens": "kv_tokens",
+    "maxConcurrency": "max_concurrency",
+    "maxModelLenFit": "max_model_len_fit",
+}
+
+
+def plan_status(plan: Plan) -> dict[str, int]:
+    return {camel: getattr(plan, snake) for camel, snake in _PLAN_FIELDS.items()}
+
+
+def _condition(ctype: str, ok: bool, reason: str, message: str, previous: dict[str, dict], now: str,
+               generation: int | None) -> dict[str, Any]:
+    status = "True" if ok else "False"
+    old = previous.get(ctype)
+    since = old["lastTransitionTime"] if old and old.get("status") == status and old.get("lastTransitionTime") else now
+    cond = {"type": ctype, "status": status, "reason": reason, "message": message, "lastTransitionTime": since}
+    if generation is not None:
+        cond["observedGeneration"] = generation
+    return cond
+
+
+def _deployment_condition(deployment: dict | None, ctype: str) -> dict:
+    for cond in ((deployment or {}).get("status") or {}).get("conditions") or []:
+        if cond.get("type") == ctype:
+            return cond
+    return {}
+
+
+def compute_status(*, name: str, namespace: str, spec: dict, generation: int | None,
+                   plan: Plan | None, plan_reason: str, plan_message: str,
+                   deployment: dict | None, previous: dict | None, now: str) -> dict[str, Any]:
+    """`plan` is None when the spec could not be planned at all (unknown model/GPU); `spec` has defaults."""
+    previous_conditions = {c.get("type"): c for c in (previous or {}).get("conditions") or []}
+    fits = plan is not None and plan.fits
+    desired = int(spec.get("replicas", 1))
+    dep_status = (deployment or {}).get("status") or {}
+    ready = int(dep_status.get("readyReplicas") or 0)
+    updated = int(dep_status.get("updatedReplicas") or 0)
+    dep_generation = ((deployment or {}).get("metadata") or {}).get("generation")
+    dep_observed = dep_status.get("observedGeneration")
+    rolled = dep_generation is None or (dep_observed is not None and dep_observed >= dep_generation)
+
+    if not fits:
+        ready_c = (False, "CapacityNotPlanned", plan_message)
+    elif deployment is None:
+        ready_c = (False, "DeploymentMissing", "the Deployment does not exist yet")
+    elif desired == 0:
+        ready_c = (False, "ScaledToZero", "spec.replicas is 0")
+    elif ready >= desired and updated >= desired and rolled:
+        ready_c = (True, "AllReplicasReady", f"{ready}/{desired} replicas ready")
+    else:
+        ready_c = (False, "ReplicasNotReady", f"{ready}/{desired} replicas ready, {updated} updated")
+
+    if fits and deployment is not None and not ready_c[0] and desired > 0:
+        progressing_c = (True, "RollingOut", f"{updated}/{desired} replicas updated, {ready} ready")
+    elif fits and deployment is None:
+        progressing_c = (True, "Creating", "creating the Deployment")
+    else:
+        progressing_c = (False, "Stable" if fits else "CapacityNotPlanned", "no rollout in progress")
+
+    deadline = _deployment_condition(deployment, "Progressing")
+    failure = _deployment_condition(deployment, "ReplicaFailure")
+    if not fits and deployment is not None:
+        degraded_c = (True, "SpecNotApplied",
+                      f"the new spec does not fit ({plan_reason}); the previous Deployment keeps serving")
+    elif deadline.get("status") == "False" and deadline.get("reason") == "ProgressDeadlineExceeded":
+        degraded_c = (True, "ProgressDeadlineExceeded", deadline.get("message", ""))
+    elif failure.get("status") == "True":
+        degraded_c = (True, "ReplicaFailure", failure.get("message", ""))
+    else:
+        degraded_c = (False, "AsExpected", "")
+
+    conditions = [
+        _condition("Ready", *ready_c, previous_conditions, now, generation),
+        _condition("CapacityPlanned", fits, plan_reason, plan_message, previous_conditions, now, generation),
+        _condition("Progressing", *progressing_c, previous_conditions, now, generation),
+        _condition("Degraded", *degraded_c, previous_conditions, now, generation),
+    ]
+    status: dict[str, Any] = {
+        "replicas": int(dep_status.get("replicas") or 0),
+        "readyReplicas": ready,
+        "selector": selector_string(name),
+        "conditions": conditions,
+    }
+    if generation is not None:
+        status["observedGeneration"] = generation
+    if plan is not None:
+        status["plan"] = plan_status(plan)
+    if fits:
+        status["url"] = service_url(name, namespace, int(spec.get("port", 8000)))
+    return status

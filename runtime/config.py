@@ -1,0 +1,169 @@
+"""Engine configuration: frozen dataclasses, validated once where they are built (LLM / CLI kwargs)."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvserve.runtime.core.scheduler import SchedulerConfig
+from kvserve.runtime.sampling_params import InvalidParameter
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
+ALLOWED_BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_dir: str
+    architecture: str
+    hf_config: Any = field(compare=False, repr=False)
+    dtype: str  # "float32" | "bfloat16" | "float16"
+    max_model_len: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+    def kv_bytes_per_token(self, kv_cache_dtype: str = "auto") -> int:
+        dtype = self.dtype if kv_cache_dtype == "auto" else kv_cache_dtype
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[dtype]
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_bytes: int | None = None
+    num_kv_blocks: int | None = None  # explicit override (tests force preemption with it)
+    gpu_memory_utilization: float = 0.9
+    kv_cache_dtype: str = "auto"
+    num_blocks: int = 0  # filled in (a new frozen object) once the runner has sized the cache
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    tensor_parallel_size: int = 1
+    attention_backend: str = "torch"
+    device: str = "cpu"
+    seed: int = 0
+
+
+def load_model_config(model_dir: str, dtype: str = "auto", max_model_len: int | None = None) -> ModelConfig:
+    """Read a local Hugging Face model directory's config.json (never a hub download)."""
+    if not os.path.isdir(model_dir):
+        raise InvalidParameter("model", f"model directory {model_dir!r} does not exist")
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise InvalidParameter("model", f"model directory {model_dir!r} has no config.json")
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    archs = getattr(hf_config, "architectures", None) or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise InvalidParameter("model", f"unsupported architecture {archs or hf_config.model_type!r} in "
+                                        f"{model_dir}/config.json; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    if dtype == "auto":
+        dtype = str(getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or "float32")
+        dtype = dtype.replace("torch.", "")
+    if dtype in ("half", "fp16"):
+        dtype = "float16"
+    if dtype in ("bf16",):
+        dtype = "bfloat16"
+    if dtype in ("float", "fp32"):
+        dtype = "float32"
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise InvalidParameter("dtype", f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
+    limit = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or 4096
+    window = getattr(hf_config, "sliding_window", None)
+    if window and getattr(hf_config, "use_sliding_window", True):
+        # No sliding-window attention yet: keep every sequence inside the window, where it is exact.
+        limit = min(limit, int(window))
+    if max_model_len is None:
+        max_model_len = limit
+    elif not 1 <= max_model_len <= limit:
+        raise InvalidParameter("max_model_len", f"max_model_len must be in [1, {limit}] for this model "
+                                                f"(max_position_embeddings / sliding window), got {max_model_len}")
+    num_heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+    return ModelConfig(
+        model_dir=model_dir, architecture=arch, hf_config=hf_config, dtype=dtype, max_model_len=max_model_len,
+        num_layers=hf_config.num_hidden_layers, num_heads=num_heads,
+        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads, head_dim=head_dim,
+        hidden_size=hf_config.hidden_size, vocab_size=hf_config.vocab_size,
+        eos_token_ids=_eos_token_ids(model_dir, hf_config))
+
+
+def _eos_token_ids(model_dir: str, hf_config: Any) -> tuple[int, ...]:
+    ids: set[int] = set()
+    for source in (getattr(hf_config, "eos_token_id", None), _generation_config(model_dir).get("eos_token_id")):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, list):
+            ids.update(int(i) for i in source)
+    return tuple(sorted(ids))
+
+
+def _generation_config(model_dir: str) -> dict:
+    path = os.path.join(model_dir, "generation_config.json")
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def make_engine_config(model: str, *, block_size: int = 16, max_model_len: int | None = None,
+                       max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
+                       enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
+                       long_prefill_token_threshold: int = 0, kv_cache_bytes: int | None = None,
+                       num_kv_blocks: int | None = None, gpu_memory_utilization: float = 0.9,
+                       kv_cache_dtype: str = "auto", dtype: str = "auto", seed: int = 0,
+                       attention_backend: str | None = None, tensor_parallel_size: int = 1,
+                       device: str | None = None) -> EngineConfig:
+    if block_size not in ALLOWED_BLOCK_SIZES:
+        raise InvalidParameter("block_size", f"block_size must be one of {ALLOWED_BLOCK_SIZES}, got {block_size}")
+    if kv_cache_bytes is not None and kv_cache_bytes <= 0:
+        raise InvalidParameter("kv_cache_bytes", f"kv_cache_bytes must be > 0, got {kv_cache_bytes}")
+    if num_kv_blocks is not None and num_kv_blocks < 2:
+        raise InvalidParameter("num_kv_blocks", f"num_kv_blocks must be >= 2, got {num_kv_blocks}")
+    if not 0 < gpu_memory_utilization <= 1:
+        raise InvalidParameter("gpu_memory_utilization",
+                               f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    if kv_cache_dtype not in ("auto", "fp8_e4m3", "fp8_e5m2"):
+        raise InvalidParameter("kv_cache_dtype", f"kv_cache_dtype must be auto, fp8_e4m3 or fp8_e5m2, "
+                                                 f"got {kv_cache_dtype!r}")
+    if tensor_parallel_size < 1:
+        raise InvalidParameter("tensor_parallel_size", f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+    model_config = load_model_config(model, dtype, max_model_len)
+    if device is None:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if attention_backend is None:
+        attention_backend = "triton" if device.startswith("cuda") else "torch"
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = 2048 if enable_chunked_prefill else model_config.max_model_len
+    if kv_cache_bytes is None and num_kv_blocks is None and device == "cpu":
+        kv_cache_bytes = DEFAULT_CPU_KV_CACHE_BYTES
+    try:
+        scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                    max_model_len=model_config.max_model_len,
+                                    enable_chunked_prefill=enable_chunked_prefill,
+                                    long_prefill_token_threshold=long_prefill_token_threshold)
+    except ValueError as exc:
+        field_name = str(exc).split(" ", 1)[0].replace("with", "max_num_batched_tokens")
+        raise InvalidParameter(field_name, str(exc)) from None
+    cache = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching,
+                        kv_cache_bytes=kv_cache_bytes, num_kv_blocks=num_kv_blocks,
+                        gpu_memory_utilization=gpu_memory_utilization, kv_cache_dtype=kv_cache_dtype)
+    return EngineConfig(model=model_config, cache=cache, scheduler=scheduler,
+                        tensor_parallel_size=tensor_parallel_size, attention_backend=attention_backend,
+                        device=device, seed=seed)

@@ -1,0 +1,68 @@
+"""Plain data passed scheduler -> model runner -> scheduler. No torch, so it can be pickled to TP workers."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvserve.runtime.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """Sent the first time the runner sees a request: what the sampler keeps per request (params, seeded
+    generator, penalty history). Kept by the runner across preemption, dropped on finish."""
+    req_id: str
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]
+
+
+@dataclass
+class ScheduledRequest:
+    req_id: str
+    token_ids: list[int]  # the tokens whose KV this step computes
+    start_position: int  # == the request's num_computed_tokens before this step
+    block_ids: list[int]  # the request's full block table
+    # Requests to sample from this step's last logits row: [] mid-prefill, [req_id] usually, and
+    # [leader, child1, ...] on the step a leader's prefill completes and its n-1 siblings fork from it.
+    sample_req_ids: list[str] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    new_requests: list[NewRequestData]
+    finished_req_ids: list[str]  # finished since the last step: the runner drops their state
+    block_copies: list[tuple[int, int]]  # (src, dst) copy-on-write copies to run before this step's forward
+    num_preempted: int = 0
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprobs of one sampled token: its own and the top-k, from the raw (unprocessed) logits."""
+    token_id: int
+    logprob: float
+    rank: int  # 1 = most likely
+    top: list[tuple[int, float]]  # (token_id, logprob), best first
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled_token_ids: dict[str, int]
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step did for one request."""
+    req_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None

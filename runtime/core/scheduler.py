@@ -1,0 +1,233 @@
+"""Iteration-level scheduler under a token budget. Pure Python (no torch).
+
+There are no prefill or decode phases: every request catches `num_computed_tokens` up to its token count,
+and each step spends at most `max_num_batched_tokens` across requests, running ones first (a decode costs
+one token) and then waiting ones, whose prompts are chunked to fit what is left (chunked prefill). When the
+KV pool runs dry the most recently admitted running request is preempted: its blocks are freed (full ones
+keep their hashes, so its recompute is mostly prefix-cache hits) and it goes back to the head of the queue.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from kvserve.runtime.core.kv_cache_manager import KVCacheManager
+from kvserve.runtime.core.outputs import (EngineCoreOutput, ModelRunnerOutput, NewRequestData, ScheduledRequest,
+                                          SchedulerOutput)
+from kvserve.runtime.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0  # > 0: cap on one request's tokens per step
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(f"with chunked prefill off, max_num_batched_tokens ({self.max_num_batched_tokens}) "
+                             f"must be >= max_model_len ({self.max_model_len}) so any prompt fits one step")
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager):
+        self.config = config
+        self.kv = kv_cache_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._seen_by_runner: set[str] = set()
+        self._finished_since_last_step: list[str] = []
+        self.num_preemptions = 0
+
+    # -- admission / removal ---------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        for child in request.fork_children:
+            self.requests[child.request_id] = child
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
+        """Finish (abort, or stop on a stop string) requests, freeing their blocks now."""
+        finished = []
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None or request.status.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            elif request in self.waiting:
+                self.waiting.remove(request)
+            for child in request.fork_children:  # siblings not forked yet go with their leader
+                self._finish(child, status)
+                finished.append(child)
+            request.fork_children = []
+            self._finish(request, status)
+            finished.append(request)
+        return finished
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        if request.request_id in self._seen_by_runner:
+            self._seen_by_runner.discard(request.request_id)
+            self._finished_since_last_step.append(request.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # -- one step --------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        scheduled_reqs: list[Request] = []
+        num_preempted = 0
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = self._num_tokens_to_schedule(request, budget)
+            if num_new == 0:
+                i += 1
+                continue
+            while self.kv.allocate_slots(request, num_new) is None:
+                # Victims come from the tail, which this loop has not scheduled yet.
+                victim = self.running.pop()
+                self._preempt(victim)
+                num_preempted += 1
+                if victim is request:
+                    break
+            if request.status != RequestStatus.RUNNING:
+                break
+            scheduled_reqs.append(request)
+            scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+            i += 1
+
+        # Admit waiting requests only if nobody was preempted: they would just evict each other.
+        while not num_preempted and self.waiting and budget > 0:
+            request = self.waiting[0]
+            num_seats = 1 + len(request.fork_children)
+            if len(self.running) + self._num_reserved_seats() + num_seats > cfg.max_num_seqs:
+                break
+            hit_blocks, num_hit_tokens = ([], 0)
+            if request.num_computed_tokens == 0:
+                hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
+            num_remaining = request.num_tokens - num_hit_tokens
+            if not cfg.enable_chunked_prefill and num_remaining > budget:
+                break
+            num_new = self._cap(num_remaining, budget)
+            if self.kv.allocate_slots(request, num_new, hit_blocks) is None:
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = num_hit_tokens
+            if request.status == RequestStatus.WAITING:
+                request.num_prefix_cache_hit_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            scheduled_reqs.append(request)
+            scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+
+        new_requests = []
+        for request in scheduled_reqs:
+            if request.request_id not in self._seen_by_runner:
+                for r in (request, *request.fork_children):
+                    self._seen_by_runner.add(r.request_id)
+                    new_requests.append(NewRequestData(r.request_id, r.sampling_params, r.prompt_token_ids))
+        finished, self._finished_since_last_step = self._finished_since_last_step, []
+        return SchedulerOutput(scheduled=scheduled, new_requests=new_requests, finished_req_ids=finished,
+                               block_copies=self.kv.take_block_copies(), num_preempted=num_preempted)
+
+    def _num_reserved_seats(self) -> int:
+        return sum(len(r.fork_children) for r in self.running)
+
+    def _cap(self, num_tokens: int, budget: int) -> int:
+        threshold = self.config.long_prefill_token_threshold
+        if threshold > 0:
+            num_tokens = min(num_tokens, threshold)
+        return min(num_tokens, budget)
+
+    def _num_tokens_to_schedule(self, request: Request, budget: int) -> int:
+        return self._cap(request.num_tokens - request.num_computed_tokens, budget)
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+        completes = start + num_new == request.num_tokens
+        sample_ids = [request.request_id, *(c.request_id for c in request.fork_children)] if completes else []
+        return ScheduledRequest(request.request_id, request.all_token_ids[start:start + num_new], start,
+                                self.kv.get_block_ids(request.request_id), sample_ids)
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    # -- results ---------------------------------------------------------------------------------------
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        for sched in scheduler_output.scheduled:
+            request = self.requests.get(sched.req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # finished or preempted meanwhile
+            request.num_computed_tokens += len(sched.token_ids)
+            if not sched.sample_req_ids:
+                continue
+            samples = [request]
+            for child in request.fork_children:
+                child.num_computed_tokens = request.num_computed_tokens
+                child.status = RequestStatus.RUNNING
+                self.kv.fork(request, child)
+                self.running.append(child)
+                samples.append(child)
+            request.fork_children = []
+            for sample in samples:
+                token_id = runner_output.sampled_token_ids[sample.request_id]
+                sample.append_token(token_id)
+                logprobs = runner_output.logprobs.get(sample.request_id)
+                status = self._check_stop(sample, token_id)
+                out = EngineCoreOutput(sample.request_id, [token_id], [logprobs] if logprobs else None)
+                if status is not None:
+                    self.running.remove(sample)
+                    self._finish(sample, status)
+                    out.finish_reason, out.stop_reason = status.finish_reason, sample.stop_reason
+                outputs.append(out)
+        return outputs
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        # Below min_tokens the sampler masks EOS and stop ids, so they cannot appear here.
+        if request.num_output_tokens > params.min_tokens:
+            if token_id in params.stop_token_ids:
+                request.stop_reason = token_id
+                return RequestStatus.FINISHED_STOPPED
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if (request.max_tokens is not None and request.num_output_tokens >= request.max_tokens) \
+                or request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

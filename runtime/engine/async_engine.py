@@ -1,0 +1,370 @@
+"""AsyncEngine: the asyncio front of the (not thread-safe) LLMEngine.
+
+One background thread owns the LLMEngine and runs its step loop; torch releases the GIL during compute, so
+the event loop keeps serving HTTP meanwhile. Everything else talks to that thread through a queue of
+operations (add, abort) applied between steps, and gets results back on per-request asyncio queues
+(`loop.call_soon_threadsafe`, one call per step for all requests).
+
+- `await add_request(...)` returns a `RequestStream` once the engine has accepted the request; it raises the
+  engine's ValueError (which names the field) when the request is invalid, before any output exists, so the
+  HTTP layer can still answer 400.
+- A `RequestStream` yields cumulative `RequestOutput`s. A consumer that falls behind gets the latest one
+  (outputs are cumulative, so nothing is lost). Leaving the stream unfinished (client disconnect, task
+  cancelled) aborts the request: the engine thread frees its KV blocks before the next step.
+- The loop survives any one request's failure: a step that raises fails the requests of that step with
+  `RequestFailedError` (HTTP 500 for them) and the engine carries on with new ones.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+logger = logging.getLogger(__name__)
+
+
+class RequestFailedError(RuntimeError):
+    """The engine could not finish this request (an internal error, not the client's fault)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped; no request can be served."""
+
+
+_ABORTED = object()  # queue marker: the request was aborted by the server (drain timeout, shutdown)
+
+
+@dataclass
+class _Tracked:
+    """Engine-thread bookkeeping for one request (timings for the latency histograms)."""
+    stream: "RequestStream"
+    arrival_time: float
+    num_prompt_tokens: int = 0
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_tokens_seen: int = 0
+
+
+@dataclass
+class RequestStream:
+    request_id: str
+    _engine: "AsyncEngine"
+    _queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    finished: bool = False
+    aborted: bool = False
+    last_output: Any = None
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> Any:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        # Coalesce: outputs are cumulative, so a slow consumer only needs the newest one.
+        while not self._queue.empty() and not isinstance(item, BaseException) and item is not _ABORTED \
+                and not item.finished:
+            item = self._queue.get_nowait()
+        if isinstance(item, BaseException):
+            self._done()
+            raise item
+        if item is _ABORTED:
+            self.aborted = True
+            self._done()
+            raise StopAsyncIteration
+        self.last_output = item
+        if item.finished:
+            self._done()
+        return item
+
+    def _done(self) -> None:
+        self.finished = True
+        self._engine._active.discard(self.request_id)
+
+    def abort(self) -> None:
+        """Abort unless finished; safe to call more than once and from finally blocks."""
+        if not self.finished:
+            self._done()
+            self._engine.abort(self.request_id)
+
+
+class AsyncEngine:
+    def __init__(self, engine: Any, metrics: Any = None, log_interval_s: float = 5.0):
+        self.engine = engine
+        self.metrics = metrics
+        self.log_interval_s = log_interval_s
+        self._ops: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tracked: dict[str, _Tracked] = {}  # engine thread only
+        self._active: set[str] = set()  # event-loop side: requests whose stream is not finished
+        self._pending_adds = 0
+        self._pending_lock = threading.Lock()
+        self.stats: Any = None
+        self.dead_error: BaseException | None = None
+        self.num_step_failures = 0
+
+    # ---- lifecycle -----------------------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        if self._thread is not None:
+            return
+        self._loop = loop or asyncio.get_running_loop()
+        self._refresh_stats()
+        self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        self._wakeup.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.dead_error is None
+
+    # ---- event-loop API ------------------------------------------------------------------------------
+    @property
+    def num_in_flight(self) -> int:
+        """Requests accepted and not yet finished (what a drain waits for)."""
+        return len(self._active)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting for their first schedule, including adds not yet applied by the engine thread."""
+        waiting = getattr(self.stats, "num_requests_waiting", 0) if self.stats is not None else 0
+        return waiting + self._pending_adds
+
+    async def add_request(self, request_id: str, prompt: str | list[int], params: Any,
+                          arrival_time: float | None = None) -> RequestStream:
+        if not self.is_running:
+            raise EngineDeadError(f"engine is not running: {self.dead_error!r}")
+        if request_id in self._active:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        loop = asyncio.get_running_loop()
+        accepted: asyncio.Future = loop.create_future()
+        stream = RequestStream(request_id, self)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        with self._pending_lock:
+            self._pending_adds += 1
+        self._active.add(request_id)
+        self._ops.put(("add", request_id, prompt, params, arrival, stream, accepted))
+        self._wakeup.set()
+        try:
+            await accepted
+        except BaseException:
+            # Rejected by the engine, or our caller was cancelled while waiting: make sure nothing lingers.
+            self._active.discard(request_id)
+            if not accepted.done() or accepted.cancelled() or accepted.exception() is None:
+                self.abort(request_id)
+            raise
+        if self.metrics is not None:
+            self.metrics.observe_request_start(getattr(params, "n", 1), getattr(params, "max_tokens", None))
+        return stream
+
+    async def generate(self, request_id: str, prompt: str | list[int], params: Any) -> AsyncIterator[Any]:
+        """Convenience: add, then yield outputs; aborts the request if the caller stops early."""
+        stream = await self.add_request(request_id, prompt, params)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            stream.abort()
+
+    def abort(self, request_id: str) -> None:
+        self._active.discard(request_id)
+        self._ops.put(("abort", request_id))
+        self._wakeup.set()
+
+    def abort_all(self) -> None:
+        self._ops.put(("abort_all",))
+        self._wakeup.set()
+
+    # ---- engine thread -------------------------------------------------------------------------------
+    def _run(self) -> None:
+        last_log = time.monotonic()
+        last_logged_counters: tuple = ()
+        try:
+            while not self._stop.is_set():
+                deliveries: list[tuple[RequestStream, Any]] = []
+                self._apply_ops(deliveries)
+                if self.engine.has_unfinished_requests():
+                    self._step(deliveries)
+                else:
+                    self._refresh_stats()
+                    self._flush(deliveries)
+                    deliveries = []
+                    if self._ops.empty():
+                        self._wakeup.wait(timeout=min(0.5, self.log_interval_s))
+                        self._wakeup.clear()
+                self._flush(deliveries)
+                now = time.monotonic()
+                if now - last_log >= self.log_interval_s:
+                    last_logged_counters = self._log_stats(now - last_log, last_logged_counters)
+                    last_log = now
+        except BaseException as exc:  # pragma: no cover - a bug in this loop; fail everyone loudly
+            logger.exception("engine loop died")
+            self.dead_error = exc
+            self._fail_all(EngineDeadError(f"engine loop died: {exc!r}"))
+
+    def _apply_ops(self, deliveries: list) -> None:
+        while True:
+            try:
+                op = self._ops.get_nowait()
+            except queue.Empty:
+                return
+            kind = op[0]
+            if kind == "add":
+                _, request_id, prompt, params, arrival, stream, accepted = op
+                with self._pending_lock:
+                    self._pending_adds -= 1
+                if stream.finished:  # aborted before it reached the engine
+                    continue
+                try:
+                    self.engine.add_request(request_id, prompt, params, arrival_time=arrival)
+                except Exception as exc:  # invalid request: the engine named the field
+                    self._resolve(accepted, exc)
+                    continue
+                self._tracked[request_id] = _Tracked(stream, arrival)
+                self._resolve(accepted, None)
+            elif kind == "abort":
+                self._abort_in_engine(op[1])
+            elif kind == "abort_all":
+                for request_id in list(self._tracked):
+                    deliveries.append((self._tracked[request_id].stream, _ABORTED))
+                    self._abort_in_engine(request_id)
+
+    def _abort_in_engine(self, request_id: str) -> None:
+        self._tracked.pop(request_id, None)
+        try:
+            self.engine.abort_request(request_id)
+        except Exception:
+            logger.exception("abort_request(%s) failed", request_id)
+
+    def _step(self, deliveries: list) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            self.num_step_failures += 1
+            logger.exception("engine step failed; failing the requests in flight and carrying on")
+            error = RequestFailedError(f"internal engine error: {exc!r}")
+            for request_id, tracked in list(self._tracked.items()):
+                deliveries.append((tracked.stream, error))
+                self._abort_in_engine(request_id)
+            self._refresh_stats()
+            return
+        now = time.monotonic()
+        metrics = self.metrics
+        for output in outputs:
+            tracked = self._tracked.get(output.request_id)
+            if tracked is None:  # aborted meanwhile
+                continue
+            num_tokens = sum(len(c.token_ids) for c in output.outputs)
+            if num_tokens > tracked.num_tokens_seen:
+                if tracked.first_token_time is None:
+                    tracked.first_token_time = now
+                    if metrics is not None:
+                        metrics.time_to_first_token.observe(now - tracked.arrival_time)
+                elif metrics is not None:
+                    metrics.inter_token_latency.observe(now - tracked.last_token_time)
+                tracked.last_token_time = now
+                tracked.num_tokens_seen = num_tokens
+            if output.finished:
+                del self._tracked[output.request_id]
+                if metrics is not None:
+                    self._observe_finished(output, tracked, now)
+            deliveries.append((tracked.stream, _snapshot(output)))
+        self._refresh_stats()
+
+    def _observe_finished(self, output: Any, tracked: _Tracked, now: float) -> None:
+        request_metrics = getattr(output, "metrics", None)
+        first_scheduled = getattr(request_metrics, "first_scheduled_time", None)
+        reasons = [c.finish_reason for c in output.outputs if c.finish_reason]
+        self.metrics.observe_finished(
+            finish_reason=reasons[0] if reasons else "stop",
+            num_prompt_tokens=len(output.prompt_token_ids or []),
+            num_generation_tokens=tracked.num_tokens_seen,
+            arrival_time=tracked.arrival_time,
+            first_scheduled_time=first_scheduled,
+            first_token_time=tracked.first_token_time,
+            finished_time=now,
+        )
+
+    def _refresh_stats(self) -> None:
+        try:
+            self.stats = self.engine.get_stats()
+        except Exception:  # stats are best effort; never let them stop the loop
+            logger.exception("get_stats failed")
+            return
+        if self.metrics is not None:
+            self.metrics.update_from_stats(self.stats)
+
+    def _log_stats(self, interval_s: float, last: tuple) -> tuple:
+        s = self.stats
+        if s is None:
+            return last
+        counters = (s.prompt_tokens, s.generation_tokens, s.prefix_cache_queries, s.prefix_cache_hits)
+        if last and counters == last and s.num_requests_running == 0 and s.num_requests_waiting == 0:
+            return counters  # idle: say nothing
+        prev = last or (0, 0, 0, 0)
+        queries = counters[2] - prev[2]
+        hit_rate = (counters[3] - prev[3]) / queries * 100 if queries else 0.0
+        logger.info(
+            "running=%d waiting=%d kv_cache_usage=%.1f%% prompt_throughput=%.1f tok/s "
+            "generation_throughput=%.1f tok/s prefix_cache_hit_rate=%.1f%% preemptions=%d",
+            s.num_requests_running, s.num_requests_waiting, s.kv_cache_usage * 100,
+            (counters[0] - prev[0]) / interval_s, (counters[1] - prev[1]) / interval_s, hit_rate,
+            s.num_preemptions)
+        return counters
+
+    def _resolve(self, future: asyncio.Future, exc: BaseException | None) -> None:
+        def apply() -> None:
+            if future.done():
+                return
+            if exc is None:
+                future.set_result(None)
+            else:
+                future.set_exception(exc)
+        self._call_in_loop(apply)
+
+    def _flush(self, deliveries: list) -> None:
+        if deliveries:
+            self._call_in_loop(_deliver, deliveries)
+
+    def _fail_all(self, error: BaseException) -> None:
+        deliveries = [(t.stream, error) for t in self._tracked.values()]
+        self._tracked.clear()
+        self._flush(deliveries)
+
+    def _call_in_loop(self, fn: Any, *args: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # loop closed during shutdown
+            pass
+
+
+def _deliver(deliveries: list) -> None:
+    for stream, item in deliveries:
+        stream._queue.put_nowait(item)
+
+
+def _snapshot(output: Any) -> Any:
+    """A copy the event loop can read while the engine thread goes on (it may reuse or extend lists)."""
+    snap = copy.copy(output)
+    completions = []
+    for c in output.outputs:
+        c2 = copy.copy(c)
+        c2.token_ids = list(c.token_ids)
+        if getattr(c, "logprobs", None) is not None:
+            c2.logprobs = list(c.logprobs)
+        completions.append(c2)
+    snap.outputs = completions
+    return snap

@@ -1,0 +1,75 @@
+"""Offline batch API mirroring vLLM's: `LLM(model=DIR, ...).generate(prompts, sampling_params)`."""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from kvserve.runtime.engine.llm_engine import LLMEngine, PromptInput
+from kvserve.runtime.outputs import RequestOutput
+from kvserve.runtime.sampling_params import InvalidParameter, SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str, **engine_kwargs):
+        self.engine = LLMEngine.from_kwargs(model, **engine_kwargs)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptInput | Sequence[PromptInput],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt; returns one RequestOutput per prompt, in input order. All prompts
+        are validated before any work starts, so a bad one raises (naming the field and the prompt's
+        index) without leaving half a batch behind."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                 and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise InvalidParameter("sampling_params", f"got {len(params_list)} sampling_params for "
+                                                          f"{len(prompts)} prompts")
+        tokenized = []
+        for i, prompt in enumerate(prompts):
+            try:
+                text, ids = self.engine.tokenize_prompt(prompt)
+                self.engine.validate_prompt(ids)
+            except InvalidParameter as exc:
+                raise InvalidParameter(exc.param, f"prompts[{i}]: {exc}") from None
+            tokenized.append({"prompt": text, "prompt_token_ids": ids})
+
+        request_ids = []
+        for item, params in zip(tokenized, params_list):
+            rid = f"offline-{next(self._ids)}"
+            self.engine.add_request(rid, item, params)
+            request_ids.append(rid)
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(request_ids), desc="Generating", unit="req", dynamic_ncols=True)
+        try:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+                            bar.set_postfix(gen_tokens=self.engine.generation_tokens, refresh=False)
+        except BaseException:
+            for rid in request_ids:  # leave the engine clean (e.g. after Ctrl-C)
+                self.engine.abort_request(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [results[rid] for rid in request_ids]

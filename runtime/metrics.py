@@ -1,0 +1,173 @@
+"""Every Prometheus metric kvserve exports, defined once, with vLLM's names and buckets.
+
+Existing vLLM dashboards, prometheus-adapter rules and KEDA triggers work unchanged: the HPA scales on
+`vllm:num_requests_waiting` (the adapter exposes it as `vllm_num_requests_waiting`). Labels: `model_name`
+and `engine` (always "0": one engine per process). prometheus_client appends `_total` to counter names on
+exposition (`vllm:prompt_tokens_total`), exactly as vLLM's own exposition does.
+
+Each `ServerMetrics` owns its own `CollectorRegistry`, so several servers (tests) can live in one process.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+               80.0]
+REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                           240.0, 480.0, 960.0, 1920.0, 7680.0]
+PARAMS_N_BUCKETS = [1, 2, 5, 10, 20]
+ITERATION_TOKENS_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's token-count histogram buckets)."""
+    buckets, exponent = [], 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_value:
+                return buckets
+            buckets.append(value)
+        exponent += 1
+
+
+class ServerMetrics:
+    """The metrics of one served model. Gauges are set from engine stats after every step; counters are
+    advanced by the difference between successive cumulative engine counters; histograms are observed by
+    the async engine as tokens arrive and requests finish."""
+
+    def __init__(self, model_name: str, max_model_len: int, cache_info: dict[str, Any] | None = None):
+        self.registry = registry = CollectorRegistry(auto_describe=True)
+        labels = ["model_name", "engine"]
+        self._label_values = {"model_name": model_name, "engine": "0"}
+        token_buckets = build_1_2_5_buckets(max(1, max_model_len))
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=registry).labels(**self._label_values)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=registry).labels(**self._label_values)
+
+        def histogram(name: str, doc: str, buckets: list[float]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=registry).labels(**self._label_values)
+
+        # Gauges: current state (the autoscaling signals)
+        self.num_requests_running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
+        self.num_requests_waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        self.kv_cache_usage_perc = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+
+        # Counters (exposed with a _total suffix)
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        self.num_preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions.")
+        self.prefix_cache_queries = counter("vllm:prefix_cache_queries",
+                                            "Prefix cache queries, in terms of number of queried tokens.")
+        self.prefix_cache_hits = counter("vllm:prefix_cache_hits",
+                                         "Prefix cache hits, in terms of number of cached tokens.")
+        self._request_success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                                        labels + ["finished_reason"], registry=registry)
+
+        # Histograms
+        self.time_to_first_token = histogram("vllm:time_to_first_token_seconds",
+                                             "Histogram of time to first token in seconds.", TTFT_BUCKETS)
+        self.inter_token_latency = histogram("vllm:inter_token_latency_seconds",
+                                             "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
+        self.time_per_output_token = histogram("vllm:request_time_per_output_token_seconds",
+                                               "Histogram of time_per_output_token_seconds per request.", ITL_BUCKETS)
+        self.e2e_request_latency = histogram("vllm:e2e_request_latency_seconds",
+                                             "Histogram of e2e request latency in seconds.", REQUEST_LATENCY_BUCKETS)
+        self.request_queue_time = histogram("vllm:request_queue_time_seconds",
+                                            "Histogram of time spent in WAITING phase for request.",
+                                            REQUEST_LATENCY_BUCKETS)
+        self.request_inference_time = histogram("vllm:request_inference_time_seconds",
+                                                "Histogram of time spent in RUNNING phase for request.",
+                                                REQUEST_LATENCY_BUCKETS)
+        self.request_prefill_time = histogram("vllm:request_prefill_time_seconds",
+                                              "Histogram of time spent in PREFILL phase for request.",
+                                              REQUEST_LATENCY_BUCKETS)
+        self.request_decode_time = histogram("vllm:request_decode_time_seconds",
+                                             "Histogram of time spent in DECODE phase for request.",
+                                             REQUEST_LATENCY_BUCKETS)
+        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens",
+                                               "Number of prefill tokens processed.", token_buckets)
+        self.request_generation_tokens = histogram("vllm:request_generation_tokens",
+                                                   "Number of generation tokens processed.", token_buckets)
+        self.request_params_n = histogram("vllm:request_params_n", "Histogram of the n request parameter.",
+                                          PARAMS_N_BUCKETS)
+        self.request_params_max_tokens = histogram("vllm:request_params_max_tokens",
+                                                   "Histogram of the max_tokens request parameter.", token_buckets)
+        self.iteration_tokens = histogram("vllm:iteration_tokens_total",
+                                          "Histogram of number of tokens per engine_step.", ITERATION_TOKENS_BUCKETS)
+
+        # Info: cache configuration as labels of a constant-1 gauge (vLLM's vllm:cache_config_info)
+        info = {k: str(v) for k, v in (cache_info or {}).items()}
+        if info:
+            Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", sorted(info),
+                  registry=registry).labels(**info).set(1)
+
+        # kvserve-specific extras
+        self.http_rejected = Counter("kvserve:http_requests_rejected", "Requests rejected before reaching the engine.",
+                                     labels + ["reason"], registry=registry)
+        self.num_kv_blocks_free = gauge("kvserve:num_kv_blocks_free", "Free KV-cache blocks (cached ones included).")
+        self.num_kv_blocks_total = gauge("kvserve:num_kv_blocks_total", "Total KV-cache blocks.")
+        self.draining = gauge("kvserve:draining", "1 while the server drains after SIGTERM.")
+        self._last_counters: dict[str, float] = {}
+
+    # ---- engine-side updates -------------------------------------------------------------------------
+    def update_from_stats(self, stats: Any) -> None:
+        """Set gauges and advance counters from an EngineStats snapshot (cumulative counters)."""
+        self.num_requests_running.set(stats.num_requests_running)
+        self.num_requests_waiting.set(stats.num_requests_waiting)
+        self.kv_cache_usage_perc.set(stats.kv_cache_usage)
+        self.num_kv_blocks_free.set(getattr(stats, "num_free_blocks", 0))
+        self.num_kv_blocks_total.set(getattr(stats, "num_total_blocks", 0))
+        iteration_tokens = 0
+        for name in ("prompt_tokens", "generation_tokens", "num_preemptions", "prefix_cache_queries",
+                     "prefix_cache_hits"):
+            value = getattr(stats, name, None)
+            if value is None:
+                continue
+            delta = value - self._last_counters.get(name, 0)
+            self._last_counters[name] = value
+            if delta > 0:
+                getattr(self, name).inc(delta)
+                if name in ("prompt_tokens", "generation_tokens"):
+                    iteration_tokens += delta
+        if iteration_tokens:
+            self.iteration_tokens.observe(iteration_tokens)
+
+    def observe_request_start(self, n: int, max_tokens: int | None) -> None:
+        self.request_params_n.observe(n)
+        if max_tokens is not None:
+            self.request_params_max_tokens.observe(max_tokens)
+
+    def observe_finished(self, *, finish_reason: str, num_prompt_tokens: int, num_generation_tokens: int,
+                         arrival_time: float, first_scheduled_time: float | None, first_token_time: float | None,
+                         finished_time: float) -> None:
+        self._request_success.labels(finished_reason=finish_reason, **self._label_values).inc()
+        self.request_prompt_tokens.observe(num_prompt_tokens)
+        self.request_generation_tokens.observe(num_generation_tokens)
+        self.e2e_request_latency.observe(max(0.0, finished_time - arrival_time))
+        if first_scheduled_time is not None:
+            self.request_queue_time.observe(max(0.0, first_scheduled_time - arrival_time))
+            self.request_inference_time.observe(max(0.0, finished_time - first_scheduled_time))
+            if first_token_time is not None:
+                self.request_prefill_time.observe(max(0.0, first_token_time - first_scheduled_time))
+        if first_token_time is not None:
+            self.request_decode_time.observe(max(0.0, finished_time - first_token_time))
+            if num_generation_tokens > 1:
+                self.time_per_output_token.observe((finished_time - first_token_time) / (num_generation_tokens - 1))
+
+    def reject(self, reason: str) -> None:
+        self.http_rejected.labels(reason=reason, **self._label_values).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+

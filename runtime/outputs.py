@@ -1,0 +1,62 @@
+"""What the engine returns per request (vLLM's RequestOutput shape, which users already know)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    logprobs: list[dict[int, Logprob]] | None = None  # per generated token: sampled token + top-k
+    cumulative_logprob: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """time.monotonic() timestamps."""
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_prefix_cache_hit_tokens: int = 0
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
+
+
+@dataclass
+class EngineStats:
+    num_requests_running: int
+    num_requests_waiting: int
+    kv_cache_usage: float  # 0..1 of usable blocks held by requests
+    num_free_blocks: int
+    num_total_blocks: int
+    # cumulative counters
+    prompt_tokens: int
+    generation_tokens: int
+    num_preemptions: int
+    prefix_cache_queries: int  # tokens
+    prefix_cache_hits: int  # tokens

@@ -1,0 +1,73 @@
+"""A request as the scheduler sees it: token ids, progress, status. Pure Python (no torch)."""
+from __future__ import annotations
+
+import enum
+import time
+
+from kvserve.runtime.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    # Ordered so that `status > PREEMPTED` means finished.
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {3: "stop", 4: "length", 5: "abort"}.get(int(self))
+
+
+class Request:
+    """One sequence. A request with n > 1 samples is n Requests: the first (the leader) prefills the
+    prompt; the others wait in `fork_children` and are forked from it when its prefill completes,
+    sharing its blocks (copy-on-write for the partial last block)."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 eos_token_ids: frozenset[int] = frozenset(), arrival_time: float | None = None,
+                 max_tokens: int | None = None):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_ids = eos_token_ids
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.max_tokens = max_tokens if max_tokens is not None else sampling_params.max_tokens
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        self.block_hashes: list[bytes] = []  # chained hashes of this request's full blocks (kept across preemption)
+        self.fork_children: list[Request] = []  # samples 1..n-1 waiting for this leader's prefill
+        self.num_prefix_cache_hit_tokens = 0
+        self.first_scheduled_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    def append_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+                f"{self.status.name})")

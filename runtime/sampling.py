@@ -1,0 +1,94 @@
+"""Turn logits into tokens: logprobs from the raw logits, then (vLLM V1 order) min-tokens masking,
+penalties (repetition, frequency, presence), and greedy argmax or temperature -> min_p -> top-k -> top-p
+-> multinomial with the request's own generator (a per-request seed reproduces regardless of batching)."""
+from __future__ import annotations
+
+import torch
+
+from kvserve.runtime.core.outputs import TokenLogprobs
+from kvserve.runtime.sampling_params import SamplingParams
+
+
+class RequestSamplingState:
+    """What the sampler keeps per request across steps (and across preemption)."""
+
+    def __init__(self, params: SamplingParams, prompt_token_ids: list[int], eos_token_ids: tuple[int, ...],
+                 device: torch.device, default_generator: torch.Generator | None):
+        self.params = params
+        self.prompt_token_ids = prompt_token_ids
+        self.output_token_ids: list[int] = []
+        self.generator = default_generator
+        if params.seed is not None:
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(params.seed)
+        # Tokens that end the sequence; masked while fewer than min_tokens have been produced.
+        self.stop_ids = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
+
+
+def sample(logits: torch.Tensor, states: list[RequestSamplingState]) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """logits: [rows, vocab] float32, one row per state. Returns token ids and (if asked) logprobs."""
+    raw_logprobs = None
+    if any(s.params.logprobs is not None for s in states):
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+
+    processed = logits
+    needs_processing = [i for i, s in enumerate(states)
+                        if s.params.uses_penalties or (s.params.min_tokens and s.stop_ids
+                                                       and len(s.output_token_ids) < s.params.min_tokens)]
+    if needs_processing:
+        processed = logits.clone()
+        for i in needs_processing:
+            _apply_penalties_and_min_tokens(processed[i], states[i])
+
+    tokens = processed.argmax(dim=-1).tolist()  # greedy rows are done; sampled rows overwrite below
+    for i, state in enumerate(states):
+        if not state.params.greedy:
+            tokens[i] = _sample_row(processed[i], state.params, state.generator)
+
+    logprobs: list[TokenLogprobs | None] = []
+    for i, state in enumerate(states):
+        state.output_token_ids.append(tokens[i])
+        if state.params.logprobs is None:
+            logprobs.append(None)
+            continue
+        row = raw_logprobs[i]
+        token_logprob = row[tokens[i]]
+        rank = int((row > token_logprob).sum().item()) + 1
+        top = []
+        if state.params.logprobs > 0:
+            values, ids = row.topk(state.params.logprobs)
+            top = list(zip(ids.tolist(), values.tolist()))
+        logprobs.append(TokenLogprobs(tokens[i], float(token_logprob), rank, top))
+    return tokens, logprobs
+
+
+def _apply_penalties_and_min_tokens(row: torch.Tensor, state: RequestSamplingState) -> None:
+    params = state.params
+    if params.min_tokens and len(state.output_token_ids) < params.min_tokens and state.stop_ids:
+        row[state.stop_ids] = float("-inf")
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(state.prompt_token_ids) | set(state.output_token_ids)), device=row.device,
+                            dtype=torch.long)
+        values = row[seen]
+        row[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
+    if state.output_token_ids and (params.frequency_penalty or params.presence_penalty):
+        counts = torch.bincount(torch.tensor(state.output_token_ids, device=row.device), minlength=row.shape[0])
+        counts = counts[:row.shape[0]].to(row.dtype)
+        row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(row.dtype)
+
+
+def _sample_row(row: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    probs = torch.softmax(row / params.temperature, dim=-1)
+    if params.min_p > 0:
+        probs = torch.where(probs < params.min_p * probs.max(), 0.0, probs)
+    if params.top_k > 0 and params.top_k < probs.shape[0]:
+        kth = probs.topk(params.top_k).values[-1]
+        probs = torch.where(probs < kth, 0.0, probs)
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        cumulative = sorted_probs.cumsum(0) / sorted_probs.sum()
+        # Keep the smallest set whose mass reaches top_p (the first token always stays).
+        drop = (cumulative - sorted_probs / sorted_probs.sum()) >= params.top_p
+        sorted_probs[drop] = 0.0
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator).item())

@@ -1,0 +1,179 @@
+"""Owns the model and the paged KV tensor; turns a SchedulerOutput into one flat forward and samples.
+
+Per step it builds: input_ids / positions / slot_mapping [num_tokens], cu_seqlens_q, seq_lens and padded
+block_tables [num_seqs, ...], and the indices of the rows that sample -- logits (the LM head, a large
+matmul) are computed only for those rows.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvserve.runtime.config import EngineConfig
+from kvserve.runtime.core.outputs import ModelRunnerOutput, SchedulerOutput
+from kvserve.runtime.models.attention import AttentionMetadata, get_attention_backend
+from kvserve.runtime.models.loader import load_model
+from kvserve.runtime.sampling import RequestSamplingState, sample
+from kvserve.runtime.sampling_params import InvalidParameter
+
+logger = logging.getLogger("kvserve.runner")
+
+_KV_TORCH_DTYPES = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.block_size = config.cache.block_size
+        torch.manual_seed(config.seed)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(config.seed)
+        self.attention = get_attention_backend(config.attention_backend)
+        self.model = load_model(config.model, self.attention, config.device)
+        self.num_blocks = self.determine_num_blocks()
+        self._check_one_sequence_fits(self.num_blocks)
+        self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+        self.states: dict[str, RequestSamplingState] = {}
+
+    # -- KV cache sizing --------------------------------------------------------------------------------
+    def kv_bytes_per_block(self) -> int:
+        return self.block_size * self.config.model.kv_bytes_per_token(self.config.cache.kv_cache_dtype)
+
+    def determine_num_blocks(self) -> int:
+        cache = self.config.cache
+        if cache.num_kv_blocks is not None:
+            return cache.num_kv_blocks
+        if cache.kv_cache_bytes is not None:
+            return cache.kv_cache_bytes // self.kv_bytes_per_block()
+        return self._profile_num_blocks_cuda()
+
+    def _check_one_sequence_fits(self, num_blocks: int) -> None:
+        """Fail at startup, not mid-request, when one max_model_len sequence cannot fit (block 0 is the
+        reserved null block)."""
+        cache, max_len = self.config.cache, self.config.model.max_model_len
+        usable_blocks = num_blocks - 1
+        needed_blocks = -(-max_len // self.block_size)
+        if usable_blocks >= needed_blocks:
+            return
+        source = ("num_kv_blocks" if cache.num_kv_blocks is not None else
+                  "kv_cache_bytes" if cache.kv_cache_bytes is not None else "gpu_memory_utilization")
+        raise InvalidParameter(source, (
+            f"{source}: the KV cache holds {max(usable_blocks, 0)} usable blocks of {self.block_size} tokens "
+            f"({max(usable_blocks, 0) * self.block_size} tokens), but one max_model_len={max_len} sequence needs "
+            f"{needed_blocks} blocks ({(needed_blocks + 1) * self.kv_bytes_per_block()} bytes with the null "
+            f"block). Raise the KV budget or set max_model_len <= {max(usable_blocks, 0) * self.block_size}."))
+
+    def _profile_num_blocks_cuda(self) -> int:
+        """GPU: run a dummy forward at max_num_batched_tokens, then give what is left of
+        total * gpu_memory_utilization (after weights and peak activations) to the KV cache."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        num_tokens = min(self.config.scheduler.max_num_batched_tokens, self.config.model.max_model_len)
+        dummy_caches = self._allocate_kv_cache(2)
+        meta = self._metadata([num_tokens], [num_tokens], [[1] * (-(-num_tokens // self.block_size))],
+                              torch.full((num_tokens,), -1, dtype=torch.long), has_padding=True)
+        with torch.inference_mode():
+            ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+            hidden = self.model(ids, torch.arange(num_tokens, device=self.device), dummy_caches, meta)
+            self.model.compute_logits(hidden[-min(num_tokens, self.config.scheduler.max_num_seqs):])
+        torch.cuda.synchronize()
+        del dummy_caches
+        peak = torch.cuda.max_memory_allocated()
+        free, total = torch.cuda.mem_get_info()
+        non_torch = total - free - torch.cuda.memory_reserved()
+        available = int(total * self.config.cache.gpu_memory_utilization) - peak - max(non_torch, 0)
+        num_blocks = available // self.kv_bytes_per_block()
+        logger.info("KV sizing: total %.2f GiB x %.2f - peak %.2f GiB - other %.2f GiB -> %d blocks",
+                    total / 2**30, self.config.cache.gpu_memory_utilization, peak / 2**30,
+                    max(non_torch, 0) / 2**30, num_blocks)
+        return num_blocks
+
+    def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        m = self.config.model
+        kv_dtype = self.config.cache.kv_cache_dtype
+        dtype = getattr(torch, _KV_TORCH_DTYPES.get(kv_dtype, m.dtype))
+        # One tensor [2, layers, blocks, block_size, kv_heads, head_dim]; zeroed so never-written slots
+        # hold finite values (masked attention weights are 0, and 0 * NaN would still be NaN).
+        kv = torch.zeros(2, m.num_layers, max(num_blocks, 1), self.block_size, m.num_kv_heads, m.head_dim,
+                         dtype=dtype, device=self.device)
+        return [(kv[0, i], kv[1, i]) for i in range(m.num_layers)]
+
+    # -- one step -----------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        for rid in sched.finished_req_ids:
+            self.states.pop(rid, None)
+        for new in sched.new_requests:
+            self.states[new.req_id] = RequestSamplingState(new.sampling_params, new.prompt_token_ids,
+                                                           self.config.model.eos_token_ids, self.device,
+                                                           self.generator)
+        if sched.block_copies:
+            self._copy_blocks(sched.block_copies)
+        if not sched.scheduled:
+            return ModelRunnerOutput({})
+
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens, seq_lens, tables, logits_rows, sample_groups = [], [], [], [], []
+        for s in sched.scheduled:
+            n = len(s.token_ids)
+            input_ids += s.token_ids
+            span = range(s.start_position, s.start_position + n)
+            positions += span
+            table = s.block_ids
+            slots += [table[p // bs] * bs + p % bs for p in span]
+            query_lens.append(n)
+            seq_lens.append(s.start_position + n)
+            tables.append(table)
+            if s.sample_req_ids:
+                logits_rows.append(len(input_ids) - 1)
+                sample_groups.append(s.sample_req_ids)
+
+        dev = self.device
+        meta = self._metadata(query_lens, seq_lens, tables, torch.tensor(slots, dtype=torch.long, device=dev))
+        hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev),
+                            torch.tensor(positions, dtype=torch.long, device=dev), self.kv_caches, meta)
+        if not logits_rows:
+            return ModelRunnerOutput({})
+        logits = self.model.compute_logits(hidden[torch.tensor(logits_rows, device=dev)])
+        # A forking leader's row is sampled once per sibling, each with its own params and generator.
+        row_index = [i for i, group in enumerate(sample_groups) for _ in group]
+        req_ids = [rid for group in sample_groups for rid in group]
+        if len(row_index) != len(logits_rows):
+            logits = logits[torch.tensor(row_index, device=dev)]
+        tokens, logprobs = sample(logits, [self.states[rid] for rid in req_ids])
+        return ModelRunnerOutput(dict(zip(req_ids, tokens)),
+                                 {rid: lp for rid, lp in zip(req_ids, logprobs) if lp is not None})
+
+    def _metadata(self, query_lens: list[int], seq_lens: list[int], tables: list[list[int]],
+                  slot_mapping: torch.Tensor, has_padding: bool = False) -> AttentionMetadata:
+        dev = self.device
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        cu = [0]
+        for n in query_lens:
+            cu.append(cu[-1] + n)
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping,
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
+            max_seqlen_q=max(query_lens), max_seqlen_k=max(seq_lens),
+            query_lens_list=query_lens, seq_lens_list=seq_lens, has_padding_slots=has_padding)
+        return meta
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        src = torch.tensor([c[0] for c in copies], device=self.device)
+        dst = torch.tensor([c[1] for c in copies], device=self.device)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[dst] = k_cache[src]
+            v_cache[dst] = v_cache[src]
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.num_blocks * self.kv_bytes_per_block()
+

@@ -1,0 +1,34 @@
+"""`kvserve operator`: run the kopf operator against the in-cluster config or the current kubeconfig."""
+from __future__ import annotations
+
+import argparse
+
+HELP = "Run the InferenceService operator (kopf) against the current cluster"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-n", "--namespace", action="append", default=[],
+                        help="namespace to watch (repeatable; default: all namespaces)")
+    parser.add_argument("--liveness", default="http://0.0.0.0:8080/healthz",
+                        help="kopf liveness endpoint URL ('' to disable)")
+    parser.add_argument("--verbose", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    import kopf
+
+    from kvserve.operator import handlers  # noqa: F401  (registers the handlers)
+
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    # One replica with a Recreate strategy (the chart's default): no peering objects to manage.
+    asyncio.run(kopf.operator(
+        standalone=True,
+        clusterwide=not args.namespace,
+        namespaces=args.namespace or None,
+        liveness_endpoint=args.liveness or None,
+    ))
+    return 0

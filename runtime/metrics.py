@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -24,6 +24,9 @@ PARAMS_N_BUCKETS = [1, 2, 5, 10, 20]
 ITERATION_TOKENS_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# No `*_created` sample per series: vLLM dashboards do not use them and they double the scrape size.
+disable_created_metrics()
 
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:

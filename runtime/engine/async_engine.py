@@ -17,7 +17,6 @@ operations (add, abort) applied between steps, and gets results back on per-requ
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import queue
 import threading
@@ -44,7 +43,6 @@ class _Tracked:
     """Engine-thread bookkeeping for one request (timings for the latency histograms)."""
     stream: "RequestStream"
     arrival_time: float
-    num_prompt_tokens: int = 0
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_tokens_seen: int = 0
@@ -161,10 +159,11 @@ class AsyncEngine:
         try:
             await accepted
         except BaseException:
-            # Rejected by the engine, or our caller was cancelled while waiting: make sure nothing lingers.
-            self._active.discard(request_id)
-            if not accepted.done() or accepted.cancelled() or accepted.exception() is None:
-                self.abort(request_id)
+            rejected = accepted.done() and not accepted.cancelled() and accepted.exception() is not None
+            if rejected:  # the engine never took it
+                stream._done()
+            else:  # our caller was cancelled while waiting: make sure nothing lingers in the engine
+                stream.abort()
             raise
         if self.metrics is not None:
             self.metrics.observe_request_start(getattr(params, "n", 1), getattr(params, "max_tokens", None))
@@ -281,7 +280,7 @@ class AsyncEngine:
                 del self._tracked[output.request_id]
                 if metrics is not None:
                     self._observe_finished(output, tracked, now)
-            deliveries.append((tracked.stream, _snapshot(output)))
+            deliveries.append((tracked.stream, output))  # the engine builds fresh outputs each step
         self._refresh_stats()
 
     def _observe_finished(self, output: Any, tracked: _Tracked, now: float) -> None:
@@ -355,16 +354,3 @@ def _deliver(deliveries: list) -> None:
     for stream, item in deliveries:
         stream._queue.put_nowait(item)
 
-
-def _snapshot(output: Any) -> Any:
-    """A copy the event loop can read while the engine thread goes on (it may reuse or extend lists)."""
-    snap = copy.copy(output)
-    completions = []
-    for c in output.outputs:
-        c2 = copy.copy(c)
-        c2.token_ids = list(c.token_ids)
-        if getattr(c, "logprobs", None) is not None:
-            c2.logprobs = list(c.logprobs)
-        completions.append(c2)
-    snap.outputs = completions
-    return snap

@@ -1,0 +1,94 @@
+"""Run the app under uvicorn with a Kubernetes-friendly SIGTERM drain.
+
+On the first SIGTERM (or SIGINT): /health turns 503 (readiness fails, the Service stops routing here), new
+requests get 503 with `Connection: close`, in-flight requests run to completion for up to `drain_timeout_s`
+(then they are aborted with finish_reason "abort"), and the process exits 0. A second signal exits at once.
+
+uvicorn's own handler would close the listening socket immediately (new clients would see connection
+refused instead of a clean 503) and re-raise the signal on exit (exit status 143, not 0); so the server
+overrides it.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from types import FrameType
+from typing import Any, Callable
+
+import uvicorn
+
+from kvserve.runtime.server.app import ServerConfig, ServerState, build_app
+
+logger = logging.getLogger("kvserve.server")
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, state: ServerState):
+        super().__init__(config)
+        self.state = state
+        self.exit_code = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task | None = None
+        self._signals = 0
+
+    async def serve(self, sockets: Any = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Runs in the main thread, which is also the event loop's thread; do not re-raise the signal later.
+        self._signals += 1
+        if self._signals > 1 or self._loop is None:
+            logger.warning("second signal %s: exiting now", signal.Signals(sig).name)
+            self.should_exit = True
+            self.force_exit = True
+            return
+        logger.info("%s received: draining", signal.Signals(sig).name)
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def fatal(self, exc: BaseException) -> None:
+        self.exit_code = 1
+        self.should_exit = True
+
+    def _start_drain(self) -> None:
+        if self._drain_task is None:
+            self._drain_task = asyncio.ensure_future(self.drain())
+
+    async def drain(self) -> None:
+        state = self.state
+        state.draining = True
+        if state.metrics is not None:
+            state.metrics.draining.set(1)
+        engine = state.engine
+        timeout = state.config.drain_timeout_s
+        in_flight = engine.num_in_flight if engine is not None else 0
+        logger.info("draining: %d request(s) in flight, waiting up to %.0f s; new requests get 503", in_flight, timeout)
+        deadline = time.monotonic() + timeout
+        while engine is not None and engine.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if engine is not None and engine.num_in_flight:
+            logger.warning("drain timeout: aborting %d request(s) still in flight", engine.num_in_flight)
+            engine.abort_all()
+            wait_until = time.monotonic() + 2.0
+            while engine.num_in_flight and time.monotonic() < wait_until:
+                await asyncio.sleep(0.05)
+        await asyncio.sleep(0.1)  # let the last responses flush
+        logger.info("drained; shutting down")
+        self.should_exit = True
+
+
+def run_server(config: ServerConfig, *, host: str, port: int, engine_factory: Callable[[], Any] | None = None,
+               engine: Any = None, log_level: str = "info", uvicorn_kwargs: dict | None = None) -> int:
+    app = build_app(config, engine=engine, engine_factory=engine_factory)
+    state: ServerState = app.state.kvserve
+    uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+                               timeout_graceful_shutdown=max(5, int(config.drain_timeout_s)),
+                               timeout_keep_alive=5, **(uvicorn_kwargs or {}))
+    server = DrainingServer(uv_config, state)
+    state.on_fatal = server.fatal
+    server.run()
+    if state.load_error is not None:
+        return 1
+    return server.exit_code

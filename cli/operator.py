@@ -28,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
     asyncio.run(kopf.operator(
         standalone=True,
         clusterwide=not args.namespace,
-        namespaces=args.namespace or None,
+        namespaces=args.namespace or (),
         liveness_endpoint=args.liveness or None,
     ))
     return 0

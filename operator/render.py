@@ -75,11 +75,12 @@ def runtime_args(resolved: Resolved, name: str, model_dir: str) -> list[str]:
         "--max-num-batched-tokens", str(engine["maxNumBatchedTokens"]),
         # The planned budget per GPU rank, in whole blocks: the pod never allocates more KV than planned.
         "--kv-cache-bytes", str(plan.kv_cache_bytes_per_gpu),
-        "--kv-cache-dtype", engine["kvCacheDtype"],
         "--enable-prefix-caching" if engine["enablePrefixCaching"] else "--no-enable-prefix-caching",
         # Leave the kubelet 10 s after the drain before it sends SIGKILL.
         "--drain-timeout", str(max(1, spec["terminationGracePeriodSeconds"] - 10)),
     ]
+    if engine["kvCacheDtype"] != "auto":  # "auto" (same as the weights) is the runtime's default
+        args += ["--kv-cache-dtype", engine["kvCacheDtype"]]
     if not engine["enableChunkedPrefill"]:
         args.append("--no-enable-chunked-prefill")
     return args + [str(a) for a in engine.get("extraArgs", [])]

@@ -1,0 +1,58 @@
+"""`kvserve plan` and `kvserve render` through the real CLI dispatcher."""
+from __future__ import annotations
+
+import json
+import pathlib
+
+import yaml
+
+from kvserve.cli.main import main
+from kvserve.operator import spec as spec_mod
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_plan_json_matches_the_planner(capsys):
+    rc = main(["plan", "--model", "llama-3-70b", "--gpu", "a100-80gb", "--tensor-parallel-size", "4",
+               "--max-model-len", "8192", "-o", "json"])
+    out = json.loads(capsys.readouterr().out)
+    expected = spec_mod.resolve({"model": {"name": "llama-3-70b", "uri": "file:///m"},
+                                 "gpu": {"product": "a100-80gb", "tensorParallelSize": 4}}).plan.to_dict()
+    assert rc == 0 and out == expected
+    assert out["kv_bytes_per_token"] == 327_680 and out["fits"]
+
+
+def test_plan_table_prints_the_seed_numbers(capsys):
+    rc = main(["plan", "--model", "llama-3-70b", "--gpu", "a100-80gb", "-tp", "4", "--max-model-len", "32768",
+               "--gpu-memory-utilization", "0.92", "--activation-reserve-mib", "0", "--runtime-overhead-mib", "0"])
+    out = capsys.readouterr().out
+    assert rc == 1  # llama-3-70b (not 3.1) has 8,192 positions: a 32k context is refused, with the reason
+    assert "ContextExceedsModel" in out and "327,680 B (320 KiB)" in out
+    rc = main(["plan", "--model", "llama-3.1-70b", "--gpu", "NVIDIA-A100-SXM4-80GB", "-tp", "4",
+               "--max-model-len", "32768", "--gpu-memory-utilization", "0.92"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "max concurrency at 32,768 tokens" in out and "fits                                 True" in out
+
+
+def test_plan_unknown_model_and_impossible_fit(capsys):
+    assert main(["plan", "--model", "gpt-5", "--gpu", "l4"]) == 2
+    assert "not in the catalog" in capsys.readouterr().out
+    assert main(["plan", "--model", "llama-3-70b", "--gpu", "l4", "-o", "json"]) == 1
+    assert json.loads(capsys.readouterr().out)["reason"] == "WeightsDoNotFit"
+
+
+def test_render_prints_the_operator_children(capsys, tmp_path):
+    rc = main(["render", "-f", str(ROOT / "examples" / "llama70b.yaml")])
+    docs = list(yaml.safe_load_all(capsys.readouterr().out))
+    assert rc == 0
+    assert [d["kind"] for d in docs] == ["Deployment", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget"]
+    bad = tmp_path / "bad.yaml"
+    doc = yaml.safe_load((ROOT / "examples" / "llama70b.yaml").read_text())
+    doc["spec"]["gpu"]["tensorParallelSize"] = 1
+    bad.write_text(yaml.safe_dump_all([doc, yaml.safe_load((ROOT / "examples" / "llama3-8b-l4.yaml").read_text())]))
+    rc = main(["render", "-f", str(bad), "-o", "json"])
+    captured = capsys.readouterr()
+    assert rc == 1 and "WeightsDoNotFit" in captured.err
+    items = json.loads(captured.out)["items"]
+    assert {i["metadata"]["name"] for i in items} == {"llama3-8b"}  # the fitting one still renders

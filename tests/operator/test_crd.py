@@ -1,0 +1,175 @@
+"""The CRD: upstream-valid, in sync with the chart and the Python defaults, and it accepts the examples.
+
+The API server's part (structural defaulting, OpenAPI validation, CEL rules) is re-enacted here from the CRD's
+own openAPIV3Schema: jsonschema for the OpenAPI keywords (unknown fields rejected, as `kubectl apply` does),
+a top-down defaulting walk, and a deliberately tiny CEL translator for the rule forms the CRD uses.
+"""
+from __future__ import annotations
+
+import copy
+import pathlib
+import re
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from kvserve.operator import spec as spec_mod
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+CRD_PATH = ROOT / "crds" / "inferenceservices.serving.kvserve.dev.yaml"
+CHART_CRD_PATH = ROOT / "charts" / "kvserve" / "crds" / CRD_PATH.name
+EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
+CRD = yaml.safe_load(CRD_PATH.read_text())
+VERSION = CRD["spec"]["versions"][0]
+SCHEMA = VERSION["schema"]["openAPIV3Schema"]
+
+
+def to_json_schema(node: dict) -> dict:
+    out = {k: v for k, v in node.items() if not k.startswith("x-kubernetes-") and k not in ("properties", "items",
+                                                                                            "additionalProperties")}
+    if "properties" in node:
+        out["properties"] = {k: to_json_schema(v) for k, v in node["properties"].items()}
+        if not node.get("x-kubernetes-preserve-unknown-fields") and node.get("additionalProperties") is None:
+            out["additionalProperties"] = False
+    if "items" in node:
+        out["items"] = to_json_schema(node["items"])
+    if isinstance(node.get("additionalProperties"), dict):
+        out["additionalProperties"] = to_json_schema(node["additionalProperties"])
+    if node.get("x-kubernetes-int-or-string"):
+        out["type"] = ["integer", "string"]
+    return out
+
+
+def apply_defaults(node: dict, value):
+    if isinstance(value, dict) and "properties" in node:
+        value = dict(value)
+        for key, sub in node["properties"].items():
+            if key not in value and "default" in sub:
+                value[key] = copy.deepcopy(sub["default"])
+            if key in value:
+                value[key] = apply_defaults(sub, value[key])
+    elif isinstance(value, list) and "items" in node:
+        value = [apply_defaults(node["items"], v) for v in value]
+    return value
+
+
+_CEL_OK = re.compile(r"^(\s|\(|\)|'\w+' in self|self\['\w+'\]|or|and|not|<=|>=|<|>|==|!=|\d+)*$")
+
+
+def cel(rule: str, obj: dict) -> bool:
+    py = re.sub(r"has\(self\.(\w+)\)", r"('\1' in self)", rule)
+    py = re.sub(r"self\.(\w+)", r"self['\1']", py).replace("||", " or ").replace("&&", " and ")
+    assert _CEL_OK.match(py), f"the test's CEL translator does not cover {rule!r}"
+    return bool(eval(py, {"__builtins__": {}}, {"self": obj}))  # noqa: S307 - whitelisted above
+
+
+def cel_errors(node: dict, value) -> list[str]:
+    errors = [r["message"] for r in node.get("x-kubernetes-validations", []) if not cel(r["rule"], value)]
+    if isinstance(value, dict):
+        for key, sub in (node.get("properties") or {}).items():
+            if key in value:
+                errors += cel_errors(sub, value[key])
+    return errors
+
+
+def admit(obj: dict) -> dict:
+    """What the API server does on create: default, then validate schema and CEL. Returns the stored object."""
+    stored = apply_defaults(SCHEMA, obj)
+    jsonschema.validate(stored, to_json_schema(SCHEMA))
+    errors = cel_errors(SCHEMA, stored)
+    if errors:
+        raise ValueError("; ".join(errors))
+    return stored
+
+
+def test_crd_validates_against_upstream_apiextensions_schema():
+    kubernetes_validate.validate(CRD, "1.33", strict=True)
+
+
+def test_chart_ships_the_same_crd():
+    assert CHART_CRD_PATH.read_text() == CRD_PATH.read_text()
+
+
+def test_crd_shape():
+    assert CRD["metadata"]["name"] == "inferenceservices.serving.kvserve.dev"
+    names = CRD["spec"]["names"]
+    assert names["kind"] == spec_mod.KIND and names["plural"] == spec_mod.PLURAL
+    assert "isvc" not in names["shortNames"] and names["shortNames"]
+    assert VERSION["name"] == spec_mod.VERSION and CRD["spec"]["group"] == spec_mod.GROUP
+    scale = VERSION["subresources"]["scale"]
+    assert scale == {"specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
+                     "labelSelectorPath": ".status.selector"}
+    assert "status" in VERSION["subresources"]
+    columns = {c["name"]: c["jsonPath"] for c in VERSION["additionalPrinterColumns"]}
+    for col in ("Model", "GPU", "TP", "KV Tokens", "Max Seqs", "Replicas", "Ready", "Age"):
+        assert col in columns
+    # Printer columns point at fields the schema declares.
+    status_props = SCHEMA["properties"]["status"]["properties"]
+    assert columns["KV Tokens"] == ".status.plan.kvTokens" and "kvTokens" in status_props["plan"]["properties"]
+    assert columns["Max Seqs"] == ".status.plan.maxConcurrency"
+
+
+def _leaf_defaults(node: dict, prefix: tuple = ()) -> dict:
+    out = {}
+    for key, sub in (node.get("properties") or {}).items():
+        if "default" in sub and sub["default"] != {}:
+            out[prefix + (key,)] = sub["default"]
+        out.update(_leaf_defaults(sub, prefix + (key,)))
+    return out
+
+
+def _flatten(d: dict, prefix: tuple = ()) -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, prefix + (k,)))
+        else:
+            out[prefix + (k,)] = v
+    return out
+
+
+def test_python_defaults_equal_crd_defaults():
+    assert _flatten(spec_mod.DEFAULTS) == _leaf_defaults(SCHEMA["properties"]["spec"])
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_examples_are_admitted_and_defaulted_like_the_operator_does(path):
+    obj = yaml.safe_load(path.read_text())
+    stored = admit(obj)
+    assert stored["spec"] == spec_mod.with_defaults(obj["spec"])
+
+
+MINIMAL = {"apiVersion": "serving.kvserve.dev/v1alpha1", "kind": "InferenceService", "metadata": {"name": "m"},
+           "spec": {"model": {"name": "llama-3-8b", "uri": "pvc://models/llama3"}, "gpu": {"product": "l4"}}}
+
+
+@pytest.mark.parametrize("mutate,expect", [
+    (lambda s: s["gpu"].update(tensorParallelSize=3), "is not one of"),
+    (lambda s: s.update(replicas=-1), "less than the minimum"),
+    (lambda s: s["engine"].update(gpuMemoryUtilization=1.5), "greater than the maximum"),
+    (lambda s: s["model"].update(uri="s3://bucket/model"), "does not match"),
+    (lambda s: s["engine"].update(blockSize=12), "is not one of"),
+    (lambda s: s.update(replica=2), "Additional properties"),
+    (lambda s: s["model"].pop("name"), "model.name"),
+    (lambda s: s["gpu"].pop("product"), "gpu.memoryMiB"),
+    (lambda s: s["autoscaling"].update(minReplicas=5, maxReplicas=2), "minReplicas must be <="),
+    (lambda s: s["engine"].update(enableChunkedPrefill=False, maxModelLen=16384), "without chunked prefill"),
+])
+def test_invalid_specs_are_rejected(mutate, expect):
+    obj = copy.deepcopy(MINIMAL)
+    obj["spec"].update(engine={}, autoscaling={})
+    admit(obj)  # the baseline is fine
+    mutate(obj["spec"])
+    with pytest.raises((jsonschema.ValidationError, ValueError), match=expect):
+        admit(obj)
+
+
+def test_defaults_fill_a_minimal_spec():
+    stored = admit(copy.deepcopy(MINIMAL))
+    assert stored["spec"]["engine"]["maxModelLen"] == 8192
+    assert stored["spec"]["gpu"]["tensorParallelSize"] == 1
+    assert stored["spec"]["autoscaling"] == {"enabled": False, "minReplicas": 1, "maxReplicas": 4,
+                                             "targetQueueDepth": 5}
+    assert stored["spec"] == spec_mod.with_defaults(MINIMAL["spec"])

@@ -448,7 +448,10 @@ class _Serving:
             text = self.token_text(token_id, sampled)
             tokens.append(text)
             token_logprobs.append(None if sampled is None else _finite(sampled.logprob))
-            top.append({self.token_text(t, lp): _finite(lp.logprob) for t, lp in self._entries(entry)})
+            top_entry: dict[str, float] = {}
+            for t, lp in self._entries(entry):  # best first; distinct ids may decode alike: keep the better
+                top_entry.setdefault(self.token_text(t, lp), _finite(lp.logprob))
+            top.append(top_entry)
             offsets.append(offset)
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}

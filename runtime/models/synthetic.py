@@ -1,0 +1,84 @@
+"""Random-weight Hugging Face model directories built offline from a config (tests and benchmarks).
+
+transformers instantiates the architecture from the config, so the checkpoint has exactly the names and
+layout a real download would; a word-level tokenizer ("w<id>" words) makes every id decodable.
+"""
+from __future__ import annotations
+
+import os
+import random
+
+_COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               max_position_embeddings=1024, initializer_range=0.2, rms_norm_eps=1e-5)
+
+# initializer_range 0.2 (not the default 0.02): peaked logits, so greedy has clear winners and a bug
+# cannot hide behind near-ties and repetitive output.
+TEST_MODEL_CONFIGS = {
+    "llama_gqa": ("LlamaForCausalLM", dict(_COMMON, num_attention_heads=8, num_key_value_heads=2, head_dim=8)),
+    "llama3_rope_scaling": ("LlamaForCausalLM", dict(
+        _COMMON, num_attention_heads=4, num_key_value_heads=4, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 64})),
+    "qwen2_qkv_bias": ("Qwen2ForCausalLM", dict(_COMMON, num_attention_heads=4, num_key_value_heads=2)),
+    "llama_tied_mqa": ("LlamaForCausalLM", dict(_COMMON, num_attention_heads=4, num_key_value_heads=1,
+                                                tie_word_embeddings=True)),
+    "mistral": ("MistralForCausalLM", dict(_COMMON, num_attention_heads=8, num_key_value_heads=4,
+                                           sliding_window=4096)),
+}
+
+
+ARCH_CONFIGS = {"LlamaForCausalLM": "LlamaConfig", "MistralForCausalLM": "MistralConfig",
+                "Qwen2ForCausalLM": "Qwen2Config"}
+
+
+def make_random_model_dir(out_dir: str, architecture: str = "LlamaForCausalLM", seed: int = 0,
+                          dtype: str = "float32", **config_kwargs):
+    """Write config.json + model.safetensors + tokenizer files to out_dir; returns the HF model (eval)."""
+    import torch
+    import transformers
+
+    config_kwargs.setdefault("bos_token_id", 1)
+    config_kwargs.setdefault("eos_token_id", 2)
+    config = getattr(transformers, ARCH_CONFIGS[architecture])(**config_kwargs)
+    torch.manual_seed(seed)
+    model = getattr(transformers, architecture)(config).eval()
+    model.to(getattr(torch, dtype))
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    write_word_tokenizer(out_dir, config.vocab_size)
+    return model
+
+
+def write_word_tokenizer(out_dir: str, vocab_size: int) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"w{i}": i for i in range(3, vocab_size)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(out_dir)
+
+
+def random_prompts(num: int, vocab_size: int, min_len: int, max_len: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab_size) for _ in range(rng.randint(min_len, max_len))] for _ in range(num)]
+
+
+def hf_greedy(hf_model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers `generate`, one prompt at a time (no padding), never stopping at EOS -- what
+    ignore_eos does. (min_new_tokens would differ: it forbids EOS instead of continuing past it.)"""
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # eos_token_id=-1 ("never stop") triggers a warning
+    outs = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            gen = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                    do_sample=False, pad_token_id=0, eos_token_id=-1)
+            outs.append(gen[0, len(prompt):].tolist())
+    return outs

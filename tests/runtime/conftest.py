@@ -1,0 +1,33 @@
+"""Shared fixtures: small random-weight models (built here from a config, no hub) and HF references."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+SHARED_STORIES = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "models", "stories260K")
+
+@pytest.fixture(scope="session")
+def model_factory(tmp_path_factory):
+    """model_factory(name) -> (model_dir, hf_model); built once per session."""
+    from kvserve.runtime.models.synthetic import TEST_MODEL_CONFIGS, make_random_model_dir
+
+    cache: dict = {}
+
+    def build(name: str, dtype: str = "float32"):
+        key = (name, dtype)
+        if key not in cache:
+            arch, kwargs = TEST_MODEL_CONFIGS[name]
+            out = str(tmp_path_factory.mktemp(f"{name}-{dtype}"))
+            cache[key] = (out, make_random_model_dir(out, arch, seed=1234, dtype=dtype, **kwargs))
+        return cache[key]
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def stories_dir():
+    path = os.path.abspath(SHARED_STORIES)
+    if not os.path.isfile(os.path.join(path, "model.safetensors")):
+        pytest.skip(f"the pretrained tiny model is not present at {path} (../shared is absent on this machine)")
+    return path

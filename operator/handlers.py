@@ -2,11 +2,17 @@
 
 Run with `kvserve operator` or `kopf run -m kvserve.operator.handlers --all-namespaces`.
 Triggers: create/update/resume of an InferenceService; any event on a child it owns (a deleted or hand-edited
-child is restored at once, and readyReplicas follow the Deployment); a resync timer as the level-based
-safety net (KVSERVE_RESYNC_SECONDS, default 60).
+child is restored at once, and readyReplicas follow the Deployment); a periodic resync of every known
+InferenceService as the level-based safety net (KVSERVE_RESYNC_SECONDS, default 60).
+
+The resync is an operator-level task rather than a `@kopf.timer`: kopf puts a finalizer on every object that
+has a timer, and a finalizer would block `kubectl delete` whenever the operator is down. Without delete
+handlers, timers or daemons the InferenceService carries no finalizer; Kubernetes' garbage collector
+removes the children through their ownerReferences.
 """
 from __future__ import annotations
 
+import asyncio
 import datetime
 import logging
 import os
@@ -23,6 +29,7 @@ G, V, P = spec_mod.GROUP, spec_mod.VERSION, spec_mod.PLURAL
 RESYNC_SECONDS = float(os.environ.get("KVSERVE_RESYNC_SECONDS", "60"))
 CHILD_LABELS = {"app.kubernetes.io/managed-by": render.MANAGED_BY}
 
+_known: set[tuple[str, str]] = set()  # InferenceServices seen on the watch stream, for the resync
 _locks: dict[tuple[str, str], threading.Lock] = {}
 _locks_guard = threading.Lock()
 
@@ -101,6 +108,43 @@ def _reconcile_or_retry(namespace: str, name: str) -> None:
         log.info("reconciled %s/%s: %s", namespace, name, actions)
 
 
+async def _resync_forever() -> None:
+    while True:
+        await asyncio.sleep(RESYNC_SECONDS)
+        for namespace, name in sorted(_known):
+            try:
+                await asyncio.to_thread(_reconcile_logged, namespace, name)
+            except Exception:  # one broken object must not stop the resync of the others
+                log.exception("resync of %s/%s failed", namespace, name)
+
+
+def _reconcile_logged(namespace: str, name: str) -> None:
+    actions = reconcile(namespace, name)
+    if any(v != "unchanged" for v in actions.values()):
+        log.info("resync restored %s/%s: %s", namespace, name, actions)
+
+
+@kopf.on.startup()
+async def start_resync(memo: kopf.Memo, **_: Any) -> None:
+    _known.clear()  # the watch stream's initial listing refills it
+    memo.resync_task = asyncio.create_task(_resync_forever())
+
+
+@kopf.on.cleanup()
+async def stop_resync(memo: kopf.Memo, **_: Any) -> None:
+    task = getattr(memo, "resync_task", None)
+    if task is not None:
+        task.cancel()
+
+
+@kopf.on.event(G, V, P)
+def track(namespace: str, name: str, type: str | None, **_: Any) -> None:
+    if type == "DELETED":
+        _known.discard((namespace, name))
+    else:
+        _known.add((namespace, name))
+
+
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # Only Warnings become Events (the capacity failures); kopf's per-handler success lines would flood them.
@@ -116,11 +160,6 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 @kopf.on.create(G, V, P)
 @kopf.on.update(G, V, P)
 def on_change(namespace: str, name: str, **_: Any) -> None:
-    _reconcile_or_retry(namespace, name)
-
-
-@kopf.timer(G, V, P, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
-def resync(namespace: str, name: str, **_: Any) -> None:
     _reconcile_or_retry(namespace, name)
 
 

@@ -1,7 +1,10 @@
-"""End to end: kopf running kvserve's handlers against kmock's KubernetesEmulator (see conftest.py)."""
+"""End to end: kopf running kvserve's handlers against kmock's KubernetesEmulator (see conftest.py).
+
+Each test starts the real operator (kopf.testing.KopfRunner with `-m kvserve.operator.handlers`), applies
+examples/llama70b.yaml over HTTP and watches what lands in the emulator.
+"""
 from __future__ import annotations
 
-import copy
 import pathlib
 import time
 
@@ -9,29 +12,195 @@ import pytest
 import yaml
 from kopf.testing import KopfRunner
 
+from kvserve.operator import spec as spec_mod
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-NS = "default"
-pytestmark = pytest.mark.timeout(120)
+NS, NAME = "default", "llama70b"
+pytestmark = pytest.mark.timeout(90)
+WRITES = {"POST", "PATCH", "PUT", "DELETE"}
 
 
-def _example(name: str = "llama70b.yaml") -> dict:
-    obj = yaml.safe_load((ROOT / "examples" / name).read_text())
-    # What the API server would add; the emulator does not.
-    obj["metadata"].update(uid=f"uid-{obj['metadata']['name']}", generation=1, resourceVersion="1")
+def _example(**spec_changes) -> dict:
+    obj = yaml.safe_load((ROOT / "examples" / "llama70b.yaml").read_text())
+    # What the API server would add on create; the emulator does not.
+    obj["metadata"].update(uid="uid-llama70b", generation=1, resourceVersion="1")
+    obj["spec"]["gpu"].update(spec_changes)
     return obj
 
 
 def _runner() -> KopfRunner:
-    return KopfRunner(["run", "--standalone", "--all-namespaces", "--verbose", "-m", "kvserve.operator.handlers"],
+    return KopfRunner(["run", "--standalone", "--all-namespaces", "-m", "kvserve.operator.handlers"],
                       timeout=30)
 
 
-def test_smoke(emulator):
-    body = _example()
+def _child(emulator, kind: str) -> dict | None:
+    return emulator.get(emulator.CHILDREN[kind], NS, NAME)
+
+
+def _cr(emulator) -> dict | None:
+    return emulator.get(emulator.CR, NS, NAME)
+
+
+def _condition(cr: dict, ctype: str) -> dict:
+    return next((c for c in (cr.get("status") or {}).get("conditions", []) if c["type"] == ctype), {})
+
+
+def _flag(dep: dict, name: str) -> str:
+    cmd = dep["spec"]["template"]["spec"]["containers"][0]["command"]
+    return cmd[cmd.index(name) + 1]
+
+
+def _create_and_settle(emulator, body: dict) -> None:
+    emulator.call("POST", emulator.path(emulator.CR, NS), body)
+    emulator.wait_for(lambda: all(_child(emulator, k) for k in emulator.CHILDREN), what="all four children")
+    emulator.wait_for(lambda: _condition(_cr(emulator), "CapacityPlanned").get("status") == "True",
+                      what="status with the plan")
+
+
+def _assert_clean_run(runner: KopfRunner) -> None:
+    assert runner.exit_code == 0 and runner.exception is None
+    assert "Traceback" not in runner.output, runner.output[-3000:]
+
+
+def test_apply_creates_owned_children_and_a_status_with_the_plan(emulator):
+    plan = spec_mod.resolve(_example()["spec"]).plan
     with _runner() as runner:
+        _create_and_settle(emulator, _example())
+        for kind in emulator.CHILDREN:
+            refs = _child(emulator, kind)["metadata"]["ownerReferences"]
+            assert refs == [{"apiVersion": "serving.kvserve.dev/v1alpha1", "kind": "InferenceService",
+                             "name": NAME, "uid": "uid-llama70b", "controller": True, "blockOwnerDeletion": True}]
+        dep = _child(emulator, "Deployment")
+        assert int(_flag(dep, "--kv-cache-bytes")) == plan.kv_cache_bytes_per_gpu
+        assert dep["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "4"
+        status = _cr(emulator)["status"]
+        assert status["plan"]["kvTokens"] == plan.kv_tokens
+        assert status["plan"]["maxConcurrency"] == plan.max_concurrency
+        assert status["plan"]["kvCacheBytesPerGpu"] == plan.kv_cache_bytes_per_gpu
+        assert status["selector"] == "app.kubernetes.io/instance=llama70b,app.kubernetes.io/name=kvserve"
+        assert status["url"] == "http://llama70b.default.svc.cluster.local:8000"
+        assert status["observedGeneration"] == 1
+        assert _condition(_cr(emulator), "Ready")["reason"] in ("DeploymentMissing", "ReplicasNotReady")
+        # The Deployment controller reports a ready pod (simulated): readyReplicas and Ready follow.
+        emulator.call("PATCH", emulator.path(emulator.CHILDREN["Deployment"], NS, NAME) + "/status",
+                      {"status": {"replicas": 1, "readyReplicas": 1, "updatedReplicas": 1}},
+                      content_type="application/merge-patch+json")
+        emulator.wait_for(lambda: _condition(_cr(emulator), "Ready").get("status") == "True", what="Ready=True")
+        assert _cr(emulator)["status"]["readyReplicas"] == 1
+        assert not _cr(emulator)["metadata"].get("finalizers")  # deletion never waits for the operator
+    _assert_clean_run(runner)
+
+
+def test_updates_to_replicas_and_tp_roll_into_the_children(emulator):
+    with _runner() as runner:
+        _create_and_settle(emulator, _example())
+        # Replicas through the /scale subresource path, as an HPA or `kubectl scale` would.
+        emulator.call("PATCH", emulator.path(emulator.CR, NS, NAME) + "/scale", {"spec": {"replicas": 3}},
+                      content_type="application/merge-patch+json")
+        emulator.wait_for(lambda: _child(emulator, "Deployment")["spec"]["replicas"] == 3, what="replicas 3")
+        # TP 4 -> 8 (and autoscaling off) through a spec patch; the emulator does not bump generation itself.
+        emulator.call("PATCH", emulator.path(emulator.CR, NS, NAME),
+                      {"metadata": {"generation": 2},
+                       "spec": {"gpu": {"tensorParallelSize": 8}, "autoscaling": {"enabled": False}}},
+                      content_type="application/merge-patch+json")
+        emulator.wait_for(lambda: _flag(_child(emulator, "Deployment"), "--tensor-parallel-size") == "8",
+                          what="TP 8 in the pod command")
+        dep = _child(emulator, "Deployment")
+        assert dep["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "8"
+        assert dep["spec"]["replicas"] == 3
+        new_plan = spec_mod.resolve(_cr(emulator)["spec"]).plan
+        assert new_plan.tensor_parallel_size == 8
+        assert int(_flag(dep, "--kv-cache-bytes")) == new_plan.kv_cache_bytes_per_gpu
+        emulator.wait_for(lambda: _cr(emulator)["status"].get("observedGeneration") == 2, what="generation 2")
+        assert _cr(emulator)["status"]["plan"]["kvTokens"] == new_plan.kv_tokens
+        emulator.wait_for(lambda: _child(emulator, "HorizontalPodAutoscaler") is None, what="HPA removed")
+    _assert_clean_run(runner)
+
+
+def test_impossible_spec_gets_false_condition_one_event_and_no_pods(emulator):
+    with _runner() as runner:
+        body = _example(tensorParallelSize=1)  # 141 GB of bf16 weights on one 80 GiB A100
         emulator.call("POST", emulator.path(emulator.CR, NS), body)
-        dep = emulator.wait_for(lambda: emulator.get(emulator.CHILDREN["Deployment"], NS, "llama70b"), what="deployment")
-        time.sleep(2)
-        print(emulator.get(emulator.CR, NS, "llama70b"))
-    open("/tmp/kopf_out.txt", "w").write(runner.output)
+        cond = emulator.wait_for(lambda: _condition(_cr(emulator), "CapacityPlanned") or None, what="condition")
+        assert cond["status"] == "False" and cond["reason"] == "WeightsDoNotFit"
+        assert "GB" in cond["message"] and "tensorParallelSize 1" in cond["message"]
+        assert _cr(emulator)["status"]["plan"]["weightBytesPerGpu"] == 70_553_706_496 * 2
+
+        def warnings():
+            return [r.data for r in emulator.requests() if r.method == "POST" and r.resource is not None
+                    and r.resource.plural == "events" and (r.data or {}).get("type") == "Warning"]
+        emulator.wait_for(warnings, what="a Warning Event")
+        time.sleep(2.0)  # several resyncs: the Event is posted once per transition, not per reconcile
+        (event,) = warnings()
+        assert event["reason"] == "WeightsDoNotFit" and event["involvedObject"]["name"] == NAME
+        assert all(_child(emulator, kind) is None for kind in emulator.CHILDREN)
+        # Fixing the spec recovers: children appear and the condition flips.
+        emulator.call("PATCH", emulator.path(emulator.CR, NS, NAME),
+                      {"metadata": {"generation": 2}, "spec": {"gpu": {"tensorParallelSize": 4}}},
+                      content_type="application/merge-patch+json")
+        emulator.wait_for(lambda: _child(emulator, "Deployment"), what="Deployment after the fix")
+        emulator.wait_for(lambda: _condition(_cr(emulator), "CapacityPlanned").get("status") == "True",
+                          what="CapacityPlanned=True")
+    _assert_clean_run(runner)
+
+
+def test_deleted_or_hand_edited_children_are_restored(emulator):
+    with _runner() as runner:
+        _create_and_settle(emulator, _example())
+        original = _child(emulator, "Deployment")
+        emulator.call("DELETE", emulator.path(emulator.CHILDREN["Deployment"], NS, NAME))
+        emulator.call("DELETE", emulator.path(emulator.CHILDREN["Service"], NS, NAME))
+        emulator.wait_for(lambda: _child(emulator, "Deployment") and _child(emulator, "Service"),
+                          what="deleted children recreated")
+        assert _child(emulator, "Deployment")["spec"] == original["spec"]
+        # A hand edit: someone bumps the KV budget and the replica count on the Deployment.
+        tampered = original["spec"]["template"]["spec"]["containers"][0]["command"][:]
+        tampered[tampered.index("--kv-cache-bytes") + 1] = str(10**12)
+        emulator.call("PATCH", emulator.path(emulator.CHILDREN["Deployment"], NS, NAME),
+                      {"spec": {"replicas": 9, "template": {"spec": {"containers": [
+                          {**original["spec"]["template"]["spec"]["containers"][0], "command": tampered}]}}}},
+                      content_type="application/merge-patch+json")
+        emulator.wait_for(lambda: _child(emulator, "Deployment")["spec"] == original["spec"],
+                          what="hand edit reverted")
+        emulator.call("PATCH", emulator.path(emulator.CHILDREN["PodDisruptionBudget"], NS, NAME),
+                      {"spec": {"unhealthyPodEvictionPolicy": "IfHealthyBudget"}},
+                      content_type="application/merge-patch+json")
+        emulator.wait_for(lambda: _child(emulator, "PodDisruptionBudget")["spec"]["unhealthyPodEvictionPolicy"]
+                          == "AlwaysAllow", what="PDB edit reverted")
+    _assert_clean_run(runner)
+
+
+def test_ten_reconciles_of_an_unchanged_object_write_nothing(emulator):
+    cr_path = emulator.path(emulator.CR, NS, NAME)
+    with _runner() as runner:
+        _create_and_settle(emulator, _example())
+        time.sleep(1.0)  # let the creation's own follow-up events settle
+        start = len(emulator.requests())
+
+        def reconciles():  # each reconcile starts with a fresh GET of the InferenceService
+            return [r for r in emulator.requests()[start:] if r.method == "GET" and r.url.path == cr_path
+                    and "watch" not in r.params]
+        emulator.wait_for(lambda: len(reconciles()) >= 10, timeout=30, what="10 resync reconciles")
+        window = emulator.requests()[start:]
+        writes = [f"{r.method} {r.url.path}" for r in window if r.method in WRITES]
+        assert writes == []
+    _assert_clean_run(runner)
+
+
+def test_deleting_the_resource_is_clean(emulator):
+    with _runner() as runner:
+        _create_and_settle(emulator, _example())
+        assert not _cr(emulator)["metadata"].get("finalizers")
+        emulator.call("DELETE", emulator.path(emulator.CR, NS, NAME))
+        assert _cr(emulator) is None  # gone at once: no finalizer to wait for
+        # Kubernetes' garbage collector deletes the children via their ownerReferences (the emulator has no GC,
+        # so the test plays it) and the operator must not resurrect them for a deleted owner.
+        for kind in emulator.CHILDREN:
+            assert _child(emulator, kind)["metadata"]["ownerReferences"][0]["uid"] == "uid-llama70b"
+            emulator.call("DELETE", emulator.path(emulator.CHILDREN[kind], NS, NAME))
+        time.sleep(1.5)  # three resync periods
+        assert all(_child(emulator, kind) is None for kind in emulator.CHILDREN)
+        posts = [r for r in emulator.requests() if r.method == "POST" and r.resource is not None
+                 and r.resource.plural != "events"]
+        assert len(posts) == 1 + len(emulator.CHILDREN)  # the CR and each child, once
+    _assert_clean_run(runner)

@@ -275,6 +275,8 @@ class _Serving:
             raise bad_request("Request body is not valid UTF-8.", code="invalid_json") from None
         except ValueError as exc:
             raise bad_request(f"Request body is not valid JSON: {exc}", code="invalid_json") from None
+        except RecursionError:
+            raise bad_request("Request body is nested too deeply.", code="invalid_json") from None
         if not isinstance(data, dict):
             raise bad_request("Request body must be a JSON object.", code="invalid_json")
         try:

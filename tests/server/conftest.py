@@ -1,0 +1,116 @@
+"""Live servers for the server tests: uvicorn on 127.0.0.1 (free port) in a background thread, serving the
+demo model (built once per session into a temp dir) or ../shared/models/stories260K."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+STORIES_DIR = Path(__file__).resolve().parents[3] / "shared" / "models" / "stories260K"
+if not STORIES_DIR.is_dir():
+    STORIES_DIR = Path("/work/shared/models/stories260K")
+
+# Small KV budget: the tests want preemption and a fast start, not capacity.
+DEMO_ENGINE_KWARGS = dict(kv_cache_bytes=32 << 20, max_model_len=2048, max_num_seqs=64, max_num_batched_tokens=1024, seed=0)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    """uvicorn serving build_app(...) in a thread. Not the main thread, so uvicorn installs no signal
+    handlers; the SIGTERM path is tested on a subprocess instead."""
+
+    def __init__(self, engine, **config_kwargs):
+        import uvicorn
+
+        from kvserve.runtime.server.app import ServerConfig, build_app
+
+        config_kwargs.setdefault("served_model_names", ["test-model"])
+        config_kwargs.setdefault("log_interval_s", 1.0)
+        self.config = ServerConfig(**config_kwargs)
+        self.app = build_app(self.config, engine=engine)
+        self.state = self.app.state.kvserve
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
+                                                    lifespan="on", timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.base_url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError("server did not become healthy")
+
+    @property
+    def model(self) -> str:
+        return self.config.served_model_names[0]
+
+    def openai(self, **kwargs):
+        import openai
+
+        return openai.OpenAI(base_url=self.base_url + "/v1", api_key=kwargs.pop("api_key", "unused"), max_retries=0,
+                             timeout=kwargs.pop("timeout", 60), **kwargs)
+
+    def async_openai(self, **kwargs):
+        import openai
+
+        return openai.AsyncOpenAI(base_url=self.base_url + "/v1", api_key=kwargs.pop("api_key", "unused"),
+                                  max_retries=0, timeout=kwargs.pop("timeout", 120), **kwargs)
+
+    def wait_idle(self, timeout_s: float = 20.0):
+        """Wait until the engine has nothing in flight; returns its latest stats."""
+        engine = self.state.engine
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            stats = engine.stats
+            if (engine.num_in_flight == 0 and stats is not None and stats.num_requests_running == 0
+                    and stats.num_requests_waiting == 0 and engine._ops.empty()):
+                time.sleep(0.2)  # one more engine-loop turn refreshes the stats after the last abort
+                return engine.stats
+            time.sleep(0.05)
+        raise AssertionError(f"engine not idle after {timeout_s}s: in_flight={engine.num_in_flight} stats={engine.stats}")
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+
+
+@pytest.fixture(scope="session")
+def demo_model_dir(tmp_path_factory) -> str:
+    from kvserve.runtime.demo_model import ensure_demo_model
+
+    return str(ensure_demo_model(tmp_path_factory.mktemp("kvserve-cache")))
+
+
+def make_engine(model_dir: str, **overrides):
+    from kvserve.runtime.engine.llm_engine import LLMEngine
+
+    return LLMEngine.from_kwargs(model=model_dir, **{**DEMO_ENGINE_KWARGS, **overrides})
+
+
+@pytest.fixture(scope="session")
+def offline_llm(demo_model_dir):
+    """The offline engine on the same model: the reference the server's texts must equal."""
+    from kvserve.runtime import LLM
+
+    return LLM(model=demo_model_dir, **DEMO_ENGINE_KWARGS)
+
+
+@pytest.fixture(scope="module")
+def server(demo_model_dir):
+    srv = LiveServer(make_engine(demo_model_dir), model_dir=demo_model_dir, random_weights=True)
+    yield srv
+    srv.stop()

@@ -1,0 +1,166 @@
+"""Scheduler with fake requests and a fake runner: budgets, chunking, preemption, fork, finish."""
+from __future__ import annotations
+
+from kvserve.runtime.core.kv_cache_manager import KVCacheManager
+from kvserve.runtime.core.outputs import ModelRunnerOutput
+from kvserve.runtime.core.scheduler import Scheduler, SchedulerConfig
+from kvserve.runtime.request import Request, RequestStatus
+from kvserve.runtime.sampling_params import SamplingParams
+
+BS = 4
+
+
+def make_scheduler(num_blocks=20, max_num_seqs=8, budget=16, chunked=True, max_model_len=64):
+    kv = KVCacheManager(num_blocks, BS)
+    cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len,
+                          enable_chunked_prefill=chunked)
+    return Scheduler(cfg, kv)
+
+
+def req(rid, n_prompt, max_tokens=4, **kw):
+    base = 100 * ord(rid[0])  # distinct prompts per request letter: no accidental prefix hits
+    return Request(rid, list(range(base, base + n_prompt)), SamplingParams(max_tokens=max_tokens, **kw),
+                   eos_token_ids=frozenset({2}))
+
+
+def fake_run(sched_out, token=7):
+    """Every request that samples gets `token`."""
+    return ModelRunnerOutput({rid: token for s in sched_out.scheduled for rid in s.sample_req_ids})
+
+
+def step(s: Scheduler, token=7):
+    out = s.schedule()
+    return out, s.update_from_output(out, fake_run(out, token))
+
+
+def test_chunked_prefill_mixes_with_decodes_under_budget():
+    s = make_scheduler(budget=16)
+    s.add_request(req("a", 6))
+    out, _ = step(s)
+    assert [(x.req_id, len(x.token_ids)) for x in out.scheduled] == [("a", 6)]
+    s.add_request(req("b", 40))
+    out, res = step(s)
+    # a decodes (1 token) first, then b's prompt is chunked to the remaining 15.
+    assert [(x.req_id, len(x.token_ids)) for x in out.scheduled] == [("a", 1), ("b", 15)]
+    assert out.scheduled[1].sample_req_ids == []  # mid-prefill: no sampling
+    out, _ = step(s)
+    assert [(x.req_id, len(x.token_ids), x.start_position) for x in out.scheduled] == [("a", 1, 7), ("b", 15, 15)]
+    out, _ = step(s)
+    assert [(x.req_id, len(x.token_ids)) for x in out.scheduled] == [("a", 1), ("b", 10)]
+    assert out.scheduled[1].sample_req_ids == ["b"]
+
+
+def test_no_chunking_waits_for_room():
+    s = make_scheduler(budget=64, chunked=False)
+    s.add_request(req("a", 10))
+    s.add_request(req("b", 60))
+    out, _ = step(s)
+    assert [x.req_id for x in out.scheduled] == ["a"]  # b (60) does not fit the remaining 54
+    out, _ = step(s)  # next step: a's decode (1) + all of b (60) fit 64
+    assert [(x.req_id, len(x.token_ids)) for x in out.scheduled] == [("a", 1), ("b", 60)]
+
+
+def test_max_num_seqs():
+    s = make_scheduler(max_num_seqs=2, budget=100)
+    for i in range(3):
+        s.add_request(req(f"r{i}", 4))
+    out, _ = step(s)
+    assert [x.req_id for x in out.scheduled] == ["r0", "r1"]
+    assert s.num_waiting == 1
+
+
+def test_finish_on_length_frees_blocks_same_step():
+    s = make_scheduler()
+    s.add_request(req("a", 4, max_tokens=2))
+    step(s)
+    assert s.kv.get_block_ids("a") == [1]  # 4 prompt tokens fill block 1
+    _, res = step(s)
+    assert res[0].finish_reason == "length"
+    assert s.kv.get_block_ids("a") == [] and s.kv.usage == 0.0
+    assert not s.has_unfinished_requests()
+    out = s.schedule()
+    assert out.finished_req_ids == ["a"]
+
+
+def test_eos_stops_unless_ignored_and_min_tokens():
+    s = make_scheduler()
+    s.add_request(req("a", 4, max_tokens=5))
+    s.add_request(req("b", 4, max_tokens=5, ignore_eos=True))
+    _, res = step(s, token=2)
+    assert {r.req_id: r.finish_reason for r in res} == {"a": "stop", "b": None}
+
+
+def test_preemption_recompute_and_resume():
+    # 6 usable blocks of 4 tokens; two requests of 8 prompt tokens growing to 16 tokens each.
+    s = make_scheduler(num_blocks=7, budget=64)
+    s.add_request(req("a", 8, max_tokens=8))
+    s.add_request(req("b", 8, max_tokens=8))
+    out, _ = step(s)
+    assert s.kv.get_block_ids("a") == [1, 2] and s.kv.get_block_ids("b") == [3, 4]
+    step(s)  # a: 9 tokens needs block 5, b: block 6
+    assert s.kv.num_free_blocks == 0
+    for _ in range(3):
+        step(s)
+    # At 13 tokens a needs a 4th block: none free -> b (last) is preempted.
+    out = s.schedule()
+    assert out.num_preempted == 1 and s.num_preemptions == 1
+    assert s.requests["b"].status == RequestStatus.PREEMPTED and s.requests["b"].num_computed_tokens == 0
+    assert [x.req_id for x in out.scheduled] == ["a"]
+    s.update_from_output(out, fake_run(out))
+    while s.requests.get("a"):
+        step(s)
+    # b comes back from its own cached full blocks: it had 3, but its tail one was evicted first (tail-first
+    # freeing) when a took a 4th block, so 2 blocks (8 tokens) hit and 5 tokens are recomputed.
+    out = s.schedule()
+    b = s.requests["b"]
+    assert b.status == RequestStatus.RUNNING and b.num_computed_tokens == 8
+    assert [(x.req_id, len(x.token_ids)) for x in out.scheduled] == [("b", 5)]
+    s.update_from_output(out, fake_run(out))
+    while s.has_unfinished_requests():
+        step(s)
+    assert s.kv.usage == 0.0
+
+
+def test_fork_n_samples_share_prompt_blocks():
+    s = make_scheduler(budget=64)
+    leader = req("x#0", 6, max_tokens=3)
+    leader.fork_children = [req("x#1", 6, max_tokens=3), req("x#2", 6, max_tokens=3)]
+    s.add_request(leader)
+    out = s.schedule()
+    assert [n.req_id for n in out.new_requests] == ["x#0", "x#1", "x#2"]
+    assert out.scheduled[0].sample_req_ids == ["x#0", "x#1", "x#2"]
+    res = s.update_from_output(out, ModelRunnerOutput({"x#0": 100, "x#1": 101, "x#2": 102}))
+    assert [(r.req_id, r.new_token_ids) for r in res] == [("x#0", [100]), ("x#1", [101]), ("x#2", [102])]
+    assert s.num_running == 3
+    assert s.kv.get_block_ids("x#1") == s.kv.get_block_ids("x#0") == [1, 2]
+    assert [b.ref_cnt for b in s.kv.req_to_blocks["x#0"]] == [3, 3]
+    out = s.schedule()
+    # Two of the three writers into the shared partial block 2 copy it first; the last writes in place.
+    assert out.block_copies == [(2, 3), (2, 4)]
+    assert [x.block_ids for x in out.scheduled] == [[1, 3], [1, 4], [1, 2]]
+    s.update_from_output(out, fake_run(out))
+    while s.has_unfinished_requests():
+        step(s)
+    assert s.kv.usage == 0.0
+
+
+def test_fork_reserves_seats():
+    s = make_scheduler(max_num_seqs=3, budget=64)
+    leader = req("x#0", 4)
+    leader.fork_children = [req("x#1", 4), req("x#2", 4)]
+    s.add_request(leader)
+    s.add_request(req("y", 4))
+    out = s.schedule()
+    assert [x.req_id for x in out.scheduled] == ["x#0"]
+
+
+def test_abort_waiting_and_running():
+    s = make_scheduler()
+    s.add_request(req("a", 4))
+    s.add_request(req("b", 4))
+    step(s)
+    s.add_request(req("c", 4))
+    finished = s.finish_requests(["a", "c", "nope"], RequestStatus.FINISHED_ABORTED)
+    assert {r.request_id for r in finished} == {"a", "c"}
+    assert s.num_running == 1 and s.num_waiting == 0
+    assert s.kv.get_block_ids("a") == []

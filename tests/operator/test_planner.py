@@ -64,6 +64,7 @@ def test_realistic_figure_utilization_092_with_overheads():
     assert p.kv_tokens == blocks * 16
     assert p.kv_cache_bytes_per_gpu == blocks * per_gpu_block
     assert p.max_concurrency == blocks // (32_768 // 16)
+    assert p.max_model_len_fit == 32_768  # KV would hold a longer one; the model's positions cap it
     # The realistic answer is 15 concurrent 32k sequences per replica, not the seed's ~17.
     assert p.max_concurrency == 15 and p.fits and p.reason == "Fits"
 

@@ -3,7 +3,7 @@
 * :func:`store_kv_cache` — write new K/V rows into the paged cache (one program per token, slot -1 skipped,
   optional float8 quantization with per-tensor scales).
 * :func:`paged_attention` — causal attention of a mixed decode + prefill/extend batch over the paged cache;
-  split-K flash-decoding for decode-only batches, a unified 2D kernel otherwise (see ``paged_attention.py``).
+  split-K flash-decoding for decode-only batches, a unified 2D kernel otherwise (see ``attention.py``).
 * :func:`store_kv_cache_ref`, :func:`paged_attention_ref` — the references (torch only).
 
 Importing this package never requires torch, triton or a GPU: names resolve lazily on first access, and the
@@ -21,10 +21,10 @@ _TRITON_STATE: dict = {}
 
 _LAZY = {
     "store_kv_cache": "kv_store",
-    "paged_attention": "paged_attention",
-    "unified_attention": "paged_attention",
-    "split_k_decode_attention": "paged_attention",
-    "choose_num_segments": "paged_attention",
+    "paged_attention": "attention",
+    "unified_attention": "attention",
+    "split_k_decode_attention": "attention",
+    "choose_num_segments": "attention",
     "store_kv_cache_ref": "reference",
     "paged_attention_ref": "reference",
     "interpret_enabled": "_triton_utils",

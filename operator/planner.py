@@ -59,7 +59,7 @@ class Plan:
     num_blocks_per_gpu: int
     kv_tokens: int  # tokens one replica can hold (every rank holds its slice of the same tokens)
     max_concurrency: int  # sequences of max_model_len tokens that fit at once
-    max_model_len_fit: int  # the longest single sequence that fits
+    max_model_len_fit: int  # the longest single sequence that fits (capped at the model's positions)
     max_model_len: int
     block_size: int
     tensor_parallel_size: int
@@ -134,7 +134,7 @@ def plan(inp: PlanInput) -> Plan:
         gpu_memory_bytes=inp.gpu_memory_bytes, memory_budget_bytes_per_gpu=budget,
         activation_reserve_bytes=activation, runtime_overhead_bytes=overhead,
         kv_cache_bytes_per_gpu=num_blocks * block_bytes, num_blocks_per_gpu=num_blocks, kv_tokens=kv_tokens,
-        max_concurrency=max_concurrency, max_model_len_fit=kv_tokens, max_model_len=inp.max_model_len,
+        max_concurrency=max_concurrency, max_model_len_fit=min(kv_tokens, m.max_position_embeddings), max_model_len=inp.max_model_len,
         block_size=inp.block_size, tensor_parallel_size=t,
     )
 

@@ -204,3 +204,42 @@ def test_deleting_the_resource_is_clean(emulator):
                  and r.resource.plural != "events"]
         assert len(posts) == 1 + len(emulator.CHILDREN)  # the CR and each child, once
     _assert_clean_run(runner)
+
+
+def test_kvserve_operator_entry_point_with_a_kubeconfig(emulator, tmp_path):
+    """`kvserve operator` as a process: kubeconfig login (kopf's and ours), reconcile, clean SIGTERM exit."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "emu",
+        "clusters": [{"name": "emu", "cluster": {"server": emulator.url.rstrip("/")}}],
+        "users": [{"name": "emu", "user": {"token": "test-token"}}],
+        "contexts": [{"name": "emu", "context": {"cluster": "emu", "user": "emu", "namespace": NS}}],
+    }))
+    env = {**os.environ, "KUBECONFIG": str(kubeconfig), "KVSERVE_RESYNC_SECONDS": "0.5"}
+    env.pop("KUBERNETES_SERVICE_HOST", None)
+    log = tmp_path / "operator.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "kvserve.cli.main", "operator", "--liveness", ""],
+                                env=env, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path)
+        try:
+            emulator.call("POST", emulator.path(emulator.CR, NS), _example())
+            emulator.wait_for(lambda: _child(emulator, "Deployment"), timeout=40, what="Deployment from the CLI")
+            emulator.wait_for(lambda: _condition(_cr(emulator), "CapacityPlanned").get("status") == "True",
+                              timeout=20, what="status from the CLI")
+            # Both API clients authenticated from the kubeconfig (kopf's watch and kvserve's writes).
+            auth = {r.headers.get("User-Agent", "").split("/")[0]: r.headers.get("Authorization")
+                    for r in emulator.requests() if r.headers.get("Authorization")}
+            assert auth.get("kopf") == "Bearer test-token" and auth.get("OpenAPI-Generator") == "Bearer test-token"
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                rc = proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                raise
+    assert rc == 0, log.read_text()[-3000:]

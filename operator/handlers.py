@@ -17,7 +17,6 @@ import datetime
 import logging
 import os
 import threading
-from collections.abc import Mapping
 from typing import Any
 
 import kopf
@@ -39,14 +38,6 @@ def _lock(namespace: str, name: str) -> threading.Lock:
         return _locks.setdefault((namespace, name), threading.Lock())
 
 
-def _plain(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
-
-
 def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -61,10 +52,13 @@ def reconcile(namespace: str, name: str) -> dict[str, str]:
         try:
             resolved = spec_mod.resolve(parent.get("spec") or {})
             spec, plan, reason, message = resolved.spec, resolved.plan, resolved.plan.reason, resolved.plan.message
+            desired = render.render(resolved, name, namespace)
         except spec_mod.SpecError as exc:
-            resolved, plan, reason, message = None, None, exc.reason, exc.message
+            resolved, plan, reason, message, desired = None, None, exc.reason, exc.message, []
             spec = spec_mod.with_defaults(parent.get("spec") or {})
-        desired = render.render(resolved, name, namespace) if resolved is not None else []
+        except (KeyError, TypeError, ValueError) as exc:  # only without the CRD's validation (e.g. no CRD)
+            resolved, plan, reason, message, desired = None, None, "InvalidSpec", f"{type(exc).__name__}: {exc}", []
+            spec = spec_mod.with_defaults(parent.get("spec") or {})
 
         live = {kind: kube.get(kind, namespace, name) for kind in kube.CHILD_KINDS}
         for obj in desired:
@@ -89,7 +83,10 @@ def reconcile(namespace: str, name: str) -> dict[str, str]:
         previous = parent.get("status") or {}
         was = {c.get("type"): c for c in previous.get("conditions") or []}.get("CapacityPlanned", {})
         if (plan is None or not plan.fits) and (was.get("status") != "False" or was.get("reason") != reason):
-            kopf.warn(parent, reason=reason, message=message)
+            try:
+                kopf.warn(parent, reason=reason, message=message)
+            except LookupError:  # outside kopf's handler context (no event queue): the condition still says it
+                log.warning("%s/%s: %s: %s", namespace, name, reason, message)
         new_status = status_mod.compute_status(
             name=name, namespace=namespace, spec=spec, generation=parent["metadata"].get("generation"),
             plan=plan, plan_reason=reason, plan_message=message, deployment=live["Deployment"],

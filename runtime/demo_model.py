@@ -23,7 +23,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 DEMO_MODEL_ID = "kvserve-demo-random-weights"
-DEMO_FORMAT_VERSION = 1  # bump when anything below changes the files
+DEMO_FORMAT_VERSION = 2  # bump when anything below changes the files
 SEED = 20240601
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -183,7 +183,9 @@ def _build_weights(out_dir: Path, vocab_size: int) -> None:
         tensors[p + "input_layernorm.weight"] = torch.ones(hidden)
         tensors[p + "post_attention_layernorm.weight"] = torch.ones(hidden)
     tensors["model.norm.weight"] = torch.ones(hidden)
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt", "kvserve_demo": "random"})
+    # One metadata key only: safetensors writes metadata from a hash map, so several keys come out in a
+    # random order and the file bytes would differ between builds.
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
 
 
 def _write_configs(out_dir: Path, vocab_size: int) -> None:

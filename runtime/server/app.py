@@ -204,6 +204,7 @@ class _Choice:
     index: int
     sent_text_len: int = 0
     sent_tokens: int = 0
+    num_tokens: int = 0  # generated so far, sent or not (usage)
     finish_reason: str | None = None
     stop_reason: Any = None
     text: str = ""
@@ -380,6 +381,7 @@ class _Serving:
             return stream
 
         task = asyncio.ensure_future(asyncio.gather(*(drain(s) for s in streams)))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: no "never retrieved" log
         try:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=0.25)
@@ -541,7 +543,6 @@ class _Serving:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         base = {"id": prepared.request_id, "object": "text_completion", "created": created, "model": model}
         choices: dict[int, _Choice] = {}
-        completion_tokens = 0
 
         def chunk(index: int, text: str, logprobs: Any, finish: str | None, stop_reason: Any = None) -> str:
             payload = {**base, "choices": [{"index": index, "text": text, "logprobs": logprobs,
@@ -569,6 +570,7 @@ class _Serving:
                     ch = choices.setdefault(index, _Choice(index))
                     if ch.finish_reason is not None:
                         continue
+                    ch.num_tokens = len(c.token_ids)
                     delta = c.text[ch.sent_text_len:] if len(c.text) > ch.sent_text_len else ""
                     new_ids = c.token_ids[ch.sent_tokens:]
                     logprobs = None
@@ -580,9 +582,9 @@ class _Serving:
                     ch.sent_tokens = len(c.token_ids)
                     if c.finish_reason:
                         ch.finish_reason = c.finish_reason
-                        completion_tokens += len(c.token_ids)
                     yield chunk(index, delta, logprobs, c.finish_reason, c.stop_reason if c.finish_reason else None)
             if include_usage:
+                completion_tokens = sum(ch.num_tokens for ch in choices.values())
                 yield _sse({**base, "choices": [], "usage": self.usage(prepared, completion_tokens)})
         except RequestFailedError as exc:
             yield _sse({"error": {"message": str(exc), "type": "server_error", "param": None,
@@ -648,7 +650,6 @@ class _Serving:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         base = {"id": prepared.request_id, "object": "chat.completion.chunk", "created": created, "model": model}
         choices = {i: _Choice(i) for i in range(body.n)}
-        completion_tokens = 0
 
         def chunk(index: int, delta: dict, logprobs: Any, finish: str | None, stop_reason: Any = None) -> str:
             payload = {**base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
@@ -672,6 +673,7 @@ class _Serving:
                     ch = choices.setdefault(c.index, _Choice(c.index))
                     if ch.finish_reason is not None:
                         continue
+                    ch.num_tokens = len(c.token_ids)
                     delta = c.text[ch.sent_text_len:] if len(c.text) > ch.sent_text_len else ""
                     new_ids = c.token_ids[ch.sent_tokens:]
                     logprobs = None
@@ -683,10 +685,10 @@ class _Serving:
                     ch.sent_tokens = len(c.token_ids)
                     if c.finish_reason:
                         ch.finish_reason = c.finish_reason
-                        completion_tokens += len(c.token_ids)
                     yield chunk(c.index, {"content": delta} if delta else {}, logprobs, c.finish_reason,
                                 c.stop_reason if c.finish_reason else None)
             if include_usage:
+                completion_tokens = sum(ch.num_tokens for ch in choices.values())
                 yield _sse({**base, "choices": [], "usage": self.usage(prepared, completion_tokens)})
         except RequestFailedError as exc:
             yield _sse({"error": {"message": str(exc), "type": "server_error", "param": None,

@@ -65,11 +65,10 @@ class TorchAttentionBackend:
     def _one_sequence(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       block_table: torch.Tensor, ctx_len: int, scale: float) -> torch.Tensor:
         q_len, block_size = q.shape[0], k_cache.shape[1]
-        num_blocks = -(-ctx_len // block_size)
-        ids = block_table[:num_blocks]
+        ids = block_table[:-(-ctx_len // block_size)]
         # [ctx, kv_heads, head_dim] -> [1, kv_heads, ctx, head_dim]
-        keys = k_cache[ids].flatten(0, 1)[:ctx_len].to(q.dtype).transpose(0, 1).unsqueeze(0)
-        values = v_cache[ids].flatten(0, 1)[:ctx_len].to(q.dtype).transpose(0, 1).unsqueeze(0)
+        keys = k_cache.index_select(0, ids).flatten(0, 1)[:ctx_len].to(q.dtype).transpose(0, 1).unsqueeze(0)
+        values = v_cache.index_select(0, ids).flatten(0, 1)[:ctx_len].to(q.dtype).transpose(0, 1).unsqueeze(0)
         query = q.transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, head_dim]
         if q_len == ctx_len:
             o = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=True)
@@ -82,20 +81,24 @@ class TorchAttentionBackend:
 
     def _decode_batch(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       meta: AttentionMetadata, scale: float, rows: list[int], out: torch.Tensor) -> None:
-        block_size = k_cache.shape[1]
+        """All single-token queries of the step in one SDPA call, padded to the longest context. The
+        query heads sharing a KV head ride as extra query rows ([B, kv_heads, group, d]), so each K/V
+        element is read once per KV head rather than once per query head."""
+        block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+        num_seqs, group = len(rows), q.shape[1] // num_kv_heads
         token_idx = meta.cu_seqlens_q[rows].long()
         ctx = [meta.seq_lens_list[s] for s in rows]
-        max_ctx = max(ctx)
-        num_blocks = -(-max_ctx // block_size)
-        tables = meta.block_tables[rows, :num_blocks].long()  # [B, nb]
-        # [B, nb, bs, kvh, d] -> [B, kvh, nb*bs, d]
-        keys = k_cache[tables].flatten(1, 2).to(q.dtype).transpose(1, 2)
-        values = v_cache[tables].flatten(1, 2).to(q.dtype).transpose(1, 2)
+        num_blocks = -(-max(ctx) // block_size)
+        ids = meta.block_tables[rows, :num_blocks].flatten()
+        width = num_blocks * block_size
+        # index_select on the block dim: one contiguous gather, [B, width, kv_heads, d] -> [B, kv_heads, width, d]
+        keys = k_cache.index_select(0, ids).view(num_seqs, width, num_kv_heads, head_dim).to(q.dtype).transpose(1, 2)
+        values = v_cache.index_select(0, ids).view(num_seqs, width, num_kv_heads, head_dim).to(q.dtype).transpose(1, 2)
         lens = torch.tensor(ctx, device=q.device)
-        mask = (torch.arange(num_blocks * block_size, device=q.device)[None, :] < lens[:, None])[:, None, None, :]
-        query = q[token_idx].unsqueeze(2)  # [B, heads, 1, d]
-        o = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[token_idx] = o.squeeze(2)
+        mask = (torch.arange(width, device=q.device)[None, :] < lens[:, None])[:, None, None, :]
+        query = q[token_idx].view(num_seqs, num_kv_heads, group, head_dim)
+        o = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale)
+        out[token_idx] = o.reshape(num_seqs, num_kv_heads * group, head_dim)
 
 
 _BACKENDS: dict[str, type] = {"torch": TorchAttentionBackend}

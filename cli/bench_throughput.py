@@ -1,0 +1,43 @@
+"""`kvserve bench throughput`: offline throughput vs transformers generate on a random-weight model."""
+from __future__ import annotations
+
+import argparse
+
+HELP = "offline throughput benchmark against transformers generate (same model, same requests, one run)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
+    parser.add_argument("--output-len", type=int, nargs=2, default=(16, 128), metavar=("MIN", "MAX"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hf-batch-size", type=int, default=8)
+    parser.add_argument("--skip-hf", action="store_true", help="do not run the transformers baseline")
+    parser.add_argument("--model", default=None, help="local HF model dir (default: build the 125M random Llama)")
+    parser.add_argument("--hidden-size", type=int, default=None)
+    parser.add_argument("--num-layers", type=int, default=None)
+    parser.add_argument("--vocab-size", type=int, default=None)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--kv-cache-bytes", type=int, default=None)
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--json-out", default=None)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvserve.runtime.bench_throughput import main
+
+    shape = {k: v for k, v in (("hidden_size", args.hidden_size), ("num_hidden_layers", args.num_layers),
+                               ("vocab_size", args.vocab_size)) if v is not None}
+    engine_kwargs = dict(block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
+                         enable_prefix_caching=args.enable_prefix_caching)
+    for key in ("max_num_seqs", "kv_cache_bytes", "num_kv_blocks"):
+        if getattr(args, key) is not None:
+            engine_kwargs[key] = getattr(args, key)
+    main(num_requests=args.num_requests, prompt_range=tuple(args.prompt_len), output_range=tuple(args.output_len),
+         seed=args.seed, hf_batch_size=args.hf_batch_size, skip_hf=args.skip_hf, model_dir=args.model, shape=shape,
+         json_out=args.json_out, tensor_parallel_size=args.tensor_parallel_size, **engine_kwargs)
+    return 0

@@ -43,8 +43,10 @@ def _store_kv_kernel(
     k = tl.load(src_k, mask=mask, other=0.0)
     v = tl.load(src_v, mask=mask, other=0.0)
     if IS_FP8:
-        k = tl.clamp(k.to(tl.float32) / tl.load(k_scale_ptr), -FP8_MAX, FP8_MAX)
-        v = tl.clamp(v.to(tl.float32) / tl.load(v_scale_ptr), -FP8_MAX, FP8_MAX)
+        # div_rn: IEEE round-to-nearest division, as torch computes x / scale (Triton's plain fp32 `/`
+        # lowers to an approximate division on NVIDIA GPUs, which could flip an fp8 rounding decision).
+        k = tl.clamp(tl.math.div_rn(k.to(tl.float32), tl.load(k_scale_ptr)), -FP8_MAX, FP8_MAX)
+        v = tl.clamp(tl.math.div_rn(v.to(tl.float32), tl.load(v_scale_ptr)), -FP8_MAX, FP8_MAX)
         if INTERPRET:
             # The triton 3.9 interpreter's fp32->fp8 cast drops the carry when rounding up crosses a power
             # of two (7.8 -> 4.0, not 8.0); values already on the fp8 grid convert exactly, so round first

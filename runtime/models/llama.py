@@ -4,16 +4,26 @@ Inputs are one flat varlen batch per step: input_ids/positions are [num_tokens];
 Q/K/V and gate/up projections are fused into one matmul each; HF checkpoints are split into them at load.
 Numerics follow transformers (fp32 RMSNorm, RoPE tables cast to the model dtype) so greedy output matches
 `generate` token for token.
+
+Tensor parallelism (Megatron-style, see kvserve.runtime.parallel): with a ParallelContext of size t each rank
+holds its query heads and the KV heads they read (column-parallel fused QKV), its slice of the MLP's
+intermediate dim (column-parallel gate/up), row-parallel o_proj/down_proj closed by an all-reduce, and a
+vocab-parallel embedding and LM head. The loader reads only this rank's rows/columns from the checkpoint.
+With t == 1 every layer is the plain nn.Linear/nn.Embedding computation.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kvserve.runtime.models.attention import AttentionMetadata
+from kvserve.runtime.parallel.layers import (SINGLE, ColumnParallelLinear, ParallelContext, RowParallelLinear,
+                                             VocabParallelEmbedding, lm_head_logits)
+from kvserve.runtime.parallel.sharding import ShardSpec, shard_spec
 
 
 class RMSNorm(nn.Module):
@@ -73,14 +83,18 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, hf_config, num_heads: int, num_kv_heads: int, head_dim: int, qkv_bias: bool, backend):
+    """num_heads / num_kv_heads are this rank's (all of them when not tensor-parallel)."""
+
+    def __init__(self, hf_config, num_heads: int, num_kv_heads: int, head_dim: int, qkv_bias: bool, backend,
+                 parallel: ParallelContext = SINGLE):
         super().__init__()
         hidden = hf_config.hidden_size
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=getattr(hf_config, "attention_bias", False)
-                                and hf_config.model_type != "qwen2")
+        self.qkv_proj = ColumnParallelLinear(hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = RowParallelLinear(self.q_size, hidden, bias=bool(getattr(hf_config, "attention_bias", False)
+                                                                       and hf_config.model_type != "qwen2"),
+                                        parallel=parallel)
         self.scale = head_dim ** -0.5
         self.backend = backend
 
@@ -96,11 +110,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, bias: bool):
+    """intermediate is this rank's slice of the intermediate dim."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool, parallel: ParallelContext = SINGLE):
         super().__init__()
         self.intermediate = intermediate
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_up_proj = ColumnParallelLinear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias, parallel=parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -108,10 +124,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, hf_config, num_heads, num_kv_heads, head_dim, qkv_bias, backend):
+    def __init__(self, hf_config, shard: ShardSpec, head_dim, qkv_bias, backend, parallel: ParallelContext):
         super().__init__()
-        self.self_attn = Attention(hf_config, num_heads, num_kv_heads, head_dim, qkv_bias, backend)
-        self.mlp = MLP(hf_config.hidden_size, hf_config.intermediate_size, getattr(hf_config, "mlp_bias", False))
+        self.self_attn = Attention(hf_config, shard.num_heads, shard.num_kv_heads, head_dim, qkv_bias, backend,
+                                   parallel)
+        self.mlp = MLP(hf_config.hidden_size, shard.intermediate_size, bool(getattr(hf_config, "mlp_bias", False)),
+                       parallel)
         self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
 
@@ -121,20 +139,25 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, model_config, backend):
+    def __init__(self, model_config, backend, parallel: ParallelContext = SINGLE):
         super().__init__()
         cfg = model_config.hf_config
         self.config = model_config
+        self.parallel = parallel
+        self.shard = shard = shard_spec(model_config.num_heads, model_config.num_kv_heads, cfg.intermediate_size,
+                                        cfg.vocab_size, parallel.rank, parallel.size)
         # Qwen2 always has a q/k/v bias; Llama/Mistral only with attention_bias.
         qkv_bias = cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False))
         dtype = getattr(torch, model_config.dtype)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(shard.vocab_per_rank, shard.vocab_start, cfg.vocab_size,
+                                                   cfg.hidden_size, parallel)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, model_config.num_heads, model_config.num_kv_heads, model_config.head_dim, qkv_bias,
-                         backend) for _ in range(cfg.num_hidden_layers))
+            DecoderLayer(cfg, shard, model_config.head_dim, qkv_bias, backend, parallel)
+            for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if self.tie_word_embeddings else ColumnParallelLinear(cfg.hidden_size,
+                                                                                  shard.vocab_per_rank, bias=False)
         self.rotary = RotaryEmbedding(cfg, model_config.head_dim, model_config.max_model_len, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -144,19 +167,23 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, positions, self.rotary, kv_cache, meta)
         return self.norm(x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[rows, vocab] float32 logits; None on tensor-parallel ranks other than 0 (only rank 0 samples)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()  # [rows, vocab]
+        return lm_head_logits(hidden, weight, self.config.vocab_size, self.parallel)
 
     # -- loading ----------------------------------------------------------------------------------------
     # HF name suffix -> (our parameter suffix, shard index within the fused parameter)
     _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
               "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        """weights: (HF name, source) where source is a tensor or a lazy safetensors slice (`get_slice`):
+        only this rank's rows/columns are ever read from it, so a rank never materialises a full tensor it
+        shards."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        for hf_name, tensor in weights:
+        for hf_name, source in weights:
             name = hf_name.removeprefix("model.")
             if "rotary_emb" in name:
                 continue
@@ -164,34 +191,75 @@ class LlamaForCausalLM(nn.Module):
                 continue  # tied: the embedding is the head
             parts = name.split(".")
             fused = self._FUSED.get(parts[-2]) if len(parts) >= 2 else None
-            if fused is not None:
-                target = ".".join(parts[:-2] + [fused[0], parts[-1]])
-                param = params.get(target)
-                if param is None:
-                    raise ValueError(f"unexpected weight {hf_name!r}")
-                start, size = self._shard_range(fused[0], fused[1])
-                param.data[start:start + size].copy_(tensor)
-                loaded.add(f"{target}#{fused[1]}")
-            else:
-                param = params.get(name)
-                if param is None:
-                    raise ValueError(f"unexpected weight {hf_name!r}")
-                if param.shape != tensor.shape:
-                    raise ValueError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected "
-                                     f"{tuple(param.shape)}")
-                param.data.copy_(tensor)
-                loaded.add(name)
+            target = ".".join(parts[:-2] + [fused[0], parts[-1]]) if fused is not None else name
+            param = params.get(target)
+            if param is None:
+                raise ValueError(f"unexpected weight {hf_name!r}")
+            shape = tuple(source.get_shape()) if hasattr(source, "get_shape") else tuple(source.shape)
+            self._check_global_shape(hf_name, target, fused, shape)
+            for dst_start, dst_size, rows, cols in self._shard_plan(target, fused, shape):
+                if rows is None and cols is None:
+                    if tuple(param.shape) != shape:
+                        raise ValueError(f"weight {hf_name!r} has shape {shape}, expected {tuple(param.shape)}")
+                    piece = source[:]
+                elif cols is None:
+                    piece = source[rows[0]:rows[1]]
+                else:
+                    piece = source[:, cols[0]:cols[1]]
+                dst = param.data[dst_start:dst_start + dst_size] if dst_size is not None else param.data
+                if tuple(dst.shape) != tuple(piece.shape):
+                    raise ValueError(f"weight {hf_name!r}: shard of shape {tuple(piece.shape)} does not fit "
+                                     f"{target} slice {tuple(dst.shape)} (checkpoint shape {shape})")
+                dst.copy_(piece)
+            loaded.add(f"{target}#{fused[1]}" if fused is not None else target)
         missing = [n for n in self._expected_weights() if n not in loaded]
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")
 
-    def _shard_range(self, fused_name: str, index: int) -> tuple[int, int]:
-        if fused_name == "qkv_proj":
-            attn = self.layers[0].self_attn
-            sizes = [attn.q_size, attn.kv_size, attn.kv_size]
+    def _check_global_shape(self, hf_name: str, target: str, fused: tuple[str, int] | None,
+                            shape: tuple[int, ...]) -> None:
+        """The checkpoint tensor's full shape along the split dimension (the rest is checked per slice)."""
+        m, cfg = self.config, self.config.hf_config
+        if fused is not None:
+            dim, want = 0, ([m.num_heads * m.head_dim] + [m.num_kv_heads * m.head_dim] * 2 if fused[0] == "qkv_proj"
+                            else [cfg.intermediate_size] * 2)[fused[1]]
+        elif target.endswith("o_proj.weight"):
+            dim, want = 1, m.num_heads * m.head_dim
+        elif target.endswith("down_proj.weight"):
+            dim, want = 1, cfg.intermediate_size
+        elif target in ("embed_tokens.weight", "lm_head.weight"):
+            dim, want = 0, cfg.vocab_size
         else:
-            sizes = [self.layers[0].mlp.intermediate] * 2
-        return sum(sizes[:index]), sizes[index]
+            return
+        if len(shape) <= dim or shape[dim] != want:
+            raise ValueError(f"weight {hf_name!r} has shape {shape}, expected {want} along dim {dim}")
+
+    def _shard_plan(self, target: str, fused: tuple[str, int] | None, shape: tuple[int, ...]):
+        """What this rank copies from one checkpoint tensor: a list of (dst_row_start, dst_rows, src_rows,
+        src_cols) with src_rows/src_cols = (start, end) or None for "all" (dst_rows None: the whole param)."""
+        s, hd = self.shard, self.config.head_dim
+        if fused is not None and fused[0] == "qkv_proj":
+            attn = self.layers[0].self_attn
+            if fused[1] == 0:  # q_proj: this rank's query heads, contiguous
+                start = s.q_head_start * hd
+                return [(0, attn.q_size, (start, start + attn.q_size), None)]
+            base = attn.q_size + (fused[1] - 1) * attn.kv_size  # k or v block of the fused rows
+            return [(base + i * hd, hd, (h * hd, (h + 1) * hd), None) for i, h in enumerate(s.kv_head_ids)]
+        if fused is not None:  # gate_proj / up_proj
+            inter = s.intermediate_size
+            return [(fused[1] * inter, inter, (s.intermediate_start, s.intermediate_start + inter), None)]
+        if s.size == 1:
+            return [(0, None, None, None)]
+        if target.endswith("o_proj.weight"):
+            start = s.q_head_start * hd
+            return [(0, None, None, (start, start + s.num_heads * hd))]
+        if target.endswith("down_proj.weight"):
+            return [(0, None, None, (s.intermediate_start, s.intermediate_start + s.intermediate_size))]
+        if target in ("embed_tokens.weight", "lm_head.weight"):
+            real = s.vocab_end - s.vocab_start
+            self.get_parameter(target).data[real:].zero_()  # padding rows past the real vocabulary
+            return [(0, real, (s.vocab_start, s.vocab_end), None)]
+        return [(0, None, None, None)]  # replicated: norms, row-parallel biases
 
     def _expected_weights(self) -> list[str]:
         expected = []

@@ -5,16 +5,20 @@ import glob
 import logging
 import os
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
 from kvserve.runtime.config import ModelConfig
 from kvserve.runtime.models.llama import LlamaForCausalLM
+from kvserve.runtime.parallel.layers import SINGLE, ParallelContext
 
 logger = logging.getLogger("kvserve.loader")
 
 
-def iter_safetensors(model_dir: str, show_progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(model_dir: str, show_progress: bool = True, lazy: bool = False) -> Iterator[tuple[str, Any]]:
+    """(name, tensor) for every checkpoint tensor; lazy=True yields safetensors slices instead (`get_slice`:
+    indexing one reads only those bytes), so a tensor-parallel rank reads just its shard."""
     from safetensors import safe_open
 
     files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
@@ -28,24 +32,29 @@ def iter_safetensors(model_dir: str, show_progress: bool = True) -> Iterator[tup
     for path in files:
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, (f.get_slice(name) if lazy else f.get_tensor(name))
         if bar is not None:
             bar.update(1)
     if bar is not None:
         bar.close()
 
 
-def load_model(model_config: ModelConfig, attention_backend, device: str) -> LlamaForCausalLM:
+def load_model(model_config: ModelConfig, attention_backend, device: str,
+               parallel: ParallelContext = SINGLE) -> LlamaForCausalLM:
+    """The model, or with a tensor-parallel `parallel` this rank's shard of it (only the shard is allocated
+    and only the shard's bytes are read from the safetensors files)."""
     dtype = getattr(torch, model_config.dtype)
     # Built on the meta device (no memory, no random init), then allocated once in the target dtype and
     # filled from the checkpoint; the rotary tables carry no checkpoint values, so they are recomputed.
     with torch.device("meta"):
-        model = LlamaForCausalLM(model_config, attention_backend).to(dtype)
+        model = LlamaForCausalLM(model_config, attention_backend, parallel).to(dtype)
     model = model.to_empty(device=device)
     model.rotary.build(device)
-    model.load_weights(iter_safetensors(model_config.model_dir))
+    model.load_weights(iter_safetensors(model_config.model_dir, show_progress=parallel.rank == 0,
+                                        lazy=parallel.size > 1))
     model.eval()
     num_params = sum(p.numel() for p in model.parameters())
-    logger.info("loaded %s from %s: %.1fM parameters, %s, %s", model_config.architecture, model_config.model_dir,
-                num_params / 1e6, model_config.dtype, device)
+    rank = f" (tensor-parallel rank {parallel.rank}/{parallel.size})" if parallel.size > 1 else ""
+    logger.info("loaded %s from %s: %.1fM parameters%s, %s, %s", model_config.architecture, model_config.model_dir,
+                num_params / 1e6, rank, model_config.dtype, device)
     return model

@@ -1,0 +1,80 @@
+"""Which slice of each weight a tensor-parallel rank owns. Pure Python (no torch): the engine validates a
+`tensor_parallel_size` against the model's shape with it before any worker process starts.
+
+Query heads, the MLP's intermediate dimension and the vocabulary are split evenly (the vocabulary padded to a
+multiple of t). KV heads follow the query heads: rank r keeps exactly the KV heads its query heads attend to.
+With num_kv_heads divisible by t that is num_kv_heads / t each (the KV cache per rank shrinks by t); with
+num_kv_heads < t and t divisible by num_kv_heads each rank keeps the one KV head its query heads share, and
+that head is replicated on t / num_kv_heads ranks (the KV cache per rank is the one-KV-head share, not 1/t).
+Any other split would give a rank query heads spread unevenly over its KV heads, which the attention
+backends' GQA contract (query head h reads local KV head h // (heads / kv_heads)) cannot express; it is
+rejected at startup with the sizes that would work.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """One rank's share of the model (all counts are per rank)."""
+    rank: int
+    size: int
+    num_heads: int  # query heads on this rank
+    q_head_start: int  # first global query head
+    kv_head_ids: tuple[int, ...]  # global KV heads this rank keeps, in local order
+    intermediate_size: int
+    intermediate_start: int
+    vocab_per_rank: int  # padded: ceil(vocab / t); the last rank's tail rows are padding
+    vocab_start: int
+    vocab_size: int  # the real (unpadded) vocabulary
+
+    @property
+    def num_kv_heads(self) -> int:
+        return len(self.kv_head_ids)
+
+    @property
+    def vocab_end(self) -> int:
+        """End of the real rows this rank holds (<= vocab_start + vocab_per_rank)."""
+        return min(self.vocab_start + self.vocab_per_rank, self.vocab_size)
+
+
+def tp_shape_error(num_heads: int, num_kv_heads: int, intermediate_size: int, tp_size: int) -> str | None:
+    """Why this model cannot be split t ways, or None when it can."""
+    t = tp_size
+    if t == 1:
+        return None
+    if num_heads % t:
+        return f"num_attention_heads={num_heads} is not divisible by tensor_parallel_size={t}"
+    if num_kv_heads % t and t % num_kv_heads:
+        return (f"num_key_value_heads={num_kv_heads} and tensor_parallel_size={t}: one must divide the other, so "
+                f"every rank's query heads share whole KV heads (try a tensor_parallel_size in "
+                f"{_valid_sizes(num_heads, num_kv_heads, intermediate_size)})")
+    if intermediate_size % t:
+        return f"intermediate_size={intermediate_size} is not divisible by tensor_parallel_size={t}"
+    return None
+
+
+def _valid_sizes(num_heads: int, num_kv_heads: int, intermediate_size: int) -> list[int]:
+    return [t for t in range(1, num_heads + 1)
+            if num_heads % t == 0 and intermediate_size % t == 0 and (num_kv_heads % t == 0 or t % num_kv_heads == 0)]
+
+
+def shard_spec(num_heads: int, num_kv_heads: int, intermediate_size: int, vocab_size: int,
+               rank: int = 0, size: int = 1) -> ShardSpec:
+    error = tp_shape_error(num_heads, num_kv_heads, intermediate_size, size)
+    if error:
+        raise ValueError(error)
+    heads = num_heads // size
+    q_start = rank * heads
+    group = num_heads // num_kv_heads  # query heads per KV head
+    if num_kv_heads % size == 0:
+        per_rank = num_kv_heads // size
+        kv_ids = tuple(range(rank * per_rank, (rank + 1) * per_rank))
+    else:  # num_kv_heads < size: all of this rank's query heads share one KV head
+        kv_ids = (q_start // group,)
+    vocab_per_rank = -(-vocab_size // size)
+    inter = intermediate_size // size
+    return ShardSpec(rank=rank, size=size, num_heads=heads, q_head_start=q_start, kv_head_ids=kv_ids,
+                     intermediate_size=inter, intermediate_start=rank * inter, vocab_per_rank=vocab_per_rank,
+                     vocab_start=rank * vocab_per_rank, vocab_size=vocab_size)

@@ -13,6 +13,7 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
 ALLOWED_BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+DEFAULT_SWAP_SPACE_BYTES = 4 << 30  # vLLM's default swap space
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class CacheConfig:
     num_kv_blocks: int | None = None  # explicit override (tests force preemption with it)
     gpu_memory_utilization: float = 0.9
     kv_cache_dtype: str = "auto"
+    swap_space_bytes: int = 0  # host RAM for preemption_mode="swap"
     num_blocks: int = 0  # filled in (a new frozen object) once the runner has sized the cache
 
 
@@ -126,6 +128,7 @@ def make_engine_config(model: str, *, block_size: int = 16, max_model_len: int |
                        long_prefill_token_threshold: int = 0, kv_cache_bytes: int | None = None,
                        num_kv_blocks: int | None = None, gpu_memory_utilization: float = 0.9,
                        kv_cache_dtype: str = "auto", dtype: str = "auto", seed: int = 0,
+                       preemption_mode: str = "recompute", swap_space_bytes: int | None = None,
                        attention_backend: str | None = None, tensor_parallel_size: int = 1,
                        device: str | None = None) -> EngineConfig:
     if block_size not in ALLOWED_BLOCK_SIZES:
@@ -142,6 +145,13 @@ def make_engine_config(model: str, *, block_size: int = 16, max_model_len: int |
                                                  f"got {kv_cache_dtype!r}")
     if tensor_parallel_size < 1:
         raise InvalidParameter("tensor_parallel_size", f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+    if preemption_mode not in ("recompute", "swap"):
+        raise InvalidParameter("preemption_mode", f"preemption_mode must be 'recompute' or 'swap', "
+                                                  f"got {preemption_mode!r}")
+    if swap_space_bytes is None:
+        swap_space_bytes = DEFAULT_SWAP_SPACE_BYTES if preemption_mode == "swap" else 0
+    if swap_space_bytes < 0:
+        raise InvalidParameter("swap_space_bytes", f"swap_space_bytes must be >= 0, got {swap_space_bytes}")
     model_config = load_model_config(model, dtype, max_model_len)
     if device is None:
         import torch
@@ -157,13 +167,15 @@ def make_engine_config(model: str, *, block_size: int = 16, max_model_len: int |
         scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                     max_model_len=model_config.max_model_len,
                                     enable_chunked_prefill=enable_chunked_prefill,
-                                    long_prefill_token_threshold=long_prefill_token_threshold)
+                                    long_prefill_token_threshold=long_prefill_token_threshold,
+                                    preemption_mode=preemption_mode)
     except ValueError as exc:
         field_name = str(exc).split(" ", 1)[0].replace("with", "max_num_batched_tokens")
         raise InvalidParameter(field_name, str(exc)) from None
     cache = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching,
                         kv_cache_bytes=kv_cache_bytes, num_kv_blocks=num_kv_blocks,
-                        gpu_memory_utilization=gpu_memory_utilization, kv_cache_dtype=kv_cache_dtype)
+                        gpu_memory_utilization=gpu_memory_utilization, kv_cache_dtype=kv_cache_dtype,
+                        swap_space_bytes=swap_space_bytes)
     return EngineConfig(model=model_config, cache=cache, scheduler=scheduler,
                         tensor_parallel_size=tensor_parallel_size, attention_backend=attention_backend,
                         device=device, seed=seed)

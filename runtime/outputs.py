@@ -60,3 +60,10 @@ class EngineStats:
     num_preemptions: int
     prefix_cache_queries: int  # tokens
     prefix_cache_hits: int  # tokens
+    # preemption by swapping (preemption_mode="swap")
+    num_swap_outs: int = 0  # requests swapped out to host memory
+    num_swap_ins: int = 0
+    num_swapped_out_blocks: int = 0
+    num_swapped_in_blocks: int = 0
+    num_free_host_blocks: int = 0
+    num_total_host_blocks: int = 0

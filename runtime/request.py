@@ -10,11 +10,12 @@ from kvserve.runtime.sampling_params import SamplingParams
 class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
-    PREEMPTED = 2
+    SWAPPED = 2  # preempted by swapping its KV blocks to host memory; resumes where it stopped
+    PREEMPTED = 3  # preempted by recompute: its KV was dropped
     # Ordered so that `status > PREEMPTED` means finished.
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH = 4
-    FINISHED_ABORTED = 5
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH = 5
+    FINISHED_ABORTED = 6
 
     @property
     def is_finished(self) -> bool:
@@ -22,7 +23,7 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def finish_reason(self) -> str | None:
-        return {3: "stop", 4: "length", 5: "abort"}.get(int(self))
+        return {4: "stop", 5: "length", 6: "abort"}.get(int(self))
 
 
 class Request:

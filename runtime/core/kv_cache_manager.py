@@ -28,7 +28,7 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, num_host_blocks: int = 0):
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
@@ -38,6 +38,14 @@ class KVCacheManager:
         self._pending_copies: list[tuple[int, int]] = []
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
+        # Host (CPU RAM) swap space for preemption by swapping: plain block ids into the runner's host tensor.
+        self.num_host_blocks = num_host_blocks
+        self.free_host_blocks: list[int] = list(range(num_host_blocks - 1, -1, -1))
+        self.req_to_host_blocks: dict[str, list[int]] = {}
+        self._pending_swap_out: list[tuple[int, int]] = []  # (device block, host block)
+        self._pending_swap_in: list[tuple[int, int]] = []  # (host block, device block)
+        self.num_swapped_out_blocks = 0
+        self.num_swapped_in_blocks = 0
 
     # -- queries ---------------------------------------------------------------------------------------
     @property
@@ -118,14 +126,55 @@ class KVCacheManager:
         self.num_cached_blocks[child.request_id] = min(self.num_cached_blocks.get(parent.request_id, 0),
                                                        num_prompt_blocks)
 
+    # -- swap to host ----------------------------------------------------------------------------------
+    def can_swap_out(self, request: Request) -> bool:
+        return len(self.req_to_blocks.get(request.request_id, ())) <= len(self.free_host_blocks)
+
+    def swap_out(self, request: Request) -> None:
+        """Copy the request's blocks to host memory (the runner does it before this step's forward, so
+        the device blocks can be reused in the same step) and free the device blocks."""
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        host = [self.free_host_blocks.pop() for _ in blocks]
+        self._pending_swap_out += [(b.block_id, h) for b, h in zip(blocks, host)]
+        self.req_to_host_blocks[request.request_id] = host
+        self.num_swapped_out_blocks += len(host)
+        self.free(request, keep_host_blocks=True)
+
+    def can_swap_in(self, request: Request, num_new_tokens: int) -> bool:
+        num_host = len(self.req_to_host_blocks.get(request.request_id, ()))
+        num_needed = max(num_host, cdiv(request.num_computed_tokens + num_new_tokens, self.block_size))
+        return num_needed <= self.pool.num_free_blocks
+
+    def swap_in(self, request: Request) -> None:
+        host = self.req_to_host_blocks.pop(request.request_id)
+        blocks = self.pool.get_new_blocks(len(host))
+        self._pending_swap_in += [(h, b.block_id) for h, b in zip(host, blocks)]
+        self.free_host_blocks += host
+        self.num_swapped_in_blocks += len(host)
+        self.req_to_blocks[request.request_id] = blocks
+        self.num_cached_blocks[request.request_id] = 0
+        if self.enable_caching:  # the copies land before this step's forward: register them again
+            self._cache_full_blocks(request, request.num_computed_tokens)
+
+    def take_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        swaps = (self._pending_swap_out, self._pending_swap_in)
+        self._pending_swap_out, self._pending_swap_in = [], []
+        return swaps
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        return len(self.free_host_blocks)
+
     def take_block_copies(self) -> list[tuple[int, int]]:
         copies, self._pending_copies = self._pending_copies, []
         return copies
 
-    def free(self, request: Request) -> None:
+    def free(self, request: Request, keep_host_blocks: bool = False) -> None:
         """Release a finished or preempted request's blocks, tail first (longest prefixes are the least
         reusable, so they are evicted first). Blocks cached ahead of their computation (the request is
         preempted before its step ran) lose their hash: their KV was never written."""
+        if not keep_host_blocks:
+            self.free_host_blocks += self.req_to_host_blocks.pop(request.request_id, [])
         blocks = self.req_to_blocks.pop(request.request_id, [])
         self.num_cached_blocks.pop(request.request_id, None)
         for block in blocks[request.num_computed_tokens // self.block_size:]:

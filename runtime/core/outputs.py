@@ -33,6 +33,9 @@ class SchedulerOutput:
     finished_req_ids: list[str]  # finished since the last step: the runner drops their state
     block_copies: list[tuple[int, int]]  # (src, dst) copy-on-write copies to run before this step's forward
     num_preempted: int = 0
+    # Run first, in this order: device->host (swap out), host->device (swap in), then block_copies.
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

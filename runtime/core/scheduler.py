@@ -26,10 +26,13 @@ class SchedulerConfig:
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0  # > 0: cap on one request's tokens per step
+    preemption_mode: str = "recompute"  # or "swap": copy the victim's KV to host RAM and back
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
@@ -43,10 +46,13 @@ class Scheduler:
         self.kv = kv_cache_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.swapped: deque[Request] = deque()  # oldest first
         self.requests: dict[str, Request] = {}
         self._seen_by_runner: set[str] = set()
         self._finished_since_last_step: list[str] = []
         self.num_preemptions = 0
+        self.num_swap_outs = 0  # requests
+        self.num_swap_ins = 0
 
     # -- admission / removal ---------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -64,6 +70,8 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request.status == RequestStatus.SWAPPED:
+                self.swapped.remove(request)
             elif request in self.waiting:
                 self.waiting.remove(request)
             for child in request.fork_children:  # siblings not forked yet go with their leader
@@ -83,11 +91,12 @@ class Scheduler:
             self._finished_since_last_step.append(request.request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        """Queue depth: requests not running, including ones swapped out to host memory."""
+        return len(self.waiting) + len(self.swapped)
 
     @property
     def num_running(self) -> int:
@@ -122,8 +131,28 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        # Admit waiting requests only if nobody was preempted: they would just evict each other.
-        while not num_preempted and self.waiting and budget > 0:
+        # Swapped-out requests come back before anything new is admitted.
+        while not num_preempted and self.swapped and budget > 0:
+            request = self.swapped[0]
+            if len(self.running) + self._num_reserved_seats() + 1 > cfg.max_num_seqs:
+                break
+            num_new = self._num_tokens_to_schedule(request, budget)
+            if not self.kv.can_swap_in(request, num_new):
+                break
+            self.kv.swap_in(request)
+            blocks = self.kv.allocate_slots(request, num_new)
+            assert blocks is not None  # can_swap_in counted these
+            self.swapped.popleft()
+            request.status = RequestStatus.RUNNING
+            self.num_swap_ins += 1
+            self.running.append(request)
+            scheduled_reqs.append(request)
+            scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+
+        # Admit waiting requests only if nobody was preempted (they would just evict each other) and
+        # nothing is still swapped out.
+        while not num_preempted and not self.swapped and self.waiting and budget > 0:
             request = self.waiting[0]
             num_seats = 1 + len(request.fork_children)
             if len(self.running) + self._num_reserved_seats() + num_seats > cfg.max_num_seqs:
@@ -154,8 +183,10 @@ class Scheduler:
                     self._seen_by_runner.add(r.request_id)
                     new_requests.append(NewRequestData(r.request_id, r.sampling_params, r.prompt_token_ids))
         finished, self._finished_since_last_step = self._finished_since_last_step, []
+        swap_out, swap_in = self.kv.take_swaps()
         return SchedulerOutput(scheduled=scheduled, new_requests=new_requests, finished_req_ids=finished,
-                               block_copies=self.kv.take_block_copies(), num_preempted=num_preempted)
+                               block_copies=self.kv.take_block_copies(), num_preempted=num_preempted,
+                               swap_out=swap_out, swap_in=swap_in)
 
     def _num_reserved_seats(self) -> int:
         return sum(len(r.fork_children) for r in self.running)
@@ -179,11 +210,19 @@ class Scheduler:
                                 self.kv.get_block_ids(request.request_id), sample_ids)
 
     def _preempt(self, request: Request) -> None:
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        # Swap only what is fully computed and not waiting on a fork (siblings need the prefill's logits).
+        if (self.config.preemption_mode == "swap" and not request.fork_children
+                and request.num_computed_tokens > 0 and self.kv.can_swap_out(request)):
+            self.kv.swap_out(request)
+            request.status = RequestStatus.SWAPPED
+            self.num_swap_outs += 1
+            self.swapped.appendleft(request)  # victims leave newest first, so the oldest ends up in front
+            return
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        request.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.appendleft(request)
 
     # -- results ---------------------------------------------------------------------------------------

@@ -25,10 +25,16 @@ class LLMEngine:
         from kvserve.runtime.worker.model_runner import ModelRunner
 
         self.tokenizer = load_tokenizer(config.model.model_dir)
-        self.runner = ModelRunner(config)
+        if config.tensor_parallel_size > 1:  # one worker process per rank; this process only schedules
+            from kvserve.runtime.parallel.executor import MultiprocExecutor
+
+            self.runner = MultiprocExecutor(config)
+        else:
+            self.runner = ModelRunner(config)
         self.config = _with_num_blocks(config, self.runner.num_blocks)
         self.kv_cache_manager = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
-                                               config.cache.enable_prefix_caching)
+                                               config.cache.enable_prefix_caching,
+                                               num_host_blocks=self.runner.num_host_blocks)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_ids = frozenset(config.model.eos_token_ids)
@@ -103,6 +109,19 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._states)
 
+    def check_health(self) -> None:
+        """Raise (kvserve.runtime.parallel.errors.WorkerDiedError, naming the rank) if a tensor-parallel
+        worker is gone; a no-op in one process. Cheap: the server calls it while idle."""
+        check = getattr(self.runner, "check_health", None)
+        if check is not None:
+            check()
+
+    def shutdown(self) -> None:
+        """Release the tensor-parallel worker processes (idempotent; nothing to do in one process)."""
+        stop = getattr(self.runner, "shutdown", None)
+        if stop is not None:
+            stop()
+
     # -- one step ---------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         sched_out = self.scheduler.schedule()
@@ -142,7 +161,10 @@ class LLMEngine:
             kv_cache_usage=kv.usage, num_free_blocks=kv.num_free_blocks, num_total_blocks=kv.pool.num_blocks - 1,
             prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens,
             num_preemptions=self.scheduler.num_preemptions, prefix_cache_queries=kv.prefix_cache_queries,
-            prefix_cache_hits=kv.prefix_cache_hits)
+            prefix_cache_hits=kv.prefix_cache_hits, num_swap_outs=self.scheduler.num_swap_outs,
+            num_swap_ins=self.scheduler.num_swap_ins, num_swapped_out_blocks=kv.num_swapped_out_blocks,
+            num_swapped_in_blocks=kv.num_swapped_in_blocks, num_free_host_blocks=kv.num_free_host_blocks,
+            num_total_host_blocks=kv.num_host_blocks)
 
 
 def _with_num_blocks(config: EngineConfig, num_blocks: int) -> EngineConfig:

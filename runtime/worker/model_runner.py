@@ -14,6 +14,7 @@ from kvserve.runtime.config import EngineConfig
 from kvserve.runtime.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kvserve.runtime.models.attention import AttentionMetadata, get_attention_backend
 from kvserve.runtime.models.loader import load_model
+from kvserve.runtime.parallel.layers import SINGLE, ParallelContext
 from kvserve.runtime.sampling import RequestSamplingState, sample
 from kvserve.runtime.sampling_params import InvalidParameter
 
@@ -23,23 +24,31 @@ _KV_TORCH_DTYPES = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, parallel: ParallelContext | None = None):
+        """parallel: this process's tensor-parallel rank (kvserve.runtime.parallel); the model is then this
+        rank's shard and the KV cache holds only its KV heads -- kv_cache_bytes is a per-rank budget."""
         self.config = config
+        self.parallel = parallel or SINGLE
         self.device = torch.device(config.device)
         self.block_size = config.cache.block_size
         torch.manual_seed(config.seed)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
         self.attention = get_attention_backend(config.attention_backend)
-        self.model = load_model(config.model, self.attention, config.device)
-        self.num_blocks = self.determine_num_blocks()
+        self.model = (load_model(config.model, self.attention, config.device) if self.parallel.size == 1
+                      else load_model(config.model, self.attention, config.device, self.parallel))
+        self.num_kv_heads = self.model.shard.num_kv_heads  # on this rank
+        self.num_blocks = self.parallel.all_reduce_min(self.determine_num_blocks())  # ranks agree
         self._check_one_sequence_fits(self.num_blocks)
         self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+        self.num_host_blocks = config.cache.swap_space_bytes // self.kv_bytes_per_block()
+        self.host_kv = self._allocate_host_kv_cache(self.num_host_blocks) if self.num_host_blocks else None
         self.states: dict[str, RequestSamplingState] = {}
 
     # -- KV cache sizing --------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
-        return self.block_size * self.config.model.kv_bytes_per_token(self.config.cache.kv_cache_dtype)
+        m = self.config.model  # this rank's KV heads only
+        return self.block_size * m.kv_bytes_per_token(self.config.cache.kv_cache_dtype) * self.num_kv_heads // m.num_kv_heads
 
     def determine_num_blocks(self) -> int:
         cache = self.config.cache
@@ -96,9 +105,25 @@ class ModelRunner:
         dtype = getattr(torch, _KV_TORCH_DTYPES.get(kv_dtype, m.dtype))
         # One tensor [2, layers, blocks, block_size, kv_heads, head_dim]; zeroed so never-written slots
         # hold finite values (masked attention weights are 0, and 0 * NaN would still be NaN).
-        kv = torch.zeros(2, m.num_layers, max(num_blocks, 1), self.block_size, m.num_kv_heads, m.head_dim,
+        kv = torch.zeros(2, m.num_layers, max(num_blocks, 1), self.block_size, self.num_kv_heads, m.head_dim,
                          dtype=dtype, device=self.device)
+        self.kv = kv
         return [(kv[0, i], kv[1, i]) for i in range(m.num_layers)]
+
+    def _allocate_host_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        """Swap space in host RAM, same layout as the device cache (pinned on CUDA for async copies)."""
+        shape = (2,) + tuple(self.kv.shape[1:2]) + (num_blocks,) + tuple(self.kv.shape[3:])
+        return torch.zeros(shape, dtype=self.kv.dtype, pin_memory=self.device.type == "cuda")
+
+    def _swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        if swap_out:
+            dev = torch.tensor([d for d, _ in swap_out], device=self.device)
+            host = torch.tensor([h for _, h in swap_out])
+            self.host_kv[:, :, host] = self.kv[:, :, dev].to("cpu")
+        if swap_in:
+            host = torch.tensor([h for h, _ in swap_in])
+            dev = torch.tensor([d for _, d in swap_in], device=self.device)
+            self.kv[:, :, dev] = self.host_kv[:, :, host].to(self.device, non_blocking=True)
 
     # -- one step -----------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -109,6 +134,8 @@ class ModelRunner:
             self.states[new.req_id] = RequestSamplingState(new.sampling_params, new.prompt_token_ids,
                                                            self.config.model.eos_token_ids, self.device,
                                                            self.generator)
+        if sched.swap_out or sched.swap_in:
+            self._swap(sched.swap_out, sched.swap_in)
         if sched.block_copies:
             self._copy_blocks(sched.block_copies)
         if not sched.scheduled:
@@ -140,6 +167,8 @@ class ModelRunner:
         if not logits_rows:
             return ModelRunnerOutput({})
         logits = self.model.compute_logits(hidden[torch.tensor(logits_rows, device=dev)])
+        if logits is None:  # tensor-parallel rank > 0: rank 0 gathered the logits and samples
+            return ModelRunnerOutput({})
         # A forking leader's row is sampled once per sibling, each with its own params and generator.
         row_index = [i for i, group in enumerate(sample_groups) for _ in group]
         req_ids = [rid for group in sample_groups for rid in group]

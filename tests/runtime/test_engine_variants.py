@@ -70,3 +70,26 @@ def test_preemption_keeps_greedy_output(workload, prefix_caching):
     assert engine.scheduler.num_preemptions > 0
     assert got == expected
     assert engine.kv_cache_manager.num_free_blocks == 17
+
+
+def test_swap_preemption_matches_recompute_and_unconstrained(workload):
+    model_dir, prompts, expected = workload
+    recompute, _ = run(model_dir, prompts, num_kv_blocks=18, block_size=16, max_num_batched_tokens=64,
+                       preemption_mode="recompute")
+    swap, engine = run(model_dir, prompts, num_kv_blocks=18, block_size=16, max_num_batched_tokens=64,
+                       preemption_mode="swap", swap_space_bytes=64 * 16 * 256)
+    stats = engine.get_stats()
+    assert stats.num_swap_outs > 0 and stats.num_swap_ins == stats.num_swap_outs
+    assert stats.num_swapped_in_blocks == stats.num_swapped_out_blocks > 0
+    assert swap == recompute == expected
+    assert stats.num_free_blocks == 17 and stats.num_free_host_blocks == stats.num_total_host_blocks == 64
+    assert not engine.scheduler.swapped
+
+
+def test_swap_space_too_small_falls_back_to_recompute(workload):
+    model_dir, prompts, expected = workload
+    got, engine = run(model_dir, prompts, num_kv_blocks=18, block_size=16, max_num_batched_tokens=64,
+                      preemption_mode="swap", swap_space_bytes=1 * 16 * 256)  # one host block
+    stats = engine.get_stats()
+    assert stats.num_preemptions > 0 and stats.num_swap_outs == 0
+    assert got == expected

@@ -164,3 +164,32 @@ def test_abort_waiting_and_running():
     assert {r.request_id for r in finished} == {"a", "c"}
     assert s.num_running == 1 and s.num_waiting == 0
     assert s.kv.get_block_ids("a") == []
+
+
+def test_swap_preemption_moves_blocks_to_host_and_back_first():
+    kv = KVCacheManager(7, BS, num_host_blocks=8)
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64,
+                                  preemption_mode="swap"), kv)
+    s.add_request(req("a", 8, max_tokens=8))
+    s.add_request(req("b", 8, max_tokens=8))
+    for _ in range(5):
+        step(s)
+    out = s.schedule()  # a needs a 4th block: b is swapped out, keeping its computed tokens
+    b = s.requests["b"]
+    assert b.status == RequestStatus.SWAPPED and b.num_computed_tokens == 12
+    assert out.swap_out == [(3, 0), (4, 1), (6, 2)]  # b held device blocks 3, 4, 6
+    assert [h for _, h in out.swap_out] == kv.req_to_host_blocks["b"]
+    assert s.num_waiting == 1 and s.num_swap_outs == 1
+    s.add_request(req("c", 4))  # must not jump ahead of the swapped request
+    s.update_from_output(out, fake_run(out))
+    while "a" in s.requests:
+        out, _ = step(s)
+        assert all(x.req_id != "c" for x in out.scheduled)
+    out = s.schedule()
+    assert [x.req_id for x in out.scheduled][0] == "b" and len(out.swap_in) == 3
+    assert [x.req_id for x in out.scheduled] == ["b", "c"]
+    assert b.status == RequestStatus.RUNNING and out.scheduled[0].start_position == 12
+    s.update_from_output(out, fake_run(out))
+    while s.has_unfinished_requests():
+        step(s)
+    assert kv.num_free_blocks == 6 and kv.num_free_host_blocks == 8

@@ -47,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="automatic prefix caching (default: on)")
     parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                         help="split long prompts across steps (default: on)")
+    parser.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                        help="with chunked prefill: at most this many prompt tokens of one request per step "
+                             "(0: only the step budget limits it); keeps decode steps short among long prompts")
     parser.add_argument("--kv-cache-bytes", type=parse_bytes, default=None,
                         help="KV-cache budget, e.g. 512MiB (CPU; default: the engine's). GPUs size it by profiling.")
     parser.add_argument("--num-kv-blocks", type=_positive_int, default=None, help=argparse.SUPPRESS)
@@ -92,7 +95,8 @@ def run(args: argparse.Namespace) -> int:
     engine_kwargs = dict(
         block_size=args.block_size, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,
-        enable_chunked_prefill=args.enable_chunked_prefill, kv_cache_bytes=args.kv_cache_bytes,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        long_prefill_token_threshold=args.long_prefill_token_threshold, kv_cache_bytes=args.kv_cache_bytes,
         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization, dtype=args.dtype,
         seed=args.seed, attention_backend=args.attention_backend,
     )

@@ -171,7 +171,7 @@ def build_app(config: ServerConfig, *, engine: Any = None, engine_factory: Calla
         for name in config.served_model_names:
             entry = {"id": name, "object": "model", "created": state.created, "owned_by": "kvserve",
                      "root": config.model_dir, "parent": None, "max_model_len": state.max_model_len or None,
-                     "random_weights": config.random_weights}
+                     "random_weights": config.random_weights, "vocab_size": state.vocab_size or None}
             if config.random_weights:
                 entry["description"] = ("kvserve built-in demo model with RANDOM WEIGHTS: it exercises the serving "
                                         "path; its output is gibberish")
@@ -576,7 +576,10 @@ class _Serving:
                     logprobs = None
                     if body.logprobs is not None and c.logprobs is not None and new_ids:
                         logprobs = self.completion_logprobs(new_ids, c.logprobs[ch.sent_tokens:], ch.sent_text_len)
-                    if not delta and not c.finish_reason and logprobs is None:
+                    # A chunk per step with new tokens, even when their text is held back (a partial UTF-8
+                    # character, a possible stop string) and the delta is "": clients see every token's
+                    # timing (ITL), as with vLLM's completions stream.
+                    if not delta and not c.finish_reason and not new_ids:
                         continue
                     ch.sent_text_len += len(delta)
                     ch.sent_tokens = len(c.token_ids)

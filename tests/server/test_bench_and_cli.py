@@ -1,0 +1,65 @@
+"""`kvserve bench serve` runs end to end against a live server (tiny workloads), and the serve CLI parses
+its vLLM-style flags."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from kvserve.cli import bench_serve, serve
+from kvserve.cli.main import build_parser
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_serve_flags_parse():
+    args = build_parser().parse_args(["serve", "/models/x", "--port", "9000", "--served-model-name", "a", "b",
+                                      "--no-enable-prefix-caching", "--kv-cache-bytes", "512MiB", "--max-queue-len",
+                                      "8", "--drain-timeout", "5", "--api-key", "k"])
+    assert args.model_dir == "/models/x" and args.port == 9000 and args.served_model_name == ["a", "b"]
+    assert args.enable_prefix_caching is False and args.enable_chunked_prefill is True
+    assert args.kv_cache_bytes == 512 << 20 and args.max_queue_len == 8 and args.drain_timeout == 5.0
+    assert build_parser().parse_args(["serve"]).model_dir is None
+    assert serve.parse_bytes("1G") == 1 << 30 and serve.parse_bytes("1048576") == 1 << 20
+    with pytest.raises(argparse.ArgumentTypeError):
+        serve.parse_bytes("lots")
+
+
+def test_serve_rejects_missing_model_dir(tmp_path, capsys):
+    args = build_parser().parse_args(["serve", str(tmp_path / "nope")])
+    assert serve.run(args) == 2
+    assert "not a model directory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("workload", ["random", "shared-prefix", "long-prompt"])
+def test_bench_serve_workloads(server, tmp_path, workload):
+    out, plot = tmp_path / "r.json", tmp_path / "r.png"
+    args = build_parser().parse_args([
+        "bench", "serve", "--base-url", server.base_url, "--workload", workload, "--num-prompts", "6",
+        "--request-rate", "20", "--input-len", "32", "--output-len", "6", "--range-ratio", "0.5",
+        "--prefix-len", "64", "--suffix-len", "8", "--num-streams", "3", "--stream-output-len", "12",
+        "--num-long-prompts", "1", "--long-prompt-len", "256", "--goodput", "ttft:5000", "tpot:1000",
+        "--result-json", str(out), "--plot", str(plot)])
+    assert bench_serve.run(args) == 0
+    result = json.loads(out.read_text())
+    metrics = result["metrics"]
+    assert metrics["failed"] == 0
+    if workload == "long-prompt":
+        assert metrics["completed"] == 4 and metrics["steady_state_itl_ms"] > 0
+        assert result["mixed"]["p99_itl_ms"] > 0
+    else:
+        assert metrics["completed"] == 6 and metrics["total_output_tokens"] >= 6
+        for key in ("mean_ttft_ms", "median_tpot_ms", "p99_itl_ms", "request_goodput", "output_throughput"):
+            assert metrics[key] > 0, key
+    assert plot.stat().st_size > 10_000
+
+
+def test_arrivals_and_percentiles():
+    import random
+
+    delays = bench_serve._arrival_delays(100, 10.0, 1.0, random.Random(0))
+    assert delays[0] == 0 and delays == sorted(delays) and 9.0 < delays[-1] <= 10.0
+    assert bench_serve._arrival_delays(3, float("inf"), 1.0, random.Random(0)) == [0, 0, 0]
+    assert bench_serve._percentile([1, 2, 3, 4], 50) == 2.5 and bench_serve._percentile([5], 99) == 5
+    assert bench_serve._parse_goodput(["ttft:200", "e2el:1000"]) == {"ttft": 0.2, "e2el": 1.0}

@@ -225,7 +225,16 @@ def ensure_demo_model(cache_dir: str | Path | None = None) -> Path:
     target = demo_model_dir(cache_dir)
     if (target / "config.json").exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        if cache_dir is not None:
+            raise
+        # read-only home (some containers): build under the temp dir instead
+        target = demo_model_dir(Path(tempfile.gettempdir()) / "kvserve")
+        if (target / "config.json").exists():
+            return target
+        target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".demo-build-", dir=target.parent))
     os.chmod(tmp, 0o755)
     try:

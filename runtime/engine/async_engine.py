@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
+from kvserve.runtime.parallel.errors import WorkerDiedError
+
 logger = logging.getLogger(__name__)
 
 
@@ -198,6 +200,7 @@ class AsyncEngine:
                 if self.engine.has_unfinished_requests():
                     self._step(deliveries)
                 else:
+                    self._check_engine_health()  # a dead tensor-parallel worker stops the loop even when idle
                     self._refresh_stats()
                     self._flush(deliveries)
                     deliveries = []
@@ -209,6 +212,10 @@ class AsyncEngine:
                 if now - last_log >= self.log_interval_s:
                     last_logged_counters = self._log_stats(now - last_log, last_logged_counters)
                     last_log = now
+        except WorkerDiedError as exc:
+            logger.error("engine dead, /health now reports engine_dead: %s", exc)
+            self.dead_error = exc
+            self._fail_all(EngineDeadError(f"engine is dead: {exc}"))
         except BaseException as exc:  # pragma: no cover - a bug in this loop; fail everyone loudly
             logger.exception("engine loop died")
             self.dead_error = exc
@@ -248,9 +255,16 @@ class AsyncEngine:
         except Exception:
             logger.exception("abort_request(%s) failed", request_id)
 
+    def _check_engine_health(self) -> None:
+        check = getattr(self.engine, "check_health", None)
+        if check is not None:
+            check()  # raises WorkerDiedError: _run marks the engine dead (/health turns 503)
+
     def _step(self, deliveries: list) -> None:
         try:
             outputs = self.engine.step()
+        except WorkerDiedError:
+            raise  # fatal, unlike one step's failure: the ranks cannot be resynchronised
         except Exception as exc:
             self.num_step_failures += 1
             logger.exception("engine step failed; failing the requests in flight and carrying on")

@@ -10,9 +10,22 @@ from kvserve.runtime.sampling_params import InvalidParameter, SamplingParams
 
 
 class LLM:
+    """With tensor_parallel_size=t > 1 the model runs in t worker processes; call shutdown() (or use
+    `with LLM(...) as llm:`) to release them -- they are also released when the LLM is garbage-collected
+    and at interpreter exit."""
+
     def __init__(self, model: str, **engine_kwargs):
         self.engine = LLMEngine.from_kwargs(model, **engine_kwargs)
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     @property
     def tokenizer(self):

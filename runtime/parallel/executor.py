@@ -1,0 +1,237 @@
+"""MultiprocExecutor: tensor parallelism with every rank in its own spawned worker process.
+
+The engine process keeps the tokenizer, the scheduler and the KV-cache manager (they run once); each step it
+pickles the plain-data SchedulerOutput once and sends the same bytes to every rank; all ranks run the same
+forward (their collectives keep them in step); rank 0 gathers the logits, samples and returns the
+ModelRunnerOutput; the others answer None.
+
+Why rank 0 is a worker too, not the engine process (nano-vllm and vLLM's uniprocess-rank-0 layout): the
+engine process then never sits inside a collective. When any rank dies, the survivors can block in an
+all-reduce forever (NCCL has no timeout that fires reliably); the engine, waiting only on pipes and process
+sentinels with a deadline, notices the death at once, kills the other ranks and raises WorkerDiedError naming
+the rank -- it never hangs. The price is one more process and one pickle round trip per step (the
+SchedulerOutput out, a dict of token ids back), small next to a forward.
+
+Memory: each rank holds 1/t of the weights (norms and row-parallel biases are replicated) and its own KV
+cache. `kv_cache_bytes` / `gpu_memory_utilization` are budgets **per rank** (per GPU), as the operator plans
+them: a KV block on one rank holds only that rank's KV heads, so the same byte budget holds ~t times more
+blocks than with t=1 (fewer when KV heads are replicated, see sharding.py). All ranks use the minimum block
+count any rank found.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import shutil
+import tempfile
+import time
+import weakref
+from multiprocessing.connection import wait
+
+from kvserve.runtime.config import EngineConfig
+from kvserve.runtime.core.outputs import ModelRunnerOutput, SchedulerOutput
+from kvserve.runtime.parallel.errors import WorkerDiedError
+from kvserve.runtime.parallel.sharding import tp_shape_error
+from kvserve.runtime.sampling_params import InvalidParameter
+
+logger = logging.getLogger("kvserve.parallel")
+
+# Loading a 70B shard from network storage can take tens of minutes; a step (with Triton JIT on the first
+# one) minutes. Both only bound a rank that is alive but silent: a dead rank is noticed immediately.
+DEFAULT_STARTUP_TIMEOUT_S = float(os.environ.get("KVSERVE_TP_STARTUP_TIMEOUT_S", 3600))
+DEFAULT_STEP_TIMEOUT_S = float(os.environ.get("KVSERVE_TP_STEP_TIMEOUT_S", 600))
+
+
+class MultiprocExecutor:
+    """Drop-in for ModelRunner on the engine side: execute(), num_blocks, kv_cache_bytes, num_host_blocks;
+    plus check_health() and shutdown()."""
+
+    def __init__(self, config: EngineConfig, startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+                 step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S):
+        import torch
+        import torch.multiprocessing as mp
+
+        t = config.tensor_parallel_size
+        m = config.model
+        error = tp_shape_error(m.num_heads, m.num_kv_heads, m.hf_config.intermediate_size, t)
+        if error:
+            raise InvalidParameter("tensor_parallel_size", f"tensor_parallel_size={t} does not fit {m.model_dir}: "
+                                                           f"{error}")
+        cuda = config.device.startswith("cuda")
+        if cuda and torch.cuda.device_count() < t:
+            raise InvalidParameter("tensor_parallel_size", f"tensor_parallel_size={t} needs {t} GPUs, "
+                                                           f"{torch.cuda.device_count()} visible")
+        self.config = config
+        self.size = t
+        self.step_timeout_s = step_timeout_s
+        self.dead: WorkerDiedError | None = None
+        backend = "nccl" if cuda else "gloo"
+        self._tmpdir = tempfile.mkdtemp(prefix="kvserve-tp-")
+        init_method = "file://" + os.path.join(self._tmpdir, "rendezvous")
+        ctx = mp.get_context("spawn")
+        self.procs, self.conns = [], []
+        # Registered before the first start so that whatever happens next, the workers are reaped on
+        # shutdown(), garbage collection of the executor, or interpreter exit.
+        self._finalizer = weakref.finalize(self, _stop_workers, self.procs, self.conns, self._tmpdir)
+        from kvserve.runtime.parallel.worker import worker_main
+
+        log_level = logging.getLogger("kvserve").getEffectiveLevel()
+        for rank in range(t):
+            parent_conn, child_conn = ctx.Pipe(duplex=True)
+            proc = ctx.Process(target=worker_main, name=f"kvserve-tp-rank{rank}", daemon=True,
+                               args=(config, rank, t, backend, init_method, child_conn, os.getpid(), log_level,
+                                     max(step_timeout_s, 60.0)))
+            proc.start()
+            child_conn.close()
+            self.procs.append(proc)
+            self.conns.append(parent_conn)
+        logger.info("tensor parallel: started %d %s workers (pids %s), loading shards", t, backend,
+                    ", ".join(str(p.pid) for p in self.procs))
+        started = time.monotonic()
+        self.rank_info: list[dict] = self._gather(startup_timeout_s, starting=True)
+        info = self.rank_info[0]
+        self.num_blocks: int = info["num_blocks"]
+        self.kv_cache_bytes: int = info["kv_cache_bytes"]  # per rank
+        self.num_host_blocks: int = info.get("num_host_blocks", 0)
+        logger.info("tensor parallel: %d ranks ready in %.1f s; per rank: %s", t, time.monotonic() - started,
+                    "; ".join(f"rank {i['rank']} {i['param_bytes'] / 2**20:.1f} MiB weights, {i['num_heads']} "
+                              f"q heads, KV heads {i['kv_head_ids']}, {i['kv_cache_bytes'] / 2**20:.1f} MiB KV"
+                              for i in self.rank_info))
+
+    # -- engine-side API ----------------------------------------------------------------------------------
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self._call("execute", sched)[0]
+
+    def collect_rank_info(self) -> list[dict]:
+        """Measured per-rank parameter / KV bytes (a round trip to every worker)."""
+        return self._call("info")
+
+    def check_health(self) -> None:
+        """Raise WorkerDiedError if the executor failed or any worker process is gone (cheap: no I/O)."""
+        if self.dead is not None:
+            raise self.dead
+        for rank, proc in enumerate(self.procs):
+            if not proc.is_alive():
+                raise self._fail(rank, f"tensor-parallel worker rank {rank} (pid {proc.pid}) died "
+                                       f"({_describe_exit(proc.exitcode)})")
+
+    def shutdown(self) -> None:
+        """Stop every worker (idempotent); the executor is unusable afterwards."""
+        if self.dead is None:
+            self.dead = WorkerDiedError("the tensor-parallel executor was shut down")
+        self._finalizer()
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    # -- plumbing ---------------------------------------------------------------------------------------
+    def _call(self, method: str, *args) -> list:
+        if self.dead is not None:
+            raise self.dead
+        data = pickle.dumps((method, args), pickle.HIGHEST_PROTOCOL)  # pickled once for all ranks
+        for rank, conn in enumerate(self.conns):
+            try:
+                conn.send_bytes(data)
+            except OSError:  # broken pipe: the worker is gone
+                self.procs[rank].join(1.0)
+                raise self._fail(rank, f"tensor-parallel worker rank {rank} (pid {self.procs[rank].pid}) is not "
+                                       f"reachable ({_describe_exit(self.procs[rank].exitcode)})")
+        return self._gather(self.step_timeout_s)
+
+    def _gather(self, timeout_s: float, starting: bool = False) -> list:
+        """One reply from every rank; any death, error or timeout is fatal (raised as WorkerDiedError)."""
+        replies: dict[int, object] = {}
+        pending = {conn: rank for rank, conn in enumerate(self.conns)}
+        sentinels = {proc.sentinel: rank for rank, proc in enumerate(self.procs)}
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                late = sorted(pending.values())
+                raise self._fail(late[0], f"tensor-parallel worker rank(s) {late} did not answer within "
+                                          f"{timeout_s:.0f} s (pids {[self.procs[r].pid for r in late]})")
+            ready = wait(list(pending) + list(sentinels), timeout=remaining)
+            # Read pipes before looking at exits: a worker that failed sent its error before exiting.
+            for obj in sorted(ready, key=lambda o: not hasattr(o, "recv_bytes")):
+                if obj in pending:
+                    rank = pending[obj]
+                    try:
+                        reply = pickle.loads(obj.recv_bytes())
+                    except (EOFError, OSError):
+                        self.procs[rank].join(1.0)
+                        raise self._fail(rank, f"tensor-parallel worker rank {rank} (pid {self.procs[rank].pid}) "
+                                               f"died ({_describe_exit(self.procs[rank].exitcode)})") from None
+                    if reply[0] == "error":
+                        _, summary, tb, param = reply
+                        where = "while starting" if starting else "during a step"
+                        logger.error("tensor-parallel worker rank %d failed %s:\n%s", rank, where, tb)
+                        if starting and param is not None:  # e.g. the KV budget cannot hold max_model_len
+                            self._fail(rank, summary)
+                            raise InvalidParameter(param, summary)
+                        raise self._fail(rank, f"tensor-parallel worker rank {rank} failed {where}: {summary}")
+                    replies[rank] = reply[1]
+                    del pending[obj]
+                elif obj in sentinels:
+                    rank = sentinels.pop(obj)
+                    if rank not in pending.values():
+                        continue  # answered this call, then exited: the next call notices
+                    proc = self.procs[rank]
+                    proc.join(1.0)
+                    raise self._fail(rank, f"tensor-parallel worker rank {rank} (pid {proc.pid}) died "
+                                           f"({_describe_exit(proc.exitcode)})")
+        return [replies[r] for r in range(len(self.conns))]
+
+    def _fail(self, rank: int, message: str) -> WorkerDiedError:
+        """Record the fatal error, stop every worker, and return the error for the caller to raise."""
+        if self.dead is None:
+            self.dead = WorkerDiedError(message + "; the engine is stopped (all tensor-parallel workers were shut "
+                                                  "down)", rank)
+            logger.error("%s", self.dead)
+        self._finalizer()
+        return self.dead
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        import signal
+
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _stop_workers(procs: list, conns: list, tmpdir: str, grace_s: float = 5.0) -> None:
+    """Ask every worker to exit, then terminate / kill whatever is left. Never raises."""
+    for conn in conns:
+        try:
+            conn.send_bytes(pickle.dumps(("shutdown", ())))
+        except Exception:  # noqa: BLE001 -- already gone
+            pass
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        except Exception:  # noqa: BLE001
+            pass
+    for proc in procs:
+        try:
+            if proc.is_alive():
+                proc.terminate()  # blocked in a collective whose peer died: SIGTERM ends it
+                proc.join(2.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(2.0)
+        except Exception:  # noqa: BLE001
+            pass
+    for conn in conns:
+        try:
+            conn.close()
+        except Exception:  # noqa: BLE001
+            pass
+    shutil.rmtree(tmpdir, ignore_errors=True)

@@ -1,0 +1,94 @@
+"""One tensor-parallel rank: a spawned process that joins the torch.distributed group, builds its
+ModelRunner shard and then executes whatever the engine process sends over its pipe, in order.
+
+Protocol (pickled tuples over a multiprocessing Pipe): engine -> worker `(method, args)`; worker -> engine
+`("ok", payload)` after every call (rank 0's payload for "execute" is the ModelRunnerOutput, other ranks send
+None), or `("error", summary, traceback, param)` once, after which the worker exits with code 1. A worker
+exits by itself when the engine process goes away (EOF on the pipe, or its parent pid changes while it is
+blocked in a collective), so a killed engine leaves no orphans.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import threading
+import time
+import traceback
+from dataclasses import replace
+from datetime import timedelta
+
+logger = logging.getLogger("kvserve.parallel.worker")
+
+
+def _watch_parent(parent_pid: int, interval_s: float = 1.0) -> None:
+    def watch() -> None:
+        while True:
+            time.sleep(interval_s)
+            if os.getppid() != parent_pid:  # reparented: the engine process is gone
+                os._exit(3)
+    threading.Thread(target=watch, name="kvserve-parent-watch", daemon=True).start()
+
+
+def rank_info(runner) -> dict:
+    """What a rank holds: parameter and KV-cache bytes are measured on the tensors themselves."""
+    model = runner.model
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv = {t.data_ptr(): t for pair in runner.kv_caches for t in pair}  # views of one tensor; count each once
+    kv_tensor_bytes = sum(t.numel() * t.element_size() for t in kv.values())
+    return dict(pid=os.getpid(), rank=model.parallel.rank, param_bytes=param_bytes, kv_tensor_bytes=kv_tensor_bytes,
+                kv_cache_bytes=runner.kv_cache_bytes, num_blocks=runner.num_blocks,
+                num_kv_heads=model.shard.num_kv_heads, kv_head_ids=list(model.shard.kv_head_ids),
+                num_heads=model.shard.num_heads, num_host_blocks=getattr(runner, "num_host_blocks", 0))
+
+
+def worker_main(config, rank: int, size: int, backend: str, init_method: str, conn, parent_pid: int,
+                log_level: int, collective_timeout_s: float) -> None:
+    _watch_parent(parent_pid)
+    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s [tp rank {rank}] %(name)s: %(message)s")
+    try:
+        import torch
+        import torch.distributed as dist
+
+        from kvserve.runtime.parallel.layers import ParallelContext
+        from kvserve.runtime.worker.model_runner import ModelRunner
+
+        if config.device.startswith("cuda"):
+            torch.cuda.set_device(rank)
+            config = replace(config, device=f"cuda:{rank}")
+        else:
+            # The ranks share the host's cores: one rank per core slice instead of t ranks fighting over all.
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
+                                timeout=timedelta(seconds=collective_timeout_s))
+        runner = ModelRunner(config, parallel=ParallelContext(rank, size))
+        conn.send_bytes(pickle.dumps(("ok", rank_info(runner)), pickle.HIGHEST_PROTOCOL))
+        while True:
+            method, args = pickle.loads(conn.recv_bytes())
+            if method == "shutdown":
+                break
+            if method == "execute":
+                out = runner.execute(*args)
+                reply = out if rank == 0 else None
+            elif method == "info":
+                reply = rank_info(runner)
+            else:
+                raise ValueError(f"unknown executor method {method!r}")
+            conn.send_bytes(pickle.dumps(("ok", reply), pickle.HIGHEST_PROTOCOL))
+    except (EOFError, BrokenPipeError, ConnectionResetError):  # the engine went away: nothing to report to
+        os._exit(0)
+    except BaseException as exc:  # noqa: BLE001 -- report anything, then die: the group is out of step
+        logger.error("tensor-parallel rank %d failed: %r", rank, exc)
+        try:
+            conn.send_bytes(pickle.dumps(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc(),
+                                          getattr(exc, "param", None))))
+            conn.close()
+        except Exception:  # noqa: BLE001
+            pass
+        os._exit(1)
+    try:
+        conn.send_bytes(pickle.dumps(("ok", None)))
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 -- shutting down anyway
+        pass
+    os._exit(0)

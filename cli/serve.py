@@ -56,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--dtype", default="auto", help="weights/activations dtype: auto, float32, float16, bfloat16")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
+                        help="shard the model over this many worker processes / GPUs (torch.distributed: NCCL on "
+                             "CUDA, gloo on CPU); KV budgets are per rank")
     parser.add_argument("--attention-backend", default=None, help="torch or triton (default: by device)")
     parser.add_argument("--api-key", default=None,
                         help="require `Authorization: Bearer KEY` on /v1/* (also read from KVSERVE_API_KEY)")
@@ -98,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
         enable_chunked_prefill=args.enable_chunked_prefill,
         long_prefill_token_threshold=args.long_prefill_token_threshold, kv_cache_bytes=args.kv_cache_bytes,
         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization, dtype=args.dtype,
-        seed=args.seed, attention_backend=args.attention_backend,
+        seed=args.seed, attention_backend=args.attention_backend, tensor_parallel_size=args.tensor_parallel_size,
     )
 
     def load_engine():

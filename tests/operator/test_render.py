@@ -163,9 +163,9 @@ def test_custom_model_shape_and_unknown_model():
     assert r.plan.fits and r.model.max_position_embeddings == 65536 and r.gpu_product == "X"
 
 
-# Flags the runtime issues have promised but `kvserve serve` may not parse yet: tensor parallelism is
-# issue 6, an fp8 KV cache is not scheduled. Any other unknown flag fails the test.
-PENDING_RUNTIME_FLAGS = {"--tensor-parallel-size", "--kv-cache-dtype"}
+# Flags the runtime issues have promised but `kvserve serve` may not parse yet: an fp8 KV cache is not
+# scheduled. Any other unknown flag fails the test.
+PENDING_RUNTIME_FLAGS = {"--kv-cache-dtype"}
 
 
 def test_rendered_flags_parse_with_the_runtime_cli():
@@ -187,6 +187,7 @@ def test_rendered_flags_parse_with_the_runtime_cli():
         args, unknown = parser.parse_known_args(cmd[2:])
         unknown_flags = {u for u in unknown if u.startswith("--")}
         assert unknown_flags <= PENDING_RUNTIME_FLAGS, f"kvserve serve does not accept {unknown_flags}"
-        assert args.kv_cache_bytes == int(_flag(cmd, "--kv-cache-bytes"))
+        assert args.kv_cache_bytes == int(_flag(cmd, "--kv-cache-bytes"))  # per rank on both sides
+        assert args.tensor_parallel_size == int(_flag(cmd, "--tensor-parallel-size")) == 4
         assert args.max_model_len == 8192 and args.port == 8000
         assert args.enable_chunked_prefill == ("--no-enable-chunked-prefill" not in cmd)

@@ -85,5 +85,5 @@ def test_triton_fp8_kv_cache(random_model, kv_cache_dtype):
 def test_triton_backend_stories260k():
     if not os.path.isfile(os.path.join(STORIES, "model.safetensors")):
         pytest.skip(f"the pretrained tiny model is not present at {STORIES} (../shared is absent on this machine)")
-    prompts = _prompts(5, 512)[:3]
+    prompts = _prompts(5, 512)[1:3]  # 33 and 50 tokens: crosses blocks, prefix hit on the second
     assert _generate(STORIES, prompts, "triton") == _generate(STORIES, prompts, "torch")

@@ -147,3 +147,14 @@ def test_choose_num_segments():
     for args in [(3, 2, 700, 32), (1, 1, 10**6, 16)]:
         n = choose_num_segments(*args, cpu)
         assert n & (n - 1) == 0 and 1 <= n <= 64
+
+
+@pytest.mark.parametrize("block_size", [1, 8, 64])
+def test_other_block_sizes(gen, seed, block_size):
+    """The runtime allows block sizes 1..256: tiles look up a block per key, so any size works."""
+    b = make_paged_batch([1, 9, 1], [70, 30, 130], num_heads=4, num_kv_heads=2, head_dim=64,
+                         block_size=block_size, generator=gen)
+    _check(_run(paged_attention, b), b, torch.float32, seed, f"mixed bs={block_size}")
+    d = make_paged_batch([1, 1], [70, 130], num_heads=4, num_kv_heads=2, head_dim=64, block_size=block_size,
+                         generator=gen)
+    _check(_run(paged_attention, d, num_segments=4), d, torch.float32, seed, f"split-K bs={block_size}")

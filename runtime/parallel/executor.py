@@ -164,12 +164,12 @@ class MultiprocExecutor:
                         raise self._fail(rank, f"tensor-parallel worker rank {rank} (pid {self.procs[rank].pid}) "
                                                f"died ({_describe_exit(self.procs[rank].exitcode)})") from None
                     if reply[0] == "error":
-                        _, summary, tb, param = reply
+                        _, summary, tb, param, message = reply
                         where = "while starting" if starting else "during a step"
                         logger.error("tensor-parallel worker rank %d failed %s:\n%s", rank, where, tb)
                         if starting and param is not None:  # e.g. the KV budget cannot hold max_model_len
-                            self._fail(rank, summary)
-                            raise InvalidParameter(param, summary)
+                            self._fail(rank, f"tensor-parallel worker rank {rank} failed while starting: {summary}")
+                            raise InvalidParameter(param, message)
                         raise self._fail(rank, f"tensor-parallel worker rank {rank} failed {where}: {summary}")
                     replies[rank] = reply[1]
                     del pending[obj]

@@ -3,7 +3,7 @@ ModelRunner shard and then executes whatever the engine process sends over its p
 
 Protocol (pickled tuples over a multiprocessing Pipe): engine -> worker `(method, args)`; worker -> engine
 `("ok", payload)` after every call (rank 0's payload for "execute" is the ModelRunnerOutput, other ranks send
-None), or `("error", summary, traceback, param)` once, after which the worker exits with code 1. A worker
+None), or `("error", summary, traceback, param, message)` once, after which the worker exits with code 1. A worker
 exits by itself when the engine process goes away (EOF on the pipe, or its parent pid changes while it is
 blocked in a collective), so a killed engine leaves no orphans.
 """
@@ -81,7 +81,7 @@ def worker_main(config, rank: int, size: int, backend: str, init_method: str, co
         logger.error("tensor-parallel rank %d failed: %r", rank, exc)
         try:
             conn.send_bytes(pickle.dumps(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc(),
-                                          getattr(exc, "param", None))))
+                                          getattr(exc, "param", None), str(exc))))
             conn.close()
         except Exception:  # noqa: BLE001
             pass

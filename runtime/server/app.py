@@ -267,9 +267,13 @@ class _Serving:
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > limit:
             raise APIError(413, f"Request body larger than {limit} bytes.", code="request_too_large")
-        body = await request.body()
-        if len(body) > limit:
-            raise APIError(413, f"Request body larger than {limit} bytes.", code="request_too_large")
+        parts, size = [], 0
+        async for part in request.stream():  # bounded read: a chunked upload has no Content-Length
+            size += len(part)
+            if size > limit:
+                raise APIError(413, f"Request body larger than {limit} bytes.", code="request_too_large")
+            parts.append(part)
+        body = b"".join(parts)
         try:
             data = json.loads(body)
         except UnicodeDecodeError:

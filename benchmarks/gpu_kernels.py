@@ -224,15 +224,16 @@ def decode_grid(device, clock, smoke: bool, copy_bps: float, deadline: float) ->
 
 
 # -- 4. end to end --------------------------------------------------------------------------------------
-def _random_load_model(model_config, attention_backend, device):
-    """Stand-in for kvserve's loader: same model class, weights filled in place (no checkpoint I/O)."""
+def _random_load_model(model_config, attention_backend, device, *parallel):
+    """Stand-in for kvserve's loader: same model class, weights filled in place (no checkpoint I/O).
+    ``parallel`` (a tensor-parallel context, when the runner passes one) goes to the model unchanged."""
     import torch
 
     from kvserve.runtime.models.llama import LlamaForCausalLM
 
     dtype = getattr(torch, model_config.dtype)
     with torch.device("meta"):
-        model = LlamaForCausalLM(model_config, attention_backend).to(dtype)
+        model = LlamaForCausalLM(model_config, attention_backend, *parallel).to(dtype)
     model = model.to_empty(device=device)
     model.rotary.build(device)
     gen = torch.Generator(device=device).manual_seed(0)

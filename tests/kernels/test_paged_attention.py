@@ -157,3 +157,14 @@ def test_other_block_sizes(gen, seed, block_size):
     d = make_paged_batch([1, 1], [70, 130], num_heads=4, num_kv_heads=2, head_dim=64, block_size=block_size,
                          generator=gen)
     _check(_run(paged_attention, d, num_segments=4), d, torch.float32, seed, f"split-K bs={block_size}")
+
+
+@pytest.mark.parametrize("heads", [(12, 4, 64), (64, 2, 32)], ids=["gqa3", "gqa32"])
+def test_odd_and_large_gqa_groups(gen, seed, heads):
+    """Group sizes that are not powers of two (padded rows masked) and larger than a 64-row q-block."""
+    h, kvh, d = heads
+    b = make_paged_batch([1, 7, 1], [40, 20, 100], num_heads=h, num_kv_heads=kvh, head_dim=d, block_size=16,
+                         generator=gen)
+    _check(_run(paged_attention, b), b, torch.float32, seed, f"mixed {heads}")
+    d = make_paged_batch([1, 1], [40, 300], num_heads=h, num_kv_heads=kvh, head_dim=d, block_size=16, generator=gen)
+    _check(_run(paged_attention, d, num_segments=4), d, torch.float32, seed, f"split-K {heads}")

@@ -468,7 +468,9 @@ def _plot(result: dict, path: str) -> None:
         for r in run["requests"]:
             if r["tag"] == "long" and r["ttft_s"] is not None:
                 axes[2].axvline(r["start_s"], color="grey", alpha=0.3, linewidth=0.8)
-    axes[0].set(title="TTFT CDF", xlabel="ms", ylabel="fraction")
+    workload = next(iter(runs.values()))["workload"]
+    axes[0].set(title="TTFT CDF" + (" (long prompts)" if workload == "long-prompt" else ""), xlabel="ms",
+                ylabel="fraction")
     axes[1].set(title="ITL CDF (streams)", xlabel="ms", xscale="log")
     axes[2].set(title="streamed chunks/s (grey: long prompt arrivals)", xlabel="s since start")
     for ax in axes:

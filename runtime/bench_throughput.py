@@ -79,6 +79,11 @@ def run_kvserve(model_dir: str, wl: Workload, **engine_kwargs) -> tuple[Result, 
                  kv_slots_used_at_peak=used_at_peak,
                  kv_waste_pct=100.0 * (1 - used_at_peak / peak_allocated_slots) if peak_allocated_slots else 0.0,
                  num_kv_blocks=engine.config.cache.num_blocks - 1, block_size=bs)
+    if hasattr(engine.runner, "collect_rank_info"):  # tensor parallel: what each rank holds, measured there
+        extra["per_rank"] = [{k: i[k] for k in ("rank", "pid", "param_bytes", "kv_tensor_bytes", "num_blocks",
+                                                "kv_head_ids", "max_rss_bytes") if k in i}
+                             for i in engine.runner.collect_rank_info()]
+    llm.shutdown()
     return Result("kvserve", seconds, tokens_out), extra
 
 
@@ -190,3 +195,7 @@ def print_report(r: dict) -> None:
     print(f"KV at peak     {r['kv_slots_used_at_peak']} of {r['peak_kv_slots_allocated']} allocated slots used "
           f"-> waste {r['kv_waste_pct']:.2f}% (block_size {r['block_size']})")
     print(f"preemptions    {r['preemptions']}")
+    for i in r.get("per_rank", []):
+        rss = f", peak RSS {i['max_rss_bytes'] / 2**20:.0f} MiB" if "max_rss_bytes" in i else ""
+        print(f"rank {i['rank']} (pid {i['pid']}): weights {i['param_bytes'] / 2**20:.1f} MiB, KV cache "
+              f"{i['kv_tensor_bytes'] / 2**20:.1f} MiB ({i['num_blocks']} blocks, KV heads {i['kv_head_ids']}){rss}")

@@ -39,7 +39,20 @@ def rank_info(runner) -> dict:
     return dict(pid=os.getpid(), rank=model.parallel.rank, param_bytes=param_bytes, kv_tensor_bytes=kv_tensor_bytes,
                 kv_cache_bytes=runner.kv_cache_bytes, num_blocks=runner.num_blocks,
                 num_kv_heads=model.shard.num_kv_heads, kv_head_ids=list(model.shard.kv_head_ids),
-                num_heads=model.shard.num_heads, num_host_blocks=getattr(runner, "num_host_blocks", 0))
+                num_heads=model.shard.num_heads, num_host_blocks=getattr(runner, "num_host_blocks", 0),
+                max_rss_bytes=_max_rss_bytes(), cuda_allocated_bytes=_cuda_allocated_bytes(runner))
+
+
+def _max_rss_bytes() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _cuda_allocated_bytes(runner) -> int:
+    import torch
+
+    return torch.cuda.memory_allocated(runner.device) if runner.device.type == "cuda" else 0
 
 
 def worker_main(config, rank: int, size: int, backend: str, init_method: str, conn, parent_pid: int,

@@ -97,3 +97,22 @@ def test_tp2_matches_tp1_token_for_token_with_half_the_weights_per_rank(tp_model
             assert per_block == t1_kv_bytes_per_block
             assert i["num_blocks"] == t1_blocks
         assert i["kv_tensor_bytes"] <= budget
+
+
+@pytest.mark.timeout(120)
+def test_tp2_swap_preemption_matches_unconstrained_tp1(tp_model_factory):
+    """A pool small enough to force preemption, in swap mode: every rank swaps its own KV heads out to host
+    memory and back (swap_space_bytes is per rank too), and the output equals an unconstrained t=1 run."""
+    model_dir, hf_model = tp_model_factory("llama_gqa")
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(8, hf_model.config.vocab_size, 20, 60, seed=1)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    with LLM(model_dir, max_model_len=128) as llm:
+        ref = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    with LLM(model_dir, max_model_len=128, num_kv_blocks=14, preemption_mode="swap", swap_space_bytes=1 << 20,
+             tensor_parallel_size=2) as llm:
+        out = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        stats = llm.engine.get_stats()
+    assert out == ref
+    assert stats.num_swap_outs > 0 and stats.num_swap_ins == stats.num_swap_outs
+    assert stats.num_free_host_blocks == stats.num_total_host_blocks > 0
+    assert stats.num_free_blocks == stats.num_total_blocks

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import signal
 import threading
 import time
 import traceback
@@ -58,6 +59,9 @@ def _cuda_allocated_bytes(runner) -> int:
 def worker_main(config, rank: int, size: int, backend: str, init_method: str, conn, parent_pid: int,
                 log_level: int, collective_timeout_s: float) -> None:
     _watch_parent(parent_pid)
+    # Ctrl-C reaches the whole foreground process group: the engine decides when workers stop (a server
+    # drains first), so a worker must not die of the SIGINT meant for it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s [tp rank {rank}] %(name)s: %(message)s")
     try:
         import torch

@@ -170,6 +170,12 @@ class MultiprocExecutor:
                         if starting and param is not None:  # e.g. the KV budget cannot hold max_model_len
                             self._fail(rank, f"tensor-parallel worker rank {rank} failed while starting: {summary}")
                             raise InvalidParameter(param, message)
+                        killed = self._killed_peer(rank)
+                        if killed is not None:  # rank's error is the symptom (a collective lost its peer)
+                            proc = self.procs[killed]
+                            raise self._fail(killed, f"tensor-parallel worker rank {killed} (pid {proc.pid}) died "
+                                                     f"({_describe_exit(proc.exitcode)}); rank {rank} then failed: "
+                                                     f"{summary.splitlines()[0][:200]}")
                         raise self._fail(rank, f"tensor-parallel worker rank {rank} failed {where}: {summary}")
                     replies[rank] = reply[1]
                     del pending[obj]
@@ -182,6 +188,18 @@ class MultiprocExecutor:
                     raise self._fail(rank, f"tensor-parallel worker rank {rank} (pid {proc.pid}) died "
                                            f"({_describe_exit(proc.exitcode)})")
         return [replies[r] for r in range(len(self.conns))]
+
+    def _killed_peer(self, rank: int, grace_s: float = 0.5) -> int | None:
+        """A rank other than `rank` that was killed by a signal (looked for briefly): when one rank is
+        killed, its peers fail in their next collective, and the killed rank is the one to name."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            for other, proc in enumerate(self.procs):
+                if other != rank and not proc.is_alive() and (proc.exitcode or 0) < 0:
+                    return other
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.02)
 
     def _fail(self, rank: int, message: str) -> WorkerDiedError:
         """Record the fatal error, stop every worker, and return the error for the caller to raise."""

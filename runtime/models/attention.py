@@ -41,8 +41,11 @@ class TorchAttentionBackend:
         if meta.has_padding_slots:
             keep = slots >= 0
             k, v, slots = k[keep], v[keep], slots[keep]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k.to(k_cache.dtype))
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v.to(v_cache.dtype))
+        k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+        if k_cache.element_size() == 1:  # fp8 cache: CPU index_copy_ has no float8 kernel; copy the bytes
+            k_cache, v_cache, k, v = (t.view(torch.uint8) for t in (k_cache, v_cache, k, v))
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:

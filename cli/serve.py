@@ -54,6 +54,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="KV-cache budget, e.g. 512MiB (CPU; default: the engine's). GPUs size it by profiling.")
     parser.add_argument("--num-kv-blocks", type=_positive_int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                        help="KV cache element type; fp8 (= fp8_e4m3) halves KV bytes per token vs 16-bit "
+                             "(per-tensor scale 1.0)")
+    parser.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"],
+                        help="when the KV cache is full: drop the victim's KV and recompute, or swap it to host RAM")
+    parser.add_argument("--swap-space", type=parse_bytes, default=None, dest="swap_space_bytes",
+                        help="host RAM for --preemption-mode swap, in bytes (suffixes like 4GiB accepted)")
     parser.add_argument("--dtype", default="auto", help="weights/activations dtype: auto, float32, float16, bfloat16")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tensor-parallel-size", "-tp", type=_positive_int, default=1,
@@ -102,6 +109,8 @@ def run(args: argparse.Namespace) -> int:
         long_prefill_token_threshold=args.long_prefill_token_threshold, kv_cache_bytes=args.kv_cache_bytes,
         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization, dtype=args.dtype,
         seed=args.seed, attention_backend=args.attention_backend, tensor_parallel_size=args.tensor_parallel_size,
+        kv_cache_dtype=args.kv_cache_dtype, preemption_mode=args.preemption_mode,
+        swap_space_bytes=args.swap_space_bytes,
     )
 
     def load_engine():

@@ -140,6 +140,8 @@ def make_engine_config(model: str, *, block_size: int = 16, max_model_len: int |
     if not 0 < gpu_memory_utilization <= 1:
         raise InvalidParameter("gpu_memory_utilization",
                                f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    if kv_cache_dtype == "fp8":  # vLLM's spelling: e4m3
+        kv_cache_dtype = "fp8_e4m3"
     if kv_cache_dtype not in ("auto", "fp8_e4m3", "fp8_e5m2"):
         raise InvalidParameter("kv_cache_dtype", f"kv_cache_dtype must be auto, fp8_e4m3 or fp8_e5m2, "
                                                  f"got {kv_cache_dtype!r}")

@@ -74,6 +74,9 @@ class ServerMetrics:
                                             "Prefix cache queries, in terms of number of queried tokens.")
         self.prefix_cache_hits = counter("vllm:prefix_cache_hits",
                                          "Prefix cache hits, in terms of number of cached tokens.")
+        # Swap preemption (vLLM V1 has no swapping, hence kvserve: names)
+        self.num_swap_outs = counter("kvserve:num_swap_outs", "Requests preempted by swapping their KV to host memory.")
+        self.num_swap_ins = counter("kvserve:num_swap_ins", "Swapped-out requests brought back to device memory.")
         self._request_success = Counter("vllm:request_success", "Count of successfully processed requests.",
                                         labels + ["finished_reason"], registry=registry)
 
@@ -133,7 +136,7 @@ class ServerMetrics:
         self.num_kv_blocks_total.set(getattr(stats, "num_total_blocks", 0))
         iteration_tokens = 0
         for name in ("prompt_tokens", "generation_tokens", "num_preemptions", "prefix_cache_queries",
-                     "prefix_cache_hits"):
+                     "prefix_cache_hits", "num_swap_outs", "num_swap_ins"):
             value = getattr(stats, name, None)
             if value is None:
                 continue

@@ -163,9 +163,8 @@ def test_custom_model_shape_and_unknown_model():
     assert r.plan.fits and r.model.max_position_embeddings == 65536 and r.gpu_product == "X"
 
 
-# Flags the runtime issues have promised but `kvserve serve` may not parse yet: an fp8 KV cache is not
-# scheduled. Any other unknown flag fails the test.
-PENDING_RUNTIME_FLAGS = {"--kv-cache-dtype"}
+# Flags the runtime has promised but `kvserve serve` may not parse yet (none left). Any other unknown flag fails.
+PENDING_RUNTIME_FLAGS: set[str] = set()
 
 
 def test_rendered_flags_parse_with_the_runtime_cli():
@@ -179,6 +178,7 @@ def test_rendered_flags_parse_with_the_runtime_cli():
     doc = _load(ROOT / "examples" / "llama70b.yaml")
     doc["spec"]["engine"]["enableChunkedPrefill"] = False
     doc["spec"]["engine"]["maxNumBatchedTokens"] = 8192
+    doc["spec"]["engine"]["kvCacheDtype"] = "fp8"
     for d in (_load(ROOT / "examples" / "llama70b.yaml"), doc):
         _, objs = _render(d)
         cmd = objs[0]["spec"]["template"]["spec"]["containers"][0]["command"]
@@ -191,3 +191,4 @@ def test_rendered_flags_parse_with_the_runtime_cli():
         assert args.tensor_parallel_size == int(_flag(cmd, "--tensor-parallel-size")) == 4
         assert args.max_model_len == 8192 and args.port == 8000
         assert args.enable_chunked_prefill == ("--no-enable-chunked-prefill" not in cmd)
+        assert args.kv_cache_dtype == ("fp8" if d is doc else "auto")

@@ -24,6 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="weights/activations dtype for both engines")
     parser.add_argument("--json-out", default=None)
 
 
@@ -39,5 +41,6 @@ def run(args: argparse.Namespace) -> int:
             engine_kwargs[key] = getattr(args, key)
     main(num_requests=args.num_requests, prompt_range=tuple(args.prompt_len), output_range=tuple(args.output_len),
          seed=args.seed, hf_batch_size=args.hf_batch_size, skip_hf=args.skip_hf, model_dir=args.model, shape=shape,
-         json_out=args.json_out, tensor_parallel_size=args.tensor_parallel_size, **engine_kwargs)
+         json_out=args.json_out, tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype,
+         **engine_kwargs)
     return 0

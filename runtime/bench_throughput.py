@@ -87,7 +87,7 @@ def run_kvserve(model_dir: str, wl: Workload, **engine_kwargs) -> tuple[Result, 
     return Result("kvserve", seconds, tokens_out), extra
 
 
-def run_hf(model_dir: str, wl: Workload, batch_size: int) -> Result:
+def run_hf(model_dir: str, wl: Workload, batch_size: int, dtype: str = "float32") -> Result:
     """transformers generate, static batches in arrival order, left padding; each batch runs to its
     longest requested output. Useful tokens are only the requested ones."""
     import torch
@@ -95,7 +95,7 @@ def run_hf(model_dir: str, wl: Workload, batch_size: int) -> Result:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     start = time.perf_counter()
     with torch.no_grad():
         for b in range(0, len(wl.prompts), batch_size):
@@ -108,11 +108,13 @@ def run_hf(model_dir: str, wl: Workload, batch_size: int) -> Result:
     return Result("hf_generate", time.perf_counter() - start, wl.num_output_tokens)
 
 
-def measured_peak_flops(hidden: int, intermediate: int, tokens: int = 256, repeats: int = 5) -> float:
+def measured_peak_flops(hidden: int, intermediate: int, tokens: int = 256, repeats: int = 5,
+                        dtype: str = "float32") -> float:
     """FLOP/s of this machine on the model's own largest matmul shape, at a fat batch (best of N)."""
     import torch
 
-    x, w = torch.randn(tokens, hidden), torch.randn(2 * intermediate, hidden)
+    dt = getattr(torch, dtype)
+    x, w = torch.randn(tokens, hidden, dtype=dt), torch.randn(2 * intermediate, hidden, dtype=dt)
     torch.nn.functional.linear(x, w)
     best = float("inf")
     for _ in range(repeats):
@@ -138,7 +140,8 @@ def model_flops(shape: dict, wl: Workload) -> float:
 
 def main(num_requests: int = 32, prompt_range=(16, 256), output_range=(16, 128), seed: int = 0,
          hf_batch_size: int = 8, skip_hf: bool = False, model_dir: str | None = None, shape: dict | None = None,
-         json_out: str | None = None, tensor_parallel_size: int = 1, **engine_kwargs) -> dict:
+         json_out: str | None = None, tensor_parallel_size: int = 1, dtype: str = "float32",
+         **engine_kwargs) -> dict:
     import torch
 
     from kvserve.runtime.models.synthetic import make_random_model_dir
@@ -157,23 +160,25 @@ def main(num_requests: int = 32, prompt_range=(16, 256), output_range=(16, 128),
     engine_kwargs.setdefault("max_model_len", max(len(p) for p in wl.prompts) + max(wl.output_lens))
     engine_kwargs.setdefault("max_num_seqs", num_requests)
     engine_kwargs.setdefault("max_num_batched_tokens", 512)
+    engine_kwargs["dtype"] = dtype
     if tensor_parallel_size != 1:
         engine_kwargs["tensor_parallel_size"] = tensor_parallel_size
     ours, extra = run_kvserve(model_dir, wl, **engine_kwargs)
     print(f"kvserve: {ours.seconds:.1f} s, {ours.output_tokens_per_s:.1f} useful output tok/s, {extra['steps']} steps, "
           f"{extra['preemptions']} preemptions", flush=True)
-    peak = measured_peak_flops(shape["hidden_size"], shape["intermediate_size"])
+    peak = measured_peak_flops(shape["hidden_size"], shape["intermediate_size"], dtype=dtype)
     roofline_s = model_flops(shape, wl) / peak
     report = dict(workload=dict(num_requests=num_requests, prompt_tokens=wl.num_prompt_tokens,
-                                output_tokens=wl.num_output_tokens, seed=seed),
+                                output_tokens=wl.num_output_tokens, seed=seed, dtype=dtype),
                   engine_kwargs=engine_kwargs, kvserve=asdict(ours) | {"tok_per_s": ours.output_tokens_per_s},
                   **extra, measured_peak_gflops=peak / 1e9, roofline_seconds=roofline_s,
                   roofline_fraction=roofline_s / ours.seconds)
     if not skip_hf:
         print(f"running transformers generate (static batches of {hf_batch_size}, left padding) ...", flush=True)
-        hf = run_hf(model_dir, wl, hf_batch_size)
+        hf = run_hf(model_dir, wl, hf_batch_size, dtype)
         report["hf"] = asdict(hf) | {"tok_per_s": hf.output_tokens_per_s}
         report["speedup_vs_hf"] = ours.output_tokens_per_s / hf.output_tokens_per_s
+        report["hf_roofline_fraction"] = roofline_s / hf.seconds
     print_report(report)
     if json_out:
         os.makedirs(os.path.dirname(os.path.abspath(json_out)), exist_ok=True)
@@ -185,11 +190,11 @@ def main(num_requests: int = 32, prompt_range=(16, 256), output_range=(16, 128),
 
 
 def print_report(r: dict) -> None:
-    print("\n=== offline throughput ===")
+    print(f"\n=== offline throughput ({r['workload']['dtype']}) ===")
     print(f"kvserve        {r['kvserve']['seconds']:8.1f} s   {r['kvserve']['tok_per_s']:8.1f} useful output tok/s")
     if "hf" in r:
         print(f"HF generate    {r['hf']['seconds']:8.1f} s   {r['hf']['tok_per_s']:8.1f} useful output tok/s")
-        print(f"speedup        {r['speedup_vs_hf']:8.2f} x")
+        print(f"speedup        {r['speedup_vs_hf']:8.2f} x   (HF at {100 * r['hf_roofline_fraction']:.0f}% of roofline)")
     print(f"FLOP roofline  {r['roofline_seconds']:8.1f} s at {r['measured_peak_gflops']:.0f} GFLOP/s measured here "
           f"-> kvserve at {100 * r['roofline_fraction']:.0f}% of roofline")
     print(f"KV at peak     {r['kv_slots_used_at_peak']} of {r['peak_kv_slots_allocated']} allocated slots used "

@@ -199,6 +199,18 @@ def build_app(config: ServerConfig, *, engine: Any = None, engine_factory: Calla
 
 # ------------------------------------------------------------------------------------------------------
 @dataclass
+class _Delta:
+    """What one step added to one streamed choice."""
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list | None  # per new token
+    text_offset: int  # characters of this choice sent before this delta
+    finish_reason: str | None
+    stop_reason: Any
+
+
+@dataclass
 class _Choice:
     """Streaming progress of one choice: what has been sent so far."""
     index: int
@@ -542,6 +554,38 @@ class _Serving:
                              "model": model, "choices": choices,
                              "usage": self.usage(prepared, completion_tokens)})
 
+    async def _choice_deltas(self, streams: list[RequestStream], n: int,
+                             choices: dict[int, _Choice]) -> AsyncIterator[_Delta]:
+        """What each engine step added to each choice (choice index = prompt index * n + sample index). A
+        delta per step with new tokens, even when their text is held back (a partial UTF-8 character, a
+        possible stop string) and the text is "": clients see every token's timing (ITL), as with vLLM.
+        Choices cut off by a drain timeout end with an "abort" delta."""
+        async for i, out in self.merged(streams):
+            if out is None:
+                if streams[i].aborted:
+                    for k in range(n):
+                        ch = choices.setdefault(i * n + k, _Choice(i * n + k))
+                        if ch.finish_reason is None:
+                            ch.finish_reason = "abort"
+                            yield _Delta(ch.index, "", [], None, ch.sent_text_len, "abort", None)
+                continue
+            for c in out.outputs:
+                ch = choices.setdefault(i * n + c.index, _Choice(i * n + c.index))
+                if ch.finish_reason is not None:
+                    continue
+                ch.num_tokens = len(c.token_ids)
+                text = c.text[ch.sent_text_len:]
+                new_ids = c.token_ids[ch.sent_tokens:]
+                if not text and not c.finish_reason and not new_ids:
+                    continue
+                logprobs = c.logprobs[ch.sent_tokens:] if c.logprobs is not None else None
+                delta = _Delta(ch.index, text, new_ids, logprobs, ch.sent_text_len, c.finish_reason,
+                               c.stop_reason if c.finish_reason else None)
+                ch.sent_text_len += len(text)
+                ch.sent_tokens = len(c.token_ids)
+                ch.finish_reason = c.finish_reason
+                yield delta
+
     async def _completion_stream(self, body: CompletionRequest, prepared: _Prepared, streams: list[RequestStream],
                                  created: int, model: str) -> AsyncIterator[str]:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -560,36 +604,11 @@ class _Serving:
                 for i, text in enumerate(prepared.prompt_texts):
                     for j in range(body.n):
                         yield chunk(i * body.n + j, text or "", None, None)
-            async for i, out in self.merged(streams):
-                if out is None:
-                    if streams[i].aborted:  # drain timeout: close the open choices
-                        for k in range(body.n):
-                            ch = choices.setdefault(i * body.n + k, _Choice(i * body.n + k))
-                            if ch.finish_reason is None:
-                                ch.finish_reason = "abort"
-                                yield chunk(ch.index, "", None, "abort")
-                    continue
-                for c in out.outputs:
-                    index = i * body.n + c.index
-                    ch = choices.setdefault(index, _Choice(index))
-                    if ch.finish_reason is not None:
-                        continue
-                    ch.num_tokens = len(c.token_ids)
-                    delta = c.text[ch.sent_text_len:] if len(c.text) > ch.sent_text_len else ""
-                    new_ids = c.token_ids[ch.sent_tokens:]
-                    logprobs = None
-                    if body.logprobs is not None and c.logprobs is not None and new_ids:
-                        logprobs = self.completion_logprobs(new_ids, c.logprobs[ch.sent_tokens:], ch.sent_text_len)
-                    # A chunk per step with new tokens, even when their text is held back (a partial UTF-8
-                    # character, a possible stop string) and the delta is "": clients see every token's
-                    # timing (ITL), as with vLLM's completions stream.
-                    if not delta and not c.finish_reason and not new_ids:
-                        continue
-                    ch.sent_text_len += len(delta)
-                    ch.sent_tokens = len(c.token_ids)
-                    if c.finish_reason:
-                        ch.finish_reason = c.finish_reason
-                    yield chunk(index, delta, logprobs, c.finish_reason, c.stop_reason if c.finish_reason else None)
+            async for d in self._choice_deltas(streams, body.n, choices):
+                logprobs = None
+                if body.logprobs is not None and d.logprobs is not None and d.token_ids:
+                    logprobs = self.completion_logprobs(d.token_ids, d.logprobs, d.text_offset)
+                yield chunk(d.index, d.text, logprobs, d.finish_reason, d.stop_reason)
             if include_usage:
                 completion_tokens = sum(ch.num_tokens for ch in choices.values())
                 yield _sse({**base, "choices": [], "usage": self.usage(prepared, completion_tokens)})
@@ -668,32 +687,14 @@ class _Serving:
         try:
             for i in range(body.n):
                 yield chunk(i, {"role": "assistant", "content": ""}, None, None)
-            async for _, out in self.merged(streams):
-                if out is None:
-                    if streams[0].aborted:
-                        for ch in choices.values():
-                            if ch.finish_reason is None:
-                                ch.finish_reason = "abort"
-                                yield chunk(ch.index, {}, None, "abort")
+            async for d in self._choice_deltas(streams, body.n, choices):
+                logprobs = None
+                if body.logprobs and d.logprobs is not None and d.token_ids:
+                    logprobs = self.chat_logprobs(d.token_ids, d.logprobs, body.top_logprobs or 0)
+                if not d.text and not d.finish_reason and logprobs is None:
                     continue
-                for c in out.outputs:
-                    ch = choices.setdefault(c.index, _Choice(c.index))
-                    if ch.finish_reason is not None:
-                        continue
-                    ch.num_tokens = len(c.token_ids)
-                    delta = c.text[ch.sent_text_len:] if len(c.text) > ch.sent_text_len else ""
-                    new_ids = c.token_ids[ch.sent_tokens:]
-                    logprobs = None
-                    if body.logprobs and c.logprobs is not None and new_ids:
-                        logprobs = self.chat_logprobs(new_ids, c.logprobs[ch.sent_tokens:], body.top_logprobs or 0)
-                    if not delta and not c.finish_reason and logprobs is None:
-                        continue
-                    ch.sent_text_len += len(delta)
-                    ch.sent_tokens = len(c.token_ids)
-                    if c.finish_reason:
-                        ch.finish_reason = c.finish_reason
-                    yield chunk(c.index, {"content": delta} if delta else {}, logprobs, c.finish_reason,
-                                c.stop_reason if c.finish_reason else None)
+                yield chunk(d.index, {"content": d.text} if d.text else {}, logprobs, d.finish_reason,
+                            d.stop_reason)
             if include_usage:
                 completion_tokens = sum(ch.num_tokens for ch in choices.values())
                 yield _sse({**base, "choices": [], "usage": self.usage(prepared, completion_tokens)})

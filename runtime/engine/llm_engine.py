@@ -2,7 +2,6 @@
 the async server drives it from one thread."""
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections.abc import Sequence
@@ -40,7 +39,6 @@ class LLMEngine:
         self.eos_token_ids = frozenset(config.model.eos_token_ids)
         self._states: dict[str, RequestState] = {}  # public request id -> state
         self._sample_owner: dict[str, tuple[RequestState, int]] = {}  # internal sample id -> (state, index)
-        self._ids = itertools.count()
         self.prompt_tokens = 0
         self.generation_tokens = 0
         m, c = self.config.model, self.config.cache

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from kvserve.cli import bench_serve, serve
+from kvserve.runtime import bench_serve as bench_serve_impl
 from kvserve.cli.main import build_parser
 
 pytestmark = pytest.mark.timeout(120)
@@ -58,8 +59,8 @@ def test_bench_serve_workloads(server, tmp_path, workload):
 def test_arrivals_and_percentiles():
     import random
 
-    delays = bench_serve._arrival_delays(100, 10.0, 1.0, random.Random(0))
+    delays = bench_serve_impl._arrival_delays(100, 10.0, 1.0, random.Random(0))
     assert delays[0] == 0 and delays == sorted(delays) and 9.0 < delays[-1] <= 10.0
-    assert bench_serve._arrival_delays(3, float("inf"), 1.0, random.Random(0)) == [0, 0, 0]
-    assert bench_serve._percentile([1, 2, 3, 4], 50) == 2.5 and bench_serve._percentile([5], 99) == 5
-    assert bench_serve._parse_goodput(["ttft:200", "e2el:1000"]) == {"ttft": 0.2, "e2el": 1.0}
+    assert bench_serve_impl._arrival_delays(3, float("inf"), 1.0, random.Random(0)) == [0, 0, 0]
+    assert bench_serve_impl._percentile([1, 2, 3, 4], 50) == 2.5 and bench_serve_impl._percentile([5], 99) == 5
+    assert bench_serve_impl._parse_goodput(["ttft:200", "e2el:1000"]) == {"ttft": 0.2, "e2el": 1.0}

@@ -1,0 +1,571 @@
+"""OpenAI-compatible request handling behind the routes: auth, validation (400 naming the field), model
+name (404), queue depth (429), tokenisation off the event loop, engine submission, SSE streaming or
+collection, logprobs and usage in OpenAI's shapes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from kvserve.runtime.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, RequestStream
+from kvserve.runtime.server.errors import APIError, bad_request, from_validation_error
+from kvserve.runtime.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+
+if TYPE_CHECKING:
+    from kvserve.runtime.server.app import ServerState
+
+logger = logging.getLogger("kvserve.server")
+
+
+@dataclass
+class _Delta:
+    """What one step added to one streamed choice."""
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list | None  # per new token
+    text_offset: int  # characters of this choice sent before this delta
+    finish_reason: str | None
+    stop_reason: Any
+
+
+@dataclass
+class _Choice:
+    """Streaming progress of one choice: what has been sent so far."""
+    index: int
+    sent_text_len: int = 0
+    sent_tokens: int = 0
+    num_tokens: int = 0  # generated so far, sent or not (usage)
+    finish_reason: str | None = None
+    stop_reason: Any = None
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list | None = None
+
+
+@dataclass
+class _Prepared:
+    request_id: str
+    prompt_texts: list[str | None]
+    prompt_ids: list[list[int]]
+    params: list[Any]
+    n: int
+
+
+class OpenAIServing:
+    def __init__(self, state: "ServerState"):
+        self.state = state
+
+    # ---- checks ---------------------------------------------------------------------------------------
+    def check_auth(self, request: Request) -> None:
+        key = self.state.config.api_key
+        if not key:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key.encode()):
+            raise APIError(401, "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.",
+                           type="invalid_request_error", code="invalid_api_key")
+
+    def check_ready(self) -> AsyncEngine:
+        state = self.state
+        if state.draining:
+            raise APIError(503, "The server is shutting down (draining); retry on another replica.",
+                           type="server_error", code="service_unavailable", headers={"Connection": "close"})
+        if state.engine is None:
+            raise APIError(503, "The model is still loading; retry shortly.", type="server_error",
+                           code="service_unavailable", headers={"Retry-After": "5"})
+        if not state.engine.is_running:
+            raise APIError(503, "The engine has stopped.", type="server_error", code="service_unavailable")
+        return state.engine
+
+    def check_model(self, model: str | None) -> None:
+        names = self.state.config.served_model_names
+        if model is not None and model not in names:
+            raise APIError(404, f"The model '{model}' does not exist. Available: {', '.join(names)}.",
+                           type="invalid_request_error", param="model", code="model_not_found")
+
+    def check_queue(self, engine: AsyncEngine) -> None:
+        limit = self.state.config.max_queue_len
+        if limit is not None and engine.num_waiting >= limit:
+            raise APIError(429, f"Server is at capacity: {engine.num_waiting} requests waiting "
+                                f"(--max-queue-len {limit}). Retry later.",
+                           type="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(self.state.config.retry_after_s)})
+
+    async def parse(self, request: Request, model_cls: type) -> Any:
+        limit = self.state.config.max_request_body_bytes
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise APIError(413, f"Request body larger than {limit} bytes.", code="request_too_large")
+        parts, size = [], 0
+        async for part in request.stream():  # bounded read: a chunked upload has no Content-Length
+            size += len(part)
+            if size > limit:
+                raise APIError(413, f"Request body larger than {limit} bytes.", code="request_too_large")
+            parts.append(part)
+        body = b"".join(parts)
+        try:
+            data = json.loads(body)
+        except UnicodeDecodeError:
+            raise bad_request("Request body is not valid UTF-8.", code="invalid_json") from None
+        except ValueError as exc:
+            raise bad_request(f"Request body is not valid JSON: {exc}", code="invalid_json") from None
+        except RecursionError:
+            raise bad_request("Request body is nested too deeply.", code="invalid_json") from None
+        if not isinstance(data, dict):
+            raise bad_request("Request body must be a JSON object.", code="invalid_json")
+        try:
+            return model_cls.model_validate(data)
+        except ValidationError as exc:
+            raise from_validation_error(exc) from None
+
+    # ---- tokenization (one dedicated thread) ---------------------------------------------------------
+    async def _run_tokenizer(self, fn: Callable, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.state.tokenize_pool, fn, *args)
+
+    def _guard_length(self, text: str, param: str) -> None:
+        """Reject absurdly long text without tokenizing it: each token covers at most max_token_chars
+        characters, so with this many characters the prompt cannot fit (x4 margin for normalizers)."""
+        limit = self.state.max_model_len * self.state.max_token_chars * 4
+        if len(text) > limit:
+            raise bad_request(f"{param} is too long: {len(text)} characters cannot fit in this model's maximum "
+                              f"context length of {self.state.max_model_len} tokens.", param=param,
+                              code="context_length_exceeded")
+
+    async def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        self._guard_length(text, param)
+        tokenizer = self.state.tokenizer
+        return await self._run_tokenizer(lambda: tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    async def render_chat(self, messages: list, add_generation_prompt: bool) -> str:
+        conversation = [{"role": m.role, "content": m.text()} for m in messages]
+        for i, m in enumerate(conversation):
+            self._guard_length(m["content"], f"messages.{i}.content")
+        tokenizer, template = self.state.tokenizer, self.state.chat_template
+
+        def render() -> str:
+            return tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt)
+        try:
+            return await self._run_tokenizer(render)
+        except Exception as exc:  # template errors are the request's fault (e.g. roles it cannot render)
+            raise bad_request(f"messages could not be rendered with the chat template: {exc}",
+                              param="messages") from None
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        bad = [t for t in ids if t >= self.state.vocab_size]
+        if bad:
+            raise bad_request(f"{param} contains token ids outside the vocabulary (size {self.state.vocab_size}): "
+                              f"{bad[:5]}", param=param)
+
+    # ---- shared request plumbing ---------------------------------------------------------------------
+    def sampling_params(self, body: Any, max_tokens: int | None, logprobs: int | None, prompt_len: int) -> Any:
+        from kvserve.runtime.sampling_params import SamplingParams
+
+        max_model_len = self.state.max_model_len
+        if max_tokens is None:
+            max_tokens = max_model_len - prompt_len
+        if max_tokens < 1:
+            raise bad_request(f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens")
+        if prompt_len + max_tokens > max_model_len:
+            raise bad_request(
+                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} in the completion). "
+                "Please reduce the length of the prompt or max_tokens.", param="max_tokens",
+                code="context_length_exceeded")
+        if body.best_of is not None and body.best_of != body.n:
+            raise bad_request("best_of is not supported unless it equals n.", param="best_of")
+        if body.logit_bias:
+            raise bad_request("logit_bias is not supported.", param="logit_bias")
+        kwargs = dict(
+            n=body.n, temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p, top_k=-1 if body.top_k is None else body.top_k,
+            min_p=body.min_p or 0.0, seed=body.seed, max_tokens=max_tokens, min_tokens=body.min_tokens,
+            stop=body.stop, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, logprobs=logprobs,
+            presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            skip_special_tokens=body.skip_special_tokens, include_stop_str_in_output=body.include_stop_str_in_output,
+        )
+        try:
+            return SamplingParams(**kwargs)
+        except (ValueError, TypeError) as exc:
+            raise bad_request(str(exc), param=getattr(exc, "param", None)) from None
+
+    async def add_all(self, engine: AsyncEngine, prepared: _Prepared) -> list[RequestStream]:
+        streams: list[RequestStream] = []
+        try:
+            for i, (ids, params) in enumerate(zip(prepared.prompt_ids, prepared.params)):
+                sub_id = prepared.request_id if len(prepared.prompt_ids) == 1 else f"{prepared.request_id}-{i}"
+                streams.append(await engine.add_request(sub_id, ids, params))
+        except BaseException as exc:
+            for stream in streams:
+                stream.abort()
+            if isinstance(exc, EngineDeadError):
+                raise APIError(503, str(exc), type="server_error", code="service_unavailable") from None
+            if isinstance(exc, ValueError):
+                raise bad_request(str(exc), param=getattr(exc, "param", None) or "prompt") from None
+            raise
+        return streams
+
+    async def collect(self, request: Request, streams: list[RequestStream]) -> list[Any] | None:
+        """Run every stream to its end; abort them all and return None if the client disconnects meanwhile."""
+        async def drain(stream: RequestStream) -> Any:
+            async for _ in stream:
+                pass
+            return stream
+
+        task = asyncio.ensure_future(asyncio.gather(*(drain(s) for s in streams)))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieved: no "never retrieved" log
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=0.25)
+                if done:
+                    return task.result()
+                if await request.is_disconnected():
+                    logger.info("client disconnected; aborting %s", [s.request_id for s in streams])
+                    task.cancel()
+                    return None
+        except RequestFailedError as exc:
+            raise APIError(500, str(exc), type="server_error", code="internal_error") from None
+        finally:
+            if not task.done():
+                task.cancel()
+            for stream in streams:
+                stream.abort()
+
+    @staticmethod
+    async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Any]]:
+        """(prompt index, cumulative output) from several streams as they come; (i, None) when one ends."""
+        if len(streams) == 1:
+            async for out in streams[0]:
+                yield 0, out
+            yield 0, None
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, stream: RequestStream) -> None:
+            try:
+                async for out in stream:
+                    await queue.put((i, out))
+                await queue.put((i, None))
+            except BaseException as exc:
+                await queue.put((i, exc))
+
+        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            remaining = len(streams)
+            while remaining:
+                i, item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item is None:
+                    remaining -= 1
+                yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    def usage(self, prepared: _Prepared, completion_tokens: int) -> dict[str, int]:
+        prompt_tokens = sum(len(ids) for ids in prepared.prompt_ids)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}
+
+    def token_text(self, token_id: int, logprob_entry: Any) -> str:
+        decoded = getattr(logprob_entry, "decoded_token", None)
+        if decoded is None:
+            decoded = self.state.tokenizer.decode([token_id])
+        return decoded
+
+    def _entries(self, logprob_dict: dict) -> list[tuple[int, Any]]:
+        return sorted(logprob_dict.items(), key=lambda kv: (getattr(kv[1], "rank", 0) or 0, -kv[1].logprob))
+
+    def completion_logprobs(self, token_ids: list[int], logprobs: list[dict], offset: int) -> dict[str, Any]:
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        for token_id, entry in zip(token_ids, logprobs):
+            sampled = entry.get(token_id)
+            text = self.token_text(token_id, sampled)
+            tokens.append(text)
+            token_logprobs.append(None if sampled is None else _finite(sampled.logprob))
+            top_entry: dict[str, float] = {}
+            for t, lp in self._entries(entry):  # best first; distinct ids may decode alike: keep the better
+                top_entry.setdefault(self.token_text(t, lp), _finite(lp.logprob))
+            top.append(top_entry)
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+    def chat_logprobs(self, token_ids: list[int], logprobs: list[dict], top_n: int) -> dict[str, Any]:
+        content = []
+        for token_id, entry in zip(token_ids, logprobs):
+            sampled = entry.get(token_id)
+            text = self.token_text(token_id, sampled)
+            tops = [{"token": (s := self.token_text(t, lp)), "logprob": _finite(lp.logprob),
+                     "bytes": list(s.encode("utf-8"))} for t, lp in self._entries(entry)[:top_n]]
+            content.append({"token": text, "logprob": None if sampled is None else _finite(sampled.logprob),
+                            "bytes": list(text.encode("utf-8")), "top_logprobs": tops})
+        return {"content": content}
+
+    # ---- /v1/completions ------------------------------------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        self.check_auth(request)
+        engine = self.check_ready()
+        body: CompletionRequest = await self.parse(request, CompletionRequest)
+        self.check_model(body.model)
+        if body.suffix:
+            raise bad_request("suffix is not supported.", param="suffix")
+        if body.max_tokens is not None and body.max_tokens < 1:
+            raise bad_request(f"max_tokens must be at least 1, got {body.max_tokens}.", param="max_tokens")
+        self.check_queue(engine)
+
+        prompt = body.prompt
+        if isinstance(prompt, str):
+            raw_prompts: list[str | list[int]] = [prompt]
+        elif prompt and isinstance(prompt[0], int):
+            raw_prompts = [list(prompt)]
+        else:
+            raw_prompts = list(prompt)
+        prompt_texts: list[str | None] = []
+        prompt_ids: list[list[int]] = []
+        for i, p in enumerate(raw_prompts):
+            param = "prompt" if len(raw_prompts) == 1 else f"prompt.{i}"
+            if isinstance(p, str):
+                ids = await self.encode(p, param)
+                prompt_texts.append(p)
+            else:
+                self.check_token_ids(p, param)
+                ids = list(p)
+                prompt_texts.append(None)
+            if not ids:
+                raise bad_request(f"{param} must not be empty.", param=param)
+            prompt_ids.append(ids)
+        params = [self.sampling_params(body, body.max_tokens, body.logprobs, len(ids)) for ids in prompt_ids]
+        prepared = _Prepared(f"cmpl-{uuid.uuid4().hex}", prompt_texts, prompt_ids, params, body.n)
+        if body.echo:
+            for i, ids in enumerate(prompt_ids):
+                if prompt_texts[i] is None:
+                    prompt_texts[i] = await self._run_tokenizer(self.state.tokenizer.decode, ids)
+        streams = await self.add_all(engine, prepared)
+        created = int(time.time())
+        model = self.state.config.served_model_names[0] if body.model is None else body.model
+        if body.stream:
+            return StreamingResponse(self._completion_stream(body, prepared, streams, created, model),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        done = await self.collect(request, streams)
+        if done is None:
+            return Response(status_code=499)  # nobody is listening (nginx's "client closed request")
+        choices, completion_tokens = [], 0
+        for i, stream in enumerate(done):
+            out = stream.last_output
+            for c in (out.outputs if out is not None else []):
+                completion_tokens += len(c.token_ids)
+                echo = prepared.prompt_texts[i] if body.echo else ""
+                choices.append({
+                    "index": i * body.n + c.index,
+                    "text": echo + c.text,
+                    "logprobs": (self.completion_logprobs(c.token_ids, c.logprobs, len(echo))
+                                 if body.logprobs is not None and c.logprobs is not None else None),
+                    "finish_reason": "abort" if stream.aborted else c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                })
+        choices.sort(key=lambda c: c["index"])
+        return JSONResponse({"id": prepared.request_id, "object": "text_completion", "created": created,
+                             "model": model, "choices": choices,
+                             "usage": self.usage(prepared, completion_tokens)})
+
+    async def _choice_deltas(self, streams: list[RequestStream], n: int,
+                             choices: dict[int, _Choice]) -> AsyncIterator[_Delta]:
+        """What each engine step added to each choice (choice index = prompt index * n + sample index). A
+        delta per step with new tokens, even when their text is held back (a partial UTF-8 character, a
+        possible stop string) and the text is "": clients see every token's timing (ITL), as with vLLM.
+        Choices cut off by a drain timeout end with an "abort" delta."""
+        async for i, out in self.merged(streams):
+            if out is None:
+                if streams[i].aborted:
+                    for k in range(n):
+                        ch = choices.setdefault(i * n + k, _Choice(i * n + k))
+                        if ch.finish_reason is None:
+                            ch.finish_reason = "abort"
+                            yield _Delta(ch.index, "", [], None, ch.sent_text_len, "abort", None)
+                continue
+            for c in out.outputs:
+                ch = choices.setdefault(i * n + c.index, _Choice(i * n + c.index))
+                if ch.finish_reason is not None:
+                    continue
+                ch.num_tokens = len(c.token_ids)
+                text = c.text[ch.sent_text_len:]
+                new_ids = c.token_ids[ch.sent_tokens:]
+                if not text and not c.finish_reason and not new_ids:
+                    continue
+                logprobs = c.logprobs[ch.sent_tokens:] if c.logprobs is not None else None
+                delta = _Delta(ch.index, text, new_ids, logprobs, ch.sent_text_len, c.finish_reason,
+                               c.stop_reason if c.finish_reason else None)
+                ch.sent_text_len += len(text)
+                ch.sent_tokens = len(c.token_ids)
+                ch.finish_reason = c.finish_reason
+                yield delta
+
+    async def _completion_stream(self, body: CompletionRequest, prepared: _Prepared, streams: list[RequestStream],
+                                 created: int, model: str) -> AsyncIterator[str]:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        base = {"id": prepared.request_id, "object": "text_completion", "created": created, "model": model}
+        choices: dict[int, _Choice] = {}
+
+        def chunk(index: int, text: str, logprobs: Any, finish: str | None, stop_reason: Any = None) -> str:
+            payload = {**base, "choices": [{"index": index, "text": text, "logprobs": logprobs,
+                                            "finish_reason": finish, "stop_reason": stop_reason}]}
+            if include_usage:
+                payload["usage"] = None
+            return _sse(payload)
+
+        try:
+            if body.echo:
+                for i, text in enumerate(prepared.prompt_texts):
+                    for j in range(body.n):
+                        yield chunk(i * body.n + j, text or "", None, None)
+            async for d in self._choice_deltas(streams, body.n, choices):
+                logprobs = None
+                if body.logprobs is not None and d.logprobs is not None and d.token_ids:
+                    logprobs = self.completion_logprobs(d.token_ids, d.logprobs, d.text_offset)
+                yield chunk(d.index, d.text, logprobs, d.finish_reason, d.stop_reason)
+            if include_usage:
+                completion_tokens = sum(ch.num_tokens for ch in choices.values())
+                yield _sse({**base, "choices": [], "usage": self.usage(prepared, completion_tokens)})
+        except RequestFailedError as exc:
+            yield _sse({"error": {"message": str(exc), "type": "server_error", "param": None,
+                                  "code": "internal_error"}})
+        finally:
+            for stream in streams:
+                stream.abort()
+        yield "data: [DONE]\n\n"
+
+    # ---- /v1/chat/completions ---------------------------------------------------------------------------
+    async def chat_completions(self, request: Request) -> Response:
+        self.check_auth(request)
+        engine = self.check_ready()
+        body: ChatCompletionRequest = await self.parse(request, ChatCompletionRequest)
+        self.check_model(body.model)
+        if body.tools:
+            raise bad_request("tools are not supported.", param="tools")
+        if body.response_format and body.response_format.get("type", "text") != "text":
+            raise bad_request("response_format other than text is not supported.", param="response_format")
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        param_name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        if max_tokens is not None and max_tokens < 1:
+            raise bad_request(f"{param_name} must be at least 1, got {max_tokens}.", param=param_name)
+        if body.top_logprobs is not None and not body.logprobs and body.top_logprobs > 0:
+            raise bad_request("top_logprobs requires logprobs to be true.", param="top_logprobs")
+        self.check_queue(engine)
+
+        text = await self.render_chat(body.messages, body.add_generation_prompt)
+        ids = await self.encode(text, "messages", add_special_tokens=False)
+        if not ids:
+            raise bad_request("messages rendered to an empty prompt.", param="messages")
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = self.sampling_params(body, max_tokens, logprobs, len(ids))
+        prepared = _Prepared(f"chatcmpl-{uuid.uuid4().hex}", [text], [ids], [params], body.n)
+        streams = await self.add_all(engine, prepared)
+        created = int(time.time())
+        model = self.state.config.served_model_names[0] if body.model is None else body.model
+        if body.stream:
+            return StreamingResponse(self._chat_stream(body, prepared, streams, created, model),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        done = await self.collect(request, streams)
+        if done is None:
+            return Response(status_code=499)
+        (stream,) = done
+        out = stream.last_output
+        choices, completion_tokens = [], 0
+        for c in (out.outputs if out is not None else []):
+            completion_tokens += len(c.token_ids)
+            choices.append({
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": (self.chat_logprobs(c.token_ids, c.logprobs, body.top_logprobs or 0)
+                             if body.logprobs and c.logprobs is not None else None),
+                "finish_reason": "abort" if stream.aborted else c.finish_reason,
+                "stop_reason": c.stop_reason,
+            })
+        choices.sort(key=lambda c: c["index"])
+        return JSONResponse({"id": prepared.request_id, "object": "chat.completion", "created": created,
+                             "model": model, "choices": choices, "usage": self.usage(prepared, completion_tokens)})
+
+    async def _chat_stream(self, body: ChatCompletionRequest, prepared: _Prepared, streams: list[RequestStream],
+                           created: int, model: str) -> AsyncIterator[str]:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        base = {"id": prepared.request_id, "object": "chat.completion.chunk", "created": created, "model": model}
+        choices = {i: _Choice(i) for i in range(body.n)}
+
+        def chunk(index: int, delta: dict, logprobs: Any, finish: str | None, stop_reason: Any = None) -> str:
+            payload = {**base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                            "finish_reason": finish, "stop_reason": stop_reason}]}
+            if include_usage:
+                payload["usage"] = None
+            return _sse(payload)
+
+        try:
+            for i in range(body.n):
+                yield chunk(i, {"role": "assistant", "content": ""}, None, None)
+            async for d in self._choice_deltas(streams, body.n, choices):
+                logprobs = None
+                if body.logprobs and d.logprobs is not None and d.token_ids:
+                    logprobs = self.chat_logprobs(d.token_ids, d.logprobs, body.top_logprobs or 0)
+                if not d.text and not d.finish_reason and logprobs is None:
+                    continue
+                yield chunk(d.index, {"content": d.text} if d.text else {}, logprobs, d.finish_reason,
+                            d.stop_reason)
+            if include_usage:
+                completion_tokens = sum(ch.num_tokens for ch in choices.values())
+                yield _sse({**base, "choices": [], "usage": self.usage(prepared, completion_tokens)})
+        except RequestFailedError as exc:
+            yield _sse({"error": {"message": str(exc), "type": "server_error", "param": None,
+                                  "code": "internal_error"}})
+        finally:
+            for stream in streams:
+                stream.abort()
+        yield "data: [DONE]\n\n"
+
+    # ---- /tokenize, /detokenize -----------------------------------------------------------------------
+    async def tokenize(self, request: Request) -> JSONResponse:
+        self.check_auth(request)
+        self.check_ready()
+        body: TokenizeRequest = await self.parse(request, TokenizeRequest)
+        self.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("Give exactly one of prompt or messages.", param="prompt")
+        if body.messages is not None:
+            if not body.messages:
+                raise bad_request("messages must not be empty.", param="messages")
+            text = await self.render_chat(body.messages, body.add_generation_prompt)
+            ids = await self.encode(text, "messages", add_special_tokens=False)
+        else:
+            ids = await self.encode(body.prompt, "prompt", add_special_tokens=body.add_special_tokens)
+        return JSONResponse({"count": len(ids), "max_model_len": self.state.max_model_len, "tokens": ids})
+
+    async def detokenize(self, request: Request) -> JSONResponse:
+        self.check_auth(request)
+        self.check_ready()
+        body: DetokenizeRequest = await self.parse(request, DetokenizeRequest)
+        self.check_model(body.model)
+        self.check_token_ids(body.tokens, "tokens")
+        text = await self._run_tokenizer(self.state.tokenizer.decode, body.tokens)
+        return JSONResponse({"prompt": text})
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def _finite(value: float) -> float:
+    # JSON has no -inf; OpenAI clients expect numbers. -9999.0 is what OpenAI itself returns for "impossible".
+    return value if value > -1e30 else -9999.0

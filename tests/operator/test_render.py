@@ -36,7 +36,7 @@ def test_golden(path):
     if os.environ.get("KVSERVE_UPDATE_GOLDEN"):
         golden.parent.mkdir(exist_ok=True)
         golden.write_text(text)
-    assert text == golden.read_text(), f"render changed; review and regenerate with KVSERVE_UPDATE_GOLDEN=1"
+    assert text == golden.read_text(), "render changed; review and regenerate with KVSERVE_UPDATE_GOLDEN=1"
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)

@@ -84,6 +84,12 @@ def load_model_config(model_dir: str, dtype: str = "auto", max_model_len: int | 
         dtype = "float32"
     if dtype not in ("float32", "bfloat16", "float16"):
         raise InvalidParameter("dtype", f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
+    rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type in ("dynamic", "longrope"):
+        # Their frequencies change with the running sequence length; the model precomputes one table.
+        raise InvalidParameter("model", f"rope_type {rope_type!r} in {model_dir}/config.json is not supported "
+                                        f"(supported: default, linear, llama3, yarn)")
     limit = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or 4096
     window = getattr(hf_config, "sliding_window", None)
     if window and getattr(hf_config, "use_sliding_window", True):

@@ -65,6 +65,19 @@ def test_unknown_architecture(tmp_path, model_factory):
     assert info.value.param == "model"
 
 
+def test_sequence_length_dependent_rope_rejected(tmp_path, model_factory):
+    model_dir, _ = model_factory("llama_gqa")
+    bad = tmp_path / "dynamic"
+    shutil.copytree(model_dir, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["rope_scaling"] = {"rope_type": "dynamic", "factor": 2.0}
+    cfg.pop("rope_parameters", None)
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(InvalidParameter, match="rope_type 'dynamic'") as info:
+        LLM(str(bad))
+    assert info.value.param == "model"
+
+
 def test_missing_weights_and_dir(tmp_path, model_factory):
     model_dir, _ = model_factory("llama_gqa")
     with pytest.raises(InvalidParameter, match="does not exist"):

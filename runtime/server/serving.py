@@ -415,8 +415,27 @@ class OpenAIServing:
                 ch.finish_reason = c.finish_reason
                 yield delta
 
-    async def _completion_stream(self, body: CompletionRequest, prepared: _Prepared, streams: list[RequestStream],
-                                 created: int, model: str) -> AsyncIterator[str]:
+    async def _sse_stream(self, events: AsyncIterator[str], streams: list[RequestStream], base: dict,
+                          prepared: _Prepared, choices: dict[int, _Choice], include_usage: bool) -> AsyncIterator[str]:
+        """The SSE envelope shared by both endpoints: the events, a usage chunk if asked for, an error event
+        if the engine failed the request, then [DONE]; the requests are aborted however the stream ends
+        (a client that disconnects frees its KV blocks)."""
+        try:
+            async for event in events:
+                yield event
+            if include_usage:
+                completion_tokens = sum(ch.num_tokens for ch in choices.values())
+                yield _sse({**base, "choices": [], "usage": self.usage(prepared, completion_tokens)})
+        except RequestFailedError as exc:
+            yield _sse({"error": {"message": str(exc), "type": "server_error", "param": None,
+                                  "code": "internal_error"}})
+        finally:
+            for stream in streams:
+                stream.abort()
+        yield "data: [DONE]\n\n"
+
+    def _completion_stream(self, body: CompletionRequest, prepared: _Prepared, streams: list[RequestStream],
+                           created: int, model: str) -> AsyncIterator[str]:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         base = {"id": prepared.request_id, "object": "text_completion", "created": created, "model": model}
         choices: dict[int, _Choice] = {}
@@ -428,7 +447,7 @@ class OpenAIServing:
                 payload["usage"] = None
             return _sse(payload)
 
-        try:
+        async def events() -> AsyncIterator[str]:
             if body.echo:
                 for i, text in enumerate(prepared.prompt_texts):
                     for j in range(body.n):
@@ -438,16 +457,8 @@ class OpenAIServing:
                 if body.logprobs is not None and d.logprobs is not None and d.token_ids:
                     logprobs = self.completion_logprobs(d.token_ids, d.logprobs, d.text_offset)
                 yield chunk(d.index, d.text, logprobs, d.finish_reason, d.stop_reason)
-            if include_usage:
-                completion_tokens = sum(ch.num_tokens for ch in choices.values())
-                yield _sse({**base, "choices": [], "usage": self.usage(prepared, completion_tokens)})
-        except RequestFailedError as exc:
-            yield _sse({"error": {"message": str(exc), "type": "server_error", "param": None,
-                                  "code": "internal_error"}})
-        finally:
-            for stream in streams:
-                stream.abort()
-        yield "data: [DONE]\n\n"
+
+        return self._sse_stream(events(), streams, base, prepared, choices, include_usage)
 
     # ---- /v1/chat/completions ---------------------------------------------------------------------------
     async def chat_completions(self, request: Request) -> Response:
@@ -500,8 +511,8 @@ class OpenAIServing:
         return JSONResponse({"id": prepared.request_id, "object": "chat.completion", "created": created,
                              "model": model, "choices": choices, "usage": self.usage(prepared, completion_tokens)})
 
-    async def _chat_stream(self, body: ChatCompletionRequest, prepared: _Prepared, streams: list[RequestStream],
-                           created: int, model: str) -> AsyncIterator[str]:
+    def _chat_stream(self, body: ChatCompletionRequest, prepared: _Prepared, streams: list[RequestStream],
+                     created: int, model: str) -> AsyncIterator[str]:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         base = {"id": prepared.request_id, "object": "chat.completion.chunk", "created": created, "model": model}
         choices = {i: _Choice(i) for i in range(body.n)}
@@ -513,7 +524,7 @@ class OpenAIServing:
                 payload["usage"] = None
             return _sse(payload)
 
-        try:
+        async def events() -> AsyncIterator[str]:
             for i in range(body.n):
                 yield chunk(i, {"role": "assistant", "content": ""}, None, None)
             async for d in self._choice_deltas(streams, body.n, choices):
@@ -524,16 +535,8 @@ class OpenAIServing:
                     continue
                 yield chunk(d.index, {"content": d.text} if d.text else {}, logprobs, d.finish_reason,
                             d.stop_reason)
-            if include_usage:
-                completion_tokens = sum(ch.num_tokens for ch in choices.values())
-                yield _sse({**base, "choices": [], "usage": self.usage(prepared, completion_tokens)})
-        except RequestFailedError as exc:
-            yield _sse({"error": {"message": str(exc), "type": "server_error", "param": None,
-                                  "code": "internal_error"}})
-        finally:
-            for stream in streams:
-                stream.abort()
-        yield "data: [DONE]\n\n"
+
+        return self._sse_stream(events(), streams, base, prepared, choices, include_usage)
 
     # ---- /tokenize, /detokenize -----------------------------------------------------------------------
     async def tokenize(self, request: Request) -> JSONResponse:

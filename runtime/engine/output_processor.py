@@ -18,6 +18,11 @@ class SampleState:
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # Incremental detokenisation (vLLM's scheme): the text of token_ids[:read_offset] is in decoded_text;
+    # token_ids[prefix_offset:read_offset] is re-decoded as context so word-boundary spaces come out right.
+    decoded_text: str = ""
+    prefix_offset: int = 0
+    read_offset: int = 0
 
 
 class RequestState:
@@ -44,6 +49,9 @@ class RequestState:
                              RequestMetrics(**vars(self.metrics)))
 
 
+_CONTEXT_TOKENS = 5  # as vLLM's initial incremental-detokenisation offset
+
+
 class OutputProcessor:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
@@ -62,7 +70,7 @@ class OutputProcessor:
             for lp in out.new_logprobs:
                 sample.logprobs.append(self._logprob_dict(lp))
                 sample.cumulative_logprob += lp.logprob
-        full_text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=params.skip_special_tokens)
+        full_text = self._detokenize(sample, params.skip_special_tokens, final=out.finish_reason is not None)
         hit = self._find_stop(full_text, len(sample.text), params) if params.stop_strings else None
         if hit is not None:
             stop, cut = hit
@@ -80,6 +88,30 @@ class OutputProcessor:
             if len(visible) > len(sample.text) and visible.startswith(sample.text):
                 sample.text = visible
         return None
+
+    def _detokenize(self, sample: SampleState, skip_special_tokens: bool, final: bool) -> str:
+        """Text of all of the sample's tokens, decoding only a small window per step (a full decode every
+        step is quadratic in the output length). Windows holding bytes that are not (yet) valid UTF-8 fall
+        back to a full decode, so the result is always exactly what decoding all tokens gives."""
+        ids = sample.token_ids
+
+        def decode(part: list[int]) -> str:
+            return self.tokenizer.decode(part, skip_special_tokens=skip_special_tokens)
+
+        prefix = decode(ids[sample.prefix_offset:sample.read_offset])
+        window = decode(ids[sample.prefix_offset:])
+        if "\ufffd" in window or not window.startswith(prefix):
+            text = decode(ids)
+            if final or not text.endswith("\ufffd"):
+                # Resync; keep a few tokens of context so word-boundary spaces decode as in the full text.
+                sample.decoded_text = text
+                sample.read_offset = len(ids)
+                sample.prefix_offset = max(0, len(ids) - _CONTEXT_TOKENS)
+            return text
+        if len(window) > len(prefix):
+            sample.decoded_text += window[len(prefix):]
+            sample.prefix_offset, sample.read_offset = sample.read_offset, len(ids)
+        return sample.decoded_text
 
     def finish(self, state: RequestState, index: int, reason: str) -> None:
         sample = state.samples[index]

@@ -53,28 +53,31 @@ def test_max_model_len_caps_generation(llm):
     assert len(out.outputs[0].token_ids) == 64 - 57 + 1 - 1 and out.outputs[0].finish_reason == "length"
 
 
-def test_unknown_architecture(tmp_path, model_factory):
+def _copy_with_config(model_factory, dest, edit) -> str:
+    """A copy of the llama_gqa model directory whose config.json went through `edit(cfg)`."""
     model_dir, _ = model_factory("llama_gqa")
-    bad = tmp_path / "bad"
-    shutil.copytree(model_dir, bad)
-    cfg = json.loads((bad / "config.json").read_text())
-    cfg["architectures"] = ["GPTNeoXForCausalLM"]
-    (bad / "config.json").write_text(json.dumps(cfg))
+    shutil.copytree(model_dir, dest)
+    cfg = json.loads((dest / "config.json").read_text())
+    edit(cfg)
+    (dest / "config.json").write_text(json.dumps(cfg))
+    return str(dest)
+
+
+def test_unknown_architecture(tmp_path, model_factory):
+    bad = _copy_with_config(model_factory, tmp_path / "bad", lambda cfg: cfg.update(architectures=["GPTNeoXForCausalLM"]))
     with pytest.raises(InvalidParameter, match="unsupported architecture") as info:
-        LLM(str(bad))
+        LLM(bad)
     assert info.value.param == "model"
 
 
 def test_sequence_length_dependent_rope_rejected(tmp_path, model_factory):
-    model_dir, _ = model_factory("llama_gqa")
-    bad = tmp_path / "dynamic"
-    shutil.copytree(model_dir, bad)
-    cfg = json.loads((bad / "config.json").read_text())
-    cfg["rope_scaling"] = {"rope_type": "dynamic", "factor": 2.0}
-    cfg.pop("rope_parameters", None)
-    (bad / "config.json").write_text(json.dumps(cfg))
+    def dynamic_rope(cfg):
+        cfg["rope_scaling"] = {"rope_type": "dynamic", "factor": 2.0}
+        cfg.pop("rope_parameters", None)
+
+    bad = _copy_with_config(model_factory, tmp_path / "dynamic", dynamic_rope)
     with pytest.raises(InvalidParameter, match="rope_type 'dynamic'") as info:
-        LLM(str(bad))
+        LLM(bad)
     assert info.value.param == "model"
 
 

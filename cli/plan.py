@@ -8,15 +8,18 @@ HELP = "Capacity plan: KV bytes/token, blocks, KV tokens and max concurrency for
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="catalog entry, e.g. llama-3-70b (see --list)")
-    parser.add_argument("--gpu", required=True, help="catalog entry or GFD product label, e.g. a100-80gb")
+    parser.add_argument("-f", "--filename", help="plan the InferenceService(s) in this YAML file exactly as the "
+                                                  "operator would (shape overrides, gpu.memoryMiB, engine settings)")
+    parser.add_argument("--list", action="store_true", help="list the catalog's models and GPUs")
+    parser.add_argument("--model", help="catalog entry, e.g. llama-3-70b (see --list)")
+    parser.add_argument("--gpu", help="catalog entry or GFD product label, e.g. a100-80gb")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--max-model-len", type=int, default=8192)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "fp8"])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "fp8"])
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     parser.add_argument("--gpu-memory-mib", type=int, help="override the GPU's memory")
     parser.add_argument("--activation-reserve-mib", type=int, help="override the estimated activation reserve")
@@ -59,7 +62,62 @@ def format_table(plan: dict) -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows) + f"\n{plan['message']}"
 
 
+def list_catalog() -> str:
+    from kvserve.operator import catalog
+    from kvserve.runtime import capacity
+
+    lines = [f"{'MODEL':<16} {'ARCHITECTURE':<20} {'PARAMS':>8} {'LAYERS':>6} {'KV HEADS':>8} {'POSITIONS':>9}  "
+             f"SERVED"]
+    for key, m in sorted(catalog.MODELS.items()):
+        served = "yes" if capacity.unsupported_architecture_error(m) is None else "no (planner refuses)"
+        lines.append(f"{key:<16} {m.architecture:<20} {m.num_parameters / 1e9:>7.1f}B {m.num_layers:>6} "
+                     f"{m.num_kv_heads:>8} {m.max_position_embeddings:>9}  {served}")
+    lines += ["", f"{'GPU':<12} {'MEMORY MiB':>10}  GFD PRODUCT LABEL"]
+    lines += [f"{key:<12} {g.memory_mib:>10}  {g.product}" for key, g in sorted(catalog.GPUS.items())]
+    return "\n".join(lines)
+
+
+def plan_file(path: str, output: str) -> int:
+    """Each InferenceService in the file, resolved by the operator's own code; JSON carries status.plan's
+    fields (camelCase) beside the CapacityPlanned verdict."""
+    import yaml
+
+    from kvserve.operator import spec as spec_mod
+    from kvserve.operator.status import plan_status
+
+    with open(path) as f:
+        docs = [d for d in yaml.safe_load_all(f) if d and d.get("kind", spec_mod.KIND) == spec_mod.KIND]
+    results, rc = [], 0
+    for doc in docs:
+        name = (doc.get("metadata") or {}).get("name", "")
+        try:
+            plan = spec_mod.resolve(doc.get("spec") or {}).plan
+        except spec_mod.SpecError as exc:
+            results.append({"name": name, "fits": False, "reason": exc.reason, "message": exc.message})
+            rc = 2
+            continue
+        rc = rc or (0 if plan.fits else 1)
+        results.append({"name": name, "fits": plan.fits, "reason": plan.reason, "message": plan.message,
+                        "plan": plan_status(plan), "_table": plan.to_dict()})
+    if output == "json":
+        out = [{k: v for k, v in r.items() if k != "_table"} for r in results]
+        print(json.dumps(out[0] if len(out) == 1 else out, indent=2))
+    else:
+        for r in results:
+            print(f"== {r['name']}")
+            print(format_table(r["_table"]) if "_table" in r else f"error: {r['message']}")
+    return rc
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.list:
+        print(list_catalog())
+        return 0
+    if args.filename:
+        return plan_file(args.filename, args.output)
+    if not args.model or not args.gpu:
+        print("error: give --model and --gpu, -f FILE.yaml, or --list")
+        return 2
     from kvserve.operator import spec as spec_mod
 
     try:

@@ -10,22 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvserve.runtime.capacity import ModelShape
+
 MiB = 1024 * 1024
 GiB = 1024 * MiB
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    num_layers: int
-    num_attention_heads: int
-    num_kv_heads: int
-    head_dim: int
-    hidden_size: int
-    num_parameters: int
-    max_position_embeddings: int
-    intermediate_size: int  # MLP width (per expert for MoE)
-    vocab_size: int
-    experts_per_token: int = 1  # MoE top-k; 1 for dense models
+_QWEN2 = dict(architecture="Qwen2ForCausalLM", attention_bias=True)
 
 
 @dataclass(frozen=True)
@@ -48,12 +37,14 @@ MODELS: dict[str, ModelShape] = {
     "llama-2-13b": ModelShape(40, 40, 40, 128, 5120, 13_015_864_320, 4096, 13824, 32000),
     "llama-2-70b": ModelShape(80, 64, 8, 128, 8192, 68_976_648_192, 4096, 28672, 32000),
     # v0.2/v0.3 shape (no sliding window).
-    "mistral-7b": ModelShape(32, 32, 8, 128, 4096, 7_248_023_552, 32768, 14336, 32768),
-    "mixtral-8x7b": ModelShape(32, 32, 8, 128, 4096, 46_702_792_704, 32768, 14336, 32000, experts_per_token=2),
-    "qwen2.5-7b": ModelShape(28, 28, 4, 128, 3584, 7_615_616_512, 32768, 18944, 152064),
-    "qwen2.5-14b": ModelShape(48, 40, 8, 128, 5120, 14_770_033_664, 32768, 13824, 152064),
-    "qwen2.5-32b": ModelShape(64, 40, 8, 128, 5120, 32_763_876_352, 32768, 27648, 152064),
-    "qwen2.5-72b": ModelShape(80, 64, 8, 128, 8192, 72_706_203_648, 32768, 29568, 152064),
+    "mistral-7b": ModelShape(32, 32, 8, 128, 4096, 7_248_023_552, 32768, 14336, 32768,
+                             architecture="MistralForCausalLM"),
+    "mixtral-8x7b": ModelShape(32, 32, 8, 128, 4096, 46_702_792_704, 32768, 14336, 32000, experts_per_token=2,
+                               num_experts=8, architecture="MixtralForCausalLM"),
+    "qwen2.5-7b": ModelShape(28, 28, 4, 128, 3584, 7_615_616_512, 32768, 18944, 152064, **_QWEN2),
+    "qwen2.5-14b": ModelShape(48, 40, 8, 128, 5120, 14_770_033_664, 32768, 13824, 152064, **_QWEN2),
+    "qwen2.5-32b": ModelShape(64, 40, 8, 128, 5120, 32_763_876_352, 32768, 27648, 152064, **_QWEN2),
+    "qwen2.5-72b": ModelShape(80, 64, 8, 128, 8192, 72_706_203_648, 32768, 29568, 152064, **_QWEN2),
 }
 
 MODEL_ALIASES: dict[str, str] = {
@@ -81,9 +72,6 @@ GPUS: dict[str, GPU] = {
 }
 
 GPU_ALIASES: dict[str, str] = {"h100": "h100-80gb", "h200": "h200-141gb", "a100": "a100-80gb"}
-
-# Bytes per element. "auto" for the KV cache means "same as the weights".
-DTYPE_BYTES: dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1}
 
 
 def _key(name: str) -> str:

@@ -18,7 +18,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from kvserve.operator.catalog import DTYPE_BYTES, GiB, ModelShape
+from kvserve.operator.catalog import GiB, ModelShape
+from kvserve.runtime import capacity
 
 LLM_D_ACTIVATION_BYTES = int(4.8 * GiB)  # llm-d's flat constant, for reference and tests
 FIXED_RESERVE_BYTES = 1 * GiB  # CUDA graphs, NCCL buffers, allocator fragmentation
@@ -68,35 +69,21 @@ class Plan:
         return asdict(self)
 
 
-def dtype_bytes(dtype: str) -> int:
-    return DTYPE_BYTES[dtype]
-
-
-def kv_bytes_per_token(model: ModelShape, kv_dtype_bytes: int) -> int:
-    return 2 * model.num_layers * model.num_kv_heads * model.head_dim * kv_dtype_bytes
-
-
 def kv_heads_per_rank(model: ModelShape, tensor_parallel_size: int) -> int:
-    return max(1, model.num_kv_heads // tensor_parallel_size)
+    return capacity.kv_heads_per_rank(model.num_kv_heads, tensor_parallel_size)
 
 
 def tensor_parallel_error(model: ModelShape, tensor_parallel_size: int) -> str | None:
-    t = tensor_parallel_size
-    if t < 1:
-        return f"tensorParallelSize must be >= 1, got {t}"
-    if model.num_attention_heads % t:
-        return f"{model.num_attention_heads} attention heads cannot be split across {t} GPUs"
-    if model.num_kv_heads % t and t % model.num_kv_heads:
-        return f"{model.num_kv_heads} KV heads cannot be split or replicated across {t} GPUs"
-    return None
+    return capacity.tp_shape_error(model.num_attention_heads, model.num_kv_heads, model.intermediate_size,
+                                   tensor_parallel_size)
 
 
 def valid_tensor_parallel_sizes(model: ModelShape, limit: int = 8) -> list[int]:
-    return [t for t in range(1, limit + 1) if tensor_parallel_error(model, t) is None]
+    return capacity.valid_tp_sizes(model.num_attention_heads, model.num_kv_heads, model.intermediate_size, limit)
 
 
 def activation_reserve_bytes(model: ModelShape, tensor_parallel_size: int, max_num_batched_tokens: int,
-                             max_num_seqs: int, act_dtype_bytes: int = 2) -> int:
+                             max_num_seqs: int, act_dtype_bytes: int = 2) -> int:  # noqa: D417
     """Peak forward-pass memory per rank for one step of `max_num_batched_tokens` tokens.
 
     Per token: ~6 hidden-size buffers (residual, norm output, attention output, q/k/v slices) plus the MLP's
@@ -109,39 +96,42 @@ def activation_reserve_bytes(model: ModelShape, tensor_parallel_size: int, max_n
 
 
 def plan(inp: PlanInput) -> Plan:
+    """Every number comes from kvserve.runtime.capacity, the module the pod sizes its KV cache with; the
+    pod receives kv_cache_bytes_per_gpu as --kv-cache-bytes and ends up with exactly num_blocks_per_gpu
+    blocks, of which kv_tokens / block_size are usable (block 0 is the null block)."""
     m, t = inp.model, inp.tensor_parallel_size
-    kv_dtype = inp.dtype if inp.kv_cache_dtype == "auto" else inp.kv_cache_dtype
-    kv_per_token = kv_bytes_per_token(m, dtype_bytes(kv_dtype))
-    kv_per_token_per_gpu = 2 * m.num_layers * kv_heads_per_rank(m, t) * m.head_dim * dtype_bytes(kv_dtype)
-    weight_bytes = m.num_parameters * dtype_bytes(inp.dtype)
-    weight_bytes_per_gpu = math.ceil(weight_bytes / t)
+    layout = capacity.kv_layout(m, inp.dtype, inp.kv_cache_dtype, inp.block_size, t)
+    weight_bytes = capacity.weight_bytes_per_rank(m, inp.dtype, 1)
+    weight_bytes_per_gpu = capacity.weight_bytes_per_rank(m, inp.dtype, t) if t >= 1 else weight_bytes
     budget = int(inp.gpu_memory_bytes * inp.gpu_memory_utilization)
     activation = inp.activation_reserve_bytes
     if activation is None:
-        activation = activation_reserve_bytes(m, t, inp.max_num_batched_tokens, inp.max_num_seqs)
+        activation = activation_reserve_bytes(m, max(t, 1), inp.max_num_batched_tokens, inp.max_num_seqs,
+                                              capacity.dtype_bytes(capacity.activation_dtype(inp.dtype)))
     overhead = inp.runtime_overhead_bytes
     if overhead is None:
         overhead = RUNTIME_OVERHEAD_TP1_BYTES if t == 1 else RUNTIME_OVERHEAD_TP_BYTES
     free_bytes = budget - weight_bytes_per_gpu - activation - overhead
-    block_bytes = inp.block_size * kv_per_token_per_gpu
-    num_blocks = max(0, free_bytes // block_bytes)
-    kv_tokens = num_blocks * inp.block_size
-    blocks_per_seq = math.ceil(inp.max_model_len / inp.block_size)
-    max_concurrency = num_blocks // blocks_per_seq
+    num_blocks = layout.blocks_for_budget(max(free_bytes, 0))
+    kv_tokens = capacity.usable_tokens(num_blocks, inp.block_size)
+    max_concurrency = capacity.max_concurrency(num_blocks, inp.max_model_len, inp.block_size)
     common = dict(
-        kv_bytes_per_token=kv_per_token, kv_bytes_per_token_per_gpu=kv_per_token_per_gpu,
+        kv_bytes_per_token=layout.bytes_per_token, kv_bytes_per_token_per_gpu=layout.bytes_per_token_per_rank,
         weight_bytes=weight_bytes, weight_bytes_per_gpu=weight_bytes_per_gpu,
         gpu_memory_bytes=inp.gpu_memory_bytes, memory_budget_bytes_per_gpu=budget,
         activation_reserve_bytes=activation, runtime_overhead_bytes=overhead,
-        kv_cache_bytes_per_gpu=num_blocks * block_bytes, num_blocks_per_gpu=num_blocks, kv_tokens=kv_tokens,
-        max_concurrency=max_concurrency, max_model_len_fit=min(kv_tokens, m.max_position_embeddings), max_model_len=inp.max_model_len,
+        kv_cache_bytes_per_gpu=layout.budget_for_blocks(num_blocks), num_blocks_per_gpu=num_blocks,
+        kv_tokens=kv_tokens, max_concurrency=max_concurrency,
+        max_model_len_fit=min(kv_tokens, m.max_position_embeddings), max_model_len=inp.max_model_len,
         block_size=inp.block_size, tensor_parallel_size=t,
     )
 
+    arch_error = capacity.unsupported_architecture_error(m)
+    if arch_error:
+        return Plan(False, "UnsupportedArchitecture", arch_error, **common)
     tp_error = tensor_parallel_error(m, t)
     if tp_error:
-        return Plan(False, "InvalidTensorParallelSize",
-                    f"{tp_error}; valid sizes: {valid_tensor_parallel_sizes(m)}", **common)
+        return Plan(False, "InvalidTensorParallelSize", tp_error, **common)
     if inp.max_model_len > m.max_position_embeddings:
         return Plan(False, "ContextExceedsModel",
                     f"maxModelLen {inp.max_model_len} exceeds the model's {m.max_position_embeddings} positions",
@@ -153,15 +143,13 @@ def plan(inp: PlanInput) -> Plan:
                     f"{_gb(overhead)} = {_gb(fixed)} per GPU exceed the {_gb(budget)} budget "
                     f"({inp.gpu_memory_utilization:g} x {_gb(inp.gpu_memory_bytes)}) at tensorParallelSize {t}",
                     **common)
-    if max_concurrency < 1:
-        return Plan(False, "ContextDoesNotFit",
-                    f"one {inp.max_model_len}-token sequence needs {_gb(blocks_per_seq * block_bytes)} of KV per GPU "
-                    f"but only {_gb(num_blocks * block_bytes)} is left; the longest that fits is {kv_tokens} tokens",
-                    **common)
+    context_error = capacity.one_sequence_error(num_blocks, inp.max_model_len, layout, "kv_cache_bytes")
+    if context_error:
+        return Plan(False, "ContextDoesNotFit", context_error, **common)
     return Plan(True, "Fits",
-                f"{kv_tokens} KV tokens per replica ({num_blocks} blocks of {inp.block_size} per GPU, "
-                f"{_gb(num_blocks * block_bytes)}); {max_concurrency} concurrent {inp.max_model_len}-token sequences",
-                **common)
+                f"{kv_tokens} KV tokens per replica ({num_blocks} blocks of {inp.block_size} per GPU incl. the null "
+                f"block, {_gb(layout.budget_for_blocks(num_blocks))}); {max_concurrency} concurrent "
+                f"{inp.max_model_len}-token sequences", **common)
 
 
 def _gb(num_bytes: int) -> str:

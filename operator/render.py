@@ -9,6 +9,7 @@ import math
 from typing import Any
 
 from kvserve.operator.spec import API_VERSION, KIND, Resolved
+from kvserve.runtime import engine_args
 
 MODEL_MOUNT = "/mnt/models"
 MANAGED_BY = "kvserve-operator"
@@ -60,29 +61,28 @@ def model_source(spec: dict) -> tuple[list[dict], list[dict], str]:
     raise ValueError(f"spec.model.uri must start with pvc:// or file://, got {uri!r}")
 
 
+def engine_settings(resolved: Resolved) -> dict[str, Any]:
+    """The spec's engine settings (every CRD field EngineArgs maps) plus the planned KV budget per rank."""
+    spec = resolved.spec
+    values = {name: spec[path.split(".")[0]][path.split(".")[1]] for path, name in engine_args.crd_settings().items()}
+    # The planned budget per GPU rank, in whole blocks: the pod never allocates more KV than planned.
+    values["kv_cache_bytes"] = resolved.plan.kv_cache_bytes_per_gpu
+    return values
+
+
 def runtime_args(resolved: Resolved, name: str, model_dir: str) -> list[str]:
-    spec, plan, engine = resolved.spec, resolved.plan, resolved.spec["engine"]
+    """`kvserve serve` with the engine flags generated from EngineArgs (the same definition the runtime
+    parses them with), so a setting is never spelled twice."""
+    spec, engine = resolved.spec, resolved.spec["engine"]
     args = [
         "kvserve", "serve", model_dir,
         "--host", "0.0.0.0",
         "--port", str(spec["port"]),
         "--served-model-name", served_model_name(spec, name),
-        "--dtype", spec["model"]["dtype"],
-        "--tensor-parallel-size", str(spec["gpu"]["tensorParallelSize"]),
-        "--max-model-len", str(engine["maxModelLen"]),
-        "--block-size", str(engine["blockSize"]),
-        "--max-num-seqs", str(engine["maxNumSeqs"]),
-        "--max-num-batched-tokens", str(engine["maxNumBatchedTokens"]),
-        # The planned budget per GPU rank, in whole blocks: the pod never allocates more KV than planned.
-        "--kv-cache-bytes", str(plan.kv_cache_bytes_per_gpu),
-        "--enable-prefix-caching" if engine["enablePrefixCaching"] else "--no-enable-prefix-caching",
+        *engine_args.cli_args(engine_settings(resolved)),
         # Leave the kubelet 10 s after the drain before it sends SIGKILL.
         "--drain-timeout", str(max(1, spec["terminationGracePeriodSeconds"] - 10)),
     ]
-    if engine["kvCacheDtype"] != "auto":  # "auto" (same as the weights) is the runtime's default
-        args += ["--kv-cache-dtype", engine["kvCacheDtype"]]
-    if not engine["enableChunkedPrefill"]:
-        args.append("--no-enable-chunked-prefill")
     return args + [str(a) for a in engine.get("extraArgs", [])]
 
 
@@ -125,6 +125,9 @@ def deployment(resolved: Resolved, name: str, namespace: str) -> dict:
         "env": [{"name": "HOME", "value": "/tmp"}],
         "resources": _resources(spec),
         "volumeMounts": mounts,
+        # A runtime that rejects its plan writes one line to /dev/termination-log; the operator shows it.
+        "terminationMessagePath": "/dev/termination-log",
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         # Weights for a 70B model take many minutes to load: the startup probe holds off liveness until then.
         "startupProbe": _probe("http", STARTUP_PERIOD_SECONDS,
                                math.ceil(spec["startupTimeoutSeconds"] / STARTUP_PERIOD_SECONDS)),

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.operator import catalog, planner
+from kvserve.runtime import engine_args
 
 GROUP = "serving.kvserve.dev"
 VERSION = "v1alpha1"
@@ -21,19 +22,20 @@ PLURAL = "inferenceservices"
 
 DEFAULT_IMAGE = "ghcr.io/kvserve/kvserve-runtime:0.1.0"
 
+def _engine_defaults() -> dict[str, dict[str, Any]]:
+    """The engine settings the CRD exposes, with their defaults, from the one EngineArgs definition."""
+    out: dict[str, dict[str, Any]] = {}
+    for path, default in engine_args.crd_defaults().items():
+        section, key = path.split(".")
+        out.setdefault(section, {})[key] = default
+    return out
+
+
+_ENGINE = _engine_defaults()
 DEFAULTS: dict[str, Any] = {
-    "model": {"dtype": "bfloat16"},
-    "gpu": {"tensorParallelSize": 1, "resourceName": "nvidia.com/gpu"},
-    "engine": {
-        "maxModelLen": 8192,
-        "blockSize": 16,
-        "enablePrefixCaching": True,
-        "enableChunkedPrefill": True,
-        "maxNumSeqs": 256,
-        "maxNumBatchedTokens": 8192,
-        "gpuMemoryUtilization": 0.9,
-        "kvCacheDtype": "auto",
-    },
+    "model": {**_ENGINE["model"]},
+    "gpu": {**_ENGINE["gpu"], "resourceName": "nvidia.com/gpu"},
+    "engine": {**_ENGINE["engine"]},
     "replicas": 1,
     "autoscaling": {"enabled": False, "minReplicas": 1, "maxReplicas": 4, "targetQueueDepth": 5},
     "image": DEFAULT_IMAGE,
@@ -89,14 +91,21 @@ _SHAPE_FIELDS = {
     "intermediateSize": "intermediate_size",
     "vocabSize": "vocab_size",
     "expertsPerToken": "experts_per_token",
+    "numExperts": "num_experts",
+    "architecture": "architecture",
+    "tieWordEmbeddings": "tie_word_embeddings",
+    "attentionBias": "attention_bias",
+    "qkNorm": "qk_norm",
 }
+_OPTIONAL_SHAPE_FIELDS = {"expertsPerToken", "numExperts", "architecture", "tieWordEmbeddings", "attentionBias",
+                          "qkNorm"}
 
 
 def model_shape(model_spec: dict) -> catalog.ModelShape:
     base = catalog.lookup_model(model_spec["name"]) if model_spec.get("name") else None
     overrides = model_spec.get("shape") or {}
     if base is None:
-        missing = [k for k in _SHAPE_FIELDS if k != "expertsPerToken" and k not in overrides]
+        missing = [k for k in _SHAPE_FIELDS if k not in _OPTIONAL_SHAPE_FIELDS and k not in overrides]
         if missing:
             known = ", ".join(sorted(catalog.MODELS))
             raise SpecError("UnknownModel",

@@ -6,11 +6,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvserve.runtime import capacity
+from kvserve.runtime.capacity import SUPPORTED_ARCHITECTURES, CapacityError
 from kvserve.runtime.core.scheduler import SchedulerConfig
 from kvserve.runtime.sampling_params import InvalidParameter
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
 ALLOWED_BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 DEFAULT_SWAP_SPACE_BYTES = 4 << 30  # vLLM's default swap space
@@ -21,7 +21,7 @@ class ModelConfig:
     model_dir: str
     architecture: str
     hf_config: Any = field(compare=False, repr=False)
-    dtype: str  # "float32" | "bfloat16" | "float16"
+    dtype: str  # activations: "float32" | "bfloat16" | "float16"
     max_model_len: int
     num_layers: int
     num_heads: int
@@ -30,10 +30,11 @@ class ModelConfig:
     hidden_size: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
+    shape: capacity.ModelShape = field(compare=False, repr=False, default=None)
+    weight_dtype: str = ""  # "fp8" for online-quantised weights, else == dtype
 
-    def kv_bytes_per_token(self, kv_cache_dtype: str = "auto") -> int:
-        dtype = self.dtype if kv_cache_dtype == "auto" else kv_cache_dtype
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[dtype]
+    def kv_layout(self, kv_cache_dtype: str, block_size: int, tensor_parallel_size: int = 1) -> capacity.KVLayout:
+        return capacity.kv_layout(self.shape, self.weight_dtype, kv_cache_dtype, block_size, tensor_parallel_size)
 
 
 @dataclass(frozen=True)
@@ -75,15 +76,10 @@ def load_model_config(model_dir: str, dtype: str = "auto", max_model_len: int | 
                                         f"{model_dir}/config.json; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     if dtype == "auto":
         dtype = str(getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or "float32")
-        dtype = dtype.replace("torch.", "")
-    if dtype in ("half", "fp16"):
-        dtype = "float16"
-    if dtype in ("bf16",):
-        dtype = "bfloat16"
-    if dtype in ("float", "fp32"):
-        dtype = "float32"
-    if dtype not in ("float32", "bfloat16", "float16"):
-        raise InvalidParameter("dtype", f"dtype must be auto, float32, bfloat16 or float16, got {dtype!r}")
+    try:
+        weight_dtype = capacity.weight_dtype(dtype)
+    except CapacityError as exc:
+        raise InvalidParameter("dtype", str(exc)) from None
     rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type in ("dynamic", "longrope"):
@@ -100,14 +96,14 @@ def load_model_config(model_dir: str, dtype: str = "auto", max_model_len: int | 
     elif not 1 <= max_model_len <= limit:
         raise InvalidParameter("max_model_len", f"max_model_len must be in [1, {limit}] for this model "
                                                 f"(max_position_embeddings / sliding window), got {max_model_len}")
-    num_heads = hf_config.num_attention_heads
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+    with open(os.path.join(model_dir, "config.json")) as f:
+        shape = capacity.shape_from_hf_config(json.load(f))
     return ModelConfig(
-        model_dir=model_dir, architecture=arch, hf_config=hf_config, dtype=dtype, max_model_len=max_model_len,
-        num_layers=hf_config.num_hidden_layers, num_heads=num_heads,
-        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads, head_dim=head_dim,
-        hidden_size=hf_config.hidden_size, vocab_size=hf_config.vocab_size,
-        eos_token_ids=_eos_token_ids(model_dir, hf_config))
+        model_dir=model_dir, architecture=arch, hf_config=hf_config, dtype=capacity.activation_dtype(weight_dtype),
+        max_model_len=max_model_len, num_layers=shape.num_layers, num_heads=shape.num_attention_heads,
+        num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, hidden_size=shape.hidden_size,
+        vocab_size=shape.vocab_size, eos_token_ids=_eos_token_ids(model_dir, hf_config), shape=shape,
+        weight_dtype=weight_dtype)
 
 
 def _eos_token_ids(model_dir: str, hf_config: Any) -> tuple[int, ...]:
@@ -128,39 +124,44 @@ def _generation_config(model_dir: str) -> dict:
         return json.load(f)
 
 
-def make_engine_config(model: str, *, block_size: int = 16, max_model_len: int | None = None,
-                       max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
-                       enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
-                       long_prefill_token_threshold: int = 0, kv_cache_bytes: int | None = None,
-                       num_kv_blocks: int | None = None, gpu_memory_utilization: float = 0.9,
-                       kv_cache_dtype: str = "auto", dtype: str = "auto", seed: int = 0,
-                       preemption_mode: str = "recompute", swap_space_bytes: int | None = None,
-                       attention_backend: str | None = None, tensor_parallel_size: int = 1,
-                       device: str | None = None) -> EngineConfig:
-    if block_size not in ALLOWED_BLOCK_SIZES:
-        raise InvalidParameter("block_size", f"block_size must be one of {ALLOWED_BLOCK_SIZES}, got {block_size}")
+def make_engine_config(model: str, **kwargs) -> EngineConfig:
+    """`LLM(model, **kwargs)` / `LLMEngine.from_kwargs`: kwargs are EngineArgs fields (their defaults live
+    there, once)."""
+    from kvserve.runtime.engine_args import EngineArgs
+
+    return build_engine_config(EngineArgs.from_kwargs(model, **kwargs))
+
+
+def build_engine_config(args) -> EngineConfig:
+    """Validate an EngineArgs once (errors name the field) and build the frozen configs."""
+    a = args
+    # Settings the validation below normalises get local names; the rest are read from `a` directly.
+    kv_cache_dtype, swap_space_bytes, kv_cache_bytes = a.kv_cache_dtype, a.swap_space_bytes, a.kv_cache_bytes
+    device, attention_backend, max_num_batched_tokens = a.device, a.attention_backend, a.max_num_batched_tokens
+    if a.block_size not in ALLOWED_BLOCK_SIZES:
+        raise InvalidParameter("block_size", f"block_size must be one of {ALLOWED_BLOCK_SIZES}, got {a.block_size}")
     if kv_cache_bytes is not None and kv_cache_bytes <= 0:
         raise InvalidParameter("kv_cache_bytes", f"kv_cache_bytes must be > 0, got {kv_cache_bytes}")
-    if num_kv_blocks is not None and num_kv_blocks < 2:
-        raise InvalidParameter("num_kv_blocks", f"num_kv_blocks must be >= 2, got {num_kv_blocks}")
-    if not 0 < gpu_memory_utilization <= 1:
+    if a.num_kv_blocks is not None and a.num_kv_blocks < 2:
+        raise InvalidParameter("num_kv_blocks", f"num_kv_blocks must be >= 2, got {a.num_kv_blocks}")
+    if not 0 < a.gpu_memory_utilization <= 1:
         raise InvalidParameter("gpu_memory_utilization",
-                               f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+                               f"gpu_memory_utilization must be in (0, 1], got {a.gpu_memory_utilization}")
     if kv_cache_dtype == "fp8":  # vLLM's spelling: e4m3
         kv_cache_dtype = "fp8_e4m3"
-    if kv_cache_dtype not in ("auto", "fp8_e4m3", "fp8_e5m2"):
-        raise InvalidParameter("kv_cache_dtype", f"kv_cache_dtype must be auto, fp8_e4m3 or fp8_e5m2, "
+    if kv_cache_dtype not in capacity.KV_CACHE_DTYPES:
+        raise InvalidParameter("kv_cache_dtype", f"kv_cache_dtype must be one of {', '.join(capacity.KV_CACHE_DTYPES)}, "
                                                  f"got {kv_cache_dtype!r}")
-    if tensor_parallel_size < 1:
-        raise InvalidParameter("tensor_parallel_size", f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
-    if preemption_mode not in ("recompute", "swap"):
+    if a.tensor_parallel_size < 1:
+        raise InvalidParameter("tensor_parallel_size", f"tensor_parallel_size must be >= 1, got {a.tensor_parallel_size}")
+    if a.preemption_mode not in ("recompute", "swap"):
         raise InvalidParameter("preemption_mode", f"preemption_mode must be 'recompute' or 'swap', "
-                                                  f"got {preemption_mode!r}")
+                                                  f"got {a.preemption_mode!r}")
     if swap_space_bytes is None:
-        swap_space_bytes = DEFAULT_SWAP_SPACE_BYTES if preemption_mode == "swap" else 0
+        swap_space_bytes = DEFAULT_SWAP_SPACE_BYTES if a.preemption_mode == "swap" else 0
     if swap_space_bytes < 0:
         raise InvalidParameter("swap_space_bytes", f"swap_space_bytes must be >= 0, got {swap_space_bytes}")
-    model_config = load_model_config(model, dtype, max_model_len)
+    model_config = load_model_config(a.model, a.dtype, a.max_model_len)
     if device is None:
         import torch
 
@@ -168,22 +169,22 @@ def make_engine_config(model: str, *, block_size: int = 16, max_model_len: int |
     if attention_backend is None:
         attention_backend = "triton" if device.startswith("cuda") else "torch"
     if max_num_batched_tokens is None:
-        max_num_batched_tokens = 2048 if enable_chunked_prefill else model_config.max_model_len
-    if kv_cache_bytes is None and num_kv_blocks is None and device == "cpu":
+        max_num_batched_tokens = 2048 if a.enable_chunked_prefill else model_config.max_model_len
+    if kv_cache_bytes is None and a.num_kv_blocks is None and device == "cpu":
         kv_cache_bytes = DEFAULT_CPU_KV_CACHE_BYTES
     try:
-        scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+        scheduler = SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                     max_model_len=model_config.max_model_len,
-                                    enable_chunked_prefill=enable_chunked_prefill,
-                                    long_prefill_token_threshold=long_prefill_token_threshold,
-                                    preemption_mode=preemption_mode)
+                                    enable_chunked_prefill=a.enable_chunked_prefill,
+                                    long_prefill_token_threshold=a.long_prefill_token_threshold,
+                                    preemption_mode=a.preemption_mode)
     except ValueError as exc:
         field_name = str(exc).split(" ", 1)[0].replace("with", "max_num_batched_tokens")
         raise InvalidParameter(field_name, str(exc)) from None
-    cache = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching,
-                        kv_cache_bytes=kv_cache_bytes, num_kv_blocks=num_kv_blocks,
-                        gpu_memory_utilization=gpu_memory_utilization, kv_cache_dtype=kv_cache_dtype,
+    cache = CacheConfig(block_size=a.block_size, enable_prefix_caching=a.enable_prefix_caching,
+                        kv_cache_bytes=kv_cache_bytes, num_kv_blocks=a.num_kv_blocks,
+                        gpu_memory_utilization=a.gpu_memory_utilization, kv_cache_dtype=kv_cache_dtype,
                         swap_space_bytes=swap_space_bytes)
     return EngineConfig(model=model_config, cache=cache, scheduler=scheduler,
-                        tensor_parallel_size=tensor_parallel_size, attention_backend=attention_backend,
-                        device=device, seed=seed)
+                        tensor_parallel_size=a.tensor_parallel_size, attention_backend=attention_backend,
+                        device=device, seed=a.seed)

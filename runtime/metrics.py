@@ -119,6 +119,14 @@ class ServerMetrics:
                   registry=registry).labels(**info).set(1)
 
         # kvserve-specific extras
+        # What the pod really holds: usable blocks (null block excluded) x block size -- equal to the
+        # operator's status.plan.kvTokens when the pod runs its rendered args (issue 16's contract).
+        self.kv_capacity_tokens = gauge("kvserve:kv_capacity_tokens",
+                                        "KV-cache capacity in tokens: usable blocks (null block excluded) x block size.")
+        if "num_blocks" in (cache_info or {}) and "block_size" in (cache_info or {}):
+            from kvserve.runtime.capacity import usable_tokens
+
+            self.kv_capacity_tokens.set(usable_tokens(int(cache_info["num_blocks"]), int(cache_info["block_size"])))
         self.http_rejected = Counter("kvserve:http_requests_rejected", "Requests rejected before reaching the engine.",
                                      labels + ["reason"], registry=registry)
         self.num_kv_blocks_free = gauge("kvserve:num_kv_blocks_free", "Free KV-cache blocks (cached ones included).")

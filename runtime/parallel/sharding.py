@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvserve.runtime.capacity import tp_shape_error  # noqa: F401  (the rules live with capacity)
+
 
 @dataclass(frozen=True)
 class ShardSpec:
@@ -37,27 +39,6 @@ class ShardSpec:
     def vocab_end(self) -> int:
         """End of the real rows this rank holds (<= vocab_start + vocab_per_rank)."""
         return min(self.vocab_start + self.vocab_per_rank, self.vocab_size)
-
-
-def tp_shape_error(num_heads: int, num_kv_heads: int, intermediate_size: int, tp_size: int) -> str | None:
-    """Why this model cannot be split t ways, or None when it can."""
-    t = tp_size
-    if t == 1:
-        return None
-    if num_heads % t:
-        return f"num_attention_heads={num_heads} is not divisible by tensor_parallel_size={t}"
-    if num_kv_heads % t and t % num_kv_heads:
-        return (f"num_key_value_heads={num_kv_heads} and tensor_parallel_size={t}: one must divide the other, so "
-                f"every rank's query heads share whole KV heads (try a tensor_parallel_size in "
-                f"{_valid_sizes(num_heads, num_kv_heads, intermediate_size)})")
-    if intermediate_size % t:
-        return f"intermediate_size={intermediate_size} is not divisible by tensor_parallel_size={t}"
-    return None
-
-
-def _valid_sizes(num_heads: int, num_kv_heads: int, intermediate_size: int) -> list[int]:
-    return [t for t in range(1, num_heads + 1)
-            if num_heads % t == 0 and intermediate_size % t == 0 and (num_kv_heads % t == 0 or t % num_kv_heads == 0)]
 
 
 def shard_spec(num_heads: int, num_kv_heads: int, intermediate_size: int, vocab_size: int,

@@ -90,5 +90,8 @@ def run_server(config: ServerConfig, *, host: str, port: int, engine_factory: Ca
     state.on_fatal = server.fatal
     server.run()
     if state.load_error is not None:
+        from kvserve.runtime.server.termination import write_termination_message
+
+        logger.error("%s", write_termination_message(state.load_error))
         return 1
     return server.exit_code

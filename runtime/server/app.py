@@ -88,8 +88,10 @@ class ServerState:
         self.max_token_chars = max((len(t) for t in vocab), default=64) or 64
         self.chat_template = getattr(self.tokenizer, "chat_template", None) or FALLBACK_CHAT_TEMPLATE
         cache = llm_engine.config.cache
-        cache_info = {k: getattr(cache, k) for k in ("block_size", "num_blocks", "enable_prefix_caching")
-                      if hasattr(cache, k)}
+        cache_info = {k: getattr(cache, k) for k in ("block_size", "num_blocks", "enable_prefix_caching",
+                                                     "kv_cache_dtype", "gpu_memory_utilization") if hasattr(cache, k)}
+        if "num_blocks" in cache_info:
+            cache_info["num_gpu_blocks"] = cache_info["num_blocks"]  # vLLM's label name (null block included)
         self.metrics = ServerMetrics(self.config.served_model_names[0], self.max_model_len, cache_info)
         self.engine = AsyncEngine(llm_engine, self.metrics, log_interval_s=self.config.log_interval_s)
         self.engine.start()

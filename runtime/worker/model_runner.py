@@ -16,7 +16,7 @@ from kvserve.runtime.models.attention import AttentionMetadata, get_attention_ba
 from kvserve.runtime.models.loader import load_model
 from kvserve.runtime.parallel.layers import SINGLE, ParallelContext
 from kvserve.runtime.sampling import RequestSamplingState, sample
-from kvserve.runtime.sampling_params import InvalidParameter
+from kvserve.runtime.worker import kv_sizing
 
 logger = logging.getLogger("kvserve.runner")
 
@@ -47,36 +47,24 @@ class ModelRunner:
 
     # -- KV cache sizing --------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
-        m = self.config.model  # this rank's KV heads only
-        return self.block_size * m.kv_bytes_per_token(self.config.cache.kv_cache_dtype) * self.num_kv_heads // m.num_kv_heads
-
-    def determine_num_blocks(self) -> int:
-        cache = self.config.cache
-        if cache.num_kv_blocks is not None:
-            return cache.num_kv_blocks
-        if cache.kv_cache_bytes is not None:
-            return cache.kv_cache_bytes // self.kv_bytes_per_block()
-        return self._profile_num_blocks_cuda()
+        return kv_sizing.layout(self.config).bytes_per_block
 
     def _check_one_sequence_fits(self, num_blocks: int) -> None:
-        """Fail at startup, not mid-request, when one max_model_len sequence cannot fit (block 0 is the
-        reserved null block)."""
-        cache, max_len = self.config.cache, self.config.model.max_model_len
-        usable_blocks = num_blocks - 1
-        needed_blocks = -(-max_len // self.block_size)
-        if usable_blocks >= needed_blocks:
-            return
-        source = ("num_kv_blocks" if cache.num_kv_blocks is not None else
-                  "kv_cache_bytes" if cache.kv_cache_bytes is not None else "gpu_memory_utilization")
-        raise InvalidParameter(source, (
-            f"{source}: the KV cache holds {max(usable_blocks, 0)} usable blocks of {self.block_size} tokens "
-            f"({max(usable_blocks, 0) * self.block_size} tokens), but one max_model_len={max_len} sequence needs "
-            f"{needed_blocks} blocks ({(needed_blocks + 1) * self.kv_bytes_per_block()} bytes with the null "
-            f"block). Raise the KV budget or set max_model_len <= {max(usable_blocks, 0) * self.block_size}."))
+        kv_sizing.check_one_sequence_fits(self.config, num_blocks)
 
-    def _profile_num_blocks_cuda(self) -> int:
-        """GPU: run a dummy forward at max_num_batched_tokens, then give what is left of
-        total * gpu_memory_utilization (after weights and peak activations) to the KV cache."""
+    def determine_num_blocks(self) -> int:
+        explicit = kv_sizing.explicit_num_blocks(self.config)
+        if self.device.type != "cuda":
+            return explicit
+        memory = self._profile_cuda_memory()
+        if explicit is None:
+            return kv_sizing.profiled_num_blocks(self.config, memory)
+        # A planned budget: verify the device can really hold weights + activations + that much KV.
+        kv_sizing.check_budget_fits_device(self.config, memory, explicit * self.kv_bytes_per_block())
+        return explicit
+
+    def _profile_cuda_memory(self) -> kv_sizing.DeviceMemory:
+        """Run a dummy forward at max_num_batched_tokens and measure the peak it needs."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         num_tokens = min(self.config.scheduler.max_num_batched_tokens, self.config.model.max_model_len)
@@ -91,13 +79,8 @@ class ModelRunner:
         del dummy_caches
         peak = torch.cuda.max_memory_allocated()
         free, total = torch.cuda.mem_get_info()
-        non_torch = total - free - torch.cuda.memory_reserved()
-        available = int(total * self.config.cache.gpu_memory_utilization) - peak - max(non_torch, 0)
-        num_blocks = available // self.kv_bytes_per_block()
-        logger.info("KV sizing: total %.2f GiB x %.2f - peak %.2f GiB - other %.2f GiB -> %d blocks",
-                    total / 2**30, self.config.cache.gpu_memory_utilization, peak / 2**30,
-                    max(non_torch, 0) / 2**30, num_blocks)
-        return num_blocks
+        return kv_sizing.DeviceMemory(total_bytes=total, peak_bytes=peak,
+                                      non_torch_bytes=max(total - free - torch.cuda.memory_reserved(), 0))
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         m = self.config.model

@@ -9,19 +9,24 @@ import pytest
 
 from kvserve.operator import catalog, planner
 from kvserve.operator.catalog import GiB, MiB
+from kvserve.runtime import capacity
 
 L70 = catalog.MODELS["llama-3-70b"]
 
 
+def kv_per_token(model, dtype="bfloat16") -> int:
+    return capacity.kv_layout(model, dtype, "auto", 16, 1).bytes_per_token
+
+
 def test_seed_kv_bytes_per_token_llama3_70b_fp16():
     # 2 (K and V) x 80 layers x 8 KV heads x 128 head dim x 2 bytes
-    assert planner.kv_bytes_per_token(L70, 2) == 327_680
+    assert kv_per_token(L70) == 327_680
     # The seed's "320 KB" is 320 KiB; in decimal units it is 327.68 kB.
     assert 327_680 == 320 * 1024
 
 
 def test_seed_bytes_per_32k_sequence_gb_vs_gib():
-    per_token = planner.kv_bytes_per_token(L70, 2)
+    per_token = kv_per_token(L70)
     # "32k" read as 32,768 tokens is exactly 10 GiB = 10.74 GB ...
     assert per_token * 32_768 == 10 * GiB
     assert round(per_token * 32_768 / 1e9, 2) == 10.74
@@ -31,7 +36,7 @@ def test_seed_bytes_per_32k_sequence_gb_vs_gib():
 
 def test_seed_concurrency_when_everything_but_weights_is_kv():
     # Seed: 4x A100-80GB = 320 GB, minus 140 GB of weights = 180 GB of KV -> "~17" 32k sequences.
-    per_token = planner.kv_bytes_per_token(L70, 2)
+    per_token = kv_per_token(L70)
     kv_bytes = 4 * 80e9 - 140e9
     assert kv_bytes // (per_token * 32_000) == 17  # the seed's figure: 32k = 32,000 tokens, GB
     assert kv_bytes // (per_token * 32_768) == 16  # 32k = 32,768 tokens: 16.8 -> 16 whole sequences
@@ -52,7 +57,9 @@ def test_realistic_figure_utilization_092_with_overheads():
                                        gpu_memory_bytes=catalog.GPUS["a100-80gb"].memory_bytes,
                                        tensor_parallel_size=4, gpu_memory_utilization=0.92, max_model_len=32_768))
     budget = int(80 * GiB * 0.92)
-    weights = math.ceil(70_553_706_496 * 2 / 4)
+    # 70.55e9 x 2 B / 4, plus the norms every rank holds whole (80 x 2 + 1 vectors of 8192, 2 B each x 3/4)
+    weights = math.ceil(70_553_706_496 * 2 / 4) + (80 * 2 + 1) * 8192 * 2 * 3 // 4
+    assert weights == capacity.weight_bytes_per_rank(L70, "bfloat16", 4)
     # activations: 8192 batched tokens x (6 x 8192 hidden + 2 x 28672/4 MLP) x 2 B, fp32 logits for 256 seqs, 1 GiB
     activations = 8192 * (6 * 8192 + 2 * 28672 // 4) * 2 + 256 * 128_256 * 4 + GiB
     overhead = int(0.6 * GiB)
@@ -61,9 +68,9 @@ def test_realistic_figure_utilization_092_with_overheads():
     assert (p.weight_bytes_per_gpu, p.activation_reserve_bytes, p.runtime_overhead_bytes) == (
         weights, activations, overhead)
     assert p.num_blocks_per_gpu == blocks
-    assert p.kv_tokens == blocks * 16
+    assert p.kv_tokens == (blocks - 1) * 16  # block 0 is the runtime's null block
     assert p.kv_cache_bytes_per_gpu == blocks * per_gpu_block
-    assert p.max_concurrency == blocks // (32_768 // 16)
+    assert p.max_concurrency == (blocks - 1) // (32_768 // 16)
     assert p.max_model_len_fit == 32_768  # KV would hold a longer one; the model's positions cap it
     # The realistic answer is 15 concurrent 32k sequences per replica, not the seed's ~17.
     assert p.max_concurrency == 15 and p.fits and p.reason == "Fits"
@@ -76,7 +83,8 @@ def test_fp8_kv_cache_halves_bytes_per_token_and_doubles_tokens():
     fp8 = planner.plan(planner.PlanInput(**base, kv_cache_dtype="fp8"))
     assert fp8.kv_bytes_per_token * 2 == auto.kv_bytes_per_token == 327_680
     assert fp8.kv_bytes_per_token_per_gpu * 2 == auto.kv_bytes_per_token_per_gpu
-    assert fp8.kv_tokens in (2 * auto.kv_tokens, 2 * auto.kv_tokens + 16)  # block rounding
+    # usable = blocks - 1 (null block); fp8 buys 2x the blocks, or one more after rounding
+    assert fp8.kv_tokens in (2 * auto.kv_tokens + 16, 2 * auto.kv_tokens + 32)
     assert fp8.weight_bytes == auto.weight_bytes  # KV dtype does not touch the weights
 
 
@@ -124,7 +132,7 @@ def test_every_model_entry(key):
     assert m.head_dim * m.num_attention_heads == m.hidden_size
     assert m.num_attention_heads % m.num_kv_heads == 0
     if key in KNOWN_KV_KIB:
-        assert planner.kv_bytes_per_token(m, 2) == KNOWN_KV_KIB[key] * 1024
+        assert kv_per_token(m) == KNOWN_KV_KIB[key] * 1024
     nominal = NOMINAL_BILLIONS.get(key) or float(re.search(r"-(\d+)b$", key).group(1))
     assert abs(m.num_parameters / 1e9 - nominal) / nominal < 0.1, "parameter count far from the model's name"
     assert catalog.lookup_model(f"org/{key.upper()}-Instruct") == m
@@ -133,6 +141,9 @@ def test_every_model_entry(key):
     assert 1 in sizes
     plans = [planner.plan(planner.PlanInput(model=m, gpu_memory_bytes=catalog.GPUS["b200"].memory_bytes,
                                             tensor_parallel_size=t, max_model_len=4096)) for t in sizes]
+    if capacity.unsupported_architecture_error(m):  # the planner refuses what the runtime cannot serve
+        assert {p.reason for p in plans} == {"UnsupportedArchitecture"}
+        return
     assert any(p.fits for p in plans)
     fitting = [p for p in plans if p.fits]
     # More GPUs never hold fewer tokens.

@@ -118,7 +118,7 @@ def test_spec_changes_reach_the_pod_template():
     cmd = after[0]["spec"]["template"]["spec"]["containers"][0]["command"]
     assert _flag(cmd, "--tensor-parallel-size") == "8"
     assert _flag(cmd, "--kv-cache-dtype") == "fp8"
-    assert "--kv-cache-dtype" not in before[0]["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert _flag(before[0]["spec"]["template"]["spec"]["containers"][0]["command"], "--kv-cache-dtype") == "auto"
     assert "--no-enable-chunked-prefill" in cmd
     assert after[0]["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "8"
     assert int(_flag(cmd, "--kv-cache-bytes")) == resolved.plan.kv_cache_bytes_per_gpu

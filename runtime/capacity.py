@@ -1,0 +1,296 @@
+"""KV-cache capacity: the one model of "how much fits" shared by the runtime and the operator.
+
+The runtime's KV sizing (worker/model_runner.py), the operator's planner (operator/planner.py) and the
+router's index sizing all call these functions, so a plan the operator accepts is exactly what the pod
+allocates. Pure Python, no torch: the operator image imports it without the runtime's dependencies
+(tests/test_layering.py checks that with import-linter).
+
+Facts kept here, once:
+- the dtype table and its aliases (weights, activations and KV cache);
+- the KV layout: bytes per token per tensor-parallel rank and per block;
+- blocks and tokens for a byte budget, with block 0 reserved as the null block (block tables are padded
+  with it; it never holds a token), so usable blocks = blocks - 1;
+- the tensor-parallel shape rules and the exact bytes of weights each rank holds;
+- which architectures the runtime serves and how an HF config.json maps to a model shape.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+NULL_BLOCKS = 1  # block 0: padding for block tables, never allocated to a request
+
+# Bytes per element of each canonical dtype name.
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
+# Other spellings users and HF configs use. "fp8" is vLLM's: e4m3 for KV caches, e4m3 weights for models.
+DTYPE_ALIASES: dict[str, str] = {
+    "fp32": "float32", "float": "float32", "torch.float32": "float32",
+    "bf16": "bfloat16", "torch.bfloat16": "bfloat16",
+    "fp16": "float16", "half": "float16", "torch.float16": "float16",
+    "fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3",
+}
+# `--dtype`: the weights' storage type. fp8 = online FP8 weight quantisation at load (vLLM's
+# `--quantization fp8`): linear-layer weights in e4m3 with one fp32 scale per output channel, everything
+# else (embeddings, LM head, norms, biases, MoE router) and all activations in FP8_ACTIVATION_DTYPE.
+WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8")
+FP8_ACTIVATION_DTYPE = "bfloat16"
+FP8_SCALE_BYTES = 4  # one fp32 scale per output channel of each quantised linear
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+# What the runtime's model files implement (runtime/models). The planner refuses anything else.
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+class CapacityError(ValueError):
+    """A setting outside what the runtime can serve; `field` names it (engine argument / spec field)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+def canonical_dtype(name: str) -> str:
+    key = str(name).strip().lower()
+    key = DTYPE_ALIASES.get(key, key)
+    if key not in DTYPE_BYTES:
+        raise CapacityError("dtype", f"unknown dtype {name!r}; known: {', '.join(DTYPE_BYTES)} "
+                                     f"(aliases: {', '.join(DTYPE_ALIASES)})")
+    return key
+
+
+def dtype_bytes(name: str) -> int:
+    return DTYPE_BYTES[canonical_dtype(name)]
+
+
+def weight_dtype(dtype: str) -> str:
+    """Canonical `--dtype` value: float32/bfloat16/float16 or "fp8" (quantised weights). "auto" is resolved
+    from the model's config by the caller before this is asked."""
+    key = str(dtype).strip().lower()
+    if key in ("fp8", "fp8_e4m3", "fp8_e4m3fn"):
+        return "fp8"
+    canonical = DTYPE_ALIASES.get(key, key)
+    if canonical not in ("float32", "bfloat16", "float16"):
+        raise CapacityError("dtype", f"dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {dtype!r}")
+    return canonical
+
+
+def activation_dtype(dtype: str) -> str:
+    """The dtype activations (and an "auto" KV cache) use for a given `--dtype`."""
+    w = weight_dtype(dtype)
+    return FP8_ACTIVATION_DTYPE if w == "fp8" else w
+
+
+def kv_cache_dtype(dtype: str, kv_cache_dtype_name: str = "auto") -> str:
+    """Canonical KV element type: the activation dtype for "auto", else an fp8 format."""
+    key = str(kv_cache_dtype_name).strip().lower()
+    if key == "auto":
+        return activation_dtype(dtype)
+    if key not in KV_CACHE_DTYPES:
+        raise CapacityError("kv_cache_dtype", f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                                              f"got {kv_cache_dtype_name!r}")
+    return canonical_dtype(key)
+
+
+# -- model shape ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelShape:
+    """What capacity depends on. Built from a catalog entry, a spec's overrides or a config.json."""
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    num_parameters: int  # as published (safetensors index); the planner uses the exact per-rank count
+    max_position_embeddings: int
+    intermediate_size: int  # MLP width (per expert for MoE)
+    vocab_size: int
+    experts_per_token: int = 1  # MoE top-k; 1 for dense models
+    num_experts: int = 0  # 0: dense MLP
+    architecture: str = "LlamaForCausalLM"
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v biases (Qwen2; Llama's attention_bias)
+    o_proj_bias: bool = False  # Llama's attention_bias also biases o_proj (Qwen2's does not)
+    mlp_bias: bool = False
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
+
+
+def shape_from_hf_config(config: dict) -> ModelShape:
+    """An HF config.json (as a dict) -> ModelShape. num_parameters is computed (no safetensors index read)."""
+    archs = config.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), archs[0] if archs else "")
+    text = config.get("text_config") or config  # multimodal wrappers keep the decoder's fields here
+    heads = int(text["num_attention_heads"])
+    hidden = int(text["hidden_size"])
+    num_experts = int(text.get("num_local_experts") or text.get("num_experts") or 0)
+    inter = int(text.get("moe_intermediate_size") or text["intermediate_size"]) if num_experts else \
+        int(text["intermediate_size"])
+    shape = ModelShape(
+        num_layers=int(text["num_hidden_layers"]), num_attention_heads=heads,
+        num_kv_heads=int(text.get("num_key_value_heads") or heads),
+        head_dim=int(text.get("head_dim") or hidden // heads), hidden_size=hidden, num_parameters=0,
+        max_position_embeddings=int(text.get("max_position_embeddings") or 4096), intermediate_size=inter,
+        vocab_size=int(text["vocab_size"]),
+        experts_per_token=int(text.get("num_experts_per_tok") or 1) if num_experts else 1,
+        num_experts=num_experts, architecture=arch,
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+        attention_bias=arch == "Qwen2ForCausalLM" or bool(text.get("attention_bias", False)),
+        o_proj_bias=arch != "Qwen2ForCausalLM" and bool(text.get("attention_bias", False)),
+        mlp_bias=bool(text.get("mlp_bias", False)),
+        qk_norm=arch.startswith("Qwen3"))
+    return ModelShape(**{**shape.__dict__, "num_parameters": parameters_per_rank(shape, 1)})
+
+
+def unsupported_architecture_error(shape: ModelShape) -> str | None:
+    if shape.architecture in SUPPORTED_ARCHITECTURES:
+        return None
+    return (f"architecture {shape.architecture or 'unknown'!r} is not served by the kvserve runtime; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+# -- tensor parallelism ---------------------------------------------------------------------------------
+def tp_shape_error(num_heads: int, num_kv_heads: int, intermediate_size: int, tp_size: int) -> str | None:
+    """Why this model cannot be split t ways, or None when it can (see runtime/parallel/sharding.py for
+    the layout these rules protect)."""
+    t = tp_size
+    if t < 1:
+        return f"tensor_parallel_size must be >= 1, got {t}"
+    if t == 1:
+        return None
+    valid = valid_tp_sizes(num_heads, num_kv_heads, intermediate_size)
+    if num_heads % t:
+        return f"num_attention_heads={num_heads} is not divisible by tensor_parallel_size={t} (valid: {valid})"
+    if num_kv_heads % t and t % num_kv_heads:
+        return (f"num_key_value_heads={num_kv_heads} and tensor_parallel_size={t}: one must divide the other, so "
+                f"every rank's query heads share whole KV heads (valid: {valid})")
+    if intermediate_size % t:
+        return f"intermediate_size={intermediate_size} is not divisible by tensor_parallel_size={t} (valid: {valid})"
+    return None
+
+
+def valid_tp_sizes(num_heads: int, num_kv_heads: int, intermediate_size: int, limit: int = 8) -> list[int]:
+    return [t for t in range(1, min(limit, num_heads) + 1)
+            if num_heads % t == 0 and intermediate_size % t == 0 and (num_kv_heads % t == 0 or t % num_kv_heads == 0)]
+
+
+def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
+    """Split when divisible, else one replicated head per rank (t a multiple of num_kv_heads)."""
+    return num_kv_heads // tp_size if num_kv_heads % tp_size == 0 else 1
+
+
+def parameters_per_rank(shape: ModelShape, tp_size: int) -> int:
+    """Elements one rank allocates, as the runtime's tensor-parallel layers shard them. Returns the total;
+    `parameter_groups_per_rank` gives the split into quantisable linear weights and the rest."""
+    linear, other, _ = parameter_groups_per_rank(shape, tp_size)
+    return linear + other
+
+
+def parameter_groups_per_rank(shape: ModelShape, tp_size: int) -> tuple[int, int, int]:
+    """(linear weight elements, other elements, linear output channels) on one rank. Linear weights are
+    what fp8 quantises (one scale per output channel); "other" is embeddings, LM head, norms, biases and the
+    MoE router, kept in the activation dtype."""
+    t, m = tp_size, shape
+    heads = m.num_attention_heads // t
+    kv = kv_heads_per_rank(m.num_kv_heads, t)
+    inter = m.intermediate_size // t
+    vocab_rows = math.ceil(m.vocab_size / t)  # vocab-parallel, padded to a multiple of t
+    q_out, kv_out = heads * m.head_dim, kv * m.head_dim
+    attn_linear = (q_out + 2 * kv_out) * m.hidden_size + m.hidden_size * q_out
+    attn_channels = q_out + 2 * kv_out + m.hidden_size
+    # Row-parallel biases (o_proj, down_proj) are whole on every rank: added once after the all-reduce.
+    attn_other = 2 * m.hidden_size + (q_out + 2 * kv_out if m.attention_bias else 0) + \
+        (m.hidden_size if m.o_proj_bias else 0) + (2 * m.head_dim if m.qk_norm else 0)
+    experts = max(m.num_experts, 1)
+    mlp_linear = experts * 3 * m.hidden_size * inter  # gate, up, down per expert
+    mlp_other = experts * (2 * inter + m.hidden_size) if m.mlp_bias else 0
+    mlp_channels = experts * (2 * inter + m.hidden_size)
+    router = m.hidden_size * m.num_experts  # replicated on every rank
+    embeddings = vocab_rows * m.hidden_size * (1 if m.tie_word_embeddings else 2)
+    linear = m.num_layers * (attn_linear + mlp_linear)
+    other = m.num_layers * (attn_other + mlp_other + router) + embeddings + m.hidden_size  # + final norm
+    channels = m.num_layers * (attn_channels + mlp_channels)
+    return linear, other, channels
+
+
+def weight_bytes_per_rank(shape: ModelShape, dtype: str, tp_size: int) -> int:
+    """Bytes of weights one rank allocates for `--dtype dtype` (fp8: 1-byte linears + fp32 scales)."""
+    linear, other, channels = parameter_groups_per_rank(shape, tp_size)
+    w = weight_dtype(dtype)
+    if w == "fp8":
+        return linear * 1 + channels * FP8_SCALE_BYTES + other * DTYPE_BYTES[FP8_ACTIVATION_DTYPE]
+    return (linear + other) * DTYPE_BYTES[w]
+
+
+# -- KV layout and budgets --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class KVLayout:
+    """One rank's KV cache geometry. Every rank holds its KV heads' slice of the same tokens."""
+    num_layers: int
+    num_kv_heads: int  # whole model
+    head_dim: int
+    kv_dtype: str  # canonical (see kv_cache_dtype())
+    block_size: int
+    tensor_parallel_size: int = 1
+
+    @property
+    def kv_heads_per_rank(self) -> int:
+        return kv_heads_per_rank(self.num_kv_heads, self.tensor_parallel_size)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V of every layer, whole model (all ranks together)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.kv_dtype]
+
+    @property
+    def bytes_per_token_per_rank(self) -> int:
+        return 2 * self.num_layers * self.kv_heads_per_rank * self.head_dim * DTYPE_BYTES[self.kv_dtype]
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.block_size * self.bytes_per_token_per_rank
+
+    def blocks_for_budget(self, kv_cache_bytes: int) -> int:
+        """Physical blocks a per-rank byte budget buys (the null block is one of them)."""
+        return max(0, int(kv_cache_bytes) // self.bytes_per_block)
+
+    def budget_for_blocks(self, num_blocks: int) -> int:
+        return num_blocks * self.bytes_per_block
+
+
+def kv_layout(shape: ModelShape, dtype: str, kv_cache_dtype_name: str, block_size: int, tp_size: int) -> KVLayout:
+    return KVLayout(shape.num_layers, shape.num_kv_heads, shape.head_dim,
+                    kv_cache_dtype(dtype, kv_cache_dtype_name), block_size, tp_size)
+
+
+def usable_blocks(num_blocks: int) -> int:
+    return max(0, num_blocks - NULL_BLOCKS)
+
+
+def usable_tokens(num_blocks: int, block_size: int) -> int:
+    """Tokens the KV cache can hold: the `kvserve:kv_capacity_tokens` gauge and the plan's kvTokens."""
+    return usable_blocks(num_blocks) * block_size
+
+
+def blocks_per_sequence(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+def max_concurrency(num_blocks: int, max_model_len: int, block_size: int) -> int:
+    """Sequences of max_model_len tokens that fit at once."""
+    return usable_blocks(num_blocks) // blocks_per_sequence(max_model_len, block_size)
+
+
+def one_sequence_error(num_blocks: int, max_model_len: int, layout: KVLayout, source: str) -> str | None:
+    """The refusal both sides give when one max_model_len sequence cannot fit (None when it fits).
+    `source` names the setting that decided the budget (kv_cache_bytes, num_kv_blocks, ...)."""
+    usable = usable_blocks(num_blocks)
+    needed = blocks_per_sequence(max_model_len, layout.block_size)
+    if usable >= needed:
+        return None
+    return (f"{source}: the KV cache holds {usable} usable blocks of {layout.block_size} tokens "
+            f"({usable * layout.block_size} tokens) per rank, but one max_model_len={max_model_len} sequence needs "
+            f"{needed} blocks ({layout.budget_for_blocks(needed + NULL_BLOCKS)} bytes with the null block); "
+            f"raise the KV budget or set max_model_len <= {usable * layout.block_size}")
+
+
+def shape_fields() -> tuple[str, ...]:
+    return tuple(f.name for f in fields(ModelShape))

@@ -63,9 +63,10 @@ def run(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli_args(model_dir, args)
 
     def load_engine():
+        from kvserve.runtime.config import build_engine_config
         from kvserve.runtime.engine.llm_engine import LLMEngine
 
-        return LLMEngine(engine_args.create_engine_config())
+        return LLMEngine(build_engine_config(engine_args))
 
     config = ServerConfig(
         served_model_names=served, model_dir=model_dir,

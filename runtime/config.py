@@ -127,9 +127,13 @@ def _generation_config(model_dir: str) -> dict:
 def make_engine_config(model: str, **kwargs) -> EngineConfig:
     """`LLM(model, **kwargs)` / `LLMEngine.from_kwargs`: kwargs are EngineArgs fields (their defaults live
     there, once)."""
-    from kvserve.runtime.engine_args import EngineArgs
+    from kvserve.runtime.engine_args import EngineArgs, UnknownEngineArgument
 
-    return build_engine_config(EngineArgs.from_kwargs(model, **kwargs))
+    try:
+        args = EngineArgs.from_kwargs(model, **kwargs)
+    except UnknownEngineArgument as exc:
+        raise InvalidParameter(exc.name, str(exc)) from None
+    return build_engine_config(args)
 
 
 def build_engine_config(args) -> EngineConfig:

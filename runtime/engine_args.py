@@ -94,19 +94,13 @@ class EngineArgs:
     # -- construction ----------------------------------------------------------------------------------
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineArgs":
+        """Raises UnknownEngineArgument (a TypeError naming the argument) for a kwarg that is no setting."""
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
-            from kvserve.runtime.sampling_params import InvalidParameter
-
-            raise InvalidParameter(unknown[0], f"unknown engine argument {unknown[0]!r}; known: "
-                                               f"{', '.join(sorted(known - {'model'}))}")
+            raise UnknownEngineArgument(unknown[0], f"unknown engine argument {unknown[0]!r}; known: "
+                                                    f"{', '.join(sorted(known - {'model'}))}")
         return cls(model=model, **kwargs)
-
-    def create_engine_config(self):
-        from kvserve.runtime.config import build_engine_config
-
-        return build_engine_config(self)
 
     # -- command line ----------------------------------------------------------------------------------
     @classmethod
@@ -132,6 +126,12 @@ class EngineArgs:
     @classmethod
     def from_cli_args(cls, model: str, namespace: argparse.Namespace) -> "EngineArgs":
         return cls(model=model, **{f.name: getattr(namespace, f.name) for f in fields(cls) if f.name != "model"})
+
+
+class UnknownEngineArgument(TypeError):
+    def __init__(self, name: str, message: str):
+        super().__init__(message)
+        self.name = name
 
 
 def cli_flag(name: str) -> str:

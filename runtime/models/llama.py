@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.runtime.models import fp8
 from kvserve.runtime.models.attention import AttentionMetadata
 from kvserve.runtime.parallel.layers import (SINGLE, ColumnParallelLinear, ParallelContext, RowParallelLinear,
                                              VocabParallelEmbedding, lm_head_logits)
@@ -210,7 +211,10 @@ class LlamaForCausalLM(nn.Module):
                 if tuple(dst.shape) != tuple(piece.shape):
                     raise ValueError(f"weight {hf_name!r}: shard of shape {tuple(piece.shape)} does not fit "
                                      f"{target} slice {tuple(dst.shape)} (checkpoint shape {shape})")
-                dst.copy_(piece)
+                if param.dtype == fp8.FP8_DTYPE:  # --dtype fp8: quantise these rows as they are read
+                    fp8.quantize_into(self.get_submodule(target.rsplit(".", 1)[0]), dst_start, dst_size, piece)
+                else:
+                    dst.copy_(piece)
             loaded.add(f"{target}#{fused[1]}" if fused is not None else target)
         missing = [n for n in self._expected_weights() if n not in loaded]
         if missing:

@@ -11,7 +11,8 @@ import torch
 
 from kvserve.runtime.config import ModelConfig
 from kvserve.runtime.models.llama import LlamaForCausalLM
-from kvserve.runtime.parallel.layers import SINGLE, ParallelContext
+from kvserve.runtime.models import fp8
+from kvserve.runtime.parallel.layers import SINGLE, ColumnParallelLinear, ParallelContext, RowParallelLinear
 
 logger = logging.getLogger("kvserve.loader")
 
@@ -48,13 +49,17 @@ def load_model(model_config: ModelConfig, attention_backend, device: str,
     # filled from the checkpoint; the rotary tables carry no checkpoint values, so they are recomputed.
     with torch.device("meta"):
         model = LlamaForCausalLM(model_config, attention_backend, parallel).to(dtype)
+        if model_config.weight_dtype == "fp8":  # decoder linears only: embeddings and the LM head stay 16-bit
+            fp8.convert_linears(model.layers, (ColumnParallelLinear, RowParallelLinear))
     model = model.to_empty(device=device)
     model.rotary.build(device)
     model.load_weights(iter_safetensors(model_config.model_dir, show_progress=parallel.rank == 0,
                                         lazy=parallel.size > 1))
     model.eval()
     num_params = sum(p.numel() for p in model.parameters())
+    weight_bytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())
+                       if t is not getattr(model.rotary, "cos", None) and t is not getattr(model.rotary, "sin", None))
     rank = f" (tensor-parallel rank {parallel.rank}/{parallel.size})" if parallel.size > 1 else ""
-    logger.info("loaded %s from %s: %.1fM parameters%s, %s, %s", model_config.architecture, model_config.model_dir,
-                num_params / 1e6, rank, model_config.dtype, device)
+    logger.info("loaded %s from %s: %.1fM parameters%s, %.1f MiB of weights (%s), %s", model_config.architecture,
+                model_config.model_dir, num_params / 1e6, rank, weight_bytes / 2**20, model_config.weight_dtype, device)
     return model

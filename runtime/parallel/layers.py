@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.runtime.models.fp8 import FP8_DTYPE, fp8_linear
+
 
 @dataclass
 class ParallelContext:
@@ -65,6 +67,8 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features_local)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.dtype == FP8_DTYPE:  # --dtype fp8 (runtime/models/fp8.py)
+            return fp8_linear(x, self, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -80,9 +84,11 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        matmul = (lambda x_, b: fp8_linear(x_, self, b)) if self.weight.dtype == FP8_DTYPE else \
+            (lambda x_, b: F.linear(x_, self.weight, b))
         if self.parallel.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = self.parallel.all_reduce(F.linear(x, self.weight))
+            return matmul(x, self.bias)
+        y = self.parallel.all_reduce(matmul(x, None))
         return y if self.bias is None else y + self.bias
 
 

@@ -18,6 +18,7 @@ import pytest
 from kvserve.cli import serve
 from kvserve.operator import catalog, planner, render, spec as spec_mod
 from kvserve.runtime import capacity
+from kvserve.runtime.config import build_engine_config
 from kvserve.runtime.engine_args import EngineArgs
 from kvserve.runtime.sampling_params import InvalidParameter
 from kvserve.runtime.worker import kv_sizing
@@ -86,7 +87,7 @@ def runtime_config_from_pod(command: list[str], model_dir: str):
     """What `kvserve serve` does with the pod's command line, up to (not including) loading weights."""
     assert command[:2] == ["kvserve", "serve"]
     args = PARSER.parse_args(command[2:])  # unknown flags fail: the pod would crash-loop on them
-    return EngineArgs.from_cli_args(model_dir, args).create_engine_config()
+    return build_engine_config(EngineArgs.from_cli_args(model_dir, args))
 
 
 def _spec(key: str, gpu: str, t: int, kv: str, dtype: str) -> dict:
@@ -200,7 +201,8 @@ def test_runtime_weight_bytes_match_the_planner(tmp_path):
 
     from kvserve.runtime.config import load_model_config
     from kvserve.runtime.models.llama import LlamaForCausalLM
-    from kvserve.runtime.parallel.layers import ParallelContext
+    from kvserve.runtime.models import fp8
+    from kvserve.runtime.parallel.layers import ColumnParallelLinear, ParallelContext, RowParallelLinear
 
     shapes = {
         "llama": capacity.ModelShape(2, 8, 2, 16, 128, 0, 512, 344, 1001),
@@ -222,3 +224,10 @@ def test_runtime_weight_bytes_match_the_planner(tmp_path):
                     model = LlamaForCausalLM(config, None, ParallelContext(rank=rank, size=t))
                 allocated = sum(p.numel() * 4 for p in model.parameters())
                 assert allocated == capacity.weight_bytes_per_rank(shape, "float32", t), (name, t, rank)
+                # --dtype fp8: the loader's conversion, on the same meta model (16-bit rest, 1-byte linears)
+                with torch.device("meta"):
+                    model = model.to(torch.bfloat16)
+                    fp8.convert_linears(model.layers, (ColumnParallelLinear, RowParallelLinear))
+                allocated = sum(x.numel() * x.element_size() for x in (*model.parameters(), *model.buffers())
+                                if x is not model.rotary.cos and x is not model.rotary.sin)
+                assert allocated == capacity.weight_bytes_per_rank(shape, "fp8", t), (name, t, rank, "fp8")

@@ -37,7 +37,7 @@ def test_vocab_is_padded_to_equal_shards():
 
 def test_unsplittable_shapes_are_named():
     assert "num_key_value_heads=3" in tp_shape_error(6, 3, 192, 2)
-    assert "try a tensor_parallel_size in [1, 3, 6]" in tp_shape_error(6, 3, 192, 2)
+    assert "(valid: [1, 3, 6])" in tp_shape_error(6, 3, 192, 2)
     assert "num_attention_heads=4" in tp_shape_error(4, 4, 128, 3)
     assert "intermediate_size=130" in tp_shape_error(4, 2, 130, 4)
     assert tp_shape_error(4, 4, 128, 1) is None

@@ -27,6 +27,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     EngineArgs.add_cli_args(parser)
     parser.add_argument("--api-key", default=None,
                         help="require `Authorization: Bearer KEY` on /v1/* (also read from KVSERVE_API_KEY)")
+    parser.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"], default=None,
+                        help="parse tool calls the model writes in this format (needed for tool_choice \"auto\"; "
+                             "hermes: Hermes/Qwen <tool_call> blocks, llama3_json: Llama 3.1+ JSON)")
     parser.add_argument("--max-queue-len", type=_positive_int, default=None,
                         help="answer 429 + Retry-After when this many requests already wait (default: unbounded)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
@@ -71,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     config = ServerConfig(
         served_model_names=served, model_dir=model_dir,
         api_key=args.api_key or os.environ.get("KVSERVE_API_KEY") or None,
-        max_queue_len=args.max_queue_len, drain_timeout_s=args.drain_timeout, random_weights=random_weights,
+        max_queue_len=args.max_queue_len, tool_call_parser=args.tool_call_parser, drain_timeout_s=args.drain_timeout, random_weights=random_weights,
     )
     log.info("serving %s as %s on http://%s:%d (loading the model; /health is 503 until ready)",
              model_dir, ", ".join(served), args.host, args.port)

@@ -7,6 +7,7 @@ import torch
 
 from kvserve.runtime.core.outputs import TokenLogprobs
 from kvserve.runtime.sampling_params import SamplingParams
+from kvserve.runtime.structured_output.constraint import GrammarConstraint, apply_constraints
 
 
 class RequestSamplingState:
@@ -23,6 +24,10 @@ class RequestSamplingState:
             self.generator.manual_seed(params.seed)
         # Tokens that end the sequence; masked while fewer than min_tokens have been produced.
         self.stop_ids = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
+        if params.structured_outputs is not None and params.compiled_constraint is None:
+            raise ValueError("structured_outputs reached the sampler uncompiled (the edge compiles it)")
+        self.constraint = (GrammarConstraint(params.compiled_constraint)
+                           if params.compiled_constraint is not None else None)
 
 
 def sample(logits: torch.Tensor, states: list[RequestSamplingState]) -> tuple[list[int], list[TokenLogprobs | None]]:
@@ -40,10 +45,24 @@ def sample(logits: torch.Tensor, states: list[RequestSamplingState]) -> tuple[li
         for i in needs_processing:
             _apply_penalties_and_min_tokens(processed[i], states[i])
 
+    constrained = [(i, s.constraint) for i, s in enumerate(states) if s.constraint is not None]
+    if constrained:
+        processed = processed.clone() if processed is logits else processed
+        apply_constraints(processed, constrained)
+        # min_tokens may have masked the stop token the grammar now requires: the grammar wins.
+        dead = [(i, c) for i, c in constrained if not torch.isfinite(processed[i]).any()]
+        if dead:
+            for i, _ in dead:
+                processed[i] = logits[i]
+            apply_constraints(processed, dead)
+
     tokens = processed.argmax(dim=-1).tolist()  # greedy rows are done; sampled rows overwrite below
     for i, state in enumerate(states):
         if not state.params.greedy:
             tokens[i] = _sample_row(processed[i], state.params, state.generator)
+
+    for i, constraint in constrained:
+        constraint.accept(tokens[i])
 
     logprobs: list[TokenLogprobs | None] = []
     for i, state in enumerate(states):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 # Temperatures below this are treated as greedy: dividing logits by ~0 overflows.
 _GREEDY_EPS = 1e-5
@@ -26,6 +27,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Grammar-constrained output (kvserve.runtime.structured_output.StructuredOutputSpec), and the compiled
+    # grammar the edge attaches before the request reaches the engine (LLM.generate / the HTTP handler).
+    structured_outputs: Any = None
+    compiled_constraint: Any = field(default=None, compare=False, repr=False)
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -54,6 +59,13 @@ class SamplingParams:
         _check(all(isinstance(s, str) and s for s in self.stop_strings), "stop", "stop must be non-empty strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "stop_token_ids must be non-negative integers")
+        if self.structured_outputs is not None:
+            from kvserve.runtime.structured_output.spec import StructuredOutputSpec
+
+            _check(isinstance(self.structured_outputs, StructuredOutputSpec), "structured_outputs",
+                   "structured_outputs must be a StructuredOutputSpec (see StructuredOutputSpec.from_request)")
+            # The grammar ends the output with EOS once complete; ignoring EOS would run past the grammar.
+            _check(not self.ignore_eos, "ignore_eos", "ignore_eos cannot be combined with structured outputs")
 
     @property
     def greedy(self) -> bool:

@@ -51,13 +51,17 @@ class LLM:
                 raise InvalidParameter("sampling_params", f"got {len(params_list)} sampling_params for "
                                                           f"{len(prompts)} prompts")
         tokenized = []
-        for i, prompt in enumerate(prompts):
+        compiled: dict[int, SamplingParams] = {}  # one compile per distinct params object
+        for i, (prompt, params) in enumerate(zip(prompts, params_list)):
             try:
                 text, ids = self.engine.tokenize_prompt(prompt)
                 self.engine.validate_prompt(ids)
+                if id(params) not in compiled:
+                    compiled[id(params)] = self.engine.compile_constraint(params)
             except InvalidParameter as exc:
                 raise InvalidParameter(exc.param, f"prompts[{i}]: {exc}") from None
             tokenized.append({"prompt": text, "prompt_token_ids": ids})
+        params_list = [compiled[id(p)] for p in params_list]
 
         request_ids = []
         for item, params in zip(tokenized, params_list):

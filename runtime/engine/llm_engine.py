@@ -41,6 +41,7 @@ class LLMEngine:
         self._sample_owner: dict[str, tuple[RequestState, int]] = {}  # internal sample id -> (state, index)
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        self._grammar_compiler = None
         m, c = self.config.model, self.config.cache
         logger.info("engine ready: %s, max_model_len=%d, %d KV blocks x %d tokens (%.1f MiB), prefix caching %s, "
                     "chunked prefill %s, attention=%s, device=%s", m.architecture, m.max_model_len, c.num_blocks - 1,
@@ -77,9 +78,27 @@ class LLMEngine:
         if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt_token_ids):
             raise InvalidParameter("prompt", f"prompt token ids must be integers in [0, {vocab})")
 
+    @property
+    def grammar_compiler(self):
+        """Compiles structured-output specs for this model (created on first use: xgrammar loads lazily)."""
+        if self._grammar_compiler is None:
+            from kvserve.runtime.structured_output.compiler import GrammarCompiler
+
+            m = self.config.model
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, m.model_dir, m.vocab_size, m.eos_token_ids)
+        return self._grammar_compiler
+
+    def compile_constraint(self, params: SamplingParams) -> SamplingParams:
+        """params with its structured-output grammar compiled (a copy; the same object when there is none)."""
+        if params.structured_outputs is None or params.compiled_constraint is not None:
+            return params
+        from dataclasses import replace
+
+        return replace(params, compiled_constraint=self.grammar_compiler.compile(params.structured_outputs))
+
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:
-        params = params or SamplingParams()
+        params = self.compile_constraint(params or SamplingParams())
         if request_id in self._states:
             raise InvalidParameter("request_id", f"request id {request_id!r} is already in use")
         text, token_ids = self.tokenize_prompt(prompt)

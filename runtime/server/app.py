@@ -51,6 +51,7 @@ class ServerConfig:
     max_request_body_bytes: int = 32 * 1024 * 1024
     retry_after_s: int = 1
     log_interval_s: float = 5.0
+    tool_call_parser: str | None = None  # hermes | llama3_json: parse tool calls for tool_choice "auto"
 
 
 @dataclass
@@ -70,6 +71,10 @@ class ServerState:
     # One worker: HF tokenizers mutate internal state on encode, so never use one from two threads at once.
     tokenize_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-tokenize"))
+    # Grammars compile here, beside the event loop and off the engine's step (runtime/structured_output).
+    grammar_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-grammar"))
+    grammar_compiler: Any = None
 
     @property
     def ready(self) -> bool:
@@ -84,6 +89,7 @@ class ServerState:
         except Exception:  # pragma: no cover - tokenizers that cannot be copied: share, guarded by one thread
             self.tokenizer = llm_engine.tokenizer
         self.vocab_size = len(self.tokenizer)
+        self.grammar_compiler = _GrammarCompilerFactory(self.tokenizer, model_config)
         vocab = self.tokenizer.get_vocab()
         self.max_token_chars = max((len(t) for t in vocab), default=64) or 64
         self.chat_template = getattr(self.tokenizer, "chat_template", None) or FALLBACK_CHAT_TEMPLATE
@@ -128,6 +134,7 @@ def build_app(config: ServerConfig, *, engine: Any = None, engine_factory: Calla
             if state.engine is not None:
                 state.engine.shutdown()
             state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
+            state.grammar_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="kvserve", lifespan=lifespan)
     app.state.kvserve = state
@@ -197,3 +204,18 @@ def build_app(config: ServerConfig, *, engine: Any = None, engine_factory: Calla
 
 
 # ------------------------------------------------------------------------------------------------------
+
+
+class _GrammarCompilerFactory:
+    """Builds the xgrammar compiler on first use (most servers never see a structured request)."""
+
+    def __init__(self, tokenizer: Any, model_config: Any):
+        self.tokenizer, self.model_config, self._compiler = tokenizer, model_config, None
+
+    def compile(self, spec: Any) -> Any:
+        if self._compiler is None:
+            from kvserve.runtime.structured_output.compiler import GrammarCompiler
+
+            m = self.model_config
+            self._compiler = GrammarCompiler(self.tokenizer, m.model_dir, m.vocab_size, m.eos_token_ids)
+        return self._compiler.compile(spec)

@@ -6,6 +6,7 @@ each error names the field. Non-OpenAI sampling extras (`top_k`, `min_p`, `repet
 """
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
@@ -51,6 +52,13 @@ class _SamplingFields(_Base):
     stop_token_ids: list[NonNegInt] | None = None
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
+    # Structured outputs (runtime/server/structured.py validates the contents and names the field)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
 
     @field_validator("temperature", "top_p", "presence_penalty", "frequency_penalty", "min_p", "repetition_penalty",
                      mode="before")
@@ -90,10 +98,35 @@ class TextContentPart(_Base):
     text: StrictStr
 
 
+class ToolCallFunction(_Base):
+    name: StrictStr
+    arguments: StrictStr | dict[str, Any] = "{}"
+
+
+class ToolCall(_Base):
+    id: StrictStr | None = None
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Base):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextContentPart] | None = None
     name: StrictStr | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=128)] | None = None  # assistant turns in the history
+    tool_call_id: StrictStr | None = None  # tool turns
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as chat templates expect it (tool-call arguments as objects, as HF templates do)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _maybe_json(c.function.arguments)}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
     def text(self) -> str:
         if self.content is None:
@@ -110,8 +143,9 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: StrictBool = True
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: Annotated[list[dict[str, Any]], Field(max_length=128)] | None = None
+    tool_choice: StrictStr | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
 
 
 class TokenizeRequest(_Base):
@@ -125,3 +159,12 @@ class TokenizeRequest(_Base):
 class DetokenizeRequest(_Base):
     model: StrictStr | None = None
     tokens: list[NonNegInt]
+
+
+def _maybe_json(arguments: Any) -> Any:
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except ValueError:
+            return arguments
+    return arguments

@@ -10,6 +10,7 @@ import logging
 import secrets
 import time
 import uuid
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
@@ -18,6 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from kvserve.runtime.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, RequestStream
+from kvserve.runtime.server import structured
 from kvserve.runtime.server.errors import APIError, bad_request, from_validation_error
 from kvserve.runtime.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
@@ -148,15 +150,15 @@ class OpenAIServing:
         tokenizer = self.state.tokenizer
         return await self._run_tokenizer(lambda: tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
-    async def render_chat(self, messages: list, add_generation_prompt: bool) -> str:
-        conversation = [{"role": m.role, "content": m.text()} for m in messages]
+    async def render_chat(self, messages: list, add_generation_prompt: bool, tools: list | None = None) -> str:
+        conversation = [m.template_dict() for m in messages]
         for i, m in enumerate(conversation):
             self._guard_length(m["content"], f"messages.{i}.content")
         tokenizer, template = self.state.tokenizer, self.state.chat_template
 
         def render() -> str:
             return tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False,
-                                                 add_generation_prompt=add_generation_prompt)
+                                                 add_generation_prompt=add_generation_prompt, tools=tools or None)
         try:
             return await self._run_tokenizer(render)
         except Exception as exc:  # template errors are the request's fault (e.g. roles it cannot render)
@@ -170,7 +172,8 @@ class OpenAIServing:
                               f"{bad[:5]}", param=param)
 
     # ---- shared request plumbing ---------------------------------------------------------------------
-    def sampling_params(self, body: Any, max_tokens: int | None, logprobs: int | None, prompt_len: int) -> Any:
+    def sampling_params(self, body: Any, max_tokens: int | None, logprobs: int | None, prompt_len: int,
+                        structured: Any = None) -> Any:
         from kvserve.runtime.sampling_params import SamplingParams
 
         max_model_len = self.state.max_model_len
@@ -196,11 +199,26 @@ class OpenAIServing:
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
             skip_special_tokens=body.skip_special_tokens, include_stop_str_in_output=body.include_stop_str_in_output,
+            structured_outputs=structured,
         )
         try:
             return SamplingParams(**kwargs)
         except (ValueError, TypeError) as exc:
             raise bad_request(str(exc), param=getattr(exc, "param", None)) from None
+
+    async def compile_grammar(self, params: Any) -> Any:
+        """Attach the compiled grammar (in the grammar thread: a slow schema delays only this request)."""
+        if params.structured_outputs is None:
+            return params
+        from kvserve.runtime.sampling_params import InvalidParameter
+
+        compiler = self.state.grammar_compiler
+        try:
+            compiled = await asyncio.get_running_loop().run_in_executor(
+                self.state.grammar_pool, compiler.compile, params.structured_outputs)
+        except InvalidParameter as exc:
+            raise bad_request(str(exc), param=exc.param) from None
+        return dataclasses.replace(params, compiled_constraint=compiled)
 
     async def add_all(self, engine: AsyncEngine, prepared: _Prepared) -> list[RequestStream]:
         streams: list[RequestStream] = []
@@ -314,7 +332,7 @@ class OpenAIServing:
                      "bytes": list(s.encode("utf-8"))} for t, lp in self._entries(entry)[:top_n]]
             content.append({"token": text, "logprob": None if sampled is None else _finite(sampled.logprob),
                             "bytes": list(text.encode("utf-8")), "top_logprobs": tops})
-        return {"content": content}
+        return {"content": content, "refusal": None}
 
     # ---- /v1/completions ------------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
@@ -349,7 +367,11 @@ class OpenAIServing:
             if not ids:
                 raise bad_request(f"{param} must not be empty.", param=param)
             prompt_ids.append(ids)
-        params = [self.sampling_params(body, body.max_tokens, body.logprobs, len(ids)) for ids in prompt_ids]
+        spec = structured.output_spec(body)
+        params = [self.sampling_params(body, body.max_tokens, body.logprobs, len(ids), spec) for ids in prompt_ids]
+        if spec is not None:
+            compiled = await self.compile_grammar(params[0])
+            params = [dataclasses.replace(p, compiled_constraint=compiled.compiled_constraint) for p in params]
         prepared = _Prepared(f"cmpl-{uuid.uuid4().hex}", prompt_texts, prompt_ids, params, body.n)
         if body.echo:
             for i, ids in enumerate(prompt_ids):
@@ -466,10 +488,12 @@ class OpenAIServing:
         engine = self.check_ready()
         body: ChatCompletionRequest = await self.parse(request, ChatCompletionRequest)
         self.check_model(body.model)
-        if body.tools:
-            raise bad_request("tools are not supported.", param="tools")
-        if body.response_format and body.response_format.get("type", "text") != "text":
-            raise bad_request("response_format other than text is not supported.", param="response_format")
+        tools = structured.tool_plan(body, self.state.config.tool_call_parser)
+        spec = structured.output_spec(body)
+        if spec is not None and tools.constrained:
+            raise bad_request(f"{spec.field} cannot be combined with tool_choice {body.tool_choice!r}: the tool "
+                              "call is the structured output.", param=spec.field)
+        spec = spec or structured.tool_spec(tools)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         param_name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         if max_tokens is not None and max_tokens < 1:
@@ -478,18 +502,18 @@ class OpenAIServing:
             raise bad_request("top_logprobs requires logprobs to be true.", param="top_logprobs")
         self.check_queue(engine)
 
-        text = await self.render_chat(body.messages, body.add_generation_prompt)
+        text = await self.render_chat(body.messages, body.add_generation_prompt, tools.tools)
         ids = await self.encode(text, "messages", add_special_tokens=False)
         if not ids:
             raise bad_request("messages rendered to an empty prompt.", param="messages")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = self.sampling_params(body, max_tokens, logprobs, len(ids))
+        params = await self.compile_grammar(self.sampling_params(body, max_tokens, logprobs, len(ids), spec))
         prepared = _Prepared(f"chatcmpl-{uuid.uuid4().hex}", [text], [ids], [params], body.n)
         streams = await self.add_all(engine, prepared)
         created = int(time.time())
         model = self.state.config.served_model_names[0] if body.model is None else body.model
         if body.stream:
-            return StreamingResponse(self._chat_stream(body, prepared, streams, created, model),
+            return StreamingResponse(self._chat_stream(body, prepared, streams, created, model, tools),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         done = await self.collect(request, streams)
         if done is None:
@@ -499,12 +523,17 @@ class OpenAIServing:
         choices, completion_tokens = [], 0
         for c in (out.outputs if out is not None else []):
             completion_tokens += len(c.token_ids)
+            content, tool_calls = structured.tool_calls_from_output(tools, c.text)
+            message = {"role": "assistant", "content": content, "refusal": None}
+            if tool_calls:
+                message["tool_calls"] = tool_calls
+            finish = "abort" if stream.aborted else c.finish_reason
             choices.append({
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
+                "message": message,
                 "logprobs": (self.chat_logprobs(c.token_ids, c.logprobs, body.top_logprobs or 0)
                              if body.logprobs and c.logprobs is not None else None),
-                "finish_reason": "abort" if stream.aborted else c.finish_reason,
+                "finish_reason": "tool_calls" if tool_calls and finish == "stop" else finish,
                 "stop_reason": c.stop_reason,
             })
         choices.sort(key=lambda c: c["index"])
@@ -512,10 +541,14 @@ class OpenAIServing:
                              "model": model, "choices": choices, "usage": self.usage(prepared, completion_tokens)})
 
     def _chat_stream(self, body: ChatCompletionRequest, prepared: _Prepared, streams: list[RequestStream],
-                     created: int, model: str) -> AsyncIterator[str]:
+                     created: int, model: str, tools: structured.ToolPlan) -> AsyncIterator[str]:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         base = {"id": prepared.request_id, "object": "chat.completion.chunk", "created": created, "model": model}
         choices = {i: _Choice(i) for i in range(body.n)}
+        # Tool calls: the text of each choice is held back while it is (or may become) a tool call, and its
+        # calls go out as tool_calls deltas when the choice finishes (clients accumulate them as OpenAI's).
+        full_text: dict[int, str] = {}
+        sent_content: dict[int, int] = {}
 
         def chunk(index: int, delta: dict, logprobs: Any, finish: str | None, stop_reason: Any = None) -> str:
             payload = {**base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
@@ -524,6 +557,19 @@ class OpenAIServing:
                 payload["usage"] = None
             return _sse(payload)
 
+        def visible(index: int, new_text: str, finished: bool) -> tuple[str, list[dict]]:
+            """(content to send now, tool calls to send now) for a choice with tools."""
+            text = full_text[index] = full_text.get(index, "") + new_text
+            sent = sent_content.get(index, 0)
+            if finished:
+                content, calls = structured.tool_calls_from_output(tools, text)
+                content = (content or "")[sent:] if calls else text[sent:]
+            else:
+                safe = tools.parser.content_prefix_len(text) if tools.mode == "auto" else 0
+                content, calls = text[sent:max(safe, sent)], []
+            sent_content[index] = sent + len(content)
+            return content, calls
+
         async def events() -> AsyncIterator[str]:
             for i in range(body.n):
                 yield chunk(i, {"role": "assistant", "content": ""}, None, None)
@@ -531,9 +577,20 @@ class OpenAIServing:
                 logprobs = None
                 if body.logprobs and d.logprobs is not None and d.token_ids:
                     logprobs = self.chat_logprobs(d.token_ids, d.logprobs, body.top_logprobs or 0)
-                if not d.text and not d.finish_reason and logprobs is None:
+                text, calls, finish = d.text, [], d.finish_reason
+                if tools.mode != "none":
+                    text, calls = visible(d.index, d.text, d.finish_reason is not None)
+                    if calls and finish == "stop":
+                        finish = "tool_calls"
+                if calls:
+                    if text:
+                        yield chunk(d.index, {"content": text}, logprobs, None)
+                        text, logprobs = "", None
+                    for k, call in enumerate(calls):
+                        yield chunk(d.index, {"tool_calls": [{"index": k, **call}]}, None, None)
+                if not text and not finish and logprobs is None:
                     continue
-                yield chunk(d.index, {"content": d.text} if d.text else {}, logprobs, d.finish_reason,
+                yield chunk(d.index, {"content": text} if text else {}, logprobs, finish,
                             d.stop_reason)
 
         return self._sse_stream(events(), streams, base, prepared, choices, include_usage)

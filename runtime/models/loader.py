@@ -12,6 +12,8 @@ import torch
 from kvserve.runtime.config import ModelConfig
 from kvserve.runtime.models.llama import LlamaForCausalLM
 from kvserve.runtime.models import fp8
+from kvserve.runtime.models.moe import convert_experts_to_fp8
+from kvserve.runtime.models.registry import model_class
 from kvserve.runtime.parallel.layers import SINGLE, ColumnParallelLinear, ParallelContext, RowParallelLinear
 
 logger = logging.getLogger("kvserve.loader")
@@ -48,9 +50,10 @@ def load_model(model_config: ModelConfig, attention_backend, device: str,
     # Built on the meta device (no memory, no random init), then allocated once in the target dtype and
     # filled from the checkpoint; the rotary tables carry no checkpoint values, so they are recomputed.
     with torch.device("meta"):
-        model = LlamaForCausalLM(model_config, attention_backend, parallel).to(dtype)
+        model = model_class(model_config.architecture)(model_config, attention_backend, parallel).to(dtype)
         if model_config.weight_dtype == "fp8":  # decoder linears only: embeddings and the LM head stay 16-bit
             fp8.convert_linears(model.layers, (ColumnParallelLinear, RowParallelLinear))
+            convert_experts_to_fp8(model.layers)
     model = model.to_empty(device=device)
     model.rotary.build(device)
     model.load_weights(iter_safetensors(model_config.model_dir, show_progress=parallel.rank == 0,

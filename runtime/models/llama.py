@@ -160,7 +160,7 @@ class LlamaForCausalLM(nn.Module):
         self.moe = moe = moe_shape(cfg)
         self.shard = shard = shard_spec(model_config.num_heads, model_config.num_kv_heads, cfg.intermediate_size,
                                         cfg.vocab_size, parallel.rank, parallel.size,
-                                        moe_intermediate_size=moe.intermediate_size if moe else 0)
+                                        moe_intermediate_size=moe.intermediate_size if moe and moe.sparse_layers else 0)
         # Qwen2 always has a q/k/v bias; Llama/Mistral/Qwen3 only with attention_bias.
         qkv_bias = cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False))
         dtype = getattr(torch, model_config.dtype)

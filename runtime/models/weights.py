@@ -84,7 +84,7 @@ def load_checkpoint(model, weights: Iterable[tuple[str, Any]]) -> None:
             raise ValueError(f"unexpected weight {hf_name!r}")
         shape = tuple(source.get_shape()) if hasattr(source, "get_shape") else tuple(source.shape)
         _check_global_shape(model, hf_name, target, fused, expert, shape)
-        placements, keys = _placements(model, target, fused, expert, shape)
+        placements, keys = _placements(model, target, fused, expert)
         for dst_index, src_index in placements:
             if not dst_index and not src_index and tuple(param.shape) != shape:
                 raise ValueError(f"weight {hf_name!r} has shape {shape}, expected {tuple(param.shape)}")
@@ -94,10 +94,8 @@ def load_checkpoint(model, weights: Iterable[tuple[str, Any]]) -> None:
                 raise ValueError(f"weight {hf_name!r}: shard of shape {tuple(piece.shape)} does not fit "
                                  f"{target} slice {tuple(dst.shape)} (checkpoint shape {shape})")
             if param.dtype == fp8.FP8_DTYPE:  # --dtype fp8: quantise these rows as they are read
-                scales = model.get_buffer(f"{target}_scale")  # one per output row: weight_scale, *_proj_scale
-                q, scale = fp8.quantize_rows(piece.to(scales.device))
-                dst.copy_(q)
-                (scales[dst_index] if dst_index else scales).copy_(scale)
+                # scales: one per output row, `weight_scale` of a linear, `<name>_scale` of the experts
+                fp8.quantize_into(param.data, model.get_buffer(f"{target}_scale"), dst_index, piece)
             else:
                 dst.copy_(piece)
         duplicate = loaded.intersection(keys)
@@ -139,12 +137,12 @@ def _check_global_shape(model, hf_name: str, target: str, fused: int | None, exp
         raise ValueError(f"weight {hf_name!r} has shape {shape}, expected {want} along dim {dim}")
 
 
-def _placements(model, target: str, fused: int | None, expert: int | None, shape: tuple[int, ...]):
+def _placements(model, target: str, fused: int | None, expert: int | None):
     """What this rank copies from one checkpoint tensor: ([(dst_index, src_index)], loaded keys), each index
     a tuple of slices/ints (empty: the whole tensor)."""
     s, hd = model.shard, model.config.head_dim
     if _is_expert(target):
-        return _expert_placements(model, target, fused, expert, shape)
+        return _expert_placements(model, target, fused, expert)
     keys = [_key(target, fused, None)]
     if fused is not None and "qkv_proj" in target:
         q_size, kv_size = s.num_heads * hd, s.num_kv_heads * hd
@@ -171,7 +169,7 @@ def _placements(model, target: str, fused: int | None, expert: int | None, shape
     return [((), ())], keys  # replicated: norms, routers, row-parallel biases
 
 
-def _expert_placements(model, target: str, fused: int | None, expert: int | None, shape: tuple[int, ...]):
+def _expert_placements(model, target: str, fused: int | None, expert: int | None):
     s, moe = model.shard, model.moe
     inter, start = s.moe_intermediate_size, s.moe_intermediate_start
     mine = slice(start, start + inter)  # this rank's rows of one expert's gate or up, columns of its down

@@ -38,7 +38,8 @@ FP8_SCALE_BYTES = 4  # one fp32 scale per output channel of each quantised linea
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 # What the runtime's model files implement (runtime/models). The planner refuses anything else.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "MixtralForCausalLM",
+                           "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")  # classes: runtime/models/registry.py
 
 
 class CapacityError(ValueError):

@@ -56,13 +56,12 @@ def convert_linears(model: nn.Module, linear_types: tuple[type, ...]) -> int:
     return count
 
 
-def quantize_into(module: nn.Module, row_start: int, num_rows: int | None, piece: torch.Tensor) -> None:
-    """Load a checkpoint piece into rows [row_start, row_start + num_rows) of an fp8 linear (all rows when
-    num_rows is None), quantising those rows with their own scales."""
-    end = module.weight.shape[0] if num_rows is None else row_start + num_rows
-    q, scale = quantize_rows(piece.to(module.weight_scale.device))
-    module.weight.data[row_start:end].copy_(q)
-    module.weight_scale[row_start:end].copy_(scale)
+def quantize_into(weight: torch.Tensor, scales: torch.Tensor, index: tuple, piece: torch.Tensor) -> None:
+    """Load a checkpoint piece into weight[index] (float8; index () = all of it), quantising each row with its
+    own scale into scales[index] (scales has weight's leading dims: one per output row, per expert for MoE)."""
+    q, scale = quantize_rows(piece.to(scales.device))
+    (weight[index] if index else weight).copy_(q)
+    (scales[index] if index else scales).copy_(scale)
 
 
 def _use_scaled_mm(x: torch.Tensor) -> bool:

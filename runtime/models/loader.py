@@ -12,6 +12,8 @@ import torch
 from kvserve.runtime.config import ModelConfig
 from kvserve.runtime.models.llama import LlamaForCausalLM
 from kvserve.runtime.models import fp8
+from kvserve.runtime.models.moe import convert_experts_to_fp8
+from kvserve.runtime.models.registry import model_class
 from kvserve.runtime.parallel.layers import SINGLE, ColumnParallelLinear, ParallelContext, RowParallelLinear
 
 logger = logging.getLogger("kvserve.loader")
@@ -40,26 +42,38 @@ def iter_safetensors(model_dir: str, show_progress: bool = True, lazy: bool = Fa
         bar.close()
 
 
+def build_meta_model(model_config: ModelConfig, attention_backend, parallel: ParallelContext = SINGLE):
+    """The model (this rank's shard) on the meta device: every parameter with its final shape and dtype,
+    no memory, no random init."""
+    dtype = getattr(torch, model_config.dtype)
+    with torch.device("meta"):
+        model = model_class(model_config.architecture)(model_config, attention_backend, parallel).to(dtype)
+        if model_config.weight_dtype == "fp8":  # decoder linears only: embeddings and the LM head stay 16-bit
+            fp8.convert_linears(model.layers, (ColumnParallelLinear, RowParallelLinear))
+            convert_experts_to_fp8(model.layers)
+    return model
+
+
+def weight_bytes(model) -> int:
+    """Bytes of parameters and weight buffers (fp8 scales), the rotary tables excluded."""
+    rotary = {id(getattr(model.rotary, "cos", None)), id(getattr(model.rotary, "sin", None))}
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()) if id(t) not in rotary)
+
+
 def load_model(model_config: ModelConfig, attention_backend, device: str,
                parallel: ParallelContext = SINGLE) -> LlamaForCausalLM:
     """The model, or with a tensor-parallel `parallel` this rank's shard of it (only the shard is allocated
     and only the shard's bytes are read from the safetensors files)."""
-    dtype = getattr(torch, model_config.dtype)
-    # Built on the meta device (no memory, no random init), then allocated once in the target dtype and
-    # filled from the checkpoint; the rotary tables carry no checkpoint values, so they are recomputed.
-    with torch.device("meta"):
-        model = LlamaForCausalLM(model_config, attention_backend, parallel).to(dtype)
-        if model_config.weight_dtype == "fp8":  # decoder linears only: embeddings and the LM head stay 16-bit
-            fp8.convert_linears(model.layers, (ColumnParallelLinear, RowParallelLinear))
-    model = model.to_empty(device=device)
+    # Built on the meta device, then allocated once in the target dtype and filled from the checkpoint;
+    # the rotary tables carry no checkpoint values, so they are recomputed.
+    model = build_meta_model(model_config, attention_backend, parallel).to_empty(device=device)
     model.rotary.build(device)
     model.load_weights(iter_safetensors(model_config.model_dir, show_progress=parallel.rank == 0,
                                         lazy=parallel.size > 1))
     model.eval()
     num_params = sum(p.numel() for p in model.parameters())
-    weight_bytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())
-                       if t is not getattr(model.rotary, "cos", None) and t is not getattr(model.rotary, "sin", None))
     rank = f" (tensor-parallel rank {parallel.rank}/{parallel.size})" if parallel.size > 1 else ""
     logger.info("loaded %s from %s: %.1fM parameters%s, %.1f MiB of weights (%s), %s", model_config.architecture,
-                model_config.model_dir, num_params / 1e6, rank, weight_bytes / 2**20, model_config.weight_dtype, device)
+                model_config.model_dir, num_params / 1e6, rank, weight_bytes(model) / 2**20, model_config.weight_dtype,
+                device)
     return model

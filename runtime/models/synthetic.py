@@ -24,16 +24,31 @@ TEST_MODEL_CONFIGS = {
                                                 tie_word_embeddings=True)),
     "mistral": ("MistralForCausalLM", dict(_COMMON, num_attention_heads=8, num_key_value_heads=4,
                                            sliding_window=4096)),
+    # MoE: 4 experts, top-2, routing weights renormalised and kept in fp32.
+    "mixtral_moe": ("MixtralForCausalLM", dict(_COMMON, intermediate_size=64, num_attention_heads=8,
+                                               num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                                               norm_weight_std=0.3)),
+    # QK-norm, head_dim 32 with 4 heads (q width 128 != hidden 64), tied embeddings.
+    "qwen3_head_dim": ("Qwen3ForCausalLM", dict(_COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                                tie_word_embeddings=True, norm_weight_std=0.3)),
+    # 8 experts, top-2 without renormalisation; layer 1 is dense (mlp_only_layers) with its own width.
+    "qwen3_moe": ("Qwen3MoeForCausalLM", dict(_COMMON, intermediate_size=96, moe_intermediate_size=32,
+                                              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                              num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
+                                              mlp_only_layers=[1], norm_weight_std=0.3)),
 }
 
 
 ARCH_CONFIGS = {"LlamaForCausalLM": "LlamaConfig", "MistralForCausalLM": "MistralConfig",
-                "Qwen2ForCausalLM": "Qwen2Config"}
+                "Qwen2ForCausalLM": "Qwen2Config", "MixtralForCausalLM": "MixtralConfig",
+                "Qwen3ForCausalLM": "Qwen3Config", "Qwen3MoeForCausalLM": "Qwen3MoeConfig"}
 
 
 def make_random_model_dir(out_dir: str, architecture: str = "LlamaForCausalLM", seed: int = 0,
-                          dtype: str = "float32", **config_kwargs):
-    """Write config.json + model.safetensors + tokenizer files to out_dir; returns the HF model (eval)."""
+                          dtype: str = "float32", norm_weight_std: float = 0.0, **config_kwargs):
+    """Write config.json + model.safetensors + tokenizer files to out_dir; returns the HF model (eval).
+    norm_weight_std > 0 draws every RMSNorm weight (transformers initialises them to ones) from
+    1 + N(0, std), so a norm weight that is loaded into the wrong place or not applied changes the output."""
     import torch
     import transformers
 
@@ -42,6 +57,11 @@ def make_random_model_dir(out_dir: str, architecture: str = "LlamaForCausalLM", 
     config = getattr(transformers, ARCH_CONFIGS[architecture])(**config_kwargs)
     torch.manual_seed(seed)
     model = getattr(transformers, architecture)(config).eval()
+    if norm_weight_std:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.copy_(1 + norm_weight_std * torch.randn_like(param))
     model.to(getattr(torch, dtype))
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)

@@ -32,7 +32,8 @@ from multiprocessing.connection import wait
 from kvserve.runtime.config import EngineConfig
 from kvserve.runtime.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kvserve.runtime.parallel.errors import WorkerDiedError
-from kvserve.runtime.parallel.sharding import tp_shape_error
+from kvserve.runtime.models.registry import split_widths
+from kvserve.runtime.parallel.sharding import split_widths_error, tp_shape_error
 from kvserve.runtime.sampling_params import InvalidParameter
 
 logger = logging.getLogger("kvserve.parallel")
@@ -54,7 +55,8 @@ class MultiprocExecutor:
 
         t = config.tensor_parallel_size
         m = config.model
-        error = tp_shape_error(m.num_heads, m.num_kv_heads, m.hf_config.intermediate_size, t)
+        error = tp_shape_error(m.num_heads, m.num_kv_heads, m.hf_config.intermediate_size, t) or \
+            split_widths_error(split_widths(m.hf_config), t)
         if error:
             raise InvalidParameter("tensor_parallel_size", f"tensor_parallel_size={t} does not fit {m.model_dir}: "
                                                            f"{error}")

@@ -44,7 +44,7 @@ class RouterConfig:
     weights: Weights = field(default_factory=Weights)
     default_capacity_tokens: int = 500_000
     default_block_size: int = 16
-    poll_interval_s: float = 0.5
+    poll_interval_s: float = 0.5  # 0: no background scraping or re-probing (tests drive poll_once)
     stale_after_s: float = 2.0
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 600.0  # longest silence from a replica (a non-streamed completion is one silence)
@@ -81,6 +81,7 @@ class Router:
         self.metrics = RouterMetrics()
         self.rng = random.Random(config.seed)
         self.client: httpx.AsyncClient | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task] = []
         # One thread: HF tokenizers are not safe to share across threads; it keeps /health and streaming
         # responsive while a long prompt is tokenised (production-stack #1016 starved its probes this way).
@@ -88,6 +89,7 @@ class Router:
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
     async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
         # No pool cap (aiohttp's default of 100 silently capped production-stack, their #765) and no total
         # timeout: a stream lasts as long as it produces bytes.
         self.client = httpx.AsyncClient(
@@ -96,7 +98,8 @@ class Router:
                                   write=60.0, pool=None))
         if self.discovery is not None:
             self._tasks.append(asyncio.create_task(self.discovery(self)))
-        self._tasks.append(asyncio.create_task(self._poll_forever()))
+        if self.config.poll_interval_s > 0:
+            self._tasks.append(asyncio.create_task(self._poll_forever()))
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -160,6 +163,7 @@ class Router:
             healthy = False
         if healthy:
             self.replicas.readmit(url)
+            await self._scrape(url)  # without fresh metrics it would score as saturated until the next round
         else:
             self.replicas.probe_failed(url, time.monotonic())
 

@@ -11,6 +11,7 @@ import json
 import socket
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -167,3 +168,36 @@ def fakes():
     yield harness
     for server in reversed(harness.made):
         server.stop()
+
+
+STORIES_DIR = Path(__file__).resolve().parents[3] / "shared" / "models" / "stories260K"
+if not STORIES_DIR.is_dir():
+    STORIES_DIR = Path("/work/shared/models/stories260K")
+
+
+class EngineReplica(Threaded):
+    """A real `kvserve serve` app (build_app with a loaded engine) on a free port."""
+
+    def __init__(self, model_dir: str, **engine_kwargs: Any):
+        from kvserve.runtime.engine.llm_engine import LLMEngine
+        from kvserve.runtime.server.app import ServerConfig, build_app
+
+        self.model_dir = model_dir
+        engine = LLMEngine.from_kwargs(model=model_dir, **engine_kwargs)
+        app = build_app(ServerConfig(served_model_names=["stories"], model_dir=model_dir, log_interval_s=1.0),
+                        engine=engine)
+        super().__init__(app)
+        deadline = time.monotonic() + 60
+        while httpx.get(self.url + "/health", timeout=2).status_code != 200:
+            assert time.monotonic() < deadline, "replica did not become healthy"
+            time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def stories_replicas():
+    if not (STORIES_DIR / "config.json").is_file():
+        pytest.skip("../shared/models/stories260K is not available")
+    replicas = [EngineReplica(str(STORIES_DIR), kv_cache_bytes=8 << 20, max_num_seqs=16, seed=0) for _ in range(2)]
+    yield replicas
+    for r in replicas:
+        r.stop()

@@ -122,7 +122,10 @@ class EndpointSliceWatcher:
 
     def _emit(self, slices: dict[str, dict], push: Callable[[set[str], set[str]], None],
               last: tuple[set[str], set[str]] | None) -> tuple[set[str], set[str]]:
-        current = endpoints_from_slices(slices.values(), self.port_name)
+        # The label selector is applied again here: a slice relabelled away from the Service must go too.
+        ours = [s for s in slices.values()
+                if ((s.get("metadata") or {}).get("labels") or {}).get(SERVICE_NAME_LABEL) == self.service]
+        current = endpoints_from_slices(ours, self.port_name)
         if current != last:
             push(*current)
         return current

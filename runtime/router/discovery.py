@@ -105,7 +105,9 @@ class EndpointSliceWatcher:
                 for event in watch.stream(api.list_namespaced_endpoint_slice, self.namespace,
                                           label_selector=selector,
                                           resource_version=listing.metadata.resource_version,
-                                          timeout_seconds=self.watch_timeout_s):
+                                          timeout_seconds=self.watch_timeout_s,
+                                          # a half-open connection must not freeze the endpoint set forever
+                                          _request_timeout=(10, self.watch_timeout_s + 5)):
                     obj = to_dict(event["object"])
                     name = (obj.get("metadata") or {}).get("name")
                     if event["type"] == "DELETED":

@@ -131,7 +131,14 @@ class LiveRouter(Threaded):
         asyncio.run_coroutine_threadsafe(self.router.poll_once(), self.router.loop).result(10)
 
     def in_flight(self) -> int:
-        return sum(r.in_flight for r in self.router.replicas.replicas.values())
+        """In-flight requests once the router settles: a slot is released after the response's last byte
+        left, which can be just after the client has read it."""
+        deadline = time.monotonic() + 5
+        while True:
+            n = sum(r.in_flight for r in self.router.replicas.replicas.values())
+            if n == 0 or time.monotonic() > deadline:
+                return n
+            time.sleep(0.02)
 
 
 class Harness:

@@ -98,8 +98,6 @@ def test_client_disconnect_mid_stream_aborts_upstream(fakes):
     while a.cancelled == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert a.cancelled == 1
-    while router.in_flight() and time.monotonic() < deadline:
-        time.sleep(0.05)
     assert router.in_flight() == 0
 
 
@@ -110,7 +108,7 @@ def test_client_disconnect_before_the_first_byte_aborts_upstream(fakes):
     with pytest.raises(httpx.ReadTimeout):
         fakes.completion(router, stream=False, timeout=0.5)
     deadline = time.monotonic() + 5
-    while (a.cancelled == 0 or router.in_flight()) and time.monotonic() < deadline:
+    while a.cancelled == 0 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert a.cancelled == 1 and router.in_flight() == 0
     assert router.metric("kvserve_router:client_disconnects_total") == 1

@@ -41,10 +41,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--default-capacity-tokens", type=_positive_int, default=500_000,
                         help="KV capacity assumed for a replica that does not report kvserve:kv_capacity_tokens "
                              "(sizes its prefix index)")
-    parser.add_argument("--weight-prefix", type=_non_negative, default=3.0, help="prefix-affinity weight")
+    parser.add_argument("--weight-prefill", type=_non_negative, default=3.0,
+                        help="weight of the prefill work ahead (uncached prompt tokens, this request's and queued)")
+    parser.add_argument("--weight-prefix", type=_non_negative, default=1.0, help="prefix-match-ratio weight")
     parser.add_argument("--weight-queue", type=_non_negative, default=2.0, help="queue/load weight")
-    parser.add_argument("--weight-kv", type=_non_negative, default=2.0, help="free-KV weight")
+    parser.add_argument("--weight-kv", type=_non_negative, default=1.0, help="free-KV weight")
     parser.add_argument("--weight-session", type=_non_negative, default=4.0, help="session-affinity weight")
+    parser.add_argument("--prefill-scale", type=float, default=2048.0,
+                        help="prompt tokens of extra prefill work that cost the whole prefill weight")
     parser.add_argument("--queue-scale", type=float, default=8.0,
                         help="requests of extra load that cost the whole queue weight")
     parser.add_argument("--max-imbalance", type=int, default=8,
@@ -90,8 +94,9 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.runtime.router.scoring import Weights
 
     try:
-        weights = Weights(prefix=args.weight_prefix, queue=args.weight_queue, kv=args.weight_kv,
-                          session=args.weight_session, queue_scale=args.queue_scale, max_imbalance=args.max_imbalance)
+        weights = Weights(prefill=args.weight_prefill, prefix=args.weight_prefix, queue=args.weight_queue,
+                          kv=args.weight_kv, session=args.weight_session, prefill_scale=args.prefill_scale,
+                          queue_scale=args.queue_scale, max_imbalance=args.max_imbalance)
     except ValueError as exc:
         print(f"kvserve router: {exc}", file=sys.stderr)
         return 2

@@ -26,7 +26,6 @@ RESOURCES: dict[str, tuple[str, str]] = {
     KIND: (f"/apis/{API_VERSION}", PLURAL),
 }
 CHILD_KINDS = ("Deployment", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget")
-ROUTER_KINDS = ("ServiceAccount", "Role", "RoleBinding")  # only spec.router's children (render_router.py)
 
 
 class KubeError(RuntimeError):

@@ -182,7 +182,8 @@ class Router:
         hashes = HashCache(token_ids) if token_ids else None
         now = time.monotonic()
         views = [self.replicas.view(r, now) for r in self.replicas.routable(now)]
-        features = RequestFeatures(hashes_for=hashes, session_url=self.replicas.sessions.get(session_key))
+        features = RequestFeatures(hashes_for=hashes, num_prompt_tokens=len(token_ids) if token_ids else 0,
+                                   session_url=self.replicas.sessions.get(session_key))
         decision = rank(features, views, self.replicas.index, self.config.weights, self.rng)
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
         if decision.ranked:
@@ -219,11 +220,12 @@ class Router:
                 self.replicas.index.record(url, hashes(self.replicas.block_size(replica)),
                                            self.replicas.capacity_blocks(replica))
             self.metrics.requests.labels(url, decision.reason if attempt == 0 else "retry").inc()
-            lease = _Lease(self, url)
+            lease = _Lease(self, url, score.uncached_tokens)
             upstream = self.client.build_request("POST", url + path, content=body, headers=headers)
             last = attempt + 1 >= min(self.config.max_attempts, len(decision.ranked))
             try:
                 resp, first_chunk, chunks = await _race_disconnect(request, self._open(upstream, url, last))
+                lease.prefilled()
             except _ClientGone:
                 await lease.release()
                 self.metrics.client_disconnects.inc()
@@ -278,20 +280,31 @@ class Router:
 
 
 class _Lease:
-    """One in-flight slot on a replica, released exactly once however the request ends (GIE #2064 leaked
+    """One in-flight slot on a replica, plus the request's uncached prompt tokens until its first byte (the
+    prefill work the replica still owes). Released exactly once however the request ends (GIE #2064 leaked
     capacity when completion hooks were skipped on errors and disconnects)."""
 
-    def __init__(self, router: Router, url: str):
+    def __init__(self, router: Router, url: str, prefill_tokens: int = 0):
         self.router, self.url, self.released = router, url, False
+        self.prefill_tokens = prefill_tokens
         replica = router.replicas.replicas.get(url)
         if replica is not None:
             replica.in_flight += 1
+            replica.in_flight_prefill_tokens += prefill_tokens
             router.metrics.in_flight.labels(url).set(replica.in_flight)
+
+    def prefilled(self) -> None:
+        """The first byte arrived: the replica has prefilled this prompt."""
+        replica = self.router.replicas.replicas.get(self.url)
+        if replica is not None:
+            replica.in_flight_prefill_tokens -= self.prefill_tokens
+        self.prefill_tokens = 0
 
     async def release(self) -> None:
         if self.released:
             return
         self.released = True
+        self.prefilled()
         replica = self.router.replicas.replicas.get(self.url)
         if replica is not None:
             replica.in_flight -= 1

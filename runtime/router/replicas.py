@@ -19,6 +19,7 @@ logger = logging.getLogger("kvserve.router")
 class Replica:
     url: str
     in_flight: int = 0
+    in_flight_prefill_tokens: int = 0  # uncached prompt tokens sent here that have not produced a first byte
     metrics: ReplicaMetrics | None = None
     metrics_at: float | None = None  # monotonic time of the last good scrape
     ejected_until: float | None = None  # not routable before this time (then re-probed)
@@ -127,4 +128,5 @@ class ReplicaSet:
         m = replica.metrics if fresh else None
         return ReplicaView(url=replica.url, in_flight=replica.in_flight,
                            waiting=m.waiting if m else None, running=m.running if m else None,
-                           kv_usage=m.kv_usage if m else None, block_size=self.block_size(replica))
+                           kv_usage=m.kv_usage if m else None, block_size=self.block_size(replica),
+                           in_flight_prefill_tokens=replica.in_flight_prefill_tokens)

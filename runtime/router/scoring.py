@@ -6,11 +6,17 @@ the next best replica without scoring again, and an ext_proc endpoint picker can
 Envoy's fallback order. No I/O, no clocks, no asyncio: callers pass snapshots in.
 
 Scorers (weights in `Weights`, documented in docs/router.md):
+- prefill: prompt tokens the replica would still have to prefill before this request's first token -- the
+  prompt's uncached part there, plus the uncached prompt tokens of the requests the router sent there that
+  have not produced a first byte yet. Scored 1 for the least such work, falling linearly by 1/prefill_scale
+  per extra token. This is how a cached prefix pays (in prefill work saved) and how it stops paying on a
+  replica already busy prefilling ("sticky until saturated", in tokens rather than request counts).
 - prefix: the fraction of the prompt's full blocks that the replica is believed to hold (longest cached
-  prefix, from the PrefixIndex). Ignored on a replica whose load exceeds the least-loaded one's by more than
-  `max_imbalance` requests ("sticky until saturated"): a hot prefix must not pile every request on one replica.
+  prefix, from the PrefixIndex): a small tie-breaker towards locality.
+  Both prefix terms are 0 on a replica whose load exceeds the least-loaded one's by more than
+  `max_imbalance` requests: a hot prefix must not pile every request on one replica.
 - queue: load = max(router's in-flight requests there, replica's waiting + running from /metrics); scored
-  1 for the least-loaded replica, falling linearly by 1/queue_scale per request of extra load.
+  1 for the least-loaded replica, falling linearly by 1/queue_scale per request of extra load (decode work).
 - kv: 1 - the replica's KV-cache usage; 0 when its metrics are stale (unknown pressure counts as full).
 - session: 1 on the replica this session was last sent to (optional, keyed by a request header).
 """
@@ -27,19 +33,22 @@ from kvserve.runtime.router.prefix_index import PrefixIndex
 
 @dataclass(frozen=True)
 class Weights:
-    prefix: float = 3.0
+    prefill: float = 3.0
+    prefix: float = 1.0
     queue: float = 2.0
-    kv: float = 2.0
+    kv: float = 1.0
     session: float = 4.0
+    prefill_scale: float = 2048.0  # prompt tokens of extra prefill work that cost the whole prefill weight
     queue_scale: float = 8.0  # requests of extra load that cost the whole queue weight
     max_imbalance: int = 8  # requests above the least-loaded replica beyond which prefix affinity is ignored
 
     def __post_init__(self) -> None:
-        for name in ("prefix", "queue", "kv", "session"):
+        for name in ("prefill", "prefix", "queue", "kv", "session"):
             if getattr(self, name) < 0:
                 raise ValueError(f"weight {name} must be >= 0, got {getattr(self, name)}")
-        if self.queue_scale <= 0:
-            raise ValueError(f"queue_scale must be > 0, got {self.queue_scale}")
+        for name in ("prefill_scale", "queue_scale"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -51,6 +60,7 @@ class ReplicaView:
     running: int | None = None
     kv_usage: float | None = None  # 0..1
     block_size: int = 16
+    in_flight_prefill_tokens: int = 0  # uncached prompt tokens of router requests there before their first byte
 
     @property
     def load(self) -> int:
@@ -64,6 +74,7 @@ class RequestFeatures:
     """`hashes_for(block_size)` returns the prompt's chained block hashes at that block size (callers memoise);
     None when the prompt could not be tokenised (then only load decides)."""
     hashes_for: Callable[[int], Sequence[bytes]] | None = None
+    num_prompt_tokens: int = 0
     session_url: str | None = None  # where this session went last, if session affinity is on
 
 
@@ -71,6 +82,7 @@ class RequestFeatures:
 class Score:
     url: str
     total: float
+    prefill: float
     prefix: float
     queue: float
     kv: float
@@ -78,6 +90,7 @@ class Score:
     matched_blocks: int
     total_blocks: int
     load: int
+    uncached_tokens: int  # this request's prompt tokens the replica would prefill
 
 
 @dataclass(frozen=True)
@@ -90,7 +103,8 @@ class Decision:
         return [s.url for s in self.ranked]
 
     def describe(self) -> str:
-        return "; ".join(f"{s.url} total={s.total:.2f} prefix={s.prefix:.2f}({s.matched_blocks}/{s.total_blocks}) "
+        return "; ".join(f"{s.url} total={s.total:.2f} prefill={s.prefill:.2f}({s.uncached_tokens} uncached) "
+                         f"prefix={s.prefix:.2f}({s.matched_blocks}/{s.total_blocks}) "
                          f"queue={s.queue:.2f}(load {s.load}) kv={s.kv:.2f} session={s.session:.0f}"
                          for s in self.ranked)
 
@@ -103,22 +117,31 @@ def rank(features: RequestFeatures, replicas: Sequence[ReplicaView], index: Pref
     loads = [r.load for r in replicas]
     min_load, max_load = min(loads), max(loads)
     span = max(float(max_load - min_load), weights.queue_scale)
-    scores = []
+    rows = []
     for r in replicas:
         matched = total = 0
         if features.hashes_for is not None:
             hashes = features.hashes_for(r.block_size)
             total = len(hashes)
             matched = index.matched_blocks(r.url, hashes) if total else 0
+        saturated = r.load - min_load > weights.max_imbalance
+        if saturated:
+            matched = 0
+        uncached = max(0, features.num_prompt_tokens - matched * r.block_size)
+        rows.append((r, matched, total, uncached, r.in_flight_prefill_tokens + uncached))
+    works = [row[4] for row in rows]
+    work_span = max(float(max(works) - min(works)), weights.prefill_scale)
+    scores = []
+    for r, matched, total, uncached, work in rows:
+        prefill = 1.0 - (work - min(works)) / work_span
         prefix = matched / total if total else 0.0
-        if r.load - min_load > weights.max_imbalance:
-            prefix = 0.0
         queue = 1.0 - (r.load - min_load) / span
         kv = 1.0 - min(1.0, max(0.0, r.kv_usage)) if r.kv_usage is not None else 0.0
         session = 1.0 if features.session_url == r.url else 0.0
-        total_score = (weights.prefix * prefix + weights.queue * queue + weights.kv * kv
-                       + weights.session * session)
-        scores.append(Score(r.url, total_score, prefix, queue, kv, session, matched, total, r.load))
+        total_score = (weights.prefill * prefill + weights.prefix * prefix + weights.queue * queue
+                       + weights.kv * kv + weights.session * session)
+        scores.append(Score(r.url, total_score, prefill, prefix, queue, kv, session, matched, total, r.load,
+                            uncached))
     rng.shuffle(scores)  # random tie-break: the sort below is stable
     scores.sort(key=lambda s: s.total, reverse=True)
     return Decision(scores, _reason(scores, weights))
@@ -130,7 +153,7 @@ def _reason(scores: list[Score], weights: Weights) -> str:
     best, rest = scores[0], scores[1:]
     if best.session and weights.session:
         return "session"
-    if best.prefix > 0 and weights.prefix and best.prefix > max(s.prefix for s in rest):
+    if best.prefix > 0 and best.prefix > max(s.prefix for s in rest):
         return "prefix"
     return "load"
 

@@ -67,7 +67,7 @@ def _conversation_index(tokens):
 def test_prefix_affinity_beats_a_small_load_difference_but_not_saturation():
     history = list(range(320))  # 20 blocks cached on A
     index = _conversation_index(history)
-    features = RequestFeatures(hashes_for=HashCache(history + list(range(900, 950))))
+    features = RequestFeatures(hashes_for=HashCache(history + list(range(900, 950))), num_prompt_tokens=370)
     views = [ReplicaView(A, in_flight=2, kv_usage=0.2), ReplicaView(B, in_flight=0, kv_usage=0.2),
              ReplicaView(C, in_flight=1, kv_usage=0.2)]
     decision = _rank(features, views, index)
@@ -77,6 +77,25 @@ def test_prefix_affinity_beats_a_small_load_difference_but_not_saturation():
     views[0] = ReplicaView(A, in_flight=9, kv_usage=0.2)
     decision = _rank(features, views, index)
     assert decision.urls[0] == B and decision.reason == "load" and decision.ranked[-1].url == A
+
+
+def test_prefill_work_spreads_a_shared_prefix_but_keeps_a_conversation_home():
+    system = list(range(500))  # a tenant's system prompt, cached on A only
+    index = _conversation_index(system)
+    new_conversation = system + list(range(5000, 5100))
+    features = RequestFeatures(hashes_for=HashCache(new_conversation), num_prompt_tokens=600)
+    # A holds the shared prefix but is busy prefilling 1500 tokens for 4 requests: the idle B is cheaper.
+    busy_a = ReplicaView(A, in_flight=4, kv_usage=0.2, in_flight_prefill_tokens=1500)
+    idle_b = ReplicaView(B, in_flight=0, kv_usage=0.2)
+    decision = _rank(features, [busy_a, idle_b], index)
+    assert decision.urls[0] == B and decision.reason == "load"
+    assert {s.url: s.uncached_tokens for s in decision.ranked} == {A: 600 - 31 * 16, B: 600}  # 31 full blocks of 16 cached on A
+    # A whole conversation's history (1000 tokens) cached on A outweighs A's two running requests.
+    history = list(range(1000))
+    index = _conversation_index(history)
+    features = RequestFeatures(hashes_for=HashCache(history + list(range(7000, 7060))), num_prompt_tokens=1060)
+    decision = _rank(features, [ReplicaView(A, in_flight=2, kv_usage=0.2), idle_b], index)
+    assert decision.urls[0] == A and decision.reason == "prefix"
 
 
 def test_load_decides_without_a_cached_prefix_and_reported_load_counts():

@@ -390,6 +390,10 @@ def main(args: argparse.Namespace) -> int:
     if bad:
         print(f"kvserve bench router: --runs: unknown {bad}; choose from {', '.join(RUNS)}", file=sys.stderr)
         return 2
+    def stop(signum: int, frame: Any) -> None:  # SIGTERM stops the replicas too (the finally blocks run)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
     runs: dict[str, dict] = {}
     # Same workload shape and seed for every run; fresh replicas so no run inherits another's cache.
     if "single" in runs_wanted:

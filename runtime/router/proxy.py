@@ -225,7 +225,6 @@ class Router:
             last = attempt + 1 >= min(self.config.max_attempts, len(decision.ranked))
             try:
                 resp, first_chunk, chunks = await _race_disconnect(request, self._open(upstream, url, last))
-                lease.prefilled()
             except _ClientGone:
                 await lease.release()
                 self.metrics.client_disconnects.inc()
@@ -280,9 +279,10 @@ class Router:
 
 
 class _Lease:
-    """One in-flight slot on a replica, plus the request's uncached prompt tokens until its first byte (the
-    prefill work the replica still owes). Released exactly once however the request ends (GIE #2064 leaked
-    capacity when completion hooks were skipped on errors and disconnects)."""
+    """One in-flight slot on a replica plus the request's uncached prompt tokens (the work it brought there).
+    Both are held until the request ends -- the first byte does not mark the end of prefill: a chat stream
+    starts with a role-only chunk before any prefill -- and released exactly once however it ends (GIE #2064
+    leaked capacity when completion hooks were skipped on errors and disconnects)."""
 
     def __init__(self, router: Router, url: str, prefill_tokens: int = 0):
         self.router, self.url, self.released = router, url, False
@@ -293,21 +293,14 @@ class _Lease:
             replica.in_flight_prefill_tokens += prefill_tokens
             router.metrics.in_flight.labels(url).set(replica.in_flight)
 
-    def prefilled(self) -> None:
-        """The first byte arrived: the replica has prefilled this prompt."""
-        replica = self.router.replicas.replicas.get(self.url)
-        if replica is not None:
-            replica.in_flight_prefill_tokens -= self.prefill_tokens
-        self.prefill_tokens = 0
-
     async def release(self) -> None:
         if self.released:
             return
         self.released = True
-        self.prefilled()
         replica = self.router.replicas.replicas.get(self.url)
         if replica is not None:
             replica.in_flight -= 1
+            replica.in_flight_prefill_tokens -= self.prefill_tokens
             self.router.metrics.in_flight.labels(self.url).set(replica.in_flight)
 
 

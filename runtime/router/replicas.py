@@ -19,7 +19,7 @@ logger = logging.getLogger("kvserve.router")
 class Replica:
     url: str
     in_flight: int = 0
-    in_flight_prefill_tokens: int = 0  # uncached prompt tokens sent here that have not produced a first byte
+    in_flight_prefill_tokens: int = 0  # uncached prompt tokens of the router's in-flight requests here
     metrics: ReplicaMetrics | None = None
     metrics_at: float | None = None  # monotonic time of the last good scrape
     ejected_until: float | None = None  # not routable before this time (then re-probed)

@@ -6,10 +6,10 @@ the next best replica without scoring again, and an ext_proc endpoint picker can
 Envoy's fallback order. No I/O, no clocks, no asyncio: callers pass snapshots in.
 
 Scorers (weights in `Weights`, documented in docs/router.md):
-- prefill: prompt tokens the replica would still have to prefill before this request's first token -- the
-  prompt's uncached part there, plus the uncached prompt tokens of the requests the router sent there that
-  have not produced a first byte yet. Scored 1 for the least such work, falling linearly by 1/prefill_scale
-  per extra token. This is how a cached prefix pays (in prefill work saved) and how it stops paying on a
+- prefill: prompt work on the replica, in tokens -- this prompt's uncached part there, plus the uncached
+  prompt tokens of the router's requests in flight there (held until they end: the router cannot see when a
+  replica finishes a prefill without parsing the stream). Scored 1 for the least such work, falling
+  linearly by 1/prefill_scale per extra token. This is how a cached prefix pays (in prefill work saved) and how it stops paying on a
   replica already busy prefilling ("sticky until saturated", in tokens rather than request counts).
 - prefix: the fraction of the prompt's full blocks that the replica is believed to hold (longest cached
   prefix, from the PrefixIndex): a small tie-breaker towards locality.
@@ -60,7 +60,7 @@ class ReplicaView:
     running: int | None = None
     kv_usage: float | None = None  # 0..1
     block_size: int = 16
-    in_flight_prefill_tokens: int = 0  # uncached prompt tokens of router requests there before their first byte
+    in_flight_prefill_tokens: int = 0  # uncached prompt tokens of the router's in-flight requests there
 
     @property
     def load(self) -> int:

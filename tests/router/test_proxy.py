@@ -143,6 +143,7 @@ def test_a_growing_conversation_sticks_to_its_replica(fakes):
     prefix_routed = sum(router.metric("kvserve_router:requests_total", replica=x.url, reason="prefix")
                         for x in replicas)
     assert prefix_routed == 18  # turns 2-4 of 6 conversations
+    assert router.in_flight() == 0  # waits for the last release
     assert all(r.in_flight_prefill_tokens == 0 for r in router.router.replicas.replicas.values())
 
 

@@ -66,3 +66,11 @@ def test_conversations_through_the_router(stories_replicas, fakes):
                 assert via_router.json()["choices"] == direct.json()["choices"]
     assert all(len(h) == 1 for h in homes.values()), homes
     assert sum(_prefix_hits(u) for u in urls) > hits_before
+    # Each replica's index is sized from the capacity the replica itself reports (kvserve:kv_capacity_tokens).
+    from kvserve.runtime.router.replica_metrics import parse_metrics
+
+    for url in urls:
+        reported = parse_metrics(httpx.get(url + "/metrics").text)
+        assert reported.capacity_tokens and reported.block_size == 16
+        replica = router.router.replicas.replicas[url]
+        assert router.router.replicas.capacity_blocks(replica) == reported.capacity_tokens // 16

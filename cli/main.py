@@ -16,8 +16,10 @@ COMMANDS: dict[str, str] = {
     "plan": "kvserve.cli.plan",
     "render": "kvserve.cli.render",
     "operator": "kvserve.cli.operator",
+    "router": "kvserve.cli.router",
     "bench throughput": "kvserve.cli.bench_throughput",
     "bench serve": "kvserve.cli.bench_serve",
+    "bench router": "kvserve.cli.bench_router",
 }
 
 

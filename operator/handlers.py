@@ -21,7 +21,7 @@ from typing import Any
 
 import kopf
 
-from kvserve.operator import kube, render, spec as spec_mod, status as status_mod
+from kvserve.operator import kube, render, render_router, spec as spec_mod, status as status_mod
 
 log = logging.getLogger("kvserve.operator")
 G, V, P = spec_mod.GROUP, spec_mod.VERSION, spec_mod.PLURAL
@@ -60,24 +60,28 @@ def reconcile(namespace: str, name: str) -> dict[str, str]:
             resolved, plan, reason, message, desired = None, None, "InvalidSpec", f"{type(exc).__name__}: {exc}", []
             spec = spec_mod.with_defaults(parent.get("spec") or {})
 
-        live = {kind: kube.get(kind, namespace, name) for kind in kube.CHILD_KINDS}
+        # Children are keyed by (kind, name): the router's Deployment/Service/PDB share kinds with the engine's.
+        keys = [(kind, name) for kind in kube.CHILD_KINDS] + render_router.child_keys(name, spec, parent.get("status"))
+        live = {key: kube.get(key[0], namespace, key[1]) for key in keys}
         for obj in desired:
-            current = live[obj["kind"]]
+            key = (obj["kind"], obj["metadata"]["name"])
+            action = _label(key, name)
+            current = live[key]
             if current is not None and not kube.owned_by(current, parent):
                 log.warning("%s %s/%s exists and is not owned by this InferenceService; leaving it alone",
-                            obj["kind"], namespace, name)
+                            key[0], namespace, key[1])
                 continue
-            actions[obj["kind"]] = kube.apply(kube.adopt(obj, parent), current)
-            if actions[obj["kind"]] != "unchanged":
-                live[obj["kind"]] = kube.get(obj["kind"], namespace, name)
+            actions[action] = kube.apply(kube.adopt(obj, parent), current)
+            if actions[action] != "unchanged":
+                live[key] = kube.get(key[0], namespace, key[1])
         if plan is not None and plan.fits:
             # Children the spec no longer asks for (the HPA after autoscaling is switched off, ...).
-            wanted = {obj["kind"] for obj in desired}
-            for kind, current in live.items():
-                if kind not in wanted and current is not None and kube.owned_by(current, parent):
-                    kube.delete(kind, namespace, name)
-                    live[kind] = None
-                    actions[kind] = "deleted"
+            wanted = {(obj["kind"], obj["metadata"]["name"]) for obj in desired}
+            for key, current in live.items():
+                if key not in wanted and current is not None and kube.owned_by(current, parent):
+                    kube.delete(key[0], namespace, key[1])
+                    live[key] = None
+                    actions[_label(key, name)] = "deleted"
         # else: an impossible spec creates nothing and leaves a previously working Deployment serving.
 
         previous = parent.get("status") or {}
@@ -89,11 +93,16 @@ def reconcile(namespace: str, name: str) -> dict[str, str]:
                 log.warning("%s/%s: %s: %s", namespace, name, reason, message)
         new_status = status_mod.compute_status(
             name=name, namespace=namespace, spec=spec, generation=parent["metadata"].get("generation"),
-            plan=plan, plan_reason=reason, plan_message=message, deployment=live["Deployment"],
+            plan=plan, plan_reason=reason, plan_message=message, deployment=live[("Deployment", name)],
             previous=previous, now=_now())
         if kube.patch_status(namespace, name, previous, new_status):
             actions["status"] = "patched"
     return actions
+
+
+def _label(key: tuple[str, str], name: str) -> str:
+    """Action key: the kind for the engine's children ("Deployment"), kind/name for the router's."""
+    return key[0] if key[1] == name else f"{key[0]}/{key[1]}"
 
 
 def _reconcile_or_retry(namespace: str, name: str) -> None:
@@ -169,5 +178,7 @@ def _on_child_event(body: kopf.Body, type: str | None, **_: Any) -> None:
 
 for _group, _version, _plural in [("apps", "v1", "deployments"), ("", "v1", "services"),
                                    ("autoscaling", "v2", "horizontalpodautoscalers"),
-                                   ("policy", "v1", "poddisruptionbudgets")]:
+                                   ("policy", "v1", "poddisruptionbudgets"), ("", "v1", "serviceaccounts"),
+                                   ("rbac.authorization.k8s.io", "v1", "roles"),
+                                   ("rbac.authorization.k8s.io", "v1", "rolebindings")]:
     kopf.on.event(_group, _version, _plural, labels=CHILD_LABELS, id=f"child-{_plural}")(_on_child_event)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from kvserve.operator import render_router
 from kvserve.operator.spec import API_VERSION, KIND, Resolved
 from kvserve.runtime import engine_args
 
@@ -236,4 +237,5 @@ def render(resolved: Resolved, name: str, namespace: str) -> list[dict]:
         objs.append(autoscaler(resolved, name, namespace))
     if resolved.spec["podDisruptionBudget"]["enabled"]:
         objs.append(disruption_budget(resolved, name, namespace))
+    objs += render_router.render(resolved, name, namespace, labels(name), model_source(resolved.spec))
     return objs

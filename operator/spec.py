@@ -45,6 +45,7 @@ DEFAULTS: dict[str, Any] = {
     "startupTimeoutSeconds": 3600,
     "terminationGracePeriodSeconds": 120,
     "podDisruptionBudget": {"enabled": True, "maxUnavailable": 1},
+    "router": {"enabled": False, "replicas": 1},
 }
 
 

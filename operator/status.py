@@ -9,6 +9,7 @@ from typing import Any
 
 from kvserve.operator.planner import Plan
 from kvserve.operator.render import selector_string, service_url
+from kvserve.operator.render_router import url_service_name
 
 CONDITION_TYPES = ("Ready", "CapacityPlanned", "Progressing", "Degraded")
 
@@ -109,5 +110,5 @@ def compute_status(*, name: str, namespace: str, spec: dict, generation: int | N
     if plan is not None:
         status["plan"] = plan_status(plan)
     if fits:
-        status["url"] = service_url(name, namespace, int(spec.get("port", 8000)))
+        status["url"] = service_url(url_service_name(spec, name), namespace, int(spec.get("port", 8000)))
     return status

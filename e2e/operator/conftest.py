@@ -30,6 +30,12 @@ CHILDREN = {
     "HorizontalPodAutoscaler": "autoscaling/v2/horizontalpodautoscalers",
     "PodDisruptionBudget": "policy/v1/poddisruptionbudgets",
 }
+# spec.router's extra kinds (its Deployment, Service and PDB are named <name>-router).
+ROUTER_CHILDREN = {
+    "ServiceAccount": "v1/serviceaccounts",
+    "Role": "rbac.authorization.k8s.io/v1/roles",
+    "RoleBinding": "rbac.authorization.k8s.io/v1/rolebindings",
+}
 _ALL_VERBS = {"get", "list", "watch", "create", "patch", "update", "delete"}
 _server_url: str | None = None
 
@@ -103,7 +109,7 @@ def emulator() -> Iterator[Emulator]:
                 kind="CustomResourceDefinition", namespaced=False, verbs=_ALL_VERBS)
             handler.resources[CR] = info(kind="InferenceService", namespaced=True, verbs=_ALL_VERBS,
                                          subresources={"status", "scale"}, shortnames={"kvs"})
-            for kind, resource in CHILDREN.items():
+            for kind, resource in {**CHILDREN, **ROUTER_CHILDREN}.items():
                 handler.resources[resource] = info(kind=kind, namespaced=True, verbs=_ALL_VERBS)
             box["handler"], box["url"] = handler, str(server.url)
             started.set()

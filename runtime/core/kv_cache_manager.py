@@ -5,22 +5,11 @@ None meaning "preempt someone and retry"), free; plus fork / take_block_copies f
 """
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections.abc import Sequence
 
+from kvserve.runtime.core.block_hash import extend_block_hashes
 from kvserve.runtime.core.block_pool import BlockPool, KVCacheBlock
 from kvserve.runtime.request import Request
-
-# Fixed seed (not random) so every process -- TP ranks, restarts -- computes the same chain.
-NONE_HASH = b"kvserve/prefix-cache/v1"
-
-
-def hash_block_tokens(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
-    """Chained 128-bit BLAKE2b over (parent hash, this block's token ids)."""
-    digest = hashlib.blake2b(parent_hash, digest_size=16)
-    digest.update(array("q", token_ids).tobytes())
-    return digest.digest()
 
 
 def cdiv(a: int, b: int) -> int:
@@ -184,11 +173,7 @@ class KVCacheManager:
 
     # -- hashing ---------------------------------------------------------------------------------------
     def _update_block_hashes(self, request: Request) -> None:
-        hashes, bs = request.block_hashes, self.block_size
-        while (len(hashes) + 1) * bs <= request.num_tokens:
-            i = len(hashes)
-            hashes.append(hash_block_tokens(hashes[-1] if hashes else NONE_HASH,
-                                            request.all_token_ids[i * bs:(i + 1) * bs]))
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         bs, rid = self.block_size, request.request_id

@@ -1,0 +1,132 @@
+"""Pure renderer for `spec.router`: the `kvserve router` in front of an InferenceService's replicas.
+
+When spec.router.enabled, each InferenceService gets a router Deployment + Service named `<name>-router`,
+a ServiceAccount with a Role (and RoleBinding) that can only read EndpointSlices in its namespace, and a
+PodDisruptionBudget. The router finds the engine pods through the engine Service's EndpointSlices, reads
+the tokenizer from the same model source as the engine, and `status.url` then points at the router Service.
+Router pods carry their own `app.kubernetes.io/name`, so the engine Service and the /scale selector never
+select them.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from kvserve.operator.spec import Resolved
+
+SUFFIX = "-router"
+# Kinds only the router has (its Deployment, Service and PDB share kinds with the engine's children).
+ROUTER_ONLY_KINDS = ("ServiceAccount", "Role", "RoleBinding")
+DEFAULT_RESOURCES = {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "2Gi"}}
+
+
+def router_name(name: str) -> str:
+    return name + SUFFIX
+
+
+def enabled(spec: dict) -> bool:
+    return bool((spec.get("router") or {}).get("enabled"))
+
+
+def url_service_name(spec: dict, name: str) -> str:
+    """The Service clients should use: the router's when there is one."""
+    return router_name(name) if enabled(spec) else name
+
+
+def child_keys(name: str, spec: dict, previous_status: dict) -> list[tuple[str, str]]:
+    """(kind, name) of the router objects the operator must look at: all of them while the router is enabled
+    or while the last status still points at it (so a router switched off is pruned); none otherwise, which
+    spares InferenceServices without a router six GETs per reconcile."""
+    rname = router_name(name)
+    url = (previous_status or {}).get("url") or ""
+    if not enabled(spec) and not url.startswith(f"http://{rname}."):
+        return []
+    return [(kind, rname) for kind in ("Deployment", "Service", "PodDisruptionBudget", *ROUTER_ONLY_KINDS)]
+
+
+def selector_labels(name: str) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "kvserve-router", "app.kubernetes.io/instance": name}
+
+
+def _labels(name: str, base_labels: dict[str, str]) -> dict[str, str]:
+    # The engine's labels minus its selector keys, plus the router's: keeps managed-by and the owner label
+    # (which routes child events back to this InferenceService).
+    keep = {k: v for k, v in base_labels.items() if k not in ("app.kubernetes.io/name", "app.kubernetes.io/instance")}
+    return {**selector_labels(name), **keep, "app.kubernetes.io/component": "router"}
+
+
+def router_args(resolved: Resolved, name: str, namespace: str, model_dir: str) -> list[str]:
+    spec = resolved.spec
+    return ["kvserve", "router",
+            "--service", name, "--namespace", namespace, "--port-name", "http",
+            "--tokenizer", model_dir,
+            "--host", "0.0.0.0", "--port", str(spec["port"]),
+            # Fallbacks only: replicas report block size and KV capacity on /metrics.
+            "--block-size", str(spec["engine"]["blockSize"]),
+            "--default-capacity-tokens", str(max(1, resolved.plan.kv_tokens))]
+
+
+def render(resolved: Resolved, name: str, namespace: str, base_labels: dict[str, str],
+           model_source: tuple[list[dict], list[dict], str]) -> list[dict]:
+    spec = resolved.spec
+    if not enabled(spec):
+        return []
+    router = spec["router"]
+    rname = router_name(name)
+    labels = _labels(name, base_labels)
+    meta = {"name": rname, "namespace": namespace, "labels": labels}
+    volumes, mounts, model_dir = model_source
+    port = spec["port"]
+    probe: dict[str, Any] = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5,
+                             "timeoutSeconds": 3, "failureThreshold": 3}
+    container = {
+        "name": "router",
+        "image": spec["image"],
+        "imagePullPolicy": spec["imagePullPolicy"],
+        "command": router_args(resolved, name, namespace, model_dir),
+        "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
+        "env": [{"name": "HOME", "value": "/tmp"}],
+        "resources": router.get("resources") or DEFAULT_RESOURCES,
+        "volumeMounts": mounts + [{"name": "tmp", "mountPath": "/tmp"}],
+        # Ready once it knows at least one routable replica; alive as long as it accepts connections (a
+        # router with no replicas must not be restarted for it).
+        "readinessProbe": probe,
+        "livenessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 10, "timeoutSeconds": 3,
+                          "failureThreshold": 6},
+        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                            "capabilities": {"drop": ["ALL"]}},
+    }
+    pod_spec: dict[str, Any] = {
+        "serviceAccountName": rname,
+        "containers": [container],
+        "volumes": volumes + [{"name": "tmp", "emptyDir": {}}],
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "terminationGracePeriodSeconds": 30,
+    }
+    if spec.get("imagePullSecrets"):
+        pod_spec["imagePullSecrets"] = spec["imagePullSecrets"]
+    selector = selector_labels(name)
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": meta,
+         "rules": [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                    "verbs": ["get", "list", "watch"]}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": meta,
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": rname},
+         "subjects": [{"kind": "ServiceAccount", "name": rname, "namespace": namespace}]},
+        {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta,
+         "spec": {"replicas": router["replicas"], "revisionHistoryLimit": 3,
+                  "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+                  "selector": {"matchLabels": selector},
+                  "template": {"metadata": {"labels": labels,
+                                            "annotations": {"prometheus.io/scrape": "true",
+                                                            "prometheus.io/port": str(port),
+                                                            "prometheus.io/path": "/metrics"}},
+                               "spec": pod_spec}}},
+        {"apiVersion": "v1", "kind": "Service", "metadata": meta,
+         "spec": {"type": "ClusterIP", "selector": selector,
+                  "ports": [{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}]}},
+        {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": meta,
+         "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector},
+                  "unhealthyPodEvictionPolicy": "AlwaysAllow"}},
+    ]

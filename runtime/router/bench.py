@@ -1,0 +1,417 @@
+"""`kvserve bench router`: the router against random spread over the same local replicas.
+
+Starts N `kvserve serve` replicas on 127.0.0.1 (the demo model unless --model-dir) and `kvserve router` in
+front of them, then replays a multi-turn chat workload: T tenants, each with its own system prompt;
+C conversations of K turns, each turn re-sending the whole history (system prompt, earlier user messages
+and the replica's own earlier answers) plus a new user message; conversations start with Poisson arrivals
+and wait an exponential think time between turns. Runs, each on freshly started replicas:
+
+  single  every request to one replica: the prefix-cache hit rate one cache holding everything reaches
+  router  through `kvserve router`
+  random  each request to a replica chosen uniformly at random (what a ClusterIP Service does; per request,
+          not round-robin, which can give accidental affinity when conversations divide by the replicas)
+  kill    through the router, with one replica SIGKILLed halfway through the run
+  random-proxy  (optional) through the router with every weight 0: random picks behind the same proxy hop,
+          which separates the routing policy from the proxy's own CPU cost on a small machine
+
+The comparison runs are repeated --repeat times in alternating order, because on a shared machine the
+background load drifts between runs; the goals use the median over repetitions.
+
+Prints the cluster-wide prefix-cache hit rate (from the replicas' vllm:prefix_cache_{hits,queries}), mean /
+p50 / p99 TTFT (first streamed content) and throughput per run, the ratios the issue sets as goals, and for
+the kill run the failed requests split by whether any byte had reached the client. Writes JSON and a plot.
+A program, not a test: every process it starts is on 127.0.0.1 and is stopped when it ends.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import httpx
+
+from kvserve.runtime.bench_serve import _percentile
+from kvserve.runtime.router.replica_metrics import parse_metrics
+
+RUNS = ("single", "router", "random", "random-proxy", "kill")
+REPEATED = ("router", "random", "random-proxy")  # the comparison runs, repeated --repeat times
+
+
+# ---- processes ------------------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Proc:
+    """A kvserve subprocess on a free 127.0.0.1 port, healthy on entry, stopped on exit."""
+
+    def __init__(self, args: list[str], health_path: str = "/health", threads: int = 1):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+        self.cmd = [sys.executable, "-m", "kvserve.cli", *args, "--host", "127.0.0.1", "--port", str(self.port),
+                    "--log-level", "warning"]
+        self.proc = subprocess.Popen(self.cmd, env=env)
+        self.health_path = health_path
+
+    def wait_healthy(self, timeout_s: float = 300) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"exited with {self.proc.returncode}: {' '.join(self.cmd)}")
+            try:
+                if httpx.get(self.url + self.health_path, timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"not healthy after {timeout_s}s: {' '.join(self.cmd)}")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+# ---- workload ---------------------------------------------------------------------------------------------------
+def _words(model_dir: str | None) -> list[str]:
+    from kvserve.runtime.demo_model import CORPUS
+
+    words = [w.strip(".,;:!?\"'").lower() for w in CORPUS.split()]
+    return sorted({w for w in words if w.isalpha()})
+
+
+def _text(rng: random.Random, words: list[str], n_tokens: int) -> str:
+    # ~2 tokens per word with the demo tokenizer on shuffled words; the exact count comes back as usage.
+    return " ".join(rng.choice(words) for _ in range(max(1, n_tokens // 2)))
+
+
+def _workload(args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    rng = random.Random(seed)
+    words = _words(args.model_dir)
+    systems = [f"Tenant {t} rules. " + _text(rng, words, args.system_tokens) for t in range(args.tenants)]
+    conversations = []
+    t = 0.0
+    for c in range(args.conversations):
+        conversations.append({
+            "id": c, "tenant": c % args.tenants, "start_s": t,
+            "users": [_text(rng, words, args.user_tokens) for _ in range(args.turns)],
+            "think_s": [rng.expovariate(1.0 / args.think_time) for _ in range(args.turns)],
+        })
+        t += rng.expovariate(args.conversation_rate)
+    return {"systems": systems, "conversations": conversations}
+
+
+# ---- one run ------------------------------------------------------------------------------------------------------
+async def _chat(client: httpx.AsyncClient, url: str, model: str, messages: list[dict], max_tokens: int) -> dict:
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    out: dict[str, Any] = {"ok": False, "ttft_s": None, "bytes": 0, "text": "", "error": None, "replica": None,
+                           "prompt_tokens": None, "completion_tokens": 0}
+    start = time.perf_counter()
+    out["start"] = start
+    try:
+        async with client.stream("POST", url + "/v1/chat/completions", json=body) as resp:
+            out["replica"] = resp.headers.get("x-kvserve-endpoint", url)
+            if resp.status_code != 200:
+                out["error"] = f"HTTP {resp.status_code}"
+                return out
+            async for line in resp.aiter_lines():
+                out["bytes"] += len(line) + 1
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("error"):
+                    out["error"] = chunk["error"].get("message")
+                    return out
+                for choice in chunk.get("choices") or []:
+                    piece = (choice.get("delta") or {}).get("content")
+                    if piece or choice.get("finish_reason"):
+                        if out["ttft_s"] is None:
+                            out["ttft_s"] = time.perf_counter() - start
+                        out["text"] += piece or ""
+                if chunk.get("usage"):
+                    out["prompt_tokens"] = chunk["usage"]["prompt_tokens"]
+                    out["completion_tokens"] = chunk["usage"]["completion_tokens"]
+        out["ok"] = out["ttft_s"] is not None
+        out["e2el_s"] = time.perf_counter() - start
+    except (httpx.HTTPError, ValueError) as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+async def _replay(args: argparse.Namespace, workload: dict, pick_url, model: str, kill_at_s: float | None = None,
+                  on_kill=None) -> tuple[list[dict], float]:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    records: list[dict] = []
+    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(args.timeout, connect=5.0)) as client:
+        t0 = time.perf_counter()
+
+        async def conversation(conv: dict) -> None:
+            await asyncio.sleep(conv["start_s"])
+            messages = [{"role": "system", "content": workload["systems"][conv["tenant"]]}]
+            for turn, user in enumerate(conv["users"]):
+                messages = messages + [{"role": "user", "content": user}]
+                rec = await _chat(client, pick_url(conv), model, messages, args.output_tokens)
+                rec.update(conv=conv["id"], turn=turn, start_s=rec["start"] - t0)
+                records.append(rec)
+                if not rec["ok"]:
+                    return  # a real client would surface the error; the rest of this conversation is moot
+                messages = messages + [{"role": "assistant", "content": rec["text"]}]
+                await asyncio.sleep(conv["think_s"][turn])
+
+        async def killer() -> None:
+            await asyncio.sleep(kill_at_s)
+            on_kill(time.perf_counter() - t0)
+
+        tasks = [conversation(c) for c in workload["conversations"]]
+        if kill_at_s is not None:
+            tasks.append(killer())
+        await asyncio.gather(*tasks)
+        return records, time.perf_counter() - t0
+
+
+def _cache_counters(urls: list[str]) -> tuple[float, float]:
+    hits = queries = 0.0
+    for url in urls:
+        try:
+            m = parse_metrics(httpx.get(url + "/metrics", timeout=5).text)
+        except httpx.HTTPError:
+            continue
+        hits += m.prefix_cache_hits
+        queries += m.prefix_cache_queries
+    return hits, queries
+
+
+def _summary(records: list[dict], duration_s: float) -> dict[str, Any]:
+    ok = [r for r in records if r["ok"]]
+    ttfts = sorted(r["ttft_s"] * 1000 for r in ok)
+    failed = [r for r in records if not r["ok"]]
+    return {
+        "requests": len(records), "completed": len(ok), "failed": len(failed),
+        "failed_before_first_byte": sum(1 for r in failed if r["bytes"] == 0),
+        "failed_mid_stream": sum(1 for r in failed if r["bytes"] > 0),
+        "errors": sorted({r["error"] for r in failed if r["error"]})[:5],
+        "duration_s": duration_s,
+        "mean_ttft_ms": statistics.fmean(ttfts) if ttfts else 0.0,
+        "p50_ttft_ms": _percentile(ttfts, 50), "p99_ttft_ms": _percentile(ttfts, 99),
+        "output_tok_s": sum(r["completion_tokens"] for r in ok) / duration_s if duration_s else 0.0,
+        "requests_s": len(ok) / duration_s if duration_s else 0.0,
+        "mean_prompt_tokens": statistics.fmean(r["prompt_tokens"] for r in ok if r["prompt_tokens"]) if ok else 0.0,
+    }
+
+
+def _run(args: argparse.Namespace, name: str, seed: int) -> dict[str, Any]:
+    serve_args = ["serve", *([args.model_dir] if args.model_dir else []), "--kv-cache-bytes", args.kv_cache_bytes,
+                  "--max-num-seqs", "64", *args.serve_args.split()]
+    n = 1 if name == "single" else args.replicas
+    replicas = [_Proc(serve_args) for _ in range(n)]
+    router = None
+    try:
+        for r in replicas:
+            r.wait_healthy()
+        urls = [r.url for r in replicas]
+        model = httpx.get(urls[0] + "/v1/models", timeout=10).json()["data"][0]["id"]
+        root = httpx.get(urls[0] + "/v1/models", timeout=10).json()["data"][0].get("root")
+        if name in ("router", "kill", "random-proxy"):
+            weights = (["--weight-prefill", "0", "--weight-prefix", "0", "--weight-queue", "0", "--weight-kv", "0",
+                        "--weight-session", "0"] if name == "random-proxy" else [])
+            router = _Proc(["router", *sum((["--backend", u] for u in urls), []), "--tokenizer", root,
+                            *weights, *args.router_args.split()], threads=1)
+            router.wait_healthy(60)
+        rng = random.Random(seed)
+        target = router.url if router else None
+
+        def pick(conv: dict) -> str:
+            return target or rng.choice(urls)
+
+        for url in urls:  # one warm-up request per replica (first-call costs), unrelated to the workload
+            httpx.post(url + "/v1/chat/completions", timeout=120, json={
+                "model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "warm up"}]})
+        hits0, queries0 = _cache_counters(urls)
+        workload = _workload(args, seed)
+        expected_s = workload["conversations"][-1]["start_s"] + args.turns * (args.think_time + 1.0)
+        killed: dict[str, Any] = {}
+
+        def on_kill(at_s: float) -> None:
+            victim = replicas[-1]
+            victim.kill()
+            killed.update(replica=victim.url, at_s=at_s)
+            print(f"   killed replica {victim.url} at t={at_s:.1f}s", flush=True)
+
+        print(f"== {name}: {n} replica(s){' behind the router' if router else ''}, "
+              f"{len(workload['conversations'])} conversations x {args.turns} turns", flush=True)
+        records, duration = asyncio.run(_replay(args, workload, pick, model,
+                                                kill_at_s=expected_s / 2 if name == "kill" else None,
+                                                on_kill=on_kill))
+        live = [u for u in urls if u != killed.get("replica")]
+        hits1, queries1 = _cache_counters(live)
+        result = _summary(records, duration)
+        if name != "kill":  # a killed replica takes its counters with it
+            result["prefix_cache_hit_rate"] = (hits1 - hits0) / (queries1 - queries0) if queries1 > queries0 else 0.0
+        else:
+            result["killed"] = killed
+            after = [r for r in records if r["start_s"] >= killed.get("at_s", 0)]
+            result["requests_after_kill"] = len(after)
+        if router is not None:
+            result["router_metrics"] = _router_summary(httpx.get(router.url + "/metrics", timeout=5).text)
+        result["records"] = [{k: r.get(k) for k in ("conv", "turn", "start_s", "ttft_s", "ok", "bytes", "replica",
+                                                    "prompt_tokens", "error")} for r in records]
+        return result
+    finally:
+        for proc in ([router] if router else []) + replicas:
+            proc.stop()
+
+
+def _router_summary(text: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name in ("kvserve_router:requests_total", "kvserve_router:retries_total",
+                          "kvserve_router:ejections_total"):
+                key = s.name.split(":")[1].removesuffix("_total")
+                label = s.labels.get("reason") or s.labels.get("cause") or ""
+                out[f"{key}[{label}]"] = out.get(f"{key}[{label}]", 0.0) + s.value
+    return out
+
+
+# ---- report -------------------------------------------------------------------------------------------------------
+def _group(runs: dict[str, dict], name: str) -> list[dict]:
+    return [run for key, run in runs.items() if key.split("#")[0] == name]
+
+
+def _goals(runs: dict[str, dict]) -> dict[str, Any]:
+    goals: dict[str, Any] = {}
+    router, random_, single = _group(runs, "router"), _group(runs, "random"), _group(runs, "single")
+    if router and single and single[0].get("prefix_cache_hit_rate"):
+        rate = statistics.median(r["prefix_cache_hit_rate"] for r in router)
+        goals["hit_rate_router_over_single"] = rate / single[0]["prefix_cache_hit_rate"]
+        goals["hit_rate_goal_met (>= 0.90)"] = goals["hit_rate_router_over_single"] >= 0.90
+    if router and random_:
+        # Paired by repetition (run back to back), then the median: drifting background load cancels out.
+        reductions = [1 - a["mean_ttft_ms"] / b["mean_ttft_ms"] for a, b in zip(router, random_) if b["mean_ttft_ms"]]
+        goals["mean_ttft_reduction_vs_random_per_repetition"] = [round(x, 3) for x in reductions]
+        goals["mean_ttft_reduction_vs_random (median)"] = statistics.median(reductions)
+        goals["ttft_goal_met (>= 0.40)"] = goals["mean_ttft_reduction_vs_random (median)"] >= 0.40
+    for name in ("random-proxy",):
+        other = _group(runs, name)
+        if router and other:
+            reductions = [1 - a["mean_ttft_ms"] / b["mean_ttft_ms"] for a, b in zip(router, other) if b["mean_ttft_ms"]]
+            goals[f"mean_ttft_reduction_vs_{name} (median)"] = statistics.median(reductions)
+    if "kill" in runs:
+        goals["kill_failed_before_first_byte"] = runs["kill"]["failed_before_first_byte"]
+        goals["kill_goal_met (== 0)"] = runs["kill"]["failed_before_first_byte"] == 0
+    return goals
+
+
+def _print(runs: dict[str, dict], goals: dict[str, Any]) -> None:
+    keys = ["requests", "completed", "failed", "failed_before_first_byte", "failed_mid_stream",
+            "prefix_cache_hit_rate", "mean_ttft_ms", "p50_ttft_ms", "p99_ttft_ms", "output_tok_s", "requests_s",
+            "mean_prompt_tokens", "duration_s"]
+    print(f"{'':28}" + "".join(f"{name:>15}" for name in runs))
+    for key in keys:
+        cells = []
+        for run in runs.values():
+            v = run.get(key)
+            cells.append(f"{v:>15.3f}" if isinstance(v, float) else f"{'-' if v is None else v:>15}")
+        print(f"{key:28}" + "".join(cells))
+    for name, run in runs.items():
+        if run.get("router_metrics"):
+            print(f"router metrics ({name}): " + ", ".join(f"{k}={v:g}" for k, v in sorted(run["router_metrics"].items())))
+        if run.get("errors"):
+            print(f"errors ({name}): {run['errors']}")
+    for key, value in goals.items():
+        print(f"{key:48} {value:.3f}" if isinstance(value, float) else f"{key:48} {value}")
+
+
+def _plot(runs: dict[str, dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.6))
+    colors = {"single": "grey", "router": "tab:blue", "random": "tab:orange", "random-proxy": "tab:green"}
+    names = [n for n in colors if _group(runs, n)]
+    for name in names:  # pooled over repetitions
+        ttfts = sorted(r["ttft_s"] * 1000 for run in _group(runs, name) for r in run["records"] if r["ok"])
+        axes[0].plot(ttfts, [i / max(1, len(ttfts) - 1) for i in range(len(ttfts))], label=name,
+                     color=colors[name])
+    axes[0].set(title="TTFT CDF (all repetitions)", xlabel="ms", ylabel="fraction of requests", xscale="log")
+    for i, name in enumerate(names):
+        rates = [run.get("prefix_cache_hit_rate", 0) for run in _group(runs, name)]
+        axes[1].scatter([i] * len(rates), rates, color=colors[name], zorder=3)
+        axes[1].bar(i, statistics.median(rates), color=colors[name], alpha=0.5)
+    axes[1].set_xticks(range(len(names)), names)
+    axes[1].set(title="cluster prefix-cache hit rate (bar: median, dots: runs)", ylim=(0, 1))
+    if "kill" in runs:
+        kill = runs["kill"]
+        for ok, color, label in ((True, "tab:blue", "completed"), (False, "tab:red", "failed mid-stream")):
+            pts = [(r["start_s"], (r["ttft_s"] or 0) * 1000) for r in kill["records"] if r["ok"] is ok]
+            if pts:
+                axes[2].scatter(*zip(*pts), s=10, color=color, label=label)
+        if kill.get("killed"):
+            axes[2].axvline(kill["killed"]["at_s"], color="black", linestyle="--", label="replica killed")
+        axes[2].set(title="router with a replica killed: TTFT per request", xlabel="request start (s)",
+                    ylabel="TTFT (ms)")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(args: argparse.Namespace) -> int:
+    runs_wanted = [r.strip() for r in args.runs.split(",") if r.strip()]
+    bad = [r for r in runs_wanted if r not in RUNS]
+    if bad:
+        print(f"kvserve bench router: --runs: unknown {bad}; choose from {', '.join(RUNS)}", file=sys.stderr)
+        return 2
+    def stop(signum: int, frame: Any) -> None:  # SIGTERM stops the replicas too (the finally blocks run)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    runs: dict[str, dict] = {}
+    # Same workload shape and seed for every run; fresh replicas so no run inherits another's cache.
+    if "single" in runs_wanted:
+        runs["single"] = _run(args, "single", args.seed)
+    compared = [r for r in runs_wanted if r in REPEATED]
+    for rep in range(1, args.repeat + 1):
+        for name in (compared if rep % 2 else compared[::-1]):
+            runs[f"{name}#{rep}"] = _run(args, name, args.seed)
+    if "kill" in runs_wanted:
+        runs["kill"] = _run(args, "kill", args.seed)
+    goals = _goals(runs)
+    _print(runs, goals)
+    if args.result_json:
+        config = {k: v for k, v in vars(args).items() if not k.startswith("_")}
+        with open(args.result_json, "w") as f:
+            json.dump({"config": config, "goals": goals, "runs": runs}, f, indent=1)
+        print(f"wrote {args.result_json}")
+    if args.plot:
+        _plot(runs, args.plot)
+        print(f"wrote {args.plot}")
+    return 0

@@ -1,0 +1,415 @@
+"""The async reverse proxy: OpenAI-compatible routes in, the best replica out, bytes streamed through.
+
+Per request: parse -> tokenise off the event loop -> rank (scoring.rank) -> record the choice in the prefix
+index -> dispatch -> wait for the first upstream body chunk while watching for the client leaving -> stream
+the rest through unbuffered. Before the first chunk nothing has reached the client, so a replica that refuses
+the connection, resets it or answers 503 is ejected and the request goes to the next-ranked replica (once by
+default). After that, bytes flow through untouched; a broken upstream ends an SSE stream with an error event.
+A client that disconnects closes the upstream connection, which makes the replica abort the request.
+Background tasks scrape each replica's /metrics and re-probe ejected replicas' /health.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvserve.runtime.metrics import CONTENT_TYPE
+from kvserve.runtime.router.metrics import RouterMetrics
+from kvserve.runtime.router.replica_metrics import parse_metrics
+from kvserve.runtime.router.replicas import ReplicaSet
+from kvserve.runtime.router.scoring import Decision, HashCache, RequestFeatures, Weights, rank
+from kvserve.runtime.server.errors import error_response
+
+logger = logging.getLogger("kvserve.router")
+
+# Hop-by-hop and encoding headers are the proxy's own business (RFC 9110 7.6.1; production-stack #827:
+# forwarding content-encoding after the client library decompressed the body corrupted responses).
+HOP_HEADERS = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+               "transfer-encoding", "upgrade", "content-length", "content-encoding", "host", "accept-encoding"}
+ENDPOINT_HEADER = "x-kvserve-endpoint"
+
+
+@dataclass
+class RouterConfig:
+    weights: Weights = field(default_factory=Weights)
+    default_capacity_tokens: int = 500_000
+    default_block_size: int = 16
+    poll_interval_s: float = 0.5  # 0: no background scraping or re-probing (tests drive poll_once)
+    stale_after_s: float = 2.0
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 600.0  # longest silence from a replica (a non-streamed completion is one silence)
+    max_attempts: int = 2  # the first try plus one retry, only before any byte reached the client
+    eject_base_s: float = 1.0
+    eject_max_s: float = 30.0
+    session_header: str | None = None  # e.g. x-session-id: sticky routing for requests carrying it
+    max_request_body_bytes: int = 32 * 1024 * 1024
+    seed: int | None = None
+
+
+class _Retryable(Exception):
+    def __init__(self, cause: str, response: httpx.Response | None = None):
+        super().__init__(cause)
+        self.cause, self.response = cause, response
+
+
+class _ClientGone(Exception):
+    pass
+
+
+class Router:
+    """State and behaviour of one router process; `build_app` puts HTTP routes in front of it."""
+
+    def __init__(self, config: RouterConfig, tokenizer: Any = None,
+                 discovery: Callable[["Router"], Awaitable[None]] | None = None):
+        self.config = config
+        self.tokenizer = tokenizer  # PromptTokenizer or None (then routing is on load only)
+        self.discovery = discovery
+        self.replicas = ReplicaSet(default_capacity_tokens=config.default_capacity_tokens,
+                                   default_block_size=config.default_block_size,
+                                   stale_after_s=config.stale_after_s, eject_base_s=config.eject_base_s,
+                                   eject_max_s=config.eject_max_s)
+        self.metrics = RouterMetrics()
+        self.rng = random.Random(config.seed)
+        self.client: httpx.AsyncClient | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: list[asyncio.Task] = []
+        # One thread: HF tokenizers are not safe to share across threads; it keeps /health and streaming
+        # responsive while a long prompt is tokenised (production-stack #1016 starved its probes this way).
+        self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-router-tokenize")
+
+    # ---- lifecycle -------------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        # No pool cap (aiohttp's default of 100 silently capped production-stack, their #765) and no total
+        # timeout: a stream lasts as long as it produces bytes.
+        self.client = httpx.AsyncClient(
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+            timeout=httpx.Timeout(connect=self.config.connect_timeout_s, read=self.config.read_timeout_s,
+                                  write=60.0, pool=None))
+        if self.discovery is not None:
+            self._tasks.append(asyncio.create_task(self.discovery(self)))
+        if self.config.poll_interval_s > 0:
+            self._tasks.append(asyncio.create_task(self._poll_forever()))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        if self.client is not None:
+            await self.client.aclose()
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+
+    def set_endpoints(self, ready: set[str], draining: set[str] = frozenset()) -> None:
+        _, removed = self.replicas.set_endpoints(ready, draining)
+        for url in removed:  # drop the per-replica series of replicas that are gone
+            for gauge in (self.metrics.in_flight, self.metrics.index_blocks):
+                try:
+                    gauge.remove(url)
+                except KeyError:
+                    pass
+        self._update_replica_gauges()
+
+    def _update_replica_gauges(self) -> None:
+        states = {"routable": 0, "ejected": 0, "draining": 0}
+        for r in self.replicas.replicas.values():
+            states["draining" if r.draining else "ejected" if r.ejected_until is not None else "routable"] += 1
+            self.metrics.index_blocks.labels(r.url).set(self.replicas.index.size(r.url))
+        for state, n in states.items():
+            self.metrics.replicas.labels(state).set(n)
+
+    # ---- background: scrape /metrics, re-probe ejected replicas ----------------------------------------------
+    async def _poll_forever(self) -> None:
+        while True:
+            try:
+                await self.poll_once()
+            except Exception:  # never let one bad scrape end the loop
+                logger.exception("replica poll failed")
+            await asyncio.sleep(self.config.poll_interval_s)
+
+    async def poll_once(self) -> None:
+        now = time.monotonic()
+        scrape = [r.url for r in self.replicas.replicas.values() if r.ejected_until is None]
+        probe = self.replicas.due_for_probe(now)
+        await asyncio.gather(*(self._scrape(url) for url in scrape), *(self._probe(url) for url in probe))
+        self._update_replica_gauges()
+
+    async def _scrape(self, url: str) -> None:
+        try:
+            resp = await self.client.get(url + "/metrics", timeout=httpx.Timeout(2.0, connect=1.0))
+            resp.raise_for_status()
+            self.replicas.observe_metrics(url, parse_metrics(resp.text), time.monotonic())
+        except httpx.ConnectError as exc:
+            self._eject(url, "metrics_connect_error", exc)
+        except (httpx.HTTPError, ValueError) as exc:
+            # A slow or odd answer is not a dead replica: its metrics just go stale (and count as saturated).
+            logger.debug("scrape of %s failed: %s", url, exc)
+
+    async def _probe(self, url: str) -> None:
+        try:
+            resp = await self.client.get(url + "/health", timeout=httpx.Timeout(2.0, connect=1.0))
+            healthy = resp.status_code == 200
+        except httpx.HTTPError:
+            healthy = False
+        if healthy:
+            self.replicas.readmit(url)
+            await self._scrape(url)  # without fresh metrics it would score as saturated until the next round
+        else:
+            self.replicas.probe_failed(url, time.monotonic())
+
+    def _eject(self, url: str, cause: str, detail: Any = None) -> None:
+        if self.replicas.eject(url, time.monotonic(), f"{cause}: {detail}") is not None:
+            self.metrics.ejections.labels(url, cause).inc()
+            self._update_replica_gauges()
+
+    # ---- routing ---------------------------------------------------------------------------------------------
+    async def decide(self, path: str, payload: Any, session_key: str | None) -> tuple[Decision, HashCache | None]:
+        started = time.perf_counter()
+        token_ids = None
+        if self.tokenizer is not None:
+            token_ids = await asyncio.get_running_loop().run_in_executor(
+                self._tokenize_pool, self.tokenizer.token_ids, path, payload)
+        hashes = HashCache(token_ids) if token_ids else None
+        now = time.monotonic()
+        views = [self.replicas.view(r, now) for r in self.replicas.routable(now)]
+        features = RequestFeatures(hashes_for=hashes, num_prompt_tokens=len(token_ids) if token_ids else 0,
+                                   session_url=self.replicas.sessions.get(session_key))
+        decision = rank(features, views, self.replicas.index, self.config.weights, self.rng)
+        self.metrics.decision_seconds.observe(time.perf_counter() - started)
+        if decision.ranked:
+            best = decision.ranked[0]
+            self.metrics.prefix_match_ratio.observe(best.matched_blocks / best.total_blocks if best.total_blocks
+                                                    else 0.0)
+            if logger.isEnabledFor(logging.DEBUG):
+                logger.debug("route %s -> %s (%s): %s", path, best.url, decision.reason, decision.describe())
+        return decision, hashes
+
+    async def forward(self, request: Request, path: str) -> Response:
+        body = await request.body()
+        if len(body) > self.config.max_request_body_bytes:
+            return error_response(413, f"request body exceeds {self.config.max_request_body_bytes} bytes",
+                                  type="invalid_request_error")
+        try:
+            payload = json.loads(body)
+        except ValueError as exc:
+            return error_response(400, f"request body is not valid JSON: {exc}", type="invalid_request_error")
+        session_key = request.headers.get(self.config.session_header) if self.config.session_header else None
+        decision, hashes = await self.decide(path, payload, session_key)
+        if not decision.ranked:
+            self.metrics.failed.labels("no_replicas").inc()
+            return error_response(503, "no replicas available", type="server_error")
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+        headers["accept-encoding"] = "identity"
+        last_error = "no attempt made"
+        for attempt, score in enumerate(decision.ranked[:self.config.max_attempts]):
+            replica = self.replicas.replicas.get(score.url)
+            if replica is None:  # removed by discovery while we were deciding
+                continue
+            url = score.url
+            if hashes is not None:  # recorded at dispatch, so simultaneous identical prompts stick together
+                self.replicas.index.record(url, hashes(self.replicas.block_size(replica)),
+                                           self.replicas.capacity_blocks(replica))
+            self.metrics.requests.labels(url, decision.reason if attempt == 0 else "retry").inc()
+            lease = _Lease(self, url, score.uncached_tokens)
+            upstream = self.client.build_request("POST", url + path, content=body, headers=headers)
+            last = attempt + 1 >= min(self.config.max_attempts, len(decision.ranked))
+            try:
+                resp, first_chunk, chunks = await _race_disconnect(request, self._open(upstream, url, last))
+            except _ClientGone:
+                await lease.release()
+                self.metrics.client_disconnects.inc()
+                return Response(status_code=499)
+            except _Retryable as exc:
+                await lease.release()
+                self._eject(url, exc.cause, exc)
+                self.metrics.retries.labels(url, exc.cause).inc()
+                last_error = f"{url}: {exc.cause}"
+                continue
+            except httpx.TimeoutException as exc:  # the replica may be working on it: never run it twice
+                await lease.release()
+                self.metrics.failed.labels("upstream_timeout").inc()
+                return error_response(504, f"replica {url} timed out: {type(exc).__name__}", type="server_error")
+            self.replicas.served(url)
+            self.replicas.sessions.put(session_key, url)
+            self.metrics.responses.labels(url, str(resp.status_code)).inc()
+            out_headers = {k: v for k, v in resp.headers.items() if k.lower() not in HOP_HEADERS}
+            out_headers[ENDPOINT_HEADER] = url
+            is_sse = resp.headers.get("content-type", "").startswith("text/event-stream")
+            return _LeasedStreamingResponse(_relay(self, url, resp, first_chunk, chunks, is_sse), lease,
+                                            status_code=resp.status_code, headers=out_headers)
+        self.metrics.failed.labels("all_attempts_failed").inc()
+        return error_response(502, f"no replica could take the request ({last_error})", type="server_error")
+
+    async def _open(self, upstream: httpx.Request, url: str, last: bool
+                    ) -> tuple[httpx.Response, bytes, AsyncIterator[bytes]]:
+        """Send and wait for the first body chunk. Raises _Retryable for failures that are safe to retry
+        (nothing reached the client and the replica did not take the request, or died before answering)."""
+        dispatched = time.perf_counter()
+        try:
+            resp = await self.client.send(upstream, stream=True)
+        except httpx.ConnectError as exc:
+            raise _Retryable("connect_error", None) from exc
+        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
+            raise _Retryable("reset_before_response", None) from exc
+        try:
+            if resp.status_code == 503 and not last:
+                raise _Retryable("http_503", resp)
+            chunks = resp.aiter_raw()
+            try:
+                first = await chunks.__anext__()
+            except StopAsyncIteration:
+                first = b""
+            except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
+                raise _Retryable("reset_before_first_byte", resp) from exc
+            self.metrics.upstream_ttft.labels(url).observe(time.perf_counter() - dispatched)
+            return resp, first, chunks
+        except BaseException:  # retry, cancellation (client gone), timeout: this response is finished
+            await resp.aclose()
+            raise
+
+
+class _Lease:
+    """One in-flight slot on a replica plus the request's uncached prompt tokens (the work it brought there).
+    Both are held until the request ends -- the first byte does not mark the end of prefill: a chat stream
+    starts with a role-only chunk before any prefill -- and released exactly once however it ends (GIE #2064
+    leaked capacity when completion hooks were skipped on errors and disconnects)."""
+
+    def __init__(self, router: Router, url: str, prefill_tokens: int = 0):
+        self.router, self.url, self.released = router, url, False
+        self.prefill_tokens = prefill_tokens
+        replica = router.replicas.replicas.get(url)
+        if replica is not None:
+            replica.in_flight += 1
+            replica.in_flight_prefill_tokens += prefill_tokens
+            router.metrics.in_flight.labels(url).set(replica.in_flight)
+
+    async def release(self) -> None:
+        if self.released:
+            return
+        self.released = True
+        replica = self.router.replicas.replicas.get(self.url)
+        if replica is not None:
+            replica.in_flight -= 1
+            replica.in_flight_prefill_tokens -= self.prefill_tokens
+            self.router.metrics.in_flight.labels(self.url).set(replica.in_flight)
+
+
+class _LeasedStreamingResponse(StreamingResponse):
+    """A StreamingResponse that frees its lease even when the body iterator never starts (the client left
+    between the headers and the first body write)."""
+
+    def __init__(self, content: AsyncIterator[bytes], lease: _Lease, **kwargs: Any):
+        super().__init__(content, **kwargs)
+        self.lease, self._content = lease, content
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._content.aclose()  # runs _relay's finally (closes upstream) if it was started
+            await self.lease.release()
+
+
+async def _relay(router: Router, url: str, resp: httpx.Response, first: bytes, chunks: AsyncIterator[bytes],
+                 is_sse: bool) -> AsyncIterator[bytes]:
+    """Upstream bytes to the client as they arrive (no buffering, no parsing: `[DONE]` may be split across
+    reads). A client disconnect cancels this generator; the finally closes the upstream connection."""
+    try:
+        if first:
+            yield first
+        async for chunk in chunks:
+            yield chunk
+    except httpx.HTTPError as exc:
+        router._eject(url, "stream_broken", exc)
+        logger.warning("upstream %s broke mid-response: %s", url, exc)
+        if is_sse:  # end the stream the way kvserve's server reports a failed request
+            error = {"error": {"message": f"replica {url} failed mid-stream: {type(exc).__name__}",
+                               "type": "server_error", "param": None, "code": "upstream_error"}}
+            yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+        else:
+            raise
+    finally:
+        await resp.aclose()
+
+
+async def _race_disconnect(request: Request, work: Awaitable[Any]) -> Any:
+    """Await `work` unless the client disconnects first (then cancel it and raise _ClientGone). The request
+    body has been read, so the next ASGI message can only be the disconnect."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        watcher.cancel()
+        raise
+    if task in done:
+        watcher.cancel()
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    raise _ClientGone()
+
+
+def build_app(router: Router) -> FastAPI:
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await router.start()
+        try:
+            yield
+        finally:
+            await router.stop()
+
+    app = FastAPI(title="kvserve router", lifespan=lifespan)
+    app.state.router = router
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await router.forward(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await router.forward(request, "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        now = time.monotonic()
+        headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization",)}
+        for replica in sorted(router.replicas.routable(now), key=lambda r: r.in_flight)[:2]:
+            try:
+                resp = await router.client.get(replica.url + "/v1/models", headers=headers, timeout=10.0)
+            except httpx.HTTPError as exc:
+                router._eject(replica.url, "connect_error", exc)
+                continue
+            return Response(resp.content, status_code=resp.status_code,
+                            media_type=resp.headers.get("content-type", "application/json"),
+                            headers={ENDPOINT_HEADER: replica.url})
+        return error_response(503, "no replicas available", type="server_error")
+
+    @app.get("/health")
+    async def health() -> Response:
+        replicas = router.replicas.replicas.values()
+        routable = sum(1 for r in replicas if r.ejected_until is None and not r.draining)
+        body = {"status": "ok" if routable else "no_replicas", "replicas": len(router.replicas.replicas),
+                "routable": routable}
+        return JSONResponse(body, status_code=200 if routable else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(router.metrics.render(), media_type=CONTENT_TYPE)
+
+    return app

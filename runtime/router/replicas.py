@@ -1,0 +1,132 @@
+"""The router's view of its replicas: discovered set, in-flight counts, last /metrics, ejection state.
+
+No I/O here: the proxy feeds in scrape results, failures and discovery updates (with the time), and asks for
+the routable set. Keeping the clock a parameter lets tests drive ejection and back-off deterministically.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from kvserve.runtime.router.prefix_index import PrefixIndex
+from kvserve.runtime.router.replica_metrics import ReplicaMetrics
+from kvserve.runtime.router.scoring import ReplicaView, SessionTable
+
+logger = logging.getLogger("kvserve.router")
+
+
+@dataclass
+class Replica:
+    url: str
+    in_flight: int = 0
+    in_flight_prefill_tokens: int = 0  # uncached prompt tokens of the router's in-flight requests here
+    metrics: ReplicaMetrics | None = None
+    metrics_at: float | None = None  # monotonic time of the last good scrape
+    ejected_until: float | None = None  # not routable before this time (then re-probed)
+    ejections_in_a_row: int = 0
+    draining: bool = False  # EndpointSlice says serving but terminating: finish, take nothing new
+
+
+class ReplicaSet:
+    def __init__(self, *, default_capacity_tokens: int = 500_000, default_block_size: int = 16,
+                 stale_after_s: float = 2.0, eject_base_s: float = 1.0, eject_max_s: float = 30.0):
+        self.default_capacity_tokens = default_capacity_tokens
+        self.default_block_size = default_block_size
+        self.stale_after_s = stale_after_s
+        self.eject_base_s, self.eject_max_s = eject_base_s, eject_max_s
+        self.replicas: dict[str, Replica] = {}
+        self.index = PrefixIndex()
+        self.sessions = SessionTable()
+
+    # ---- discovery ----------------------------------------------------------------------------------------
+    def set_endpoints(self, ready: set[str], draining: set[str] = frozenset()) -> tuple[set[str], set[str]]:
+        """Replace the discovered set; returns (added, removed). A removed replica loses its index entries,
+        sessions and counters at once (a "ghost" endpoint would hang requests, production-stack #1008)."""
+        wanted = set(ready) | set(draining)
+        added = wanted - set(self.replicas)
+        removed = set(self.replicas) - wanted
+        for url in added:
+            self.replicas[url] = Replica(url)
+        for url in removed:
+            del self.replicas[url]
+            self.index.drop(url)
+            self.sessions.forget_replica(url)
+        for url, replica in self.replicas.items():
+            replica.draining = url in draining and url not in ready
+        if added or removed:
+            logger.info("replicas: %s (added %s, removed %s)", sorted(self.replicas), sorted(added), sorted(removed))
+        return added, removed
+
+    # ---- observations ---------------------------------------------------------------------------------------
+    def observe_metrics(self, url: str, metrics: ReplicaMetrics, now: float) -> None:
+        replica = self.replicas.get(url)
+        if replica is None:
+            return
+        replica.metrics, replica.metrics_at = metrics, now
+        self.index.ensure(url, self.capacity_blocks(replica))
+
+    def eject(self, url: str, now: float, cause: str) -> float | None:
+        """Take a failing replica out of rotation with exponential back-off; returns the back-off in seconds
+        (None for an unknown or already ejected replica). Its index entries go: a replica that restarts comes
+        back with an empty cache."""
+        replica = self.replicas.get(url)
+        if replica is None or replica.ejected_until is not None:
+            return None
+        backoff = min(self.eject_max_s, self.eject_base_s * 2 ** replica.ejections_in_a_row)
+        replica.ejected_until = now + backoff
+        replica.ejections_in_a_row += 1
+        replica.metrics = replica.metrics_at = None
+        self.index.drop(url)
+        self.sessions.forget_replica(url)
+        logger.warning("ejected %s for %.1fs: %s", url, backoff, cause)
+        return backoff
+
+    def due_for_probe(self, now: float) -> list[str]:
+        return [r.url for r in self.replicas.values() if r.ejected_until is not None and now >= r.ejected_until]
+
+    def probe_failed(self, url: str, now: float) -> None:
+        replica = self.replicas.get(url)
+        if replica is not None and replica.ejected_until is not None:
+            backoff = min(self.eject_max_s, self.eject_base_s * 2 ** replica.ejections_in_a_row)
+            replica.ejected_until = now + backoff
+            replica.ejections_in_a_row += 1
+
+    def readmit(self, url: str) -> bool:
+        replica = self.replicas.get(url)
+        if replica is None or replica.ejected_until is None:
+            return False
+        replica.ejected_until = None
+        logger.info("re-admitted %s", url)
+        return True
+
+    def served(self, url: str) -> None:
+        """A response came back: the replica is healthy again, reset its back-off."""
+        replica = self.replicas.get(url)
+        if replica is not None and replica.ejected_until is None:
+            replica.ejections_in_a_row = 0
+
+    # ---- queries --------------------------------------------------------------------------------------------
+    def block_size(self, replica: Replica) -> int:
+        return (replica.metrics.block_size if replica.metrics and replica.metrics.block_size
+                else self.default_block_size)
+
+    def capacity_blocks(self, replica: Replica) -> int:
+        tokens = (replica.metrics.capacity_tokens if replica.metrics and replica.metrics.capacity_tokens
+                  else self.default_capacity_tokens)
+        return max(1, tokens // self.block_size(replica))
+
+    def routable(self, now: float) -> list[Replica]:
+        """Healthy, non-draining replicas; if every one is ejected, all non-draining ones (fail open: a
+        wrong ejection must not turn into a full outage)."""
+        live = [r for r in self.replicas.values() if not r.draining]
+        healthy = [r for r in live if r.ejected_until is None]
+        return healthy or live
+
+    def view(self, replica: Replica, now: float) -> ReplicaView:
+        fresh = (replica.metrics is not None and replica.metrics_at is not None
+                 and now - replica.metrics_at <= self.stale_after_s)
+        m = replica.metrics if fresh else None
+        return ReplicaView(url=replica.url, in_flight=replica.in_flight,
+                           waiting=m.waiting if m else None, running=m.running if m else None,
+                           kv_usage=m.kv_usage if m else None, block_size=self.block_size(replica),
+                           in_flight_prefill_tokens=replica.in_flight_prefill_tokens)

@@ -11,6 +11,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="namespace to watch (repeatable; default: all namespaces)")
     parser.add_argument("--liveness", default="http://0.0.0.0:8080/healthz",
                         help="kopf liveness endpoint URL ('' to disable)")
+    parser.add_argument("--metrics-port", type=int, default=8081,
+                        help="serve the operator's Prometheus /metrics on this port (0 to disable)")
     parser.add_argument("--verbose", action="store_true")
 
 
@@ -24,6 +26,10 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    if args.metrics_port:
+        from kvserve.operator import metrics
+
+        metrics.serve(args.metrics_port)
     # One replica with a Recreate strategy (the chart's default): no peering objects to manage.
     asyncio.run(kopf.operator(
         standalone=True,

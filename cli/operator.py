@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 HELP = "Run the InferenceService operator (kopf) against the current cluster"
 
@@ -13,6 +14,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="kopf liveness endpoint URL ('' to disable)")
     parser.add_argument("--metrics-port", type=int, default=8081,
                         help="serve the operator's Prometheus /metrics on this port (0 to disable)")
+    parser.add_argument("--metrics-host", default="0.0.0.0", help="bind address of /metrics")
     parser.add_argument("--verbose", action="store_true")
 
 
@@ -29,7 +31,12 @@ def run(args: argparse.Namespace) -> int:
     if args.metrics_port:
         from kvserve.operator import metrics
 
-        metrics.serve(args.metrics_port)
+        try:
+            metrics.serve(args.metrics_port, addr=args.metrics_host)
+        except OSError as exc:
+            print(f"kvserve operator: cannot serve /metrics on {args.metrics_host}:{args.metrics_port}: {exc}",
+                  file=sys.stderr)
+            return 2
     # One replica with a Recreate strategy (the chart's default): no peering objects to manage.
     asyncio.run(kopf.operator(
         standalone=True,

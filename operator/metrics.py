@@ -71,6 +71,10 @@ class _InferenceServiceCollector(Collector):
         with self._lock:
             self._objects.pop((namespace, name), None)
 
+    def __contains__(self, key: tuple[str, str]) -> bool:
+        with self._lock:
+            return key in self._objects
+
     def clear(self) -> None:
         with self._lock:
             self._objects.clear()

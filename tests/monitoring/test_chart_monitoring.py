@@ -17,7 +17,7 @@ from kvserve.operator import render, spec as spec_mod
 from tests.monitoring.promql import (DASHBOARD, MONITORING_ON, ROOT, binary, dashboard, dashboard_targets,
                                      metric_names, prometheus_rule_groups, render_chart, rule_exprs, substitute,
                                      variable_selectors)
-from tests.operator.test_helm_chart import K8S_VERSION
+from tests.operator.test_helm_chart import CHART, K8S_VERSION, _find_helm, _run
 
 HERE = pathlib.Path(__file__).resolve().parent
 pytestmark = pytest.mark.timeout(300)
@@ -37,6 +37,13 @@ def test_monitoring_is_off_by_default():
     kinds = {d["kind"] for d in render_chart()}
     assert not kinds & {"PodMonitor", "ServiceMonitor", "PrometheusRule"}
     assert not [d for d in render_chart() if d["kind"] == "ConfigMap" and "dashboard" in d["metadata"]["name"]]
+
+
+def test_helm_lint_strict_with_monitoring_on():
+    args = ["lint", "--strict", str(CHART)]
+    for s in MONITORING_ON:
+        args += ["--set", s]
+    assert "0 chart(s) failed" in _run(_find_helm(), *args)
 
 
 def test_rendered_objects_are_valid(docs):

@@ -34,6 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="answer 429 + Retry-After when this many requests already wait (default: unbounded)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds to finish in-flight requests after SIGTERM before aborting them")
+    parser.add_argument("--otlp-traces-endpoint", default=None,
+                        help="export one OpenTelemetry trace per request (llm_request with queued/prefill/decode "
+                             "spans, vLLM's attribute names) to this OTLP endpoint, e.g. http://collector:4317 "
+                             "(default: tracing off; needs the `tracing` extra)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -59,6 +63,13 @@ def run(args: argparse.Namespace) -> int:
             return 2
         served = args.served_model_name or [model_dir]
     random_weights = is_demo_model_dir(model_dir)
+    if args.otlp_traces_endpoint:
+        import importlib.util
+
+        if importlib.util.find_spec("opentelemetry.sdk") is None:
+            print("kvserve serve: --otlp-traces-endpoint needs the OpenTelemetry packages: "
+                  "pip install 'kvserve[tracing]'", file=sys.stderr)
+            return 2
     if args.drain_timeout < 0:
         print("kvserve serve: --drain-timeout must be >= 0", file=sys.stderr)
         return 2
@@ -75,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
         served_model_names=served, model_dir=model_dir,
         api_key=args.api_key or os.environ.get("KVSERVE_API_KEY") or None,
         max_queue_len=args.max_queue_len, tool_call_parser=args.tool_call_parser, drain_timeout_s=args.drain_timeout, random_weights=random_weights,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
     )
     log.info("serving %s as %s on http://%s:%d (loading the model; /health is 503 until ready)",
              model_dir, ", ".join(served), args.host, args.port)

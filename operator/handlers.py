@@ -21,7 +21,7 @@ from typing import Any
 
 import kopf
 
-from kvserve.operator import kube, render, render_router, spec as spec_mod, status as status_mod
+from kvserve.operator import kube, metrics, render, render_router, spec as spec_mod, status as status_mod
 
 log = logging.getLogger("kvserve.operator")
 G, V, P = spec_mod.GROUP, spec_mod.VERSION, spec_mod.PLURAL
@@ -48,6 +48,7 @@ def reconcile(namespace: str, name: str) -> dict[str, str]:
     with _lock(namespace, name):
         parent = kube.get(spec_mod.KIND, namespace, name)  # fresh: the triggering event may be stale
         if parent is None or parent["metadata"].get("deletionTimestamp"):
+            metrics.forget(namespace, name)
             return actions
         try:
             resolved = spec_mod.resolve(parent.get("spec") or {})
@@ -95,6 +96,7 @@ def reconcile(namespace: str, name: str) -> dict[str, str]:
             name=name, namespace=namespace, spec=spec, generation=parent["metadata"].get("generation"),
             plan=plan, plan_reason=reason, plan_message=message, deployment=live[("Deployment", name)],
             previous=previous, now=_now())
+        metrics.record(namespace, name, spec=spec, plan=plan, status=new_status)
         if kube.patch_status(namespace, name, previous, new_status):
             actions["status"] = "patched"
     return actions
@@ -105,9 +107,10 @@ def _label(key: tuple[str, str], name: str) -> str:
     return key[0] if key[1] == name else f"{key[0]}/{key[1]}"
 
 
-def _reconcile_or_retry(namespace: str, name: str) -> None:
+def _reconcile_or_retry(namespace: str, name: str, trigger: str) -> None:
     try:
-        actions = reconcile(namespace, name)
+        with metrics.timed_reconcile(trigger):
+            actions = reconcile(namespace, name)
     except kube.KubeError as exc:
         raise kopf.TemporaryError(f"API error, will retry: {exc}", delay=10) from exc
     if any(v != "unchanged" for v in actions.values()):
@@ -125,7 +128,8 @@ async def _resync_forever() -> None:
 
 
 def _reconcile_logged(namespace: str, name: str) -> None:
-    actions = reconcile(namespace, name)
+    with metrics.timed_reconcile("resync"):
+        actions = reconcile(namespace, name)
     if any(v != "unchanged" for v in actions.values()):
         log.info("resync restored %s/%s: %s", namespace, name, actions)
 
@@ -147,6 +151,7 @@ async def stop_resync(memo: kopf.Memo, **_: Any) -> None:
 def track(namespace: str, name: str, type: str | None, **_: Any) -> None:
     if type == "DELETED":
         _known.discard((namespace, name))
+        metrics.forget(namespace, name)
     else:
         _known.add((namespace, name))
 
@@ -166,14 +171,14 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 @kopf.on.create(G, V, P)
 @kopf.on.update(G, V, P)
 def on_change(namespace: str, name: str, **_: Any) -> None:
-    _reconcile_or_retry(namespace, name)
+    _reconcile_or_retry(namespace, name, "change")
 
 
 def _on_child_event(body: kopf.Body, type: str | None, **_: Any) -> None:
     meta = body.get("metadata", {})
     owner = (meta.get("labels") or {}).get(render.OWNER_LABEL)
     if owner and any(ref.get("kind") == spec_mod.KIND for ref in meta.get("ownerReferences") or []):
-        _reconcile_or_retry(meta["namespace"], owner)
+        _reconcile_or_retry(meta["namespace"], owner, "child")
 
 
 for _group, _version, _plural in [("apps", "v1", "deployments"), ("", "v1", "services"),

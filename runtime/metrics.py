@@ -9,7 +9,7 @@ Each `ServerMetrics` owns its own `CollectorRegistry`, so several servers (tests
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -132,6 +132,8 @@ class ServerMetrics:
         self.num_kv_blocks_free = gauge("kvserve:num_kv_blocks_free", "Free KV-cache blocks (cached ones included).")
         self.num_kv_blocks_total = gauge("kvserve:num_kv_blocks_total", "Total KV-cache blocks.")
         self.draining = gauge("kvserve:draining", "1 while the server drains after SIGTERM.")
+        # What /health says, as a series: an engine that died while the HTTP side still answers scrapes.
+        self.healthy = gauge("kvserve:healthy", "1 while /health answers 200 (engine running, not draining).")
         self._last_counters: dict[str, float] = {}
 
     # ---- engine-side updates -------------------------------------------------------------------------
@@ -178,6 +180,14 @@ class ServerMetrics:
             self.request_decode_time.observe(max(0.0, finished_time - first_token_time))
             if num_generation_tokens > 1:
                 self.time_per_output_token.observe((finished_time - first_token_time) / (num_generation_tokens - 1))
+
+    def track_health(self, is_healthy: Callable[[], bool]) -> None:
+        """Evaluate `is_healthy` at every scrape (the same predicate /health uses)."""
+        self.healthy.set_function(lambda: 1.0 if is_healthy() else 0.0)
+
+    def observe_failed(self) -> None:
+        """A request the engine could not finish (step failure, dead engine): vLLM's finished_reason="error"."""
+        self._request_success.labels(finished_reason="error", **self._label_values).inc()
 
     def reject(self, reason: str) -> None:
         self.http_rejected.labels(reason=reason, **self._label_values).inc()

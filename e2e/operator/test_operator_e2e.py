@@ -12,7 +12,7 @@ import pytest
 import yaml
 from kopf.testing import KopfRunner
 
-from kvserve.operator import spec as spec_mod
+from kvserve.operator import metrics as operator_metrics, spec as spec_mod
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 NS, NAME = "default", "llama70b"
@@ -191,8 +191,11 @@ def test_deleting_the_resource_is_clean(emulator):
     with _runner() as runner:
         _create_and_settle(emulator, _example())
         assert not _cr(emulator)["metadata"].get("finalizers")
+        assert (NS, NAME) in operator_metrics.INFERENCE_SERVICES  # the plan gauges exist ...
         emulator.call("DELETE", emulator.path(emulator.CR, NS, NAME))
         assert _cr(emulator) is None  # gone at once: no finalizer to wait for
+        emulator.wait_for(lambda: (NS, NAME) not in operator_metrics.INFERENCE_SERVICES,
+                          what="the deleted InferenceService's metrics to go")  # ... and leave with the object
         # Kubernetes' garbage collector deletes the children via their ownerReferences (the emulator has no GC,
         # so the test plays it) and the operator must not resurrect them for a deleted owner.
         for kind in emulator.CHILDREN:
@@ -209,10 +212,16 @@ def test_deleting_the_resource_is_clean(emulator):
 def test_kvserve_operator_entry_point_with_a_kubeconfig(emulator, tmp_path):
     """`kvserve operator` as a process: kubeconfig login (kopf's and ours), reconcile, clean SIGTERM exit."""
     import os
+    import re
     import signal
+    import socket
     import subprocess
     import sys
+    import urllib.request
 
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        metrics_port = sock.getsockname()[1]
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(yaml.safe_dump({
         "apiVersion": "v1", "kind": "Config", "current-context": "emu",
@@ -224,7 +233,8 @@ def test_kvserve_operator_entry_point_with_a_kubeconfig(emulator, tmp_path):
     env.pop("KUBERNETES_SERVICE_HOST", None)
     log = tmp_path / "operator.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "kvserve.cli.main", "operator", "--liveness", ""],
+        proc = subprocess.Popen([sys.executable, "-m", "kvserve.cli.main", "operator", "--liveness", "",
+                                 "--metrics-host", "127.0.0.1", "--metrics-port", str(metrics_port)],
                                 env=env, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path)
         try:
             emulator.call("POST", emulator.path(emulator.CR, NS), _example())
@@ -235,6 +245,12 @@ def test_kvserve_operator_entry_point_with_a_kubeconfig(emulator, tmp_path):
             auth = {r.headers.get("User-Agent", "").split("/")[0]: r.headers.get("Authorization")
                     for r in emulator.requests() if r.headers.get("Authorization")}
             assert auth.get("kopf") == "Bearer test-token" and auth.get("OpenAPI-Generator") == "Bearer test-token"
+            # The operator's /metrics (docs/observability.md): the plan as gauges, reconciles counted.
+            scraped = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+            plan = spec_mod.resolve(_example()["spec"]).plan
+            assert (f'kvserve_inferenceservice_plan_kv_tokens{{inferenceservice="{NAME}",namespace="{NS}"}} '
+                    f'{float(plan.kv_tokens)}') in scraped
+            assert re.search(r'kvserve_operator_reconciles_total\{result="success",trigger="change"\} [1-9]', scraped)
         finally:
             proc.send_signal(signal.SIGTERM)
             try:

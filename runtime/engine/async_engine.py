@@ -48,6 +48,8 @@ class _Tracked:
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_tokens_seen: int = 0
+    params: Any = None
+    trace_headers: Any = None  # W3C headers of the HTTP request, for the tracer
 
 
 @dataclass
@@ -94,9 +96,10 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Any, metrics: Any = None, log_interval_s: float = 5.0):
+    def __init__(self, engine: Any, metrics: Any = None, log_interval_s: float = 5.0, tracer: Any = None):
         self.engine = engine
         self.metrics = metrics
+        self.tracer = tracer  # runtime.tracing.RequestTracer, or None (tracing off)
         self.log_interval_s = log_interval_s
         self._ops: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
@@ -126,6 +129,8 @@ class AsyncEngine:
         if self._thread is not None:
             self._thread.join(timeout_s)
             self._thread = None
+        if self.tracer is not None:
+            self.tracer.shutdown()
 
     @property
     def is_running(self) -> bool:
@@ -144,7 +149,7 @@ class AsyncEngine:
         return waiting + self._pending_adds
 
     async def add_request(self, request_id: str, prompt: str | list[int], params: Any,
-                          arrival_time: float | None = None) -> RequestStream:
+                          arrival_time: float | None = None, trace_headers: Any = None) -> RequestStream:
         if not self.is_running:
             raise EngineDeadError(f"engine is not running: {self.dead_error!r}")
         if request_id in self._active:
@@ -156,7 +161,7 @@ class AsyncEngine:
         with self._pending_lock:
             self._pending_adds += 1
         self._active.add(request_id)
-        self._ops.put(("add", request_id, prompt, params, arrival, stream, accepted))
+        self._ops.put(("add", request_id, prompt, params, arrival, stream, accepted, trace_headers))
         self._wakeup.set()
         try:
             await accepted
@@ -229,7 +234,7 @@ class AsyncEngine:
                 return
             kind = op[0]
             if kind == "add":
-                _, request_id, prompt, params, arrival, stream, accepted = op
+                _, request_id, prompt, params, arrival, stream, accepted, headers = op
                 with self._pending_lock:
                     self._pending_adds -= 1
                 if stream.finished:  # aborted before it reached the engine
@@ -239,7 +244,7 @@ class AsyncEngine:
                 except Exception as exc:  # invalid request: the engine named the field
                     self._resolve(accepted, exc)
                     continue
-                self._tracked[request_id] = _Tracked(stream, arrival)
+                self._tracked[request_id] = _Tracked(stream, arrival, params=params, trace_headers=headers)
                 self._resolve(accepted, None)
             elif kind == "abort":
                 self._abort_in_engine(op[1])
@@ -272,6 +277,8 @@ class AsyncEngine:
             for request_id, tracked in list(self._tracked.items()):
                 deliveries.append((tracked.stream, error))
                 self._abort_in_engine(request_id)
+                if self.metrics is not None:
+                    self.metrics.observe_failed()
             self._refresh_stats()
             return
         now = time.monotonic()
@@ -292,7 +299,7 @@ class AsyncEngine:
                 tracked.num_tokens_seen = num_tokens
             if output.finished:
                 del self._tracked[output.request_id]
-                if metrics is not None:
+                if metrics is not None or self.tracer is not None:
                     self._observe_finished(output, tracked, now)
             deliveries.append((tracked.stream, output))  # the engine builds fresh outputs each step
         self._refresh_stats()
@@ -301,15 +308,18 @@ class AsyncEngine:
         request_metrics = getattr(output, "metrics", None)
         first_scheduled = getattr(request_metrics, "first_scheduled_time", None)
         reasons = [c.finish_reason for c in output.outputs if c.finish_reason]
-        self.metrics.observe_finished(
-            finish_reason=reasons[0] if reasons else "stop",
-            num_prompt_tokens=len(output.prompt_token_ids or []),
-            num_generation_tokens=tracked.num_tokens_seen,
-            arrival_time=tracked.arrival_time,
-            first_scheduled_time=first_scheduled,
-            first_token_time=tracked.first_token_time,
-            finished_time=now,
-        )
+        timings = dict(num_prompt_tokens=len(output.prompt_token_ids or []),
+                       num_generation_tokens=tracked.num_tokens_seen, arrival_time=tracked.arrival_time,
+                       first_scheduled_time=first_scheduled, first_token_time=tracked.first_token_time,
+                       finished_time=now)
+        if self.metrics is not None:
+            self.metrics.observe_finished(finish_reason=reasons[0] if reasons else "stop", **timings)
+        if self.tracer is not None:
+            try:
+                self.tracer.record_finished(request_id=output.request_id, trace_headers=tracked.trace_headers,
+                                            params=tracked.params, **timings)
+            except Exception:  # tracing is best effort; it never costs a request
+                logger.exception("recording the trace of %s failed", output.request_id)
 
     def _refresh_stats(self) -> None:
         try:
@@ -354,6 +364,9 @@ class AsyncEngine:
 
     def _fail_all(self, error: BaseException) -> None:
         deliveries = [(t.stream, error) for t in self._tracked.values()]
+        if self.metrics is not None:
+            for _ in deliveries:
+                self.metrics.observe_failed()
         self._tracked.clear()
         self._flush(deliveries)
 

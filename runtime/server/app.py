@@ -26,6 +26,7 @@ from kvserve.runtime.engine.async_engine import AsyncEngine
 from kvserve.runtime.metrics import CONTENT_TYPE, ServerMetrics
 from kvserve.runtime.server.errors import APIError, error_response
 from kvserve.runtime.server.serving import OpenAIServing
+from kvserve.runtime.tracing import build_otlp_tracer
 
 logger = logging.getLogger("kvserve.server")
 
@@ -52,6 +53,8 @@ class ServerConfig:
     retry_after_s: int = 1
     log_interval_s: float = 5.0
     tool_call_parser: str | None = None  # hermes | llama3_json: parse tool calls for tool_choice "auto"
+    otlp_traces_endpoint: str | None = None  # OpenTelemetry request spans go here (None: tracing off)
+    request_tracer: Any = None  # a ready runtime.tracing.RequestTracer (tests); wins over the endpoint
 
 
 @dataclass
@@ -99,7 +102,12 @@ class ServerState:
         if "num_blocks" in cache_info:
             cache_info["num_gpu_blocks"] = cache_info["num_blocks"]  # vLLM's label name (null block included)
         self.metrics = ServerMetrics(self.config.served_model_names[0], self.max_model_len, cache_info)
-        self.engine = AsyncEngine(llm_engine, self.metrics, log_interval_s=self.config.log_interval_s)
+        self.metrics.track_health(lambda: self.ready)
+        tracer = self.config.request_tracer
+        if tracer is None and self.config.otlp_traces_endpoint:
+            tracer = build_otlp_tracer(self.config.otlp_traces_endpoint, self.config.served_model_names[0])
+        self.engine = AsyncEngine(llm_engine, self.metrics, log_interval_s=self.config.log_interval_s,
+                                  tracer=tracer)
         self.engine.start()
         logger.info("ready: model=%s max_model_len=%d kv_blocks=%s%s", self.config.served_model_names[0],
                     self.max_model_len, cache_info.get("num_blocks"),

@@ -22,6 +22,7 @@ from kvserve.runtime.engine.async_engine import AsyncEngine, EngineDeadError, Re
 from kvserve.runtime.server import structured
 from kvserve.runtime.server.errors import APIError, bad_request, from_validation_error
 from kvserve.runtime.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from kvserve.runtime.tracing import trace_headers
 
 if TYPE_CHECKING:
     from kvserve.runtime.server.app import ServerState
@@ -220,12 +221,13 @@ class OpenAIServing:
             raise bad_request(str(exc), param=exc.param) from None
         return dataclasses.replace(params, compiled_constraint=compiled)
 
-    async def add_all(self, engine: AsyncEngine, prepared: _Prepared) -> list[RequestStream]:
+    async def add_all(self, engine: AsyncEngine, prepared: _Prepared, request: Request) -> list[RequestStream]:
         streams: list[RequestStream] = []
+        headers = trace_headers(request.headers, enabled=getattr(engine, "tracer", None) is not None)
         try:
             for i, (ids, params) in enumerate(zip(prepared.prompt_ids, prepared.params)):
                 sub_id = prepared.request_id if len(prepared.prompt_ids) == 1 else f"{prepared.request_id}-{i}"
-                streams.append(await engine.add_request(sub_id, ids, params))
+                streams.append(await engine.add_request(sub_id, ids, params, trace_headers=headers))
         except BaseException as exc:
             for stream in streams:
                 stream.abort()
@@ -377,7 +379,7 @@ class OpenAIServing:
             for i, ids in enumerate(prompt_ids):
                 if prompt_texts[i] is None:
                     prompt_texts[i] = await self._run_tokenizer(self.state.tokenizer.decode, ids)
-        streams = await self.add_all(engine, prepared)
+        streams = await self.add_all(engine, prepared, request)
         created = int(time.time())
         model = self.state.config.served_model_names[0] if body.model is None else body.model
         if body.stream:
@@ -509,7 +511,7 @@ class OpenAIServing:
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = await self.compile_grammar(self.sampling_params(body, max_tokens, logprobs, len(ids), spec))
         prepared = _Prepared(f"chatcmpl-{uuid.uuid4().hex}", [text], [ids], [params], body.n)
-        streams = await self.add_all(engine, prepared)
+        streams = await self.add_all(engine, prepared, request)
         created = int(time.time())
         model = self.state.config.served_model_names[0] if body.model is None else body.model
         if body.stream:

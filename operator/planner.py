@@ -74,8 +74,7 @@ def kv_heads_per_rank(model: ModelShape, tensor_parallel_size: int) -> int:
 
 
 def tensor_parallel_error(model: ModelShape, tensor_parallel_size: int) -> str | None:
-    return capacity.tp_shape_error(model.num_attention_heads, model.num_kv_heads, model.intermediate_size,
-                                   tensor_parallel_size)
+    return capacity.shape_tp_error(model, tensor_parallel_size)
 
 
 def valid_tensor_parallel_sizes(model: ModelShape, limit: int = 8) -> list[int]:

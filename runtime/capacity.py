@@ -113,6 +113,9 @@ class ModelShape:
     o_proj_bias: bool = False  # Llama's attention_bias also biases o_proj (Qwen2's does not)
     mlp_bias: bool = False
     qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
+    # MoE models whose some layers keep a dense MLP (Qwen3-MoE's mlp_only_layers / decoder_sparse_step):
+    num_dense_layers: int = 0
+    dense_intermediate_size: int = 0
 
 
 def shape_from_hf_config(config: dict) -> ModelShape:
@@ -137,8 +140,19 @@ def shape_from_hf_config(config: dict) -> ModelShape:
         attention_bias=arch == "Qwen2ForCausalLM" or bool(text.get("attention_bias", False)),
         o_proj_bias=arch != "Qwen2ForCausalLM" and bool(text.get("attention_bias", False)),
         mlp_bias=bool(text.get("mlp_bias", False)),
-        qk_norm=arch.startswith("Qwen3"))
+        qk_norm=arch.startswith("Qwen3"),
+        num_dense_layers=_num_dense_layers(text, num_experts) if num_experts else 0,
+        dense_intermediate_size=int(text["intermediate_size"]) if num_experts else 0)
     return ModelShape(**{**shape.__dict__, "num_parameters": parameters_per_rank(shape, 1)})
+
+
+def _num_dense_layers(text: dict, num_experts: int) -> int:
+    """transformers' Qwen3-MoE rule (runtime/models/registry.py's moe_shape applies the same): layer i is
+    sparse unless listed in mlp_only_layers, and only every decoder_sparse_step-th layer (from 1) is."""
+    mlp_only = set(text.get("mlp_only_layers") or [])
+    step = int(text.get("decoder_sparse_step") or 1)
+    layers = int(text["num_hidden_layers"])
+    return sum(1 for i in range(layers) if i in mlp_only or not (num_experts > 0 and (i + 1) % step == 0))
 
 
 def unsupported_architecture_error(shape: ModelShape) -> str | None:
@@ -166,6 +180,15 @@ def tp_shape_error(num_heads: int, num_kv_heads: int, intermediate_size: int, tp
     if intermediate_size % t:
         return f"intermediate_size={intermediate_size} is not divisible by tensor_parallel_size={t} (valid: {valid})"
     return None
+
+
+def shape_tp_error(shape: ModelShape, tp_size: int) -> str | None:
+    """tp_shape_error for a whole model: the experts' width and, for MoE models with dense layers, theirs."""
+    error = tp_shape_error(shape.num_attention_heads, shape.num_kv_heads, shape.intermediate_size, tp_size)
+    if error is None and shape.num_dense_layers and shape.dense_intermediate_size % tp_size:
+        return (f"intermediate_size={shape.dense_intermediate_size} (the dense layers' MLP) is not divisible by "
+                f"tensor_parallel_size={tp_size}")
+    return error
 
 
 def valid_tp_sizes(num_heads: int, num_kv_heads: int, intermediate_size: int, limit: int = 8) -> list[int]:
@@ -206,9 +229,13 @@ def parameter_groups_per_rank(shape: ModelShape, tp_size: int) -> tuple[int, int
     mlp_channels = experts * (2 * inter + m.hidden_size)
     router = m.hidden_size * m.num_experts  # replicated on every rank
     embeddings = vocab_rows * m.hidden_size * (1 if m.tie_word_embeddings else 2)
-    linear = m.num_layers * (attn_linear + mlp_linear)
-    other = m.num_layers * (attn_other + mlp_other + router) + embeddings + m.hidden_size  # + final norm
-    channels = m.num_layers * (attn_channels + mlp_channels)
+    sparse_layers = m.num_layers - m.num_dense_layers  # all of them for dense models (one "expert")
+    dense_inter = m.dense_intermediate_size // t
+    linear = m.num_layers * attn_linear + sparse_layers * mlp_linear + \
+        m.num_dense_layers * 3 * m.hidden_size * dense_inter
+    other = m.num_layers * attn_other + sparse_layers * (mlp_other + router) + embeddings + m.hidden_size  # + norm
+    channels = m.num_layers * attn_channels + sparse_layers * mlp_channels + \
+        m.num_dense_layers * (2 * dense_inter + m.hidden_size)
     return linear, other, channels
 
 

@@ -28,6 +28,13 @@ SHAPES = {
                           num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
                           vocab_size=151936, rms_norm_eps=1e-6, max_position_embeddings=40960,
                           tie_word_embeddings=False),
+    # A Qwen3-MoE shape whose some layers keep a dense MLP of another width (mlp_only_layers, decoder_sparse_step).
+    "qwen3-moe-dense-layers": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=512,
+                                   intermediate_size=1536, moe_intermediate_size=256, num_hidden_layers=6,
+                                   num_attention_heads=8, num_key_value_heads=4, head_dim=64, num_experts=8,
+                                   num_experts_per_tok=2, norm_topk_prob=False, decoder_sparse_step=2,
+                                   mlp_only_layers=[3], vocab_size=1000, rms_norm_eps=1e-6,
+                                   max_position_embeddings=4096, tie_word_embeddings=False),
     "qwen3-0.6b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024,
                        intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                        head_dim=128, vocab_size=151936, rms_norm_eps=1e-6, max_position_embeddings=40960,

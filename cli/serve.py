@@ -38,6 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="export one OpenTelemetry trace per request (llm_request with queued/prefill/decode "
                              "spans, vLLM's attribute names) to this OTLP endpoint, e.g. http://collector:4317 "
                              "(default: tracing off; needs the `tracing` extra)")
+    parser.add_argument("--max-request-body-bytes", type=parse_bytes, default=32 << 20,
+                        help="answer 413 to request bodies larger than this (suffixes like 1MiB accepted; default 32MiB)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -86,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         served_model_names=served, model_dir=model_dir,
         api_key=args.api_key or os.environ.get("KVSERVE_API_KEY") or None,
         max_queue_len=args.max_queue_len, tool_call_parser=args.tool_call_parser, drain_timeout_s=args.drain_timeout, random_weights=random_weights,
-        otlp_traces_endpoint=args.otlp_traces_endpoint,
+        otlp_traces_endpoint=args.otlp_traces_endpoint, max_request_body_bytes=args.max_request_body_bytes,
     )
     log.info("serving %s as %s on http://%s:%d (loading the model; /health is 503 until ready)",
              model_dir, ", ".join(served), args.host, args.port)

@@ -58,6 +58,9 @@ class EngineConfig:
     attention_backend: str = "torch"
     device: str = "cpu"
     seed: int = 0
+    # The engine is declared dead (every request answered with an error, the server exits non-zero) after
+    # this many steps in a row fail in a way no single request explains (see engine/errors.py).
+    max_consecutive_step_failures: int = 3
 
 
 def load_model_config(model_dir: str, dtype: str = "auto", max_model_len: int | None = None) -> ModelConfig:
@@ -158,6 +161,9 @@ def build_engine_config(args) -> EngineConfig:
                                                  f"got {kv_cache_dtype!r}")
     if a.tensor_parallel_size < 1:
         raise InvalidParameter("tensor_parallel_size", f"tensor_parallel_size must be >= 1, got {a.tensor_parallel_size}")
+    if not isinstance(a.max_consecutive_step_failures, int) or a.max_consecutive_step_failures < 1:
+        raise InvalidParameter("max_consecutive_step_failures", f"max_consecutive_step_failures must be an integer "
+                                                                f">= 1, got {a.max_consecutive_step_failures!r}")
     if a.preemption_mode not in ("recompute", "swap"):
         raise InvalidParameter("preemption_mode", f"preemption_mode must be 'recompute' or 'swap', "
                                                   f"got {a.preemption_mode!r}")
@@ -191,4 +197,4 @@ def build_engine_config(args) -> EngineConfig:
                         swap_space_bytes=swap_space_bytes)
     return EngineConfig(model=model_config, cache=cache, scheduler=scheduler,
                         tensor_parallel_size=a.tensor_parallel_size, attention_backend=attention_backend,
-                        device=device, seed=a.seed)
+                        device=device, seed=a.seed, max_consecutive_step_failures=a.max_consecutive_step_failures)

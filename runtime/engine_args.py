@@ -90,6 +90,9 @@ class EngineArgs:
         1, "shard the model over this many worker processes / GPUs (NCCL on CUDA, gloo on CPU); KV budgets are "
            "per rank", type=positive_int, crd="gpu.tensorParallelSize", aliases=("-tp",))
     device: str | None = _setting(None, "cpu or cuda (default: cuda when available)", hidden=True)
+    max_consecutive_step_failures: int = _setting(
+        3, "declare the engine dead (/health 503, every request answered, the server exits 1) after this many "
+           "engine steps in a row fail", type=positive_int)
 
     # -- construction ----------------------------------------------------------------------------------
     @classmethod

@@ -134,6 +134,12 @@ class ServerMetrics:
         self.draining = gauge("kvserve:draining", "1 while the server drains after SIGTERM.")
         # What /health says, as a series: an engine that died while the HTTP side still answers scrapes.
         self.healthy = gauge("kvserve:healthy", "1 while /health answers 200 (engine running, not draining).")
+        # Liveness: a step failure fails the requests in that step (retryable); enough in a row, or a dead
+        # tensor-parallel worker, make the engine dead (engine_alive 0, /health 503, the process exits 1).
+        self.engine_step_failures = counter("kvserve:engine_step_failures",
+                                            "Engine steps that failed as a whole (their requests got 503).")
+        self.engine_alive = gauge("kvserve:engine_alive", "1 while the engine can serve, 0 once it is dead.")
+        self.engine_alive.set(1)
         self._last_counters: dict[str, float] = {}
 
     # ---- engine-side updates -------------------------------------------------------------------------
@@ -188,6 +194,8 @@ class ServerMetrics:
     def observe_failed(self) -> None:
         """A request the engine could not finish (step failure, dead engine): vLLM's finished_reason="error"."""
         self._request_success.labels(finished_reason="error", **self._label_values).inc()
+    def set_engine_alive(self, alive: bool) -> None:
+        self.engine_alive.set(1 if alive else 0)
 
     def reject(self, reason: str) -> None:
         self.http_rejected.labels(reason=reason, **self._label_values).inc()

@@ -1,13 +1,21 @@
 """Turn logits into tokens: logprobs from the raw logits, then (vLLM V1 order) min-tokens masking,
 penalties (repetition, frequency, presence), and greedy argmax or temperature -> min_p -> top-k -> top-p
--> multinomial with the request's own generator (a per-request seed reproduces regardless of batching)."""
+-> multinomial with the request's own generator (a per-request seed reproduces regardless of batching).
+
+Per-request fault isolation: whatever is specific to one request (its generator, penalties, min-tokens
+masking, sampling, logprobs) runs under its own guard; if it raises, only that request is reported failed
+(`sample`'s third result) and the batch's other rows are sampled as usual."""
 from __future__ import annotations
+
+import logging
 
 import torch
 
 from kvserve.runtime.core.outputs import TokenLogprobs
 from kvserve.runtime.sampling_params import SamplingParams
 from kvserve.runtime.structured_output.constraint import GrammarConstraint, apply_constraints
+
+logger = logging.getLogger("kvserve.sampling")
 
 
 class RequestSamplingState:
@@ -19,9 +27,14 @@ class RequestSamplingState:
         self.prompt_token_ids = prompt_token_ids
         self.output_token_ids: list[int] = []
         self.generator = default_generator
+        self.error: str | None = None  # set when this request cannot be sampled; sample() then fails it alone
         if params.seed is not None:
-            self.generator = torch.Generator(device=device)
-            self.generator.manual_seed(params.seed)
+            try:
+                self.generator = torch.Generator(device=device)
+                self.generator.manual_seed(params.seed)
+            except Exception:  # noqa: BLE001 -- e.g. a seed outside int64 that slipped past validation
+                logger.exception("seeding the sampler failed (seed=%r)", params.seed)
+                self.error = "seeding the sampler"
         # Tokens that end the sequence; masked while fewer than min_tokens have been produced.
         self.stop_ids = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
         if params.structured_outputs is not None and params.compiled_constraint is None:
@@ -30,22 +43,34 @@ class RequestSamplingState:
                            if params.compiled_constraint is not None else None)
 
 
-def sample(logits: torch.Tensor, states: list[RequestSamplingState]) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """logits: [rows, vocab] float32, one row per state. Returns token ids and (if asked) logprobs."""
+def sample(logits: torch.Tensor, states: list[RequestSamplingState]
+           ) -> tuple[list[int | None], list[TokenLogprobs | None], dict[int, str]]:
+    """logits: [rows, vocab] float32, one row per state. Returns token ids (None for a failed row), logprobs
+    (if asked) and {row: what failed} for rows whose own processing raised."""
+    failed: dict[int, str] = {i: s.error for i, s in enumerate(states) if s.error is not None}
+
+    def guarded(i: int, stage: str, fn, *args):
+        try:
+            return fn(*args)
+        except Exception:  # noqa: BLE001 -- one request's failure must not fail the batch
+            logger.exception("%s failed for one request; failing it alone", stage)
+            failed[i] = stage
+            return None
+
     raw_logprobs = None
     if any(s.params.logprobs is not None for s in states):
         raw_logprobs = torch.log_softmax(logits, dim=-1)
 
     processed = logits
     needs_processing = [i for i, s in enumerate(states)
-                        if s.params.uses_penalties or (s.params.min_tokens and s.stop_ids
-                                                       and len(s.output_token_ids) < s.params.min_tokens)]
+                        if i not in failed and (s.params.uses_penalties or (
+                            s.params.min_tokens and s.stop_ids and len(s.output_token_ids) < s.params.min_tokens))]
     if needs_processing:
         processed = logits.clone()
         for i in needs_processing:
-            _apply_penalties_and_min_tokens(processed[i], states[i])
+            guarded(i, "applying penalties", _apply_penalties_and_min_tokens, processed[i], states[i])
 
-    constrained = [(i, s.constraint) for i, s in enumerate(states) if s.constraint is not None]
+    constrained = [(i, s.constraint) for i, s in enumerate(states) if s.constraint is not None and i not in failed]
     if constrained:
         processed = processed.clone() if processed is logits else processed
         apply_constraints(processed, constrained)
@@ -56,29 +81,37 @@ def sample(logits: torch.Tensor, states: list[RequestSamplingState]) -> tuple[li
                 processed[i] = logits[i]
             apply_constraints(processed, dead)
 
-    tokens = processed.argmax(dim=-1).tolist()  # greedy rows are done; sampled rows overwrite below
+    tokens: list[int | None] = processed.argmax(dim=-1).tolist()  # greedy rows done; sampled rows below
     for i, state in enumerate(states):
-        if not state.params.greedy:
-            tokens[i] = _sample_row(processed[i], state.params, state.generator)
+        if not state.params.greedy and i not in failed:
+            tokens[i] = guarded(i, "sampling", _sample_row, processed[i], state.params, state.generator)
 
     for i, constraint in constrained:
-        constraint.accept(tokens[i])
+        if i not in failed:
+            guarded(i, "advancing the grammar", constraint.accept, tokens[i])
 
-    logprobs: list[TokenLogprobs | None] = []
+    logprobs: list[TokenLogprobs | None] = [None] * len(states)
     for i, state in enumerate(states):
-        state.output_token_ids.append(tokens[i])
-        if state.params.logprobs is None:
-            logprobs.append(None)
+        if i in failed or state.params.logprobs is None:
             continue
-        row = raw_logprobs[i]
-        token_logprob = row[tokens[i]]
-        rank = int((row > token_logprob).sum().item()) + 1
-        top = []
-        if state.params.logprobs > 0:
-            values, ids = row.topk(state.params.logprobs)
-            top = list(zip(ids.tolist(), values.tolist()))
-        logprobs.append(TokenLogprobs(tokens[i], float(token_logprob), rank, top))
-    return tokens, logprobs
+        logprobs[i] = guarded(i, "computing logprobs", _token_logprobs, raw_logprobs[i], tokens[i],
+                              state.params.logprobs)
+    for i, state in enumerate(states):
+        if i in failed:
+            tokens[i], logprobs[i] = None, None
+        else:
+            state.output_token_ids.append(tokens[i])
+    return tokens, logprobs, failed
+
+
+def _token_logprobs(row: torch.Tensor, token_id: int, num_top: int) -> TokenLogprobs:
+    token_logprob = row[token_id]
+    rank = int((row > token_logprob).sum().item()) + 1
+    top = []
+    if num_top > 0:
+        values, ids = row.topk(num_top)
+        top = list(zip(ids.tolist(), values.tolist()))
+    return TokenLogprobs(token_id, float(token_logprob), rank, top)
 
 
 def _apply_penalties_and_min_tokens(row: torch.Tensor, state: RequestSamplingState) -> None:
@@ -108,6 +141,7 @@ def _sample_row(row: torch.Tensor, params: SamplingParams, generator: torch.Gene
         cumulative = sorted_probs.cumsum(0) / sorted_probs.sum()
         # Keep the smallest set whose mass reaches top_p (the first token always stays).
         drop = (cumulative - sorted_probs / sorted_probs.sum()) >= params.top_p
+        drop[0] = False  # explicitly: a top_p below float32's smallest value compares as 0 (found by fuzzing)
         sorted_probs[drop] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=generator).item())

@@ -59,6 +59,8 @@ class TokenLogprobs:
 class ModelRunnerOutput:
     sampled_token_ids: dict[str, int]
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # Requests whose own sampling failed this step -> what failed; they got no token (the engine fails them).
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

@@ -245,7 +245,9 @@ class Scheduler:
                 samples.append(child)
             request.fork_children = []
             for sample in samples:
-                token_id = runner_output.sampled_token_ids[sample.request_id]
+                token_id = runner_output.sampled_token_ids.get(sample.request_id)
+                if token_id is None:  # its sampling failed (runner_output.failed): the engine finishes it
+                    continue
                 sample.append_token(token_id)
                 logprobs = runner_output.logprobs.get(sample.request_id)
                 status = self._check_stop(sample, token_id)

@@ -8,11 +8,15 @@ operations (add, abort) applied between steps, and gets results back on per-requ
 - `await add_request(...)` returns a `RequestStream` once the engine has accepted the request; it raises the
   engine's ValueError (which names the field) when the request is invalid, before any output exists, so the
   HTTP layer can still answer 400.
-- A `RequestStream` yields cumulative `RequestOutput`s. A consumer that falls behind gets the latest one
-  (outputs are cumulative, so nothing is lost). Leaving the stream unfinished (client disconnect, task
-  cancelled) aborts the request: the engine thread frees its KV blocks before the next step.
-- The loop survives any one request's failure: a step that raises fails the requests of that step with
-  `RequestFailedError` (HTTP 500 for them) and the engine carries on with new ones.
+- A `RequestStream` yields cumulative `RequestOutput`s. It holds at most one undelivered output (outputs are
+  cumulative: a newer one replaces an older one, as vLLM's output collector merges them), so a consumer
+  that stops reading -- a streaming client that does not read its socket -- costs one output, not one per
+  step. Leaving the stream unfinished (client disconnect, task cancelled) aborts the request: the engine
+  thread frees its KV blocks before the next step.
+- Failures (engine/errors.py): an output carrying `error` ends its stream with `RequestFailedError`
+  (retryable or not); when the engine dies (`EngineDeadError`, or a tensor-parallel `WorkerDiedError`)
+  every in-flight and queued request -- including adds not yet applied -- gets `EngineDeadError` at once,
+  and `on_dead` is called (the server then exits non-zero once those answers are out).
 """
 from __future__ import annotations
 
@@ -24,18 +28,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
+from kvserve.runtime.engine.errors import EngineDeadError, RequestFailedError
 from kvserve.runtime.parallel.errors import WorkerDiedError
 
+__all__ = ["AsyncEngine", "EngineDeadError", "RequestFailedError", "RequestStream"]
+
 logger = logging.getLogger(__name__)
-
-
-class RequestFailedError(RuntimeError):
-    """The engine could not finish this request (an internal error, not the client's fault)."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread has stopped; no request can be served."""
-
 
 _ABORTED = object()  # queue marker: the request was aborted by the server (drain timeout, shutdown)
 
@@ -56,7 +54,9 @@ class _Tracked:
 class RequestStream:
     request_id: str
     _engine: "AsyncEngine"
-    _queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    _ready: asyncio.Event = field(default_factory=asyncio.Event)
+    _latest: Any = None  # the newest output not yet taken by the consumer (outputs are cumulative)
+    _end: Any = None  # what ends the stream after _latest: an exception or _ABORTED
     finished: bool = False
     aborted: bool = False
     last_output: Any = None
@@ -67,22 +67,30 @@ class RequestStream:
     async def __anext__(self) -> Any:
         if self.finished:
             raise StopAsyncIteration
-        item = await self._queue.get()
-        # Coalesce: outputs are cumulative, so a slow consumer only needs the newest one.
-        while not self._queue.empty() and not isinstance(item, BaseException) and item is not _ABORTED \
-                and not item.finished:
-            item = self._queue.get_nowait()
-        if isinstance(item, BaseException):
-            self._done()
-            raise item
-        if item is _ABORTED:
+        while self._latest is None and self._end is None:
+            self._ready.clear()
+            await self._ready.wait()
+        if self._latest is not None:
+            item, self._latest = self._latest, None
+            self.last_output = item
+            if item.finished and self._end is None:
+                self._done()
+            return item
+        end = self._end
+        self._done()
+        if end is _ABORTED:
             self.aborted = True
-            self._done()
             raise StopAsyncIteration
-        self.last_output = item
-        if item.finished:
-            self._done()
-        return item
+        raise end
+
+    def _put(self, item: Any) -> None:
+        """Event-loop side delivery: an output replaces any undelivered one; an end is kept once."""
+        if isinstance(item, BaseException) or item is _ABORTED:
+            if self._end is None:
+                self._end = item
+        elif self._end is None:
+            self._latest = item
+        self._ready.set()
 
     def _done(self) -> None:
         self.finished = True
@@ -96,10 +104,12 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Any, metrics: Any = None, log_interval_s: float = 5.0, tracer: Any = None):
+    def __init__(self, engine: Any, metrics: Any = None, log_interval_s: float = 5.0, tracer: Any = None,
+                 on_dead: Any = None):
         self.engine = engine
         self.metrics = metrics
         self.tracer = tracer  # runtime.tracing.RequestTracer, or None (tracing off)
+        self.on_dead = on_dead  # called in the event loop once every request got the engine's death
         self.log_interval_s = log_interval_s
         self._ops: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
@@ -112,6 +122,7 @@ class AsyncEngine:
         self._pending_lock = threading.Lock()
         self.stats: Any = None
         self.dead_error: BaseException | None = None
+        self._dead_lock = threading.Lock()  # orders "add queued" against "engine died, queue drained"
         self.num_step_failures = 0
 
     # ---- lifecycle -----------------------------------------------------------------------------------
@@ -150,18 +161,19 @@ class AsyncEngine:
 
     async def add_request(self, request_id: str, prompt: str | list[int], params: Any,
                           arrival_time: float | None = None, trace_headers: Any = None) -> RequestStream:
-        if not self.is_running:
-            raise EngineDeadError(f"engine is not running: {self.dead_error!r}")
         if request_id in self._active:
             raise ValueError(f"duplicate request id {request_id!r}")
         loop = asyncio.get_running_loop()
         accepted: asyncio.Future = loop.create_future()
         stream = RequestStream(request_id, self)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        with self._pending_lock:
-            self._pending_adds += 1
-        self._active.add(request_id)
-        self._ops.put(("add", request_id, prompt, params, arrival, stream, accepted, trace_headers))
+        with self._dead_lock:  # once the engine is dead nothing is queued that nobody would answer
+            if not self.is_running:
+                raise _dead_error_for_clients(self.dead_error)
+            with self._pending_lock:
+                self._pending_adds += 1
+            self._active.add(request_id)
+            self._ops.put(("add", request_id, prompt, params, arrival, stream, accepted, trace_headers))
         self._wakeup.set()
         try:
             await accepted
@@ -198,9 +210,10 @@ class AsyncEngine:
     def _run(self) -> None:
         last_log = time.monotonic()
         last_logged_counters: tuple = ()
+        deliveries: list[tuple[RequestStream, Any]] = []
         try:
             while not self._stop.is_set():
-                deliveries: list[tuple[RequestStream, Any]] = []
+                deliveries = []
                 self._apply_ops(deliveries)
                 if self.engine.has_unfinished_requests():
                     self._step(deliveries)
@@ -217,14 +230,38 @@ class AsyncEngine:
                 if now - last_log >= self.log_interval_s:
                     last_logged_counters = self._log_stats(now - last_log, last_logged_counters)
                     last_log = now
-        except WorkerDiedError as exc:
+        except (EngineDeadError, WorkerDiedError) as exc:
             logger.error("engine dead, /health now reports engine_dead: %s", exc)
-            self.dead_error = exc
-            self._fail_all(EngineDeadError(f"engine is dead: {exc}"))
-        except BaseException as exc:  # pragma: no cover - a bug in this loop; fail everyone loudly
+            self._flush(deliveries)  # e.g. abort markers of this turn: those streams are no longer tracked
+            self._die(exc)
+        except BaseException as exc:  # a bug in this loop; fail everyone loudly
             logger.exception("engine loop died")
+            self._flush(deliveries)
+            self._die(exc)
+
+    def _die(self, exc: BaseException) -> None:
+        """Answer every in-flight and queued request (and adds not yet applied) with EngineDeadError, then
+        tell the server (on_dead), which exits non-zero once the answers are out."""
+        error = _dead_error_for_clients(exc)
+        with self._dead_lock:
             self.dead_error = exc
-            self._fail_all(EngineDeadError(f"engine loop died: {exc!r}"))
+            pending = []
+            while True:
+                try:
+                    pending.append(self._ops.get_nowait())
+                except queue.Empty:
+                    break
+        for op in pending:
+            if op[0] == "add":
+                accepted = op[6]
+                with self._pending_lock:
+                    self._pending_adds -= 1
+                self._resolve(accepted, error)
+        self._fail_all(error)
+        if self.metrics is not None:
+            self.metrics.set_engine_alive(False)
+        if self.on_dead is not None:
+            self._call_in_loop(self.on_dead, exc)
 
     def _apply_ops(self, deliveries: list) -> None:
         while True:
@@ -267,20 +304,9 @@ class AsyncEngine:
 
     def _step(self, deliveries: list) -> None:
         try:
-            outputs = self.engine.step()
-        except WorkerDiedError:
-            raise  # fatal, unlike one step's failure: the ranks cannot be resynchronised
-        except Exception as exc:
-            self.num_step_failures += 1
-            logger.exception("engine step failed; failing the requests in flight and carrying on")
-            error = RequestFailedError(f"internal engine error: {exc!r}")
-            for request_id, tracked in list(self._tracked.items()):
-                deliveries.append((tracked.stream, error))
-                self._abort_in_engine(request_id)
-                if self.metrics is not None:
-                    self.metrics.observe_failed()
-            self._refresh_stats()
-            return
+            outputs = self.engine.step()  # raises only when the engine is dead (_run answers everyone)
+        finally:
+            self._count_step_failures()
         now = time.monotonic()
         metrics = self.metrics
         for output in outputs:
@@ -299,10 +325,22 @@ class AsyncEngine:
                 tracked.num_tokens_seen = num_tokens
             if output.finished:
                 del self._tracked[output.request_id]
+                if getattr(output, "error", None) is not None:  # the engine failed it (and freed it)
+                    deliveries.append((tracked.stream, RequestFailedError.from_error(output.error)))
+                    if metrics is not None:
+                        metrics.observe_failed()
+                    continue
                 if metrics is not None or self.tracer is not None:
                     self._observe_finished(output, tracked, now)
             deliveries.append((tracked.stream, output))  # the engine builds fresh outputs each step
         self._refresh_stats()
+
+    def _count_step_failures(self) -> None:
+        failures = getattr(self.engine, "num_step_failures", 0)
+        if failures > self.num_step_failures:
+            if self.metrics is not None:
+                self.metrics.engine_step_failures.inc(failures - self.num_step_failures)
+            self.num_step_failures = failures
 
     def _observe_finished(self, output: Any, tracked: _Tracked, now: float) -> None:
         request_metrics = getattr(output, "metrics", None)
@@ -379,5 +417,14 @@ class AsyncEngine:
 
 def _deliver(deliveries: list) -> None:
     for stream, item in deliveries:
-        stream._queue.put_nowait(item)
+        stream._put(item)
+
+
+def _dead_error_for_clients(exc: BaseException | None) -> EngineDeadError:
+    """What clients see when the engine is dead: no Python repr, no pids (the log has the details)."""
+    if isinstance(exc, EngineDeadError):
+        return exc
+    cause = ("a tensor-parallel worker died" if isinstance(exc, WorkerDiedError)
+             else "the engine stopped" if exc is None else "the engine loop failed")
+    return EngineDeadError(f"the engine is dead ({cause}); this server is shutting down, retry on another replica")
 

@@ -34,9 +34,12 @@ class LLM:
     def generate(self, prompts: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt; returns one RequestOutput per prompt, in input order. All prompts
-        are validated before any work starts, so a bad one raises (naming the field and the prompt's
-        index) without leaving half a batch behind."""
+        """Generate for every prompt; returns one RequestOutput per prompt, in input order. All prompts and
+        their sampling params are validated before any work starts, so a bad one raises InvalidParameter
+        (naming the field and the prompt's index, `prompts[i]: ...`) without leaving half a batch behind.
+        A request that fails inside the engine (a server-side error specific to it) fails alone: its
+        RequestOutput has finish_reason "error" and `error` set, the other prompts complete normally.
+        A dead engine raises (EngineDeadError, or WorkerDiedError naming the rank)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                  and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -53,9 +56,9 @@ class LLM:
         tokenized = []
         compiled: dict[int, SamplingParams] = {}  # one compile per distinct params object
         for i, (prompt, params) in enumerate(zip(prompts, params_list)):
-            try:
+            try:  # the same checks add_request makes, for every prompt before the first is added
                 text, ids = self.engine.tokenize_prompt(prompt)
-                self.engine.validate_prompt(ids)
+                self.engine.verify(ids, params)
                 if id(params) not in compiled:
                     compiled[id(params)] = self.engine.compile_constraint(params)
             except InvalidParameter as exc:

@@ -1,18 +1,27 @@
 """LLMEngine: requests in, one scheduler + model step at a time, RequestOutputs out. Not thread-safe:
-the async server drives it from one thread."""
+the async server drives it from one thread.
+
+Failure semantics (engine/errors.py): a request the engine cannot serve is refused by `add_request`
+(InvalidParameter, via sampling_params.verify_request); inside a step, what fails for one request fails that
+request alone (`_fail_request`: its blocks freed, an output with `error` set); a step failure no request
+explains fails the requests in that step with a retryable error (`_fail_step`); a dead tensor-parallel worker
+or `max_consecutive_step_failures` failed steps in a row make the engine dead (`dead_error`, raised by every
+later call)."""
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
 
 from kvserve.runtime.config import EngineConfig, make_engine_config
 from kvserve.runtime.core.kv_cache_manager import KVCacheManager
 from kvserve.runtime.core.scheduler import Scheduler
+from kvserve.runtime.engine.errors import STEP_FAILED, EngineDeadError, RequestError, request_failed
 from kvserve.runtime.engine.output_processor import OutputProcessor, RequestState
 from kvserve.runtime.outputs import EngineStats, RequestOutput
+from kvserve.runtime.parallel.errors import WorkerDiedError
 from kvserve.runtime.request import Request, RequestStatus
-from kvserve.runtime.sampling_params import InvalidParameter, SamplingParams
+from kvserve.runtime.sampling_params import (InvalidParameter, RequestLimits, SamplingParams, is_valid_text,
+                                             verify_request)
 
 logger = logging.getLogger("kvserve.engine")
 
@@ -42,6 +51,13 @@ class LLMEngine:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self._grammar_compiler = None
+        self.limits = RequestLimits(
+            vocab_size=min(config.model.vocab_size, len(self.tokenizer)), max_model_len=config.model.max_model_len,
+            max_num_seqs=config.scheduler.max_num_seqs, block_size=config.cache.block_size,
+            num_usable_blocks=self.runner.num_blocks - 1)
+        self.num_step_failures = 0  # steps that failed as a whole (cumulative, for metrics)
+        self.num_consecutive_step_failures = 0
+        self.dead_error: BaseException | None = None
         m, c = self.config.model, self.config.cache
         logger.info("engine ready: %s, max_model_len=%d, %d KV blocks x %d tokens (%.1f MiB), prefix caching %s, "
                     "chunked prefill %s, attention=%s, device=%s", m.architecture, m.max_model_len, c.num_blocks - 1,
@@ -56,27 +72,29 @@ class LLMEngine:
     def tokenize_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)):
+                    raise InvalidParameter("prompt", "prompt_token_ids must be a list of token ids")
+                return prompt.get("prompt"), list(ids)
             if "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
                 raise InvalidParameter("prompt", "a dict prompt needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, str):
+            if not is_valid_text(prompt):
+                raise InvalidParameter("prompt", "prompt is not valid Unicode text (it holds lone surrogates)")
             return prompt, list(self.tokenizer(prompt).input_ids)
         if isinstance(prompt, (list, tuple)):
             return None, list(prompt)
         raise InvalidParameter("prompt", f"prompt must be a string, a list of token ids or a dict, "
                                          f"got {type(prompt).__name__}")
 
-    def validate_prompt(self, prompt_token_ids: Sequence[int]) -> None:
-        max_len, vocab = self.config.model.max_model_len, self.config.model.vocab_size
-        if not prompt_token_ids:
-            raise InvalidParameter("prompt", "prompt is empty")
-        if len(prompt_token_ids) > max_len:
-            raise InvalidParameter("prompt", f"prompt has {len(prompt_token_ids)} tokens, longer than "
-                                             f"max_model_len={max_len}")
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt_token_ids):
-            raise InvalidParameter("prompt", f"prompt token ids must be integers in [0, {vocab})")
+    def verify(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidParameter (naming the field) if this engine can never serve the request."""
+        if not isinstance(params, SamplingParams):
+            raise InvalidParameter("sampling_params", f"sampling_params must be a SamplingParams, "
+                                                      f"got {type(params).__name__}")
+        verify_request(prompt_token_ids, params, self.limits)
 
     @property
     def grammar_compiler(self):
@@ -98,11 +116,13 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:
+        if self.dead_error is not None:
+            raise self.dead_error
         params = self.compile_constraint(params or SamplingParams())
         if request_id in self._states:
             raise InvalidParameter("request_id", f"request id {request_id!r} is already in use")
         text, token_ids = self.tokenize_prompt(prompt)
-        self.validate_prompt(token_ids)
+        self.verify(token_ids, params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         sample_ids = [f"{request_id}#{i}" for i in range(params.n)]
         samples = [Request(sid, token_ids, params.for_sample(i) if params.n > 1 else params, self.eos_token_ids,
@@ -116,22 +136,27 @@ class LLMEngine:
         self.scheduler.add_request(leader)
 
     def abort_request(self, request_id: str) -> None:
-        state = self._states.pop(request_id, None)
+        state = self._states.get(request_id)
         if state is None:
             return
         self.scheduler.finish_requests(state.sample_ids, RequestStatus.FINISHED_ABORTED)
-        for sid in state.sample_ids:
-            self._sample_owner.pop(sid, None)
+        self._forget(state)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._states)
 
     def check_health(self) -> None:
-        """Raise (kvserve.runtime.parallel.errors.WorkerDiedError, naming the rank) if a tensor-parallel
-        worker is gone; a no-op in one process. Cheap: the server calls it while idle."""
+        """Raise the engine's fatal error if it is dead (a tensor-parallel worker gone: WorkerDiedError
+        naming the rank; too many failed steps: EngineDeadError). Cheap: the server calls it while idle."""
+        if self.dead_error is not None:
+            raise self.dead_error
         check = getattr(self.runner, "check_health", None)
         if check is not None:
-            check()
+            try:
+                check()
+            except WorkerDiedError as exc:
+                self.dead_error = exc
+                raise
 
     def shutdown(self) -> None:
         """Release the tensor-parallel worker processes (idempotent; nothing to do in one process)."""
@@ -141,35 +166,97 @@ class LLMEngine:
 
     # -- one step ---------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        sched_out = self.scheduler.schedule()
-        now = time.monotonic()
-        for scheduled in sched_out.scheduled:
-            owner = self._sample_owner.get(scheduled.req_id)
-            if owner is not None and owner[0].metrics.first_scheduled_time is None:
-                owner[0].metrics.first_scheduled_time = now
-        runner_out = self.runner.execute(sched_out)
-        core_outputs = self.scheduler.update_from_output(sched_out, runner_out)
+        if self.dead_error is not None:
+            raise self.dead_error
+        scheduled_ids: list[str] | None = None  # None until the scheduler has picked this step's requests
+        try:
+            sched_out = self.scheduler.schedule()
+            scheduled_ids = [s.req_id for s in sched_out.scheduled]
+            now = time.monotonic()
+            for scheduled in sched_out.scheduled:
+                owner = self._sample_owner.get(scheduled.req_id)
+                if owner is not None and owner[0].metrics.first_scheduled_time is None:
+                    owner[0].metrics.first_scheduled_time = now
+            runner_out = self.runner.execute(sched_out)
+            core_outputs = self.scheduler.update_from_output(sched_out, runner_out)
+        except WorkerDiedError as exc:  # the ranks cannot be brought back in step: fatal
+            self.dead_error = exc
+            raise
+        except Exception:  # noqa: BLE001 -- e.g. the forward: no single request to blame
+            logger.exception("engine step failed; failing the requests scheduled in it")
+            return self._fail_step(scheduled_ids)
+        self.num_consecutive_step_failures = 0
+
+        failed: dict[str, RequestError] = {}  # public request id -> its own failure
+        for sample_id, stage in runner_out.failed.items():
+            owner = self._sample_owner.get(sample_id)
+            if owner is not None:
+                failed.setdefault(owner[0].request_id, request_failed(stage))
         touched: dict[str, RequestState] = {}
         for out in core_outputs:
             owner = self._sample_owner.get(out.req_id)
-            if owner is None:
+            if owner is None or owner[0].request_id in failed:
                 continue
             state, index = owner
-            if index == 0 and not state.samples[0].token_ids:
-                self.prompt_tokens += len(state.prompt_token_ids)
-            self.generation_tokens += len(out.new_token_ids)
-            if self.output_processor.process(state, index, out) is not None:  # hit a stop string
-                self.scheduler.finish_requests([out.req_id], RequestStatus.FINISHED_STOPPED)
+            try:
+                if index == 0 and not state.samples[0].token_ids:
+                    self.prompt_tokens += len(state.prompt_token_ids)
+                self.generation_tokens += len(out.new_token_ids)
+                if self.output_processor.process(state, index, out) is not None:  # hit a stop string
+                    self.scheduler.finish_requests([out.req_id], RequestStatus.FINISHED_STOPPED)
+            except Exception:  # noqa: BLE001 -- detokenisation / stop checks of this request only
+                logger.exception("output processing failed for request %s; failing it alone", state.request_id)
+                failed[state.request_id] = request_failed("detokenizing the output or checking stop strings")
+                continue
             touched[state.request_id] = state
-        outputs = []
+        outputs = [self._fail_request(self._states[rid], error) for rid, error in failed.items()
+                   if rid in self._states]
         for state in touched.values():
+            if state.request_id in failed:
+                continue
             if state.finished:
                 state.metrics.finished_time = time.monotonic()
-                del self._states[state.request_id]
-                for sid in state.sample_ids:
-                    self._sample_owner.pop(sid, None)
+                self._forget(state)
             outputs.append(state.to_output())
         return outputs
+
+    def _fail_request(self, state: RequestState, error: RequestError) -> RequestOutput:
+        """Finish one request with an error: free its blocks now, report it (finish_reason "error")."""
+        self.scheduler.finish_requests(state.sample_ids, RequestStatus.FINISHED_ABORTED)
+        self._forget(state)
+        for sample in state.samples:
+            if sample.finish_reason is None:
+                sample.finish_reason = "error"
+        state.metrics.finished_time = time.monotonic()
+        output = state.to_output()
+        output.error = error
+        return output
+
+    def _fail_step(self, scheduled_ids: list[str] | None) -> list[RequestOutput]:
+        """A step failed as a whole: fail (retryably) the requests it ran -- every request if the scheduler
+        itself failed -- and declare the engine dead after too many such steps in a row. Aborting frees the
+        blocks the step was filling and drops their prefix-cache entries (their KV was never written)."""
+        self.num_step_failures += 1
+        self.num_consecutive_step_failures += 1
+        limit = self.config.max_consecutive_step_failures
+        if scheduled_ids is None:
+            affected = list(self._states.values())
+        else:
+            owners = (self._sample_owner.get(sid) for sid in scheduled_ids)
+            affected = list({o[0].request_id: o[0] for o in owners if o is not None}.values())
+        outputs = [self._fail_request(state, STEP_FAILED) for state in affected]
+        if self.num_consecutive_step_failures >= limit:
+            self.dead_error = EngineDeadError(
+                f"the engine is dead after {self.num_consecutive_step_failures} consecutive failed steps "
+                f"(max_consecutive_step_failures={limit}); retry on another replica")
+            logger.error("%s", self.dead_error)
+            raise self.dead_error
+        return outputs
+
+    def _forget(self, state: RequestState) -> None:
+        self._states.pop(state.request_id, None)
+        for sid in state.sample_ids:
+            self._sample_owner.pop(sid, None)
 
     def get_stats(self) -> EngineStats:
         kv = self.kv_cache_manager

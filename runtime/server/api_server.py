@@ -4,6 +4,10 @@ On the first SIGTERM (or SIGINT): /health turns 503 (readiness fails, the Servic
 requests get 503 with `Connection: close`, in-flight requests run to completion for up to `drain_timeout_s`
 (then they are aborted with finish_reason "abort"), and the process exits 0. A second signal exits at once.
 
+When the engine dies (a tensor-parallel worker died, or too many engine steps failed in a row), /health
+turns 503 and every in-flight and queued request is answered with a 503 error at once; once those answers
+are out (at most DEAD_EXIT_GRACE_S) the process exits 1, so Kubernetes restarts the pod (vLLM does the same).
+
 uvicorn's own handler would close the listening socket immediately (new clients would see connection
 refused instead of a clean 503) and re-raise the signal on exit (exit status 143, not 0); so the server
 overrides it.
@@ -22,6 +26,8 @@ import uvicorn
 from kvserve.runtime.server.app import ServerConfig, ServerState, build_app
 
 logger = logging.getLogger("kvserve.server")
+
+DEAD_EXIT_GRACE_S = 5.0  # after the engine died: time for the error responses to reach their clients
 
 
 class DrainingServer(uvicorn.Server):
@@ -50,6 +56,21 @@ class DrainingServer(uvicorn.Server):
 
     def fatal(self, exc: BaseException) -> None:
         self.exit_code = 1
+        self.should_exit = True
+
+    def engine_dead(self, exc: BaseException) -> None:
+        """Runs in the event loop after every request got its error: let them flush, then exit 1."""
+        self.exit_code = 1
+        if self._drain_task is None:
+            self._drain_task = asyncio.ensure_future(self._exit_when_answered())
+
+    async def _exit_when_answered(self) -> None:
+        engine = self.state.engine
+        deadline = time.monotonic() + DEAD_EXIT_GRACE_S
+        while engine is not None and engine.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.2)  # let the last error bodies / SSE events flush
+        logger.error("engine dead: exiting with status 1 so the pod is restarted")
         self.should_exit = True
 
     def _start_drain(self) -> None:
@@ -88,6 +109,7 @@ def run_server(config: ServerConfig, *, host: str, port: int, engine_factory: Ca
                                timeout_keep_alive=5, **(uvicorn_kwargs or {}))
     server = DrainingServer(uv_config, state)
     state.on_fatal = server.fatal
+    state.on_engine_dead = server.engine_dead
     server.run()
     if state.load_error is not None:
         from kvserve.runtime.server.termination import write_termination_message

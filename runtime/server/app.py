@@ -49,7 +49,7 @@ class ServerConfig:
     max_queue_len: int | None = None  # 429 when this many requests already wait
     drain_timeout_s: float = 30.0
     random_weights: bool = False
-    max_request_body_bytes: int = 32 * 1024 * 1024
+    max_request_body_bytes: int = 32 * 1024 * 1024  # larger bodies get 413 (--max-request-body-bytes)
     retry_after_s: int = 1
     log_interval_s: float = 5.0
     tool_call_parser: str | None = None  # hermes | llama3_json: parse tool calls for tool_choice "auto"
@@ -65,12 +65,14 @@ class ServerState:
     metrics: ServerMetrics | None = None
     max_model_len: int = 0
     vocab_size: int = 0
+    limits: Any = None  # the engine's sampling_params.RequestLimits: what a request is validated against
     max_token_chars: int = 64
     chat_template: str | None = None
     draining: bool = False
     load_error: BaseException | None = None
     created: int = field(default_factory=lambda: int(time.time()))
-    on_fatal: Callable[[BaseException], None] | None = None
+    on_fatal: Callable[[BaseException], None] | None = None  # loading failed: exit non-zero
+    on_engine_dead: Callable[[BaseException], None] | None = None  # every request answered; exit non-zero
     # One worker: HF tokenizers mutate internal state on encode, so never use one from two threads at once.
     tokenize_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-tokenize"))
@@ -78,6 +80,9 @@ class ServerState:
     grammar_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-grammar"))
     grammar_compiler: Any = None
+    # Large request bodies are parsed here, not on the event loop.
+    parse_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvserve-parse"))
 
     @property
     def ready(self) -> bool:
@@ -93,6 +98,7 @@ class ServerState:
             self.tokenizer = llm_engine.tokenizer
         self.vocab_size = len(self.tokenizer)
         self.grammar_compiler = _GrammarCompilerFactory(self.tokenizer, model_config)
+        self.limits = llm_engine.limits
         vocab = self.tokenizer.get_vocab()
         self.max_token_chars = max((len(t) for t in vocab), default=64) or 64
         self.chat_template = getattr(self.tokenizer, "chat_template", None) or FALLBACK_CHAT_TEMPLATE
@@ -107,11 +113,16 @@ class ServerState:
         if tracer is None and self.config.otlp_traces_endpoint:
             tracer = build_otlp_tracer(self.config.otlp_traces_endpoint, self.config.served_model_names[0])
         self.engine = AsyncEngine(llm_engine, self.metrics, log_interval_s=self.config.log_interval_s,
-                                  tracer=tracer)
+                                  tracer=tracer, on_dead=self._engine_died)
         self.engine.start()
         logger.info("ready: model=%s max_model_len=%d kv_blocks=%s%s", self.config.served_model_names[0],
                     self.max_model_len, cache_info.get("num_blocks"),
                     " (RANDOM WEIGHTS: output is gibberish)" if self.config.random_weights else "")
+
+
+    def _engine_died(self, exc: BaseException) -> None:
+        if self.on_engine_dead is not None:
+            self.on_engine_dead(exc)
 
 
 def build_app(config: ServerConfig, *, engine: Any = None, engine_factory: Callable[[], Any] | None = None) -> FastAPI:
@@ -143,6 +154,7 @@ def build_app(config: ServerConfig, *, engine: Any = None, engine_factory: Calla
                 state.engine.shutdown()
             state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
             state.grammar_pool.shutdown(wait=False, cancel_futures=True)
+            state.parse_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="kvserve", lifespan=lifespan)
     app.state.kvserve = state

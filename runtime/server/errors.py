@@ -18,6 +18,9 @@ class APIError(Exception):
         self.code = code
         self.headers = headers
 
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
     def response(self) -> JSONResponse:
         return error_response(self.status, self.message, type=self.type, param=self.param, code=self.code,
                               headers=self.headers)
@@ -31,6 +34,42 @@ def error_response(status: int, message: str, *, type: str = "invalid_request_er
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+def engine_error(exc: Any) -> APIError:
+    """The HTTP error for a request the engine failed (engine/errors.py): 503 + Retry-After when retrying can
+    succeed (a failed step; a dead engine -- retry on another replica), 500 when its own processing failed."""
+    from kvserve.runtime.engine.errors import EngineDeadError
+
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc), type="server_error", code="engine_dead", headers={"Retry-After": "1"})
+    if getattr(exc, "retryable", False):
+        return APIError(503, str(exc), type="server_error", code="engine_step_failed", headers={"Retry-After": "1"})
+    return APIError(500, str(exc), type="server_error", code="internal_error")
+
+
+def find_invalid_text(data: Any, path: str = "") -> str | None:
+    """The dotted path of the first string (value or key) in parsed JSON that is not valid Unicode -- JSON
+    can carry lone surrogate escapes ("\\ud800") that no tokenizer can encode -- or None if all are valid."""
+    stack = [(data, path)]
+    while stack:
+        value, where = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return where
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                child = f"{where}.{key}" if where else str(key)
+                try:
+                    key.encode("utf-8")
+                except UnicodeEncodeError:
+                    return where
+                stack.append((item, child))
+        elif isinstance(value, list):
+            stack.extend((item, f"{where}.{i}") for i, item in enumerate(value))
+    return None
 
 
 def from_validation_error(exc: ValidationError) -> APIError:

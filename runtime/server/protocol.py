@@ -9,13 +9,15 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationInfo, field_validator
 
-MAX_N = 64  # samples per prompt; more cannot run concurrently on any sensible batch size
-MAX_STOP_STRINGS = 16
-MAX_LOGPROBS = 20
+# The bounds are SamplingParams' (one source); what depends on the model (vocabulary, context length,
+# max_num_seqs, KV pool) is checked by sampling_params.verify_request once the prompt is tokenized.
+from kvserve.runtime.sampling_params import (INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_N, MAX_PROMPTS,
+                                             MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS)
 
-NonNegInt = Annotated[StrictInt, Field(ge=0)]
+TokenId = Annotated[StrictInt, Field(ge=0, le=INT64_MAX)]
+StopString = Annotated[StrictStr, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 Number = Union[StrictInt, float]  # JSON numbers; strings such as "0.5" are rejected
 
 
@@ -35,12 +37,12 @@ class _SamplingFields(_Base):
     best_of: Annotated[StrictInt, Field(ge=1, le=MAX_N)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    stop: StrictStr | Annotated[list[StrictStr], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
-    seed: StrictInt | None = None
+    seed: Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)] | None = None
     user: StrictStr | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM / kvserve extras
@@ -48,8 +50,8 @@ class _SamplingFields(_Base):
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0, le=2)] | None = None
     ignore_eos: StrictBool = False
-    min_tokens: NonNegInt = 0
-    stop_token_ids: list[NonNegInt] | None = None
+    min_tokens: Annotated[StrictInt, Field(ge=0, le=INT64_MAX)] = 0
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
     # Structured outputs (runtime/server/structured.py validates the contents and names the field)
@@ -77,19 +79,31 @@ class _SamplingFields(_Base):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: StrictStr | list[StrictStr] | list[NonNegInt] | list[list[NonNegInt]]
-    max_tokens: StrictInt | None = 16
+    # left_to_right: a list of token ids matches its member first (smart mode would also validate every id
+    # against the other list members: 0.4 s of pydantic for a 1 MiB body, with the GIL held).
+    prompt: Annotated[StrictStr | list[TokenId] | list[StrictStr] | list[list[TokenId]],
+                      Field(union_mode="left_to_right")]
+    max_tokens: Annotated[StrictInt, Field(le=INT64_MAX)] | None = 16
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: StrictBool = False
     suffix: StrictStr | None = None
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="before")
     @classmethod
-    def _prompt_not_empty(cls, value: Any) -> Any:
-        if isinstance(value, list) and not value:
+    def _prompt_shape(cls, value: Any, info: ValidationInfo) -> Any:
+        """Cheap checks before the per-element validation: sizes only (a 1 MiB token list is refused in
+        microseconds). `max_model_len` comes in the validation context when the server has an engine."""
+        if not isinstance(value, list):
+            return value
+        if not value:
             raise ValueError("must not be empty")
-        if isinstance(value, list) and len(value) > MAX_N and not isinstance(value[0], int):
-            raise ValueError(f"at most {MAX_N} prompts per request")
+        if not isinstance(value[0], int) and len(value) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts per request")
+        max_len = (info.context or {}).get("max_model_len")
+        token_lists = [value] if isinstance(value[0], int) else [v for v in value if isinstance(v, list)]
+        for ids in token_lists:
+            if max_len and len(ids) > max_len:
+                raise ValueError(f"has {len(ids)} tokens, longer than max_model_len={max_len}")
         return value
 
 
@@ -136,16 +150,27 @@ class ChatMessage(_Base):
         return "".join(part.text for part in self.content)
 
 
+def _messages_fit_context(cls, value: Any, info: ValidationInfo) -> Any:
+    """Refuse more messages than the context holds before validating each one (every turn renders to at
+    least one token); `max_model_len` comes in the validation context."""
+    max_len = (info.context or {}).get("max_model_len")
+    if isinstance(value, list) and max_len and len(value) > max_len:
+        raise ValueError(f"{len(value)} messages cannot fit in max_model_len={max_len} tokens")
+    return value
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: StrictInt | None = None
-    max_completion_tokens: StrictInt | None = None
+    max_tokens: Annotated[StrictInt, Field(le=INT64_MAX)] | None = None
+    max_completion_tokens: Annotated[StrictInt, Field(le=INT64_MAX)] | None = None
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     add_generation_prompt: StrictBool = True
     tools: Annotated[list[dict[str, Any]], Field(max_length=128)] | None = None
     tool_choice: StrictStr | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool | None = None
+
+    _messages_fit = field_validator("messages", mode="before")(_messages_fit_context)
 
 
 class TokenizeRequest(_Base):
@@ -155,10 +180,12 @@ class TokenizeRequest(_Base):
     add_special_tokens: StrictBool = True
     add_generation_prompt: StrictBool = True
 
+    _messages_fit = field_validator("messages", mode="before")(_messages_fit_context)
+
 
 class DetokenizeRequest(_Base):
     model: StrictStr | None = None
-    tokens: list[NonNegInt]
+    tokens: list[TokenId]
 
 
 def _maybe_json(arguments: Any) -> Any:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import secrets
 import time
 import uuid
@@ -18,9 +19,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from kvserve.runtime.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, RequestStream
+from kvserve.runtime.engine.async_engine import AsyncEngine, RequestStream
+from kvserve.runtime.engine.errors import RequestFailedError
+from kvserve.runtime.sampling_params import InvalidParameter, SamplingParams, verify_request
 from kvserve.runtime.server import structured
-from kvserve.runtime.server.errors import APIError, bad_request, from_validation_error
+from kvserve.runtime.server.errors import APIError, bad_request, engine_error, find_invalid_text, from_validation_error
 from kvserve.runtime.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from kvserve.runtime.tracing import trace_headers
 
@@ -89,7 +92,8 @@ class OpenAIServing:
             raise APIError(503, "The model is still loading; retry shortly.", type="server_error",
                            code="service_unavailable", headers={"Retry-After": "5"})
         if not state.engine.is_running:
-            raise APIError(503, "The engine has stopped.", type="server_error", code="service_unavailable")
+            raise APIError(503, "The engine is dead; this server is shutting down. Retry on another replica.",
+                           type="server_error", code="engine_dead")
         return state.engine
 
     def check_model(self, model: str | None) -> None:
@@ -118,20 +122,13 @@ class OpenAIServing:
                 raise APIError(413, f"Request body larger than {limit} bytes.", code="request_too_large")
             parts.append(part)
         body = b"".join(parts)
-        try:
-            data = json.loads(body)
-        except UnicodeDecodeError:
-            raise bad_request("Request body is not valid UTF-8.", code="invalid_json") from None
-        except ValueError as exc:
-            raise bad_request(f"Request body is not valid JSON: {exc}", code="invalid_json") from None
-        except RecursionError:
-            raise bad_request("Request body is nested too deeply.", code="invalid_json") from None
-        if not isinstance(data, dict):
-            raise bad_request("Request body must be a JSON object.", code="invalid_json")
-        try:
-            return model_cls.model_validate(data)
-        except ValidationError as exc:
-            raise from_validation_error(exc) from None
+        context = {"max_model_len": self.state.max_model_len}
+        if len(body) <= _PARSE_INLINE_BYTES:
+            return _parse_body(body, model_cls, context)
+        # Parsing and validating a large body takes milliseconds per MiB: off the event loop, so /health and
+        # other clients' streams keep flowing meanwhile (the thread yields the GIL every switch interval).
+        return await asyncio.get_running_loop().run_in_executor(self.state.parse_pool, _parse_body, body, model_cls,
+                                                          context)
 
     # ---- tokenization (one dedicated thread) ---------------------------------------------------------
     async def _run_tokenizer(self, fn: Callable, *args: Any) -> Any:
@@ -167,27 +164,19 @@ class OpenAIServing:
                               param="messages") from None
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
-        bad = [t for t in ids if t >= self.state.vocab_size]
+        vocab = self.state.limits.vocab_size
+        bad = [t for t in ids if t >= vocab]
         if bad:
-            raise bad_request(f"{param} contains token ids outside the vocabulary (size {self.state.vocab_size}): "
-                              f"{bad[:5]}", param=param)
+            raise bad_request(f"{param} contains token ids outside the vocabulary (size {vocab}): {bad[:5]}",
+                              param=param)
 
     # ---- shared request plumbing ---------------------------------------------------------------------
-    def sampling_params(self, body: Any, max_tokens: int | None, logprobs: int | None, prompt_len: int,
-                        structured: Any = None) -> Any:
-        from kvserve.runtime.sampling_params import SamplingParams
-
-        max_model_len = self.state.max_model_len
+    def sampling_params(self, body: Any, max_tokens: int | None, logprobs: int | None, prompt_ids: list[int],
+                        prompt_param: str = "prompt", structured: Any = None) -> SamplingParams:
+        """The request's SamplingParams, checked against this engine exactly as the engine (and the offline
+        LLM) checks them (sampling_params.verify_request): a 400 naming the field, before the engine sees it."""
         if max_tokens is None:
-            max_tokens = max_model_len - prompt_len
-        if max_tokens < 1:
-            raise bad_request(f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens")
-        if prompt_len + max_tokens > max_model_len:
-            raise bad_request(
-                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} in the completion). "
-                "Please reduce the length of the prompt or max_tokens.", param="max_tokens",
-                code="context_length_exceeded")
+            max_tokens = max(1, self.state.max_model_len - len(prompt_ids))
         if body.best_of is not None and body.best_of != body.n:
             raise bad_request("best_of is not supported unless it equals n.", param="best_of")
         if body.logit_bias:
@@ -203,16 +192,17 @@ class OpenAIServing:
             structured_outputs=structured,
         )
         try:
-            return SamplingParams(**kwargs)
-        except (ValueError, TypeError) as exc:
-            raise bad_request(str(exc), param=getattr(exc, "param", None)) from None
+            params = SamplingParams(**kwargs)
+            verify_request(prompt_ids, params, self.state.limits, prompt_param)
+        except (ValueError, TypeError) as exc:  # InvalidParameter names the field
+            code = "context_length_exceeded" if "maximum context length" in str(exc) else None
+            raise bad_request(str(exc), param=getattr(exc, "param", None), code=code) from None
+        return params
 
     async def compile_grammar(self, params: Any) -> Any:
         """Attach the compiled grammar (in the grammar thread: a slow schema delays only this request)."""
         if params.structured_outputs is None:
             return params
-        from kvserve.runtime.sampling_params import InvalidParameter
-
         compiler = self.state.grammar_compiler
         try:
             compiled = await asyncio.get_running_loop().run_in_executor(
@@ -231,8 +221,8 @@ class OpenAIServing:
         except BaseException as exc:
             for stream in streams:
                 stream.abort()
-            if isinstance(exc, EngineDeadError):
-                raise APIError(503, str(exc), type="server_error", code="service_unavailable") from None
+            if isinstance(exc, RequestFailedError):
+                raise engine_error(exc) from None
             if isinstance(exc, ValueError):
                 raise bad_request(str(exc), param=getattr(exc, "param", None) or "prompt") from None
             raise
@@ -257,7 +247,7 @@ class OpenAIServing:
                     task.cancel()
                     return None
         except RequestFailedError as exc:
-            raise APIError(500, str(exc), type="server_error", code="internal_error") from None
+            raise engine_error(exc) from None
         finally:
             if not task.done():
                 task.cancel()
@@ -370,7 +360,9 @@ class OpenAIServing:
                 raise bad_request(f"{param} must not be empty.", param=param)
             prompt_ids.append(ids)
         spec = structured.output_spec(body)
-        params = [self.sampling_params(body, body.max_tokens, body.logprobs, len(ids), spec) for ids in prompt_ids]
+        params = [self.sampling_params(body, body.max_tokens, body.logprobs, ids,
+                                       "prompt" if len(prompt_ids) == 1 else f"prompt.{i}", spec)
+                  for i, ids in enumerate(prompt_ids)]
         if spec is not None:
             compiled = await self.compile_grammar(params[0])
             params = [dataclasses.replace(p, compiled_constraint=compiled.compiled_constraint) for p in params]
@@ -451,8 +443,7 @@ class OpenAIServing:
                 completion_tokens = sum(ch.num_tokens for ch in choices.values())
                 yield _sse({**base, "choices": [], "usage": self.usage(prepared, completion_tokens)})
         except RequestFailedError as exc:
-            yield _sse({"error": {"message": str(exc), "type": "server_error", "param": None,
-                                  "code": "internal_error"}})
+            yield _sse(engine_error(exc).body())
         finally:
             for stream in streams:
                 stream.abort()
@@ -509,7 +500,7 @@ class OpenAIServing:
         if not ids:
             raise bad_request("messages rendered to an empty prompt.", param="messages")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = await self.compile_grammar(self.sampling_params(body, max_tokens, logprobs, len(ids), spec))
+        params = await self.compile_grammar(self.sampling_params(body, max_tokens, logprobs, ids, "messages", spec))
         prepared = _Prepared(f"chatcmpl-{uuid.uuid4().hex}", [text], [ids], [params], body.n)
         streams = await self.add_all(engine, prepared, request)
         created = int(time.time())
@@ -622,6 +613,32 @@ class OpenAIServing:
         self.check_token_ids(body.tokens, "tokens")
         text = await self._run_tokenizer(self.state.tokenizer.decode, body.tokens)
         return JSONResponse({"prompt": text})
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # the only way JSON text can hold a lone surrogate
+_PARSE_INLINE_BYTES = 64 * 1024  # bodies up to this size are parsed on the event loop (sub-millisecond)
+
+
+def _parse_body(body: bytes, model_cls: type, context: dict | None = None) -> Any:
+    """JSON -> the request model; every failure is a 400 naming the field (no Python reprs)."""
+    try:
+        data = json.loads(body)
+    except UnicodeDecodeError:
+        raise bad_request("Request body is not valid UTF-8.", code="invalid_json") from None
+    except ValueError as exc:
+        raise bad_request(f"Request body is not valid JSON: {exc}", code="invalid_json") from None
+    except RecursionError:
+        raise bad_request("Request body is nested too deeply.", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise bad_request("Request body must be a JSON object.", code="invalid_json")
+    bad_text = find_invalid_text(data) if _SURROGATE_ESCAPE.search(body) else None
+    if bad_text is not None:
+        raise bad_request(f"{bad_text or 'a key'}: text is not valid Unicode (it holds a lone surrogate escape "
+                          "such as \\ud800).", param=bad_text or None, code="invalid_value")
+    try:
+        return model_cls.model_validate(data, context=context)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
 
 
 def _sse(payload: dict) -> str:

@@ -157,9 +157,10 @@ class ModelRunner:
         req_ids = [rid for group in sample_groups for rid in group]
         if len(row_index) != len(logits_rows):
             logits = logits[torch.tensor(row_index, device=dev)]
-        tokens, logprobs = sample(logits, [self.states[rid] for rid in req_ids])
-        return ModelRunnerOutput(dict(zip(req_ids, tokens)),
-                                 {rid: lp for rid, lp in zip(req_ids, logprobs) if lp is not None})
+        tokens, logprobs, failed = sample(logits, [self.states[rid] for rid in req_ids])
+        return ModelRunnerOutput({rid: t for rid, t in zip(req_ids, tokens) if t is not None},
+                                 {rid: lp for rid, lp in zip(req_ids, logprobs) if lp is not None},
+                                 failed={req_ids[i]: stage for i, stage in failed.items()})
 
     def _metadata(self, query_lens: list[int], seq_lens: list[int], tables: list[list[int]],
                   slot_mapping: torch.Tensor, has_padding: bool = False) -> AttentionMetadata:

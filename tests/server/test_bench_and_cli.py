@@ -22,6 +22,10 @@ def test_serve_flags_parse():
     assert args.enable_prefix_caching is False and args.enable_chunked_prefill is True
     assert args.kv_cache_bytes == 512 << 20 and args.max_queue_len == 8 and args.drain_timeout == 5.0
     assert build_parser().parse_args(["serve"]).model_dir is None
+    defaults = build_parser().parse_args(["serve"])
+    assert defaults.max_request_body_bytes == 32 << 20 and defaults.max_consecutive_step_failures == 3
+    limits = build_parser().parse_args(["serve", "--max-request-body-bytes", "1MiB", "--max-consecutive-step-failures", "5"])
+    assert limits.max_request_body_bytes == 1 << 20 and limits.max_consecutive_step_failures == 5
     assert serve.parse_bytes("1G") == 1 << 30 and serve.parse_bytes("1048576") == 1 << 20
     with pytest.raises(argparse.ArgumentTypeError):
         serve.parse_bytes("lots")

@@ -91,6 +91,19 @@ def hostile_requests(model: str) -> list[tuple[str, str, object, int | None, str
         ("POST", "/tokenize", {}, 400, "prompt"),
         ("POST", "/detokenize", {"tokens": [10**9]}, 400, "tokens"),
         ("POST", "/detokenize", {"tokens": "abc"}, 400, "tokens"),
+        # issue 9: every id-valued field below the vocabulary, int64 seeds, bounded lists, valid Unicode
+        ("POST", C, {"prompt": "x", "seed": 2**64}, 400, "seed"),
+        ("POST", C, {"prompt": "x", "seed": 2**63 - 1, "n": 2}, 400, "seed"),  # seed + 1 overflows
+        ("POST", C, {"prompt": "x", "stop_token_ids": [10**6]}, 400, "stop_token_ids"),
+        ("POST", C, {"prompt": "x", "stop_token_ids": [1] * 2000}, 400, "stop_token_ids"),
+        ("POST", C, {"prompt": "x", "stop": ["a" * 2000]}, 400, "stop"),
+        ("POST", C, {"prompt": "x", "min_tokens": 10**6, "max_tokens": None}, 400, "min_tokens"),
+        ("POST", C, {"prompt": [5] * 5000}, 400, "prompt"),  # more ids than max_model_len, refused while parsing
+        ("POST", C, {"prompt": [[5], [5] * 5000]}, 400, "prompt"),
+        ("POST", C, b'{"prompt": "a lone \\ud800 surrogate"}', 400, "prompt"),
+        ("POST", CHAT, b'{"messages": [{"role": "user", "content": "\\udfff"}]}', 400, "messages.0.content"),
+        ("POST", CHAT, {"messages": OK_MSG * 3000}, 400, "messages"),  # more turns than max_model_len
+        ("POST", CHAT, {"messages": OK_MSG, "stop_token_ids": [10**6]}, 400, "stop_token_ids"),
         ("GET", C, None, 405, None),  # wrong method
         ("POST", "/v1/engines/davinci/completions", {"prompt": "x"}, 404, None),  # unknown route
     ]
@@ -191,26 +204,32 @@ def test_queue_full_gets_429_with_retry_after(demo_model_dir):
 
 
 def test_engine_loop_survives_a_failing_step(demo_model_dir):
-    """A step that raises fails only the requests in it (HTTP 500); the next requests are served."""
+    """A step whose forward raises fails only the requests in it, retryably (HTTP 503 + Retry-After, no
+    Python repr in the body); the next requests are served and every block is freed."""
     engine = make_engine(demo_model_dir, kv_cache_bytes=8 << 20, max_model_len=1024)
     srv = LiveServer(engine)
     try:
-        real_step = engine.step
+        real_execute = engine.runner.execute
         calls = {"n": 0}
 
-        def flaky_step():
+        def flaky_execute(sched):
             calls["n"] += 1
             if calls["n"] == 1:
                 raise RuntimeError("injected failure")
-            return real_step()
+            return real_execute(sched)
 
-        engine.step = flaky_step
-        with pytest.raises(openai.InternalServerError):
-            srv.openai().completions.create(model=srv.model, prompt="doomed", max_tokens=4)
+        engine.runner.execute = flaky_execute
+        resp = httpx.post(srv.base_url + C, json={"prompt": "doomed", "max_tokens": 4}, timeout=30)
+        assert resp.status_code == 503 and int(resp.headers["retry-after"]) >= 1
+        error = resp.json()["error"]
+        assert error["code"] == "engine_step_failed" and "RuntimeError" not in error["message"]
         ok = srv.openai().completions.create(model=srv.model, prompt="fine", max_tokens=4)
         assert ok.usage.completion_tokens == 4
         stats = srv.wait_idle()
         assert stats.num_free_blocks == stats.num_total_blocks
+        assert httpx.get(srv.base_url + "/health").status_code == 200
+        assert 'kvserve:engine_step_failures_total{engine="0",model_name="test-model"} 1.0' in \
+            httpx.get(srv.base_url + "/metrics").text
     finally:
         srv.stop()
 

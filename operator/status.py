@@ -56,7 +56,7 @@ def compute_status(*, name: str, namespace: str, spec: dict, generation: int | N
                    pod_failure: PodFailure | None = None, conflicts: tuple[str, ...] = ()) -> dict[str, Any]:
     """`plan` is None when the spec could not be planned at all (unknown model/GPU); `spec` has defaults.
 
-    `conflicts` names child kinds whose same-named object this InferenceService does not own: nothing is
+    `conflicts` labels children (kind, or kind/name) whose object this InferenceService does not own: nothing is
     adopted or written then, so the status must not report someone else's Deployment as ours (no Ready, no url).
     `pod_failure` is pod_health.diagnose() of the InferenceService's pods.
     """
@@ -72,8 +72,9 @@ def compute_status(*, name: str, namespace: str, spec: dict, generation: int | N
     dep_observed = dep_status.get("observedGeneration")
     rolled = dep_generation is None or (dep_observed is not None and dep_observed >= dep_generation)
 
-    conflict_message = (f"{', '.join(conflicts)} named {name!r} exist(s) but not owned by this InferenceService; "
-                        "nothing is adopted or changed: delete or rename the other object(s)" if conflicts else "")
+    conflict_message = ("objects under this InferenceService's child names exist but are not owned by it: "
+                        f"{', '.join(conflicts)} (kind, or kind/name for the router's); nothing is adopted or "
+                        "changed: delete or rename them" if conflicts else "")
     if not fits:
         ready_c = (False, "CapacityNotPlanned", plan_message)
     elif conflicts:

@@ -4,6 +4,7 @@ takes the key from KVSERVE_API_KEY, which is how operator-managed pods receive i
 from __future__ import annotations
 
 import argparse
+import logging
 
 from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
@@ -36,6 +37,9 @@ def test_serve_reads_the_key_from_the_environment(monkeypatch, tmp_path):
     from kvserve.cli import serve
 
     (tmp_path / "config.json").write_text("{}")
+    # serve.run configures root logging for a process; in a test process that would leave a handler on
+    # pytest's captured stderr behind (closed after this test) for every later test's log records.
+    monkeypatch.setattr(logging, "basicConfig", lambda **_: None)
     captured = {}
     from kvserve.runtime.server import api_server
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 HELP = "Run the InferenceService operator (kopf) against the current cluster"
@@ -16,6 +17,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="serve the operator's Prometheus /metrics on this port (0 to disable)")
     parser.add_argument("--metrics-host", default="0.0.0.0", help="bind address of /metrics")
     parser.add_argument("--verbose", action="store_true")
+    election = parser.add_argument_group("leader election (several replicas; see kvserve.operator.leader)")
+    election.add_argument("--leader-elect", action="store_true",
+                          help="run only while holding a coordination.k8s.io Lease; stand by otherwise")
+    election.add_argument("--lease-name", default="kvserve-operator")
+    election.add_argument("--lease-namespace", default=os.environ.get("POD_NAMESPACE") or "default",
+                          help="namespace of the Lease (default: $POD_NAMESPACE, else 'default')")
+    election.add_argument("--lease-duration", type=int, default=15, metavar="SECONDS")
+    election.add_argument("--renew-deadline", type=float, default=10.0, metavar="SECONDS")
+    election.add_argument("--retry-period", type=float, default=2.0, metavar="SECONDS")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -24,11 +34,11 @@ def run(args: argparse.Namespace) -> int:
 
     import kopf
 
-    from kvserve.operator import handlers  # noqa: F401  (registers the handlers)
+    from kvserve.operator import handlers, kube, leader  # noqa: F401  (handlers registers the handlers)
 
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    if args.metrics_port:
+    if args.metrics_port:  # before the election: a standby serves /metrics too (its reconcile series stay empty)
         from kvserve.operator import metrics
 
         try:
@@ -37,11 +47,24 @@ def run(args: argparse.Namespace) -> int:
             print(f"kvserve operator: cannot serve /metrics on {args.metrics_host}:{args.metrics_port}: {exc}",
                   file=sys.stderr)
             return 2
-    # One replica with a Recreate strategy (the chart's default): no peering objects to manage.
-    asyncio.run(kopf.operator(
-        standalone=True,
-        clusterwide=not args.namespace,
-        namespaces=args.namespace or (),
-        liveness_endpoint=args.liveness or None,
-    ))
-    return 0
+
+    async def operate(stop_flag: asyncio.Event | None = None) -> None:
+        # kopf's own peering stays off (standalone): with --leader-elect only the Lease holder runs kopf at all.
+        await kopf.operator(
+            standalone=True,
+            clusterwide=not args.namespace,
+            namespaces=args.namespace or (),
+            liveness_endpoint=args.liveness or None,
+            stop_flag=stop_flag,
+        )
+
+    if not args.leader_elect:
+        asyncio.run(operate())
+        return 0
+    settings = leader.LeaseSettings(
+        name=args.lease_name, namespace=args.lease_namespace, identity=leader.default_identity(),
+        lease_duration_s=args.lease_duration, renew_deadline_s=args.renew_deadline,
+        retry_period_s=args.retry_period)
+    if kube._client is None:
+        kube.configure()
+    return asyncio.run(leader.run_elected(leader.Elector(settings), operate, args.liveness or None))

@@ -21,7 +21,8 @@ from typing import Any
 
 import kopf
 
-from kvserve.operator import kube, metrics, render, render_router, spec as spec_mod, status as status_mod
+from kvserve.operator import kube, leader, metrics, pod_health, render, render_router, render_security, \
+    spec as spec_mod, status as status_mod, transitions
 
 log = logging.getLogger("kvserve.operator")
 G, V, P = spec_mod.GROUP, spec_mod.VERSION, spec_mod.PLURAL
@@ -45,6 +46,8 @@ def _now() -> str:
 def reconcile(namespace: str, name: str) -> dict[str, str]:
     """Bring one InferenceService's children and status in line with its spec; returns what was done."""
     actions: dict[str, str] = {}
+    if not leader.may_write():  # a standby (or a leader that lost its Lease) must not write anything
+        return actions
     with _lock(namespace, name):
         parent = kube.get(spec_mod.KIND, namespace, name)  # fresh: the triggering event may be stale
         if parent is None or parent["metadata"].get("deletionTimestamp"):
@@ -61,21 +64,25 @@ def reconcile(namespace: str, name: str) -> dict[str, str]:
             resolved, plan, reason, message, desired = None, None, "InvalidSpec", f"{type(exc).__name__}: {exc}", []
             spec = spec_mod.with_defaults(parent.get("spec") or {})
 
+        desired = _with_api_key_digest(desired, spec, namespace)
         # Children are keyed by (kind, name): the router's Deployment/Service/PDB share kinds with the engine's.
         keys = [(kind, name) for kind in kube.CHILD_KINDS] + render_router.child_keys(name, spec, parent.get("status"))
         live = {key: kube.get(key[0], namespace, key[1]) for key in keys}
+        # Someone else's object under one of our names: adopt nothing, write nothing (a half-built service is
+        # worse), and report ChildConflict instead of computing status from an object that is not ours.
+        conflicts = tuple(_label(key, name) for key in ((o["kind"], o["metadata"]["name"]) for o in desired)
+                          if live.get(key) is not None and not kube.owned_by(live[key], parent))
+        if conflicts:
+            log.warning("%s/%s: %s exist(s) and not owned by this InferenceService; leaving everything alone",
+                        namespace, name, ", ".join(conflicts))
+            desired = []
         for obj in desired:
             key = (obj["kind"], obj["metadata"]["name"])
             action = _label(key, name)
-            current = live[key]
-            if current is not None and not kube.owned_by(current, parent):
-                log.warning("%s %s/%s exists and is not owned by this InferenceService; leaving it alone",
-                            key[0], namespace, key[1])
-                continue
-            actions[action] = kube.apply(kube.adopt(obj, parent), current)
+            actions[action] = kube.apply(kube.adopt(obj, parent), live.get(key))
             if actions[action] != "unchanged":
                 live[key] = kube.get(key[0], namespace, key[1])
-        if plan is not None and plan.fits:
+        if plan is not None and plan.fits and not conflicts:
             # Children the spec no longer asks for (the HPA after autoscaling is switched off, ...).
             wanted = {(obj["kind"], obj["metadata"]["name"]) for obj in desired}
             for key, current in live.items():
@@ -86,25 +93,39 @@ def reconcile(namespace: str, name: str) -> dict[str, str]:
         # else: an impossible spec creates nothing and leaves a previously working Deployment serving.
 
         previous = parent.get("status") or {}
-        was = {c.get("type"): c for c in previous.get("conditions") or []}.get("CapacityPlanned", {})
-        if (plan is None or not plan.fits) and (was.get("status") != "False" or was.get("reason") != reason):
-            try:
-                kopf.warn(parent, reason=reason, message=message)
-            except LookupError:  # outside kopf's handler context (no event queue): the condition still says it
-                log.warning("%s/%s: %s: %s", namespace, name, reason, message)
+        pods = (kube.list_labelled("Pod", namespace, {render.OWNER_LABEL: name})
+                if live[("Deployment", name)] else [])
         new_status = status_mod.compute_status(
             name=name, namespace=namespace, spec=spec, generation=parent["metadata"].get("generation"),
             plan=plan, plan_reason=reason, plan_message=message, deployment=live[("Deployment", name)],
-            previous=previous, now=_now())
+            previous=previous, now=_now(), pod_failure=pod_health.diagnose(pods), conflicts=conflicts)
         metrics.record(namespace, name, spec=spec, plan=plan, status=new_status)
         if kube.patch_status(namespace, name, previous, new_status):
             actions["status"] = "patched"
+        # After the status: a failed status patch is retried, and re-posting its Events would duplicate them.
+        for event_reason, event_message in transitions.warnings(previous, new_status):
+            log.warning("%s/%s: %s: %s", namespace, name, event_reason, event_message)
+            try:
+                kube.post_warning(parent, event_reason, event_message)
+            except kube.KubeError as exc:  # an Event is best effort; the condition carries the same text
+                log.warning("could not post the %s Event for %s/%s: %s", event_reason, namespace, name, exc)
     return actions
 
 
 def _label(key: tuple[str, str], name: str) -> str:
     """Action key: the kind for the engine's children ("Deployment"), kind/name for the router's."""
     return key[0] if key[1] == name else f"{key[0]}/{key[1]}"
+
+
+def _with_api_key_digest(desired: list[dict], spec: dict, namespace: str) -> list[dict]:
+    """Stamp the API-key Secret's digest on the pod templates, so a rotated key rolls the pods."""
+    ref = render_security.api_key_ref(spec)
+    if ref is None or not desired:
+        return desired
+    digest = render_security.secret_digest(kube.get("Secret", namespace, ref["name"]), ref["key"])
+    if digest is None:  # the pods fail with CreateContainerConfigError, which pod_health reports as Degraded
+        log.warning("%s: Secret %r or its key %r is missing", namespace, ref["name"], ref["key"])
+    return render_security.with_api_key_hash(desired, digest)
 
 
 def _reconcile_or_retry(namespace: str, name: str, trigger: str) -> None:
@@ -185,5 +206,6 @@ for _group, _version, _plural in [("apps", "v1", "deployments"), ("", "v1", "ser
                                    ("autoscaling", "v2", "horizontalpodautoscalers"),
                                    ("policy", "v1", "poddisruptionbudgets"), ("", "v1", "serviceaccounts"),
                                    ("rbac.authorization.k8s.io", "v1", "roles"),
-                                   ("rbac.authorization.k8s.io", "v1", "rolebindings")]:
+                                   ("rbac.authorization.k8s.io", "v1", "rolebindings"),
+                                   ("networking.k8s.io", "v1", "networkpolicies")]:
     kopf.on.event(_group, _version, _plural, labels=CHILD_LABELS, id=f"child-{_plural}")(_on_child_event)

@@ -5,9 +5,11 @@ API server defaults are fine) is left alone, so reconciling an unchanged Inferen
 """
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import threading
+import uuid
 from typing import Any
 
 from kvserve.operator.spec import API_VERSION, KIND, PLURAL
@@ -23,9 +25,16 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "ServiceAccount": ("/api/v1", "serviceaccounts"),
     "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles"),
     "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
+    "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
     KIND: (f"/apis/{API_VERSION}", PLURAL),
+    # Read only: pod statuses for failure reasons, the API-key Secret for its rotation digest.
+    "Pod": ("/api/v1", "pods"),
+    "Secret": ("/api/v1", "secrets"),
+    # The operator's leader-election Lease (operator/leader.py).
+    "Lease": ("/apis/coordination.k8s.io/v1", "leases"),
+    "Event": ("/api/v1", "events"),
 }
-CHILD_KINDS = ("Deployment", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget")
+CHILD_KINDS = ("Deployment", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget", "NetworkPolicy")
 
 
 class KubeError(RuntimeError):
@@ -72,12 +81,14 @@ def path(kind: str, namespace: str, name: str | None = None, subresource: str | 
     return out
 
 
-def request(method: str, url_path: str, body: Any = None, content_type: str = "application/json") -> dict | None:
+def request(method: str, url_path: str, body: Any = None, content_type: str = "application/json",
+            query: dict[str, str] | None = None) -> dict | None:
     """One API call; returns the decoded JSON body, None on 404, raises KubeError on other failures."""
     api = _api()
     headers = {"Accept": "application/json", "Content-Type": content_type}
     method_, url, headers, body_, _ = api.param_serialize(
-        method=method, resource_path=url_path, header_params=headers, body=body, auth_settings=["BearerToken"])
+        method=method, resource_path=url_path, header_params=headers, body=body, auth_settings=["BearerToken"],
+        query_params=list((query or {}).items()))
     import kubernetes
 
     try:
@@ -96,6 +107,16 @@ def request(method: str, url_path: str, body: Any = None, content_type: str = "a
 
 def get(kind: str, namespace: str, name: str) -> dict | None:
     return request("GET", path(kind, namespace, name))
+
+
+def list_labelled(kind: str, namespace: str, match_labels: dict[str, str]) -> list[dict]:
+    """Objects of `kind` in `namespace` carrying every label in `match_labels` (server-side selector, and
+    checked again here so a server that ignores the selector cannot hand us someone else's objects)."""
+    selector = ",".join(f"{k}={v}" for k, v in sorted(match_labels.items()))
+    body = request("GET", path(kind, namespace), query={"labelSelector": selector})
+    items = (body or {}).get("items") or []
+    return [obj for obj in items
+            if all(((obj.get("metadata") or {}).get("labels") or {}).get(k) == v for k, v in match_labels.items())]
 
 
 def contains(live: Any, desired: Any) -> bool:
@@ -142,6 +163,23 @@ def apply(obj: dict, live: dict | None) -> str:
 def delete(kind: str, namespace: str, name: str) -> None:
     request("DELETE", path(kind, namespace, name))
     log.info("deleted %s %s/%s", kind, namespace, name)
+
+
+def post_warning(owner: dict, reason: str, message: str, component: str = "kvserve-operator") -> None:
+    """A core/v1 Warning Event on `owner`. Posted directly rather than through kopf.warn: the resync runs
+    outside kopf's handler context, and pod failures are found there."""
+    meta = owner["metadata"]
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    event = {
+        "apiVersion": "v1", "kind": "Event", "type": "Warning", "reason": reason, "message": message[:1024],
+        # client-go's naming: the object's name plus a unique suffix.
+        "metadata": {"name": f"{meta['name']}.{uuid.uuid4().hex[:16]}", "namespace": meta["namespace"]},
+        "involvedObject": {"apiVersion": owner.get("apiVersion", API_VERSION), "kind": owner.get("kind", KIND),
+                           "name": meta["name"], "namespace": meta["namespace"], "uid": meta.get("uid")},
+        "source": {"component": component}, "reportingComponent": component,
+        "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+    }
+    request("POST", path("Event", meta["namespace"]), event)
 
 
 def status_patch(live_status: dict, status: dict) -> dict:

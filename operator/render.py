@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from kvserve.operator import render_router
+from kvserve.operator import pod_resources, render_router, render_security
 from kvserve.operator.spec import API_VERSION, KIND, Resolved
 from kvserve.runtime import engine_args
 
@@ -87,12 +87,15 @@ def runtime_args(resolved: Resolved, name: str, model_dir: str) -> list[str]:
     return args + [str(a) for a in engine.get("extraArgs", [])]
 
 
-def _resources(spec: dict) -> dict:
+def _resources(resolved: Resolved) -> dict:
+    spec = resolved.spec
     gpus = str(spec["gpu"]["tensorParallelSize"])
     resource = spec["gpu"]["resourceName"]
     user = spec.get("resources") or {}
+    requests = {**pod_resources.default_requests(resolved),
+                **{k: str(v) for k, v in (user.get("requests") or {}).items()}}
     # nvidia.com/gpu cannot be overcommitted: requests must equal limits.
-    return {"requests": {**{k: str(v) for k, v in (user.get("requests") or {}).items()}, resource: gpus},
+    return {"requests": {**requests, resource: gpus},
             "limits": {**{k: str(v) for k, v in (user.get("limits") or {}).items()}, resource: gpus}}
 
 
@@ -123,8 +126,8 @@ def deployment(resolved: Resolved, name: str, namespace: str) -> dict:
         "imagePullPolicy": spec["imagePullPolicy"],
         "command": runtime_args(resolved, name, model_dir),
         "ports": [{"name": "http", "containerPort": spec["port"], "protocol": "TCP"}],
-        "env": [{"name": "HOME", "value": "/tmp"}],
-        "resources": _resources(spec),
+        "env": [{"name": "HOME", "value": "/tmp"}, *render_security.api_key_env(spec)],
+        "resources": _resources(resolved),
         "volumeMounts": mounts,
         # A runtime that rejects its plan writes one line to /dev/termination-log; the operator shows it.
         "terminationMessagePath": "/dev/termination-log",
@@ -144,6 +147,8 @@ def deployment(resolved: Resolved, name: str, namespace: str) -> dict:
         "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
                             "seccompProfile": {"type": "RuntimeDefault"}},
         "terminationGracePeriodSeconds": spec["terminationGracePeriodSeconds"],
+        # The engine never talks to the Kubernetes API: no token to steal from a compromised pod.
+        "automountServiceAccountToken": False,
         "tolerations": _tolerations(spec),
         "topologySpreadConstraints": [{
             "maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
@@ -238,4 +243,6 @@ def render(resolved: Resolved, name: str, namespace: str) -> list[dict]:
     if resolved.spec["podDisruptionBudget"]["enabled"]:
         objs.append(disruption_budget(resolved, name, namespace))
     objs += render_router.render(resolved, name, namespace, labels(name), model_source(resolved.spec))
+    if resolved.spec["networkPolicy"]["enabled"]:
+        objs.append(render_security.network_policy(resolved, name, namespace))
     return objs

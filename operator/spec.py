@@ -46,6 +46,7 @@ DEFAULTS: dict[str, Any] = {
     "terminationGracePeriodSeconds": 120,
     "podDisruptionBudget": {"enabled": True, "maxUnavailable": 1},
     "router": {"enabled": False, "replicas": 1},
+    "networkPolicy": {"enabled": True, "allowSameNamespace": True},
 }
 
 
@@ -118,9 +119,22 @@ def model_shape(model_spec: dict) -> catalog.ModelShape:
     return catalog.ModelShape(**{**base.__dict__, **replace})
 
 
+def check_no_api_key_in_args(spec: dict) -> None:
+    """An API key in extraArgs would sit in plain text in the CR, the Deployment and `ps`: refuse it.
+
+    The CRD rejects it too (CEL); this covers clusters without the CRD's validation and `kvserve render`.
+    """
+    for arg in (spec.get("engine") or {}).get("extraArgs") or []:
+        if str(arg).split("=", 1)[0] == "--api-key":
+            raise SpecError("ApiKeyInArgs", "spec.engine.extraArgs must not carry --api-key (it would be readable "
+                                            "in the CR, the Deployment and the process list); put the key in a "
+                                            "Secret and set spec.auth.apiKeySecretRef {name, key}")
+
+
 def resolve(spec: dict) -> Resolved:
-    """Defaults + catalogs + planner. Raises SpecError for an unknown model/GPU."""
+    """Defaults + catalogs + planner. Raises SpecError for an unknown model/GPU or an API key in extraArgs."""
     spec = with_defaults(spec)
+    check_no_api_key_in_args(spec)
     model = model_shape(spec["model"])
     gpu_spec, engine = spec["gpu"], spec["engine"]
     gpu = catalog.lookup_gpu(gpu_spec["product"]) if gpu_spec.get("product") else None

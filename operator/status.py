@@ -8,10 +8,11 @@ from __future__ import annotations
 from typing import Any
 
 from kvserve.operator.planner import Plan
+from kvserve.operator.pod_health import PodFailure
 from kvserve.operator.render import selector_string, service_url
 from kvserve.operator.render_router import url_service_name
 
-CONDITION_TYPES = ("Ready", "CapacityPlanned", "Progressing", "Degraded")
+CONDITION_TYPES = ("Ready", "CapacityPlanned", "Progressing", "Degraded", "ChildConflict")
 
 _PLAN_FIELDS = {
     "kvBytesPerToken": "kv_bytes_per_token",
@@ -51,8 +52,16 @@ def _deployment_condition(deployment: dict | None, ctype: str) -> dict:
 
 def compute_status(*, name: str, namespace: str, spec: dict, generation: int | None,
                    plan: Plan | None, plan_reason: str, plan_message: str,
-                   deployment: dict | None, previous: dict | None, now: str) -> dict[str, Any]:
-    """`plan` is None when the spec could not be planned at all (unknown model/GPU); `spec` has defaults."""
+                   deployment: dict | None, previous: dict | None, now: str,
+                   pod_failure: PodFailure | None = None, conflicts: tuple[str, ...] = ()) -> dict[str, Any]:
+    """`plan` is None when the spec could not be planned at all (unknown model/GPU); `spec` has defaults.
+
+    `conflicts` labels children (kind, or kind/name) whose object this InferenceService does not own: nothing is
+    adopted or written then, so the status must not report someone else's Deployment as ours (no Ready, no url).
+    `pod_failure` is pod_health.diagnose() of the InferenceService's pods.
+    """
+    if conflicts:
+        deployment, pod_failure = None, None
     previous_conditions = {c.get("type"): c for c in (previous or {}).get("conditions") or []}
     fits = plan is not None and plan.fits
     desired = int(spec.get("replicas", 1))
@@ -63,20 +72,27 @@ def compute_status(*, name: str, namespace: str, spec: dict, generation: int | N
     dep_observed = dep_status.get("observedGeneration")
     rolled = dep_generation is None or (dep_observed is not None and dep_observed >= dep_generation)
 
+    conflict_message = ("objects under this InferenceService's child names exist but are not owned by it: "
+                        f"{', '.join(conflicts)} (kind, or kind/name for the router's); nothing is adopted or "
+                        "changed: delete or rename them" if conflicts else "")
     if not fits:
         ready_c = (False, "CapacityNotPlanned", plan_message)
+    elif conflicts:
+        ready_c = (False, "ChildConflict", conflict_message)
     elif deployment is None:
         ready_c = (False, "DeploymentMissing", "the Deployment does not exist yet")
     elif desired == 0:
         ready_c = (False, "ScaledToZero", "spec.replicas is 0")
     elif ready >= desired and updated >= desired and rolled:
         ready_c = (True, "AllReplicasReady", f"{ready}/{desired} replicas ready")
+    elif pod_failure is not None:
+        ready_c = (False, pod_failure.reason, f"{ready}/{desired} replicas ready: {pod_failure.message}")
     else:
         ready_c = (False, "ReplicasNotReady", f"{ready}/{desired} replicas ready, {updated} updated")
 
     if fits and deployment is not None and not ready_c[0] and desired > 0:
         progressing_c = (True, "RollingOut", f"{updated}/{desired} replicas updated, {ready} ready")
-    elif fits and deployment is None:
+    elif fits and deployment is None and not conflicts:
         progressing_c = (True, "Creating", "creating the Deployment")
     else:
         progressing_c = (False, "Stable" if fits else "CapacityNotPlanned", "no rollout in progress")
@@ -86,6 +102,8 @@ def compute_status(*, name: str, namespace: str, spec: dict, generation: int | N
     if not fits and deployment is not None:
         degraded_c = (True, "SpecNotApplied",
                       f"the new spec does not fit ({plan_reason}); the previous Deployment keeps serving")
+    elif fits and deployment is not None and pod_failure is not None:
+        degraded_c = (True, pod_failure.reason, pod_failure.message)
     elif deadline.get("status") == "False" and deadline.get("reason") == "ProgressDeadlineExceeded":
         degraded_c = (True, "ProgressDeadlineExceeded", deadline.get("message", ""))
     elif failure.get("status") == "True":
@@ -98,6 +116,8 @@ def compute_status(*, name: str, namespace: str, spec: dict, generation: int | N
         _condition("CapacityPlanned", fits, plan_reason, plan_message, previous_conditions, now, generation),
         _condition("Progressing", *progressing_c, previous_conditions, now, generation),
         _condition("Degraded", *degraded_c, previous_conditions, now, generation),
+        _condition("ChildConflict", bool(conflicts), "ChildConflict" if conflicts else "NoConflict", conflict_message,
+                   previous_conditions, now, generation),
     ]
     status: dict[str, Any] = {
         "replicas": int(dep_status.get("replicas") or 0),
@@ -109,6 +129,6 @@ def compute_status(*, name: str, namespace: str, spec: dict, generation: int | N
         status["observedGeneration"] = generation
     if plan is not None:
         status["plan"] = plan_status(plan)
-    if fits:
+    if fits and not conflicts:
         status["url"] = service_url(url_service_name(spec, name), namespace, int(spec.get("port", 8000)))
     return status

@@ -29,6 +29,7 @@ CHILDREN = {
     "Service": "v1/services",
     "HorizontalPodAutoscaler": "autoscaling/v2/horizontalpodautoscalers",
     "PodDisruptionBudget": "policy/v1/poddisruptionbudgets",
+    "NetworkPolicy": "networking.k8s.io/v1/networkpolicies",
 }
 # spec.router's extra kinds (its Deployment, Service and PDB are named <name>-router).
 ROUTER_CHILDREN = {
@@ -36,6 +37,8 @@ ROUTER_CHILDREN = {
     "Role": "rbac.authorization.k8s.io/v1/roles",
     "RoleBinding": "rbac.authorization.k8s.io/v1/rolebindings",
 }
+# Read (pods, secrets) or used (leases) by the operator, written by the tests in the kubelet's/user's place.
+OTHERS = {"Pod": "v1/pods", "Secret": "v1/secrets", "Lease": "coordination.k8s.io/v1/leases"}
 _ALL_VERBS = {"get", "list", "watch", "create", "patch", "update", "delete"}
 _server_url: str | None = None
 
@@ -51,6 +54,7 @@ class Emulator:
 
     CR = CR
     CHILDREN = CHILDREN
+    OTHERS = OTHERS
 
     def __init__(self, handler: kmock.KubernetesEmulator, url: str, loop: asyncio.AbstractEventLoop):
         self.handler, self.url, self.loop = handler, url, loop
@@ -109,7 +113,7 @@ def emulator() -> Iterator[Emulator]:
                 kind="CustomResourceDefinition", namespaced=False, verbs=_ALL_VERBS)
             handler.resources[CR] = info(kind="InferenceService", namespaced=True, verbs=_ALL_VERBS,
                                          subresources={"status", "scale"}, shortnames={"kvs"})
-            for kind, resource in {**CHILDREN, **ROUTER_CHILDREN}.items():
+            for kind, resource in {**CHILDREN, **ROUTER_CHILDREN, **OTHERS}.items():
                 handler.resources[resource] = info(kind=kind, namespaced=True, verbs=_ALL_VERBS)
             box["handler"], box["url"] = handler, str(server.url)
             started.set()

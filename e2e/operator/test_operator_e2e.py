@@ -174,7 +174,12 @@ def test_ten_reconciles_of_an_unchanged_object_write_nothing(emulator):
     cr_path = emulator.path(emulator.CR, NS, NAME)
     with _runner() as runner:
         _create_and_settle(emulator, _example())
-        time.sleep(1.0)  # let the creation's own follow-up events settle
+
+        def quiet_for_a_second() -> bool:  # the creation's own follow-up events (kopf's annotations) settled
+            mark = len(emulator.requests())
+            time.sleep(1.0)
+            return not [r for r in emulator.requests()[mark:] if r.method in WRITES]
+        emulator.wait_for(quiet_for_a_second, timeout=30, what="no writes for a second")
         start = len(emulator.requests())
 
         def reconciles():  # each reconcile starts with a fresh GET of the InferenceService

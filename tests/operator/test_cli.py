@@ -46,7 +46,8 @@ def test_render_prints_the_operator_children(capsys, tmp_path):
     rc = main(["render", "-f", str(ROOT / "examples" / "llama70b.yaml")])
     docs = list(yaml.safe_load_all(capsys.readouterr().out))
     assert rc == 0
-    assert [d["kind"] for d in docs] == ["Deployment", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget"]
+    assert [d["kind"] for d in docs] == ["Deployment", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget",
+                                          "NetworkPolicy"]
     bad = tmp_path / "bad.yaml"
     doc = yaml.safe_load((ROOT / "examples" / "llama70b.yaml").read_text())
     doc["spec"]["gpu"]["tensorParallelSize"] = 1

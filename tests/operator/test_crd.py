@@ -58,7 +58,13 @@ def apply_defaults(node: dict, value):
 _CEL_OK = re.compile(r"^(\s|\(|\)|'\w+' in self|self\['\w+'\]|or|and|not|<=|>=|<|>|==|!=|\d+)*$")
 
 
+_CEL_ALL_NOT_PREFIX = re.compile(r"^self\.all\((\w+), !\1\.startsWith\('([^']*)'\)\)$")
+
+
 def cel(rule: str, obj: dict) -> bool:
+    prefix_rule = _CEL_ALL_NOT_PREFIX.match(rule)  # list form: self.all(a, !a.startsWith('...'))
+    if prefix_rule:
+        return all(not str(item).startswith(prefix_rule.group(2)) for item in obj)
     py = re.sub(r"has\(self\.(\w+)\)", r"('\1' in self)", rule)
     py = re.sub(r"self\.(\w+)", r"self['\1']", py).replace("||", " or ").replace("&&", " and ")
     assert _CEL_OK.match(py), f"the test's CEL translator does not cover {rule!r}"
@@ -156,6 +162,9 @@ MINIMAL = {"apiVersion": "serving.kvserve.dev/v1alpha1", "kind": "InferenceServi
     (lambda s: s["gpu"].pop("product"), "gpu.memoryMiB"),
     (lambda s: s["autoscaling"].update(minReplicas=5, maxReplicas=2), "minReplicas must be <="),
     (lambda s: s["engine"].update(enableChunkedPrefill=False, maxModelLen=16384), "without chunked prefill"),
+    (lambda s: s["engine"].update(extraArgs=["--api-key=k"]), "must not carry --api-key"),
+    (lambda s: s.update(auth={"apiKeySecretRef": {"name": "s"}}), "'key' is a required property"),
+    (lambda s: s.update(networkPolicy={"from": [{"ipBlock": {}}]}), "'cidr' is a required property"),
 ])
 def test_invalid_specs_are_rejected(mutate, expect):
     obj = copy.deepcopy(MINIMAL)

@@ -82,7 +82,7 @@ def test_template_validates_against_upstream_schemas(helm):
     docs = _template(helm)
     kinds = sorted(d["kind"] for d in docs)
     assert kinds == ["ClusterRole", "ClusterRoleBinding", "ConfigMap", "CustomResourceDefinition", "Deployment",
-                     "ServiceAccount"]
+                     "Role", "RoleBinding", "ServiceAccount"]  # the Role: leader election's Lease
     for doc in docs:
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
     crd = next(d for d in docs if d["kind"] == "CustomResourceDefinition")
@@ -101,26 +101,118 @@ def test_operator_pod_is_locked_down(helm):
     assert "--liveness=http://0.0.0.0:8080/healthz" in c["command"]
     assert c["command"][:2] == ["kvserve", "operator"]
     assert "--namespace=ml" in c["command"] and "--namespace=prod" in c["command"]
-    assert dep["spec"]["strategy"] == {"type": "Recreate"} and dep["spec"]["replicas"] == 1
+    # HA by default: two replicas, only the Lease holder reconciles; they prefer different nodes.
+    assert dep["spec"]["replicas"] == 2 and dep["spec"]["strategy"]["type"] == "RollingUpdate"
+    assert {"--leader-elect", "--lease-name=kvserve-operator", "--lease-duration=15", "--renew-deadline=10",
+            "--retry-period=2"} <= set(c["command"])
+    env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in c["env"] if "valueFrom" in e}
+    assert env == {"POD_NAMESPACE": "metadata.namespace", "POD_NAME": "metadata.name"}
+    anti = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]
+    assert anti["podAffinityTerm"]["labelSelector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
     sa = next(d for d in docs if d["kind"] == "ServiceAccount")
     assert pod["serviceAccountName"] == sa["metadata"]["name"]
+    # The CLI accepts every flag the chart passes (a typo would crash-loop the operator).
+    import argparse
+
+    from kvserve.cli import operator as operator_cli
+    parser = argparse.ArgumentParser()
+    operator_cli.add_arguments(parser)
+    args = parser.parse_args(c["command"][2:])
+    assert args.leader_elect and args.lease_duration == 15 and args.namespace == ["ml", "prod"]
+    # Without leader election exactly one replica, never two at once.
+    single = next(d for d in _template(helm, "operator.leaderElection.enabled=false") if d["kind"] == "Deployment")
+    assert single["spec"]["replicas"] == 1 and single["spec"]["strategy"] == {"type": "Recreate"}
+    assert "--leader-elect" not in single["spec"]["template"]["spec"]["containers"][0]["command"]
 
 
-def test_rbac_is_least_privilege_and_covers_what_the_operator_does(helm):
+# What the operator's code calls, per resource (kube.py, handlers.py, leader.py, kopf's watches and annotations).
+def _operator_calls() -> dict[tuple[str, str], set[str]]:
     from kvserve.operator import kube
 
-    role = next(d for d in _template(helm) if d["kind"] == "ClusterRole")
-    grants = {(g, r): set(rule["verbs"]) for rule in role["rules"] for g in rule["apiGroups"]
-              for r in rule["resources"]}
-    assert all("*" not in verbs for verbs in grants.values())
-    assert all(r != "*" and r != "secrets" for _, r in grants)
-    for kind in kube.CHILD_KINDS:
-        prefix, plural = kube.RESOURCES[kind]
-        group = "" if prefix.startswith("/api/") else prefix.split("/")[2]
-        assert grants[(group, plural)] >= {"get", "list", "watch", "create", "patch", "delete"}, kind
-    assert grants[("serving.kvserve.dev", "inferenceservices/status")] >= {"patch"}
-    assert "delete" not in grants[("serving.kvserve.dev", "inferenceservices")]
+    def group(kind: str) -> str:
+        prefix = kube.RESOURCES[kind][0]
+        return "" if prefix.startswith("/api/") else prefix.split("/")[2]
+    calls = {(group(k), kube.RESOURCES[k][1]): {"get", "list", "watch", "create", "patch", "delete"}
+             for k in kube.CHILD_KINDS}
+    calls.update({("serving.kvserve.dev", "inferenceservices"): {"get", "list", "watch", "patch"},
+                  ("serving.kvserve.dev", "inferenceservices/status"): {"get", "patch"},
+                  ("serving.kvserve.dev", "inferenceservices/finalizers"): {"update"},
+                  ("", "pods"): {"get", "list"}, ("", "secrets"): {"get"}, ("", "events"): {"create"}})
+    # spec.router's own kinds, and what its Role grants (RBAC lets the operator grant only what it holds).
+    from kvserve.operator import render_router
+    calls.update({(group(k), kube.RESOURCES[k][1]): {"get", "list", "watch", "create", "patch", "delete"}
+                  for k in render_router.ROUTER_ONLY_KINDS})
+    calls[("discovery.k8s.io", "endpointslices")] = {"get", "list", "watch"}
+    return calls
+
+
+def _grants(role: dict) -> dict[tuple[str, str], set[str]]:
+    out: dict[tuple[str, str], set[str]] = {}
+    for rule in role["rules"]:
+        for g in rule["apiGroups"]:
+            for r in rule["resources"]:
+                out.setdefault((g, r), set()).update(rule["verbs"])
+    return out
+
+
+def _bound(docs: list[dict], role: dict, binding_kind: str) -> bool:
+    sa = next(d for d in docs if d["kind"] == "ServiceAccount")["metadata"]
+    return any(d["kind"] == binding_kind and d["roleRef"]["name"] == role["metadata"]["name"]
+               and d["metadata"].get("namespace") == role["metadata"].get("namespace")
+               and {"kind": "ServiceAccount", "name": sa["name"], "namespace": sa["namespace"]} in d["subjects"]
+               for d in docs)
+
+
+def _assert_least_privilege(grants: dict) -> None:
+    assert all("*" not in verbs for verbs in grants.values()) and all(r != "*" for _, r in grants)
+    assert grants.get(("", "secrets"), {"get"}) == {"get"}  # never list/watch Secrets
+    assert "delete" not in grants.get(("serving.kvserve.dev", "inferenceservices"), set())
+
+
+def test_rbac_cluster_wide_covers_what_the_operator_does(helm):
+    docs = _template(helm)
+    role = next(d for d in docs if d["kind"] == "ClusterRole")
+    assert _bound(docs, role, "ClusterRoleBinding")
+    grants = _grants(role)
+    _assert_least_privilege(grants)
+    for resource, verbs in _operator_calls().items():
+        assert grants.get(resource, set()) >= verbs, resource
     assert grants[("", "events")] == {"create"}
+
+
+def test_rbac_is_per_namespace_when_watch_namespaces_is_set(helm):
+    docs = _template(helm, "operator.watchNamespaces={ml,prod}")
+    cluster = _grants(next(d for d in docs if d["kind"] == "ClusterRole"))
+    # Cluster-wide only read-only discovery: no child, pod, Secret or CR access outside the two namespaces.
+    assert set(cluster) == {("apiextensions.k8s.io", "customresourcedefinitions"), ("", "namespaces")}
+    assert all(v == {"get", "list", "watch"} for v in cluster.values())
+    roles = {d["metadata"]["namespace"]: d for d in docs if d["kind"] == "Role"
+             and not d["metadata"]["name"].endswith("-leader-election")}
+    assert set(roles) == {"ml", "prod"}
+    for role in roles.values():
+        assert _bound(docs, role, "RoleBinding")
+        grants = _grants(role)
+        _assert_least_privilege(grants)
+        for resource, verbs in _operator_calls().items():
+            assert grants.get(resource, set()) >= verbs, resource
+    for doc in docs:
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def test_leader_election_role_is_one_lease_in_the_release_namespace(helm):
+    docs = _template(helm)
+    (role,) = [d for d in docs if d["kind"] == "Role" and d["metadata"]["name"].endswith("-leader-election")]
+    assert role["metadata"]["namespace"] == "kvserve-system" and _bound(docs, role, "RoleBinding")
+    by_verbs = {tuple(r["verbs"]): r for r in role["rules"]}
+    # create cannot be limited by resourceNames (the name is not known at authorization time); the rest is.
+    assert by_verbs[("create",)]["resources"] == ["leases"]
+    assert by_verbs[("get", "patch")]["resourceNames"] == ["kvserve-operator"]
+    # leader.py calls exactly these: GET, POST (create), PATCH.
+    src = (ROOT / "operator" / "leader.py").read_text()
+    assert {m for m in ("GET", "POST", "PATCH", "PUT", "DELETE") if f'"{m}"' in src} == {"POST", "PATCH"}
+    assert 'kube.get("Lease"' in src
+    assert not any(d["kind"] == "Role" and d["metadata"]["name"].endswith("-leader-election")
+                   for d in _template(helm, "operator.leaderElection.enabled=false"))
 
 
 def test_adapter_rule_and_keda_alternative(helm):

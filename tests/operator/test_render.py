@@ -129,6 +129,7 @@ def test_autoscaling_off_and_pdb_off_drop_those_children():
     doc = _load(ROOT / "examples" / "llama70b.yaml")
     doc["spec"]["autoscaling"]["enabled"] = False
     doc["spec"]["podDisruptionBudget"] = {"enabled": False}
+    doc["spec"]["networkPolicy"] = {"enabled": False}
     _, objs = _render(doc)
     assert [o["kind"] for o in objs] == ["Deployment", "Service"]
 

@@ -39,7 +39,8 @@ def test_status_lifecycle_and_stable_timestamps():
     r = _resolved()
     creating = _status(r, None)
     assert _conds(creating) == {"Ready": ("False", "DeploymentMissing"), "CapacityPlanned": ("True", "Fits"),
-                                "Progressing": ("True", "Creating"), "Degraded": ("False", "AsExpected")}
+                                "Progressing": ("True", "Creating"), "Degraded": ("False", "AsExpected"),
+                                "ChildConflict": ("False", "NoConflict")}
     assert creating["plan"]["kvTokens"] == r.plan.kv_tokens
     assert creating["plan"]["maxConcurrency"] == r.plan.max_concurrency
     assert creating["selector"] == render.selector_string("llama70b")

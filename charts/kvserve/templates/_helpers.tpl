@@ -32,3 +32,63 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- default "default" .Values.serviceAccount.name -}}
 {{- end -}}
 {{- end -}}
+
+{{/*
+What the operator does in a namespace it serves (kvserve.operator.kube / handlers / leader):
+reconcile InferenceServices and their children, read pod statuses and the API-key Secret, post Events.
+One definition for both scopes: a ClusterRole (all namespaces) or a Role per operator.watchNamespaces entry.
+*/}}
+{{- define "kvserve.workloadRules" -}}
+# The InferenceService: watched, annotated by kopf (progress/diff-base), status written by the operator.
+- apiGroups: [serving.kvserve.dev]
+  resources: [inferenceservices]
+  verbs: [get, list, watch, patch]
+- apiGroups: [serving.kvserve.dev]
+  resources: [inferenceservices/status]
+  verbs: [get, patch]
+# Children carry ownerReferences with blockOwnerDeletion: clusters that enforce OwnerReferencesPermission-
+# Enforcement require update on the owner's finalizers subresource to set them (KServe #2838).
+- apiGroups: [serving.kvserve.dev]
+  resources: [inferenceservices/finalizers]
+  verbs: [update]
+# Children: created, compared, repaired and pruned.
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [""]
+  resources: [services]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [autoscaling]
+  resources: [horizontalpodautoscalers]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [get, list, watch, create, patch, delete]
+# spec.router: the router's ServiceAccount, Role and RoleBinding. RBAC lets the operator grant only what
+# it holds itself, hence read access to EndpointSlices (the router's Role).
+- apiGroups: [""]
+  resources: [serviceaccounts]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [rbac.authorization.k8s.io]
+  resources: [roles, rolebindings]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [discovery.k8s.io]
+  resources: [endpointslices]
+  verbs: [get, list, watch]
+# Pod statuses (CrashLoopBackOff, OOMKilled, Unschedulable, ...) become the Degraded condition. Read only.
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [get, list]
+# The API-key Secret named in spec.auth.apiKeySecretRef, for its rotation digest. get only: the operator
+# cannot list or watch Secrets, so it can read one only by a name some InferenceService gives.
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [get]
+# Warning Events (capacity failures, pod failures, child conflicts).
+- apiGroups: ["", events.k8s.io]
+  resources: [events]
+  verbs: [create]
+{{- end -}}

@@ -1,0 +1,98 @@
+"""Security parts of the rendered children: the API key from a Secret, its rotation hash, the NetworkPolicy.
+
+Pure like render.py. The API key never appears in the CR, the Deployment or the pod's command line: the pod
+reads it from the Secret through `env.valueFrom.secretKeyRef` (`KVSERVE_API_KEY`, which `kvserve serve` reads
+when `--api-key` is absent). The Secret's value does not change the pod spec, so on its own a rotation would
+never reach running pods; the operator therefore reads the Secret and writes a digest of it into a pod
+template annotation, and a changed digest rolls the Deployment like any other template change.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from kvserve.operator import render
+from kvserve.operator.spec import Resolved
+
+API_KEY_ENV = "KVSERVE_API_KEY"  # cli/serve.py reads it when --api-key is not given
+API_KEY_HASH_ANNOTATION = "serving.kvserve.dev/api-key-hash"
+# Prometheus usually runs in a namespace called "monitoring"; kubernetes.io/metadata.name is set by the API
+# server on every namespace (>= 1.22), so it selects a namespace by name without any labelling by hand.
+DEFAULT_METRICS_NAMESPACE_SELECTOR = {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}
+
+
+def api_key_ref(spec: dict) -> dict | None:
+    """spec.auth.apiKeySecretRef ({name, key}) or None when the service is unauthenticated."""
+    return ((spec.get("auth") or {}).get("apiKeySecretRef")) or None
+
+
+def api_key_env(spec: dict) -> list[dict]:
+    """The container env entries that hand the API key to a kvserve process (engine or router)."""
+    ref = api_key_ref(spec)
+    if ref is None:
+        return []
+    return [{"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": ref["name"], "key": ref["key"]}}}]
+
+
+def secret_digest(secret: dict | None, key: str) -> str | None:
+    """A short digest of one Secret value, for the rotation annotation; None when the Secret or key is missing.
+
+    The Secret's uid salts the hash, so the annotation (readable by anyone who can read Deployments) cannot be
+    matched against a precomputed table of common keys. It changes whenever the value changes.
+    """
+    data = (secret or {}).get("data") or {}
+    if key not in data:
+        return None
+    uid = (secret.get("metadata") or {}).get("uid", "")
+    return hashlib.sha256(f"{uid}\0{key}\0{data[key]}".encode()).hexdigest()[:16]
+
+
+def _uses_api_key(template: dict) -> bool:
+    containers = (template.get("spec") or {}).get("containers") or []
+    return any(env.get("name") == API_KEY_ENV and "valueFrom" in env
+               for c in containers for env in c.get("env") or [])
+
+
+def with_api_key_hash(objs: list[dict], digest: str | None) -> list[dict]:
+    """Copies of `objs` whose pod templates that read the API key carry `digest` (unchanged when None)."""
+    if digest is None:
+        return objs
+    out = []
+    for obj in objs:
+        template = (obj.get("spec") or {}).get("template")
+        if template is not None and _uses_api_key(template):
+            meta = template.get("metadata") or {}
+            template = {**template, "metadata": {
+                **meta, "annotations": {**(meta.get("annotations") or {}), API_KEY_HASH_ANNOTATION: digest}}}
+            obj = {**obj, "spec": {**obj["spec"], "template": template}}
+        out.append(obj)
+    return out
+
+
+def engine_pod_selector(name: str) -> dict[str, str]:
+    return {**render.selector_labels(name), "app.kubernetes.io/component": "engine"}
+
+
+def network_policy(resolved: Resolved, name: str, namespace: str) -> dict:
+    """Ingress to the engine pods: the API port from this InferenceService's own pods (the router), pods of
+    the same namespace (allowSameNamespace) and the listed peers; the same port from the monitoring namespace
+    for /metrics. NetworkPolicy is L4: the metrics peers can also open /v1, which the API key still guards."""
+    policy, port = resolved.spec["networkPolicy"], resolved.spec["port"]
+    api_peers: list[dict[str, Any]] = (
+        [{"podSelector": {}}] if policy["allowSameNamespace"]
+        else [{"podSelector": {"matchLabels": {render.OWNER_LABEL: name}}}])
+    api_peers += list(policy.get("from") or [])
+    metrics_selector = policy.get("metricsNamespaceSelector") or DEFAULT_METRICS_NAMESPACE_SELECTOR
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {"name": name, "namespace": namespace, "labels": render.labels(name)},
+        "spec": {
+            "podSelector": {"matchLabels": engine_pod_selector(name)},
+            "policyTypes": ["Ingress"],  # egress stays open: DNS, and model downloads where configured
+            "ingress": [
+                {"from": api_peers, "ports": [{"protocol": "TCP", "port": port}]},
+                {"from": [{"namespaceSelector": metrics_selector}], "ports": [{"protocol": "TCP", "port": port}]},
+            ],
+        },
+    }

@@ -102,3 +102,18 @@ def hf_greedy(hf_model, prompts: list[list[int]], max_new_tokens: int) -> list[l
                                     do_sample=False, pad_token_id=0, eos_token_id=-1)
             outs.append(gen[0, len(prompt):].tolist())
     return outs
+
+
+def check_logprobs_close(ref_outputs, got_outputs) -> int:
+    """vLLM's check_logprobs_close rule for greedy runs with logprobs: at the first differing token each side's
+    choice must be in the other's top-N, and the comparison of that sequence stops there. Returns how many
+    sequences agree on their first token (callers bound it)."""
+    same_first = 0
+    for r, g in zip(ref_outputs, got_outputs):
+        r, g = r.outputs[0], g.outputs[0]
+        same_first += r.token_ids[0] == g.token_ids[0]
+        for i, (rt, gt) in enumerate(zip(r.token_ids, g.token_ids)):
+            if rt != gt:
+                assert rt in g.logprobs[i] and gt in r.logprobs[i], f"token {i}: {rt} vs {gt}"
+                break
+    return same_first

@@ -8,11 +8,7 @@ import sys
 HELP = "cache- and load-aware router in front of several `kvserve serve` replicas"
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+from kvserve.runtime.engine_args import positive_int as _positive_int  # one definition of the flag type
 
 
 def _non_negative(text: str) -> float:

@@ -10,10 +10,6 @@ from kvserve.runtime.engine_args import EngineArgs, parse_bytes, positive_int  #
 
 HELP = "run the OpenAI-compatible server (no MODEL_DIR: the built-in random-weights demo model)"
 
-def _positive_int(text: str) -> int:
-    return positive_int(text)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_dir", nargs="?", metavar="MODEL_DIR",
                         help="HF-format model directory (config.json, *.safetensors, tokenizer). "
@@ -30,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"], default=None,
                         help="parse tool calls the model writes in this format (needed for tool_choice \"auto\"; "
                              "hermes: Hermes/Qwen <tool_call> blocks, llama3_json: Llama 3.1+ JSON)")
-    parser.add_argument("--max-queue-len", type=_positive_int, default=None,
+    parser.add_argument("--max-queue-len", type=positive_int, default=None,
                         help="answer 429 + Retry-After when this many requests already wait (default: unbounded)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds to finish in-flight requests after SIGTERM before aborting them")

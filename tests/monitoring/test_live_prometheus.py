@@ -36,6 +36,7 @@ NAMESPACE, NAME, POD = "ml", "llama70b", "llama70b-7d9f8c-x2x4q"
 API_KEY = "monitoring-test-key"
 PROCESS_LIMIT_S = 240  # hard stop for every process started here
 NUM_REQUESTS, MAX_REQUESTS, MAX_TOKENS = 16, 64, 96
+SETTLED_S = 3  # > scrape_interval + scrape_timeout: every sample up to now - SETTLED_S is in the TSDB
 
 
 def _free_port() -> int:
@@ -234,7 +235,9 @@ def test_adapter_and_keda_queries_return_the_queue_depth(prometheus, serve):
                 text = (await client.get("/metrics")).text
                 seen_in_metrics += [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                                     if line.startswith("vllm:num_requests_waiting{")]
-                at = time.time()
+                # Evaluate a few seconds in the past: a scrape's samples carry its start time but land when it
+                # ends, so at `now` one query can see a sample that the query before it did not.
+                at = time.time() - SETTLED_S
                 values = []
                 for query in (adapter_query, keda_query, raw_query):
                     body = (await prom_client.get(prom + "/api/v1/query",

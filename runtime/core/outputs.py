@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvserve.runtime.core.block_table_diff import BlockTableDiff
 from kvserve.runtime.sampling_params import SamplingParams
 
 
@@ -20,7 +21,9 @@ class ScheduledRequest:
     req_id: str
     token_ids: list[int]  # the tokens whose KV this step computes
     start_position: int  # == the request's num_computed_tokens before this step
-    block_ids: list[int]  # the request's full block table
+    # Change to the request's block table since the runner last saw it (the runner keeps the tables: a
+    # decode step sends a handful of appended ids, not every table again -- also what TP pickles per rank).
+    block_table: BlockTableDiff
     # Requests to sample from this step's last logits row: [] mid-prefill, [req_id] usually, and
     # [leader, child1, ...] on the step a leader's prefill completes and its n-1 siblings fork from it.
     sample_req_ids: list[str] = field(default_factory=list)

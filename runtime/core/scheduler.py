@@ -13,6 +13,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from kvserve.runtime.core.block_table_diff import SentBlockTables
 from kvserve.runtime.core.kv_cache_manager import KVCacheManager
 from kvserve.runtime.core.outputs import (EngineCoreOutput, ModelRunnerOutput, NewRequestData, ScheduledRequest,
                                           SchedulerOutput)
@@ -49,6 +50,7 @@ class Scheduler:
         self.swapped: deque[Request] = deque()  # oldest first
         self.requests: dict[str, Request] = {}
         self._seen_by_runner: set[str] = set()
+        self._sent_tables = SentBlockTables()  # block tables as the runner holds them (it keeps them)
         self._finished_since_last_step: list[str] = []
         self.num_preemptions = 0
         self.num_swap_outs = 0  # requests
@@ -86,6 +88,7 @@ class Scheduler:
         request.status = status
         self.kv.free(request)
         del self.requests[request.request_id]
+        self._sent_tables.forget(request.request_id)
         if request.request_id in self._seen_by_runner:
             self._seen_by_runner.discard(request.request_id)
             self._finished_since_last_step.append(request.request_id)
@@ -111,6 +114,9 @@ class Scheduler:
         num_preempted = 0
 
         i = 0
+        if budget >= len(self.running):
+            i = self._schedule_decodes(scheduled, scheduled_reqs)
+            budget -= i
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = self._num_tokens_to_schedule(request, budget)
@@ -188,6 +194,29 @@ class Scheduler:
                                block_copies=self.kv.take_block_copies(), num_preempted=num_preempted,
                                swap_out=swap_out, swap_in=swap_in)
 
+    def _schedule_decodes(self, scheduled: list[ScheduledRequest], scheduled_reqs: list[Request]) -> int:
+        """Fast path of the running loop for its leading requests that decode one token (all of them in a
+        pure-decode step): it produces exactly what the general loop would for them, minus its per-request
+        generality (budget capping, preemption retries, forks). Returns how many requests it scheduled; the
+        general loop goes on from there. Callers guarantee the budget covers one token per running request."""
+        kv, tables = self.kv, self._sent_tables
+        req_to_blocks = kv.req_to_blocks
+        for i, request in enumerate(self.running):
+            start = request.num_computed_tokens
+            if request.num_tokens - start != 1 or request.fork_children:
+                return i
+            # None leaves the KV manager unchanged, so the general loop's retry (which preempts) sees the
+            # same state this call did.
+            if kv.allocate_slots(request, 1) is None:
+                return i
+            rid = request.request_id
+            if request.first_scheduled_time is None:  # a forked sibling's first step
+                request.first_scheduled_time = time.monotonic()
+            scheduled_reqs.append(request)
+            scheduled.append(ScheduledRequest(rid, [request.all_token_ids[start]], start,
+                                              tables.diff(rid, req_to_blocks[rid]), [rid]))
+        return len(self.running)
+
     def _num_reserved_seats(self) -> int:
         return sum(len(r.fork_children) for r in self.running)
 
@@ -206,12 +235,14 @@ class Scheduler:
             request.first_scheduled_time = time.monotonic()
         completes = start + num_new == request.num_tokens
         sample_ids = [request.request_id, *(c.request_id for c in request.fork_children)] if completes else []
-        return ScheduledRequest(request.request_id, request.all_token_ids[start:start + num_new], start,
-                                self.kv.get_block_ids(request.request_id), sample_ids)
+        rid = request.request_id
+        return ScheduledRequest(rid, request.all_token_ids[start:start + num_new], start,
+                                self._sent_tables.diff(rid, self.kv.req_to_blocks.get(rid, ())), sample_ids)
 
     def _preempt(self, request: Request) -> None:
         request.num_preemptions += 1
         self.num_preemptions += 1
+        self._sent_tables.forget(request.request_id)  # it comes back with other blocks: send them whole
         # Swap only what is fully computed and not waiting on a fork (siblings need the prefill's logits).
         if (self.config.preemption_mode == "swap" and not request.fork_children
                 and request.num_computed_tokens > 0 and self.kv.can_swap_out(request)):

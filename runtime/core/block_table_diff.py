@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(slots=True)
 class BlockTableDiff:
     """Apply to the runner's copy of one table: if `reset`, the table becomes `appended`; otherwise first
     `table[i] = block_id` for each `replaced` pair, then `table += appended`."""

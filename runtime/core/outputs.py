@@ -16,7 +16,7 @@ class NewRequestData:
     prompt_token_ids: list[int]
 
 
-@dataclass
+@dataclass(slots=True)  # one per scheduled request per step: slots make it cheaper to build and pickle
 class ScheduledRequest:
     req_id: str
     token_ids: list[int]  # the tokens whose KV this step computes

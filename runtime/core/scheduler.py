@@ -260,28 +260,25 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
+        # Hoisted lookups: this loop runs once per scheduled request per step (a hot path at 256+ decodes).
+        requests, running = self.requests, RequestStatus.RUNNING
+        sampled, all_logprobs = runner_output.sampled_token_ids, runner_output.logprobs
+        check_stop = self._check_stop
         for sched in scheduler_output.scheduled:
-            request = self.requests.get(sched.req_id)
-            if request is None or request.status != RequestStatus.RUNNING:
+            request = requests.get(sched.req_id)
+            if request is None or request.status != running:
                 continue  # finished or preempted meanwhile
             request.num_computed_tokens += len(sched.token_ids)
             if not sched.sample_req_ids:
                 continue
-            samples = [request]
-            for child in request.fork_children:
-                child.num_computed_tokens = request.num_computed_tokens
-                child.status = RequestStatus.RUNNING
-                self.kv.fork(request, child)
-                self.running.append(child)
-                samples.append(child)
-            request.fork_children = []
+            samples = self._fork_children(request) if request.fork_children else (request,)
             for sample in samples:
-                token_id = runner_output.sampled_token_ids.get(sample.request_id)
+                token_id = sampled.get(sample.request_id)
                 if token_id is None:  # its sampling failed (runner_output.failed): the engine finishes it
                     continue
                 sample.append_token(token_id)
-                logprobs = runner_output.logprobs.get(sample.request_id)
-                status = self._check_stop(sample, token_id)
+                logprobs = all_logprobs.get(sample.request_id) if all_logprobs else None
+                status = check_stop(sample, token_id)
                 out = EngineCoreOutput(sample.request_id, [token_id], [logprobs] if logprobs else None)
                 if status is not None:
                     self.running.remove(sample)
@@ -290,16 +287,31 @@ class Scheduler:
                 outputs.append(out)
         return outputs
 
+    def _fork_children(self, request: Request) -> list[Request]:
+        """The leader's prefill completed: its waiting siblings start sharing its blocks. Returns every
+        sample to take a token from this step's row, leader first."""
+        samples = [request]
+        for child in request.fork_children:
+            child.num_computed_tokens = request.num_computed_tokens
+            child.status = RequestStatus.RUNNING
+            self.kv.fork(request, child)
+            self.running.append(child)
+            samples.append(child)
+        request.fork_children = []
+        return samples
+
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params
+        num_tokens = len(request.all_token_ids)
+        num_output_tokens = num_tokens - len(request.prompt_token_ids)
         # Below min_tokens the sampler masks EOS and stop ids, so they cannot appear here.
-        if request.num_output_tokens > params.min_tokens:
+        if num_output_tokens > params.min_tokens:
             if token_id in params.stop_token_ids:
                 request.stop_reason = token_id
                 return RequestStatus.FINISHED_STOPPED
             if not params.ignore_eos and token_id in request.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
-        if (request.max_tokens is not None and request.num_output_tokens >= request.max_tokens) \
-                or request.num_tokens >= self.config.max_model_len:
+        if (request.max_tokens is not None and num_output_tokens >= request.max_tokens) \
+                or num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

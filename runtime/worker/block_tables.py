@@ -22,6 +22,12 @@ class BlockTables:
     def apply(self, req_id: str, diff: BlockTableDiff) -> int:
         """Patch req_id's row with one step's diff; returns the row."""
         row = self.row_of.get(req_id)
+        if row is not None and not diff.reset and not diff.replaced:  # a decode step: unchanged or appended
+            if diff.appended:
+                n, k = int(self.num_blocks[row]), len(diff.appended)
+                self.table[row, n:n + k] = diff.appended
+                self.num_blocks[row] = n + k
+            return row
         if row is None:
             if not diff.reset:
                 raise RuntimeError(f"block table diff for {req_id!r}, whose table this runner does not hold "
@@ -38,13 +44,9 @@ class BlockTables:
         table = self.table[row]
         for index, block_id in diff.replaced:
             table[index] = block_id
-        if diff.appended:
-            k = len(diff.appended)
-            if k == 1:
-                table[n] = diff.appended[0]
-            else:
-                table[n:n + k] = diff.appended
-            self.num_blocks[row] = n + k
+        k = len(diff.appended)
+        table[n:n + k] = diff.appended
+        self.num_blocks[row] = n + k
         return row
 
     def remove(self, req_id: str) -> None:

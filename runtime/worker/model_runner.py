@@ -20,7 +20,7 @@ from kvserve.runtime.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kvserve.runtime.models.attention import AttentionMetadata, get_attention_backend
 from kvserve.runtime.models.loader import load_model
 from kvserve.runtime.parallel.layers import SINGLE, ParallelContext
-from kvserve.runtime.sampling import RequestSamplingState, sample
+from kvserve.runtime.sampling import RequestSamplingState, is_plain_greedy, sample
 from kvserve.runtime.worker import kv_sizing
 from kvserve.runtime.worker.block_tables import BlockTables
 
@@ -50,6 +50,7 @@ class ModelRunner:
         self.num_host_blocks = config.cache.swap_space_bytes // self.kv_bytes_per_block()
         self.host_kv = self._allocate_host_kv_cache(self.num_host_blocks) if self.num_host_blocks else None
         self.states: dict[str, RequestSamplingState] = {}
+        self.plain_greedy: set[str] = set()  # requests whose sampling is a bare argmax (sampling.is_plain_greedy)
         self.block_tables = BlockTables(-(-config.model.max_model_len // self.block_size),
                                         num_rows=config.scheduler.max_num_seqs)
 
@@ -123,11 +124,14 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         for rid in sched.finished_req_ids:
             self.states.pop(rid, None)
+            self.plain_greedy.discard(rid)
             self.block_tables.remove(rid)
         for new in sched.new_requests:
-            self.states[new.req_id] = RequestSamplingState(new.sampling_params, new.prompt_token_ids,
-                                                           self.config.model.eos_token_ids, self.device,
-                                                           self.generator)
+            state = RequestSamplingState(new.sampling_params, new.prompt_token_ids, self.config.model.eos_token_ids,
+                                         self.device, self.generator)
+            self.states[new.req_id] = state
+            if is_plain_greedy(state):
+                self.plain_greedy.add(new.req_id)
         if sched.swap_out or sched.swap_in:
             self._swap(sched.swap_out, sched.swap_in)
         if sched.block_copies:
@@ -177,6 +181,11 @@ class ModelRunner:
             req_ids = [rid for group in sample_groups for rid in group]
             logits = logits[torch.tensor(row_index, device=dev)]
         states = self.states
+        if self.plain_greedy.issuperset(req_ids):  # what sample() would do for these, minus its passes
+            tokens = logits.argmax(dim=-1).tolist()
+            for rid, token in zip(req_ids, tokens):
+                states[rid].output_token_ids.append(token)
+            return ModelRunnerOutput(dict(zip(req_ids, tokens)))
         tokens, logprobs, failed = sample(logits, [states[rid] for rid in req_ids])
         return ModelRunnerOutput({rid: t for rid, t in zip(req_ids, tokens) if t is not None},
                                  {rid: lp for rid, lp in zip(req_ids, logprobs) if lp is not None},

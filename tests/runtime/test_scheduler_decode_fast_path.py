@@ -153,3 +153,20 @@ def test_diff_appends_then_replaces_then_resets():
     assert d.apply(runner) == [5]
     sent.forget("a")
     assert "a" not in sent and sent.diff("a", [b[6]]).reset
+
+
+def test_decode_steps_send_no_whole_tables():
+    """What TP pickles to every rank each step stays O(changes): a long request's decodes send nothing but
+    the one new block id when a block fills up, never its table again."""
+    s = make(num_blocks=40, max_num_seqs=2, budget=64, mode="recompute", caching=True, fast=True, num_host_blocks=0)
+    s.add_request(Request("long", list(range(3, 43)), SamplingParams(max_tokens=20, ignore_eos=True)))
+    out = s.schedule()
+    assert out.scheduled[0].block_table.reset and len(out.scheduled[0].block_table.appended) == 10
+    diffs = []
+    while s.has_unfinished_requests():
+        s.update_from_output(out, ModelRunnerOutput({"long": 7}))
+        out = s.schedule()
+        diffs += [x.block_table for x in out.scheduled]
+    assert all(not d.reset and not d.replaced and len(d.appended) <= 1 for d in diffs)
+    # 40 prompt tokens + 19 decoded ones get KV (the 20th sampled token finishes it): 15 blocks of 4.
+    assert sum(len(d.appended) for d in diffs) == 15 - 10

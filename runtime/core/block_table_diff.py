@@ -49,14 +49,14 @@ class SentBlockTables:
         if sent is None:
             self._sent[request_id] = list(blocks)
             return BlockTableDiff([b.block_id for b in blocks], reset=True)
-        num_sent = len(sent)
-        if len(blocks) >= num_sent and blocks[:num_sent] == sent:  # the common case: unchanged or appended
-            if len(blocks) == num_sent:
-                return NO_CHANGE
+        num_sent, num_blocks = len(sent), len(blocks)
+        if num_blocks == num_sent and blocks == sent:  # most decode steps: the table did not change
+            return NO_CHANGE
+        if num_blocks > num_sent and blocks[:num_sent] == sent:  # a block was appended
             new = blocks[num_sent:]
             sent.extend(new)
             return BlockTableDiff([b.block_id for b in new])
-        if len(blocks) < num_sent:  # shrank: never happens while a request keeps its blocks; resend
+        if num_blocks < num_sent:  # shrank: never happens while a request keeps its blocks; resend
             self._sent[request_id] = list(blocks)
             return BlockTableDiff([b.block_id for b in blocks], reset=True)
         replaced = [(i, blocks[i].block_id) for i in range(num_sent) if blocks[i] is not sent[i]]

@@ -167,10 +167,12 @@ class ModelRunner:
         meta = self._metadata(qlens_np, starts_np + qlens_np, tables[rows_np, :width],
                               torch.from_numpy(slots).to(dev))
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev),
-                            torch.from_numpy(positions.astype(np.int64)).to(dev), self.kv_caches, meta)
+                            torch.from_numpy(positions.astype(np.int64, copy=False)).to(dev), self.kv_caches, meta)
         if not logits_rows:
             return ModelRunnerOutput({})
-        logits = self.model.compute_logits(hidden[torch.tensor(logits_rows, device=dev)])
+        # Every row samples in a pure-decode step: no gather needed.
+        rows_to_sample = hidden if len(logits_rows) == num_tokens else hidden[torch.tensor(logits_rows, device=dev)]
+        logits = self.model.compute_logits(rows_to_sample)
         if logits is None:  # tensor-parallel rank > 0: rank 0 gathered the logits and samples
             return ModelRunnerOutput({})
         # A forking leader's row is sampled once per sibling, each with its own params and generator.

@@ -75,17 +75,35 @@ def out_of(out):
             out.num_preempted)
 
 
-@pytest.mark.parametrize("seed", range(12))
+SEEDS = range(16)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
 def test_fast_path_matches_general_path(seed):
+    run_lockstep(seed)
+
+
+def test_the_workloads_reach_preemption_swaps_forks_and_prefix_hits():
+    """Guards the test above against workloads too easy to exercise the paths the fast path hands over."""
+    runs = [run_lockstep(seed) for seed in SEEDS]
+    assert sum(s.num_preemptions - s.num_swap_outs for s, _ in runs) > 0  # by recompute
+    assert sum(s.num_swap_outs for s, _ in runs) > 0
+    assert sum(s.kv.prefix_cache_hits for s, _ in runs) > 0
+    assert sum(num_copies for _, num_copies in runs) > 0  # copy-on-write: forked siblings wrote a shared block
+
+
+def run_lockstep(seed: int) -> tuple[Scheduler, int]:
+    """Run one random workload through both schedulers, asserting at every step; returns the fast one and
+    how many copy-on-write block copies it ordered."""
     rng = random.Random(seed)
     mode = rng.choice(["recompute", "swap"])
-    config = dict(num_blocks=rng.randrange(12, 40), max_num_seqs=rng.randrange(2, 10), budget=rng.randrange(8, 40),
-                  mode=mode, caching=rng.random() < 0.7, num_host_blocks=rng.randrange(0, 30))
+    config = dict(num_blocks=rng.randrange(14, 28), max_num_seqs=rng.randrange(2, 10), budget=rng.randrange(8, 40),
+                  mode=mode, caching=rng.random() < 0.7, num_host_blocks=rng.randrange(4, 30))
     fast, slow = make(fast=True, **config), make(fast=False, **config)
     workload = make_requests(rng, 14)
     pending = list(workload)
     runner = FakeRunnerTables()
-    num_fast_decodes = 0
+    num_fast_decodes = num_copies = 0
     for step in range(3000):
         for _ in range(rng.choice([0, 0, 1, 2])):  # arrivals spread over the run
             if pending:
@@ -101,6 +119,7 @@ def test_fast_path_matches_general_path(seed):
         for x in out_fast.scheduled:
             assert runner.tables[x.req_id] == fast.kv.get_block_ids(x.req_id), f"step {step}: {x.req_id}"
         num_fast_decodes += sum(len(x.token_ids) == 1 for x in out_fast.scheduled)
+        num_copies += len(out_fast.block_copies)
         # The same sampled token for both (EOS now and then); a rare failed sample gets no token.
         tokens = {rid: (EOS if rng.random() < 0.05 else rng.randrange(3, 50))
                   for x in out_fast.scheduled for rid in x.sample_req_ids if rng.random() > 0.01}
@@ -114,6 +133,7 @@ def test_fast_path_matches_general_path(seed):
             break
     assert not fast.has_unfinished_requests() and not slow.has_unfinished_requests()
     assert num_fast_decodes > 0
+    return fast, num_copies
 
 
 def abort(fast: Scheduler, slow: Scheduler, sample_id: str) -> None:

@@ -143,6 +143,11 @@ def model_shape(model_spec: dict, model_config: dict | None = None) -> catalog.M
     base = catalog.lookup_model(model_spec["name"]) if model_spec.get("name") else None
     overrides = model_spec.get("shape") or {}
     if base is None and model_config is not None:
+        archs = model_config.get("architectures") or []
+        if archs and not any(a in capacity.SUPPORTED_ARCHITECTURES for a in archs):
+            raise SpecError("UnsupportedArchitecture",
+                            f"the model's config.json names architectures {', '.join(archs)}, which the runtime "
+                            f"does not serve; supported: {', '.join(capacity.SUPPORTED_ARCHITECTURES)}")
         try:
             base = capacity.shape_from_hf_config(model_config)
         except (KeyError, TypeError, ValueError) as exc:

@@ -79,7 +79,7 @@ class HubBackend:
 
         def chunks() -> Iterator[bytes]:
             try:
-                yield from response.iter_bytes(CHUNK_BYTES)
+                yield from response.iter_bytes()  # as received: a killed process keeps every byte it got
             except httpx.HTTPError as exc:
                 raise FetchError(f"{self._where()}: {file.path}: the transfer broke off: {type(exc).__name__}: "
                                  f"{exc}", retryable=True) from exc

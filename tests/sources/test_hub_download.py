@@ -167,3 +167,13 @@ def test_a_repo_without_weights_is_refused_and_leaves_nothing(hub, tmp_path):
     with pytest.raises(uri.FetchError, match=r"found no \*\.safetensors"):
         download.download(uri.parse(URI), tmp_path / "m")
     assert not (tmp_path / "m").exists()
+
+
+def test_plan_from_a_hub_config(hub, capsys):
+    from kvserve.cli.main import main
+
+    assert main(["plan", "--model-config", URI, "--gpu", "l4", "--max-model-len", "512"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("model: LlamaForCausalLM, 5 layers, 8 heads / 4 KV heads x 8, hidden 64")
+    assert "640 B" in out  # KV bytes per token: 2 x 5 layers x 4 KV heads x 8 x 2 bytes
+    assert [r["path"] for r in hub.log] == [f"/{REPO_ID}/resolve/main/config.json"]

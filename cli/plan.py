@@ -52,6 +52,22 @@ def load_model_config(where: str) -> dict:
         raise SystemExit(f"error: --model-config {where}: {exc}") from None
 
 
+def resolve_like_operator(spec: dict):
+    """spec.resolve(), fetching a non-catalog model's config.json as the operator does, but with this shell's
+    credentials (HF_TOKEN, HF_ENDPOINT, AWS_*) instead of the Secret's. Raises SpecError."""
+    from kvserve.operator import spec as spec_mod
+
+    config = None
+    if spec_mod.needs_model_config(spec):
+        from kvserve.runtime.sources import model_config, uri as source_uri
+
+        try:
+            config = model_config.fetch_config(spec_mod.model_source(spec_mod.with_defaults(spec)["model"]))
+        except (source_uri.FetchError, source_uri.SourceError) as exc:
+            raise spec_mod.SpecError("ModelConfigUnavailable", f"cannot read the model's config.json: {exc}") from None
+    return spec_mod.resolve(spec, model_config=config)
+
+
 def shape_line(shape) -> str:
     experts = f", {shape.num_experts} experts (top-{shape.experts_per_token})" if shape.num_experts else ""
     return (f"model: {shape.architecture}, {shape.num_layers} layers, {shape.num_attention_heads} heads / "
@@ -127,16 +143,7 @@ def plan_file(path: str, output: str) -> int:
     for doc in docs:
         name = (doc.get("metadata") or {}).get("name", "")
         try:
-            spec = doc.get("spec") or {}
-            config = None
-            if spec_mod.needs_model_config(spec):  # as the operator does, with this shell's credentials
-                from kvserve.runtime.sources import model_config, uri as source_uri
-
-                try:
-                    config = model_config.fetch_config(spec_mod.model_source(spec_mod.with_defaults(spec)["model"]))
-                except (source_uri.FetchError, source_uri.SourceError) as exc:
-                    raise spec_mod.SpecError("ModelConfigUnavailable", f"cannot read config.json: {exc}") from None
-            plan = spec_mod.resolve(spec, model_config=config).plan
+            plan = resolve_like_operator(doc.get("spec") or {}).plan
         except spec_mod.SpecError as exc:
             results.append({"name": name, "fits": False, "reason": exc.reason, "message": exc.message})
             rc = 2

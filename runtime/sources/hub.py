@@ -32,6 +32,7 @@ class HubBackend:
         self.source, self.token = source, token or None
         self.endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
         self.timeout = httpx.Timeout(timeout_s, read=max(timeout_s, 60.0))
+        self.timeout_s = timeout_s
         self.commit = source.revision
 
     def _where(self) -> str:
@@ -91,7 +92,7 @@ class HubBackend:
     def read_file(self, path: str) -> bytes:
         url = hf_hub_url(self.source.location, path, revision=self.source.revision, endpoint=self.endpoint)
         try:
-            with httpx.Client(timeout=self.timeout, follow_redirects=True) as client:
+            with httpx.Client(timeout=self.timeout_s, follow_redirects=True) as client:  # small file: one timeout
                 response = client.get(url, headers=self._headers())
         except httpx.HTTPError as exc:
             raise FetchError(f"{self._where()}: cannot reach the hub: {type(exc).__name__}: {exc}",

@@ -105,7 +105,7 @@ class S3Backend:
         return start, chunks()
 
     def read_file(self, path: str) -> bytes:
-        try:
+        try:  # botocore's read timeout (>= 60 s) applies; connect_timeout is timeout_s
             return self.client.get_object(Bucket=self.source.location, Key=self.prefix + path)["Body"].read()
         except (BotoCoreError, ClientError) as exc:
             raise self._error(exc, f"GET {path}") from exc

@@ -20,6 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--revision", help="hf:// only: branch, tag or commit (default main)")
     parser.add_argument("--dest", required=True, help="the model folder to create (its parent must be writable; "
                                                       "locks and staging live beside it)")
+    parser.add_argument("--no-weights", action="store_true",
+                        help="config and tokenizer files only (the router's init container)")
     parser.add_argument("--progress-interval", type=float, default=10.0, metavar="SECONDS",
                         help="log progress this often")
     parser.add_argument("--termination-log", default=os.environ.get("KVSERVE_TERMINATION_LOG", DEFAULT_TERMINATION_LOG),
@@ -40,7 +42,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         source = uri.parse(args.uri, args.revision, field="URI", revision_field="--revision")
-        result = download.download(source, args.dest, progress_interval_s=args.progress_interval)
+        result = download.download(source, args.dest, progress_interval_s=args.progress_interval,
+                                   weights=not args.no_weights)
     except (uri.SourceError, uri.FetchError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         _write_termination(args.termination_log, str(exc))

@@ -229,7 +229,8 @@ def render(resolved: Resolved, name: str, namespace: str) -> list[dict]:
         objs.append(autoscaler(resolved, name, namespace))
     if resolved.spec["podDisruptionBudget"]["enabled"]:
         objs.append(disruption_budget(resolved, name, namespace))
-    objs += render_router.render(resolved, name, namespace, labels(name), model_source(resolved.spec))
+    *router_source, router_inits = render_model.router_model_source(resolved)
+    objs += render_router.render(resolved, name, namespace, labels(name), tuple(router_source), router_inits)
     if resolved.spec["networkPolicy"]["enabled"]:
         objs.append(render_security.network_policy(resolved, name, namespace))
     return objs

@@ -53,17 +53,34 @@ def model_source(spec: dict) -> tuple[list[dict], list[dict], str]:
 
 def init_containers(resolved: Resolved) -> list[dict]:
     """The download init container for hf:// and s3:// sources; none for mounted ones."""
-    spec, source = resolved.spec, resolved.source
-    if not source.remote:
+    if not resolved.source.remote:
         return []
-    volumes, mounts, model_dir = model_source(spec)
+    _, mounts, model_dir = model_source(resolved.spec)
+    return [_download_container(resolved, mounts, model_dir, weights=True)]
+
+
+def router_model_source(resolved: Resolved) -> tuple[list[dict], list[dict], str, list[dict]]:
+    """(volumes, read-only mounts, tokenizer directory, init containers) for the router's pods. A downloaded
+    model's router fetches config and tokenizer files only, into its own emptyDir: it runs on CPU nodes that
+    may not see a node-local cache, and must not wait for (or pull) the weights."""
+    volumes, mounts, model_dir = model_source(resolved.spec)
+    if not resolved.source.remote:
+        return volumes, mounts, model_dir, []
+    volume = {"name": "model", "emptyDir": {}}
+    mount = {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
+    tokenizer_dir = f"{MODEL_MOUNT}/tokenizer"
+    return [volume], [mount], tokenizer_dir, [_download_container(resolved, [mount], tokenizer_dir, weights=False)]
+
+
+def _download_container(resolved: Resolved, mounts: list[dict], model_dir: str, weights: bool) -> dict:
+    spec, source = resolved.spec, resolved.source
     writable = [{**m, "readOnly": False} for m in mounts]
     container = {
         "name": DOWNLOAD_CONTAINER,
         "image": spec["image"],
         "imagePullPolicy": spec["imagePullPolicy"],
         # str(source) carries the revision (hf://org/name@rev): one argument, the same one the cache key hashes.
-        "command": ["kvserve", "download", str(source), "--dest", model_dir],
+        "command": ["kvserve", "download", str(source), "--dest", model_dir] + ([] if weights else ["--no-weights"]),
         "env": list(DOWNLOAD_ENV),
         "resources": DOWNLOAD_RESOURCES,
         "volumeMounts": writable + [{"name": "tmp", "mountPath": "/tmp"}],
@@ -78,4 +95,6 @@ def init_containers(resolved: Resolved) -> list[dict]:
         # The Secret's keys become variables: HF_TOKEN, HF_ENDPOINT, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
         # AWS_SESSION_TOKEN, AWS_ENDPOINT_URL, AWS_DEFAULT_REGION. Only the init container sees them.
         container["envFrom"] = [{"secretRef": {"name": secret}}]
-    return [container]
+    if not weights:  # a few MB of tokenizer files
+        container["resources"] = {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "512Mi"}}
+    return container

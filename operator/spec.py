@@ -185,10 +185,6 @@ def resolve(spec: dict, model_config: dict | None = None) -> Resolved:
     spec = with_defaults(spec)
     check_no_api_key_in_args(spec)
     source = model_source(spec["model"])
-    if source.remote and spec["router"]["enabled"]:
-        raise SpecError("InvalidModelSource", "spec.router reads the tokenizer from a mounted model folder, so it "
-                                              "needs a pvc:// or file:// spec.model.uri for now; "
-                                              f"{source.scheme}:// sources serve without the router")
     model = model_shape(spec["model"], model_config)
     gpu_spec, engine = spec["gpu"], spec["engine"]
     gpu = catalog.lookup_gpu(gpu_spec["product"]) if gpu_spec.get("product") else None

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from kvserve.runtime.sources.model_config import backend as open_backend
 from kvserve.runtime.sources.remote import Backend, RemoteFile
-from kvserve.runtime.sources.uri import FetchError, ModelURI, missing_required
+from kvserve.runtime.sources.uri import FetchError, ModelURI, is_weight, missing_required
 
 log = logging.getLogger("kvserve.download")
 MARKER = ".kvserve-complete.json"
@@ -190,7 +190,8 @@ def _lock(lock_path: Path, wait_log_s: float) -> int:
 
 def download(source: ModelURI, dest: str | os.PathLike, *, backend: Backend | None = None,
              progress_interval_s: float = 5.0, lock_wait_log_s: float = 30.0,
-             on_listing: Callable[[list[RemoteFile]], None] | None = None) -> Result:
+             on_listing: Callable[[list[RemoteFile]], None] | None = None, weights: bool = True) -> Result:
+    """`weights=False`: config and tokenizer files only (what the router reads)."""
     dest = Path(os.path.abspath(dest))
     started = time.monotonic()
     marker = _check_existing(dest, source)
@@ -200,7 +201,7 @@ def download(source: ModelURI, dest: str | os.PathLike, *, backend: Backend | No
             marker = _check_existing(dest, source)  # another pod may have finished while we waited
             if marker is None:
                 return _download_locked(source, dest, backend or open_backend(source), progress_interval_s,
-                                        started, on_listing)
+                                        started, on_listing, weights)
         finally:
             os.close(fd)  # releases the flock
     log.info("%s is already complete at %s (commit %s); nothing to download", source, dest, marker.get("commit"))
@@ -209,17 +210,19 @@ def download(source: ModelURI, dest: str | os.PathLike, *, backend: Backend | No
 
 
 def _download_locked(source: ModelURI, dest: Path, backend: Backend, progress_interval_s: float, started: float,
-                     on_listing) -> Result:
+                     on_listing, weights: bool) -> Result:
     listing = backend.listing()
+    if not weights:
+        listing = type(listing)(listing.commit, [f for f in listing.files if not is_weight(f.path)])
     paths = [f.path for f in listing.files]
-    missing = missing_required(paths)
+    missing = missing_required(paths, weights)
     if missing:
         raise FetchError(f"{source}: found no {' or '.join(missing)} among the files serving reads "
                          f"({', '.join(paths) or 'none'}); is spec.model.uri the model's folder?")
     if on_listing:
         on_listing(listing.files)
     staging = dest.parent / STAGING_DIR / dest.name
-    identity = {"source": str(source), "commit": listing.commit}
+    identity = {"source": str(source), "commit": listing.commit, **({} if weights else {"weights": False})}
     try:
         previous = json.loads((staging / _SOURCE_FILE).read_text())
     except (OSError, ValueError):

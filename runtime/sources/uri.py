@@ -27,6 +27,7 @@ SERVING_FILE_PATTERNS = (
     "vocab.json", "merges.txt", "chat_template.json", "chat_template.jinja", "*.tiktoken",
 )
 REQUIRED_PATTERNS = ("config.json", "*.safetensors")  # a source without these is not a model we can serve
+WEIGHT_PATTERNS = ("*.safetensors", "model.safetensors.index.json")  # left out by --no-weights (the router)
 
 _HF_PART = r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?"
 _HF_RE = re.compile(rf"^hf://(?P<org>{_HF_PART})/(?P<name>{_HF_PART})(?:@(?P<rev>[^\s@]+))?$")
@@ -127,5 +128,10 @@ def wanted(relative_path: str) -> bool:
     return "/" not in relative_path and any(fnmatch.fnmatchcase(relative_path, p) for p in SERVING_FILE_PATTERNS)
 
 
-def missing_required(relative_paths: list[str]) -> list[str]:
-    return [p for p in REQUIRED_PATTERNS if not any(fnmatch.fnmatchcase(f, p) for f in relative_paths)]
+def is_weight(relative_path: str) -> bool:
+    return any(fnmatch.fnmatchcase(relative_path, p) for p in WEIGHT_PATTERNS)
+
+
+def missing_required(relative_paths: list[str], weights: bool = True) -> list[str]:
+    required = REQUIRED_PATTERNS if weights else ("config.json",)
+    return [p for p in required if not any(fnmatch.fnmatchcase(f, p) for f in relative_paths)]

@@ -149,3 +149,19 @@ def test_plan_cli_from_a_config_file(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["fits"] and out["kv_bytes_per_token"] == 2 * 5 * 4 * 8 * 2
     assert out["model"]["num_layers"] == 5 and out["model"]["tie_word_embeddings"] is True
+
+
+def test_the_router_of_a_downloaded_model_fetches_only_the_tokenizer():
+    spec = _spec(credentials={"secretRef": {"name": "hf"}}, cache={"claimName": "cache"})
+    spec["router"] = {"enabled": True}
+    objs = render.render(spec_mod.resolve(spec), "m", "ml")
+    for obj in objs:
+        kubernetes_validate.validate(obj, "1.33", strict=True)
+    (router,) = [o for o in objs if o["kind"] == "Deployment" and o["metadata"]["name"] == "m-router"]
+    pod = router["spec"]["template"]["spec"]
+    (init,) = pod["initContainers"]
+    assert init["command"][-3:] == ["--dest", "/mnt/models/tokenizer", "--no-weights"]
+    assert init["envFrom"] == [{"secretRef": {"name": "hf"}}]
+    assert {"name": "model", "emptyDir": {}} in pod["volumes"]  # not the engine's cache
+    command = pod["containers"][0]["command"]
+    assert command[command.index("--tokenizer") + 1] == "/mnt/models/tokenizer"

@@ -177,3 +177,11 @@ def test_plan_from_a_hub_config(hub, capsys):
     assert out.startswith("model: LlamaForCausalLM, 5 layers, 8 heads / 4 KV heads x 8, hidden 64")
     assert "640 B" in out  # KV bytes per token: 2 x 5 layers x 4 KV heads x 8 x 2 bytes
     assert [r["path"] for r in hub.log] == [f"/{REPO_ID}/resolve/main/config.json"]
+
+
+def test_no_weights_fetches_config_and_tokenizer_only(hub, stories_dir, tmp_path):
+    dest = tmp_path / "tokenizer"
+    assert main(["download", URI, "--dest", str(dest), "--no-weights", "--termination-log", str(tmp_path / "l")]) == 0
+    expected = {k: v for k, v in serving_files(stories_dir).items() if not k.endswith(".safetensors")}
+    assert serving_files(dest) == expected and "config.json" in expected and "tokenizer.json" in expected
+    assert _gets(hub, "model.safetensors") == []

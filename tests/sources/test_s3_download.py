@@ -123,3 +123,17 @@ def test_config_json_with_explicit_credentials_as_the_operator_passes_them(s3, m
     creds = {"AWS_ENDPOINT_URL": moto_url, "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}
     config = model_config.fetch_config(uri.parse(f"s3://{BUCKET}/llama/stories260K"), creds)
     assert config["num_key_value_heads"] == 4
+
+
+def test_a_part_file_killed_after_its_last_byte_is_verified_not_refetched(s3, stories_dir, tmp_path):
+    source = uri.parse(f"s3://{BUCKET}/llama/stories260K")
+    listing = model_config.backend(source).listing()
+    dest = tmp_path / "m"
+    staging = dest.parent / download.STAGING_DIR / dest.name
+    staging.mkdir(parents=True)
+    (staging / ".kvserve-source.json").write_text(f'{{"source": "{source}", "commit": "{listing.commit}"}}')
+    weights = (stories_dir / "model.safetensors").read_bytes()
+    (staging / "model.safetensors.part").write_bytes(weights)  # complete, not yet renamed
+    result = download.download(source, dest)
+    assert result.fetched_bytes == result.num_bytes - len(weights)
+    assert serving_files(dest) == serving_files(stories_dir)

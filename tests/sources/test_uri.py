@@ -54,3 +54,14 @@ def test_only_serving_files_at_the_top_level_are_wanted():
                                            "onnx/model.safetensors", ".gitattributes"))
     assert uri.missing_required(["config.json", "tokenizer.json"]) == ["*.safetensors"]
     assert uri.missing_required(["config.json", "model.safetensors"]) == []
+
+
+def test_download_refuses_mounted_sources_with_the_reason(tmp_path, capsys):
+    from kvserve.cli.main import main
+
+    log = tmp_path / "log"
+    assert main(["download", "pvc://models/llama3", "--dest", str(tmp_path / "m"), "--termination-log", str(log)]) == 1
+    assert "mounted, not fetched" in log.read_text() and "mounted, not fetched" in capsys.readouterr().err
+    assert main(["download", "hf://org/name@a", "--revision", "b", "--dest", str(tmp_path / "m"),
+                 "--termination-log", str(log)]) == 1
+    assert log.read_text().startswith("kvserve: download failed: --revision: 'b' contradicts")

@@ -24,7 +24,8 @@ from kvserve.runtime.sampling_params import InvalidParameter
 from kvserve.runtime.worker import kv_sizing
 
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-               "MixtralForCausalLM": "mixtral", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
+               "MixtralForCausalLM": "mixtral", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
+               "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text"}
 DTYPES = ("bfloat16", "float16", "fp8")
 KV_DTYPES = ("auto", "fp8")
 
@@ -40,6 +41,8 @@ def hf_config(shape: capacity.ModelShape) -> dict:
            "attention_bias": shape.attention_bias and shape.architecture != "Qwen2ForCausalLM"}
     if shape.architecture == "MistralForCausalLM":
         cfg["sliding_window"] = None  # v0.2/v0.3 (the catalog's shape); transformers' default would be 4096
+    if shape.sliding_window:  # Gemma: which layers slide comes from transformers' rule for the model type
+        cfg.update(sliding_window=shape.sliding_window, query_pre_attn_scalar=shape.head_dim)
     if shape.num_experts:
         cfg.update(num_local_experts=shape.num_experts, num_experts=shape.num_experts,
                    num_experts_per_tok=shape.experts_per_token, moe_intermediate_size=shape.intermediate_size)
@@ -129,7 +132,10 @@ def test_every_accepted_plan_is_served_with_exactly_the_planned_capacity(key, mo
         kv_sizing.check_one_sequence_fits(config, num_blocks)  # the runtime's startup check passes
         where = (key, gpu, t, kv, dtype)
         assert num_blocks == plan.num_blocks_per_gpu, where
-        assert capacity.usable_tokens(num_blocks, config.cache.block_size) == plan.kv_tokens, where
+        assert kv_sizing.layout(config).usable_tokens(num_blocks) == plan.kv_tokens, where
+        assert kv_sizing.layout(config).max_concurrency(num_blocks, config.model.max_model_len,
+                                                        config.scheduler.max_num_batched_tokens) == \
+            plan.max_concurrency, where
         assert kv_sizing.layout(config).bytes_per_token_per_rank == plan.kv_bytes_per_token_per_gpu, where
         # The weights the runtime allocates per rank (from config.json) are what the planner charged.
         assert capacity.weight_bytes_per_rank(config.model.shape, config.model.weight_dtype, t) == \

@@ -206,8 +206,8 @@ def test_runtime_weight_bytes_match_the_planner(tmp_path):
     import torch
 
     from kvserve.runtime.config import load_model_config
-    from kvserve.runtime.models.llama import LlamaForCausalLM
     from kvserve.runtime.models import fp8
+    from kvserve.runtime.models.registry import model_class
     from kvserve.runtime.parallel.layers import ColumnParallelLinear, ParallelContext, RowParallelLinear
 
     shapes = {
@@ -216,6 +216,11 @@ def test_runtime_weight_bytes_match_the_planner(tmp_path):
                                           attention_bias=True, tie_word_embeddings=True),
         "llama-bias": capacity.ModelShape(2, 4, 1, 32, 128, 0, 512, 256, 999, attention_bias=True,
                                           o_proj_bias=True),
+        # four norms per layer, tied; Gemma 3 adds q/k norms (model_type rule: layers 0, 2 slide / 0..4 of 6)
+        "gemma2": capacity.ModelShape(4, 4, 2, 32, 128, 0, 512, 256, 1000, **catalog._GEMMA2,
+                                      num_sliding_layers=2),
+        "gemma3": capacity.ModelShape(6, 4, 1, 64, 128, 0, 512, 256, 1000, **{**catalog._GEMMA3,
+                                      "sliding_window": 64}, num_sliding_layers=5),
     }
     for name, shape in shapes.items():
         d = tmp_path / name
@@ -227,7 +232,7 @@ def test_runtime_weight_bytes_match_the_planner(tmp_path):
         for t in capacity.valid_tp_sizes(shape.num_attention_heads, shape.num_kv_heads, shape.intermediate_size, 4):
             for rank in range(t):
                 with torch.device("meta"):
-                    model = LlamaForCausalLM(config, None, ParallelContext(rank=rank, size=t))
+                    model = model_class(shape.architecture)(config, None, ParallelContext(rank=rank, size=t))
                 allocated = sum(p.numel() * 4 for p in model.parameters())
                 assert allocated == capacity.weight_bytes_per_rank(shape, "float32", t), (name, t, rank)
                 # --dtype fp8: the loader's conversion, on the same meta model (16-bit rest, 1-byte linears)
@@ -235,5 +240,6 @@ def test_runtime_weight_bytes_match_the_planner(tmp_path):
                     model = model.to(torch.bfloat16)
                     fp8.convert_linears(model.layers, (ColumnParallelLinear, RowParallelLinear))
                 allocated = sum(x.numel() * x.element_size() for x in (*model.parameters(), *model.buffers())
-                                if x is not model.rotary.cos and x is not model.rotary.sin)
+                                if x is not getattr(model.rotary, "cos", None)
+                                and x is not getattr(model.rotary, "sin", None))
                 assert allocated == capacity.weight_bytes_per_rank(shape, "fp8", t), (name, t, rank, "fp8")

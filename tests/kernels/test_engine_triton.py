@@ -56,6 +56,16 @@ def test_triton_backend_matches_torch(random_model, name, kw):
     assert got == expected
 
 
+def test_triton_backend_sliding_window_and_softcap(random_model):
+    """Gemma 2 (window 12, attention softcap) in chunks of 24: the sliding KV group's out-of-window blocks are
+    freed to null while the kernels run; a shared 20-token prefix hits through the window rule."""
+    model_dir = random_model("gemma2_sliding")
+    prompts = _prompts(3, 512)[1:3]  # 33 and 50 tokens
+    expected = _generate(model_dir, prompts, "torch", max_num_batched_tokens=24)
+    got = _generate(model_dir, prompts, "triton", max_num_batched_tokens=24)
+    assert got == expected
+
+
 class _ReferenceBackend:
     """kvserve.kernels' pure-torch references as an attention backend (slow; any cache dtype)."""
 

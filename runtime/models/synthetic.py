@@ -42,9 +42,11 @@ TEST_MODEL_CONFIGS = {
                                                  num_key_value_heads=2, head_dim=16, sliding_window=12,
                                                  query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
                                                  final_logit_softcapping=10.0, norm_weight_std=0.3)),
-    # 6 layers: the default 5:1 pattern makes only layer 5 global; MQA, head_dim 32 (q width 128 != hidden),
-    # q/k norms, window 20, global RoPE 1e6 with linear x8 scaling, local RoPE 1e4 unscaled.
-    "gemma3_sliding": ("Gemma3ForCausalLM", dict(_COMMON, num_hidden_layers=6, num_attention_heads=4,
+    # 4 layers, sliding_window_pattern 4 (checkpoints: 6): layers 0-2 slide, 3 is global -> 1 full + 3 sliding
+    # KV cache groups; MQA, head_dim 32 (q width 128 != hidden), q/k norms, window 20, global RoPE 1e6 with
+    # linear x8 scaling, local RoPE 1e4 unscaled.
+    "gemma3_sliding": ("Gemma3ForCausalLM", dict(_COMMON, num_hidden_layers=4, sliding_window_pattern=4,
+                                                 num_attention_heads=4,
                                                  num_key_value_heads=1, head_dim=32, sliding_window=20,
                                                  query_pre_attn_scalar=24, norm_weight_std=0.3,
                                                  rope_parameters={

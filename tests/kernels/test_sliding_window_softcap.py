@@ -52,9 +52,8 @@ def _check(out, ref, b, dtype, seed, what):
     assert err <= TOL[dtype], f"{what}: rel err {err:.3g} > {TOL[dtype]} (seed={seed})"
 
 
-@pytest.mark.parametrize("dtype,window,softcap", [(torch.float32, 20, 0.0), (torch.float32, 48, 0.0),
-                                                  (torch.float32, 0, 5.0), (torch.bfloat16, 37, 2.0)],
-                         ids=["w20", "w48", "cap5", "bf16-w37-cap2"])
+@pytest.mark.parametrize("dtype,window,softcap", [(torch.float32, 20, 0.0), (torch.float32, 0, 5.0),
+                                                  (torch.bfloat16, 37, 2.0)], ids=["w20", "cap5", "bf16-w37-cap2"])
 def test_mixed_batch_windows_and_softcap(gen, seed, dtype, window, softcap):
     # decodes (one at a block boundary), a fresh prefill longer than the window, extends that start inside
     # and far beyond the window; windows smaller and larger than the 16-token blocks and 32-key tiles

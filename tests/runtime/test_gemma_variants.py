@@ -19,8 +19,8 @@ def workload(model_factory, request):
     model_dir, hf_model = model_factory(request.param)
     rng = random.Random(13)
     system = [rng.randrange(3, 512) for _ in range(40)]  # 5 blocks of 8: a hit longer than either window
-    prompts = [system + [rng.randrange(3, 512) for _ in range(rng.randint(1, 40))] for _ in range(10)]
-    prompts += [[rng.randrange(3, 512) for _ in range(rng.randint(1, 80))] for _ in range(10)]
+    prompts = [system + [rng.randrange(3, 512) for _ in range(rng.randint(1, 40))] for _ in range(8)]
+    prompts += [[rng.randrange(3, 512) for _ in range(rng.randint(1, 80))] for _ in range(6)]
     return request.param, model_dir, prompts, hf_greedy(hf_model, prompts, MAX_NEW)
 
 
@@ -54,14 +54,14 @@ def test_prefix_caching_and_chunked_prefill(workload):
                                   enable_prefix_caching=True)
     assert got == expected, name
     assert engine.kv_cache_manager.num_groups > 1
-    assert engine.get_stats().prefix_cache_hits >= 9 * 40  # the 9 prompts after the first reuse 5 blocks
+    assert engine.get_stats().prefix_cache_hits >= 7 * 40  # the 7 prompts after the first reuse 5 blocks
     # Sequences of up to 96 tokens (12 blocks): each sliding group kept only about its window.
     assert 0 < peak <= _window_blocks(engine, 8, 24) < 12
 
 
 def test_preemption(workload):
     name, model_dir, prompts, expected = workload
-    # Room for about two sequences at a time: requests are preempted and recomputed, partly from prefix hits
+    # Room for a few sequences at a time: requests are preempted and recomputed, partly from prefix hits
     # whose sliding-group blocks were freed (and kept their hashes) before the preemption.
     got, engine, peak = _generate(model_dir, prompts, num_kv_blocks=80, block_size=8, max_num_batched_tokens=32)
     assert engine.scheduler.num_preemptions > 0, name

@@ -428,8 +428,10 @@ def one_sequence_error(num_blocks: int, max_model_len: int, layout: KVLayout, so
     if usable >= needed:
         return None
     longest = layout.longest_sequence(num_blocks, max_model_len, max_num_batched_tokens)
+    held = (f"{usable * layout.block_size} tokens" if layout.num_groups == 1 else
+            f"shared by {layout.num_groups} KV cache groups")
     return (f"{source}: the KV cache holds {usable} usable blocks of {layout.block_size} tokens "
-            f"({usable * layout.block_size} tokens) per rank, but one max_model_len={max_model_len} sequence needs "
+            f"({held}) per rank, but one max_model_len={max_model_len} sequence needs "
             f"{needed} blocks ({layout.budget_for_blocks(needed + NULL_BLOCKS)} bytes with the null block); "
             f"raise the KV budget or set max_model_len <= {longest}")
 

@@ -110,6 +110,11 @@ def format_table(plan: dict) -> str:
         (f"max concurrency at {plan['max_model_len']:,} tokens", f"{plan['max_concurrency']:,}"),
         ("longest single sequence", f"{plan['max_model_len_fit']:,} tokens"),
     ]
+    if plan.get("num_kv_cache_groups", 1) > 1:  # sliding-window model: what a full-context charge would give
+        rows += [("sliding window (KV cache groups)", f"{plan['sliding_window']:,} tokens "
+                                                      f"({plan['num_kv_cache_groups']} groups)"),
+                 ("  if every layer kept the full context", f"max concurrency {plan['max_concurrency_full_context']:,}, "
+                                                           f"longest {plan['max_model_len_fit_full_context']:,} tokens")]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows) + f"\n{plan['message']}"
 

@@ -38,30 +38,37 @@ NO_CHANGE = BlockTableDiff()  # shared: never mutated (apply reads it only)
 
 
 class SentBlockTables:
-    """The scheduler's record of each request's table as the runner last received it."""
+    """The scheduler's record of each request's table as the runner last received it. Tables are lists of
+    block objects (a `block_id` attribute; compared by identity), or of plain block ids with `ids=True`
+    (KV cache groups 1.., which the KV-cache manager hands out as ids)."""
 
-    def __init__(self) -> None:
-        self._sent: dict[str, list] = {}  # request id -> blocks (KVCacheBlock-like: a `block_id` attribute)
+    def __init__(self, ids: bool = False) -> None:
+        self._sent: dict[str, list] = {}  # request id -> blocks as last sent
+        self._ids = ids
 
     def diff(self, request_id: str, blocks: Sequence) -> BlockTableDiff:
         """Diff from what was sent for `request_id` to `blocks`, recording `blocks` as sent."""
         sent = self._sent.get(request_id)
         if sent is None:
             self._sent[request_id] = list(blocks)
-            return BlockTableDiff([b.block_id for b in blocks], reset=True)
+            return BlockTableDiff(self._block_ids(blocks), reset=True)
         num_sent, num_blocks = len(sent), len(blocks)
         if num_blocks == num_sent and blocks == sent:  # most decode steps: the table did not change
             return NO_CHANGE
         if num_blocks > num_sent and blocks[:num_sent] == sent:  # a block was appended
             new = blocks[num_sent:]
             sent.extend(new)
-            return BlockTableDiff([b.block_id for b in new])
+            return BlockTableDiff(self._block_ids(new))
         if num_blocks < num_sent:  # shrank: never happens while a request keeps its blocks; resend
             self._sent[request_id] = list(blocks)
-            return BlockTableDiff([b.block_id for b in blocks], reset=True)
-        replaced = [(i, blocks[i].block_id) for i in range(num_sent) if blocks[i] is not sent[i]]
+            return BlockTableDiff(self._block_ids(blocks), reset=True)
+        changed = [i for i in range(num_sent) if blocks[i] != sent[i]]  # objects: identity; ids: value
+        replaced = list(zip(changed, self._block_ids([blocks[i] for i in changed])))
         self._sent[request_id] = list(blocks)
-        return BlockTableDiff([b.block_id for b in blocks[num_sent:]], replaced)
+        return BlockTableDiff(self._block_ids(blocks[num_sent:]), replaced)
+
+    def _block_ids(self, blocks: Sequence) -> list[int]:
+        return list(blocks) if self._ids else [b.block_id for b in blocks]
 
     def forget(self, request_id: str) -> None:
         """The runner will not hold this table any more (finished), or must get it whole next time

@@ -51,6 +51,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._seen_by_runner: set[str] = set()
         self._sent_tables = SentBlockTables()  # block tables as the runner holds them (it keeps them)
+        self._sent_group_tables: list[SentBlockTables] = []  # the same for KV cache groups 1..
         self._finished_since_last_step: list[str] = []
         self.num_preemptions = 0
         self.num_swap_outs = 0  # requests
@@ -88,7 +89,7 @@ class Scheduler:
         request.status = status
         self.kv.free(request)
         del self.requests[request.request_id]
-        self._sent_tables.forget(request.request_id)
+        self._forget_tables(request.request_id)
         if request.request_id in self._seen_by_runner:
             self._seen_by_runner.discard(request.request_id)
             self._finished_since_last_step.append(request.request_id)
@@ -201,6 +202,7 @@ class Scheduler:
         general loop goes on from there. Callers guarantee the budget covers one token per running request."""
         kv, tables = self.kv, self._sent_tables
         req_to_blocks = kv.req_to_blocks
+        group_diffs = self._group_diffs if kv.num_groups > 1 else None
         for i, request in enumerate(self.running):
             start = request.num_computed_tokens
             if request.num_tokens - start != 1 or request.fork_children:
@@ -214,7 +216,8 @@ class Scheduler:
                 request.first_scheduled_time = time.monotonic()
             scheduled_reqs.append(request)
             scheduled.append(ScheduledRequest(rid, [request.all_token_ids[start]], start,
-                                              tables.diff(rid, req_to_blocks[rid]), [rid]))
+                                              tables.diff(rid, req_to_blocks[rid]), [rid],
+                                              group_diffs(rid) if group_diffs else ()))
         return len(self.running)
 
     def _num_reserved_seats(self) -> int:
@@ -237,12 +240,28 @@ class Scheduler:
         sample_ids = [request.request_id, *(c.request_id for c in request.fork_children)] if completes else []
         rid = request.request_id
         return ScheduledRequest(rid, request.all_token_ids[start:start + num_new], start,
-                                self._sent_tables.diff(rid, self.kv.req_to_blocks.get(rid, ())), sample_ids)
+                                self._sent_tables.diff(rid, self.kv.req_to_blocks.get(rid, ())), sample_ids,
+                                group_block_tables=self._group_diffs(rid))
+
+    def _group_diffs(self, rid: str) -> tuple:
+        """Block-table diffs of KV cache groups 1.. (sliding-window models; () for one group)."""
+        group_tables = self.kv.get_group_block_ids(rid)
+        if not group_tables:
+            return ()
+        sent = self._sent_group_tables
+        while len(sent) < len(group_tables):
+            sent.append(SentBlockTables(ids=True))
+        return tuple(tables.diff(rid, ids) for tables, ids in zip(sent, group_tables))
+
+    def _forget_tables(self, rid: str) -> None:
+        self._sent_tables.forget(rid)
+        for tables in self._sent_group_tables:
+            tables.forget(rid)
 
     def _preempt(self, request: Request) -> None:
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self._sent_tables.forget(request.request_id)  # it comes back with other blocks: send them whole
+        self._forget_tables(request.request_id)  # it comes back with other blocks: send them whole
         # Swap only what is fully computed and not waiting on a fork (siblings need the prefill's logits).
         if (self.config.preemption_mode == "swap" and not request.fork_children
                 and request.num_computed_tokens > 0 and self.kv.can_swap_out(request)):

@@ -20,6 +20,7 @@ from kvserve.runtime.engine.output_processor import OutputProcessor, RequestStat
 from kvserve.runtime.outputs import EngineStats, RequestOutput
 from kvserve.runtime.parallel.errors import WorkerDiedError
 from kvserve.runtime.request import Request, RequestStatus
+from kvserve.runtime.worker import kv_sizing
 from kvserve.runtime.sampling_params import (InvalidParameter, RequestLimits, SamplingParams, is_valid_text,
                                              verify_request)
 
@@ -42,7 +43,8 @@ class LLMEngine:
         self.config = _with_num_blocks(config, self.runner.num_blocks)
         self.kv_cache_manager = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                                config.cache.enable_prefix_caching,
-                                               num_host_blocks=self.runner.num_host_blocks)
+                                               num_host_blocks=self.runner.num_host_blocks,
+                                               group_windows=kv_sizing.layout(config).group_windows)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.eos_token_ids = frozenset(config.model.eos_token_ids)

@@ -21,7 +21,7 @@ from kvserve.runtime.models.attention import AttentionMetadata, get_attention_ba
 from kvserve.runtime.models.loader import load_model
 from kvserve.runtime.parallel.layers import SINGLE, ParallelContext
 from kvserve.runtime.sampling import RequestSamplingState, is_plain_greedy, sample
-from kvserve.runtime.worker import kv_sizing
+from kvserve.runtime.worker import kv_groups, kv_sizing
 from kvserve.runtime.worker.block_tables import BlockTables
 
 logger = logging.getLogger("kvserve.runner")
@@ -53,6 +53,7 @@ class ModelRunner:
         self.plain_greedy: set[str] = set()  # requests whose sampling is a bare argmax (sampling.is_plain_greedy)
         self.block_tables = BlockTables(-(-config.model.max_model_len // self.block_size),
                                         num_rows=config.scheduler.max_num_seqs)
+        self.group_block_tables: list[BlockTables] = []  # KV cache groups 1.. (kv_groups.py), made on first use
 
     # -- KV cache sizing --------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -99,10 +100,12 @@ class ModelRunner:
         dtype = getattr(torch, _KV_TORCH_DTYPES.get(kv_dtype, m.dtype))
         # One tensor [2, layers, blocks, block_size, kv_heads, head_dim]; zeroed so never-written slots
         # hold finite values (masked attention weights are 0, and 0 * NaN would still be NaN).
-        kv = torch.zeros(2, m.num_layers, max(num_blocks, 1), self.block_size, self.num_kv_heads, m.head_dim,
+        # Sliding-window models: one slot per layer of a KV cache group, shared by the groups (kv_groups.py).
+        slots = kv_groups.layer_slots(self.model, m.num_layers)
+        kv = torch.zeros(2, max(slots) + 1, max(num_blocks, 1), self.block_size, self.num_kv_heads, m.head_dim,
                          dtype=dtype, device=self.device)
         self.kv = kv
-        return [(kv[0, i], kv[1, i]) for i in range(m.num_layers)]
+        return [(kv[0, slot], kv[1, slot]) for slot in slots]
 
     def _allocate_host_kv_cache(self, num_blocks: int) -> torch.Tensor:
         """Swap space in host RAM, same layout as the device cache (pinned on CUDA for async copies)."""
@@ -126,6 +129,8 @@ class ModelRunner:
             self.states.pop(rid, None)
             self.plain_greedy.discard(rid)
             self.block_tables.remove(rid)
+            for tables in self.group_block_tables:
+                tables.remove(rid)
         for new in sched.new_requests:
             state = RequestSamplingState(new.sampling_params, new.prompt_token_ids, self.config.model.eos_token_ids,
                                          self.device, self.generator)
@@ -166,6 +171,8 @@ class ModelRunner:
         width = int(self.block_tables.num_blocks[rows_np].max())
         meta = self._metadata(qlens_np, starts_np + qlens_np, tables[rows_np, :width],
                               torch.from_numpy(slots).to(dev))
+        if sched.scheduled[0].group_block_tables:  # KV cache groups 1..: their own tables and slots
+            meta = kv_groups.group_metadata(self, sched.scheduled, meta, qlens_np, positions)
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev),
                             torch.from_numpy(positions.astype(np.int64, copy=False)).to(dev), self.kv_caches, meta)
         if not logits_rows:

@@ -14,9 +14,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hf-batch-size", type=int, default=8)
     parser.add_argument("--skip-hf", action="store_true", help="do not run the transformers baseline")
     parser.add_argument("--model", default=None, help="local HF model dir (default: build the 125M random Llama)")
-    parser.add_argument("--hidden-size", type=int, default=None)
-    parser.add_argument("--num-layers", type=int, default=None)
-    parser.add_argument("--vocab-size", type=int, default=None)
+    parser.add_argument("--hidden-size", type=int, default=None, help="shape of the built model (not with --model)")
+    parser.add_argument("--num-layers", type=int, default=None, help="shape of the built model (not with --model)")
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="vocab of the built model; with --model, caps the workload's token ids")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--max-num-seqs", type=int, default=None)
@@ -32,6 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvserve.runtime.bench_throughput import main
 
+    if args.model and (args.hidden_size or args.num_layers):
+        raise SystemExit("--hidden-size / --num-layers shape the built model; with --model its config.json does")
     shape = {k: v for k, v in (("hidden_size", args.hidden_size), ("num_hidden_layers", args.num_layers),
                                ("vocab_size", args.vocab_size)) if v is not None}
     engine_kwargs = dict(block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,

@@ -20,6 +20,7 @@ COMMANDS: dict[str, str] = {
     "router": "kvserve.cli.router",
     "bench throughput": "kvserve.cli.bench_throughput",
     "bench serve": "kvserve.cli.bench_serve",
+    "bench step": "kvserve.cli.bench_step",
     "bench router": "kvserve.cli.bench_router",
 }
 

@@ -125,12 +125,28 @@ def measured_peak_flops(hidden: int, intermediate: int, tokens: int = 256, repea
     return 2 * tokens * hidden * 2 * intermediate / best
 
 
+def shape_of_model_dir(model_dir: str) -> dict:
+    """The roofline's shape keys from a model directory's config.json (nested text_config too), so that a
+    `--model` run is measured against its own shape, not the default one."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    config = {**config, **config.get("text_config", {})}
+    shape = {k: config[k] for k in DEFAULT_SHAPE if k in config}
+    if config.get("head_dim"):
+        shape["head_dim"] = config["head_dim"]
+    missing = {"hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"} - set(shape)
+    if missing:
+        raise ValueError(f"{model_dir}/config.json lacks {sorted(missing)}: cannot compute the roofline")
+    shape.setdefault("num_key_value_heads", shape["num_attention_heads"])
+    return shape
+
+
 def model_flops(shape: dict, wl: Workload) -> float:
     """Matmul FLOPs the workload needs at minimum: every token through every linear layer, the LM head only
     for generated tokens, plus attention scores/values over each token's causal context."""
     h, layers, heads, kvh = (shape["hidden_size"], shape["num_hidden_layers"], shape["num_attention_heads"],
                              shape["num_key_value_heads"])
-    head_dim = h // heads
+    head_dim = shape.get("head_dim") or h // heads
     per_layer = h * (heads + 2 * kvh) * head_dim + heads * head_dim * h + 3 * h * shape["intermediate_size"]
     tokens = wl.num_prompt_tokens + wl.num_output_tokens
     flops = 2 * layers * per_layer * tokens + 2 * h * shape["vocab_size"] * wl.num_output_tokens
@@ -146,15 +162,22 @@ def main(num_requests: int = 32, prompt_range=(16, 256), output_range=(16, 128),
 
     from kvserve.runtime.models.synthetic import make_random_model_dir
 
-    shape = dict(DEFAULT_SHAPE, **(shape or {}))
     tmp = None
+    if model_dir is not None:
+        # The model's own shape for the roofline; an explicit vocab size only narrows the workload's token ids.
+        overrides = shape or {}
+        shape = shape_of_model_dir(model_dir)
+        workload_vocab = min(overrides.get("vocab_size", shape["vocab_size"]), shape["vocab_size"])
+    else:
+        shape = dict(DEFAULT_SHAPE, **(shape or {}))
+        workload_vocab = shape["vocab_size"]
     if model_dir is None:
         tmp = tempfile.TemporaryDirectory(prefix="kvserve-bench-")
         model_dir = tmp.name
         print(f"building a random-weight Llama ({shape['hidden_size']} hidden, {shape['num_hidden_layers']} layers, "
               f"vocab {shape['vocab_size']}) in {model_dir} ...", flush=True)
         make_random_model_dir(model_dir, "LlamaForCausalLM", seed=seed, **shape)
-    wl = Workload.random(num_requests, prompt_range, output_range, shape["vocab_size"], seed)
+    wl = Workload.random(num_requests, prompt_range, output_range, workload_vocab, seed)
     print(f"workload: {num_requests} requests, {wl.num_prompt_tokens} prompt tokens, {wl.num_output_tokens} output "
           f"tokens (ignore_eos), seed {seed}; torch threads {torch.get_num_threads()}", flush=True)
     engine_kwargs.setdefault("max_model_len", max(len(p) for p in wl.prompts) + max(wl.output_lens))

@@ -43,6 +43,15 @@ class RequestSamplingState:
                            if params.compiled_constraint is not None else None)
 
 
+def is_plain_greedy(state: RequestSamplingState) -> bool:
+    """sample() reduces to a bare argmax for this request on every step: greedy, nothing that edits its
+    logits (penalties, min-tokens masking, a grammar), no logprobs, no setup error. The runner keeps the set
+    of such requests so an all-plain batch skips sample()'s per-request passes."""
+    p = state.params
+    return (state.error is None and p.greedy and not p.uses_penalties and not (p.min_tokens and state.stop_ids)
+            and state.constraint is None and p.logprobs is None)
+
+
 def sample(logits: torch.Tensor, states: list[RequestSamplingState]
            ) -> tuple[list[int | None], list[TokenLogprobs | None], dict[int, str]]:
     """logits: [rows, vocab] float32, one row per state. Returns token ids (None for a failed row), logprobs

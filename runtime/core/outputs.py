@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvserve.runtime.core.block_table_diff import BlockTableDiff
 from kvserve.runtime.sampling_params import SamplingParams
 
 
@@ -15,17 +16,21 @@ class NewRequestData:
     prompt_token_ids: list[int]
 
 
-@dataclass
+@dataclass(slots=True)  # one per scheduled request per step: slots make it cheaper to build and pickle
 class ScheduledRequest:
     req_id: str
     token_ids: list[int]  # the tokens whose KV this step computes
     start_position: int  # == the request's num_computed_tokens before this step
-    block_ids: list[int]  # the request's full block table (KV cache group 0)
+    # Change to the request's block table (KV cache group 0) since the runner last saw it (the runner keeps
+    # the tables: a decode step sends a handful of appended ids, not every table again -- also what TP
+    # pickles per rank).
+    block_table: BlockTableDiff
     # Requests to sample from this step's last logits row: [] mid-prefill, [req_id] usually, and
     # [leader, child1, ...] on the step a leader's prefill completes and its n-1 siblings fork from it.
     sample_req_ids: list[str] = field(default_factory=list)
-    # Sliding-window models: the block tables of KV cache groups 1.. (0 = null block: out of the window).
-    group_block_ids: tuple[list[int], ...] = ()
+    # Sliding-window models: the same diffs for KV cache groups 1.. (a block that left the window becomes the
+    # null block 0: a `replaced` entry).
+    group_block_tables: tuple[BlockTableDiff, ...] = ()
 
 
 @dataclass

@@ -13,6 +13,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from kvserve.runtime.core.block_table_diff import SentBlockTables
 from kvserve.runtime.core.kv_cache_manager import KVCacheManager
 from kvserve.runtime.core.outputs import (EngineCoreOutput, ModelRunnerOutput, NewRequestData, ScheduledRequest,
                                           SchedulerOutput)
@@ -49,6 +50,8 @@ class Scheduler:
         self.swapped: deque[Request] = deque()  # oldest first
         self.requests: dict[str, Request] = {}
         self._seen_by_runner: set[str] = set()
+        self._sent_tables = SentBlockTables()  # block tables as the runner holds them (it keeps them)
+        self._sent_group_tables: list[SentBlockTables] = []  # the same for KV cache groups 1..
         self._finished_since_last_step: list[str] = []
         self.num_preemptions = 0
         self.num_swap_outs = 0  # requests
@@ -86,6 +89,7 @@ class Scheduler:
         request.status = status
         self.kv.free(request)
         del self.requests[request.request_id]
+        self._forget_tables(request.request_id)
         if request.request_id in self._seen_by_runner:
             self._seen_by_runner.discard(request.request_id)
             self._finished_since_last_step.append(request.request_id)
@@ -111,6 +115,9 @@ class Scheduler:
         num_preempted = 0
 
         i = 0
+        if budget >= len(self.running):
+            i = self._schedule_decodes(scheduled, scheduled_reqs)
+            budget -= i
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = self._num_tokens_to_schedule(request, budget)
@@ -188,6 +195,31 @@ class Scheduler:
                                block_copies=self.kv.take_block_copies(), num_preempted=num_preempted,
                                swap_out=swap_out, swap_in=swap_in)
 
+    def _schedule_decodes(self, scheduled: list[ScheduledRequest], scheduled_reqs: list[Request]) -> int:
+        """Fast path of the running loop for its leading requests that decode one token (all of them in a
+        pure-decode step): it produces exactly what the general loop would for them, minus its per-request
+        generality (budget capping, preemption retries, forks). Returns how many requests it scheduled; the
+        general loop goes on from there. Callers guarantee the budget covers one token per running request."""
+        kv, tables = self.kv, self._sent_tables
+        req_to_blocks = kv.req_to_blocks
+        group_diffs = self._group_diffs if kv.num_groups > 1 else None
+        for i, request in enumerate(self.running):
+            start = request.num_computed_tokens
+            if request.num_tokens - start != 1 or request.fork_children:
+                return i
+            # None leaves the KV manager unchanged, so the general loop's retry (which preempts) sees the
+            # same state this call did.
+            if kv.allocate_slots(request, 1) is None:
+                return i
+            rid = request.request_id
+            if request.first_scheduled_time is None:  # a forked sibling's first step
+                request.first_scheduled_time = time.monotonic()
+            scheduled_reqs.append(request)
+            scheduled.append(ScheduledRequest(rid, [request.all_token_ids[start]], start,
+                                              tables.diff(rid, req_to_blocks[rid]), [rid],
+                                              group_diffs(rid) if group_diffs else ()))
+        return len(self.running)
+
     def _num_reserved_seats(self) -> int:
         return sum(len(r.fork_children) for r in self.running)
 
@@ -206,13 +238,30 @@ class Scheduler:
             request.first_scheduled_time = time.monotonic()
         completes = start + num_new == request.num_tokens
         sample_ids = [request.request_id, *(c.request_id for c in request.fork_children)] if completes else []
-        return ScheduledRequest(request.request_id, request.all_token_ids[start:start + num_new], start,
-                                self.kv.get_block_ids(request.request_id), sample_ids,
-                                group_block_ids=self.kv.get_group_block_ids(request.request_id))
+        rid = request.request_id
+        return ScheduledRequest(rid, request.all_token_ids[start:start + num_new], start,
+                                self._sent_tables.diff(rid, self.kv.req_to_blocks.get(rid, ())), sample_ids,
+                                group_block_tables=self._group_diffs(rid))
+
+    def _group_diffs(self, rid: str) -> tuple:
+        """Block-table diffs of KV cache groups 1.. (sliding-window models; () for one group)."""
+        group_tables = self.kv.get_group_block_ids(rid)
+        if not group_tables:
+            return ()
+        sent = self._sent_group_tables
+        while len(sent) < len(group_tables):
+            sent.append(SentBlockTables(ids=True))
+        return tuple(tables.diff(rid, ids) for tables, ids in zip(sent, group_tables))
+
+    def _forget_tables(self, rid: str) -> None:
+        self._sent_tables.forget(rid)
+        for tables in self._sent_group_tables:
+            tables.forget(rid)
 
     def _preempt(self, request: Request) -> None:
         request.num_preemptions += 1
         self.num_preemptions += 1
+        self._forget_tables(request.request_id)  # it comes back with other blocks: send them whole
         # Swap only what is fully computed and not waiting on a fork (siblings need the prefill's logits).
         if (self.config.preemption_mode == "swap" and not request.fork_children
                 and request.num_computed_tokens > 0 and self.kv.can_swap_out(request)):
@@ -230,28 +279,25 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
+        # Hoisted lookups: this loop runs once per scheduled request per step (a hot path at 256+ decodes).
+        requests, running = self.requests, RequestStatus.RUNNING
+        sampled, all_logprobs = runner_output.sampled_token_ids, runner_output.logprobs
+        check_stop = self._check_stop
         for sched in scheduler_output.scheduled:
-            request = self.requests.get(sched.req_id)
-            if request is None or request.status != RequestStatus.RUNNING:
+            request = requests.get(sched.req_id)
+            if request is None or request.status != running:
                 continue  # finished or preempted meanwhile
             request.num_computed_tokens += len(sched.token_ids)
             if not sched.sample_req_ids:
                 continue
-            samples = [request]
-            for child in request.fork_children:
-                child.num_computed_tokens = request.num_computed_tokens
-                child.status = RequestStatus.RUNNING
-                self.kv.fork(request, child)
-                self.running.append(child)
-                samples.append(child)
-            request.fork_children = []
+            samples = self._fork_children(request) if request.fork_children else (request,)
             for sample in samples:
-                token_id = runner_output.sampled_token_ids.get(sample.request_id)
+                token_id = sampled.get(sample.request_id)
                 if token_id is None:  # its sampling failed (runner_output.failed): the engine finishes it
                     continue
                 sample.append_token(token_id)
-                logprobs = runner_output.logprobs.get(sample.request_id)
-                status = self._check_stop(sample, token_id)
+                logprobs = all_logprobs.get(sample.request_id) if all_logprobs else None
+                status = check_stop(sample, token_id)
                 out = EngineCoreOutput(sample.request_id, [token_id], [logprobs] if logprobs else None)
                 if status is not None:
                     self.running.remove(sample)
@@ -260,16 +306,31 @@ class Scheduler:
                 outputs.append(out)
         return outputs
 
+    def _fork_children(self, request: Request) -> list[Request]:
+        """The leader's prefill completed: its waiting siblings start sharing its blocks. Returns every
+        sample to take a token from this step's row, leader first."""
+        samples = [request]
+        for child in request.fork_children:
+            child.num_computed_tokens = request.num_computed_tokens
+            child.status = RequestStatus.RUNNING
+            self.kv.fork(request, child)
+            self.running.append(child)
+            samples.append(child)
+        request.fork_children = []
+        return samples
+
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params
+        num_tokens = len(request.all_token_ids)
+        num_output_tokens = num_tokens - len(request.prompt_token_ids)
         # Below min_tokens the sampler masks EOS and stop ids, so they cannot appear here.
-        if request.num_output_tokens > params.min_tokens:
+        if num_output_tokens > params.min_tokens:
             if token_id in params.stop_token_ids:
                 request.stop_reason = token_id
                 return RequestStatus.FINISHED_STOPPED
             if not params.ignore_eos and token_id in request.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
-        if (request.max_tokens is not None and request.num_output_tokens >= request.max_tokens) \
-                or request.num_tokens >= self.config.max_model_len:
+        if (request.max_tokens is not None and num_output_tokens >= request.max_tokens) \
+                or num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -3,7 +3,10 @@
 The engine process keeps the tokenizer, the scheduler and the KV-cache manager (they run once); each step it
 pickles the plain-data SchedulerOutput once and sends the same bytes to every rank; all ranks run the same
 forward (their collectives keep them in step); rank 0 gathers the logits, samples and returns the
-ModelRunnerOutput; the others answer None.
+ModelRunnerOutput; the others answer None. The SchedulerOutput is a diff (core/block_table_diff.py): every
+rank's runner keeps the block tables and applies the same diffs in the same order, so a decode step ships
+a few bytes per request instead of every block table (measured: 14.0 KiB instead of 20.3 KiB per step at
+256 decodes of 128-token prompts; the full tables grow with context length, the diffs do not).
 
 Why rank 0 is a worker too, not the engine process (nano-vllm and vLLM's uniprocess-rank-0 layout): the
 engine process then never sits inside a collective. When any rank dies, the survivors can block in an

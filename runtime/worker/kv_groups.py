@@ -7,10 +7,12 @@ its own block table, so each gets its own slot mapping and block tables; the res
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kvserve.runtime.core.outputs import ScheduledRequest
 from kvserve.runtime.models.attention import AttentionMetadata
+from kvserve.runtime.worker.block_tables import BlockTables
 
 
 def layer_slots(model, num_layers: int) -> list[int]:
@@ -19,14 +21,24 @@ def layer_slots(model, num_layers: int) -> list[int]:
     return [groups[i][1] for i in range(num_layers)] if groups else list(range(num_layers))
 
 
-def group_metadata(runner, scheduled: list[ScheduledRequest], meta: AttentionMetadata) -> list[AttentionMetadata]:
-    """[group 0's meta (built by the runner from block_ids), then one per group 1..]."""
+def group_metadata(runner, scheduled: list[ScheduledRequest], meta: AttentionMetadata, query_lens: np.ndarray,
+                   positions: np.ndarray) -> list[AttentionMetadata]:
+    """[group 0's meta (built by the runner), then one per group 1..]. Each group's persistent block tables
+    (runner.group_block_tables) are patched with this step's diffs first; query_lens [num_seqs] and
+    positions [num_tokens] are the step's, shared by every group."""
     metas = [meta]
     bs = runner.block_size
-    for g in range(len(scheduled[0].group_block_ids)):
-        tables = [s.group_block_ids[g] for s in scheduled]
-        slots = [table[p // bs] * bs + p % bs for s, table in zip(scheduled, tables)
-                 for p in range(s.start_position, s.start_position + len(s.token_ids))]
-        metas.append(runner._metadata(meta.query_lens_list, meta.seq_lens_list, tables,
-                                      torch.tensor(slots, dtype=torch.long, device=runner.device)))
+    num_groups = len(scheduled[0].group_block_tables)
+    while len(runner.group_block_tables) < num_groups:
+        runner.group_block_tables.append(BlockTables(runner.block_tables.table.shape[1],
+                                                     num_rows=runner.block_tables.table.shape[0]))
+    seq_lens = np.array(meta.seq_lens_list)
+    for g in range(num_groups):
+        tables = runner.group_block_tables[g]
+        rows = np.array([tables.apply(s.req_id, s.group_block_tables[g]) for s in scheduled])
+        token_rows = np.repeat(rows, query_lens)
+        slots = tables.table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        width = int(tables.num_blocks[rows].max())
+        metas.append(runner._metadata(query_lens, seq_lens, tables.table[rows, :width],
+                                      torch.from_numpy(slots).to(runner.device)))
     return metas

@@ -3,11 +3,16 @@
 Per step it builds: input_ids / positions / slot_mapping [num_tokens], cu_seqlens_q, seq_lens and padded
 block_tables [num_seqs, ...], and the indices of the rows that sample -- logits (the LM head, a large
 matmul) are computed only for those rows.
+
+Persistent batch: every request's block table stays in the runner across steps (worker/block_tables.py) and
+is patched from the scheduler's diffs; positions, slots and lengths are computed with numpy over the step's
+rows, so a decode step's host work is a few vector ops plus one short Python loop over the requests.
 """
 from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from kvserve.runtime.config import EngineConfig
@@ -15,8 +20,9 @@ from kvserve.runtime.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kvserve.runtime.models.attention import AttentionMetadata, get_attention_backend
 from kvserve.runtime.models.loader import load_model
 from kvserve.runtime.parallel.layers import SINGLE, ParallelContext
-from kvserve.runtime.sampling import RequestSamplingState, sample
+from kvserve.runtime.sampling import RequestSamplingState, is_plain_greedy, sample
 from kvserve.runtime.worker import kv_groups, kv_sizing
+from kvserve.runtime.worker.block_tables import BlockTables
 
 logger = logging.getLogger("kvserve.runner")
 
@@ -44,6 +50,10 @@ class ModelRunner:
         self.num_host_blocks = config.cache.swap_space_bytes // self.kv_bytes_per_block()
         self.host_kv = self._allocate_host_kv_cache(self.num_host_blocks) if self.num_host_blocks else None
         self.states: dict[str, RequestSamplingState] = {}
+        self.plain_greedy: set[str] = set()  # requests whose sampling is a bare argmax (sampling.is_plain_greedy)
+        self.block_tables = BlockTables(-(-config.model.max_model_len // self.block_size),
+                                        num_rows=config.scheduler.max_num_seqs)
+        self.group_block_tables: list[BlockTables] = []  # KV cache groups 1.. (kv_groups.py), made on first use
 
     # -- KV cache sizing --------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -69,7 +79,9 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats()
         num_tokens = min(self.config.scheduler.max_num_batched_tokens, self.config.model.max_model_len)
         dummy_caches = self._allocate_kv_cache(2)
-        meta = self._metadata([num_tokens], [num_tokens], [[1] * (-(-num_tokens // self.block_size))],
+        num_dummy_blocks = -(-num_tokens // self.block_size)
+        meta = self._metadata(np.array([num_tokens]), np.array([num_tokens]),
+                              np.ones((1, num_dummy_blocks), dtype=np.int32),
                               torch.full((num_tokens,), -1, dtype=torch.long), has_padding=True)
         with torch.inference_mode():
             ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
@@ -115,10 +127,16 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         for rid in sched.finished_req_ids:
             self.states.pop(rid, None)
+            self.plain_greedy.discard(rid)
+            self.block_tables.remove(rid)
+            for tables in self.group_block_tables:
+                tables.remove(rid)
         for new in sched.new_requests:
-            self.states[new.req_id] = RequestSamplingState(new.sampling_params, new.prompt_token_ids,
-                                                           self.config.model.eos_token_ids, self.device,
-                                                           self.generator)
+            state = RequestSamplingState(new.sampling_params, new.prompt_token_ids, self.config.model.eos_token_ids,
+                                         self.device, self.generator)
+            self.states[new.req_id] = state
+            if is_plain_greedy(state):
+                self.plain_greedy.add(new.req_id)
         if sched.swap_out or sched.swap_in:
             self._swap(sched.swap_out, sched.swap_in)
         if sched.block_copies:
@@ -126,62 +144,76 @@ class ModelRunner:
         if not sched.scheduled:
             return ModelRunnerOutput({})
 
-        bs = self.block_size
         input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_lens, seq_lens, tables, logits_rows, sample_groups = [], [], [], [], []
+        rows, query_lens, starts, logits_rows, sample_groups = [], [], [], [], []
+        apply = self.block_tables.apply
         for s in sched.scheduled:
-            n = len(s.token_ids)
+            rows.append(apply(s.req_id, s.block_table))
             input_ids += s.token_ids
-            span = range(s.start_position, s.start_position + n)
-            positions += span
-            table = s.block_ids
-            slots += [table[p // bs] * bs + p % bs for p in span]
-            query_lens.append(n)
-            seq_lens.append(s.start_position + n)
-            tables.append(table)
+            query_lens.append(len(s.token_ids))
+            starts.append(s.start_position)
             if s.sample_req_ids:
                 logits_rows.append(len(input_ids) - 1)
                 sample_groups.append(s.sample_req_ids)
 
         dev = self.device
-        meta = self._metadata(query_lens, seq_lens, tables, torch.tensor(slots, dtype=torch.long, device=dev))
-        if sched.scheduled[0].group_block_ids:  # KV cache groups 1..: their own tables and slots
-            meta = kv_groups.group_metadata(self, sched.scheduled, meta)
+        rows_np, qlens_np, starts_np = np.array(rows), np.array(query_lens), np.array(starts)
+        num_tokens = len(input_ids)
+        if num_tokens == len(rows):  # all decodes: one token per row
+            token_rows, positions = rows_np, starts_np
+        else:  # row and position of each token: start + (0..n-1) per request
+            token_rows = np.repeat(rows_np, qlens_np)
+            offsets = np.repeat(starts_np - (np.cumsum(qlens_np) - qlens_np), qlens_np)
+            positions = offsets + np.arange(num_tokens)
+        bs = self.block_size
+        tables = self.block_tables.table
+        slots = tables[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        width = int(self.block_tables.num_blocks[rows_np].max())
+        meta = self._metadata(qlens_np, starts_np + qlens_np, tables[rows_np, :width],
+                              torch.from_numpy(slots).to(dev))
+        if sched.scheduled[0].group_block_tables:  # KV cache groups 1..: their own tables and slots
+            meta = kv_groups.group_metadata(self, sched.scheduled, meta, qlens_np, positions)
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev),
-                            torch.tensor(positions, dtype=torch.long, device=dev), self.kv_caches, meta)
+                            torch.from_numpy(positions.astype(np.int64, copy=False)).to(dev), self.kv_caches, meta)
         if not logits_rows:
             return ModelRunnerOutput({})
-        logits = self.model.compute_logits(hidden[torch.tensor(logits_rows, device=dev)])
+        # Every row samples in a pure-decode step: no gather needed.
+        rows_to_sample = hidden if len(logits_rows) == num_tokens else hidden[torch.tensor(logits_rows, device=dev)]
+        logits = self.model.compute_logits(rows_to_sample)
         if logits is None:  # tensor-parallel rank > 0: rank 0 gathered the logits and samples
             return ModelRunnerOutput({})
         # A forking leader's row is sampled once per sibling, each with its own params and generator.
-        row_index = [i for i, group in enumerate(sample_groups) for _ in group]
-        req_ids = [rid for group in sample_groups for rid in group]
-        if len(row_index) != len(logits_rows):
+        if len(sample_groups) == sum(len(g) for g in sample_groups):
+            req_ids = [group[0] for group in sample_groups]
+        else:
+            row_index = [i for i, group in enumerate(sample_groups) for _ in group]
+            req_ids = [rid for group in sample_groups for rid in group]
             logits = logits[torch.tensor(row_index, device=dev)]
-        tokens, logprobs, failed = sample(logits, [self.states[rid] for rid in req_ids])
+        states = self.states
+        if self.plain_greedy.issuperset(req_ids):  # what sample() would do for these, minus its passes
+            tokens = logits.argmax(dim=-1).tolist()
+            for rid, token in zip(req_ids, tokens):
+                states[rid].output_token_ids.append(token)
+            return ModelRunnerOutput(dict(zip(req_ids, tokens)))
+        tokens, logprobs, failed = sample(logits, [states[rid] for rid in req_ids])
         return ModelRunnerOutput({rid: t for rid, t in zip(req_ids, tokens) if t is not None},
                                  {rid: lp for rid, lp in zip(req_ids, logprobs) if lp is not None},
                                  failed={req_ids[i]: stage for i, stage in failed.items()})
 
-    def _metadata(self, query_lens: list[int], seq_lens: list[int], tables: list[list[int]],
+    def _metadata(self, query_lens: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray,
                   slot_mapping: torch.Tensor, has_padding: bool = False) -> AttentionMetadata:
+        """block_tables: [num_seqs, width] int32, already padded with the null block 0."""
         dev = self.device
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
-        cu = [0]
-        for n in query_lens:
-            cu.append(cu[-1] + n)
-        meta = AttentionMetadata(
+        cu = np.zeros(len(query_lens) + 1, dtype=np.int32)
+        np.cumsum(query_lens, out=cu[1:])
+        query_lens_list, seq_lens_list = query_lens.tolist(), seq_lens.tolist()
+        return AttentionMetadata(
             slot_mapping=slot_mapping,
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
-            max_seqlen_q=max(query_lens), max_seqlen_k=max(seq_lens),
-            query_lens_list=query_lens, seq_lens_list=seq_lens, has_padding_slots=has_padding)
-        return meta
+            cu_seqlens_q=torch.from_numpy(cu).to(dev),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
+            block_tables=torch.from_numpy(np.ascontiguousarray(block_tables, dtype=np.int32)).to(dev),
+            max_seqlen_q=max(query_lens_list), max_seqlen_k=max(seq_lens_list),
+            query_lens_list=query_lens_list, seq_lens_list=seq_lens_list, has_padding_slots=has_padding)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         src = torch.tensor([c[0] for c in copies], device=self.device)

@@ -101,11 +101,17 @@ def test_scheduler_holds_about_a_window_for_the_sliding_group():
     peak_sliding = 0
     from kvserve.runtime.core.outputs import ModelRunnerOutput
 
+    full_tables, sliding_tables = {}, {}  # as the runner holds them, patched from the step's diffs
+    num_null_replacements = 0
     while sched.has_unfinished_requests():
         out = sched.schedule()
         for s in out.scheduled:
-            (sliding,) = s.group_block_ids
-            assert len(s.block_ids) == -(-(s.start_position + len(s.token_ids)) // BS)
+            full = full_tables[s.req_id] = s.block_table.apply(full_tables.get(s.req_id, []))
+            (diff,) = s.group_block_tables
+            num_null_replacements += sum(1 for _, block_id in diff.replaced if block_id == 0)
+            sliding = sliding_tables[s.req_id] = diff.apply(sliding_tables.get(s.req_id, []))
+            assert (full, sliding) == (kv.get_block_ids(s.req_id), kv.get_group_block_ids(s.req_id)[0])
+            assert len(full) == -(-(s.start_position + len(s.token_ids)) // BS)
             live = [b for b in sliding if b]
             peak_sliding = max(peak_sliding, len(live))
             # every block the step's queries can read is live: from the first query's window start
@@ -113,4 +119,5 @@ def test_scheduler_holds_about_a_window_for_the_sliding_group():
             assert all(sliding[first_live:]) and not any(sliding[:first_live])
         sched.update_from_output(out, ModelRunnerOutput({s.req_id: 7 for s in out.scheduled if s.sample_req_ids}))
     assert peak_sliding <= -(-(W - 1 + 8) // BS) + 1
+    assert num_null_replacements > 0  # blocks that left the window reach the runner as in-place null entries
     assert kv.num_free_blocks == 63

@@ -137,7 +137,9 @@ def test_fork_n_samples_share_prompt_blocks():
     out = s.schedule()
     # Two of the three writers into the shared partial block 2 copy it first; the last writes in place.
     assert out.block_copies == [(2, 3), (2, 4)]
-    assert [x.block_ids for x in out.scheduled] == [[1, 3], [1, 4], [1, 2]]
+    # The runner holds x#0's table [1, 2]: it gets its copied block in place; the siblings get theirs whole.
+    assert [(x.block_table.reset, x.block_table.replaced, x.block_table.appended) for x in out.scheduled] == [
+        (False, [(1, 3)], []), (True, [], [1, 4]), (True, [], [1, 2])]
     s.update_from_output(out, fake_run(out))
     while s.has_unfinished_requests():
         step(s)

@@ -1,0 +1,29 @@
+"""`kvserve bench step`: host time vs model time per decode step at N running decodes."""
+from __future__ import annotations
+
+import argparse
+
+HELP = "per-step host overhead: scheduler, input preparation and output bookkeeping vs model time"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="local HF model dir (default: the built-in demo model)")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[64, 256, 512],
+                        help="numbers of running decodes to measure at")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--num-steps", type=int, default=20, help="measured decode steps per batch size")
+    parser.add_argument("--warmup-steps", type=int, default=3)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default=None, help="e.g. cuda (default: the engine's default)")
+    parser.add_argument("--json-out", default=None)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvserve.runtime.bench_step import main
+
+    engine_kwargs = {"device": args.device} if args.device else {}
+    main(model_dir=args.model, batch_sizes=tuple(args.batch_sizes), prompt_len=args.prompt_len,
+         num_steps=args.num_steps, warmup_steps=args.warmup_steps, block_size=args.block_size, seed=args.seed,
+         json_out=args.json_out, **engine_kwargs)
+    return 0

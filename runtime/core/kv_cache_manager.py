@@ -35,6 +35,10 @@ class PrefixHit(list):
 
 
 class KVCacheManager:
+    # allocate_slots' shortcut for a single-group running request that needs no new block (most decode
+    # steps); off only in the test that checks it against the general path.
+    decode_fast_path = True
+
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, num_host_blocks: int = 0,
                  group_windows: tuple[int, ...] = ()):
         """group_windows: sliding window per KV cache group (0 = full attention; group 0 must be full);
@@ -117,6 +121,20 @@ class KVCacheManager:
         Returns group 0's newly allocated blocks, or None when the pool cannot supply them (nothing is
         allocated then)."""
         bs, rid = self.block_size, request.request_id
+        if self.decode_fast_path and not new_computed_blocks and self.num_groups == 1:
+            blocks = self.req_to_blocks.get(rid)
+            if blocks is not None:  # a running request (a decode, usually): often nothing to allocate
+                num_computed = request.num_computed_tokens
+                num_total = num_computed + num_new_tokens
+                shared_tail = (num_new_tokens > 0 and num_computed % bs != 0
+                               and len(blocks) == num_computed // bs + 1 and blocks[-1].ref_cnt > 1)
+                if cdiv(num_total, bs) <= len(blocks) and not shared_tail:
+                    # What the general path below does in this case, without its per-group bookkeeping:
+                    # no hits, no copy, no new block; only a block that fills up this step gets cached.
+                    num_full = min(num_total, request.num_tokens)
+                    if self.enable_caching and num_full // bs > self.num_cached_blocks.get(rid, 0):
+                        self._cache_full_blocks(request, num_full)
+                    return []
         hit_groups = list(getattr(new_computed_blocks, "groups", None) or [list(new_computed_blocks)])
         hit_groups += [[] for _ in range(self.num_groups - len(hit_groups))]
         num_hit_tokens = len(new_computed_blocks) * bs

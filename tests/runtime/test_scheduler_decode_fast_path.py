@@ -1,6 +1,7 @@
 """The pure-decode fast path and the block-table diffs, on randomized fake-request workloads at block level.
 
-Two schedulers run the same workload in lockstep, one with the fast path switched off: every step's output
+Two schedulers run the same workload in lockstep, one with the fast paths (the scheduler's and the KV manager's
+allocate_slots shortcut) switched off: every step's output
 (ids, tokens, positions, table diffs, samples, copies, swaps) and the KV state (each request's block ids,
 ref counts, the free queue's order) must be identical. A fake runner applies the diffs the way the model
 runner does; its tables must equal the KV manager's for every scheduled request, every step."""
@@ -42,8 +43,9 @@ def make(num_blocks: int, max_num_seqs: int, budget: int, mode: str, caching: bo
     cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=64,
                           preemption_mode=mode)
     s = Scheduler(cfg, kv)
-    if not fast:
+    if not fast:  # the reference: the scheduler's general path and the KV manager's general allocate_slots
         s._schedule_decodes = lambda scheduled, scheduled_reqs: 0
+        kv.decode_fast_path = False
     return s
 
 

@@ -85,7 +85,7 @@ class CoreClient:
         self.config: EngineConfig = pickle.loads(ready.engine_config)
         self.limits = pickle.loads(ready.limits)
         self.tracker = RequestTracker(self.tokenizer)
-        self.stats: EngineStats | None = None
+        self.stats: EngineStats = ready.stats
         self.num_step_failures = 0
         self.dead_error: BaseException | None = None
         self._grammar_compiler = None

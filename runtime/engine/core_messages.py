@@ -83,6 +83,7 @@ class CoreReady(msgspec.Struct, array_like=True, gc=False):
     engine_config: bytes  # pickled EngineConfig (with the KV block count the core found)
     limits: bytes  # pickled RequestLimits: what a request is validated against
     pid: int
+    stats: EngineStats  # the gauges before the first step
 
 
 class CoreFailure(msgspec.Struct, array_like=True, gc=False):

@@ -100,7 +100,7 @@ def run_engine_core(config, input_address: str, output_addresses: list[str], par
                     "device=%s", os.getpid(), m.architecture, m.max_model_len, c.num_blocks - 1, c.block_size,
                     core.runner.kv_cache_bytes / 2**20, core.config.device)
         send_all(codec.encode(MessageType.READY, CoreReady(pickle.dumps(core.config), pickle.dumps(core.limits),
-                                                           os.getpid())))
+                                                           os.getpid(), core.get_stats())))
         exit_code = _busy_loop(core, inp, outs, codec)
     except BaseException as exc:  # a dead worker, too many failed steps, or a bug here: tell every client
         logger.exception("engine core died")

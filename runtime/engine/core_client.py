@@ -142,7 +142,7 @@ class CoreClient:
         self.verify(token_ids, params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         self.tracker.add(request_id, text, token_ids, params, arrival)  # before ADD: outputs find their state
-        self._send(MessageType.ADD, EngineCoreRequest(request_id, token_ids, params, arrival))
+        self._send(MessageType.ADD, EngineCoreRequest.make(request_id, token_ids, params, arrival))
 
     def abort_request(self, request_id: str) -> None:
         if request_id in self.tracker.states:
@@ -203,7 +203,8 @@ class CoreClient:
 
     def _die_hard(self) -> None:
         self.proc.join(1)
-        self.dead_error = EngineDeadError(f"the engine core process died ({_describe_exit(self.proc.exitcode)}); "
+        self.dead_error = EngineDeadError(f"the engine is dead (the engine core process died: "
+                                          f"{_describe_exit(self.proc.exitcode)}); this server is shutting down, "
                                           "retry on another replica")
         logger.error("%s", self.dead_error)
         raise self.dead_error

@@ -5,9 +5,9 @@ Only token ids cross the boundary: the API server tokenises, detokenises and che
 schedules and runs the model and reports, per step, the *new* token ids of each sample it advanced.
 
 Wire format: one ZMQ frame per message, `type byte + msgpack(struct)`. Structs are `array_like` (field names
-stay off the wire) so new fields may only be appended with defaults. SamplingParams travels as a msgpack
-extension holding its pickle: it carries a compiled grammar (xgrammar's own serialisation, through
-`CompiledConstraint.__reduce__`) that msgpack cannot describe. Pickle is safe here because both ends are
+stay off the wire) so new fields may only be appended with defaults. SamplingParams travels as its pickle:
+msgspec would encode the dataclass field by field and cannot describe the compiled grammar it carries
+(that pickles as xgrammar's own serialisation, through `CompiledConstraint.__reduce__`). Pickle is safe here because both ends are
 processes of one server talking over ipc:// sockets in a private (0700) directory.
 """
 from __future__ import annotations
@@ -21,9 +21,6 @@ import msgspec
 from kvserve.runtime.core.outputs import TokenLogprobs
 from kvserve.runtime.outputs import EngineStats
 from kvserve.runtime.sampling_params import SamplingParams
-
-_SAMPLING_PARAMS_EXT = 1
-
 
 class MessageType(bytes, enum.Enum):
     # API server -> core
@@ -40,9 +37,19 @@ class MessageType(bytes, enum.Enum):
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     request_id: str
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams
+    sampling_params_pickle: bytes  # see the module docstring; build with `make`, read with `sampling_params`
     arrival_time: float  # time.monotonic(): CLOCK_MONOTONIC is one clock for all processes of a host
     client_index: int = 0  # which API-server process gets the outputs
+
+    @classmethod
+    def make(cls, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float,
+             client_index: int = 0) -> "EngineCoreRequest":
+        return cls(request_id, prompt_token_ids, pickle.dumps(params, protocol=pickle.HIGHEST_PROTOCOL),
+                   arrival_time, client_index)
+
+    @property
+    def sampling_params(self) -> SamplingParams:
+        return pickle.loads(self.sampling_params_pickle)
 
 
 class EngineCoreAbort(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -93,24 +100,6 @@ class CoreFailure(msgspec.Struct, array_like=True, gc=False):
     text: str
 
 
-def _enc_hook(obj: Any) -> Any:
-    if isinstance(obj, SamplingParams):
-        return msgspec.msgpack.Ext(_SAMPLING_PARAMS_EXT, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
-    raise NotImplementedError(f"cannot send {type(obj).__name__} to the engine core")
-
-
-def _ext_hook(code: int, data: memoryview) -> Any:
-    if code == _SAMPLING_PARAMS_EXT:
-        return pickle.loads(data)
-    raise NotImplementedError(f"unknown msgpack extension {code}")
-
-
-def _dec_hook(type_: type, obj: Any) -> Any:
-    if type_ is SamplingParams and isinstance(obj, SamplingParams):
-        return obj
-    raise NotImplementedError(f"cannot decode {type_}")
-
-
 _BODY_TYPES = {
     MessageType.ADD: EngineCoreRequest, MessageType.ABORT: EngineCoreAbort, MessageType.OUTPUTS: EngineCoreOutputs,
     MessageType.READY: CoreReady, MessageType.DEAD: CoreFailure, MessageType.STARTUP_FAILED: CoreFailure,
@@ -121,8 +110,8 @@ class MessageCodec:
     """Encoder + typed decoders. Not thread-safe (msgspec encoders keep a buffer): one per thread."""
 
     def __init__(self):
-        self._encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
-        self._decoders = {kind: msgspec.msgpack.Decoder(body, ext_hook=_ext_hook, dec_hook=_dec_hook)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoders = {kind: msgspec.msgpack.Decoder(body)
                           for kind, body in _BODY_TYPES.items()}
 
     def encode(self, kind: MessageType, body: Any = None) -> bytes:

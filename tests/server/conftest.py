@@ -127,7 +127,7 @@ def server(demo_model_dir):
     srv.stop()
 
 
-def _live_descendants() -> list[tuple[int, str]]:
+def _live_descendants(root_pid: int | None = None) -> list[tuple[int, str]]:
     """(pid, command line) of every live process below this one, except multiprocessing's own helpers (the
     forkserver that starts engine cores, the resource tracker): those live as long as the test session."""
     import os
@@ -143,7 +143,7 @@ def _live_descendants() -> list[tuple[int, str]]:
             continue
         if fields[0] != "Z":  # a zombie is gone, only not yet reaped
             children.setdefault(int(fields[1]), []).append(int(entry))
-    found, todo = [], [os.getpid()]
+    found, todo = [], [os.getpid() if root_pid is None else root_pid]
     while todo:
         for pid in children.get(todo.pop(), []):
             try:

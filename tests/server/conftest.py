@@ -143,16 +143,21 @@ def _live_descendants(root_pid: int | None = None) -> list[tuple[int, str]]:
             continue
         if fields[0] != "Z":  # a zombie is gone, only not yet reaped
             children.setdefault(int(fields[1]), []).append(int(entry))
-    found, todo = [], [os.getpid() if root_pid is None else root_pid]
+    found, todo = [], [(os.getpid() if root_pid is None else root_pid, "")]
     while todo:
-        for pid in children.get(todo.pop(), []):
+        parent, parent_cmdline = todo.pop()
+        for pid in children.get(parent, []):
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
                     cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
             except OSError:
                 continue
-            todo.append(pid)
-            if "multiprocessing.forkserver" not in cmdline and "multiprocessing.resource_tracker" not in cmdline:
+            todo.append((pid, cmdline))
+            # A process forked by the forkserver (an engine core) keeps the server's command line: only the
+            # server itself, whose parent is not one, is a helper.
+            helper = ("multiprocessing.resource_tracker" in cmdline or
+                      ("multiprocessing.forkserver" in cmdline and "multiprocessing.forkserver" not in parent_cmdline))
+            if not helper:
                 found.append((pid, cmdline))
     return found
 

@@ -23,6 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--serve-args", default="", help="with --compare: extra `kvserve serve` flags for both runs")
     parser.add_argument("--on-args", default="", help="with --compare: extra flags for the feature-on run only")
     parser.add_argument("--off-args", default="", help="with --compare: extra flags for the feature-off run only")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="with --compare served-vs-offline: run the two served variants this many times, in "
+                             "ABBA order (a shared machine's load drifts)")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--request-rate", type=float, default=float("inf"),
                         help="requests/s; inf sends everything at t=0 (burst)")

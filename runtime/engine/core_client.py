@@ -67,7 +67,7 @@ class CoreClient:
         mp = _core_mp_context()
         # Not a daemon: daemonic processes may not start children (the tensor-parallel workers).
         self.proc = mp.Process(target=run_engine_core, name="kvserve-engine-core",
-                               args=(config, input_address, [output_address], os.getpid(),
+                               args=(config, [input_address], [output_address], os.getpid(),
                                      logging.getLogger("kvserve").getEffectiveLevel(), len(self.tokenizer)))
         self.proc.start()
         self._finalizer = weakref.finalize(self, _stop_core, self.proc, self._input, self._output, self._ctx,

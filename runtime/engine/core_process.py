@@ -50,8 +50,8 @@ def _watch_parent(api_server_pid: int) -> None:
     threading.Thread(target=watch, name="kvserve-core-parent-watch", daemon=True).start()
 
 
-def run_engine_core(config, input_address: str, output_addresses: list[str], parent_pid: int, log_level: int,
-                    tokenizer_vocab_size: int) -> None:
+def run_engine_core(config, input_addresses: list[str], output_addresses: list[str], parent_pid: int,
+                    log_level: int, tokenizer_vocab_size: int) -> None:
     """Process entry point (spawned by core_client.CoreClient or the multi-API-server launcher)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -69,7 +69,8 @@ def run_engine_core(config, input_address: str, output_addresses: list[str], par
     ctx = zmq.Context()
     inp = ctx.socket(zmq.PULL)
     inp.setsockopt(zmq.RCVHWM, 0)  # the default HWM of 1000 would block senders under load
-    inp.connect(input_address)
+    for address in input_addresses:  # one per API server; PULL fair-queues between them
+        inp.connect(address)
     outs = []
     for address in output_addresses:
         sock = ctx.socket(zmq.PUSH)

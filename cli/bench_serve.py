@@ -26,6 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat", type=int, default=1,
                         help="with --compare served-vs-offline: run the two served variants this many times, in "
                              "ABBA order (a shared machine's load drifts)")
+    parser.add_argument("--before-python", default=None,
+                        help="with --compare served-vs-offline: the python of another kvserve install (e.g. main's "
+                             "venv) whose `kvserve serve` is the before run, instead of --inprocess-engine")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--request-rate", type=float, default=float("inf"),
                         help="requests/s; inf sends everything at t=0 (burst)")

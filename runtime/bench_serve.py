@@ -350,8 +350,8 @@ def _fmt(value) -> str:
 class _LaunchedServer:
     """`kvserve serve` on a free 127.0.0.1 port, stopped with SIGTERM (graceful drain) on exit."""
 
-    def __init__(self, model_dir: str | None, serve_args: list[str]):
-        self.model_dir, self.serve_args = model_dir, serve_args
+    def __init__(self, model_dir: str | None, serve_args: list[str], python: str | None = None):
+        self.model_dir, self.serve_args, self.python = model_dir, serve_args, python
 
     def __enter__(self) -> "_LaunchedServer":
         import socket
@@ -365,7 +365,7 @@ class _LaunchedServer:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         self.base_url = f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "kvserve.cli", "serve", *([self.model_dir] if self.model_dir else []),
+        cmd = [self.python or sys.executable, "-m", "kvserve.cli", "serve", *([self.model_dir] if self.model_dir else []),
                "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *self.serve_args]
         self.proc = subprocess.Popen(cmd)
         deadline = time.monotonic() + 300

@@ -8,7 +8,7 @@ one run, so the serving stack's own cost shows as a ratio against a peer measure
    The same loop then runs once more through CoreClient (the core in its own process, no HTTP): the
    measurement behind keeping the offline `LLM`'s core in-process.
 2. served, engine core in the server process (`kvserve serve --inprocess-engine`: the layout before the
-   engine-core process existed);
+   engine-core process existed; or, with --before-python, another checkout's `kvserve serve`, e.g. main's);
 3. served, engine core in its own process (`kvserve serve`, the default).
 Printed: output tok/s of each, served/offline throughput ratios, and median TPOT / offline step time.
 Goals (issue 10): ratio >= 0.9 at 256 concurrent streams on the demo model; TPOT within 1.15x of the step.
@@ -108,12 +108,14 @@ def compare(args: argparse.Namespace, slos: dict[str, float]) -> dict:
     print(f"== offline through the core process: {core_offline['output_throughput']:.0f} tok/s "
           f"({core_offline['output_throughput'] / offline['output_throughput']:.2f}x the in-process engine)")
     runs["offline, core in its own process"] = core_offline
-    variants = [("served, core in the server process", ["--inprocess-engine"]),
-                ("served, core in its own process", [])]
+    variants = [("served, core in the server process", ["--inprocess-engine"], None),
+                ("served, core in its own process", [], None)]
+    if args.before_python:  # the "before" server is another checkout's (e.g. main's venv python): no new flag
+        variants[0] = (f"served, {args.before_python}", [], args.before_python)
     rows = []
     for repeat in range(args.repeat):  # ABBA order: a load that drifts during the run hits both alike
-        for label, extra in (variants if repeat % 2 == 0 else variants[::-1]):
-            with _LaunchedServer(model_dir, serve_args + extra) as server:
+        for label, extra, python in (variants if repeat % 2 == 0 else variants[::-1]):
+            with _LaunchedServer(model_dir, serve_args + extra, python) as server:
                 print(f"== {label} (#{repeat + 1}): kvserve serve {' '.join(serve_args + extra)}")
                 result = asyncio.run(_run_workload(args, server.base_url, slos, label=label))
                 _print_result(result)

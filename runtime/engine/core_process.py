@@ -130,6 +130,7 @@ def _busy_loop(core, inp, outs: list, codec: MessageCodec) -> int:
     while True:
         busy = core.has_unfinished_requests()
         if not busy and not inp.poll(IDLE_POLL_MS):
+            core.check_health()  # a tensor-parallel worker that died while idle: DEAD now, not at the next request
             continue
         handled = False
         failures: list[list[RequestFailure]] = [[] for _ in range(num_clients)]

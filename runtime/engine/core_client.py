@@ -46,6 +46,7 @@ class CoreClient:
 
         from kvserve.runtime.engine.core_process import run_engine_core
 
+        exit_if_bootstrapping()  # before anything is created: a child re-importing an unguarded script leaves
         self.tokenizer = load_tokenizer(config.model.model_dir)
         self._dir = tempfile.mkdtemp(prefix="kvserve-core-")  # 0700: only this user reaches the sockets
         input_address, output_address = f"ipc://{self._dir}/input", f"ipc://{self._dir}/output"
@@ -63,7 +64,6 @@ class CoreClient:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
 
-        exit_if_bootstrapping()
         mp = _core_mp_context()
         # Not a daemon: daemonic processes may not start children (the tensor-parallel workers).
         self.proc = mp.Process(target=run_engine_core, name="kvserve-engine-core",

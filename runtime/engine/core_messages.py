@@ -124,9 +124,23 @@ class MessageCodec:
         return kind, (None if decoder is None else decoder.decode(view[1:]))
 
 
+class _ReduceAs:
+    """Pickles as `cls(*args)`: for exceptions whose constructor is not `cls(message)` (InvalidParameter and
+    its PlanRejected take (param, message); plain pickling would call cls(message) and fail to unpickle)."""
+
+    def __init__(self, cls: type, *args: Any):
+        self.cls, self.args = cls, args
+
+    def __reduce__(self):
+        return self.cls, self.args
+
+
 def failure_message(exc: BaseException) -> CoreFailure:
+    from kvserve.runtime.sampling_params import InvalidParameter
+
     try:
-        data = pickle.dumps(exc)
+        # A PlanRejected at startup must stay one: the termination message (and the operator) key on its type.
+        data = pickle.dumps(_ReduceAs(type(exc), exc.param, str(exc)) if isinstance(exc, InvalidParameter) else exc)
         pickle.loads(data)  # some exceptions pickle but do not unpickle (custom __init__ signatures)
     except Exception:  # noqa: BLE001 -- then only the text crosses
         data = b""

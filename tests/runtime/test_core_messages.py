@@ -14,6 +14,7 @@ from kvserve.runtime.engine.errors import EngineDeadError
 from kvserve.runtime.outputs import EngineStats
 from kvserve.runtime.parallel.errors import WorkerDiedError
 from kvserve.runtime.sampling_params import InvalidParameter, SamplingParams
+from kvserve.runtime.worker.kv_sizing import PlanRejected
 
 
 def _roundtrip(kind: MessageType, body):
@@ -51,10 +52,12 @@ def test_an_abort_names_requests_or_stopped_samples():
 
 
 @pytest.mark.parametrize("exc", [WorkerDiedError("rank 1 died", rank=1), EngineDeadError("too many failed steps"),
-                                 InvalidParameter("max_model_len", "does not fit")])
+                                 InvalidParameter("max_model_len", "does not fit"),
+                                 PlanRejected("kv_cache_bytes", "one max_model_len sequence needs 9 blocks")])
 def test_the_cause_of_death_crosses_with_its_type(exc):
-    got = failure_exception(_roundtrip(MessageType.DEAD, failure_message(exc)), RuntimeError)
+    got = failure_exception(_roundtrip(MessageType.STARTUP_FAILED, failure_message(exc)), RuntimeError)
     assert type(got) is type(exc) and str(got) == str(exc)
+    assert getattr(got, "param", None) == getattr(exc, "param", None)
 
 
 def test_an_exception_that_cannot_cross_becomes_the_fallback_with_its_text():

@@ -182,7 +182,7 @@ def _send_step(core, step: EngineCoreOutputs, failures: list[list[RequestFailure
         for item in step.first_scheduled:
             per_client[owners.get(item[0], 0)].first_scheduled.append(item)
     for request_id in [d.request_id for d in step.deltas] + [f.request_id for f in step.failures]:
-        if request_id not in core._requests:  # finished in the core this step
+        if not core.is_unfinished(request_id):  # finished in the core this step
             owners.pop(request_id, None)
     for sock, outputs in zip(outs, per_client):
         sock.send(codec.encode(MessageType.OUTPUTS, outputs), copy=False)

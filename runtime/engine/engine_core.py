@@ -65,7 +65,6 @@ class EngineCore:
         self.num_step_failures = 0  # steps that failed as a whole (cumulative, for metrics)
         self.num_consecutive_step_failures = 0
         self.dead_error: BaseException | None = None
-        self._grammar_compiler = None  # set by the owner when grammars may arrive uncompiled (LLMEngine)
 
     # -- requests -------------------------------------------------------------------------------------------
     def verify(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -112,6 +111,9 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
+
+    def is_unfinished(self, request_id: str) -> bool:
+        return request_id in self._requests
 
     def check_health(self) -> None:
         """Raise the core's fatal error if it is dead (cheap: no I/O)."""

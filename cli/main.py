@@ -14,6 +14,7 @@ import sys
 COMMANDS: dict[str, str] = {
     "serve": "kvserve.cli.serve",
     "plan": "kvserve.cli.plan",
+    "download": "kvserve.cli.download",
     "render": "kvserve.cli.render",
     "operator": "kvserve.cli.operator",
     "router": "kvserve.cli.router",

@@ -12,6 +12,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                   "operator would (shape overrides, gpu.memoryMiB, engine settings)")
     parser.add_argument("--list", action="store_true", help="list the catalog's models and GPUs")
     parser.add_argument("--model", help="catalog entry, e.g. llama-3-70b (see --list)")
+    parser.add_argument("--model-config", metavar="FILE|URI",
+                        help="plan a model from its own config.json: a file, a model folder, or hf://ORG/NAME[@REV], "
+                             "s3://BUCKET/PREFIX, file:///DIR (only config.json is fetched; HF_TOKEN, HF_ENDPOINT and "
+                             "AWS_* from the environment)")
     parser.add_argument("--gpu", help="catalog entry or GFD product label, e.g. a100-80gb")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     parser.add_argument("--max-model-len", type=int, default=8192)
@@ -27,6 +31,51 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-o", "--output", choices=["table", "json"], default="table")
 
 
+def load_model_config(where: str) -> dict:
+    """config.json from a file, a folder, or a source URI. Raises SystemExit(2) with a clear message."""
+    import os
+
+    from kvserve.runtime.sources import model_config, uri as source_uri
+
+    try:
+        if "://" in where:
+            return model_config.fetch_config(source_uri.parse(where, field="--model-config"))
+        path = os.path.join(where, "config.json") if os.path.isdir(where) else where
+        with open(path) as f:
+            config = json.load(f)
+        if not isinstance(config, dict):
+            raise ValueError("not a JSON object")
+        return config
+    except (source_uri.SourceError, source_uri.FetchError) as exc:
+        raise SystemExit(f"error: --model-config: {exc}") from None
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"error: --model-config {where}: {exc}") from None
+
+
+def resolve_like_operator(spec: dict):
+    """spec.resolve(), fetching a non-catalog model's config.json as the operator does, but with this shell's
+    credentials (HF_TOKEN, HF_ENDPOINT, AWS_*) instead of the Secret's. Raises SpecError."""
+    from kvserve.operator import spec as spec_mod
+
+    config = None
+    if spec_mod.needs_model_config(spec):
+        from kvserve.runtime.sources import model_config, uri as source_uri
+
+        try:
+            config = model_config.fetch_config(spec_mod.model_source(spec_mod.with_defaults(spec)["model"]))
+        except (source_uri.FetchError, source_uri.SourceError) as exc:
+            raise spec_mod.SpecError("ModelConfigUnavailable", f"cannot read the model's config.json: {exc}") from None
+    return spec_mod.resolve(spec, model_config=config)
+
+
+def shape_line(shape) -> str:
+    experts = f", {shape.num_experts} experts (top-{shape.experts_per_token})" if shape.num_experts else ""
+    return (f"model: {shape.architecture}, {shape.num_layers} layers, {shape.num_attention_heads} heads / "
+            f"{shape.num_kv_heads} KV heads x {shape.head_dim}, hidden {shape.hidden_size}, intermediate "
+            f"{shape.intermediate_size}, vocab {shape.vocab_size}{', tied embeddings' if shape.tie_word_embeddings else ''}, "
+            f"{shape.max_position_embeddings} positions{experts}, {shape.num_parameters:,} parameters")
+
+
 def _spec(args: argparse.Namespace) -> dict:
     engine = {"maxModelLen": args.max_model_len, "blockSize": args.block_size,
               "gpuMemoryUtilization": args.gpu_memory_utilization, "kvCacheDtype": args.kv_cache_dtype,
@@ -38,7 +87,10 @@ def _spec(args: argparse.Namespace) -> dict:
     gpu = {"product": args.gpu, "tensorParallelSize": args.tensor_parallel_size}
     if args.gpu_memory_mib:
         gpu["memoryMiB"] = args.gpu_memory_mib
-    return {"model": {"name": args.model, "uri": "file:///model", "dtype": args.dtype}, "gpu": gpu, "engine": engine}
+    model = {"uri": "file:///model", "dtype": args.dtype}
+    if args.model:
+        model["name"] = args.model
+    return {"model": model, "gpu": gpu, "engine": engine}
 
 
 def format_table(plan: dict) -> str:
@@ -58,6 +110,11 @@ def format_table(plan: dict) -> str:
         (f"max concurrency at {plan['max_model_len']:,} tokens", f"{plan['max_concurrency']:,}"),
         ("longest single sequence", f"{plan['max_model_len_fit']:,} tokens"),
     ]
+    if plan.get("num_kv_cache_groups", 1) > 1:  # sliding-window model: what a full-context charge would give
+        rows += [("sliding window (KV cache groups)", f"{plan['sliding_window']:,} tokens "
+                                                      f"({plan['num_kv_cache_groups']} groups)"),
+                 ("  if every layer kept the full context", f"max concurrency {plan['max_concurrency_full_context']:,}, "
+                                                           f"longest {plan['max_model_len_fit_full_context']:,} tokens")]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows) + f"\n{plan['message']}"
 
@@ -91,7 +148,7 @@ def plan_file(path: str, output: str) -> int:
     for doc in docs:
         name = (doc.get("metadata") or {}).get("name", "")
         try:
-            plan = spec_mod.resolve(doc.get("spec") or {}).plan
+            plan = resolve_like_operator(doc.get("spec") or {}).plan
         except spec_mod.SpecError as exc:
             results.append({"name": name, "fits": False, "reason": exc.reason, "message": exc.message})
             rc = 2
@@ -115,16 +172,20 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.filename:
         return plan_file(args.filename, args.output)
-    if not args.model or not args.gpu:
-        print("error: give --model and --gpu, -f FILE.yaml, or --list")
+    if not (args.model or args.model_config) or not args.gpu:
+        print("error: give --model (or --model-config) and --gpu, -f FILE.yaml, or --list")
         return 2
     from kvserve.operator import spec as spec_mod
 
+    config = load_model_config(args.model_config) if args.model_config else None
     try:
-        resolved = spec_mod.resolve(_spec(args))
+        resolved = spec_mod.resolve(_spec(args), model_config=config)
     except spec_mod.SpecError as exc:
         print(f"error: {exc.message}")
         return 2
     plan = resolved.plan.to_dict()
-    print(json.dumps(plan, indent=2) if args.output == "json" else format_table(plan))
+    if args.output == "json":
+        print(json.dumps({**plan, "model": resolved.model.__dict__} if config else plan, indent=2))
+    else:
+        print((shape_line(resolved.model) + "\n" if config else "") + format_table(plan))
     return 0 if plan["fits"] else 1

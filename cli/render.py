@@ -17,6 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def render_documents(docs: list[dict], default_namespace: str) -> tuple[list[dict], list[str]]:
     """(child manifests, error lines) for every InferenceService in `docs`; other kinds are skipped."""
+    from kvserve.cli.plan import resolve_like_operator
     from kvserve.operator import render, spec as spec_mod
 
     objs: list[dict] = []
@@ -27,7 +28,7 @@ def render_documents(docs: list[dict], default_namespace: str) -> tuple[list[dic
         meta = doc.get("metadata") or {}
         name, namespace = meta["name"], meta.get("namespace", default_namespace)
         try:
-            resolved = spec_mod.resolve(doc.get("spec") or {})
+            resolved = resolve_like_operator(doc.get("spec") or {})  # fetches a non-catalog config.json
         except spec_mod.SpecError as exc:
             errors.append(f"{namespace}/{name}: {exc.reason}: {exc.message}")
             continue

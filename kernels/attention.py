@@ -49,6 +49,8 @@ def _unified_attention_kernel(
     k_scale_ptr, v_scale_ptr,
     sm_scale_log2,  # softmax scale * log2(e)
     num_seqs,
+    window,  # sliding window in tokens (0: full attention)
+    softcap,  # score soft-cap (used when USE_SOFTCAP)
     stride_q_t, stride_q_h, stride_o_t, stride_o_h,
     stride_k_b, stride_k_o, stride_k_h, stride_v_b, stride_v_o, stride_v_h,
     stride_bt_s,
@@ -56,6 +58,7 @@ def _unified_attention_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
     IS_FP8: tl.constexpr, IEEE_DOT: tl.constexpr, INTERPRET: tl.constexpr, ROUND_BF16_OUT: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
 ):
     q_block_global = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -105,10 +108,13 @@ def _unified_attention_kernel(
     # Keys visible to the last query of this block; tiles beyond are skipped entirely.
     kv_end = tl.minimum(seq_len, context_len + (q_block + 1) * BLOCK_Q)
     num_tiles = tl.cdiv(kv_end, TILE_N)
+    # With a window, tiles wholly before the first query's window are skipped (their blocks may be null).
+    first_key = tl.where(window > 0, tl.maximum(context_len + q_block * BLOCK_Q - window + 1, 0), 0)
+    first_tile = first_key // TILE_N
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_s
-    for t in range(0, num_tiles):
+    for t in range(first_tile, num_tiles):
         offs_n = t * TILE_N + tl.arange(0, TILE_N)
-        n_mask = offs_n < kv_end
+        n_mask = (offs_n < kv_end) & (offs_n >= first_key)  # never load before the window: may be null
         phys = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         in_block = offs_n % BLOCK_SIZE
         kt = tl.load(k_cache_ptr + phys[None, :] * stride_k_b + in_block[None, :] * stride_k_o
@@ -128,8 +134,13 @@ def _unified_attention_kernel(
             s = tl.dot(q, kt, input_precision="ieee")
         else:
             s = tl.dot(q, kt)
-        s = s * sm_scale_log2
+        if USE_SOFTCAP:  # softcap * tanh(dot * scale / softcap), tanh via exp2 (clamped: tanh(30) == 1)
+            x = tl.minimum(s * (sm_scale_log2 / 1.4426950408889634) / softcap, 30.0)
+            s = softcap * (1.0 - 2.0 / (tl.math.exp2(2.0 * x * 1.4426950408889634) + 1.0)) * 1.4426950408889634
+        else:
+            s = s * sm_scale_log2
         visible = n_mask[None, :] & (offs_n[None, :] <= query_pos[:, None])
+        visible = visible & ((offs_n[None, :] > query_pos[:, None] - window) | (window <= 0))
         s = tl.where(visible, s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -160,25 +171,31 @@ def _decode_segment_kernel(
     k_scale_ptr, v_scale_ptr,
     sm_scale_log2,
     num_heads,
+    window, softcap,
     stride_q_t, stride_q_h,
     stride_k_b, stride_k_o, stride_k_h, stride_v_b, stride_v_o, stride_v_h,
     stride_bt_s,
     Q_PER_KV: tl.constexpr, BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
-    IS_FP8: tl.constexpr, IEEE_DOT: tl.constexpr, INTERPRET: tl.constexpr,
+    IS_FP8: tl.constexpr, IEEE_DOT: tl.constexpr, INTERPRET: tl.constexpr, USE_SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     segment = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + seq)
-    num_tiles = tl.cdiv(seq_len, TILE_N)
+    # The segments split the tiles the query can see: from the tile of the window's first key (0 without a
+    # window); tiles before it are never read (their blocks may be null).
+    first_key = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    first_tile = first_key // TILE_N
+    num_tiles = tl.cdiv(seq_len, TILE_N) - first_tile
     tiles_per_segment = tl.cdiv(num_tiles, NUM_SEGMENTS)
     tile_start = segment * tiles_per_segment
     if tile_start >= num_tiles:
         return  # empty segment: the reduce kernel ignores it
-    tile_end = tl.minimum(tile_start + tiles_per_segment, num_tiles)
+    tile_end = tl.minimum(tile_start + tiles_per_segment, num_tiles) + first_tile
+    tile_start += first_tile
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -201,6 +218,7 @@ def _decode_segment_kernel(
     for t in range(tile_start, tile_end):
         offs_n = t * TILE_N + tl.arange(0, TILE_N)
         n_mask = offs_n < seq_len  # the decode query is the last position: it sees the whole context
+        n_mask = n_mask & (offs_n >= first_key)  # ... from the window's first key (never load before it)
         phys = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         in_block = offs_n % BLOCK_SIZE
         kt = tl.load(k_cache_ptr + phys[None, :] * stride_k_b + in_block[None, :] * stride_k_o
@@ -219,7 +237,12 @@ def _decode_segment_kernel(
             s = tl.dot(q, kt, input_precision="ieee")
         else:
             s = tl.dot(q, kt)
-        s = tl.where(n_mask[None, :], s * sm_scale_log2, float("-inf"))
+        if USE_SOFTCAP:  # softcap * tanh(dot * scale / softcap), tanh via exp2 (clamped: tanh(30) == 1)
+            x = tl.minimum(s * (sm_scale_log2 / 1.4426950408889634) / softcap, 30.0)
+            s = softcap * (1.0 - 2.0 / (tl.math.exp2(2.0 * x * 1.4426950408889634) + 1.0)) * 1.4426950408889634
+        else:
+            s = s * sm_scale_log2
+        s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))  # every segment has >= 1 visible key: finite
         p = tl.math.exp2(s - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
@@ -239,14 +262,15 @@ def _decode_segment_kernel(
 
 def _decode_reduce_kernel(
     out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, seq_lens_ptr, cu_seqlens_q_ptr,
-    num_heads, stride_o_t, stride_o_h,
+    num_heads, window, stride_o_t, stride_o_h,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, TILE_N: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
     ROUND_BF16_OUT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
-    num_tiles = tl.cdiv(seq_len, TILE_N)
+    first_tile = tl.where(window > 0, tl.maximum(seq_len - window, 0) // TILE_N, 0)  # as the split kernel
+    num_tiles = tl.cdiv(seq_len, TILE_N) - first_tile
     tiles_per_segment = tl.cdiv(num_tiles, NUM_SEGMENTS)
     num_valid = tl.cdiv(num_tiles, tiles_per_segment)  # segments the split kernel actually wrote
 
@@ -309,7 +333,8 @@ def _prepare(q, k_cache, v_cache, k_scale, v_scale):
 
 
 def unified_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
-                      scale, k_scale=None, v_scale=None, out=None, *, block_m=None, tile_n=None):
+                      scale, k_scale=None, v_scale=None, out=None, *, block_m=None, tile_n=None,
+                      sliding_window=0, softcap=0.0):
     """Mixed-batch paged attention with the 2D kernel (see module docstring)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -332,7 +357,7 @@ def unified_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
     num_q_blocks = num_tokens // block_q + num_seqs
     _unified_attention[(num_q_blocks, num_kv_heads)](
         out, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, ks, vs,
-        float(scale) * _LOG2E, num_seqs,
+        float(scale) * _LOG2E, num_seqs, int(sliding_window), float(softcap or 1.0),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -341,13 +366,14 @@ def unified_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, next_pow2(head_dim)),
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n,
         IS_FP8=fp8, IEEE_DOT=q.dtype == torch.float32, INTERPRET=interpret,
-        ROUND_BF16_OUT=interpret and out.dtype == torch.bfloat16,
+        ROUND_BF16_OUT=interpret and out.dtype == torch.bfloat16, USE_SOFTCAP=bool(softcap),
     )
     return out
 
 
 def split_k_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_k, scale,
-                             k_scale=None, v_scale=None, out=None, *, num_segments=None, tile_n=None):
+                             k_scale=None, v_scale=None, out=None, *, num_segments=None, tile_n=None,
+                             sliding_window=0, softcap=0.0):
     """Decode-only paged attention (one query per sequence), flash-decoding split-K + reduce."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -371,7 +397,7 @@ def split_k_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seq
     part_l = torch.empty_like(part_m)
     _decode_segment[(num_seqs, num_kv_heads, num_segments)](
         part_acc, part_m, part_l, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, ks, vs,
-        float(scale) * _LOG2E, num_heads,
+        float(scale) * _LOG2E, num_heads, int(sliding_window), float(softcap or 1.0),
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -379,11 +405,11 @@ def split_k_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seq
         Q_PER_KV=q_per_kv, BLOCK_H=max(16, next_pow2(q_per_kv)),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size, TILE_N=tile_n, NUM_SEGMENTS=num_segments,
-        IS_FP8=fp8, IEEE_DOT=q.dtype == torch.float32, INTERPRET=interpret,
+        IS_FP8=fp8, IEEE_DOT=q.dtype == torch.float32, INTERPRET=interpret, USE_SOFTCAP=bool(softcap),
     )
     _decode_reduce[(num_seqs, num_heads)](
         out, part_acc, part_m, part_l, seq_lens, cu_seqlens_q,
-        num_heads, out.stride(0), out.stride(1),
+        num_heads, int(sliding_window), out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, TILE_N=tile_n, NUM_SEGMENTS=num_segments,
         ROUND_BF16_OUT=interpret and out.dtype == torch.bfloat16,
     )
@@ -391,7 +417,8 @@ def split_k_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seq
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
-                    scale, k_scale=None, v_scale=None, out=None, *, num_segments=None):
+                    scale, k_scale=None, v_scale=None, out=None, *, num_segments=None, sliding_window=0,
+                    softcap=0.0):
     """Causal paged attention for a flattened mixed batch; returns ``out [num_tokens, num_heads, head_dim]``.
 
     Arguments follow :func:`kvserve.kernels.reference.paged_attention_ref`. ``max_seqlen_q`` and
@@ -400,6 +427,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, m
     ``num_segments=1``) says one segment per sequence suffices, in which case the 2D kernel runs it.
     Requirements: last dims contiguous; int32/int64 ``block_tables``, ``seq_lens``, ``cu_seqlens_q``;
     ``num_heads`` a multiple of ``num_kv_heads``; non-fp8 caches in ``q``'s dtype.
+    ``sliding_window`` W > 0: a query at p sees keys p - W < k <= p, and blocks wholly before the window are
+    never read (null entries are fine); ``softcap`` > 0: Gemma 2's tanh cap on the scaled scores.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -414,13 +443,17 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, m
     if max_seqlen_q <= 1 and num_tokens == num_seqs:
         tile_n = 64 if k_cache.shape[1] >= 64 else 32
         if num_segments is None:
-            num_segments = choose_num_segments(num_seqs, num_kv_heads, max_seqlen_k, tile_n, q.device)
+            # a window bounds the keys a decode reads: split that, not the whole context
+            visible = min(max_seqlen_k, sliding_window) if sliding_window else max_seqlen_k
+            num_segments = choose_num_segments(num_seqs, num_kv_heads, visible, tile_n, q.device)
         if num_segments > 1:
             return split_k_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
                                             max_seqlen_k, scale, k_scale, v_scale, out,
-                                            num_segments=num_segments, tile_n=tile_n)
+                                            num_segments=num_segments, tile_n=tile_n,
+                                            sliding_window=sliding_window, softcap=softcap)
     return unified_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q,
-                             max_seqlen_k, scale, k_scale, v_scale, out)
+                             max_seqlen_k, scale, k_scale, v_scale, out, sliding_window=sliding_window,
+                             softcap=softcap)
 
 
 __all__ = ["paged_attention", "unified_attention", "split_k_decode_attention", "choose_num_segments"]

@@ -38,14 +38,18 @@ def _variants(arch: int):
         qpk_pad = 1 << (qpk - 1).bit_length()
         d_pad = max(16, 1 << (d - 1).bit_length())
         ptrs = dict(q_ptr="*" + q, k_cache_ptr="*" + cache, v_cache_ptr="*" + cache, k_scale_ptr="*fp32",
-                    v_scale_ptr="*fp32", sm_scale_log2="fp32", **{p: "*i32" for p in _ATTN_PTRS})
+                    v_scale_ptr="*fp32", sm_scale_log2="fp32", window="i32", softcap="fp32",
+                    **{p: "*i32" for p in _ATTN_PTRS})
         common = dict(HEAD_DIM=d, HEAD_DIM_PAD=d_pad, BLOCK_SIZE=bs, TILE_N=32, IS_FP8=cache.startswith("fp8"),
                       IEEE_DOT=q == "fp32", INTERPRET=False)
-        out.append(("unified", dict(ptrs, out_ptr="*" + q),
-                    dict(common, Q_PER_KV=qpk, Q_PER_KV_PAD=qpk_pad, BLOCK_Q=bm // qpk_pad, BLOCK_M=bm,
-                         ROUND_BF16_OUT=False)))
-        out.append(("split", dict(ptrs, part_acc_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32"),
-                    dict(common, Q_PER_KV=qpk, BLOCK_H=max(16, qpk_pad), NUM_SEGMENTS=8)))
+        # Gemma 2's soft-cap is a compile-time switch: both sides for the 16-bit caches (the window is a
+        # runtime int, compiled in every variant).
+        for softcap in ((False, True) if cache in ("bf16", "fp16") else (False,)):
+            out.append(("unified", dict(ptrs, out_ptr="*" + q),
+                        dict(common, Q_PER_KV=qpk, Q_PER_KV_PAD=qpk_pad, BLOCK_Q=bm // qpk_pad, BLOCK_M=bm,
+                             ROUND_BF16_OUT=False, USE_SOFTCAP=softcap)))
+            out.append(("split", dict(ptrs, part_acc_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32"),
+                        dict(common, Q_PER_KV=qpk, BLOCK_H=max(16, qpk_pad), NUM_SEGMENTS=8, USE_SOFTCAP=softcap)))
         out.append(("reduce", dict(out_ptr="*" + q, part_acc_ptr="*fp32", part_m_ptr="*fp32", part_l_ptr="*fp32",
                                    seq_lens_ptr="*i32", cu_seqlens_q_ptr="*i32"),
                     dict(HEAD_DIM=d, HEAD_DIM_PAD=d_pad, TILE_N=32, NUM_SEGMENTS=8, ROUND_BF16_OUT=False)))
@@ -69,7 +73,8 @@ def compile_variants(arch: int = 90) -> list[dict]:
         sig = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in jf.arg_names}
         t0 = time.perf_counter()
         row = dict(kernel=kind, arch=f"sm{arch}", types={k: v for k, v in types.items() if "ptr" in k and "scale" not in k},
-                   consts={k: v for k, v in consts.items() if k in ("Q_PER_KV", "HEAD_DIM", "BLOCK_SIZE", "BLOCK_M", "NUM_SEGMENTS")})
+                   consts={k: v for k, v in consts.items() if k in ("Q_PER_KV", "HEAD_DIM", "BLOCK_SIZE", "BLOCK_M",
+                                                                     "NUM_SEGMENTS", "USE_SOFTCAP")})
         try:
             k = triton.compile(ASTSource(jf, sig, consts), target=GPUTarget("cuda", arch, 32))
             row.update(ok=True, cubin_bytes=len(k.asm.get("cubin", b"")), shared_bytes=k.metadata.shared)

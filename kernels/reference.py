@@ -68,8 +68,12 @@ def paged_attention_ref(
     k_scale=None,
     v_scale=None,
     out=None,
+    sliding_window=0,
+    softcap=0.0,
 ):
-    """Causal attention of each sequence's new queries over its whole paged context (fp32 softmax)."""
+    """Causal attention of each sequence's new queries over its whole paged context (fp32 softmax).
+    sliding_window W > 0: a query at p sees keys p - W < k <= p only (transformers' rule); softcap > 0:
+    scores become softcap * tanh(scores / softcap) after scaling, before masking (Gemma 2)."""
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -85,7 +89,9 @@ def paged_attention_ref(
             continue
         context_len = seq_len - q_len
         # Gather this sequence's keys/values through its block table: [seq_len, num_kv_heads, head_dim].
-        pos = torch.arange(seq_len, device=q.device)
+        # With a window, keys before the first query's window are never gathered (their blocks may be null).
+        first_key = max(0, context_len - sliding_window + 1) if sliding_window else 0
+        pos = torch.arange(first_key, seq_len, device=q.device)
         blocks = block_tables[s, pos // block_size].long()
         keys = dequantize_from_cache(k_cache[blocks, pos % block_size], k_scale)
         values = dequantize_from_cache(v_cache[blocks, pos % block_size], v_scale)
@@ -93,8 +99,12 @@ def paged_attention_ref(
         values = values.repeat_interleave(group, dim=1)
         qs = q[q_start:q_end].float()  # [q_len, num_heads, head_dim]
         scores = torch.einsum("qhd,khd->hqk", qs, keys) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = context_len + torch.arange(q_len, device=q.device)
         causal = pos[None, :] <= q_pos[:, None]  # [q_len, seq_len]
+        if sliding_window:
+            causal &= pos[None, :] > q_pos[:, None] - sliding_window
         scores = scores.masked_fill(~causal[None], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, values).to(out.dtype)

@@ -15,6 +15,11 @@ from kvserve.runtime.capacity import ModelShape
 MiB = 1024 * 1024
 GiB = 1024 * MiB
 _QWEN2 = dict(architecture="Qwen2ForCausalLM", attention_bias=True)
+_QWEN3 = dict(architecture="Qwen3ForCausalLM", qk_norm=True)
+_QWEN3_MOE = dict(architecture="Qwen3MoeForCausalLM", qk_norm=True, experts_per_token=8, num_experts=128)
+# Gemma: tied embeddings, four norms per layer, every other layer (Gemma 2) or 5 of 6 (Gemma 3) sliding.
+_GEMMA2 = dict(architecture="Gemma2ForCausalLM", tie_word_embeddings=True, num_layer_norms=4, sliding_window=4096)
+_GEMMA3 = dict(architecture="Gemma3ForCausalLM", tie_word_embeddings=True, num_layer_norms=4, qk_norm=True)
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,23 @@ MODELS: dict[str, ModelShape] = {
     "qwen2.5-14b": ModelShape(48, 40, 8, 128, 5120, 14_770_033_664, 32768, 13824, 152064, **_QWEN2),
     "qwen2.5-32b": ModelShape(64, 40, 8, 128, 5120, 32_763_876_352, 32768, 27648, 152064, **_QWEN2),
     "qwen2.5-72b": ModelShape(80, 64, 8, 128, 8192, 72_706_203_648, 32768, 29568, 152064, **_QWEN2),
+    # Qwen3: explicit head_dim 128 (q width 32 x 128 = hidden for 8B, 64 x 128 != 5120 for 32B), QK-norm.
+    "qwen3-8b": ModelShape(36, 32, 8, 128, 4096, 8_190_735_360, 40960, 12288, 151936, **_QWEN3),
+    "qwen3-32b": ModelShape(64, 64, 8, 128, 5120, 32_762_123_264, 40960, 25600, 151936, **_QWEN3),
+    # MoE: intermediate_size is each expert's width (moe_intermediate_size); no dense layers.
+    "qwen3-30b-a3b": ModelShape(48, 32, 4, 128, 2048, 30_532_122_624, 40960, 768, 151936, **_QWEN3_MOE),
+    "qwen3-235b-a22b": ModelShape(94, 64, 4, 128, 4096, 235_093_634_560, 40960, 1536, 151936, **_QWEN3_MOE),
+    # Gemma 2: 1:1 sliding (even layers) / global, window 4096, 8K positions.
+    "gemma-2-2b": ModelShape(26, 8, 4, 256, 2304, 2_614_341_888, 8192, 9216, 256000, num_sliding_layers=13,
+                             **_GEMMA2),
+    "gemma-2-9b": ModelShape(42, 16, 8, 256, 3584, 9_241_705_984, 8192, 14336, 256000, num_sliding_layers=21,
+                             **_GEMMA2),
+    "gemma-2-27b": ModelShape(46, 32, 16, 128, 4608, 27_227_128_320, 8192, 36864, 256000, num_sliding_layers=23,
+                              **_GEMMA2),
+    # Gemma 3 text-only checkpoint (Gemma3ForCausalLM): 22 of 26 layers slide over 512 tokens. The 4B/12B/27B
+    # checkpoints are multimodal (Gemma3ForConditionalGeneration), which the runtime does not load.
+    "gemma-3-1b": ModelShape(26, 4, 1, 256, 1152, 999_885_952, 32768, 6912, 262144, num_sliding_layers=22,
+                             sliding_window=512, **_GEMMA3),
 }
 
 MODEL_ALIASES: dict[str, str] = {
@@ -58,6 +80,11 @@ MODEL_ALIASES: dict[str, str] = {
     "llama-2-70b-hf": "llama-2-70b",
     "mistral-7b-v0.3": "mistral-7b",
     "mixtral-8x7b-v0.1": "mixtral-8x7b",
+    "gemma-2-2b-it": "gemma-2-2b",
+    "gemma-2-9b-it": "gemma-2-9b",
+    "gemma-2-27b-it": "gemma-2-27b",
+    "gemma-3-1b-it": "gemma-3-1b",
+    "gemma-3-1b-pt": "gemma-3-1b",
 }
 
 GPUS: dict[str, GPU] = {

@@ -21,8 +21,8 @@ from typing import Any
 
 import kopf
 
-from kvserve.operator import kube, leader, metrics, pod_health, render, render_router, render_security, \
-    spec as spec_mod, status as status_mod, transitions
+from kvserve.operator import kube, leader, metrics, model_configs, pod_health, render, render_router, \
+    render_security, spec as spec_mod, status as status_mod, transitions
 
 log = logging.getLogger("kvserve.operator")
 G, V, P = spec_mod.GROUP, spec_mod.VERSION, spec_mod.PLURAL
@@ -54,7 +54,11 @@ def reconcile(namespace: str, name: str) -> dict[str, str]:
             metrics.forget(namespace, name)
             return actions
         try:
-            resolved = spec_mod.resolve(parent.get("spec") or {})
+            raw_spec = parent.get("spec") or {}
+            # A model outside the catalog is planned from its own config.json (only that file is fetched).
+            config = model_configs.fetch(namespace, spec_mod.with_defaults(raw_spec)) \
+                if spec_mod.needs_model_config(raw_spec) else None
+            resolved = spec_mod.resolve(raw_spec, model_config=config)
             spec, plan, reason, message = resolved.spec, resolved.plan, resolved.plan.reason, resolved.plan.message
             desired = render.render(resolved, name, namespace)
         except spec_mod.SpecError as exc:
@@ -95,10 +99,12 @@ def reconcile(namespace: str, name: str) -> dict[str, str]:
         previous = parent.get("status") or {}
         pods = (kube.list_labelled("Pod", namespace, {render.OWNER_LABEL: name})
                 if live[("Deployment", name)] else [])
+        failure = pod_health.diagnose(pods)
         new_status = status_mod.compute_status(
             name=name, namespace=namespace, spec=spec, generation=parent["metadata"].get("generation"),
             plan=plan, plan_reason=reason, plan_message=message, deployment=live[("Deployment", name)],
-            previous=previous, now=_now(), pod_failure=pod_health.diagnose(pods), conflicts=conflicts)
+            previous=previous, now=_now(), pod_failure=failure, conflicts=conflicts,
+            model_ready=_model_ready(spec, pods, failure))
         metrics.record(namespace, name, spec=spec, plan=plan, status=new_status)
         if kube.patch_status(namespace, name, previous, new_status):
             actions["status"] = "patched"
@@ -110,6 +116,14 @@ def reconcile(namespace: str, name: str) -> dict[str, str]:
             except kube.KubeError as exc:  # an Event is best effort; the condition carries the same text
                 log.warning("could not post the %s Event for %s/%s: %s", event_reason, namespace, name, exc)
     return actions
+
+
+def _model_ready(spec: dict, pods: list[dict], failure: pod_health.PodFailure | None) -> tuple[bool, str, str]:
+    try:
+        remote = spec_mod.model_source(spec["model"]).remote
+    except (spec_mod.SpecError, KeyError):
+        return False, "InvalidModelSource", "spec.model.uri is not a model source (see CapacityPlanned)"
+    return pod_health.model_ready(pods, remote, failure)
 
 
 def _label(key: tuple[str, str], name: str) -> str:

@@ -86,14 +86,19 @@ def request(method: str, url_path: str, body: Any = None, content_type: str = "a
     """One API call; returns the decoded JSON body, None on 404, raises KubeError on other failures."""
     api = _api()
     headers = {"Accept": "application/json", "Content-Type": content_type}
-    method_, url, headers, body_, _ = api.param_serialize(
-        method=method, resource_path=url_path, header_params=headers, body=body, auth_settings=["BearerToken"],
-        query_params=list((query or {}).items()))
     import kubernetes
 
     try:
-        response = api.call_api(method_, url, header_params=headers, body=body_, _request_timeout=30)
-        response.read()
+        if hasattr(api, "param_serialize"):  # kubernetes >= 37 (the newer OpenAPI generator)
+            method_, url, headers, body_, _ = api.param_serialize(
+                method=method, resource_path=url_path, header_params=headers, body=body,
+                auth_settings=["BearerToken"], query_params=list((query or {}).items()))
+            response = api.call_api(method_, url, header_params=headers, body=body_, _request_timeout=30)
+            response.read()
+        else:  # kubernetes <= 36: what pip picks beside botocore (37 needs python-dateutil >= 3, botocore < 3)
+            response = api.call_api(url_path, method, query_params=list((query or {}).items()),
+                                    header_params=headers, body=body, auth_settings=["BearerToken"],
+                                    _preload_content=False, _request_timeout=30)
     except kubernetes.client.ApiException as exc:
         if exc.status == 404:
             return None

@@ -7,6 +7,10 @@ Per GPU rank with tensor parallelism t (the same budget the runtime enforces wit
 
 KV heads are split across ranks (replicated when t > kv_heads), so one token costs
 `2 * layers * kv_heads_per_rank * head_dim * kv_dtype_bytes` on each rank and every rank holds the same tokens.
+Sliding-window models (Gemma 2/3) are charged per KV cache group (capacity.KVLayout.blocks_per_sequence):
+global layers for the whole context, sliding layers for window - 1 + one step's tokens + 1 block, which is
+what the runtime's KV manager keeps (it frees the rest); the plan also reports what a full-context charge
+of every layer would give (max_concurrency_full_context), so the saving is visible.
 The activation reserve is estimated from the shape (see `activation_reserve_bytes`); the non-torch overhead
 is llm-d's constant (config_explorer/capacity_planner.py: 0.15 GiB at TP=1, 0.6 GiB at TP>=2). llm-d uses a flat
 ~4.8 GiB activation constant for Llama-family models; that is more conservative than the estimate here for
@@ -64,6 +68,12 @@ class Plan:
     max_model_len: int
     block_size: int
     tensor_parallel_size: int
+    # Sliding-window models: 0 / what charging every layer for the full context would allow instead.
+    sliding_window: int = 0
+    num_kv_cache_groups: int = 1
+    kv_bytes_per_block_per_gpu: int = 0  # one block id: block_size tokens of one group's layers
+    max_concurrency_full_context: int = 0
+    max_model_len_fit_full_context: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -112,8 +122,19 @@ def plan(inp: PlanInput) -> Plan:
         overhead = RUNTIME_OVERHEAD_TP1_BYTES if t == 1 else RUNTIME_OVERHEAD_TP_BYTES
     free_bytes = budget - weight_bytes_per_gpu - activation - overhead
     num_blocks = layout.blocks_for_budget(max(free_bytes, 0))
-    kv_tokens = capacity.usable_tokens(num_blocks, inp.block_size)
-    max_concurrency = capacity.max_concurrency(num_blocks, inp.max_model_len, inp.block_size)
+    kv_tokens = layout.usable_tokens(num_blocks)
+    step = inp.max_num_batched_tokens
+    max_concurrency = layout.max_concurrency(num_blocks, inp.max_model_len, step)
+    limit = m.max_position_embeddings
+    max_model_len_fit = layout.longest_sequence(num_blocks, limit, step)
+    # The same bytes charged as if every layer kept the whole context (one group of all layers).
+    full = capacity.KVLayout(layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.kv_dtype,
+                             layout.block_size, t)
+    full_blocks = full.blocks_for_budget(layout.budget_for_blocks(num_blocks))
+    sliding = dict(sliding_window=m.sliding_window if layout.num_groups > 1 else 0,
+                   num_kv_cache_groups=layout.num_groups, kv_bytes_per_block_per_gpu=layout.bytes_per_block,
+                   max_concurrency_full_context=full.max_concurrency(full_blocks, inp.max_model_len),
+                   max_model_len_fit_full_context=full.longest_sequence(full_blocks, limit))
     common = dict(
         kv_bytes_per_token=layout.bytes_per_token, kv_bytes_per_token_per_gpu=layout.bytes_per_token_per_rank,
         weight_bytes=weight_bytes, weight_bytes_per_gpu=weight_bytes_per_gpu,
@@ -121,8 +142,8 @@ def plan(inp: PlanInput) -> Plan:
         activation_reserve_bytes=activation, runtime_overhead_bytes=overhead,
         kv_cache_bytes_per_gpu=layout.budget_for_blocks(num_blocks), num_blocks_per_gpu=num_blocks,
         kv_tokens=kv_tokens, max_concurrency=max_concurrency,
-        max_model_len_fit=min(kv_tokens, m.max_position_embeddings), max_model_len=inp.max_model_len,
-        block_size=inp.block_size, tensor_parallel_size=t,
+        max_model_len_fit=max_model_len_fit, max_model_len=inp.max_model_len,
+        block_size=inp.block_size, tensor_parallel_size=t, **sliding,
     )
 
     arch_error = capacity.unsupported_architecture_error(m)
@@ -142,13 +163,17 @@ def plan(inp: PlanInput) -> Plan:
                     f"{_gb(overhead)} = {_gb(fixed)} per GPU exceed the {_gb(budget)} budget "
                     f"({inp.gpu_memory_utilization:g} x {_gb(inp.gpu_memory_bytes)}) at tensorParallelSize {t}",
                     **common)
-    context_error = capacity.one_sequence_error(num_blocks, inp.max_model_len, layout, "kv_cache_bytes")
+    context_error = capacity.one_sequence_error(num_blocks, inp.max_model_len, layout, "kv_cache_bytes", step)
     if context_error:
         return Plan(False, "ContextDoesNotFit", context_error, **common)
+    saving = ""
+    if layout.num_groups > 1:
+        saving = (f" (sliding window {m.sliding_window} on {m.num_sliding_layers} of {m.num_layers} layers; "
+                  f"{sliding['max_concurrency_full_context']} if every layer kept the full context)")
     return Plan(True, "Fits",
                 f"{kv_tokens} KV tokens per replica ({num_blocks} blocks of {inp.block_size} per GPU incl. the null "
                 f"block, {_gb(layout.budget_for_blocks(num_blocks))}); {max_concurrency} concurrent "
-                f"{inp.max_model_len}-token sequences", **common)
+                f"{inp.max_model_len}-token sequences{saving}", **common)
 
 
 def _gb(num_bytes: int) -> str:

@@ -14,11 +14,14 @@ from dataclasses import dataclass
 # startup (kvserve.runtime.server.termination, which the operator may not import; tests/operator/
 # test_pod_health.py keeps the two equal): its plan cannot be honoured on the real GPU, or anything else.
 PLAN_REJECTED_PREFIX = "kvserve: plan rejected: "
+# `kvserve download` (the model-download init container; kvserve.cli.download keeps the same string).
+DOWNLOAD_FAILED_PREFIX = "kvserve: download failed: "
+DOWNLOAD_CONTAINER = "model-download"
 STARTUP_FAILED_PREFIX = "kvserve: startup failed: "
 MAX_MESSAGE_CHARS = 1024  # the kubelet caps termination messages at 4096 bytes; a condition needs far less
 
 # Most specific first: a reason that names the cause beats one that only names the symptom.
-SEVERITY = ("RuntimeRejectedPlan", "RuntimeStartupFailed", "OOMKilled", "CrashLoopBackOff", "ImagePullBackOff",
+SEVERITY = ("DownloadFailed", "RuntimeRejectedPlan", "RuntimeStartupFailed", "OOMKilled", "CrashLoopBackOff", "ImagePullBackOff",
             "CreateContainerConfigError", "Unschedulable")
 _IMAGE_PULL = {"ImagePullBackOff", "ErrImagePull", "InvalidImageName", "ErrImageNeverPull"}
 _CONFIG = {"CreateContainerConfigError", "CreateContainerError"}
@@ -50,6 +53,8 @@ def _container_failure(pod: str, status: dict) -> PodFailure | None:
     terminated = _terminated(status)
     where = f"pod {pod} container {name}"
     termination_message = (terminated.get("message") or "").strip()
+    if termination_message.startswith(DOWNLOAD_FAILED_PREFIX.strip()):
+        return PodFailure("DownloadFailed", f"{where}: {termination_message}", pod)
     if termination_message.startswith(PLAN_REJECTED_PREFIX.strip()):
         return PodFailure("RuntimeRejectedPlan", f"{where}: {termination_message}", pod)
     if termination_message.startswith(STARTUP_FAILED_PREFIX.strip()) and terminated.get("reason") != "OOMKilled":
@@ -91,3 +96,18 @@ def diagnose(pods: list[dict]) -> PodFailure | None:
     worst = min(found, key=lambda f: SEVERITY.index(f.reason))
     message = worst.message if len(worst.message) <= MAX_MESSAGE_CHARS else worst.message[:MAX_MESSAGE_CHARS - 3] + "..."
     return PodFailure(worst.reason, message, worst.pod)
+
+
+def model_ready(pods: list[dict], remote: bool, failure: PodFailure | None) -> tuple[bool, str, str]:
+    """ModelReady: (ok, reason, message). Mounted sources are ready as they are; a downloaded one once any pod's
+    download init container finished (the cache then holds it), and not while a download failure stands."""
+    if not remote:
+        return True, "Mounted", "the model is mounted from spec.model.uri"
+    if failure is not None and failure.reason == "DownloadFailed":
+        return False, "DownloadFailed", failure.message
+    for pod in pods:
+        for status in (pod.get("status") or {}).get("initContainerStatuses") or []:
+            done = ((status.get("state") or {}).get("terminated") or {})
+            if status.get("name") == DOWNLOAD_CONTAINER and done.get("exitCode") == 0:
+                return True, "Downloaded", f"pod {(pod.get('metadata') or {}).get('name', '?')} downloaded the model"
+    return False, "Downloading", "waiting for a pod's model-download init container to finish"

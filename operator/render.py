@@ -8,11 +8,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from kvserve.operator import pod_resources, render_router, render_security
+from kvserve.operator import pod_resources, render_model, render_router, render_security
+from kvserve.operator.render_model import MODEL_MOUNT, model_source  # noqa: F401 - re-exported
 from kvserve.operator.spec import API_VERSION, KIND, Resolved
 from kvserve.runtime import engine_args
-
-MODEL_MOUNT = "/mnt/models"
 MANAGED_BY = "kvserve-operator"
 OWNER_LABEL = "serving.kvserve.dev/inferenceservice"
 METRIC_NAME = "vllm_num_requests_waiting"  # prometheus-adapter's name for vllm:num_requests_waiting
@@ -47,19 +46,6 @@ def service_url(name: str, namespace: str, port: int) -> str:
 
 def served_model_name(spec: dict, name: str) -> str:
     return spec["model"].get("servedName") or spec["model"].get("name") or name
-
-
-def model_source(spec: dict) -> tuple[list[dict], list[dict], str]:
-    """(volumes, volumeMounts, model directory inside the container) for spec.model.uri."""
-    uri: str = spec["model"]["uri"]
-    if uri.startswith("pvc://"):
-        claim, _, sub_path = uri.removeprefix("pvc://").partition("/")
-        volume = {"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
-        mount = {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
-        return [volume], [mount], f"{MODEL_MOUNT}/{sub_path}".rstrip("/")
-    if uri.startswith("file://"):
-        return [], [], uri.removeprefix("file://")
-    raise ValueError(f"spec.model.uri must start with pvc:// or file://, got {uri!r}")
 
 
 def engine_settings(resolved: Resolved) -> dict[str, Any]:
@@ -142,6 +128,7 @@ def deployment(resolved: Resolved, name: str, namespace: str) -> dict:
                             "capabilities": {"drop": ["ALL"]}},
     }
     pod_spec: dict[str, Any] = {
+        **({"initContainers": inits} if (inits := render_model.init_containers(resolved)) else {}),
         "containers": [container],
         "volumes": volumes,
         "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
@@ -242,7 +229,8 @@ def render(resolved: Resolved, name: str, namespace: str) -> list[dict]:
         objs.append(autoscaler(resolved, name, namespace))
     if resolved.spec["podDisruptionBudget"]["enabled"]:
         objs.append(disruption_budget(resolved, name, namespace))
-    objs += render_router.render(resolved, name, namespace, labels(name), model_source(resolved.spec))
+    *router_source, router_inits = render_model.router_model_source(resolved)
+    objs += render_router.render(resolved, name, namespace, labels(name), tuple(router_source), router_inits)
     if resolved.spec["networkPolicy"]["enabled"]:
         objs.append(render_security.network_policy(resolved, name, namespace))
     return objs

@@ -66,7 +66,9 @@ def router_args(resolved: Resolved, name: str, namespace: str, model_dir: str) -
 
 
 def render(resolved: Resolved, name: str, namespace: str, base_labels: dict[str, str],
-           model_source: tuple[list[dict], list[dict], str]) -> list[dict]:
+           model_source: tuple[list[dict], list[dict], str], init_containers: list[dict] | None = None) -> list[dict]:
+    """`model_source`: (volumes, read-only mounts, tokenizer directory); `init_containers`: what fills them
+    for a downloaded model (render_model.router_model_source)."""
     spec = resolved.spec
     if not enabled(spec):
         return []
@@ -97,6 +99,7 @@ def render(resolved: Resolved, name: str, namespace: str, base_labels: dict[str,
     }
     pod_spec: dict[str, Any] = {
         "serviceAccountName": rname,
+        **({"initContainers": init_containers} if init_containers else {}),
         "containers": [container],
         "volumes": volumes + [{"name": "tmp", "emptyDir": {}}],
         "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.operator import catalog, planner
-from kvserve.runtime import engine_args
+from kvserve.runtime import capacity, engine_args
+from kvserve.runtime.sources import uri as source_uri
 
 GROUP = "serving.kvserve.dev"
 VERSION = "v1alpha1"
@@ -76,6 +77,7 @@ def with_defaults(spec: dict) -> dict:
 @dataclass(frozen=True)
 class Resolved:
     spec: dict  # defaults applied
+    source: source_uri.ModelURI  # spec.model.uri (+ revision), parsed
     model: catalog.ModelShape
     gpu_memory_bytes: int
     gpu_product: str | None  # node-selector value; None when the spec names no known product
@@ -103,16 +105,62 @@ _OPTIONAL_SHAPE_FIELDS = {"expertsPerToken", "numExperts", "architecture", "tieW
                           "qkNorm"}
 
 
-def model_shape(model_spec: dict) -> catalog.ModelShape:
+def model_source(model_spec: dict) -> source_uri.ModelURI:
+    """spec.model.uri + revision, validated (the CRD checks the grammar too; this names the field)."""
+    try:
+        source = source_uri.parse(model_spec.get("uri", ""), model_spec.get("revision"))
+    except source_uri.SourceError as exc:
+        raise SpecError("InvalidModelSource", str(exc)) from None
+    for key in ("cache", "credentials"):
+        if model_spec.get(key) and not source.remote:
+            raise SpecError("InvalidModelSource", f"spec.model.{key} applies to hf:// and s3:// sources only; "
+                                                  f"{source.scheme}:// is mounted as it is")
+    cache = model_spec.get("cache") or {}
+    if cache and bool(cache.get("claimName")) == bool(cache.get("hostPath")):
+        raise SpecError("InvalidModelSource", "spec.model.cache: set exactly one of claimName (a ReadWriteMany "
+                                              "PVC) and hostPath (a node-local folder)")
+    return source
+
+
+def needs_model_config(spec: dict) -> bool:
+    """Must the operator read the model's config.json to plan it? Only for a remote source whose shape is
+    neither in the catalog nor fully given in spec.model.shape."""
+    model_spec = (spec or {}).get("model") or {}
+    if model_spec.get("name") and catalog.lookup_model(model_spec["name"]) is not None:
+        return False
+    overrides = model_spec.get("shape") or {}
+    if all(k in overrides for k in _SHAPE_FIELDS if k not in _OPTIONAL_SHAPE_FIELDS):
+        return False
+    try:
+        return source_uri.parse(model_spec.get("uri", ""), model_spec.get("revision")).remote
+    except source_uri.SourceError:
+        return False  # resolve() reports it
+
+
+def model_shape(model_spec: dict, model_config: dict | None = None) -> catalog.ModelShape:
+    """The catalog entry, else the shape read from the model's config.json (`model_config`), with
+    spec.model.shape's overrides on top; without either, every shape field must be given."""
     base = catalog.lookup_model(model_spec["name"]) if model_spec.get("name") else None
     overrides = model_spec.get("shape") or {}
+    if base is None and model_config is not None:
+        archs = model_config.get("architectures") or []
+        if archs and not any(a in capacity.SUPPORTED_ARCHITECTURES for a in archs):
+            raise SpecError("UnsupportedArchitecture",
+                            f"the model's config.json names architectures {', '.join(archs)}, which the runtime "
+                            f"does not serve; supported: {', '.join(capacity.SUPPORTED_ARCHITECTURES)}")
+        try:
+            base = capacity.shape_from_hf_config(model_config)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SpecError("InvalidModelConfig", f"the model's config.json lacks or mangles a shape field "
+                                                  f"({type(exc).__name__}: {exc}); give spec.model.shape") from None
     if base is None:
         missing = [k for k in _SHAPE_FIELDS if k not in _OPTIONAL_SHAPE_FIELDS and k not in overrides]
         if missing:
             known = ", ".join(sorted(catalog.MODELS))
             raise SpecError("UnknownModel",
                             f"model {model_spec.get('name')!r} is not in the catalog ({known}); "
-                            f"give spec.model.shape with {', '.join(missing)}")
+                            f"give spec.model.shape with {', '.join(missing)}, or an hf:// or s3:// "
+                            "spec.model.uri (the operator then plans from its config.json)")
         fields = {py: overrides[k] for k, py in _SHAPE_FIELDS.items() if k in overrides}
         return catalog.ModelShape(**fields)
     replace = {py: overrides[k] for k, py in _SHAPE_FIELDS.items() if k in overrides}
@@ -131,11 +179,13 @@ def check_no_api_key_in_args(spec: dict) -> None:
                                             "Secret and set spec.auth.apiKeySecretRef {name, key}")
 
 
-def resolve(spec: dict) -> Resolved:
-    """Defaults + catalogs + planner. Raises SpecError for an unknown model/GPU or an API key in extraArgs."""
+def resolve(spec: dict, model_config: dict | None = None) -> Resolved:
+    """Defaults + catalogs + planner. Raises SpecError for an unknown model/GPU, a bad model source or an API
+    key in extraArgs. `model_config`: the model's config.json, for models outside the catalog."""
     spec = with_defaults(spec)
     check_no_api_key_in_args(spec)
-    model = model_shape(spec["model"])
+    source = model_source(spec["model"])
+    model = model_shape(spec["model"], model_config)
     gpu_spec, engine = spec["gpu"], spec["engine"]
     gpu = catalog.lookup_gpu(gpu_spec["product"]) if gpu_spec.get("product") else None
     if gpu_spec.get("memoryMiB"):
@@ -167,4 +217,4 @@ def resolve(spec: dict) -> Resolved:
                                "message": "without chunked prefill maxNumBatchedTokens "
                                           f"({engine['maxNumBatchedTokens']}) must be >= maxModelLen "
                                           f"({engine['maxModelLen']})"})
-    return Resolved(spec=spec, model=model, gpu_memory_bytes=memory_bytes, gpu_product=product, plan=plan)
+    return Resolved(spec=spec, source=source, model=model, gpu_memory_bytes=memory_bytes, gpu_product=product, plan=plan)

@@ -12,7 +12,7 @@ from kvserve.operator.pod_health import PodFailure
 from kvserve.operator.render import selector_string, service_url
 from kvserve.operator.render_router import url_service_name
 
-CONDITION_TYPES = ("Ready", "CapacityPlanned", "Progressing", "Degraded", "ChildConflict")
+CONDITION_TYPES = ("Ready", "CapacityPlanned", "Progressing", "Degraded", "ChildConflict", "ModelReady")
 
 _PLAN_FIELDS = {
     "kvBytesPerToken": "kv_bytes_per_token",
@@ -53,12 +53,14 @@ def _deployment_condition(deployment: dict | None, ctype: str) -> dict:
 def compute_status(*, name: str, namespace: str, spec: dict, generation: int | None,
                    plan: Plan | None, plan_reason: str, plan_message: str,
                    deployment: dict | None, previous: dict | None, now: str,
-                   pod_failure: PodFailure | None = None, conflicts: tuple[str, ...] = ()) -> dict[str, Any]:
+                   pod_failure: PodFailure | None = None, conflicts: tuple[str, ...] = (),
+                   model_ready: tuple[bool, str, str] | None = None) -> dict[str, Any]:
     """`plan` is None when the spec could not be planned at all (unknown model/GPU); `spec` has defaults.
 
     `conflicts` labels children (kind, or kind/name) whose object this InferenceService does not own: nothing is
     adopted or written then, so the status must not report someone else's Deployment as ours (no Ready, no url).
-    `pod_failure` is pod_health.diagnose() of the InferenceService's pods.
+    `pod_failure` is pod_health.diagnose() of the InferenceService's pods; `model_ready` pod_health.model_ready()
+    (None: the ModelReady condition is left out, for callers that know nothing of the source).
     """
     if conflicts:
         deployment, pod_failure = None, None
@@ -119,6 +121,8 @@ def compute_status(*, name: str, namespace: str, spec: dict, generation: int | N
         _condition("ChildConflict", bool(conflicts), "ChildConflict" if conflicts else "NoConflict", conflict_message,
                    previous_conditions, now, generation),
     ]
+    if model_ready is not None:
+        conditions.append(_condition("ModelReady", *model_ready, previous_conditions, now, generation))
     status: dict[str, Any] = {
         "replicas": int(dep_status.get("replicas") or 0),
         "readyReplicas": ready,

@@ -3,9 +3,12 @@ reconcile (the resync recomputes the same status every minute; Events must not p
 from __future__ import annotations
 
 # condition type -> the status that is bad news
-BAD_STATUS = {"CapacityPlanned": "False", "Degraded": "True", "ChildConflict": "True"}
-# Already announced by another condition's Event (CapacityPlanned=False says why the spec was not applied).
-_ANNOUNCED_ELSEWHERE = {("Degraded", "SpecNotApplied")}
+BAD_STATUS = {"CapacityPlanned": "False", "Degraded": "True", "ChildConflict": "True", "ModelReady": "False"}
+# Conditions whose bad status is news only for some reasons (ModelReady=False while Downloading is normal).
+BAD_REASONS = {"ModelReady": {"DownloadFailed"}}
+# Already announced by another condition's Event (CapacityPlanned=False says why the spec was not applied;
+# ModelReady=False says the download failed).
+_ANNOUNCED_ELSEWHERE = {("Degraded", "SpecNotApplied"), ("Degraded", "DownloadFailed")}
 
 
 def warnings(previous: dict | None, current: dict) -> list[tuple[str, str]]:
@@ -15,6 +18,8 @@ def warnings(previous: dict | None, current: dict) -> list[tuple[str, str]]:
     for cond in current.get("conditions") or []:
         ctype, bad = cond.get("type"), BAD_STATUS.get(cond.get("type"))
         if bad is None or cond.get("status") != bad or (ctype, cond.get("reason")) in _ANNOUNCED_ELSEWHERE:
+            continue
+        if ctype in BAD_REASONS and cond.get("reason") not in BAD_REASONS[ctype]:
             continue
         old = before.get(ctype) or {}
         if old.get("status") != bad or old.get("reason") != cond.get("reason"):

@@ -91,7 +91,8 @@ def load_model_config(model_dir: str, dtype: str = "auto", max_model_len: int | 
                                         f"(supported: default, linear, llama3, yarn)")
     limit = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or 4096
     window = getattr(hf_config, "sliding_window", None)
-    if window and getattr(hf_config, "use_sliding_window", True):
+    if window and getattr(hf_config, "use_sliding_window", True) and arch not in capacity.GEMMA_ARCHITECTURES:
+        # (Gemma models implement sliding-window layers: runtime/models/gemma.py.)
         # No sliding-window attention yet: keep every sequence inside the window, where it is exact.
         limit = min(limit, int(window))
     if max_model_len is None:

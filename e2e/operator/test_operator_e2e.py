@@ -170,6 +170,23 @@ def test_deleted_or_hand_edited_children_are_restored(emulator):
     _assert_clean_run(runner)
 
 
+def _kopf_rewrites_its_annotations(request, cr_path: str, settled: dict) -> bool:
+    """kopf re-writing its own bookkeeping annotations with the values already stored.
+
+    The emulator keeps no resourceVersions, so kopf's consistency check cannot tell a stale watch event (the
+    status patch from before kopf stored its diff base) from a new one: it processes the creation again and
+    re-patches the same annotations, sometimes more than a second later on a loaded machine (CI saw two).
+    A real API server bumps resourceVersion on every write and kopf skips those events. Our own writes (status,
+    children, any other annotation) still fail the test below.
+    """
+    if request.method != "PATCH" or request.url.path != cr_path:
+        return False
+    data = request.data or {}
+    notes = (data.get("metadata") or {}).get("annotations") or {}
+    return (set(data) == {"metadata"} and set(data["metadata"]) == {"annotations"} and notes
+            and all(k.startswith("serving.kvserve.dev/") and settled.get(k) == v for k, v in notes.items()))
+
+
 def test_ten_reconciles_of_an_unchanged_object_write_nothing(emulator):
     cr_path = emulator.path(emulator.CR, NS, NAME)
     with _runner() as runner:
@@ -187,7 +204,9 @@ def test_ten_reconciles_of_an_unchanged_object_write_nothing(emulator):
                     and "watch" not in r.params]
         emulator.wait_for(lambda: len(reconciles()) >= 10, timeout=30, what="10 resync reconciles")
         window = emulator.requests()[start:]
-        writes = [f"{r.method} {r.url.path}" for r in window if r.method in WRITES]
+        settled = (_cr(emulator)["metadata"].get("annotations") or {})
+        writes = [f"{r.method} {r.url.path} {r.data}" for r in window
+                  if r.method in WRITES and not _kopf_rewrites_its_annotations(r, cr_path, settled)]
         assert writes == []
     _assert_clean_run(runner)
 

@@ -2,11 +2,20 @@
 
 Scheduler-facing verbs (vLLM V1 style): get_computed_blocks (prefix hit), allocate_slots (blocks or None,
 None meaning "preempt someone and retry"), free; plus fork / take_block_copies for n > 1 sampling.
+
+KV cache groups (sliding-window models, see runtime/capacity.py kv_cache_groups): a request has one block
+table per group, all drawing from one BlockPool (a block id buys the same bytes in every group). Group 0
+is a full-attention group (`req_to_blocks`, `get_block_ids`: what single-group models have); a sliding
+group's table holds the null block where its blocks fell out of the window and were freed
+(core/sliding_window.py). Prefix-cache entries are per group (the group id is part of the key), and a hit
+is the longest length every group can serve. Swapping to host is off for multi-group models (the
+scheduler then recomputes: can_swap_out is False).
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvserve.runtime.core import sliding_window
 from kvserve.runtime.core.block_hash import extend_block_hashes
 from kvserve.runtime.core.block_pool import BlockPool, KVCacheBlock
 from kvserve.runtime.request import Request
@@ -16,14 +25,31 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+class PrefixHit(list):
+    """get_computed_blocks' result: group 0's hit blocks (the list itself, as for single-group models) and,
+    in `groups`, every group's hit table (null blocks before a sliding window)."""
+
+    def __init__(self, blocks=(), groups: list[list[KVCacheBlock]] | None = None):
+        super().__init__(blocks)
+        self.groups = groups if groups is not None else [list(blocks)]
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, num_host_blocks: int = 0):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, num_host_blocks: int = 0,
+                 group_windows: tuple[int, ...] = ()):
+        """group_windows: sliding window per KV cache group (0 = full attention; group 0 must be full);
+        empty = one full-attention group."""
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
-        # Number of a request's leading blocks already registered in the prefix cache.
-        self.num_cached_blocks: dict[str, int] = {}
+        self.group_windows = tuple(group_windows) or (0,)
+        if self.group_windows[0]:
+            raise ValueError(f"KV cache group 0 must be full attention, got windows {self.group_windows}")
+        # Per group: request -> block table, and the number of its leading blocks registered in the cache.
+        self._tables: list[dict[str, list[KVCacheBlock]]] = [{} for _ in self.group_windows]
+        self._num_cached: list[dict[str, int]] = [{} for _ in self.group_windows]
+        self.req_to_blocks = self._tables[0]
+        self.num_cached_blocks = self._num_cached[0]
         self._pending_copies: list[tuple[int, int]] = []
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
@@ -45,78 +71,131 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage()
 
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_windows)
+
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 
+    def get_group_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The block tables of groups 1.. (empty for single-group models); 0 = the null block."""
+        return tuple([b.block_id for b in table.get(request_id, ())] for table in self._tables[1:])
+
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """Longest cached prefix of full blocks. Capped at num_tokens - 1: the last token is always
-        recomputed because its logits are needed."""
+        """Longest cached prefix of full blocks that every group can serve. Capped at num_tokens - 1: the
+        last token is always recomputed because its logits are needed."""
         if not self.enable_caching:
-            return [], 0
+            return PrefixHit(), 0
         self._update_block_hashes(request)
         bs = self.block_size
-        hits: list[KVCacheBlock] = []
-        for i in range((request.num_tokens - 1) // bs):
-            block = self.pool.get_cached_block(request.block_hashes[i],
-                                               tuple(request.all_token_ids[i * bs:(i + 1) * bs]))
-            if block is None:
-                break
-            hits.append(block)
-        return hits, len(hits) * bs
+        max_blocks = (request.num_tokens - 1) // bs
+
+        def lookup(group: int, i: int) -> KVCacheBlock | None:
+            return self.pool.get_cached_block(_group_key(request.block_hashes[i], group),
+                                              tuple(request.all_token_ids[i * bs:(i + 1) * bs]))
+
+        length = max_blocks
+        changed = True
+        while changed:  # each group's longest hit within the current bound, until all agree
+            changed = False
+            for g, window in enumerate(self.group_windows):
+                n = sliding_window.longest_hit(lambda i, g=g: lookup(g, i) is not None, length, window, bs)
+                if n < length:
+                    length, changed = n, True
+        groups = []
+        for g, window in enumerate(self.group_windows):
+            skipped = sliding_window.num_skipped_blocks(length * bs, window, bs)
+            groups.append([self.pool.null_block] * skipped + [lookup(g, i) for i in range(skipped, length)])
+        return PrefixHit(groups[0], groups), length * bs
 
     # -- allocation ------------------------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: Sequence[KVCacheBlock] = ()) -> list[KVCacheBlock] | None:
         """Make room for `num_new_tokens` more tokens after the request's computed ones (plus the prefix
-        hit `new_computed_blocks` on admission). Returns the newly allocated blocks, or None when the
-        pool cannot supply them (nothing is changed then)."""
-        bs = self.block_size
-        blocks = self.req_to_blocks.get(request.request_id, [])
-        num_computed = request.num_computed_tokens + len(new_computed_blocks) * bs
+        hit `new_computed_blocks` on admission). Blocks that fell out of a sliding window are freed first.
+        Returns group 0's newly allocated blocks, or None when the pool cannot supply them (nothing is
+        allocated then)."""
+        bs, rid = self.block_size, request.request_id
+        hit_groups = list(getattr(new_computed_blocks, "groups", None) or [list(new_computed_blocks)])
+        hit_groups += [[] for _ in range(self.num_groups - len(hit_groups))]
+        num_hit_tokens = len(new_computed_blocks) * bs
+        num_computed = request.num_computed_tokens + num_hit_tokens
         num_total = num_computed + num_new_tokens
-        num_new_blocks = max(0, cdiv(num_total, bs) - len(blocks) - len(new_computed_blocks))
-        # Writing into a partial last block that a forked sibling shares: copy it first.
-        needs_copy = (num_new_tokens > 0 and num_computed % bs != 0 and len(blocks) == num_computed // bs + 1
-                      and blocks[-1].ref_cnt > 1)
-        # Hit blocks nobody references sit in the free queue: taking them uses up free capacity.
-        num_free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if num_new_blocks + needs_copy + num_free_hits > self.pool.num_free_blocks:
+        if rid in self.req_to_blocks:
+            self._free_skipped_blocks(rid, num_computed)
+        needed = 0
+        copies = []
+        for g, table in enumerate(self._tables):
+            blocks, hits = table.get(rid, []), hit_groups[g]
+            needed += max(0, cdiv(num_total, bs) - len(blocks) - len(hits))
+            # Writing into a partial last block that a forked sibling shares: copy it first.
+            needs_copy = (num_new_tokens > 0 and num_computed % bs != 0 and len(blocks) == num_computed // bs + 1
+                          and blocks[-1].ref_cnt > 1)
+            copies.append(needs_copy)
+            # Hit blocks nobody references sit in the free queue: taking them uses up free capacity.
+            needed += needs_copy + sum(1 for b in hits if b.ref_cnt == 0 and b is not self.pool.null_block)
+        if needed > self.pool.num_free_blocks:
             return None
 
-        if new_computed_blocks:
-            self.pool.touch(new_computed_blocks)
-        if request.request_id not in self.req_to_blocks:
-            self.req_to_blocks[request.request_id] = blocks
-            if self.enable_caching:
-                self.prefix_cache_queries += request.num_tokens
-                self.prefix_cache_hits += len(new_computed_blocks) * bs
-        blocks.extend(new_computed_blocks)
-        if needs_copy:
-            shared = blocks[-1]
-            (private,) = self.pool.get_new_blocks(1)
-            self._pending_copies.append((shared.block_id, private.block_id))
-            blocks[-1] = private
-            self.pool.free_blocks([shared])
-        new_blocks = self.pool.get_new_blocks(num_new_blocks)
-        blocks.extend(new_blocks)
+        new_request = rid not in self.req_to_blocks
+        if new_request and self.enable_caching:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_hit_tokens
+        # Take every group's hits before allocating anything: a free hit block must not be popped as new.
+        for g, table in enumerate(self._tables):
+            self.pool.touch(b for b in hit_groups[g] if b is not self.pool.null_block)
+            table.setdefault(rid, []).extend(hit_groups[g])
+        result: list[KVCacheBlock] = []
+        for g, table in enumerate(self._tables):
+            blocks = table[rid]
+            if copies[g]:
+                shared = blocks[-1]
+                (private,) = self.pool.get_new_blocks(1)
+                self._pending_copies.append((shared.block_id, private.block_id))
+                blocks[-1] = private
+                self.pool.free_blocks([shared])
+            new_blocks = self.pool.get_new_blocks(max(0, cdiv(num_total, bs) - len(blocks)))
+            blocks.extend(new_blocks)
+            if g == 0:
+                result = new_blocks
         if self.enable_caching:
             # Cache now the blocks that will be full after this step, so later requests in the same
             # step can share them (their KV is written before any attention of that layer reads it).
             self._cache_full_blocks(request, min(num_total, request.num_tokens))
-        return new_blocks
+        return result
+
+    def _free_skipped_blocks(self, rid: str, num_computed_tokens: int) -> None:
+        """Swap the blocks no future query of a sliding group reads for the null block and free them,
+        newest first back to the first one already freed (so each call costs only what it frees). They keep
+        their hashes: a later request with the same prefix can still hit them until they are reused."""
+        for g, window in enumerate(self.group_windows):
+            if not window:
+                continue
+            blocks = self._tables[g][rid]
+            freed = []
+            for i in range(min(len(blocks), sliding_window.num_skipped_blocks(num_computed_tokens, window,
+                                                                                 self.block_size)) - 1, -1, -1):
+                if blocks[i] is self.pool.null_block:
+                    break
+                freed.append(blocks[i])
+                blocks[i] = self.pool.null_block
+            self.pool.free_blocks(freed)
 
     def fork(self, parent: Request, child: Request) -> None:
-        """Give `child` the parent's block table, sharing every block (ref counts go up)."""
-        blocks = self.req_to_blocks[parent.request_id]
-        self.pool.touch(blocks)
-        self.req_to_blocks[child.request_id] = list(blocks)
+        """Give `child` the parent's block tables, sharing every block (ref counts go up)."""
         num_prompt_blocks = child.num_prompt_tokens // self.block_size
+        for table, num_cached in zip(self._tables, self._num_cached):
+            blocks = table[parent.request_id]
+            self.pool.touch(b for b in blocks if b is not self.pool.null_block)
+            table[child.request_id] = list(blocks)
+            num_cached[child.request_id] = min(num_cached.get(parent.request_id, 0), num_prompt_blocks)
         child.block_hashes = parent.block_hashes[:num_prompt_blocks]
-        self.num_cached_blocks[child.request_id] = min(self.num_cached_blocks.get(parent.request_id, 0),
-                                                       num_prompt_blocks)
 
     # -- swap to host ----------------------------------------------------------------------------------
     def can_swap_out(self, request: Request) -> bool:
+        if self.num_groups > 1:  # host copies of per-group tables are not implemented: recompute instead
+            return False
         return len(self.req_to_blocks.get(request.request_id, ())) <= len(self.free_host_blocks)
 
     def swap_out(self, request: Request) -> None:
@@ -164,12 +243,14 @@ class KVCacheManager:
         preempted before its step ran) lose their hash: their KV was never written."""
         if not keep_host_blocks:
             self.free_host_blocks += self.req_to_host_blocks.pop(request.request_id, [])
-        blocks = self.req_to_blocks.pop(request.request_id, [])
-        self.num_cached_blocks.pop(request.request_id, None)
-        for block in blocks[request.num_computed_tokens // self.block_size:]:
-            if block.ref_cnt == 1:
-                self.pool.uncache_block(block)
-        self.pool.free_blocks(reversed(blocks))
+        null = self.pool.null_block
+        for table, num_cached in zip(self._tables, self._num_cached):
+            blocks = table.pop(request.request_id, [])  # a sliding table's index i still covers block i
+            num_cached.pop(request.request_id, None)
+            for block in blocks[request.num_computed_tokens // self.block_size:]:
+                if block.ref_cnt == 1 and block is not null:
+                    self.pool.uncache_block(block)
+            self.pool.free_blocks(b for b in reversed(blocks) if b is not null)
 
     # -- hashing ---------------------------------------------------------------------------------------
     def _update_block_hashes(self, request: Request) -> None:
@@ -177,12 +258,21 @@ class KVCacheManager:
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         bs, rid = self.block_size, request.request_id
-        start, end = self.num_cached_blocks.get(rid, 0), num_tokens // bs
-        if end <= start:
-            return
+        end = num_tokens // bs
         self._update_block_hashes(request)
-        blocks = self.req_to_blocks[rid]
-        for i in range(start, end):
-            self.pool.cache_block(blocks[i], request.block_hashes[i],
-                                  tuple(request.all_token_ids[i * bs:(i + 1) * bs]))
-        self.num_cached_blocks[rid] = end
+        for g, (table, num_cached) in enumerate(zip(self._tables, self._num_cached)):
+            start = num_cached.get(rid, 0)
+            if end <= start:
+                continue
+            blocks = table[rid]
+            for i in range(start, end):
+                if blocks[i] is not self.pool.null_block:  # out of the window: cached before it was freed
+                    self.pool.cache_block(blocks[i], _group_key(request.block_hashes[i], g),
+                                          tuple(request.all_token_ids[i * bs:(i + 1) * bs]))
+            num_cached[rid] = end
+
+
+def _group_key(block_hash: bytes, group: int) -> bytes:
+    """Prefix-cache key of a block in a group: each group caches and evicts its own blocks (group 0's key is
+    the plain chained hash, which the router computes too)."""
+    return block_hash if group == 0 else block_hash + group.to_bytes(2, "little")

@@ -20,10 +20,12 @@ class ScheduledRequest:
     req_id: str
     token_ids: list[int]  # the tokens whose KV this step computes
     start_position: int  # == the request's num_computed_tokens before this step
-    block_ids: list[int]  # the request's full block table
+    block_ids: list[int]  # the request's full block table (KV cache group 0)
     # Requests to sample from this step's last logits row: [] mid-prefill, [req_id] usually, and
     # [leader, child1, ...] on the step a leader's prefill completes and its n-1 siblings fork from it.
     sample_req_ids: list[str] = field(default_factory=list)
+    # Sliding-window models: the block tables of KV cache groups 1.. (0 = null block: out of the window).
+    group_block_ids: tuple[list[int], ...] = ()
 
 
 @dataclass

@@ -207,7 +207,8 @@ class Scheduler:
         completes = start + num_new == request.num_tokens
         sample_ids = [request.request_id, *(c.request_id for c in request.fork_children)] if completes else []
         return ScheduledRequest(request.request_id, request.all_token_ids[start:start + num_new], start,
-                                self.kv.get_block_ids(request.request_id), sample_ids)
+                                self.kv.get_block_ids(request.request_id), sample_ids,
+                                group_block_ids=self.kv.get_group_block_ids(request.request_id))
 
     def _preempt(self, request: Request) -> None:
         request.num_preemptions += 1

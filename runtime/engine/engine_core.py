@@ -23,6 +23,7 @@ from kvserve.runtime.outputs import EngineStats
 from kvserve.runtime.parallel.errors import WorkerDiedError
 from kvserve.runtime.request import Request, RequestStatus
 from kvserve.runtime.sampling_params import InvalidParameter, RequestLimits, SamplingParams, verify_request
+from kvserve.runtime.worker import kv_sizing
 
 logger = logging.getLogger("kvserve.engine")
 
@@ -50,7 +51,8 @@ class EngineCore:
         self.config = replace(config, cache=replace(config.cache, num_blocks=self.runner.num_blocks))
         self.kv_cache_manager = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                                config.cache.enable_prefix_caching,
-                                               num_host_blocks=self.runner.num_host_blocks)
+                                               num_host_blocks=self.runner.num_host_blocks,
+                                               group_windows=kv_sizing.layout(config).group_windows)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
         self.eos_token_ids = frozenset(config.model.eos_token_ids)
         vocab = config.model.vocab_size if tokenizer_vocab_size is None else min(config.model.vocab_size,

@@ -4,6 +4,12 @@ Contract (shared with the Triton backend in kvserve.kernels): per layer, k_cache
 [num_blocks, block_size, num_kv_heads, head_dim]; the step's new tokens are one flat varlen batch. Each
 layer first stores its new K/V at `slot_mapping`, then every query reads its whole context (cached prefix
 + new tokens) from the cache through its block table, causally.
+
+Two per-layer options (Gemma 2/3): `sliding_window` W > 0 keeps, for a query at position p, only keys at
+positions p - W < k <= p (transformers' rule: the query and the W - 1 before it); the backend never reads
+blocks wholly before the window, so their block-table entries may be the null block (the KV manager frees
+them, see core/kv_cache_manager.py). `softcap` > 0 applies `softcap * tanh(scores / softcap)` to the scaled
+scores before masking (Gemma 2).
 """
 from __future__ import annotations
 
@@ -49,7 +55,8 @@ class TorchAttentionBackend:
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, sliding_window: int = 0,
+                softcap: float = 0.0) -> torch.Tensor:
         self.store_kv(k, v, k_cache, v_cache, meta)
         out = torch.empty_like(q)
         decode_rows = [s for s, n in enumerate(meta.query_lens_list) if n == 1]
@@ -58,7 +65,8 @@ class TorchAttentionBackend:
             # cache-resident (measured ~3x faster than one padded batch of 32 on a 2-core EPYC).
             decode_rows.sort(key=lambda s: meta.seq_lens_list[s])
             for i in range(0, len(decode_rows), self.decode_group_size):
-                self._decode_batch(q, k_cache, v_cache, meta, scale, decode_rows[i:i + self.decode_group_size], out)
+                self._decode_batch(q, k_cache, v_cache, meta, scale, decode_rows[i:i + self.decode_group_size], out,
+                                   sliding_window, softcap)
             decode_set = set(decode_rows)
         else:
             decode_set = set()
@@ -66,47 +74,89 @@ class TorchAttentionBackend:
         for s, (q_len, ctx_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
             if s not in decode_set:
                 out[start:start + q_len] = self._one_sequence(q[start:start + q_len], k_cache, v_cache,
-                                                              meta.block_tables[s], ctx_len, scale)
+                                                              meta.block_tables[s], ctx_len, scale, sliding_window,
+                                                              softcap)
             start += q_len
         return out
 
     def _one_sequence(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      block_table: torch.Tensor, ctx_len: int, scale: float) -> torch.Tensor:
+                      block_table: torch.Tensor, ctx_len: int, scale: float, sliding_window: int = 0,
+                      softcap: float = 0.0) -> torch.Tensor:
         q_len, block_size = q.shape[0], k_cache.shape[1]
-        ids = block_table[:-(-ctx_len // block_size)]
+        # With a window, blocks wholly before the first query's window are never read (they may be null).
+        first_key = max(0, ctx_len - q_len - sliding_window + 1) if sliding_window else 0
+        first_block = first_key // block_size
+        key_start = first_block * block_size
+        ids = block_table[first_block:-(-ctx_len // block_size)]
+        num_keys = ctx_len - key_start
         # [ctx, kv_heads, head_dim] -> [1, kv_heads, ctx, head_dim]
-        keys = k_cache.index_select(0, ids).flatten(0, 1)[:ctx_len].to(q.dtype).transpose(0, 1).unsqueeze(0)
-        values = v_cache.index_select(0, ids).flatten(0, 1)[:ctx_len].to(q.dtype).transpose(0, 1).unsqueeze(0)
+        keys = k_cache.index_select(0, ids).flatten(0, 1)[:num_keys].to(q.dtype).transpose(0, 1).unsqueeze(0)
+        values = v_cache.index_select(0, ids).flatten(0, 1)[:num_keys].to(q.dtype).transpose(0, 1).unsqueeze(0)
         query = q.transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, head_dim]
-        if q_len == ctx_len:
+        if q_len == ctx_len and not sliding_window and not softcap:
             o = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            # Query i sits at position ctx_len - q_len + i and sees keys up to there.
-            q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
-            mask = torch.arange(ctx_len, device=q.device)[None, :] <= q_pos[:, None]
-            o = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+            # Query i sits at position ctx_len - q_len + i and sees keys up to there (and, with a window,
+            # after q_pos - W).
+            q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)[:, None]
+            k_pos = torch.arange(key_start, ctx_len, device=q.device)[None, :]
+            mask = k_pos <= q_pos
+            if sliding_window:
+                mask &= k_pos > q_pos - sliding_window
+            if softcap:
+                group = query.shape[1] // keys.shape[1]
+                keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+                o = _softcapped_attention(query, keys, values, mask, scale, softcap)
+            else:
+                o = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
         return o.squeeze(0).transpose(0, 1)
 
     def _decode_batch(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      meta: AttentionMetadata, scale: float, rows: list[int], out: torch.Tensor) -> None:
-        """All single-token queries of the step in one SDPA call, padded to the longest context. The
-        query heads sharing a KV head ride as extra query rows ([B, kv_heads, group, d]), so each K/V
-        element is read once per KV head rather than once per query head."""
+                      meta: AttentionMetadata, scale: float, rows: list[int], out: torch.Tensor,
+                      sliding_window: int = 0, softcap: float = 0.0) -> None:
+        """All single-token queries of the step in one SDPA call, padded to the longest context (the
+        longest window with a sliding window). The query heads sharing a KV head ride as extra query rows
+        ([B, kv_heads, group, d]), so each K/V element is read once per KV head rather than once per
+        query head."""
         block_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
         num_seqs, group = len(rows), q.shape[1] // num_kv_heads
         token_idx = meta.cu_seqlens_q[rows].long()
         ctx = [meta.seq_lens_list[s] for s in rows]
-        num_blocks = -(-max(ctx) // block_size)
-        ids = meta.block_tables[rows, :num_blocks].flatten()
+        # First block each row reads: 0, or the block holding the first key of its window.
+        first = [max(0, n - sliding_window) // block_size if sliding_window else 0 for n in ctx]
+        num_blocks = max(-(-n // block_size) - f for n, f in zip(ctx, first))
         width = num_blocks * block_size
+        dev = q.device
+        first_t = torch.tensor(first, device=dev)
+        cols = (first_t[:, None] + torch.arange(num_blocks, device=dev)[None, :]).clamp_(
+            max=meta.block_tables.shape[1] - 1)
+        ids = meta.block_tables[rows].gather(1, cols).flatten()
         # index_select on the block dim: one contiguous gather, [B, width, kv_heads, d] -> [B, kv_heads, width, d]
         keys = k_cache.index_select(0, ids).view(num_seqs, width, num_kv_heads, head_dim).to(q.dtype).transpose(1, 2)
         values = v_cache.index_select(0, ids).view(num_seqs, width, num_kv_heads, head_dim).to(q.dtype).transpose(1, 2)
-        lens = torch.tensor(ctx, device=q.device)
-        mask = (torch.arange(width, device=q.device)[None, :] < lens[:, None])[:, None, None, :]
+        lens = torch.tensor(ctx, device=dev)
+        k_pos = first_t[:, None] * block_size + torch.arange(width, device=dev)[None, :]  # [B, width]
+        mask = k_pos < lens[:, None]
+        if sliding_window:
+            mask &= k_pos >= lens[:, None] - sliding_window
+        mask = mask[:, None, None, :]
         query = q[token_idx].view(num_seqs, num_kv_heads, group, head_dim)
-        o = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale)
+        if softcap:
+            o = _softcapped_attention(query, keys, values, mask, scale, softcap)
+        else:
+            o = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale)
         out[token_idx] = o.reshape(num_seqs, num_kv_heads * group, head_dim)
+
+
+def _softcapped_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                          scale: float, softcap: float) -> torch.Tensor:
+    """transformers' eager order (SDPA cannot softcap): scores in the activation dtype, scaled, capped,
+    masked, softmax in fp32 and cast back, times V. query [..., q, d]; keys/values [..., k, d]."""
+    scores = torch.matmul(query, keys.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(probs, values)
 
 
 _BACKENDS: dict[str, type] = {"torch": TorchAttentionBackend}

@@ -45,14 +45,16 @@ class TritonAttentionBackend:
                        self._scale(meta.v_scale, k.device) if fp8 else None)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, sliding_window: int = 0,
+                softcap: float = 0.0) -> torch.Tensor:
         self.store_kv(k, v, k_cache, v_cache, meta)
         fp8 = k_cache.element_size() == 1
         q = q if q.stride(-1) == 1 else q.contiguous()
         return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q,
                                meta.max_seqlen_q, meta.max_seqlen_k, scale,
                                self._scale(meta.k_scale, q.device) if fp8 else None,
-                               self._scale(meta.v_scale, q.device) if fp8 else None)
+                               self._scale(meta.v_scale, q.device) if fp8 else None,
+                               sliding_window=sliding_window, softcap=softcap)
 
 
 register_attention_backend("triton", TritonAttentionBackend)

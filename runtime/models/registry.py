@@ -17,6 +17,9 @@ MODEL_CLASSES: dict[str, tuple[str, str]] = {
     "MixtralForCausalLM": ("llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("llama", "Qwen3ForCausalLM"),
     "Qwen3MoeForCausalLM": ("llama", "Qwen3ForCausalLM"),
+    # Sliding-window / global layers, soft-capping, sandwich norms (gemma.py).
+    "Gemma2ForCausalLM": ("gemma", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("gemma", "Gemma3ForCausalLM"),
 }
 
 

@@ -36,12 +36,31 @@ TEST_MODEL_CONFIGS = {
                                               num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                               num_experts=8, num_experts_per_tok=2, norm_topk_prob=False,
                                               mlp_only_layers=[1], norm_weight_std=0.3)),
+    # Sliding layers 0 and 2 (window 12: not a multiple of the 8/16-token blocks), query_pre_attn_scalar
+    # != head_dim, attention softcap low enough to bend these scores, final softcap, tied embeddings.
+    "gemma2_sliding": ("Gemma2ForCausalLM", dict(_COMMON, num_hidden_layers=4, num_attention_heads=4,
+                                                 num_key_value_heads=2, head_dim=16, sliding_window=12,
+                                                 query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
+                                                 final_logit_softcapping=10.0, norm_weight_std=0.3)),
+    # 4 layers, sliding_window_pattern 4 (checkpoints: 6): layers 0-2 slide, 3 is global -> 1 full + 3 sliding
+    # KV cache groups; MQA, head_dim 32 (q width 128 != hidden), q/k norms, window 20, global RoPE 1e6 with
+    # linear x8 scaling, local RoPE 1e4 unscaled.
+    "gemma3_sliding": ("Gemma3ForCausalLM", dict(_COMMON, num_hidden_layers=4, sliding_window_pattern=4,
+                                                 num_attention_heads=4,
+                                                 num_key_value_heads=1, head_dim=32, sliding_window=20,
+                                                 query_pre_attn_scalar=24, norm_weight_std=0.3,
+                                                 rope_parameters={
+                                                     "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                        "rope_theta": 1_000_000.0},
+                                                     "sliding_attention": {"rope_type": "default",
+                                                                           "rope_theta": 10_000.0}})),
 }
 
 
 ARCH_CONFIGS = {"LlamaForCausalLM": "LlamaConfig", "MistralForCausalLM": "MistralConfig",
                 "Qwen2ForCausalLM": "Qwen2Config", "MixtralForCausalLM": "MixtralConfig",
-                "Qwen3ForCausalLM": "Qwen3Config", "Qwen3MoeForCausalLM": "Qwen3MoeConfig"}
+                "Qwen3ForCausalLM": "Qwen3Config", "Qwen3MoeForCausalLM": "Qwen3MoeConfig",
+                "Gemma2ForCausalLM": "Gemma2Config", "Gemma3ForCausalLM": "Gemma3TextConfig"}
 
 
 def make_random_model_dir(out_dir: str, architecture: str = "LlamaForCausalLM", seed: int = 0,
@@ -56,6 +75,8 @@ def make_random_model_dir(out_dir: str, architecture: str = "LlamaForCausalLM", 
     config_kwargs.setdefault("eos_token_id", 2)
     config = getattr(transformers, ARCH_CONFIGS[architecture])(**config_kwargs)
     torch.manual_seed(seed)
+    if architecture.startswith("Gemma"):
+        config._attn_implementation = "eager"  # the reference path: SDPA cannot softcap
     model = getattr(transformers, architecture)(config).eval()
     if norm_weight_std:
         with torch.no_grad():

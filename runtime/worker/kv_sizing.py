@@ -41,7 +41,8 @@ def check_one_sequence_fits(config: EngineConfig, num_blocks: int) -> None:
     """Fail at startup, not mid-request, when one max_model_len sequence cannot fit -- with the planner's
     own wording (capacity.one_sequence_error)."""
     source = budget_source(config)
-    error = capacity.one_sequence_error(num_blocks, config.model.max_model_len, layout(config), source)
+    error = capacity.one_sequence_error(num_blocks, config.model.max_model_len, layout(config), source,
+                                        config.scheduler.max_num_batched_tokens)
     if error:
         raise PlanRejected(source, error)
 

@@ -16,7 +16,7 @@ from kvserve.runtime.models.attention import AttentionMetadata, get_attention_ba
 from kvserve.runtime.models.loader import load_model
 from kvserve.runtime.parallel.layers import SINGLE, ParallelContext
 from kvserve.runtime.sampling import RequestSamplingState, sample
-from kvserve.runtime.worker import kv_sizing
+from kvserve.runtime.worker import kv_groups, kv_sizing
 
 logger = logging.getLogger("kvserve.runner")
 
@@ -88,10 +88,12 @@ class ModelRunner:
         dtype = getattr(torch, _KV_TORCH_DTYPES.get(kv_dtype, m.dtype))
         # One tensor [2, layers, blocks, block_size, kv_heads, head_dim]; zeroed so never-written slots
         # hold finite values (masked attention weights are 0, and 0 * NaN would still be NaN).
-        kv = torch.zeros(2, m.num_layers, max(num_blocks, 1), self.block_size, self.num_kv_heads, m.head_dim,
+        # Sliding-window models: one slot per layer of a KV cache group, shared by the groups (kv_groups.py).
+        slots = kv_groups.layer_slots(self.model, m.num_layers)
+        kv = torch.zeros(2, max(slots) + 1, max(num_blocks, 1), self.block_size, self.num_kv_heads, m.head_dim,
                          dtype=dtype, device=self.device)
         self.kv = kv
-        return [(kv[0, i], kv[1, i]) for i in range(m.num_layers)]
+        return [(kv[0, slot], kv[1, slot]) for slot in slots]
 
     def _allocate_host_kv_cache(self, num_blocks: int) -> torch.Tensor:
         """Swap space in host RAM, same layout as the device cache (pinned on CUDA for async copies)."""
@@ -145,6 +147,8 @@ class ModelRunner:
 
         dev = self.device
         meta = self._metadata(query_lens, seq_lens, tables, torch.tensor(slots, dtype=torch.long, device=dev))
+        if sched.scheduled[0].group_block_ids:  # KV cache groups 1..: their own tables and slots
+            meta = kv_groups.group_metadata(self, sched.scheduled, meta)
         hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev),
                             torch.tensor(positions, dtype=torch.long, device=dev), self.kv_caches, meta)
         if not logits_rows:

@@ -56,6 +56,20 @@ def test_triton_backend_matches_torch(random_model, name, kw):
     assert got == expected
 
 
+def test_triton_backend_sliding_window_and_softcap(tmp_path):
+    """Gemma 2 (window 12, attention softcap) in chunks of 24: the sliding KV group's out-of-window blocks are
+    freed to null while the kernels run; a shared 20-token prefix hits through the window rule."""
+    from kvserve.runtime.models.synthetic import TEST_MODEL_CONFIGS, make_random_model_dir
+
+    arch, kwargs = TEST_MODEL_CONFIGS["gemma2_sliding"]
+    model_dir = str(tmp_path)
+    make_random_model_dir(model_dir, arch, seed=1234, **dict(kwargs, num_hidden_layers=2))  # 1 sliding, 1 global
+    prompts = _prompts(3, 512)[1:3]  # 33 and 50 tokens
+    expected = _generate(model_dir, prompts, "torch", max_num_batched_tokens=24)
+    got = _generate(model_dir, prompts, "triton", max_num_batched_tokens=24)
+    assert got == expected
+
+
 class _ReferenceBackend:
     """kvserve.kernels' pure-torch references as an attention backend (slow; any cache dtype)."""
 

@@ -24,7 +24,8 @@ from kvserve.runtime.sampling_params import InvalidParameter
 from kvserve.runtime.worker import kv_sizing
 
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-               "MixtralForCausalLM": "mixtral", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
+               "MixtralForCausalLM": "mixtral", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
+               "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text"}
 DTYPES = ("bfloat16", "float16", "fp8")
 KV_DTYPES = ("auto", "fp8")
 
@@ -40,6 +41,8 @@ def hf_config(shape: capacity.ModelShape) -> dict:
            "attention_bias": shape.attention_bias and shape.architecture != "Qwen2ForCausalLM"}
     if shape.architecture == "MistralForCausalLM":
         cfg["sliding_window"] = None  # v0.2/v0.3 (the catalog's shape); transformers' default would be 4096
+    if shape.sliding_window:  # Gemma: which layers slide comes from transformers' rule for the model type
+        cfg.update(sliding_window=shape.sliding_window, query_pre_attn_scalar=shape.head_dim)
     if shape.num_experts:
         cfg.update(num_local_experts=shape.num_experts, num_experts=shape.num_experts,
                    num_experts_per_tok=shape.experts_per_token, moe_intermediate_size=shape.intermediate_size)
@@ -129,7 +132,10 @@ def test_every_accepted_plan_is_served_with_exactly_the_planned_capacity(key, mo
         kv_sizing.check_one_sequence_fits(config, num_blocks)  # the runtime's startup check passes
         where = (key, gpu, t, kv, dtype)
         assert num_blocks == plan.num_blocks_per_gpu, where
-        assert capacity.usable_tokens(num_blocks, config.cache.block_size) == plan.kv_tokens, where
+        assert kv_sizing.layout(config).usable_tokens(num_blocks) == plan.kv_tokens, where
+        assert kv_sizing.layout(config).max_concurrency(num_blocks, config.model.max_model_len,
+                                                        config.scheduler.max_num_batched_tokens) == \
+            plan.max_concurrency, where
         assert kv_sizing.layout(config).bytes_per_token_per_rank == plan.kv_bytes_per_token_per_gpu, where
         # The weights the runtime allocates per rank (from config.json) are what the planner charged.
         assert capacity.weight_bytes_per_rank(config.model.shape, config.model.weight_dtype, t) == \
@@ -200,8 +206,8 @@ def test_runtime_weight_bytes_match_the_planner(tmp_path):
     import torch
 
     from kvserve.runtime.config import load_model_config
-    from kvserve.runtime.models.llama import LlamaForCausalLM
     from kvserve.runtime.models import fp8
+    from kvserve.runtime.models.registry import model_class
     from kvserve.runtime.parallel.layers import ColumnParallelLinear, ParallelContext, RowParallelLinear
 
     shapes = {
@@ -210,6 +216,11 @@ def test_runtime_weight_bytes_match_the_planner(tmp_path):
                                           attention_bias=True, tie_word_embeddings=True),
         "llama-bias": capacity.ModelShape(2, 4, 1, 32, 128, 0, 512, 256, 999, attention_bias=True,
                                           o_proj_bias=True),
+        # four norms per layer, tied; Gemma 3 adds q/k norms (model_type rule: layers 0, 2 slide / 0..4 of 6)
+        "gemma2": capacity.ModelShape(4, 4, 2, 32, 128, 0, 512, 256, 1000, **catalog._GEMMA2,
+                                      num_sliding_layers=2),
+        "gemma3": capacity.ModelShape(6, 4, 1, 64, 128, 0, 512, 256, 1000, **{**catalog._GEMMA3,
+                                      "sliding_window": 64}, num_sliding_layers=5),
     }
     for name, shape in shapes.items():
         d = tmp_path / name
@@ -221,7 +232,7 @@ def test_runtime_weight_bytes_match_the_planner(tmp_path):
         for t in capacity.valid_tp_sizes(shape.num_attention_heads, shape.num_kv_heads, shape.intermediate_size, 4):
             for rank in range(t):
                 with torch.device("meta"):
-                    model = LlamaForCausalLM(config, None, ParallelContext(rank=rank, size=t))
+                    model = model_class(shape.architecture)(config, None, ParallelContext(rank=rank, size=t))
                 allocated = sum(p.numel() * 4 for p in model.parameters())
                 assert allocated == capacity.weight_bytes_per_rank(shape, "float32", t), (name, t, rank)
                 # --dtype fp8: the loader's conversion, on the same meta model (16-bit rest, 1-byte linears)
@@ -229,5 +240,6 @@ def test_runtime_weight_bytes_match_the_planner(tmp_path):
                     model = model.to(torch.bfloat16)
                     fp8.convert_linears(model.layers, (ColumnParallelLinear, RowParallelLinear))
                 allocated = sum(x.numel() * x.element_size() for x in (*model.parameters(), *model.buffers())
-                                if x is not model.rotary.cos and x is not model.rotary.sin)
+                                if x is not getattr(model.rotary, "cos", None)
+                                and x is not getattr(model.rotary, "sin", None))
                 assert allocated == capacity.weight_bytes_per_rank(shape, "fp8", t), (name, t, rank, "fp8")

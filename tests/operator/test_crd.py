@@ -55,7 +55,8 @@ def apply_defaults(node: dict, value):
     return value
 
 
-_CEL_OK = re.compile(r"^(\s|\(|\)|'\w+' in self|self\['\w+'\]|or|and|not|<=|>=|<|>|==|!=|\d+)*$")
+_CEL_OK = re.compile(r"^(\s|\(|\)|'\w+' in self|self\['\w+'\]\.startswith\('[^']*'\)|self\['\w+'\]|or|and|not|<=|>=|<|>|==|!="
+                     r"|\d+)*$")
 
 
 _CEL_ALL_NOT_PREFIX = re.compile(r"^self\.all\((\w+), !\1\.startsWith\('([^']*)'\)\)$")
@@ -67,6 +68,7 @@ def cel(rule: str, obj: dict) -> bool:
         return all(not str(item).startswith(prefix_rule.group(2)) for item in obj)
     py = re.sub(r"has\(self\.(\w+)\)", r"('\1' in self)", rule)
     py = re.sub(r"self\.(\w+)", r"self['\1']", py).replace("||", " or ").replace("&&", " and ")
+    py = re.sub(r"!(?!=)", " not ", py).replace("'].startsWith(", "'].startswith(")
     assert _CEL_OK.match(py), f"the test's CEL translator does not cover {rule!r}"
     return bool(eval(py, {"__builtins__": {}}, {"self": obj}))  # noqa: S307 - whitelisted above
 
@@ -155,7 +157,15 @@ MINIMAL = {"apiVersion": "serving.kvserve.dev/v1alpha1", "kind": "InferenceServi
     (lambda s: s["gpu"].update(tensorParallelSize=3), "is not one of"),
     (lambda s: s.update(replicas=-1), "less than the minimum"),
     (lambda s: s["engine"].update(gpuMemoryUtilization=1.5), "greater than the maximum"),
-    (lambda s: s["model"].update(uri="s3://bucket/model"), "does not match"),
+    (lambda s: s["model"].update(uri="gs://bucket/model"), "does not match"),
+    (lambda s: s["model"].update(uri="hf://org/name/extra"), "does not match"),
+    (lambda s: s["model"].update(uri="s3://B/model"), "does not match"),
+    (lambda s: s["model"].update(revision="main"), "model.revision applies to hf://"),
+    (lambda s: s["model"].update(cache={"claimName": "c"}), "model.cache applies to hf://"),
+    (lambda s: s["model"].update(credentials={"secretRef": {"name": "s"}}), "model.credentials applies"),
+    (lambda s: s["model"].update(uri="hf://o/n", cache={"claimName": "c", "hostPath": "/d"}), "exactly one of"),
+    (lambda s: s["model"].update(uri="hf://o/n", cache={}), "exactly one of"),
+    (lambda s: s["model"].update(uri="hf://o/n", credentials={}), "'secretRef' is a required property"),
     (lambda s: s["engine"].update(blockSize=12), "is not one of"),
     (lambda s: s.update(replica=2), "Additional properties"),
     (lambda s: s["model"].pop("name"), "model.name"),
@@ -173,6 +183,20 @@ def test_invalid_specs_are_rejected(mutate, expect):
     mutate(obj["spec"])
     with pytest.raises((jsonschema.ValidationError, ValueError), match=expect):
         admit(obj)
+
+
+@pytest.mark.parametrize("model", [
+    {"uri": "hf://Qwen/Qwen2.5-7B-Instruct"},  # no name, no shape: planned from config.json
+    {"uri": "hf://meta-llama/Meta-Llama-3-8B-Instruct@5f0b02c75b57c5855da9ae460ce51323ea669d8a",
+     "credentials": {"secretRef": {"name": "hf-token"}}, "cache": {"claimName": "model-cache"}},
+    {"uri": "hf://org/name", "revision": "v1.0", "cache": {"hostPath": "/var/lib/kvserve"}},
+    {"uri": "s3://models.example/llama/3-8b", "credentials": {"secretRef": {"name": "s3"}}},
+    {"name": "llama-3-8b", "uri": "s3://bucket"},
+])
+def test_model_sources_are_admitted(model):
+    obj = copy.deepcopy(MINIMAL)
+    obj["spec"]["model"] = model
+    assert admit(obj)["spec"]["model"]["uri"] == model["uri"]
 
 
 def test_defaults_fill_a_minimal_spec():

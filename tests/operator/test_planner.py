@@ -122,14 +122,18 @@ def test_impossible_specs_say_why_with_numbers(reason, kwargs):
 # Widely published per-token KV sizes (fp16/bf16): Llama-2-7B 512 KiB (MHA), Llama-3-8B 128 KiB (GQA 8),
 # Llama-3-70B 320 KiB, Llama-3.1-405B 504 KiB, Qwen2.5-7B 56 KiB (4 KV heads, 28 layers).
 KNOWN_KV_KIB = {"llama-2-7b": 512, "llama-3-8b": 128, "llama-3.1-8b": 128, "llama-3-70b": 320,
-                "llama-3.1-405b": 504, "qwen2.5-7b": 56, "mistral-7b": 128, "llama-2-13b": 800}
-NOMINAL_BILLIONS = {"mixtral-8x7b": 46.7}
+                "llama-3.1-405b": 504, "qwen2.5-7b": 56, "mistral-7b": 128, "llama-2-13b": 800,
+                "qwen3-8b": 144, "gemma-2-9b": 336}
+NOMINAL_BILLIONS = {"mixtral-8x7b": 46.7, "qwen3-30b-a3b": 30.5, "qwen3-235b-a22b": 235,
+                    "gemma-2-2b": 2.6}  # Google counts the 256K-row embedding out of "2B"
+# Qwen3 and Gemma size q/k/v from an explicit head_dim: heads x head_dim may differ from hidden_size.
+EXPLICIT_HEAD_DIM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
 
 @pytest.mark.parametrize("key", sorted(catalog.MODELS))
 def test_every_model_entry(key):
     m = catalog.MODELS[key]
-    assert m.head_dim * m.num_attention_heads == m.hidden_size
+    assert m.head_dim * m.num_attention_heads == m.hidden_size or m.architecture in EXPLICIT_HEAD_DIM
     assert m.num_attention_heads % m.num_kv_heads == 0
     if key in KNOWN_KV_KIB:
         assert kv_per_token(m) == KNOWN_KV_KIB[key] * 1024
@@ -181,6 +185,8 @@ def test_memory_arithmetic_never_overcommits():
                                                    tensor_parallel_size=t, max_model_len=2048))
                 used = p.weight_bytes_per_gpu + p.activation_reserve_bytes + p.runtime_overhead_bytes
                 assert p.kv_cache_bytes_per_gpu + (used if p.fits else 0) <= p.memory_budget_bytes_per_gpu
-                assert p.kv_cache_bytes_per_gpu % (p.block_size * p.kv_bytes_per_token_per_gpu) == 0
+                assert p.kv_cache_bytes_per_gpu % p.kv_bytes_per_block_per_gpu == 0
+                if p.num_kv_cache_groups == 1:
+                    assert p.kv_bytes_per_block_per_gpu == p.block_size * p.kv_bytes_per_token_per_gpu
                 assert p.fits == (p.max_concurrency >= 1 and p.reason == "Fits"), (key, t, gkey)
     assert MiB * 1024 == GiB

@@ -130,6 +130,8 @@ def _variants() -> list[tuple[str, dict]]:
         rich = copy.deepcopy(doc)
         rich["spec"].update(auth={"apiKeySecretRef": {"name": "k", "key": "token"}}, serviceAccountName="sa",
                             imagePullSecrets=[{"name": "pull"}], priorityClassName="high")
+        for key in ("revision", "credentials", "cache"):  # hf:// / s3:// settings: meaningless for file://
+            rich["spec"]["model"].pop(key, None)
         rich["spec"]["model"]["uri"] = "file:///models/in-image"
         rich["spec"]["engine"]["extraArgs"] = ["--preemption-mode", "swap"]
         out.append((path.stem + "-all-options", rich))

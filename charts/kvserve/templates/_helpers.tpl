@@ -82,7 +82,8 @@ One definition for both scopes: a ClusterRole (all namespaces) or a Role per ope
 - apiGroups: [""]
   resources: [pods]
   verbs: [get, list]
-# The API-key Secret named in spec.auth.apiKeySecretRef, for its rotation digest. get only: the operator
+# The API-key Secret named in spec.auth.apiKeySecretRef, for its rotation digest, and the model credentials
+# in spec.model.credentials.secretRef, to fetch a non-catalog model's config.json. get only: the operator
 # cannot list or watch Secrets, so it can read one only by a name some InferenceService gives.
 - apiGroups: [""]
   resources: [secrets]

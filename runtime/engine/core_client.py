@@ -12,6 +12,7 @@ died), which AsyncEngine turns into errors for every request, /health 503 and ex
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
 import os
@@ -213,7 +214,15 @@ class CoreClient:
         self._input.send(self._codec.encode(kind, body), copy=False)
 
     def get_stats(self) -> EngineStats | None:
-        return self.stats
+        """The core's latest stats, with the waiting count raised to the requests of this server the core has
+        not scheduled yet: a request in flight to the core waits as it would in an in-process scheduler, so
+        --max-queue-len and vllm:num_requests_waiting see it at once, not one core step later."""
+        stats = self.stats
+        unscheduled = sum(1 for state in list(self.tracker.states.values())
+                          if state.metrics.first_scheduled_time is None)
+        if stats is not None and unscheduled > stats.num_requests_waiting:
+            stats = dataclasses.replace(stats, num_requests_waiting=unscheduled)
+        return stats
 
     def check_health(self) -> None:
         """Called while idle: apply what the core sent (e.g. stats after aborts) and notice its death."""

@@ -36,6 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: tracing off; needs the `tracing` extra)")
     parser.add_argument("--max-request-body-bytes", type=parse_bytes, default=32 << 20,
                         help="answer 413 to request bodies larger than this (suffixes like 1MiB accepted; default 32MiB)")
+    parser.add_argument("--inprocess-engine", action="store_true",
+                        help="run the engine core in the server process (a thread beside uvicorn), as before the "
+                             "engine-core process existed; for comparisons and debugging (default: its own process)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -76,9 +79,14 @@ def run(args: argparse.Namespace) -> int:
 
     def load_engine():
         from kvserve.runtime.config import build_engine_config
-        from kvserve.runtime.engine.llm_engine import LLMEngine
 
-        return LLMEngine(build_engine_config(engine_args))
+        if args.inprocess_engine:
+            from kvserve.runtime.engine.llm_engine import LLMEngine
+
+            return LLMEngine(build_engine_config(engine_args))
+        from kvserve.runtime.engine.core_client import CoreClient  # scheduler + model in their own process
+
+        return CoreClient(build_engine_config(engine_args))
 
     config = ServerConfig(
         served_model_names=served, model_dir=model_dir,

@@ -11,6 +11,10 @@ Workloads:
   long-prompt    background streams decode steadily; phase 1 measures their steady-state ITL alone, phase 2
                  adds long prompts (default 4096 tokens) arriving among them and measures p99 ITL
 
+`--compare served-vs-offline` (bench_served_vs_offline.py) runs the random workload offline (in-process
+engine) and through `kvserve serve` with the engine core in the server process and in its own process, and
+prints the served/offline ratios.
+
 Against a running server (--base-url), or `--compare prefix-caching|chunked-prefill`, which launches
 `kvserve serve` twice on a free local port (feature on, then off; --serve-args passed to both) and runs
 the matching workload on each. Writes JSON (--result-json) and a PNG (--plot).
@@ -31,7 +35,11 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvserve bench serve: --goodput: {exc}")
         return 2
-    if args.compare:
+    if args.compare == "served-vs-offline":
+        from kvserve.runtime.bench_served_vs_offline import compare
+
+        result = compare(args, slos)
+    elif args.compare:
         result = _compare(args, slos)
     else:
         result = asyncio.run(_run_workload(args, args.base_url, slos))
@@ -153,6 +161,24 @@ def _random_ids(rng, n: int, vocab: int) -> list[int]:
     return [rng.randrange(low, vocab) for _ in range(n)]
 
 
+def random_workload(args: argparse.Namespace, rng, vocab: int) -> tuple[list[_Request], _Request]:
+    """The random / shared-prefix requests and one warm-up request (the offline comparison makes the same)."""
+    requests = []
+    prefix = _random_ids(rng, args.prefix_len, vocab) if args.workload == "shared-prefix" else []
+    for i in range(args.num_prompts):
+        if args.workload == "random":
+            lo, hi = int(args.input_len * (1 - args.range_ratio)), int(args.input_len * (1 + args.range_ratio))
+            olo = max(1, int(args.output_len * (1 - args.range_ratio)))
+            ohi = max(olo, int(args.output_len * (1 + args.range_ratio)))
+            requests.append(_Request(_random_ids(rng, max(1, rng.randint(lo, hi)), vocab), rng.randint(olo, ohi)))
+        else:
+            requests.append(_Request(prefix + _random_ids(rng, args.suffix_len, vocab), args.output_len))
+    # one warm-up request (as vLLM's initial test run); for shared-prefix it also fills the cache
+    warm = _Request(prefix + _random_ids(rng, max(1, args.suffix_len), vocab) if prefix else
+                    _random_ids(rng, 16, vocab), 2)
+    return requests, warm
+
+
 async def _run_workload(args: argparse.Namespace, base_url: str, slos: dict[str, float],
                         label: str = "") -> dict:
     import random
@@ -169,20 +195,7 @@ async def _run_workload(args: argparse.Namespace, base_url: str, slos: dict[str,
         result = {"workload": args.workload, "label": label, "base_url": base_url, "model": model, "config": config}
 
         if args.workload in ("random", "shared-prefix"):
-            requests = []
-            prefix = _random_ids(rng, args.prefix_len, vocab) if args.workload == "shared-prefix" else []
-            for i in range(args.num_prompts):
-                if args.workload == "random":
-                    lo, hi = int(args.input_len * (1 - args.range_ratio)), int(args.input_len * (1 + args.range_ratio))
-                    olo = max(1, int(args.output_len * (1 - args.range_ratio)))
-                    ohi = max(olo, int(args.output_len * (1 + args.range_ratio)))
-                    requests.append(_Request(_random_ids(rng, max(1, rng.randint(lo, hi)), vocab),
-                                             rng.randint(olo, ohi)))
-                else:
-                    requests.append(_Request(prefix + _random_ids(rng, args.suffix_len, vocab), args.output_len))
-            # one warm-up request (as vLLM's initial test run); for shared-prefix it also fills the cache
-            warm = _Request(prefix + _random_ids(rng, max(1, args.suffix_len), vocab) if prefix else
-                            _random_ids(rng, 16, vocab), 2)
+            requests, warm = random_workload(args, rng, vocab)
             await _send(client, url, model, warm, headers, args.timeout)
             delays = _arrival_delays(len(requests), args.request_rate, args.burstiness, rng)
             outs, t0, t1 = await _run_requests(client, url, model, requests, delays, headers, args.max_concurrency,
@@ -337,8 +350,8 @@ def _fmt(value) -> str:
 class _LaunchedServer:
     """`kvserve serve` on a free 127.0.0.1 port, stopped with SIGTERM (graceful drain) on exit."""
 
-    def __init__(self, model_dir: str | None, serve_args: list[str]):
-        self.model_dir, self.serve_args = model_dir, serve_args
+    def __init__(self, model_dir: str | None, serve_args: list[str], python: str | None = None):
+        self.model_dir, self.serve_args, self.python = model_dir, serve_args, python
 
     def __enter__(self) -> "_LaunchedServer":
         import socket
@@ -352,7 +365,7 @@ class _LaunchedServer:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         self.base_url = f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "kvserve.cli", "serve", *([self.model_dir] if self.model_dir else []),
+        cmd = [self.python or sys.executable, "-m", "kvserve.cli", "serve", *([self.model_dir] if self.model_dir else []),
                "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *self.serve_args]
         self.proc = subprocess.Popen(cmd)
         deadline = time.monotonic() + 300

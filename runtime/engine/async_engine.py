@@ -1,7 +1,9 @@
 """AsyncEngine: the asyncio front of the (not thread-safe) LLMEngine.
 
-One background thread owns the LLMEngine and runs its step loop; torch releases the GIL during compute, so
-the event loop keeps serving HTTP meanwhile. Everything else talks to that thread through a queue of
+One background thread owns the engine and runs its step loop. The engine is an LLMEngine (the core in this
+process: torch releases the GIL during compute, so the event loop keeps serving HTTP meanwhile) or a
+core_client.CoreClient (the core in its own process: this thread then only sends requests, waits on the
+core's socket and detokenises). Everything else talks to that thread through a queue of
 operations (add, abort) applied between steps, and gets results back on per-request asyncio queues
 (`loop.call_soon_threadsafe`, one call per step for all requests).
 
@@ -136,12 +138,18 @@ class AsyncEngine:
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         self._stop.set()
-        self._wakeup.set()
+        self._wake()
         if self._thread is not None:
             self._thread.join(timeout_s)
             self._thread = None
         if self.tracer is not None:
             self.tracer.shutdown()
+
+    def _wake(self) -> None:
+        self._wakeup.set()
+        notify = getattr(self.engine, "notify", None)  # CoreClient: interrupt its wait for the core's outputs
+        if notify is not None:
+            notify()
 
     @property
     def is_running(self) -> bool:
@@ -174,7 +182,7 @@ class AsyncEngine:
                 self._pending_adds += 1
             self._active.add(request_id)
             self._ops.put(("add", request_id, prompt, params, arrival, stream, accepted, trace_headers))
-        self._wakeup.set()
+        self._wake()
         try:
             await accepted
         except BaseException:
@@ -200,11 +208,11 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._active.discard(request_id)
         self._ops.put(("abort", request_id))
-        self._wakeup.set()
+        self._wake()
 
     def abort_all(self) -> None:
         self._ops.put(("abort_all",))
-        self._wakeup.set()
+        self._wake()
 
     # ---- engine thread -------------------------------------------------------------------------------
     def _run(self) -> None:

@@ -1,28 +1,25 @@
-"""LLMEngine: requests in, one scheduler + model step at a time, RequestOutputs out. Not thread-safe:
-the async server drives it from one thread.
+"""LLMEngine: the in-process engine. Requests in (text or token ids), one core step at a time, cumulative
+RequestOutputs out. Not thread-safe: the async server drives it from one thread.
 
-Failure semantics (engine/errors.py): a request the engine cannot serve is refused by `add_request`
-(InvalidParameter, via sampling_params.verify_request); inside a step, what fails for one request fails that
-request alone (`_fail_request`: its blocks freed, an output with `error` set); a step failure no request
-explains fails the requests in that step with a retryable error (`_fail_step`); a dead tensor-parallel worker
-or `max_consecutive_step_failures` failed steps in a row make the engine dead (`dead_error`, raised by every
-later call)."""
+It is the two halves of the engine in one process: EngineCore (engine_core.py: scheduler, KV manager,
+runner, the failure semantics of a step) and RequestTracker (request_tracker.py: detokenisation, stop
+strings, outputs). `kvserve serve` runs the same halves in two processes (core_process.py / core_client.py);
+the offline `LLM` keeps them here (docs/serving.md has the measurement behind that choice).
+
+Failure semantics (engine/errors.py, enforced by EngineCore): a request the engine cannot serve is refused by
+`add_request` (InvalidParameter); a request that fails inside a step fails alone (an output with `error`
+set); a step failure fails the requests in that step (retryable); a dead tensor-parallel worker or too many
+failed steps in a row make the engine dead (`dead_error`, raised by every later call)."""
 from __future__ import annotations
 
 import logging
 import time
 
 from kvserve.runtime.config import EngineConfig, make_engine_config
-from kvserve.runtime.core.kv_cache_manager import KVCacheManager
-from kvserve.runtime.core.scheduler import Scheduler
-from kvserve.runtime.engine.errors import STEP_FAILED, EngineDeadError, RequestError, request_failed
-from kvserve.runtime.engine.output_processor import OutputProcessor, RequestState
+from kvserve.runtime.engine.engine_core import EngineCore
+from kvserve.runtime.engine.request_tracker import RequestTracker
 from kvserve.runtime.outputs import EngineStats, RequestOutput
-from kvserve.runtime.parallel.errors import WorkerDiedError
-from kvserve.runtime.request import Request, RequestStatus
-from kvserve.runtime.worker import kv_sizing
-from kvserve.runtime.sampling_params import (InvalidParameter, RequestLimits, SamplingParams, is_valid_text,
-                                             verify_request)
+from kvserve.runtime.sampling_params import InvalidParameter, SamplingParams, is_valid_text
 
 logger = logging.getLogger("kvserve.engine")
 
@@ -31,35 +28,11 @@ PromptInput = str | list[int] | dict
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
-        from kvserve.runtime.worker.model_runner import ModelRunner
-
         self.tokenizer = load_tokenizer(config.model.model_dir)
-        if config.tensor_parallel_size > 1:  # one worker process per rank; this process only schedules
-            from kvserve.runtime.parallel.executor import MultiprocExecutor
-
-            self.runner = MultiprocExecutor(config)
-        else:
-            self.runner = ModelRunner(config)
-        self.config = _with_num_blocks(config, self.runner.num_blocks)
-        self.kv_cache_manager = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
-                                               config.cache.enable_prefix_caching,
-                                               num_host_blocks=self.runner.num_host_blocks,
-                                               group_windows=kv_sizing.layout(config).group_windows)
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self.eos_token_ids = frozenset(config.model.eos_token_ids)
-        self._states: dict[str, RequestState] = {}  # public request id -> state
-        self._sample_owner: dict[str, tuple[RequestState, int]] = {}  # internal sample id -> (state, index)
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
+        self.core = EngineCore(config, tokenizer_vocab_size=len(self.tokenizer))
+        self.config = self.core.config
+        self.tracker = RequestTracker(self.tokenizer)
         self._grammar_compiler = None
-        self.limits = RequestLimits(
-            vocab_size=min(config.model.vocab_size, len(self.tokenizer)), max_model_len=config.model.max_model_len,
-            max_num_seqs=config.scheduler.max_num_seqs, block_size=config.cache.block_size,
-            num_usable_blocks=self.runner.num_blocks - 1)
-        self.num_step_failures = 0  # steps that failed as a whole (cumulative, for metrics)
-        self.num_consecutive_step_failures = 0
-        self.dead_error: BaseException | None = None
         m, c = self.config.model, self.config.cache
         logger.info("engine ready: %s, max_model_len=%d, %d KV blocks x %d tokens (%.1f MiB), prefix caching %s, "
                     "chunked prefill %s, attention=%s, device=%s", m.architecture, m.max_model_len, c.num_blocks - 1,
@@ -69,6 +42,27 @@ class LLMEngine:
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "LLMEngine":
         return cls(make_engine_config(model, **kwargs))
+
+    # The core's parts, for tests and benchmarks that look inside.
+    runner = property(lambda self: self.core.runner)
+    scheduler = property(lambda self: self.core.scheduler)
+    kv_cache_manager = property(lambda self: self.core.kv_cache_manager)
+    limits = property(lambda self: self.core.limits)
+    eos_token_ids = property(lambda self: self.core.eos_token_ids)
+    prompt_tokens = property(lambda self: self.core.prompt_tokens)
+    generation_tokens = property(lambda self: self.core.generation_tokens)
+    num_step_failures = property(lambda self: self.core.num_step_failures)
+    num_consecutive_step_failures = property(lambda self: self.core.num_consecutive_step_failures)
+    output_processor = property(lambda self: self.tracker.output_processor)
+    _states = property(lambda self: self.tracker.states)
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        return self.core.dead_error
+
+    @dead_error.setter
+    def dead_error(self, value: BaseException | None) -> None:
+        self.core.dead_error = value
 
     # -- requests -------------------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
@@ -93,10 +87,7 @@ class LLMEngine:
 
     def verify(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidParameter (naming the field) if this engine can never serve the request."""
-        if not isinstance(params, SamplingParams):
-            raise InvalidParameter("sampling_params", f"sampling_params must be a SamplingParams, "
-                                                      f"got {type(params).__name__}")
-        verify_request(prompt_token_ids, params, self.limits)
+        self.core.verify(prompt_token_ids, params)
 
     @property
     def grammar_compiler(self):
@@ -121,162 +112,41 @@ class LLMEngine:
         if self.dead_error is not None:
             raise self.dead_error
         params = self.compile_constraint(params or SamplingParams())
-        if request_id in self._states:
+        if request_id in self.tracker.states:
             raise InvalidParameter("request_id", f"request id {request_id!r} is already in use")
         text, token_ids = self.tokenize_prompt(prompt)
-        self.verify(token_ids, params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        sample_ids = [f"{request_id}#{i}" for i in range(params.n)]
-        samples = [Request(sid, token_ids, params.for_sample(i) if params.n > 1 else params, self.eos_token_ids,
-                           arrival) for i, sid in enumerate(sample_ids)]
-        leader = samples[0]
-        leader.fork_children = samples[1:]
-        state = RequestState(request_id, text, token_ids, params, sample_ids, arrival)
-        self._states[request_id] = state
-        for i, sid in enumerate(sample_ids):
-            self._sample_owner[sid] = (state, i)
-        self.scheduler.add_request(leader)
+        self.core.add_request(request_id, token_ids, params, arrival)
+        self.tracker.add(request_id, text, token_ids, params, arrival)
 
     def abort_request(self, request_id: str) -> None:
-        state = self._states.get(request_id)
-        if state is None:
-            return
-        self.scheduler.finish_requests(state.sample_ids, RequestStatus.FINISHED_ABORTED)
-        self._forget(state)
+        if request_id in self.tracker.states:
+            self.core.abort_request(request_id)
+            self.tracker.forget(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._states)
+        return bool(self.tracker.states)
 
     def check_health(self) -> None:
         """Raise the engine's fatal error if it is dead (a tensor-parallel worker gone: WorkerDiedError
         naming the rank; too many failed steps: EngineDeadError). Cheap: the server calls it while idle."""
-        if self.dead_error is not None:
-            raise self.dead_error
-        check = getattr(self.runner, "check_health", None)
-        if check is not None:
-            try:
-                check()
-            except WorkerDiedError as exc:
-                self.dead_error = exc
-                raise
+        self.core.check_health()
 
     def shutdown(self) -> None:
         """Release the tensor-parallel worker processes (idempotent; nothing to do in one process)."""
-        stop = getattr(self.runner, "shutdown", None)
-        if stop is not None:
-            stop()
+        self.core.shutdown()
 
     # -- one step ---------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        if self.dead_error is not None:
-            raise self.dead_error
-        scheduled_ids: list[str] | None = None  # None until the scheduler has picked this step's requests
-        try:
-            sched_out = self.scheduler.schedule()
-            scheduled_ids = [s.req_id for s in sched_out.scheduled]
-            now = time.monotonic()
-            for scheduled in sched_out.scheduled:
-                owner = self._sample_owner.get(scheduled.req_id)
-                if owner is not None and owner[0].metrics.first_scheduled_time is None:
-                    owner[0].metrics.first_scheduled_time = now
-            runner_out = self.runner.execute(sched_out)
-            core_outputs = self.scheduler.update_from_output(sched_out, runner_out)
-        except WorkerDiedError as exc:  # the ranks cannot be brought back in step: fatal
-            self.dead_error = exc
-            raise
-        except Exception:  # noqa: BLE001 -- e.g. the forward: no single request to blame
-            logger.exception("engine step failed; failing the requests scheduled in it")
-            return self._fail_step(scheduled_ids)
-        self.num_consecutive_step_failures = 0
-
-        failed: dict[str, RequestError] = {}  # public request id -> its own failure
-        for sample_id, stage in runner_out.failed.items():
-            owner = self._sample_owner.get(sample_id)
-            if owner is not None:
-                failed.setdefault(owner[0].request_id, request_failed(stage))
-        touched: dict[str, RequestState] = {}
-        for out in core_outputs:
-            owner = self._sample_owner.get(out.req_id)
-            if owner is None or owner[0].request_id in failed:
-                continue
-            state, index = owner
-            try:
-                if index == 0 and not state.samples[0].token_ids:
-                    self.prompt_tokens += len(state.prompt_token_ids)
-                self.generation_tokens += len(out.new_token_ids)
-                if self.output_processor.process(state, index, out) is not None:  # hit a stop string
-                    self.scheduler.finish_requests([out.req_id], RequestStatus.FINISHED_STOPPED)
-            except Exception:  # noqa: BLE001 -- detokenisation / stop checks of this request only
-                logger.exception("output processing failed for request %s; failing it alone", state.request_id)
-                failed[state.request_id] = request_failed("detokenizing the output or checking stop strings")
-                continue
-            touched[state.request_id] = state
-        outputs = [self._fail_request(self._states[rid], error) for rid, error in failed.items()
-                   if rid in self._states]
-        for state in touched.values():
-            if state.request_id in failed:
-                continue
-            if state.finished:
-                state.metrics.finished_time = time.monotonic()
-                self._forget(state)
-            outputs.append(state.to_output())
-        return outputs
-
-    def _fail_request(self, state: RequestState, error: RequestError) -> RequestOutput:
-        """Finish one request with an error: free its blocks now, report it (finish_reason "error")."""
-        self.scheduler.finish_requests(state.sample_ids, RequestStatus.FINISHED_ABORTED)
-        self._forget(state)
-        for sample in state.samples:
-            if sample.finish_reason is None:
-                sample.finish_reason = "error"
-        state.metrics.finished_time = time.monotonic()
-        output = state.to_output()
-        output.error = error
-        return output
-
-    def _fail_step(self, scheduled_ids: list[str] | None) -> list[RequestOutput]:
-        """A step failed as a whole: fail (retryably) the requests it ran -- every request if the scheduler
-        itself failed -- and declare the engine dead after too many such steps in a row. Aborting frees the
-        blocks the step was filling and drops their prefix-cache entries (their KV was never written)."""
-        self.num_step_failures += 1
-        self.num_consecutive_step_failures += 1
-        limit = self.config.max_consecutive_step_failures
-        if scheduled_ids is None:
-            affected = list(self._states.values())
-        else:
-            owners = (self._sample_owner.get(sid) for sid in scheduled_ids)
-            affected = list({o[0].request_id: o[0] for o in owners if o is not None}.values())
-        outputs = [self._fail_request(state, STEP_FAILED) for state in affected]
-        if self.num_consecutive_step_failures >= limit:
-            self.dead_error = EngineDeadError(
-                f"the engine is dead after {self.num_consecutive_step_failures} consecutive failed steps "
-                f"(max_consecutive_step_failures={limit}); retry on another replica")
-            logger.error("%s", self.dead_error)
-            raise self.dead_error
-        return outputs
-
-    def _forget(self, state: RequestState) -> None:
-        self._states.pop(state.request_id, None)
-        for sid in state.sample_ids:
-            self._sample_owner.pop(sid, None)
+        tracked = self.tracker.process(self.core.step())
+        if tracked.stopped_sample_ids:
+            self.core.finish_stopped(tracked.stopped_sample_ids)
+        for request_id in tracked.aborted_request_ids:
+            self.core.abort_request(request_id)
+        return tracked.outputs
 
     def get_stats(self) -> EngineStats:
-        kv = self.kv_cache_manager
-        return EngineStats(
-            num_requests_running=self.scheduler.num_running, num_requests_waiting=self.scheduler.num_waiting,
-            kv_cache_usage=kv.usage, num_free_blocks=kv.num_free_blocks, num_total_blocks=kv.pool.num_blocks - 1,
-            prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens,
-            num_preemptions=self.scheduler.num_preemptions, prefix_cache_queries=kv.prefix_cache_queries,
-            prefix_cache_hits=kv.prefix_cache_hits, num_swap_outs=self.scheduler.num_swap_outs,
-            num_swap_ins=self.scheduler.num_swap_ins, num_swapped_out_blocks=kv.num_swapped_out_blocks,
-            num_swapped_in_blocks=kv.num_swapped_in_blocks, num_free_host_blocks=kv.num_free_host_blocks,
-            num_total_host_blocks=kv.num_host_blocks)
-
-
-def _with_num_blocks(config: EngineConfig, num_blocks: int) -> EngineConfig:
-    from dataclasses import replace
-
-    return replace(config, cache=replace(config.cache, num_blocks=num_blocks))
+        return self.core.get_stats()
 
 
 def load_tokenizer(model_dir: str):

@@ -79,7 +79,10 @@ class MultiprocExecutor:
         # Registered before the first start so that whatever happens next, the workers are reaped on
         # shutdown(), garbage collection of the executor, or interpreter exit.
         self._finalizer = weakref.finalize(self, _stop_workers, self.procs, self.conns, self._tmpdir)
+        from kvserve.runtime.engine.main_guard import exit_if_bootstrapping
         from kvserve.runtime.parallel.worker import worker_main
+
+        exit_if_bootstrapping()  # an unguarded script re-imported in a child: one clear error in the parent
 
         log_level = logging.getLogger("kvserve").getEffectiveLevel()
         for rank in range(t):
@@ -166,6 +169,7 @@ class MultiprocExecutor:
                         reply = pickle.loads(obj.recv_bytes())
                     except (EOFError, OSError):
                         self.procs[rank].join(1.0)
+                        self._raise_if_main_guard_exit(rank, starting)
                         raise self._fail(rank, f"tensor-parallel worker rank {rank} (pid {self.procs[rank].pid}) "
                                                f"died ({_describe_exit(self.procs[rank].exitcode)})") from None
                     if reply[0] == "error":
@@ -190,9 +194,17 @@ class MultiprocExecutor:
                         continue  # answered this call, then exited: the next call notices
                     proc = self.procs[rank]
                     proc.join(1.0)
+                    self._raise_if_main_guard_exit(rank, starting)
                     raise self._fail(rank, f"tensor-parallel worker rank {rank} (pid {proc.pid}) died "
                                            f"({_describe_exit(proc.exitcode)})")
         return [replies[r] for r in range(len(self.conns))]
+
+    def _raise_if_main_guard_exit(self, rank: int, starting: bool) -> None:
+        from kvserve.runtime.engine.main_guard import MainGuardError, MAIN_GUARD_EXIT_CODE
+
+        if starting and self.procs[rank].exitcode == MAIN_GUARD_EXIT_CODE:
+            self._finalizer()
+            raise MainGuardError()
 
     def _killed_peer(self, rank: int, grace_s: float = 0.5) -> int | None:
         """A rank other than `rank` that was killed by a signal (looked for briefly): when one rank is

@@ -132,12 +132,14 @@ def build_app(config: ServerConfig, *, engine: Any = None, engine_factory: Calla
 
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         load_task = None
+        owned: list[Any] = []  # engines this app built (their processes end with it); a passed-in one is the caller's
         if engine is not None:
             state.attach_engine(engine)
         elif engine_factory is not None:
             async def load() -> None:
                 try:
                     loaded = await asyncio.get_running_loop().run_in_executor(None, engine_factory)
+                    owned.append(loaded)
                     state.attach_engine(loaded)
                 except BaseException as exc:
                     state.load_error = exc
@@ -152,6 +154,8 @@ def build_app(config: ServerConfig, *, engine: Any = None, engine_factory: Calla
                 load_task.cancel()
             if state.engine is not None:
                 state.engine.shutdown()
+            for built in owned:
+                built.shutdown()  # the engine-core process, tensor-parallel workers
             state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
             state.grammar_pool.shutdown(wait=False, cancel_futures=True)
             state.parse_pool.shutdown(wait=False, cancel_futures=True)

@@ -36,6 +36,7 @@ class LiveServer:
         config_kwargs.setdefault("served_model_names", ["test-model"])
         config_kwargs.setdefault("log_interval_s", 1.0)
         self.config = ServerConfig(**config_kwargs)
+        self.engine = engine
         self.app = build_app(self.config, engine=engine)
         self.state = self.app.state.kvserve
         self.port = free_port()
@@ -86,6 +87,8 @@ class LiveServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=15)
+        if getattr(self.engine, "owns_core_process", False):
+            self.engine.shutdown()  # the core process ends with its server (no orphans: checked per module)
 
 
 @pytest.fixture(scope="session")
@@ -95,10 +98,18 @@ def demo_model_dir(tmp_path_factory) -> str:
     return str(ensure_demo_model(tmp_path_factory.mktemp("kvserve-cache")))
 
 
-def make_engine(model_dir: str, **overrides):
-    from kvserve.runtime.engine.llm_engine import LLMEngine
+def make_engine(model_dir: str, *, in_process: bool = False, **overrides):
+    """The engine a server test runs on: by default the engine core in its own process (what `kvserve serve`
+    runs, core_client.CoreClient). in_process=True: an LLMEngine in the test process, for the tests that
+    inject faults into the runner (engine.runner.execute = ...), which a process boundary would hide."""
+    kwargs = {**DEMO_ENGINE_KWARGS, **overrides}
+    if in_process:
+        from kvserve.runtime.engine.llm_engine import LLMEngine
 
-    return LLMEngine.from_kwargs(model=model_dir, **{**DEMO_ENGINE_KWARGS, **overrides})
+        return LLMEngine.from_kwargs(model=model_dir, **kwargs)
+    from kvserve.runtime.engine.core_client import CoreClient
+
+    return CoreClient.from_kwargs(model_dir, **kwargs)
 
 
 @pytest.fixture(scope="session")
@@ -114,3 +125,49 @@ def server(demo_model_dir):
     srv = LiveServer(make_engine(demo_model_dir), model_dir=demo_model_dir, random_weights=True)
     yield srv
     srv.stop()
+
+
+def _live_descendants(root_pid: int | None = None) -> list[tuple[int, str]]:
+    """(pid, command line) of every live process below this one, except multiprocessing's own helpers (the
+    forkserver that starts engine cores, the resource tracker): those live as long as the test session."""
+    import os
+
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z":  # a zombie is gone, only not yet reaped
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    found, todo = [], [(os.getpid() if root_pid is None else root_pid, "")]
+    while todo:
+        parent, parent_cmdline = todo.pop()
+        for pid in children.get(parent, []):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            todo.append((pid, cmdline))
+            # A process forked by the forkserver (an engine core) keeps the server's command line: only the
+            # server itself, whose parent is not one, is a helper.
+            helper = ("multiprocessing.resource_tracker" in cmdline or
+                      ("multiprocessing.forkserver" in cmdline and "multiprocessing.forkserver" not in parent_cmdline))
+            if not helper:
+                found.append((pid, cmdline))
+    return found
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_orphan_processes():
+    """After each module's servers stopped: no engine-core process (or anything else started below this
+    process) may be left running."""
+    yield
+    deadline = time.monotonic() + 15  # a core that was just told to stop gets its SHUTDOWN grace
+    while (left := _live_descendants()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, f"processes left running after the module: {left}"

@@ -206,7 +206,7 @@ def test_queue_full_gets_429_with_retry_after(demo_model_dir):
 def test_engine_loop_survives_a_failing_step(demo_model_dir):
     """A step whose forward raises fails only the requests in it, retryably (HTTP 503 + Retry-After, no
     Python repr in the body); the next requests are served and every block is freed."""
-    engine = make_engine(demo_model_dir, kv_cache_bytes=8 << 20, max_model_len=1024)
+    engine = make_engine(demo_model_dir, in_process=True, kv_cache_bytes=8 << 20, max_model_len=1024)
     srv = LiveServer(engine)
     try:
         real_execute = engine.runner.execute

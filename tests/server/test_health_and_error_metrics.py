@@ -26,7 +26,7 @@ def _complete(srv: LiveServer, prompt: str) -> httpx.Response:
 
 
 def test_failed_step_counts_an_error_and_the_engine_stays_healthy(demo_model_dir):
-    engine = make_engine(demo_model_dir, kv_cache_bytes=8 << 20, max_model_len=1024)
+    engine = make_engine(demo_model_dir, in_process=True, kv_cache_bytes=8 << 20, max_model_len=1024)
     srv = LiveServer(engine)
     try:
         assert _sample(srv.base_url, "kvserve:healthy") == 1
@@ -49,7 +49,7 @@ def test_failed_step_counts_an_error_and_the_engine_stays_healthy(demo_model_dir
 
 
 def test_dead_engine_turns_healthy_to_zero_and_fails_its_requests_as_errors(demo_model_dir):
-    engine = make_engine(demo_model_dir, kv_cache_bytes=8 << 20, max_model_len=1024)
+    engine = make_engine(demo_model_dir, in_process=True, kv_cache_bytes=8 << 20, max_model_len=1024)
     srv = LiveServer(engine)
     try:
         def dead_step():

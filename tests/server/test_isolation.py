@@ -89,7 +89,7 @@ def _sse_events(text: str) -> list:
 
 
 def test_dead_engine_answers_in_flight_and_queued_requests_at_once(demo_model_dir):
-    engine = make_engine(demo_model_dir, max_num_seqs=1, max_consecutive_step_failures=2)
+    engine = make_engine(demo_model_dir, in_process=True, max_num_seqs=1, max_consecutive_step_failures=2)
     srv = LiveServer(engine)
     try:
         async def scenario() -> tuple[httpx.Response, list[httpx.Response], float]:
@@ -138,7 +138,7 @@ def test_slow_reader_holds_one_output_not_one_per_step(demo_model_dir):
     from kvserve.runtime.outputs import RequestOutput
 
     async def scenario() -> tuple[int, list]:
-        engine = AsyncEngine(make_engine(demo_model_dir, max_num_seqs=4))
+        engine = AsyncEngine(make_engine(demo_model_dir, in_process=True, max_num_seqs=4))
         engine.start()
         try:
             params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)

@@ -1,0 +1,148 @@
+"""`kvserve bench serve --compare served-vs-offline`: the same workload offline and through `kvserve serve`, in
+one run, so the serving stack's own cost shows as a ratio against a peer measured minutes apart on the same
+(possibly shared) machine.
+
+1. offline: an in-process LLMEngine on the same model and engine flags (`--serve-args`), the same prompts
+   (token ids from the same seed), greedy, ignore_eos; every step timed. "Offline step time" is the median
+   step with the whole batch decoding, which is what a served stream's TPOT would be if serving cost nothing.
+   The same loop then runs once more through CoreClient (the core in its own process, no HTTP): the
+   measurement behind keeping the offline `LLM`'s core in-process.
+2. served, engine core in the server process (`kvserve serve --inprocess-engine`: the layout before the
+   engine-core process existed; or, with --before-python, another checkout's `kvserve serve`, e.g. main's);
+3. served, engine core in its own process (`kvserve serve`, the default).
+Printed: output tok/s of each, served/offline throughput ratios, and median TPOT / offline step time.
+Goals (issue 10): ratio >= 0.9 at 256 concurrent streams on the demo model; TPOT within 1.15x of the step.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+
+def offline_run(args: argparse.Namespace, model_dir: str, serve_args: list[str]) -> dict:
+    import random
+
+    from kvserve.runtime.bench_serve import random_workload
+    from kvserve.runtime.config import build_engine_config
+    from kvserve.runtime.engine.llm_engine import LLMEngine
+    from kvserve.runtime.sampling_params import SamplingParams
+
+    engine = LLMEngine(build_engine_config(_engine_args(model_dir, serve_args)))
+    try:
+        vocab = len(engine.tokenizer)  # what the server reports in /v1/models: the same prompts
+        requests, warm = random_workload(args, random.Random(args.seed), vocab)
+        _generate(engine, [warm], SamplingParams)
+        start = time.perf_counter()
+        steps = _generate(engine, requests, SamplingParams)
+        wall_s = time.perf_counter() - start
+    finally:
+        engine.shutdown()
+    total_out = sum(r.output_len for r in requests)
+    full = [dt for dt, running in steps if running == len(requests)] or [dt for dt, _ in steps]
+    return {"duration_s": wall_s, "total_output_tokens": total_out, "output_throughput": total_out / wall_s,
+            "num_steps": len(steps), "median_step_ms": statistics.median(dt for dt, _ in steps) * 1000,
+            "median_full_batch_step_ms": statistics.median(full) * 1000, "num_full_batch_steps": len(full)}
+
+
+def _generate(engine, requests: list, params_type) -> list[tuple[float, int]]:
+    """Run `requests` to completion; (seconds, requests running) per step."""
+    for i, req in enumerate(requests):
+        engine.add_request(f"offline-{id(requests)}-{i}", list(req.prompt),
+                           params_type(max_tokens=req.output_len, temperature=0.0, ignore_eos=True))
+    steps = []
+    while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
+        engine.step()
+        running = engine.scheduler.num_running if hasattr(engine, "scheduler") else engine.stats.num_requests_running
+        steps.append((time.perf_counter() - t0, running))
+    return steps
+
+
+def offline_core_process_run(args: argparse.Namespace, model_dir: str, serve_args: list[str]) -> dict:
+    """The offline loop again, with the core in its own process (CoreClient): is that worth it for `LLM`?"""
+    import random
+
+    from kvserve.runtime.bench_serve import random_workload
+    from kvserve.runtime.config import build_engine_config
+    from kvserve.runtime.engine.core_client import CoreClient
+    from kvserve.runtime.sampling_params import SamplingParams
+
+    client = CoreClient(build_engine_config(_engine_args(model_dir, serve_args)))
+    try:
+        requests, warm = random_workload(args, random.Random(args.seed), len(client.tokenizer))
+        _generate(client, [warm], SamplingParams)
+        start = time.perf_counter()
+        _generate(client, requests, SamplingParams)
+        wall_s = time.perf_counter() - start
+    finally:
+        client.shutdown()
+    total_out = sum(r.output_len for r in requests)
+    return {"duration_s": wall_s, "total_output_tokens": total_out, "output_throughput": total_out / wall_s}
+
+
+def _engine_args(model_dir: str, serve_args: list[str]):
+    from kvserve.runtime.engine_args import EngineArgs
+
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    namespace, _ = parser.parse_known_args(serve_args)  # server-only flags (--port ...) do not apply
+    return EngineArgs.from_cli_args(model_dir, namespace)
+
+
+def compare(args: argparse.Namespace, slos: dict[str, float]) -> dict:
+    import asyncio
+    import shlex
+
+    from kvserve.runtime.bench_serve import _LaunchedServer, _print_result, _run_workload
+    from kvserve.runtime.demo_model import ensure_demo_model
+
+    args.workload = "random"
+    model_dir = args.model_dir or str(ensure_demo_model())
+    serve_args = shlex.split(args.serve_args)
+    print(f"== offline: LLMEngine({model_dir}, {' '.join(serve_args)})")
+    offline = offline_run(args, model_dir, serve_args)
+    print("   " + ", ".join(f"{k}={_fmt(v)}" for k, v in offline.items()))
+    runs = {"offline": offline}
+    core_offline = offline_core_process_run(args, model_dir, serve_args)
+    print(f"== offline through the core process: {core_offline['output_throughput']:.0f} tok/s "
+          f"({core_offline['output_throughput'] / offline['output_throughput']:.2f}x the in-process engine)")
+    runs["offline, core in its own process"] = core_offline
+    variants = [("served, core in the server process", ["--inprocess-engine"], None),
+                ("served, core in its own process", [], None)]
+    if args.before_python:  # the "before" server is another checkout's (e.g. main's venv python): no new flag
+        variants[0] = (f"served, {args.before_python}", [], args.before_python)
+    rows = []
+    for repeat in range(args.repeat):  # ABBA order: a load that drifts during the run hits both alike
+        for label, extra, python in (variants if repeat % 2 == 0 else variants[::-1]):
+            with _LaunchedServer(model_dir, serve_args + extra, python) as server:
+                print(f"== {label} (#{repeat + 1}): kvserve serve {' '.join(serve_args + extra)}")
+                result = asyncio.run(_run_workload(args, server.base_url, slos, label=label))
+                _print_result(result)
+                runs[f"{label} #{repeat + 1}"] = result
+            m = result["metrics"]
+            rows.append({
+                "run": f"{label} #{repeat + 1}", "output_tok_s": m["output_throughput"],
+                "served_over_offline": m["output_throughput"] / offline["output_throughput"],
+                "median_tpot_ms": m["median_tpot_ms"],
+                "tpot_over_offline_step": m["median_tpot_ms"] / offline["median_full_batch_step_ms"],
+                "failed": m["failed"]})
+    print(f"== served vs offline ({args.num_prompts} prompts, max concurrency {args.max_concurrency}); offline "
+          f"{offline['output_throughput']:.0f} tok/s, median full-batch step {offline['median_full_batch_step_ms']:.1f} ms")
+    print(f"{'run':<40} {'tok/s':>8} {'ratio':>7} {'TPOT ms':>8} {'TPOT/step':>9}")
+    for row in rows:
+        print(f"{row['run']:<40} {row['output_tok_s']:>8.0f} {row['served_over_offline']:>7.2f} "
+              f"{row['median_tpot_ms']:>8.1f} {row['tpot_over_offline_step']:>9.2f}")
+    after = [r for r in rows if r["run"].startswith(variants[1][0])]
+    ratio = statistics.median(r["served_over_offline"] for r in after)
+    tpot = statistics.median(r["tpot_over_offline_step"] for r in after)
+    summary = {"rows": rows, "median_served_over_offline": ratio, "median_tpot_over_offline_step": tpot,
+               "goal": "served/offline >= 0.9 and TPOT <= 1.15x offline step (core process)",
+               "goal_met": ratio >= 0.9 and tpot <= 1.15}
+    print(f"core process, median of {len(after)}: served/offline {ratio:.2f}, TPOT/step {tpot:.2f}")
+    print(f"goal met: {summary['goal_met']}")
+    return {"compare": "served-vs-offline", "summary": summary, "runs": runs}
+
+
+def _fmt(value) -> str:
+    return f"{value:.2f}" if isinstance(value, float) else str(value)

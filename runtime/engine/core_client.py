@@ -1,0 +1,289 @@
+"""CoreClient: the API-server side of the engine-core process. It has LLMEngine's interface (what AsyncEngine
+drives: add_request, abort_request, step, get_stats, check_health, shutdown), so the whole async front -- the
+per-request streams, metrics, tracing, the failure semantics -- is the same whichever side the core runs on.
+
+Tokenisation, grammar compilation, validation against the core's limits, detokenisation and stop strings
+happen here (RequestTracker); the core gets token ids and sends back new token ids per sample per step.
+
+`step()` waits (up to STEP_POLL_S) for the core's next outputs, for a `notify()` (a new request or abort to
+send), or for the core process to exit. Core death -- a DEAD message (soft: the core caught its error) or
+the process gone (hard: SIGKILL, OOM) -- raises EngineDeadError (WorkerDiedError when a tensor-parallel worker
+died), which AsyncEngine turns into errors for every request, /health 503 and exit 1.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing
+import os
+import pickle
+import shutil
+import tempfile
+import time
+import weakref
+
+from kvserve.runtime.config import EngineConfig
+from kvserve.runtime.engine.core_messages import (EngineCoreAbort, EngineCoreOutputs, EngineCoreRequest,
+                                                  MessageCodec, MessageType, failure_exception)
+from kvserve.runtime.engine.errors import EngineDeadError
+from kvserve.runtime.engine.llm_engine import LLMEngine, PromptInput, load_tokenizer
+from kvserve.runtime.engine.main_guard import exit_if_bootstrapping, raise_if_main_guard_exit
+from kvserve.runtime.engine.request_tracker import RequestTracker
+from kvserve.runtime.outputs import EngineStats, RequestOutput
+from kvserve.runtime.sampling_params import InvalidParameter, SamplingParams
+
+logger = logging.getLogger("kvserve.engine.client")
+
+STEP_POLL_S = 0.1  # step() returns empty-handed after this long without outputs (the caller then loops)
+DEFAULT_STARTUP_TIMEOUT_S = float(os.environ.get("KVSERVE_CORE_STARTUP_TIMEOUT_S", 3600))
+SHUTDOWN_GRACE_S = 10.0
+
+
+class CoreClient:
+    owns_core_process = True
+
+    def __init__(self, config: EngineConfig, startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S):
+        import zmq
+
+        from kvserve.runtime.engine.core_process import run_engine_core
+
+        exit_if_bootstrapping()  # before anything is created: a child re-importing an unguarded script leaves
+        self.tokenizer = load_tokenizer(config.model.model_dir)
+        self._dir = tempfile.mkdtemp(prefix="kvserve-core-")  # 0700: only this user reaches the sockets
+        input_address, output_address = f"ipc://{self._dir}/input", f"ipc://{self._dir}/output"
+        self._zmq = zmq
+        self._ctx = zmq.Context()
+        self._input = self._ctx.socket(zmq.PUSH)
+        self._input.setsockopt(zmq.SNDHWM, 0)
+        self._input.setsockopt(zmq.LINGER, 0)
+        self._input.bind(input_address)
+        self._output = self._ctx.socket(zmq.PULL)
+        self._output.setsockopt(zmq.RCVHWM, 0)
+        self._output.bind(output_address)
+        self._codec = MessageCodec()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+
+        mp = _core_mp_context()
+        # Not a daemon: daemonic processes may not start children (the tensor-parallel workers).
+        self.proc = mp.Process(target=run_engine_core, name="kvserve-engine-core",
+                               args=(config, [input_address], [output_address], os.getpid(),
+                                     logging.getLogger("kvserve").getEffectiveLevel(), len(self.tokenizer)))
+        self.proc.start()
+        self._finalizer = weakref.finalize(self, _stop_core, self.proc, self._input, self._output, self._ctx,
+                                           self._dir, (self._wake_r, self._wake_w))
+        self._poller = zmq.Poller()
+        self._poller.register(self._output, zmq.POLLIN)
+        self._poller.register(self._wake_r, zmq.POLLIN)
+        self._poller.register(self.proc.sentinel, zmq.POLLIN)
+        try:
+            ready = self._wait_ready(startup_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.core_pid = ready.pid
+        self.config: EngineConfig = pickle.loads(ready.engine_config)
+        self.limits = pickle.loads(ready.limits)
+        self.tracker = RequestTracker(self.tokenizer)
+        self.stats: EngineStats = ready.stats
+        self.num_step_failures = 0
+        self.dead_error: BaseException | None = None
+        self._grammar_compiler = None
+        logger.info("engine core process %d ready", self.core_pid)
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs) -> "CoreClient":
+        from kvserve.runtime.config import make_engine_config
+
+        return cls(make_engine_config(model, **kwargs))
+
+    def _wait_ready(self, timeout_s: float):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            events = dict(self._poller.poll(1000))
+            if self._output in events:
+                kind, body = self._codec.decode(self._output.recv(copy=False).buffer)
+                if kind is MessageType.READY:
+                    return body
+                if kind is MessageType.STARTUP_FAILED:
+                    self.proc.join(5)
+                    raise failure_exception(body, RuntimeError)
+            if self.proc.sentinel in events or not self.proc.is_alive():
+                self.proc.join(1)
+                raise_if_main_guard_exit(self.proc.exitcode)
+                raise RuntimeError(f"the engine core process died while starting ({_describe_exit(self.proc.exitcode)}); "
+                                   "see its log above")
+        raise TimeoutError(f"the engine core did not start within {timeout_s:.0f} s "
+                           "(KVSERVE_CORE_STARTUP_TIMEOUT_S)")
+
+    # -- the front half, as in LLMEngine ----------------------------------------------------------------------
+    tokenize_prompt = LLMEngine.tokenize_prompt
+    grammar_compiler = LLMEngine.grammar_compiler
+    compile_constraint = LLMEngine.compile_constraint
+    prompt_tokens = property(lambda self: self.stats.prompt_tokens if self.stats else 0)
+    generation_tokens = property(lambda self: self.stats.generation_tokens if self.stats else 0)
+
+    def verify(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        from kvserve.runtime.sampling_params import verify_request
+
+        if not isinstance(params, SamplingParams):
+            raise InvalidParameter("sampling_params", f"sampling_params must be a SamplingParams, "
+                                                      f"got {type(params).__name__}")
+        verify_request(prompt_token_ids, params, self.limits)
+
+    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        if self.dead_error is not None:
+            raise self.dead_error
+        params = self.compile_constraint(params or SamplingParams())
+        if request_id in self.tracker.states:
+            raise InvalidParameter("request_id", f"request id {request_id!r} is already in use")
+        text, token_ids = self.tokenize_prompt(prompt)
+        self.verify(token_ids, params)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        self.tracker.add(request_id, text, token_ids, params, arrival)  # before ADD: outputs find their state
+        self._send(MessageType.ADD, EngineCoreRequest.make(request_id, token_ids, params, arrival))
+
+    def abort_request(self, request_id: str) -> None:
+        if request_id in self.tracker.states:
+            self.tracker.forget(request_id)
+            self._send(MessageType.ABORT, EngineCoreAbort([request_id]))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.tracker.states)
+
+    def notify(self) -> None:
+        """Wake a step() waiting for outputs (called from any thread): there is a request or abort to send."""
+        try:
+            os.write(self._wake_w, b"\0")
+        except (BlockingIOError, OSError):  # the pipe is full (already woken) or closed (shut down)
+            pass
+
+    # -- outputs ------------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        if self.dead_error is not None:
+            raise self.dead_error
+        events = dict(self._poller.poll(int(STEP_POLL_S * 1000)))
+        if self._wake_r in events:
+            try:
+                while os.read(self._wake_r, 4096):
+                    pass
+            except BlockingIOError:
+                pass
+        outputs = self._drain()
+        if self.proc.sentinel in events:
+            outputs += self._drain()  # anything it sent before dying comes first
+            self._die_hard()
+        return outputs
+
+    def _drain(self) -> list[RequestOutput]:
+        zmq = self._zmq
+        outputs: list[RequestOutput] = []
+        while True:
+            try:
+                frame = self._output.recv(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return outputs
+            kind, body = self._codec.decode(frame.buffer)
+            if kind is MessageType.OUTPUTS:
+                outputs += self._apply(body)
+            elif kind is MessageType.DEAD:
+                self.dead_error = failure_exception(body, EngineDeadError)
+                logger.error("the engine core reported a fatal error: %s", body.text)
+                raise self.dead_error
+
+    def _apply(self, core: EngineCoreOutputs) -> list[RequestOutput]:
+        if core.stats is not None:
+            self.stats = core.stats
+        self.num_step_failures = core.num_step_failures
+        tracked = self.tracker.process(core)
+        if tracked.stopped_sample_ids or tracked.aborted_request_ids:
+            self._send(MessageType.ABORT, EngineCoreAbort(tracked.aborted_request_ids, tracked.stopped_sample_ids))
+        return tracked.outputs
+
+    def _die_hard(self) -> None:
+        self.proc.join(1)
+        self.dead_error = EngineDeadError(f"the engine is dead (the engine core process died: "
+                                          f"{_describe_exit(self.proc.exitcode)}); this server is shutting down, "
+                                          "retry on another replica")
+        logger.error("%s", self.dead_error)
+        raise self.dead_error
+
+    def _send(self, kind: MessageType, body) -> None:
+        self._input.send(self._codec.encode(kind, body), copy=False)
+
+    def get_stats(self) -> EngineStats | None:
+        """The core's latest stats, with the waiting count raised to the requests of this server the core has
+        not scheduled yet: a request in flight to the core waits as it would in an in-process scheduler, so
+        --max-queue-len and vllm:num_requests_waiting see it at once, not one core step later."""
+        stats = self.stats
+        unscheduled = sum(1 for state in list(self.tracker.states.values())
+                          if state.metrics.first_scheduled_time is None)
+        if stats is not None and unscheduled > stats.num_requests_waiting:
+            stats = dataclasses.replace(stats, num_requests_waiting=unscheduled)
+        return stats
+
+    def check_health(self) -> None:
+        """Called while idle: apply what the core sent (e.g. stats after aborts) and notice its death."""
+        if self.dead_error is not None:
+            raise self.dead_error
+        self._drain()
+        if not self.proc.is_alive():
+            self._drain()
+            self._die_hard()
+
+    def shutdown(self) -> None:
+        """Stop the core process (idempotent): SHUTDOWN, then terminate / kill if it does not leave."""
+        self._finalizer()
+
+
+def _core_mp_context():
+    """forkserver, with the core's imports (torch, the model code) preloaded in the server: each core then
+    starts in about the time of a fork plus the model load instead of a fresh interpreter importing torch (~5 s
+    on a busy CPU), which matters to tests and restarts. Like spawn, and unlike fork, a child does not inherit
+    this process's threads and locks. KVSERVE_CORE_START_METHOD=spawn restores a plain spawn."""
+    method = os.environ.get("KVSERVE_CORE_START_METHOD", "forkserver")
+    ctx = multiprocessing.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(["kvserve.runtime.engine.core_process", "kvserve.runtime.engine.engine_core",
+                                    "kvserve.runtime.worker.model_runner"])
+    return ctx
+
+
+def _describe_exit(code: int | None) -> str:
+    from kvserve.runtime.parallel.executor import _describe_exit as describe
+
+    return describe(code)
+
+
+def _stop_core(proc, input_sock, output_sock, ctx, tmpdir: str, fds: tuple[int, int]) -> None:
+    """Never raises. Runs at shutdown(), garbage collection, or interpreter exit (before multiprocessing's
+    own exit hook, which would otherwise wait forever for this non-daemon child)."""
+    try:
+        if proc.is_alive():
+            input_sock.send(MessageType.SHUTDOWN.value, flags=0)
+            proc.join(SHUTDOWN_GRACE_S)
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(2.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(2.0)
+    except Exception:  # noqa: BLE001
+        pass
+    for sock in (input_sock, output_sock):
+        try:
+            sock.close(linger=0)
+        except Exception:  # noqa: BLE001
+            pass
+    try:
+        ctx.term()
+    except Exception:  # noqa: BLE001
+        pass
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    shutil.rmtree(tmpdir, ignore_errors=True)

@@ -1,0 +1,230 @@
+"""EngineCore: the scheduler, the KV-cache manager and the model runner (or the tensor-parallel executor), and
+the failure semantics of a step. Token ids in, per-step token-id deltas out (core_messages.EngineCoreOutputs);
+no tokenizer work on its critical path: detokenisation and stop strings belong to the front (LLMEngine
+in-process, or the API-server process through core_client.CoreClient).
+
+Failure semantics (engine/errors.py): a request the core cannot serve is refused by `add_request`
+(InvalidParameter); inside a step, what fails for one request fails that request alone (`fail_request`: its
+blocks freed, a RequestFailure reported); a step failure no request explains fails the requests in that
+step with a retryable error (`_fail_step`); a dead tensor-parallel worker or `max_consecutive_step_failures`
+failed steps in a row make the core dead (`dead_error`, raised by every later call)."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field, replace
+
+from kvserve.runtime.config import EngineConfig
+from kvserve.runtime.core.kv_cache_manager import KVCacheManager
+from kvserve.runtime.core.scheduler import Scheduler
+from kvserve.runtime.engine.core_messages import EngineCoreOutputs, RequestFailure, SampleDelta
+from kvserve.runtime.engine.errors import STEP_FAILED, EngineDeadError, RequestError, request_failed
+from kvserve.runtime.outputs import EngineStats
+from kvserve.runtime.parallel.errors import WorkerDiedError
+from kvserve.runtime.request import Request, RequestStatus
+from kvserve.runtime.sampling_params import InvalidParameter, RequestLimits, SamplingParams, verify_request
+from kvserve.runtime.worker import kv_sizing
+
+logger = logging.getLogger("kvserve.engine")
+
+
+@dataclass
+class _CoreRequest:
+    request_id: str
+    sample_ids: list[str]
+    unfinished: set[str] = field(default_factory=set)  # sample ids still running in the scheduler
+    num_prompt_tokens: int = 0
+    scheduled: bool = False
+    prompt_counted: bool = False
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, tokenizer_vocab_size: int | None = None):
+        from kvserve.runtime.worker.model_runner import ModelRunner
+
+        if config.tensor_parallel_size > 1:  # one worker process per rank; this process only schedules
+            from kvserve.runtime.parallel.executor import MultiprocExecutor
+
+            self.runner = MultiprocExecutor(config)
+        else:
+            self.runner = ModelRunner(config)
+        self.config = replace(config, cache=replace(config.cache, num_blocks=self.runner.num_blocks))
+        self.kv_cache_manager = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
+                                               config.cache.enable_prefix_caching,
+                                               num_host_blocks=self.runner.num_host_blocks,
+                                               group_windows=kv_sizing.layout(config).group_windows)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
+        self.eos_token_ids = frozenset(config.model.eos_token_ids)
+        vocab = config.model.vocab_size if tokenizer_vocab_size is None else min(config.model.vocab_size,
+                                                                                 tokenizer_vocab_size)
+        self.limits = RequestLimits(
+            vocab_size=vocab, max_model_len=config.model.max_model_len, max_num_seqs=config.scheduler.max_num_seqs,
+            block_size=config.cache.block_size, num_usable_blocks=self.runner.num_blocks - 1)
+        self._requests: dict[str, _CoreRequest] = {}
+        self._sample_owner: dict[str, tuple[_CoreRequest, int]] = {}  # sample id -> (request, index)
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.num_step_failures = 0  # steps that failed as a whole (cumulative, for metrics)
+        self.num_consecutive_step_failures = 0
+        self.dead_error: BaseException | None = None
+
+    # -- requests -------------------------------------------------------------------------------------------
+    def verify(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise InvalidParameter("sampling_params", f"sampling_params must be a SamplingParams, "
+                                                      f"got {type(params).__name__}")
+        verify_request(prompt_token_ids, params, self.limits)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    arrival_time: float) -> None:
+        """params must carry its compiled grammar if it has a structured-output spec (the front compiles)."""
+        if self.dead_error is not None:
+            raise self.dead_error
+        if request_id in self._requests:
+            raise InvalidParameter("request_id", f"request id {request_id!r} is already in use")
+        self.verify(prompt_token_ids, params)
+        sample_ids = [f"{request_id}#{i}" for i in range(params.n)]
+        samples = [Request(sid, prompt_token_ids, params.for_sample(i) if params.n > 1 else params,
+                           self.eos_token_ids, arrival_time) for i, sid in enumerate(sample_ids)]
+        samples[0].fork_children = samples[1:]
+        entry = _CoreRequest(request_id, sample_ids, set(sample_ids), len(prompt_token_ids))
+        self._requests[request_id] = entry
+        for i, sid in enumerate(sample_ids):
+            self._sample_owner[sid] = (entry, i)
+        self.scheduler.add_request(samples[0])
+
+    def abort_request(self, request_id: str) -> None:
+        entry = self._requests.get(request_id)
+        if entry is not None:
+            self.scheduler.finish_requests(entry.sample_ids, RequestStatus.FINISHED_ABORTED)
+            self._forget(entry)
+
+    def finish_stopped(self, sample_ids: list[str]) -> None:
+        """The front found a stop string in these samples: finish them (blocks freed) as stopped."""
+        live = [sid for sid in sample_ids if sid in self._sample_owner]
+        if not live:
+            return
+        self.scheduler.finish_requests(live, RequestStatus.FINISHED_STOPPED)
+        for sid in live:
+            entry = self._sample_owner[sid][0]
+            entry.unfinished.discard(sid)
+            if not entry.unfinished:
+                self._forget(entry)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def is_unfinished(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def check_health(self) -> None:
+        """Raise the core's fatal error if it is dead (cheap: no I/O)."""
+        if self.dead_error is not None:
+            raise self.dead_error
+        check = getattr(self.runner, "check_health", None)
+        if check is not None:
+            try:
+                check()
+            except WorkerDiedError as exc:
+                self.dead_error = exc
+                raise
+
+    def shutdown(self) -> None:
+        stop = getattr(self.runner, "shutdown", None)
+        if stop is not None:
+            stop()
+
+    # -- one step ---------------------------------------------------------------------------------------------
+    def step(self) -> EngineCoreOutputs:
+        if self.dead_error is not None:
+            raise self.dead_error
+        scheduled_ids: list[str] | None = None  # None until the scheduler has picked this step's requests
+        first_scheduled: list[tuple[str, float]] = []
+        try:
+            sched_out = self.scheduler.schedule()
+            scheduled_ids = [s.req_id for s in sched_out.scheduled]
+            now = time.monotonic()
+            for scheduled in sched_out.scheduled:
+                owner = self._sample_owner.get(scheduled.req_id)
+                if owner is not None and not owner[0].scheduled:
+                    owner[0].scheduled = True
+                    first_scheduled.append((owner[0].request_id, now))
+            runner_out = self.runner.execute(sched_out)
+            core_outputs = self.scheduler.update_from_output(sched_out, runner_out)
+        except WorkerDiedError as exc:  # the ranks cannot be brought back in step: fatal
+            self.dead_error = exc
+            raise
+        except Exception:  # noqa: BLE001 -- e.g. the forward: no single request to blame
+            logger.exception("engine step failed; failing the requests scheduled in it")
+            return self._fail_step(scheduled_ids)
+        self.num_consecutive_step_failures = 0
+
+        failed: dict[str, RequestError] = {}  # request id -> its own failure
+        for sample_id, stage in runner_out.failed.items():
+            owner = self._sample_owner.get(sample_id)
+            if owner is not None:
+                failed.setdefault(owner[0].request_id, request_failed(stage))
+        deltas = []
+        for out in core_outputs:
+            owner = self._sample_owner.get(out.req_id)
+            if owner is None or owner[0].request_id in failed:
+                continue
+            entry, index = owner
+            if not entry.prompt_counted:
+                entry.prompt_counted = True
+                self.prompt_tokens += entry.num_prompt_tokens
+            self.generation_tokens += len(out.new_token_ids)
+            deltas.append(SampleDelta(entry.request_id, index, out.new_token_ids, out.new_logprobs,
+                                      out.finish_reason, out.stop_reason))
+            if out.finish_reason is not None:
+                entry.unfinished.discard(out.req_id)
+                if not entry.unfinished:
+                    self._forget(entry)
+        failures = [self.fail_request(rid, error) for rid, error in failed.items() if rid in self._requests]
+        return EngineCoreOutputs(deltas, failures, first_scheduled, None, self.num_step_failures)
+
+    def fail_request(self, request_id: str, error: RequestError) -> RequestFailure:
+        """Finish one request with an error: free its blocks now."""
+        entry = self._requests.get(request_id)
+        if entry is not None:
+            self.scheduler.finish_requests(entry.sample_ids, RequestStatus.FINISHED_ABORTED)
+            self._forget(entry)
+        return RequestFailure(request_id, error.message, error.retryable)
+
+    def _fail_step(self, scheduled_ids: list[str] | None) -> EngineCoreOutputs:
+        """A step failed as a whole: fail (retryably) the requests it ran -- every request if the scheduler
+        itself failed -- and declare the core dead after too many such steps in a row. Aborting frees the
+        blocks the step was filling and drops their prefix-cache entries (their KV was never written)."""
+        self.num_step_failures += 1
+        self.num_consecutive_step_failures += 1
+        limit = self.config.max_consecutive_step_failures
+        if scheduled_ids is None:
+            affected = list(self._requests)
+        else:
+            owners = (self._sample_owner.get(sid) for sid in scheduled_ids)
+            affected = list({o[0].request_id: None for o in owners if o is not None})
+        failures = [self.fail_request(rid, STEP_FAILED) for rid in affected]
+        if self.num_consecutive_step_failures >= limit:
+            self.dead_error = EngineDeadError(
+                f"the engine is dead after {self.num_consecutive_step_failures} consecutive failed steps "
+                f"(max_consecutive_step_failures={limit}); retry on another replica")
+            logger.error("%s", self.dead_error)
+            raise self.dead_error
+        return EngineCoreOutputs([], failures, [], None, self.num_step_failures)
+
+    def _forget(self, entry: _CoreRequest) -> None:
+        self._requests.pop(entry.request_id, None)
+        for sid in entry.sample_ids:
+            self._sample_owner.pop(sid, None)
+
+    def get_stats(self) -> EngineStats:
+        kv = self.kv_cache_manager
+        return EngineStats(
+            num_requests_running=self.scheduler.num_running, num_requests_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=kv.usage, num_free_blocks=kv.num_free_blocks, num_total_blocks=kv.pool.num_blocks - 1,
+            prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens,
+            num_preemptions=self.scheduler.num_preemptions, prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits, num_swap_outs=self.scheduler.num_swap_outs,
+            num_swap_ins=self.scheduler.num_swap_ins, num_swapped_out_blocks=kv.num_swapped_out_blocks,
+            num_swapped_in_blocks=kv.num_swapped_in_blocks, num_free_host_blocks=kv.num_free_host_blocks,
+            num_total_host_blocks=kv.num_host_blocks)

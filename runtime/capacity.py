@@ -375,7 +375,7 @@ class KVLayout:
     def usable_tokens(self, num_blocks: int) -> int:
         """Tokens of context the cache holds with every group holding all of them (the full-context view:
         kvTokens and the kv_capacity gauge); sliding groups make sequences cheaper than that (max_concurrency)."""
-        return usable_blocks(num_blocks) // self.num_groups * self.block_size
+        return usable_tokens(num_blocks, self.block_size, self.num_groups)
 
     def max_concurrency(self, num_blocks: int, max_model_len: int, max_num_batched_tokens: int | None = None) -> int:
         return usable_blocks(num_blocks) // self.blocks_per_sequence(max_model_len, max_num_batched_tokens)
@@ -405,9 +405,10 @@ def usable_blocks(num_blocks: int) -> int:
     return max(0, num_blocks - NULL_BLOCKS)
 
 
-def usable_tokens(num_blocks: int, block_size: int) -> int:
-    """Tokens the KV cache can hold: the `kvserve:kv_capacity_tokens` gauge and the plan's kvTokens."""
-    return usable_blocks(num_blocks) * block_size
+def usable_tokens(num_blocks: int, block_size: int, num_groups: int = 1) -> int:
+    """Tokens the KV cache can hold: the `kvserve:kv_capacity_tokens` gauge and the plan's kvTokens. With
+    several KV cache groups (sliding-window models) every group holds each token of a full-context sequence."""
+    return usable_blocks(num_blocks) // num_groups * block_size
 
 
 def blocks_per_sequence(num_tokens: int, block_size: int) -> int:

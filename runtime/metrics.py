@@ -46,7 +46,8 @@ class ServerMetrics:
     advanced by the difference between successive cumulative engine counters; histograms are observed by
     the async engine as tokens arrive and requests finish."""
 
-    def __init__(self, model_name: str, max_model_len: int, cache_info: dict[str, Any] | None = None):
+    def __init__(self, model_name: str, max_model_len: int, cache_info: dict[str, Any] | None = None,
+                 num_kv_cache_groups: int = 1):
         self.registry = registry = CollectorRegistry(auto_describe=True)
         labels = ["model_name", "engine"]
         self._label_values = {"model_name": model_name, "engine": "0"}
@@ -122,11 +123,13 @@ class ServerMetrics:
         # What the pod really holds: usable blocks (null block excluded) x block size -- equal to the
         # operator's status.plan.kvTokens when the pod runs its rendered args (issue 16's contract).
         self.kv_capacity_tokens = gauge("kvserve:kv_capacity_tokens",
-                                        "KV-cache capacity in tokens: usable blocks (null block excluded) x block size.")
+                                        "KV-cache capacity in tokens: usable blocks (null block excluded) x block size "
+                                        "/ KV cache groups.")
         if "num_blocks" in (cache_info or {}) and "block_size" in (cache_info or {}):
             from kvserve.runtime.capacity import usable_tokens
 
-            self.kv_capacity_tokens.set(usable_tokens(int(cache_info["num_blocks"]), int(cache_info["block_size"])))
+            self.kv_capacity_tokens.set(usable_tokens(int(cache_info["num_blocks"]), int(cache_info["block_size"]),
+                                                      num_kv_cache_groups))
         self.http_rejected = Counter("kvserve:http_requests_rejected", "Requests rejected before reaching the engine.",
                                      labels + ["reason"], registry=registry)
         self.num_kv_blocks_free = gauge("kvserve:num_kv_blocks_free", "Free KV-cache blocks (cached ones included).")

@@ -27,6 +27,7 @@ from kvserve.runtime.metrics import CONTENT_TYPE, ServerMetrics
 from kvserve.runtime.server.errors import APIError, error_response
 from kvserve.runtime.server.serving import OpenAIServing
 from kvserve.runtime.tracing import build_otlp_tracer
+from kvserve.runtime.worker import kv_sizing
 
 logger = logging.getLogger("kvserve.server")
 
@@ -107,7 +108,9 @@ class ServerState:
                                                      "kv_cache_dtype", "gpu_memory_utilization") if hasattr(cache, k)}
         if "num_blocks" in cache_info:
             cache_info["num_gpu_blocks"] = cache_info["num_blocks"]  # vLLM's label name (null block included)
-        self.metrics = ServerMetrics(self.config.served_model_names[0], self.max_model_len, cache_info)
+        # Sliding-window models keep one block table per KV cache group over the one pool (capacity.py).
+        num_groups = kv_sizing.layout(llm_engine.config).num_groups
+        self.metrics = ServerMetrics(self.config.served_model_names[0], self.max_model_len, cache_info, num_groups)
         self.metrics.track_health(lambda: self.ready)
         tracer = self.config.request_tracer
         if tracer is None and self.config.otlp_traces_endpoint:

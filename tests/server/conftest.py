@@ -164,10 +164,16 @@ def _live_descendants(root_pid: int | None = None) -> list[tuple[int, str]]:
 
 @pytest.fixture(scope="module", autouse=True)
 def no_orphan_processes():
-    """After each module's servers stopped: no engine-core process (or anything else started below this
-    process) may be left running."""
+    """After each module's servers stopped: no engine-core process (or anything else the module started below
+    this process) may be left running. Processes that were there before the module are not its own (in a
+    whole-suite run: the node jsii runtime that importing the aws-cdk kubectl-layer package starts for the
+    helm tests lives as long as the session)."""
+    before = {pid for pid, _ in _live_descendants()}
     yield
     deadline = time.monotonic() + 15  # a core that was just told to stop gets its SHUTDOWN grace
-    while (left := _live_descendants()) and time.monotonic() < deadline:
+
+    def left_by_module() -> list[tuple[int, str]]:
+        return [(pid, cmdline) for pid, cmdline in _live_descendants() if pid not in before]
+    while (left := left_by_module()) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not left, f"processes left running after the module: {left}"

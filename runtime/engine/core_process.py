@@ -86,6 +86,7 @@ def run_engine_core(config, input_addresses: list[str], output_addresses: list[s
 
     exit_code = 0
     core = None
+    _leave_a_cpu_to_the_api_server(config)
     try:
         from kvserve.runtime.engine.engine_core import EngineCore
 
@@ -120,6 +121,21 @@ def run_engine_core(config, input_addresses: list[str], output_addresses: list[s
             sock.close()  # lingers: a DEAD message still goes out
         ctx.term()
         os._exit(exit_code)  # no atexit joins of daemon helpers; the exit status is what the client reads
+
+
+def _leave_a_cpu_to_the_api_server(config) -> None:
+    """On CPU, run the core's intra-op pool on all cores but one, unless the user chose (OMP_NUM_THREADS).
+
+    With every core in the pool, each wake-up on the other side (the API server's HTTP and detokenising, both
+    processes' ZMQ I/O threads) preempts an OpenMP worker and the whole pool waits at its barrier: measured on
+    this 2-core machine, one greedy stream of the demo model took 24 ms per token through the core process
+    with 2 threads, 4.9 ms with 1, and 5.4 ms in-process with 2. GPUs do not compute on this pool.
+    """
+    if str(getattr(config, "device", "cpu")).startswith("cuda") or "OMP_NUM_THREADS" in os.environ:
+        return
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) - 1))
 
 
 def _busy_loop(core, inp, outs: list, codec: MessageCodec) -> int:

@@ -7,10 +7,10 @@ core (core_client.CoreClient), exactly as before.
 
 Layout (this process is the launcher and only supervises):
 
-    launcher -- engine core (forkserver child; PULL connected to every server's input + the launcher's
+    launcher -- engine core (spawned; PULL connected to every server's input + the launcher's
              |               control socket, one PUSH per server; outputs routed by client_index)
-             +- API server 0..N-1 (spawned; uvicorn on its own SO_REUSEPORT socket, all bound here to the
-                                   same host:port, so the kernel spreads connections; AttachedCoreClient)
+             +- API server 0..N-1 (spawned; uvicorn on its own SO_REUSEPORT socket, all bound here to
+                                   the same host:port, so the kernel spreads connections; AttachedCoreClient)
 
 - Ports: the launcher binds the N sockets (a busy port fails once, here) and hands one to each server;
   with SO_REUSEPORT the kernel balances new connections over the listening ones.
@@ -75,7 +75,6 @@ def run_api_server_group(server_config, engine_args, *, host: str, port: int, co
 
     from kvserve.runtime.config import build_engine_config
     from kvserve.runtime.engine.attached_core_client import CoreAttachment
-    from kvserve.runtime.engine.core_client import _core_mp_context
     from kvserve.runtime.engine.core_process import run_engine_core
     from kvserve.runtime.engine.llm_engine import load_tokenizer
     from kvserve.runtime.server.termination import write_termination_message
@@ -101,7 +100,10 @@ def run_api_server_group(server_config, engine_args, *, host: str, port: int, co
     control.setsockopt(zmq.LINGER, 1000)
     control.bind(f"ipc://{group_dir}/control")
     level = logging.getLogger("kvserve").getEffectiveLevel()
-    core = _core_mp_context().Process(
+    # spawn, not the forkserver CoreClient uses: the core is then this process's own child (its sentinel is the
+    # core's, not a forkserver's pipe), and a SIGTERM to the process group cannot kill a forkserver under it.
+    spawn = multiprocessing.get_context("spawn")
+    core = spawn.Process(
         target=run_engine_core, name="kvserve-engine-core",
         args=(engine_config, [a.input_address for a in attachments] + [f"ipc://{group_dir}/control"],
               [a.output_address for a in attachments], os.getpid(), level, vocab_size))
@@ -109,7 +111,6 @@ def run_api_server_group(server_config, engine_args, *, host: str, port: int, co
     logger.info("engine core process %d started; starting %d API servers on http://%s:%d", core.pid, count,
                 host, port)
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # before any API server imports prometheus_client
-    spawn = multiprocessing.get_context("spawn")  # a fresh interpreter: nothing inherited but the socket
     servers = []
     try:
         for i, sock in enumerate(listeners):
@@ -119,6 +120,7 @@ def run_api_server_group(server_config, engine_args, *, host: str, port: int, co
                                        sock, host, port, log_level))
             proc.start()
             servers.append(proc)
+            logger.info("API server %d: pid %d", i, proc.pid)
         for sock in listeners:
             sock.close()  # the servers hold them now; a dead server's socket must not keep taking connections
         return _supervise(core, servers, control, server_config.drain_timeout_s)

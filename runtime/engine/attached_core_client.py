@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import select
-import time
 import weakref
 from dataclasses import dataclass
 
@@ -71,10 +70,8 @@ class AttachedCoreClient(CoreClient):
         self._open_sockets(attachment.input_address, attachment.output_address)
         self._finalizer = weakref.finalize(self, _close, self.proc, self._input, self._output, self._ctx,
                                            (self._wake_r, self._wake_w))
-        started = time.monotonic()
         self._await_core(startup_timeout_s)
-        logger.info("API server %d attached to engine core %d (waited %.1f s)", self.client_index, self.core_pid,
-                    time.monotonic() - started)
+        logger.info("API server %d attached to engine core %d", self.client_index, self.core_pid)
 
     def _describe_core_exit(self) -> str:
         return f"pid {self.proc.pid} exited; the launcher logs its exit status"

@@ -95,6 +95,15 @@ def group(cache_dir):
     group.kill()
 
 
+def test_api_server_count_is_refused_outside_kvserve_serve():
+    from kvserve.runtime.config import make_engine_config
+    from kvserve.runtime.sampling_params import InvalidParameter
+
+    with pytest.raises(InvalidParameter) as err:
+        make_engine_config("/nonexistent-model", api_server_count=2)  # refused before the model is read
+    assert err.value.param == "api_server_count" and "kvserve serve" in str(err.value)
+
+
 def test_both_servers_answer_and_greedy_texts_equal_one_server(group, server):
     prompts = [f"story number {i} begins" for i in range(40)]
     with ThreadPoolExecutor(8) as pool:

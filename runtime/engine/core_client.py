@@ -153,8 +153,8 @@ class CoreClient:
         self.verify(token_ids, params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         self.tracker.add(request_id, text, token_ids, params, arrival)  # before ADD: outputs find their state
-        self._send(MessageType.ADD, EngineCoreRequest.make(request_id, token_ids, params, arrival,
-                                                                 self.client_index))
+        request = EngineCoreRequest.make(request_id, token_ids, params, arrival, self.client_index)
+        self._send(MessageType.ADD, request)
 
     def abort_request(self, request_id: str) -> None:
         if request_id in self.tracker.states:

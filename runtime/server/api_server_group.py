@@ -99,6 +99,8 @@ def run_api_server_group(server_config, engine_args, *, host: str, port: int, co
     control = ctx.socket(zmq.PUSH)  # the launcher's own input to the core: SHUTDOWN once the servers are gone
     control.setsockopt(zmq.LINGER, 1000)
     control.bind(f"ipc://{group_dir}/control")
+    status = ctx.socket(zmq.PULL)  # the core's READY / STARTUP_FAILED / DEAD, for the termination message
+    status.bind(f"ipc://{group_dir}/status")
     level = logging.getLogger("kvserve").getEffectiveLevel()
     # spawn, not the forkserver CoreClient uses: the core is then this process's own child (its sentinel is the
     # core's, not a forkserver's pipe), and a SIGTERM to the process group cannot kill a forkserver under it.
@@ -106,7 +108,7 @@ def run_api_server_group(server_config, engine_args, *, host: str, port: int, co
     core = spawn.Process(
         target=run_engine_core, name="kvserve-engine-core",
         args=(engine_config, [a.input_address for a in attachments] + [f"ipc://{group_dir}/control"],
-              [a.output_address for a in attachments], os.getpid(), level, vocab_size))
+              [a.output_address for a in attachments], os.getpid(), level, vocab_size, f"ipc://{group_dir}/status"))
     core.start()
     logger.info("engine core process %d started; starting %d API servers on http://%s:%d", core.pid, count,
                 host, port)
@@ -123,7 +125,9 @@ def run_api_server_group(server_config, engine_args, *, host: str, port: int, co
             logger.info("API server %d: pid %d", i, proc.pid)
         for sock in listeners:
             sock.close()  # the servers hold them now; a dead server's socket must not keep taking connections
-        return _supervise(core, servers, control, server_config.drain_timeout_s)
+        exit_code = _supervise(core, servers, control, server_config.drain_timeout_s)
+        _report_startup_failure(status)
+        return exit_code
     finally:
         for proc in servers:
             if proc.is_alive():
@@ -131,8 +135,29 @@ def run_api_server_group(server_config, engine_args, *, host: str, port: int, co
                 proc.join(5)
         _stop_core(core, control)
         control.close(linger=0)
+        status.close(linger=0)
         ctx.term()
         shutil.rmtree(group_dir, ignore_errors=True)
+
+
+def _report_startup_failure(status) -> None:
+    """If the core could not start (e.g. a rejected KV plan), write its reason as the termination message,
+    after every API server has exited: a server still starting when the core failed may have missed the
+    core's message and written a vaguer one."""
+    import zmq
+
+    from kvserve.runtime.engine.core_messages import MessageCodec, MessageType, failure_exception
+    from kvserve.runtime.server.termination import write_termination_message
+
+    codec = MessageCodec()
+    while True:
+        try:
+            kind, body = codec.decode(status.recv(flags=zmq.NOBLOCK))
+        except zmq.Again:
+            return
+        if kind is MessageType.STARTUP_FAILED:
+            logger.error("%s", write_termination_message(failure_exception(body, RuntimeError)))
+            return
 
 
 def _api_server_main(config, engine_config, attachment, sock: socket.socket, host: str, port: int,
@@ -184,6 +209,7 @@ def _supervise(core, servers: list, control, drain_timeout_s: float) -> int:
         if not core_gone and core.sentinel in ready:
             core.join(1)
             core_gone, failed = True, True
+            state["stopping"] = True  # each server answers 503 engine_dead and exits by itself: no SIGTERM
             logger.error("the engine core process died (%s): every API server answers 503 and exits 1",
                          _describe_exit(core.exitcode))
             deadline = min(deadline or float("inf"), time.monotonic() + CORE_DEATH_GRACE_S)

@@ -166,19 +166,21 @@ def _stream(base_url: str, started: threading.Event, result: dict) -> None:
 
 
 def start_streams(base_url: str, count: int) -> tuple[list[threading.Thread], list[dict]]:
+    """At least `count` streams, and more until both servers hold one (connections are spread by a hash)."""
     threads, results = [], []
-    for _ in range(count):
+    while len(threads) < count or ({r["server"] for r in results} != {"0", "1"} and len(threads) < 4 * count):
         started, result = threading.Event(), {}
         t = threading.Thread(target=_stream, args=(base_url, started, result), daemon=True)
         t.start()
         assert started.wait(60), "stream never started"
         threads.append(t)
         results.append(result)
+    assert {r["server"] for r in results} == {"0", "1"}, results
     return threads, results
 
 
 def test_sigterm_drains_both_servers_and_exits_0(group):
-    threads, results = start_streams(group.base_url, 6)
+    threads, results = start_streams(group.base_url, 4)  # both servers hold streams: both drain for a while
     group.proc.send_signal(signal.SIGTERM)
     refused: set[str] = set()
     deadline = time.monotonic() + 10
@@ -220,6 +222,26 @@ def test_sigkill_of_the_core_answers_503_and_the_group_exits_1(cache_dir):
         assert "the engine core process died (killed by SIGKILL)" in "".join(group.log)
     finally:
         group.kill()
+
+
+def test_a_core_that_cannot_start_fails_the_group_with_the_plan_rejection(cache_dir, tmp_path):
+    """The launcher hears the core's STARTUP_FAILED itself and writes the termination message last."""
+    import subprocess
+    import sys
+
+    from kvserve.runtime.server.termination import PLAN_REJECTED_PREFIX
+
+    from tests.server.conftest import free_port
+
+    env = {**os.environ, "KVSERVE_CACHE_DIR": cache_dir, "KVSERVE_TERMINATION_LOG": str(tmp_path / "termination")}
+    proc = subprocess.run([sys.executable, "-m", "kvserve.cli", "serve", "--host", "127.0.0.1", "--port",
+                           str(free_port()), "--max-model-len", "2048", "--kv-cache-bytes", "1KiB",
+                           "--api-server-count", "2"], env=env, capture_output=True, text=True, timeout=150)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 1, log
+    message = (tmp_path / "termination").read_text()
+    assert message.startswith(PLAN_REJECTED_PREFIX) and "kv_cache_bytes" in message, message
+    assert "kvserve.server.group: " + PLAN_REJECTED_PREFIX in log, log
 
 
 def test_sigkill_of_one_api_server_stops_the_group_with_exit_1(cache_dir):

@@ -74,6 +74,10 @@ def run(args: argparse.Namespace) -> int:
     if args.drain_timeout < 0:
         print("kvserve serve: --drain-timeout must be >= 0", file=sys.stderr)
         return 2
+    if args.api_server_count > 1 and args.inprocess_engine:
+        print("kvserve serve: --inprocess-engine runs the engine inside the one API server; it cannot be "
+              "combined with --api-server-count > 1", file=sys.stderr)
+        return 2
 
     engine_args = EngineArgs.from_cli_args(model_dir, args)
 
@@ -96,5 +100,10 @@ def run(args: argparse.Namespace) -> int:
     )
     log.info("serving %s as %s on http://%s:%d (loading the model; /health is 503 until ready)",
              model_dir, ", ".join(served), args.host, args.port)
+    if args.api_server_count > 1:  # N API-server processes in front of one engine core
+        from kvserve.runtime.server.api_server_group import run_api_server_group
+
+        return run_api_server_group(config, engine_args, host=args.host, port=args.port,
+                                    count=args.api_server_count, log_level=args.log_level)
     return run_server(config, host=args.host, port=args.port, engine_factory=load_engine,
                       log_level=args.log_level)

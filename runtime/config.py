@@ -137,6 +137,9 @@ def make_engine_config(model: str, **kwargs) -> EngineConfig:
         args = EngineArgs.from_kwargs(model, **kwargs)
     except UnknownEngineArgument as exc:
         raise InvalidParameter(exc.name, str(exc)) from None
+    if args.api_server_count != 1:  # a process layout of `kvserve serve`; an engine built here has no HTTP side
+        raise InvalidParameter("api_server_count", "api_server_count is a `kvserve serve` setting "
+                                                   "(--api-server-count); an engine built in-process has no API server")
     return build_engine_config(args)
 
 

@@ -94,6 +94,12 @@ class EngineArgs:
         3, "declare the engine dead (/health 503, every request answered, the server exits 1) after this many "
            "engine steps in a row fail", type=positive_int)
 
+    api_server_count: int = _setting(
+        1, "`kvserve serve` only: run this many API-server processes (HTTP, tokenisation, detokenisation, "
+           "JSON/SSE) on the same host:port (SO_REUSEPORT) in front of one engine core, for tokenisation-heavy "
+           "traffic; /metrics on any of them shows the group's sums. 1 (default): one server process",
+        type=positive_int)
+
     # -- construction ----------------------------------------------------------------------------------
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineArgs":

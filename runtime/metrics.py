@@ -28,6 +28,13 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 # No `*_created` sample per series: vLLM dashboards do not use them and they double the scrape size.
 disable_created_metrics()
 
+# How prometheus-client's multiprocess mode (several API servers, runtime/metrics_group.py) combines each
+# gauge across processes; ignored in a single process. Engine gauges are set by one API server only (the
+# others leave them at 0), so "max" is that server's value; engine_alive is 0 once any server saw the
+# engine dead.
+GAUGE_MULTIPROCESS_MODES = {"kvserve:engine_alive": "min"}
+DEFAULT_GAUGE_MULTIPROCESS_MODE = "max"
+
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:
     """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's token-count histogram buckets)."""
@@ -46,6 +53,8 @@ class ServerMetrics:
     advanced by the difference between successive cumulative engine counters; histograms are observed by
     the async engine as tokens arrive and requests finish."""
 
+    exports_engine_stats = True  # False: another API server of the group exports the core's gauges/counters
+
     def __init__(self, model_name: str, max_model_len: int, cache_info: dict[str, Any] | None = None,
                  num_kv_cache_groups: int = 1):
         self.registry = registry = CollectorRegistry(auto_describe=True)
@@ -54,7 +63,8 @@ class ServerMetrics:
         token_buckets = build_1_2_5_buckets(max(1, max_model_len))
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, labels, registry=registry).labels(**self._label_values)
+            mode = GAUGE_MULTIPROCESS_MODES.get(name, DEFAULT_GAUGE_MULTIPROCESS_MODE)
+            return Gauge(name, doc, labels, registry=registry, multiprocess_mode=mode).labels(**self._label_values)
 
         def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, labels, registry=registry).labels(**self._label_values)
@@ -117,7 +127,7 @@ class ServerMetrics:
         info = {k: str(v) for k, v in (cache_info or {}).items()}
         if info:
             Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", sorted(info),
-                  registry=registry).labels(**info).set(1)
+                  registry=registry, multiprocess_mode=DEFAULT_GAUGE_MULTIPROCESS_MODE).labels(**info).set(1)
 
         # kvserve-specific extras
         # What the pod really holds: usable blocks (null block excluded) x block size -- equal to the
@@ -148,6 +158,8 @@ class ServerMetrics:
     # ---- engine-side updates -------------------------------------------------------------------------
     def update_from_stats(self, stats: Any) -> None:
         """Set gauges and advance counters from an EngineStats snapshot (cumulative counters)."""
+        if not self.exports_engine_stats:
+            return
         self.num_requests_running.set(stats.num_requests_running)
         self.num_requests_waiting.set(stats.num_requests_waiting)
         self.kv_cache_usage_perc.set(stats.kv_cache_usage)

@@ -41,16 +41,31 @@ SHUTDOWN_GRACE_S = 10.0
 
 class CoreClient:
     owns_core_process = True
+    client_index = 0  # which of the core's API servers this is (runtime/server/api_server_group.py)
 
     def __init__(self, config: EngineConfig, startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S):
-        import zmq
-
         from kvserve.runtime.engine.core_process import run_engine_core
 
         exit_if_bootstrapping()  # before anything is created: a child re-importing an unguarded script leaves
         self.tokenizer = load_tokenizer(config.model.model_dir)
         self._dir = tempfile.mkdtemp(prefix="kvserve-core-")  # 0700: only this user reaches the sockets
         input_address, output_address = f"ipc://{self._dir}/input", f"ipc://{self._dir}/output"
+        self._open_sockets(input_address, output_address)
+
+        mp = _core_mp_context()
+        # Not a daemon: daemonic processes may not start children (the tensor-parallel workers).
+        self.proc = mp.Process(target=run_engine_core, name="kvserve-engine-core",
+                               args=(config, [input_address], [output_address], os.getpid(),
+                                     logging.getLogger("kvserve").getEffectiveLevel(), len(self.tokenizer)))
+        self.proc.start()
+        self._finalizer = weakref.finalize(self, _stop_core, self.proc, self._input, self._output, self._ctx,
+                                           self._dir, (self._wake_r, self._wake_w))
+        self._await_core(startup_timeout_s)
+
+    def _open_sockets(self, input_address: str, output_address: str) -> None:
+        """Bind this API server's two sockets (the core connects to them) and the wake-up pipe."""
+        import zmq
+
         self._zmq = zmq
         self._ctx = zmq.Context()
         self._input = self._ctx.socket(zmq.PUSH)
@@ -65,14 +80,9 @@ class CoreClient:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
 
-        mp = _core_mp_context()
-        # Not a daemon: daemonic processes may not start children (the tensor-parallel workers).
-        self.proc = mp.Process(target=run_engine_core, name="kvserve-engine-core",
-                               args=(config, [input_address], [output_address], os.getpid(),
-                                     logging.getLogger("kvserve").getEffectiveLevel(), len(self.tokenizer)))
-        self.proc.start()
-        self._finalizer = weakref.finalize(self, _stop_core, self.proc, self._input, self._output, self._ctx,
-                                           self._dir, (self._wake_r, self._wake_w))
+    def _await_core(self, startup_timeout_s: float) -> None:
+        """Wait for READY (watching self.proc.sentinel), then take the core's config and limits."""
+        zmq = self._zmq
         self._poller = zmq.Poller()
         self._poller.register(self._output, zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
@@ -112,7 +122,7 @@ class CoreClient:
             if self.proc.sentinel in events or not self.proc.is_alive():
                 self.proc.join(1)
                 raise_if_main_guard_exit(self.proc.exitcode)
-                raise RuntimeError(f"the engine core process died while starting ({_describe_exit(self.proc.exitcode)}); "
+                raise RuntimeError(f"the engine core process died while starting ({self._describe_core_exit()}); "
                                    "see its log above")
         raise TimeoutError(f"the engine core did not start within {timeout_s:.0f} s "
                            "(KVSERVE_CORE_STARTUP_TIMEOUT_S)")
@@ -143,7 +153,8 @@ class CoreClient:
         self.verify(token_ids, params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         self.tracker.add(request_id, text, token_ids, params, arrival)  # before ADD: outputs find their state
-        self._send(MessageType.ADD, EngineCoreRequest.make(request_id, token_ids, params, arrival))
+        request = EngineCoreRequest.make(request_id, token_ids, params, arrival, self.client_index)
+        self._send(MessageType.ADD, request)
 
     def abort_request(self, request_id: str) -> None:
         if request_id in self.tracker.states:
@@ -205,10 +216,13 @@ class CoreClient:
     def _die_hard(self) -> None:
         self.proc.join(1)
         self.dead_error = EngineDeadError(f"the engine is dead (the engine core process died: "
-                                          f"{_describe_exit(self.proc.exitcode)}); this server is shutting down, "
+                                          f"{self._describe_core_exit()}); this server is shutting down, "
                                           "retry on another replica")
         logger.error("%s", self.dead_error)
         raise self.dead_error
+
+    def _describe_core_exit(self) -> str:
+        return _describe_exit(self.proc.exitcode)
 
     def _send(self, kind: MessageType, body) -> None:
         self._input.send(self._codec.encode(kind, body), copy=False)

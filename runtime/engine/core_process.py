@@ -51,8 +51,10 @@ def _watch_parent(api_server_pid: int) -> None:
 
 
 def run_engine_core(config, input_addresses: list[str], output_addresses: list[str], parent_pid: int,
-                    log_level: int, tokenizer_vocab_size: int) -> None:
-    """Process entry point (spawned by core_client.CoreClient or the multi-API-server launcher)."""
+                    log_level: int, tokenizer_vocab_size: int, status_address: str | None = None) -> None:
+    """Process entry point (spawned by core_client.CoreClient or the multi-API-server launcher).
+    status_address: the launcher's socket, which gets READY / STARTUP_FAILED / DEAD too (never per-step
+    outputs): an API server still starting may miss them, and the launcher writes the termination message."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _watch_parent(parent_pid)
@@ -78,10 +80,16 @@ def run_engine_core(config, input_addresses: list[str], output_addresses: list[s
         sock.setsockopt(zmq.LINGER, LINGER_MS)
         sock.connect(address)
         outs.append(sock)
+    lifecycle = list(outs)  # who hears READY / STARTUP_FAILED / DEAD
+    if status_address is not None:
+        status = ctx.socket(zmq.PUSH)
+        status.setsockopt(zmq.LINGER, LINGER_MS)
+        status.connect(status_address)
+        lifecycle.append(status)
     codec = MessageCodec()
 
     def send_all(frame: bytes) -> None:
-        for sock in outs:
+        for sock in lifecycle:
             sock.send(frame, copy=False)
 
     exit_code = 0
@@ -117,7 +125,7 @@ def run_engine_core(config, input_addresses: list[str], output_addresses: list[s
                 core.shutdown()
             except Exception:  # noqa: BLE001
                 logger.exception("stopping the tensor-parallel workers failed")
-        for sock in [inp, *outs]:
+        for sock in [inp, *lifecycle]:
             sock.close()  # lingers: a DEAD message still goes out
         ctx.term()
         os._exit(exit_code)  # no atexit joins of daemon helpers; the exit status is what the client reads

@@ -101,7 +101,9 @@ class DrainingServer(uvicorn.Server):
 
 
 def run_server(config: ServerConfig, *, host: str, port: int, engine_factory: Callable[[], Any] | None = None,
-               engine: Any = None, log_level: str = "info", uvicorn_kwargs: dict | None = None) -> int:
+               engine: Any = None, log_level: str = "info", uvicorn_kwargs: dict | None = None,
+               sockets: list | None = None) -> int:
+    """`sockets`: listening sockets bound by the caller (the API-server group's launcher) instead of host:port."""
     app = build_app(config, engine=engine, engine_factory=engine_factory)
     state: ServerState = app.state.kvserve
     uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
@@ -110,7 +112,7 @@ def run_server(config: ServerConfig, *, host: str, port: int, engine_factory: Ca
     server = DrainingServer(uv_config, state)
     state.on_fatal = server.fatal
     state.on_engine_dead = server.engine_dead
-    server.run()
+    server.run(sockets=sockets)
     if state.load_error is not None:
         from kvserve.runtime.server.termination import write_termination_message
 

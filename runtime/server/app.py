@@ -56,6 +56,10 @@ class ServerConfig:
     tool_call_parser: str | None = None  # hermes | llama3_json: parse tool calls for tool_choice "auto"
     otlp_traces_endpoint: str | None = None  # OpenTelemetry request spans go here (None: tracing off)
     request_tracer: Any = None  # a ready runtime.tracing.RequestTracer (tests); wins over the endpoint
+    # --api-server-count N: this is API server `api_server_index` of N sharing one engine core
+    # (runtime/server/api_server_group.py): group-wide metrics, and an x-kvserve-api-server response header.
+    api_server_index: int = 0
+    api_server_count: int = 1
 
 
 @dataclass
@@ -110,7 +114,13 @@ class ServerState:
             cache_info["num_gpu_blocks"] = cache_info["num_blocks"]  # vLLM's label name (null block included)
         # Sliding-window models keep one block table per KV cache group over the one pool (capacity.py).
         num_groups = kv_sizing.layout(llm_engine.config).num_groups
-        self.metrics = ServerMetrics(self.config.served_model_names[0], self.max_model_len, cache_info, num_groups)
+        if self.config.api_server_count > 1:
+            from kvserve.runtime.metrics_group import GroupServerMetrics
+
+            self.metrics = GroupServerMetrics(self.config.api_server_index, self.config.served_model_names[0],
+                                              self.max_model_len, cache_info, num_groups)
+        else:
+            self.metrics = ServerMetrics(self.config.served_model_names[0], self.max_model_len, cache_info, num_groups)
         self.metrics.track_health(lambda: self.ready)
         tracer = self.config.request_tracer
         if tracer is None and self.config.otlp_traces_endpoint:
@@ -165,6 +175,8 @@ def build_app(config: ServerConfig, *, engine: Any = None, engine_factory: Calla
 
     app = FastAPI(title="kvserve", lifespan=lifespan)
     app.state.kvserve = state
+    if config.api_server_count > 1:
+        app.add_middleware(_ServerIndexHeader, index=config.api_server_index)
     serving = OpenAIServing(state)
 
     @app.exception_handler(APIError)
@@ -231,6 +243,24 @@ def build_app(config: ServerConfig, *, engine: Any = None, engine_factory: Calla
 
 
 # ------------------------------------------------------------------------------------------------------
+
+
+class _ServerIndexHeader:
+    """Pure ASGI middleware: `x-kvserve-api-server: <index>` on every response, so a client (or a test) can
+    tell which API server of the group answered."""
+
+    def __init__(self, app: Any, index: int):
+        self.app, self.header = app, (b"x-kvserve-api-server", str(index).encode())
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_with_header(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
+            await send(message)
+        await self.app(scope, receive, send_with_header)
 
 
 class _GrammarCompilerFactory:

@@ -150,7 +150,9 @@ def test_metrics_are_the_group_sums_from_either_server(group, server):
 
 
 def _stream(base_url: str, started: threading.Event, result: dict) -> None:
-    body = {"prompt": "Keep talking", "max_tokens": 300, "ignore_eos": True, "stream": True}
+    # Long enough to outlast the SIGTERM test's probing on a fast box (about 4 ms per token here): with 300
+    # tokens both servers could finish their drains, and close the port, before both were seen refusing.
+    body = {"prompt": "Keep talking", "max_tokens": 1000, "ignore_eos": True, "stream": True}
     finish, chunks = None, 0
     with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=60) as resp:
         result["server"] = resp.headers.get("x-kvserve-api-server")
@@ -191,7 +193,7 @@ def test_sigterm_drains_both_servers_and_exits_0(group):
         time.sleep(0.02)
     assert refused == {"0", "1"}
     for t in threads:
-        t.join(60)
+        t.join(120)
     assert all(r["status"] == 200 and r["finish"] == "length" for r in results), results
     assert group.proc.wait(60) == 0, "".join(group.log)
 

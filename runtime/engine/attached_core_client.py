@@ -18,7 +18,7 @@ import weakref
 from dataclasses import dataclass
 
 from kvserve.runtime.config import EngineConfig
-from kvserve.runtime.engine.core_client import DEFAULT_STARTUP_TIMEOUT_S, CoreClient
+from kvserve.runtime.engine.core_client import DEFAULT_STARTUP_TIMEOUT_S, CoreClient, close_channel
 from kvserve.runtime.engine.llm_engine import load_tokenizer
 
 logger = logging.getLogger("kvserve.engine.client")
@@ -79,18 +79,5 @@ class AttachedCoreClient(CoreClient):
 
 def _close(proc: _CoreProcessHandle, input_sock, output_sock, ctx, fds: tuple[int, int]) -> None:
     """Never raises. Sockets and fds only: the core belongs to the launcher."""
-    for sock in (input_sock, output_sock):
-        try:
-            sock.close(linger=0)
-        except Exception:  # noqa: BLE001
-            pass
-    try:
-        ctx.term()
-    except Exception:  # noqa: BLE001
-        pass
-    for fd in fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
+    close_channel((input_sock, output_sock), ctx, fds)
     proc.close()

@@ -278,15 +278,26 @@ def _stop_core(proc, input_sock, output_sock, ctx, tmpdir: str, fds: tuple[int, 
         if proc.is_alive():
             input_sock.send(MessageType.SHUTDOWN.value, flags=0)
             proc.join(SHUTDOWN_GRACE_S)
-        if proc.is_alive():
-            proc.terminate()
-            proc.join(2.0)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(2.0)
+        escalate_stop(proc)
     except Exception:  # noqa: BLE001
         pass
-    for sock in (input_sock, output_sock):
+    close_channel((input_sock, output_sock), ctx, fds)
+    shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def escalate_stop(proc, grace_s: float = 2.0) -> None:
+    """SIGTERM, then SIGKILL, each waited on for grace_s: for a child that did not leave when asked."""
+    if proc.is_alive():
+        proc.terminate()
+        proc.join(grace_s)
+    if proc.is_alive():
+        proc.kill()
+        proc.join(grace_s)
+
+
+def close_channel(socks, ctx, fds) -> None:
+    """Close a client's ZMQ sockets, its context and its wake-up fds. Never raises."""
+    for sock in socks:
         try:
             sock.close(linger=0)
         except Exception:  # noqa: BLE001
@@ -300,4 +311,3 @@ def _stop_core(proc, input_sock, output_sock, ctx, tmpdir: str, fds: tuple[int, 
             os.close(fd)
         except OSError:
             pass
-    shutil.rmtree(tmpdir, ignore_errors=True)

@@ -238,6 +238,7 @@ def _supervise(core, servers: list, control, drain_timeout_s: float) -> int:
 def _stop_core(core, control) -> bool:
     """SHUTDOWN through the control socket (the core ignores SIGTERM); terminate / kill if it stays.
     Returns True when the core ended badly. Idempotent."""
+    from kvserve.runtime.engine.core_client import escalate_stop
     from kvserve.runtime.engine.core_messages import MessageType
 
     if core.exitcode is None and core.is_alive():
@@ -246,10 +247,5 @@ def _stop_core(core, control) -> bool:
         except Exception:  # noqa: BLE001
             pass
         core.join(CORE_SHUTDOWN_GRACE_S)
-        if core.is_alive():
-            core.terminate()
-            core.join(2)
-        if core.is_alive():
-            core.kill()
-            core.join(2)
+        escalate_stop(core)
     return core.exitcode not in (0, None)

@@ -94,6 +94,19 @@ class EngineArgs:
         3, "declare the engine dead (/health 503, every request answered, the server exits 1) after this many "
            "engine steps in a row fail", type=positive_int)
 
+    load_format: str = _setting(
+        "auto", "auto: read the model directory's safetensors; dummy: random weights made on the device from "
+                "config.json alone (benchmarks of a model shape without its checkpoint, as vLLM's dummy format)",
+        choices=("auto", "dummy"))
+    cuda_graphs: bool = _setting(
+        False, "capture pure-decode steps as CUDA graphs at start-up (batch sizes --cuda-graph-sizes) and replay "
+               "them: one launch per decode step instead of hundreds. Needs CUDA, the triton attention backend, "
+               "tensor_parallel_size 1, a model with one KV cache group and no MoE layers")
+    cuda_graph_sizes: str | None = _setting(
+        None, "with --cuda-graphs: comma-separated decode batch sizes to capture, e.g. 1,2,4,8,16,32,64 (default: "
+              "1, 2, 4 and every multiple of 8 up to min(max_num_seqs, 512)); a decode step pads to the next "
+              "size, larger ones run eagerly", type=str)
+
     api_server_count: int = _setting(
         1, "`kvserve serve` only: run this many API-server processes (HTTP, tokenisation, detokenisation, "
            "JSON/SSE) on the same host:port (SO_REUSEPORT) in front of one engine core, for tokenisation-heavy "

@@ -61,19 +61,51 @@ def weight_bytes(model) -> int:
 
 
 def load_model(model_config: ModelConfig, attention_backend, device: str,
-               parallel: ParallelContext = SINGLE) -> LlamaForCausalLM:
+               parallel: ParallelContext = SINGLE, load_format: str = "auto") -> LlamaForCausalLM:
     """The model, or with a tensor-parallel `parallel` this rank's shard of it (only the shard is allocated
-    and only the shard's bytes are read from the safetensors files)."""
+    and only the shard's bytes are read from the safetensors files). load_format "dummy": random weights,
+    no checkpoint read (init_dummy_weights)."""
     # Built on the meta device, then allocated once in the target dtype and filled from the checkpoint;
     # the rotary tables carry no checkpoint values, so they are recomputed.
     model = build_meta_model(model_config, attention_backend, parallel).to_empty(device=device)
     model.rotary.build(device)
-    model.load_weights(iter_safetensors(model_config.model_dir, show_progress=parallel.rank == 0,
-                                        lazy=parallel.size > 1))
+    if load_format == "dummy":
+        init_dummy_weights(model, seed=parallel.rank)
+    else:
+        model.load_weights(iter_safetensors(model_config.model_dir, show_progress=parallel.rank == 0,
+                                            lazy=parallel.size > 1))
     model.eval()
     num_params = sum(p.numel() for p in model.parameters())
     rank = f" (tensor-parallel rank {parallel.rank}/{parallel.size})" if parallel.size > 1 else ""
-    logger.info("loaded %s from %s: %.1fM parameters%s, %.1f MiB of weights (%s), %s", model_config.architecture,
-                model_config.model_dir, num_params / 1e6, rank, weight_bytes(model) / 2**20, model_config.weight_dtype,
+    logger.info("loaded %s from %s%s: %.1fM parameters%s, %.1f MiB of weights (%s), %s", model_config.architecture,
+                model_config.model_dir, " (dummy: random weights)" if load_format == "dummy" else "",
+                num_params / 1e6, rank, weight_bytes(model) / 2**20, model_config.weight_dtype,
                 device)
     return model
+
+
+@torch.no_grad()
+def init_dummy_weights(model, seed: int = 0) -> None:
+    """Random weights in place on the model's device, for benchmarking a shape without its checkpoint
+    (vLLM's load_format="dummy"): matrices N(0, 0.02), RMSNorm scales 1 (Gemma's offset form 0), biases 0;
+    fp8 linears N(0, 1) codes with per-row scale 0.02, i.e. the same N(0, 0.02) weights."""
+    gen = None
+    for module in model.modules():
+        is_norm = type(module).__name__.endswith("RMSNorm")
+        offset_norm = type(module).__name__.startswith("Gemma")
+        for name, param in module.named_parameters(recurse=False):
+            if gen is None:
+                gen = torch.Generator(device=param.device).manual_seed(seed)
+            if is_norm:
+                param.fill_(0.0 if offset_norm else 1.0)
+            elif name == "bias":
+                param.zero_()
+            elif param.dtype == fp8.FP8_DTYPE:  # no normal_ for float8: fill a float32 copy, row block by block
+                for rows in param.view(-1, param.shape[-1]).split(1024):
+                    codes = torch.empty(rows.shape, dtype=torch.float32, device=rows.device).normal_(generator=gen)
+                    rows.copy_(codes.clamp_(-fp8.FP8_MAX, fp8.FP8_MAX).to(rows.dtype))
+            else:
+                param.normal_(0.0, 0.02, generator=gen)
+        for name, buffer in module.named_buffers(recurse=False):
+            if name.endswith("_scale"):  # fp8 per-row weight scales
+                buffer.fill_(0.02)

@@ -23,6 +23,7 @@ from kvserve.runtime.parallel.layers import SINGLE, ParallelContext
 from kvserve.runtime.sampling import RequestSamplingState, is_plain_greedy, sample
 from kvserve.runtime.worker import kv_groups, kv_sizing
 from kvserve.runtime.worker.block_tables import BlockTables
+from kvserve.runtime.worker.cuda_graphs import DecodeGraphs
 
 logger = logging.getLogger("kvserve.runner")
 
@@ -41,8 +42,8 @@ class ModelRunner:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
         self.attention = get_attention_backend(config.attention_backend)
-        self.model = (load_model(config.model, self.attention, config.device) if self.parallel.size == 1
-                      else load_model(config.model, self.attention, config.device, self.parallel))
+        self.model = load_model(config.model, self.attention, config.device, self.parallel,
+                                load_format=config.load_format)
         self.num_kv_heads = self.model.shard.num_kv_heads  # on this rank
         self.num_blocks = self.parallel.all_reduce_min(self.determine_num_blocks())  # ranks agree
         self._check_one_sequence_fits(self.num_blocks)
@@ -54,6 +55,11 @@ class ModelRunner:
         self.block_tables = BlockTables(-(-config.model.max_model_len // self.block_size),
                                         num_rows=config.scheduler.max_num_seqs)
         self.group_block_tables: list[BlockTables] = []  # KV cache groups 1.. (kv_groups.py), made on first use
+        self.decode_graphs: DecodeGraphs | None = None
+        if config.cuda_graph_sizes:  # after the KV cache: the graphs capture its tensors
+            self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.device, config.cuda_graph_sizes,
+                                              config.model.max_model_len, self.block_tables.table.shape[1])
+            self.decode_graphs.capture()
 
     # -- KV cache sizing --------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -169,12 +175,18 @@ class ModelRunner:
         tables = self.block_tables.table
         slots = tables[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
         width = int(self.block_tables.num_blocks[rows_np].max())
-        meta = self._metadata(qlens_np, starts_np + qlens_np, tables[rows_np, :width],
-                              torch.from_numpy(slots).to(dev))
-        if sched.scheduled[0].group_block_tables:  # KV cache groups 1..: their own tables and slots
-            meta = kv_groups.group_metadata(self, sched.scheduled, meta, qlens_np, positions)
-        hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev),
-                            torch.from_numpy(positions.astype(np.int64, copy=False)).to(dev), self.kv_caches, meta)
+        graphs = self.decode_graphs
+        if graphs is not None and num_tokens == len(rows) and graphs.can_run(num_tokens):
+            # (a graph-capable config has one KV cache group: config.py checks it)
+            hidden = graphs.run(input_ids, positions, slots, starts_np + 1, tables[rows_np, :width])
+        else:
+            meta = self._metadata(qlens_np, starts_np + qlens_np, tables[rows_np, :width],
+                                  torch.from_numpy(slots).to(dev))
+            if sched.scheduled[0].group_block_tables:  # KV cache groups 1..: their own tables and slots
+                meta = kv_groups.group_metadata(self, sched.scheduled, meta, qlens_np, positions)
+            hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev),
+                                torch.from_numpy(positions.astype(np.int64, copy=False)).to(dev), self.kv_caches,
+                                meta)
         if not logits_rows:
             return ModelRunnerOutput({})
         # Every row samples in a pure-decode step: no gather needed.

@@ -6,6 +6,7 @@ It drives the real `LLMEngine` and times its phases by wrapping, on the instance
 benchmark runs unchanged on older checkouts, for before/after tables). Per step:
 
 - model     = the forward plus the LM head (device work; synchronised on CUDA so it is really measured);
+              with --cuda-graphs, the graph replay and its input copies;
 - core host = schedule + (execute - model) + update_from_output: the engine core's host cost per step;
 - front-end = the rest of `LLMEngine.step()` (detokenisation, stop strings, RequestOutputs), which issue 10
   moves out of the core's process, so it is reported apart.
@@ -86,6 +87,18 @@ def _instrument(engine):
     runner = engine.runner
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
     runner.model = _TimedModel(runner.model, model_s, sync)
+    graphs = getattr(runner, "decode_graphs", None)
+    if graphs is not None:  # --cuda-graphs: a decode step's forward is a graph replay (plus its input copies)
+        replay = graphs.run
+
+        def timed_replay(*args):
+            t = time.perf_counter()
+            out = replay(*args)
+            sync()
+            model_s[0] += time.perf_counter() - t
+            return out
+
+        graphs.run = timed_replay
     schedule, execute, update = (engine.scheduler.schedule, runner.execute, engine.scheduler.update_from_output)
 
     def timed_schedule():
@@ -130,6 +143,8 @@ def run_batch(model_dir: str, num_decodes: int, prompt_len: int, num_steps: int,
     kwargs = dict(max_num_seqs=num_decodes, max_model_len=max_model_len, block_size=block_size,
                   num_kv_blocks=num_blocks, max_num_batched_tokens=budget)
     kwargs.update(engine_kwargs)
+    if kwargs.get("cuda_graphs") and not kwargs.get("cuda_graph_sizes"):
+        kwargs["cuda_graph_sizes"] = str(num_decodes)  # capture just the measured size: start-up stays short
     engine = LLMEngine.from_kwargs(model_dir, **kwargs)
     vocab = engine.config.model.vocab_size
     rng = random.Random(seed)

@@ -1,0 +1,233 @@
+#!/usr/bin/env python
+"""GPU check-and-benchmark for the serving path (issue 10 item 6): decode CUDA graphs, host overhead per step,
+served vs offline. One command, sized to finish in ~7 minutes on one H200 (--budget-s stops starting new
+sections after that).
+
+On CUDA:
+  1. graphs: greedy tokens with --cuda-graphs equal the eager engine's (fp32 random Llama with peaked logits,
+     48 prompts whose outputs end at different steps, so decode batches shrink through the capture ladder
+     and pad); exit status 1 if any sequence differs;
+  2. step: `kvserve bench step` on a Llama-3-8B-shaped random bf16 model (load_format="dummy": no checkpoint)
+     at 64/256/512 running decodes, eager vs CUDA graphs: model time, core host time, whole step;
+  3. served vs offline: `kvserve bench serve --compare served-vs-offline` on the same 8B shape, 256 streams x
+     128/128 tokens, eager and with --cuda-graphs: served/offline throughput and TPOT / offline step.
+It writes JSON (--out) and prints a table.
+
+Without CUDA, or with --cpu-smoke: TRITON_INTERPRET=1, graphs emulated on CPU (worker/cuda_graphs.py),
+tiny sizes, and the served comparison without graphs (the server process cannot emulate them) -- the
+timings are meaningless; the point is that every code path of the script runs.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import tempfile
+import time
+
+LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                 num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192,
+                 rms_norm_eps=1e-5, tie_word_embeddings=False)
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+            vocab_size=512, max_position_embeddings=512, rms_norm_eps=1e-5)
+# Graph check model: big enough that a wrong row or stale buffer shows, small enough to run eagerly in seconds.
+CHECK = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
+             num_key_value_heads=2, vocab_size=2048, max_position_embeddings=1024, rms_norm_eps=1e-5,
+             initializer_range=0.2)
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--cpu-smoke", action="store_true", help="tiny sizes under the Triton interpreter on CPU")
+    p.add_argument("--out", default="gpu_serving_results.json")
+    p.add_argument("--budget-s", type=float, default=420.0, help="start no new section after this many seconds")
+    p.add_argument("--skip", nargs="*", default=[], choices=("graphs", "step", "served"))
+    return p.parse_args(argv)
+
+
+def _shape_dir(shape: dict, dtype: str) -> str:
+    """config.json + a word tokenizer, no weights (load_format="dummy" makes them on the device)."""
+    import transformers
+
+    from kvserve.runtime.models.synthetic import write_word_tokenizer
+
+    out = tempfile.mkdtemp(prefix="kvserve-shape-")
+    transformers.LlamaConfig(**shape, torch_dtype=dtype, bos_token_id=1, eos_token_id=2,
+                             architectures=["LlamaForCausalLM"]).save_pretrained(out)
+    write_word_tokenizer(out, shape["vocab_size"])
+    return out
+
+
+def _free():
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# -- 1. graphs give the eager engine's tokens ---------------------------------------------------------
+def graph_check(device: str, smoke: bool) -> dict:
+    from kvserve.runtime import LLM, SamplingParams
+    from kvserve.runtime.models.synthetic import make_random_model_dir
+
+    model_dir = tempfile.mkdtemp(prefix="kvserve-graphcheck-")
+    make_random_model_dir(model_dir, "LlamaForCausalLM", seed=3, dtype="float32", **(TINY if smoke else CHECK))
+    vocab = (TINY if smoke else CHECK)["vocab_size"]
+    rng = random.Random(0)
+    num, max_seqs = (6, 8) if smoke else (48, 64)
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randrange(4, 40 if smoke else 300))] for _ in range(num)]
+    max_tokens = [rng.randrange(2, 8 if smoke else 64) for _ in range(num)]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    kw = dict(max_model_len=512, attention_backend="triton", device=device, max_num_seqs=max_seqs,
+              max_num_batched_tokens=256 if smoke else 2048)
+    if device == "cpu":
+        kw["num_kv_blocks"] = 64
+    result = dict(prompts=num, max_num_seqs=max_seqs)
+    tokens = {}
+    for mode in ("eager", "graphs"):
+        extra = dict(cuda_graphs=True) if mode == "graphs" else {}
+        t = time.perf_counter()
+        llm = LLM(model_dir, **kw, **extra)
+        start_s = time.perf_counter() - t
+        t = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        tokens[mode] = [o.outputs[0].token_ids for o in outs]
+        result[mode] = dict(engine_start_s=start_s, generate_s=time.perf_counter() - t)
+        graphs = llm.engine.runner.decode_graphs
+        if graphs is not None:
+            result[mode].update(capture_sizes=list(graphs.capture_sizes), capture_s=graphs.capture_s,
+                                replays=graphs.num_replays)
+        del llm
+        _free()
+    same = sum(a == b for a, b in zip(tokens["eager"], tokens["graphs"]))
+    result["identical_sequences"] = f"{same}/{num}"
+    result["ok"] = same == num and result["graphs"].get("replays", 0) > 0
+    return result
+
+
+# -- 2. host vs model time per decode step -------------------------------------------------------------
+def step_bench(device: str, smoke: bool) -> dict:
+    from kvserve.runtime import bench_step
+
+    shape, dtype = (TINY, "float32") if smoke else (LLAMA3_8B, "bfloat16")
+    model_dir = _shape_dir(shape, dtype)
+    sizes = (2, 4) if smoke else (64, 256, 512)
+    out = {"model": "tiny" if smoke else "Llama-3-8B shape, random bf16 weights", "batch_sizes": list(sizes)}
+    for mode in ("eager", "graphs"):
+        kw = dict(device=device, dtype=dtype, load_format="dummy", attention_backend="triton")
+        if mode == "graphs":
+            kw["cuda_graphs"] = True
+        results = bench_step.main(model_dir, batch_sizes=sizes, prompt_len=16 if smoke else 128,
+                                  num_steps=3 if smoke else 20, warmup_steps=1 if smoke else 3, **kw)
+        out[mode] = [dict(num_decodes=r.num_decodes, model_ms=r.model_ms, core_host_ms=r.core_host_ms,
+                          front_end_ms=r.front_end_ms, step_ms=r.step_ms) for r in results]
+        _free()
+    return out
+
+
+# -- 3. served vs offline -------------------------------------------------------------------------------
+def served_vs_offline(smoke: bool, deadline: float) -> dict:
+    shape, dtype = (TINY, "float32") if smoke else (LLAMA3_8B, "bfloat16")
+    model_dir = _shape_dir(shape, dtype)
+    n, in_len, out_len = (8, 16, 8) if smoke else (256, 128, 128)
+    base = f"--load-format dummy --dtype {dtype} --max-num-seqs {max(n, 8)}"
+    if smoke:
+        base += " --num-kv-blocks 64 --max-model-len 256"
+    variants = {"eager": base} if smoke else {"eager": base, "graphs": base + " --cuda-graphs"}
+    out = {"model": "tiny" if smoke else "Llama-3-8B shape, random bf16 weights", "prompts": n,
+           "input_len": in_len, "output_len": out_len}
+    for name, serve_args in variants.items():
+        if time.monotonic() > deadline:
+            out[name] = dict(skipped="time budget")
+            continue
+        path = tempfile.mktemp(suffix=".json")
+        cmd = [sys.executable, "-m", "kvserve.cli", "bench", "serve", "--compare", "served-vs-offline",
+               "--model-dir", model_dir, "--serve-args", serve_args, "--num-prompts", str(n),
+               "--input-len", str(in_len), "--output-len", str(out_len), "--range-ratio", "0",
+               "--request-rate", "inf", "--max-concurrency", str(n), "--repeat", "1", "--result-json", path]
+        t = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        out[name] = dict(wall_s=time.perf_counter() - t, returncode=proc.returncode)
+        if proc.returncode != 0:
+            out[name]["error"] = (proc.stdout[-2000:] + proc.stderr[-2000:])
+            continue
+        with open(path) as f:
+            summary = json.load(f)["summary"]
+        out[name].update(rows=summary["rows"], served_over_offline=summary["median_served_over_offline"],
+                         tpot_over_offline_step=summary["median_tpot_over_offline_step"])
+    return out
+
+
+def _table(results: dict) -> str:
+    lines = [f"device: {results['device']}"]
+    g = results.get("graphs")
+    if g:
+        lines.append(f"graphs vs eager: identical sequences {g.get('identical_sequences')}; capture "
+                     f"{g.get('graphs', {}).get('capture_s', 0):.1f} s; ok={g.get('ok')}")
+    s = results.get("step")
+    if s and "eager" in s:
+        lines.append("decodes  model ms (eager / graphs)  core host ms  step ms (eager / graphs)")
+        for e, c in zip(s["eager"], s.get("graphs", [])):
+            lines.append(f"{e['num_decodes']:>7}  {e['model_ms']:>8.2f} / {c['model_ms']:<8.2f}  {e['core_host_ms']:>8.2f}"
+                         f"      {e['step_ms']:>8.2f} / {c['step_ms']:.2f}")
+    v = results.get("served")
+    if v:
+        for name in ("eager", "graphs"):
+            r = v.get(name)
+            if r and "served_over_offline" in r:
+                lines.append(f"served vs offline ({name}): ratio {r['served_over_offline']:.2f}, TPOT / step "
+                             f"{r['tpot_over_offline_step']:.2f}")
+            elif r:
+                lines.append(f"served vs offline ({name}): {r.get('skipped') or r.get('error', '')[-300:]}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    import torch
+
+    smoke = args.cpu_smoke or not torch.cuda.is_available()
+    if smoke:
+        os.environ["TRITON_INTERPRET"] = "1"
+        from kvserve.runtime.worker import cuda_graphs
+
+        cuda_graphs.EMULATE_ON_CPU = True
+    device = "cpu" if smoke else "cuda"
+    start = time.monotonic()
+    deadline = start + args.budget_s
+    results = dict(mode="cpu-smoke" if smoke else "cuda", python=platform.python_version(), torch=torch.__version__,
+                   device=torch.cuda.get_device_name(0) if not smoke else "cpu (Triton interpreter)")
+    ok = True
+    for name, fn in (("graphs", lambda: graph_check(device, smoke)), ("step", lambda: step_bench(device, smoke)),
+                     ("served", lambda: served_vs_offline(smoke, deadline))):
+        if name in args.skip:
+            continue
+        if time.monotonic() > deadline:
+            results[name] = dict(skipped="time budget")
+            continue
+        t = time.perf_counter()
+        try:
+            results[name] = fn()
+        except Exception as exc:  # one section failing must not lose the others' numbers
+            import traceback
+
+            results[name] = dict(error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-3000:])
+            ok = False
+        results[name]["section_s"] = time.perf_counter() - t
+        with open(args.out, "w") as f:  # after every section: a timeout still leaves what was measured
+            json.dump(results, f, indent=2)
+    if isinstance(results.get("graphs"), dict) and results["graphs"].get("ok") is False:
+        ok = False
+    print(_table(results))
+    print(f"wrote {args.out}; total {time.monotonic() - start:.0f} s")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -102,7 +102,7 @@ def graph_check(device: str, smoke: bool) -> dict:
         graphs = llm.engine.runner.decode_graphs
         if graphs is not None:
             result[mode].update(capture_sizes=list(graphs.capture_sizes), capture_s=graphs.capture_s,
-                                replays=graphs.num_replays)
+                                replays=graphs.num_replays, graph_memory_mib=graphs.memory_bytes / 2**20)
         del llm
         _free()
     same = sum(a == b for a, b in zip(tokens["eager"], tokens["graphs"]))

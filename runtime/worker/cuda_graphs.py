@@ -21,6 +21,10 @@ Fixed at capture, hence the rules this module enforces:
 - tensor_parallel_size 1 (NCCL all-reduce under capture is not verified here).
 Prefill and mixed steps, and decode steps above the largest size, run eagerly as before.
 
+Memory: the KV cache is sized (profiled) before capture, so the graphs' pool comes out of the headroom that
+gpu_memory_utilization leaves; decode graphs hold activations for at most max(sizes) tokens, far fewer than
+the profiled prefill step's max_num_batched_tokens. The capture logs what it added (`memory_bytes`).
+
 Logits are computed eagerly from the graph's hidden states (only the rows that sample), so sampling,
 logprobs, structured outputs and penalties are unchanged.
 
@@ -116,6 +120,7 @@ class DecodeGraphs:
                     ("host_ids", "host_positions", "host_slots", "host_seq_lens", "host_tables")}
         self.graphs: dict[int, tuple[object, torch.Tensor]] = {}  # size -> (graph, its output buffer)
         self.capture_s = 0.0
+        self.memory_bytes = 0  # device memory the capture added (its pool and static outputs); 0 on CPU
         self.num_replays = 0
 
     def metadata(self, size: int) -> AttentionMetadata:
@@ -135,6 +140,9 @@ class DecodeGraphs:
         start = time.perf_counter()
         cuda = self.device.type == "cuda"
         pool = torch.cuda.graph_pool_handle() if cuda else None
+        if cuda:  # the profile's cached activations go back first, so the growth below is the graphs' own
+            torch.cuda.empty_cache()
+            reserved_before = torch.cuda.memory_reserved(self.device)
         for size in reversed(self.capture_sizes):
             meta = self.metadata(size)
             for _ in range(2):  # warm-up outside the graph: Triton compiles, lazily cached tensors appear
@@ -150,9 +158,10 @@ class DecodeGraphs:
             self.graphs[size] = (graph, output)
         if cuda:
             torch.cuda.synchronize(self.device)
+            self.memory_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
         self.capture_s = time.perf_counter() - start
-        logger.info("captured %d decode CUDA graphs (batch sizes %s..%s) in %.1f s", len(self.graphs),
-                    self.capture_sizes[0], self.max_size, self.capture_s)
+        logger.info("captured %d decode CUDA graphs (batch sizes %s..%s) in %.1f s, %.0f MiB of graph memory",
+                    len(self.graphs), self.capture_sizes[0], self.max_size, self.capture_s, self.memory_bytes / 2**20)
 
     def can_run(self, num_seqs: int) -> bool:
         return 0 < num_seqs <= self.max_size

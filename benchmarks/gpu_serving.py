@@ -80,7 +80,7 @@ def graph_check(device: str, smoke: bool) -> dict:
     make_random_model_dir(model_dir, "LlamaForCausalLM", seed=3, dtype="float32", **(TINY if smoke else CHECK))
     vocab = (TINY if smoke else CHECK)["vocab_size"]
     rng = random.Random(0)
-    num, max_seqs = (6, 8) if smoke else (48, 64)
+    num, max_seqs = (5, 4) if smoke else (48, 64)
     prompts = [[rng.randrange(3, vocab) for _ in range(rng.randrange(4, 40 if smoke else 300))] for _ in range(num)]
     max_tokens = [rng.randrange(2, 8 if smoke else 64) for _ in range(num)]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]

@@ -91,10 +91,9 @@ def _engine_args(model_dir: str, serve_args: list[str]):
 
 
 def compare(args: argparse.Namespace, slos: dict[str, float]) -> dict:
-    import asyncio
     import shlex
 
-    from kvserve.runtime.bench_serve import _LaunchedServer, _print_result, _run_workload
+    from kvserve.runtime.bench_serve import _LaunchedServer, _print_result, _run_workload, run_async
     from kvserve.runtime.demo_model import ensure_demo_model
 
     args.workload = "random"
@@ -117,7 +116,7 @@ def compare(args: argparse.Namespace, slos: dict[str, float]) -> dict:
         for label, extra, python in (variants if repeat % 2 == 0 else variants[::-1]):
             with _LaunchedServer(model_dir, serve_args + extra, python) as server:
                 print(f"== {label} (#{repeat + 1}): kvserve serve {' '.join(serve_args + extra)}")
-                result = asyncio.run(_run_workload(args, server.base_url, slos, label=label))
+                result = run_async(_run_workload(args, server.base_url, slos, label=label))
                 _print_result(result)
                 runs[f"{label} #{repeat + 1}"] = result
             m = result["metrics"]

@@ -21,14 +21,20 @@ import statistics
 import time
 
 
-def offline_run(args: argparse.Namespace, model_dir: str, serve_args: list[str]) -> dict:
+def offline_run(args: argparse.Namespace, model_dir: str, serve_args: list[str], threads: int | None = None) -> dict:
+    """threads: run with this many torch intra-op threads (then restore the default), e.g. the core process's."""
     import random
+
+    import torch
 
     from kvserve.runtime.bench_serve import random_workload
     from kvserve.runtime.config import build_engine_config
     from kvserve.runtime.engine.llm_engine import LLMEngine
     from kvserve.runtime.sampling_params import SamplingParams
 
+    default_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
     engine = LLMEngine(build_engine_config(_engine_args(model_dir, serve_args)))
     try:
         vocab = len(engine.tokenizer)  # what the server reports in /v1/models: the same prompts
@@ -39,6 +45,7 @@ def offline_run(args: argparse.Namespace, model_dir: str, serve_args: list[str])
         wall_s = time.perf_counter() - start
     finally:
         engine.shutdown()
+        torch.set_num_threads(default_threads)
     total_out = sum(r.output_len for r in requests)
     full = [dt for dt, running in steps if running == len(requests)] or [dt for dt, _ in steps]
     return {"duration_s": wall_s, "total_output_tokens": total_out, "output_throughput": total_out / wall_s,
@@ -119,6 +126,23 @@ def compare(args: argparse.Namespace, slos: dict[str, float]) -> dict:
     print(f"== offline through the core process: {core_offline['output_throughput']:.0f} tok/s "
           f"({core_offline['output_throughput'] / offline['output_throughput']:.2f}x the in-process engine)")
     runs["offline, core in its own process"] = core_offline
+    # On CPU the core process computes on all cores but one (core_process.core_cpu_threads), leaving one to the
+    # API server; the offline engine above uses torch's default (every core). The same offline loop with the
+    # core's thread count is what the served core could do at best on this machine: the served/that ratio is
+    # the serving stack's own cost, the rest of the gap is the core the API server (and this client) keep.
+    import torch
+
+    from kvserve.runtime.config import build_engine_config
+    from kvserve.runtime.engine.core_process import core_cpu_threads
+
+    threads = core_cpu_threads(build_engine_config(_engine_args(model_dir, serve_args)))
+    offline_core_threads = None
+    if threads is not None and threads != torch.get_num_threads():
+        offline_core_threads = offline_run(args, model_dir, serve_args, threads)
+        print(f"== offline with the core process's {threads} torch thread(s) (default {torch.get_num_threads()}): "
+              f"{offline_core_threads['output_throughput']:.0f} tok/s, median full-batch step "
+              f"{offline_core_threads['median_full_batch_step_ms']:.1f} ms")
+        runs[f"offline, {threads} torch threads"] = offline_core_threads
     variants = [("served, core in the server process", ["--inprocess-engine"], None)]
     for count in counts:  # the core-process server, once per --api-server-counts value
         variants.append(("served, core in its own process" + (f", {count} API servers" if count > 1 else ""),
@@ -140,13 +164,26 @@ def compare(args: argparse.Namespace, slos: dict[str, float]) -> dict:
                 "median_tpot_ms": m["median_tpot_ms"], "median_ttft_ms": m["median_ttft_ms"],
                 "tpot_over_offline_step": m["median_tpot_ms"] / offline["median_full_batch_step_ms"],
                 "failed": m["failed"]})
+            if offline_core_threads is not None:
+                rows[-1]["served_over_offline_core_threads"] = (m["output_throughput"]
+                                                                / offline_core_threads["output_throughput"])
+                rows[-1]["tpot_over_offline_core_threads_step"] = (
+                    m["median_tpot_ms"] / offline_core_threads["median_full_batch_step_ms"])
     print(f"== served vs offline ({args.num_prompts} prompts, max concurrency {args.max_concurrency}); offline "
           f"{offline['output_throughput']:.0f} tok/s, median full-batch step {offline['median_full_batch_step_ms']:.1f} ms")
     width = max(40, *(len(row["run"]) for row in rows))
-    print(f"{'run':<{width}} {'tok/s':>8} {'ratio':>7} {'TPOT ms':>8} {'TPOT/step':>9} {'TTFT ms':>8}")
+    extra = offline_core_threads is not None
+    if extra:
+        print(f"   ratio' and TPOT/step': against the offline run with the core's {threads} thread(s) "
+              f"({offline_core_threads['output_throughput']:.0f} tok/s, step "
+              f"{offline_core_threads['median_full_batch_step_ms']:.1f} ms)")
+    print(f"{'run':<{width}} {'tok/s':>8} {'ratio':>7} {'TPOT ms':>8} {'TPOT/step':>9} {'TTFT ms':>8}"
+          + (f" {'ratio_':>7} {'TPOT/step_':>10}".replace("_", "'") if extra else ""))
     for row in rows:
         print(f"{row['run']:<{width}} {row['output_tok_s']:>8.0f} {row['served_over_offline']:>7.2f} "
-              f"{row['median_tpot_ms']:>8.1f} {row['tpot_over_offline_step']:>9.2f} {row['median_ttft_ms']:>8.0f}")
+              f"{row['median_tpot_ms']:>8.1f} {row['tpot_over_offline_step']:>9.2f} {row['median_ttft_ms']:>8.0f}"
+              + (f" {row['served_over_offline_core_threads']:>7.2f} {row['tpot_over_offline_core_threads_step']:>10.2f}"
+                 if extra else ""))
     medians = {}
     for label, _, _ in variants[1:]:
         mine = [r for r in rows if r["variant"] == label]

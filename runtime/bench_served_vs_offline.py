@@ -198,7 +198,16 @@ def compare(args: argparse.Namespace, slos: dict[str, float]) -> dict:
                "per_variant": medians,
                "goal": f"served/offline >= 0.9 and TPOT <= 1.15x offline step ({variants[1][0]})",
                "goal_met": ratio >= 0.9 and tpot <= 1.15}
-    print(f"goal met: {summary['goal_met']}")
+    if offline_core_threads is not None and (offline_core_threads["output_throughput"]
+                                             > offline["output_throughput"]):
+        # With every core in torch's pool, one core taken by another job makes OpenMP threads spin at barriers:
+        # the all-cores offline run then collapses (746 tok/s against 2,595 with 1 thread, measured) and every
+        # ratio against it, the goal included, means nothing.
+        summary["warning"] = ("the offline run with every core was slower than with the core's thread count: "
+                              "the machine is busy; ratios against it (and goal_met) are not meaningful")
+        summary["goal_met"] = None
+        print(f"WARNING: {summary['warning']}")
+    print(f"goal met: {'unknown' if summary['goal_met'] is None else summary['goal_met']}")
     return {"compare": "served-vs-offline", "summary": summary, "runs": runs}
 
 

@@ -29,6 +29,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--before-python", default=None,
                         help="with --compare served-vs-offline: the python of another kvserve install (e.g. main's "
                              "venv) whose `kvserve serve` is the before run, instead of --inprocess-engine")
+    parser.add_argument("--api-server-counts", default="1",
+                        help="with --compare served-vs-offline: comma-separated `--api-server-count` values for the "
+                             "core-process server, each a served variant in the same ABBA run (e.g. 1,2); the "
+                             "goal is judged on the first")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--request-rate", type=float, default=float("inf"),
                         help="requests/s; inf sends everything at t=0 (burst)")

@@ -25,7 +25,6 @@ import argparse
 
 
 def main(args: argparse.Namespace) -> int:
-    import asyncio
     import json
     import logging
 
@@ -42,7 +41,7 @@ def main(args: argparse.Namespace) -> int:
     elif args.compare:
         result = _compare(args, slos)
     else:
-        result = asyncio.run(_run_workload(args, args.base_url, slos))
+        result = run_async(_run_workload(args, args.base_url, slos))
         _print_result(result)
     if args.result_json:
         with open(args.result_json, "w") as f:
@@ -71,6 +70,10 @@ class _Request:
 
 
 async def _send(client, url: str, model: str, req: _Request, headers: dict, timeout: float) -> dict:
+    """One streamed request through an aiohttp session. aiohttp (C HTTP parser) rather than httpx (pure-Python
+    h11 under httpcore and anyio): with 256 streams on a 2-core machine, httpx's per-chunk cost made the
+    client itself take CPU from the server it measures (docs/serving.md, "Served vs offline"). The timings
+    are taken the same way: a chunk counts when its line has been read and parsed."""
     import json
     import time
 
@@ -81,16 +84,16 @@ async def _send(client, url: str, model: str, req: _Request, headers: dict, time
     start = time.perf_counter()
     out["start"] = start
     try:
-        async with client.stream("POST", url, json=body, headers=headers, timeout=timeout) as resp:
-            if resp.status_code != 200:
-                out["error"] = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+        async with client.post(url, json=body, headers=headers) as resp:
+            if resp.status != 200:
+                out["error"] = f"HTTP {resp.status}: {(await resp.read())[:200]!r}"
                 return out
             last = start
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: "):
+            async for raw in resp.content:  # one SSE line at a time
+                if not raw.startswith(b"data: "):
                     continue
-                data = line[6:]
-                if data == "[DONE]":
+                data = raw[6:].rstrip(b"\r\n")
+                if data == b"[DONE]":
                     break
                 chunk = json.loads(data)
                 now = time.perf_counter()
@@ -111,6 +114,22 @@ async def _send(client, url: str, model: str, req: _Request, headers: dict, time
     except Exception as exc:  # a failed request is a result, not a crash
         out["error"] = f"{type(exc).__name__}: {exc}"
     return out
+
+
+def run_async(coro):
+    """asyncio.run, on uvloop when it is installed (it is with kvserve[server]): the client's event loop is
+    part of its per-chunk cost."""
+    import asyncio
+
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    if not hasattr(asyncio, "Runner"):  # Python 3.10
+        uvloop.install()
+        return asyncio.run(coro)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coro)
 
 
 def _arrival_delays(n: int, rate: float, burstiness: float, rng) -> list[float]:
@@ -150,9 +169,9 @@ async def _run_requests(client, url: str, model: str, requests: list[_Request], 
 
 # ---- workloads ----------------------------------------------------------------------------------------------
 async def _server_info(client, base_url: str, headers: dict, model: str | None) -> tuple[str, int]:
-    resp = await client.get(base_url + "/v1/models", headers=headers)
-    resp.raise_for_status()
-    card = resp.json()["data"][0]
+    async with client.get(base_url + "/v1/models", headers=headers) as resp:
+        resp.raise_for_status()
+        card = (await resp.json())["data"][0]
     return model or card["id"], int(card.get("vocab_size") or 256)
 
 
@@ -183,12 +202,13 @@ async def _run_workload(args: argparse.Namespace, base_url: str, slos: dict[str,
                         label: str = "") -> dict:
     import random
 
-    import httpx
+    import aiohttp
 
     rng = random.Random(args.seed)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=max(args.num_prompts, args.num_streams) + 16, max_keepalive_connections=32)
-    async with httpx.AsyncClient(limits=limits, timeout=args.timeout) as client:
+    connector = aiohttp.TCPConnector(limit=max(args.num_prompts, args.num_streams) + 16, force_close=False)
+    timeout = aiohttp.ClientTimeout(total=args.timeout)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
         model, vocab = await _server_info(client, base_url, headers, args.model)
         url = base_url + "/v1/completions"
         config = {k: v for k, v in vars(args).items() if not k.startswith("_") and k not in ("api_key",)}
@@ -306,7 +326,6 @@ def _percentile(sorted_values: list[float], p: float) -> float:
 
 # ---- on/off comparisons ---------------------------------------------------------------------------------------
 def _compare(args: argparse.Namespace, slos: dict[str, float]) -> dict:
-    import asyncio
     import shlex
 
     feature = args.compare
@@ -318,7 +337,7 @@ def _compare(args: argparse.Namespace, slos: dict[str, float]) -> dict:
         serve_args += shlex.split(args.serve_args) + shlex.split(extra)
         with _LaunchedServer(args.model_dir, serve_args) as server:
             print(f"== {feature} {state}: kvserve serve {' '.join(serve_args)}")
-            runs[state] = asyncio.run(_run_workload(args, server.base_url, slos, label=f"{feature} {state}"))
+            runs[state] = run_async(_run_workload(args, server.base_url, slos, label=f"{feature} {state}"))
             runs[state]["serve_args"] = serve_args
             _print_result(runs[state])
     on, off = runs["on"]["metrics"], runs["off"]["metrics"]

@@ -139,11 +139,19 @@ def _leave_a_cpu_to_the_api_server(config) -> None:
     this 2-core machine, one greedy stream of the demo model took 24 ms per token through the core process
     with 2 threads, 4.9 ms with 1, and 5.4 ms in-process with 2. GPUs do not compute on this pool.
     """
-    if str(getattr(config, "device", "cpu")).startswith("cuda") or "OMP_NUM_THREADS" in os.environ:
-        return
-    import torch
+    threads = core_cpu_threads(config)
+    if threads is not None:
+        import torch
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) - 1))
+        torch.set_num_threads(threads)
+
+
+def core_cpu_threads(config) -> int | None:
+    """The intra-op thread count the core process sets (None: it leaves torch's default): all cores but one on
+    CPU unless OMP_NUM_THREADS is set. bench_served_vs_offline also runs the offline loop with it."""
+    if str(getattr(config, "device", "cpu")).startswith("cuda") or "OMP_NUM_THREADS" in os.environ:
+        return None
+    return max(1, (os.cpu_count() or 1) - 1)
 
 
 def _busy_loop(core, inp, outs: list, codec: MessageCodec) -> int:

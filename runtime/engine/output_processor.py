@@ -39,7 +39,11 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.samples)
+        # A plain loop, not all(<genexpr>): this runs for every request on every step in the API server.
+        for s in self.samples:
+            if s.finish_reason is None:
+                return False
+        return True
 
     def to_output(self) -> RequestOutput:
         outs = [CompletionOutput(s.index, s.text, list(s.token_ids), s.finish_reason, s.stop_reason,
@@ -55,6 +59,7 @@ _CONTEXT_TOKENS = 5  # as vLLM's initial incremental-detokenisation offset
 class OutputProcessor:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        self._decode_ids = _fast_decode(tokenizer)
         self._token_text: dict[int, str] = {}
 
     def process(self, state: RequestState, index: int, out: EngineCoreOutput) -> str | None:
@@ -95,8 +100,10 @@ class OutputProcessor:
         back to a full decode, so the result is always exactly what decoding all tokens gives."""
         ids = sample.token_ids
 
+        decode_ids = self._decode_ids
+
         def decode(part: list[int]) -> str:
-            return self.tokenizer.decode(part, skip_special_tokens=skip_special_tokens)
+            return decode_ids(part, skip_special_tokens)
 
         prefix = decode(ids[sample.prefix_offset:sample.read_offset])
         window = decode(ids[sample.prefix_offset:])
@@ -143,3 +150,32 @@ class OutputProcessor:
         if text is None:
             text = self._token_text[token_id] = self.tokenizer.decode([token_id])
         return text
+
+
+def _fast_decode(tokenizer):
+    """`decode(ids, skip_special_tokens)` giving exactly `tokenizer.decode(ids, skip_special_tokens=...)`.
+
+    Incremental detokenisation decodes two short windows per token per sample; through transformers'
+    `decode` (list conversion, kwargs plumbing, the clean-up option) a 5-token window costs ~4.4 us against
+    ~1.4 us in the Rust tokenizer it ends in (measured on the demo tokenizer). When the tokenizer is a plain
+    tokenizers-backed one whose decode is exactly `backend.decode` (no clean-up of tokenization spaces, no
+    subclass overriding decode/_decode), call the backend directly; otherwise keep transformers' path."""
+    def slow(ids: list[int], skip_special_tokens: bool) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # another transformers layout: stay on the general path
+        return slow
+    cls = type(tokenizer)
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if (backend is None or not isinstance(tokenizer, TokenizersBackend)
+            or cls.decode is not PreTrainedTokenizerBase.decode or cls._decode is not TokenizersBackend._decode
+            or getattr(tokenizer, "clean_up_tokenization_spaces", True)):
+        return slow
+    backend_decode = backend.decode
+
+    def fast(ids: list[int], skip_special_tokens: bool) -> str:
+        return backend_decode(ids, skip_special_tokens=skip_special_tokens)
+    return fast

@@ -454,13 +454,7 @@ class OpenAIServing:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         base = {"id": prepared.request_id, "object": "text_completion", "created": created, "model": model}
         choices: dict[int, _Choice] = {}
-
-        def chunk(index: int, text: str, logprobs: Any, finish: str | None, stop_reason: Any = None) -> str:
-            payload = {**base, "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                                            "finish_reason": finish, "stop_reason": stop_reason}]}
-            if include_usage:
-                payload["usage"] = None
-            return _sse(payload)
+        chunk = _ChunkEncoder(base, "text", include_usage)
 
         async def events() -> AsyncIterator[str]:
             if body.echo:
@@ -543,12 +537,7 @@ class OpenAIServing:
         full_text: dict[int, str] = {}
         sent_content: dict[int, int] = {}
 
-        def chunk(index: int, delta: dict, logprobs: Any, finish: str | None, stop_reason: Any = None) -> str:
-            payload = {**base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                            "finish_reason": finish, "stop_reason": stop_reason}]}
-            if include_usage:
-                payload["usage"] = None
-            return _sse(payload)
+        chunk = _ChunkEncoder(base, "delta", include_usage)
 
         def visible(index: int, new_text: str, finished: bool) -> tuple[str, list[dict]]:
             """(content to send now, tool calls to send now) for a choice with tools."""
@@ -641,8 +630,35 @@ def _parse_body(body: bytes, model_cls: type, context: dict | None = None) -> An
         raise from_validation_error(exc) from None
 
 
+_JSON = json.JSONEncoder(ensure_ascii=False)  # what json.dumps(..., ensure_ascii=False) builds on every call
+
+
 def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    return f"data: {_JSON.encode(payload)}\n\n"
+
+
+def _json_value(value: Any) -> str:
+    return "null" if value is None else _JSON.encode(value)
+
+
+class _ChunkEncoder:
+    """One streamed choice chunk as SSE: byte for byte `_sse({**base, "choices": [{"index": i, field: value,
+    "logprobs": ..., "finish_reason": ..., "stop_reason": ...}], ["usage": None]})`, with the constant parts
+    (id, object, created, model, the keys) encoded once per response instead of once per token: with 256
+    streams the API server encodes a chunk per stream per engine step. json.dumps without indent encodes a
+    nested value exactly as it encodes that value alone, so splicing the encoded values gives the same bytes
+    (tests/server/test_sse_encoding.py)."""
+
+    __slots__ = ("_head", "_tail", "_field")
+
+    def __init__(self, base: dict, field: str, include_usage: bool):
+        self._head = "data: " + _JSON.encode(base)[:-1] + ', "choices": [{"index": '
+        self._field = f', "{field}": '
+        self._tail = '], "usage": null}\n\n' if include_usage else "]}\n\n"
+
+    def __call__(self, index: int, value: Any, logprobs: Any, finish: str | None, stop_reason: Any = None) -> str:
+        return (f"{self._head}{index}{self._field}{_JSON.encode(value)}, \"logprobs\": {_json_value(logprobs)}, "
+                f"\"finish_reason\": {_json_value(finish)}, \"stop_reason\": {_json_value(stop_reason)}}}{self._tail}")
 
 
 def _finite(value: float) -> float:

@@ -68,3 +68,12 @@ def test_arrivals_and_percentiles():
     assert bench_serve_impl._arrival_delays(3, float("inf"), 1.0, random.Random(0)) == [0, 0, 0]
     assert bench_serve_impl._percentile([1, 2, 3, 4], 50) == 2.5 and bench_serve_impl._percentile([5], 99) == 5
     assert bench_serve_impl._parse_goodput(["ttft:200", "e2el:1000"]) == {"ttft": 0.2, "e2el": 1.0}
+
+
+def test_api_server_counts_parse():
+    from kvserve.runtime.bench_served_vs_offline import _api_server_counts
+
+    assert _api_server_counts("1") == [1] and _api_server_counts("1, 2") == [1, 2]
+    for bad in ("", "0", "1,1", "two"):
+        with pytest.raises(ValueError, match="--api-server-counts"):
+            _api_server_counts(bad)

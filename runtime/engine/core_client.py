@@ -131,6 +131,7 @@ class CoreClient:
     tokenize_prompt = LLMEngine.tokenize_prompt
     grammar_compiler = LLMEngine.grammar_compiler
     compile_constraint = LLMEngine.compile_constraint
+    admit = LLMEngine.admit
     prompt_tokens = property(lambda self: self.stats.prompt_tokens if self.stats else 0)
     generation_tokens = property(lambda self: self.stats.generation_tokens if self.stats else 0)
 
@@ -144,14 +145,8 @@ class CoreClient:
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:
-        if self.dead_error is not None:
-            raise self.dead_error
-        params = self.compile_constraint(params or SamplingParams())
-        if request_id in self.tracker.states:
-            raise InvalidParameter("request_id", f"request id {request_id!r} is already in use")
-        text, token_ids = self.tokenize_prompt(prompt)
+        text, token_ids, params, arrival = self.admit(request_id, prompt, params, arrival_time)
         self.verify(token_ids, params)
-        arrival = time.monotonic() if arrival_time is None else arrival_time
         self.tracker.add(request_id, text, token_ids, params, arrival)  # before ADD: outputs find their state
         request = EngineCoreRequest.make(request_id, token_ids, params, arrival, self.client_index)
         self._send(MessageType.ADD, request)

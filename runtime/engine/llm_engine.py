@@ -109,15 +109,21 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:
+        text, token_ids, params, arrival = self.admit(request_id, prompt, params, arrival_time)
+        self.core.add_request(request_id, token_ids, params, arrival)  # verifies, then queues
+        self.tracker.add(request_id, text, token_ids, params, arrival)
+
+    def admit(self, request_id: str, prompt: PromptInput, params: SamplingParams | None,
+              arrival_time: float | None) -> tuple[str | None, list[int], SamplingParams, float]:
+        """add_request's front half, shared with CoreClient (the engine core in its own process): refuse when
+        dead or on a duplicate id, compile the grammar, tokenise. -> (text, token ids, params, arrival)."""
         if self.dead_error is not None:
             raise self.dead_error
         params = self.compile_constraint(params or SamplingParams())
         if request_id in self.tracker.states:
             raise InvalidParameter("request_id", f"request id {request_id!r} is already in use")
         text, token_ids = self.tokenize_prompt(prompt)
-        arrival = time.monotonic() if arrival_time is None else arrival_time
-        self.core.add_request(request_id, token_ids, params, arrival)
-        self.tracker.add(request_id, text, token_ids, params, arrival)
+        return text, token_ids, params, time.monotonic() if arrival_time is None else arrival_time
 
     def abort_request(self, request_id: str) -> None:
         if request_id in self.tracker.states:

@@ -250,7 +250,12 @@ def end_to_end(device, smoke: bool, deadline: float) -> dict:
         kw = dict(max_model_len=prompt_len + new_tokens + 16, attention_backend=backend, dtype=dtype,
                   device=str(device), max_num_seqs=batch, block_size=16, load_format="dummy")
         if device.type == "cuda":
-            kw["gpu_memory_utilization"] = 0.85
+            # An explicit budget (what this batch needs, x1.5), not a share of the device: should the first
+            # backend's engine outlive its `del`, the second still fits beside it.
+            from kvserve.runtime import capacity
+
+            layout = capacity.kv_layout(capacity.shape_from_hf_config(shape), dtype, "auto", 16, 1)
+            kw["kv_cache_bytes"] = int(1.5 * batch * (prompt_len + new_tokens + 16) * layout.bytes_per_token)
         else:
             kw["num_kv_blocks"] = batch * ((prompt_len + new_tokens) // 16 + 2) + 4
         llm = LLM(tmp, **kw)

@@ -11,7 +11,9 @@ On CUDA:
      at 64/256/512 running decodes, eager vs CUDA graphs: model time, core host time, whole step;
   3. served vs offline: `kvserve bench serve --compare served-vs-offline` on the same 8B shape, 256 streams x
      128/128 tokens, eager and with --cuda-graphs: served/offline throughput and TPOT / offline step.
-It writes JSON (--out) and prints a table.
+Every engine is built in a child process of its own (graph check: one per mode; step: one per mode and
+batch size), so one engine's device memory never crowds the next. It writes JSON (--out) after every section
+and prints a table.
 
 Without CUDA, or with --cpu-smoke: TRITON_INTERPRET=1, graphs emulated on CPU (worker/cuda_graphs.py),
 tiny sizes, and the served comparison without graphs (the server process cannot emulate them) -- the
@@ -20,7 +22,6 @@ timings are meaningless; the point is that every code path of the script runs.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import platform
@@ -47,7 +48,26 @@ def _parse(argv):
     p.add_argument("--out", default="gpu_serving_results.json")
     p.add_argument("--budget-s", type=float, default=420.0, help="start no new section after this many seconds")
     p.add_argument("--skip", nargs="*", default=[], choices=("graphs", "step", "served"))
+    # Internal: one piece of a section in a child process (below), so that every engine's device memory is
+    # surely released before the next one is built.
+    p.add_argument("--piece", choices=("graphs", "step"), help=argparse.SUPPRESS)
+    p.add_argument("--mode", choices=("eager", "graphs"), help=argparse.SUPPRESS)
+    p.add_argument("--size", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--model-dir", help=argparse.SUPPRESS)
     return p.parse_args(argv)
+
+
+def _child(piece: str, mode: str, smoke: bool, model_dir: str, size: int | None = None) -> dict:
+    """Run one piece in a fresh interpreter; its JSON result (or the error it printed)."""
+    out = tempfile.mktemp(suffix=".json")
+    cmd = [sys.executable, os.path.abspath(__file__), "--piece", piece, "--mode", mode, "--model-dir", model_dir,
+           "--out", out] + (["--cpu-smoke"] if smoke else []) + (["--size", str(size)] if size else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0 or not os.path.exists(out):
+        raise RuntimeError(f"{piece} {mode} {size or ''} failed (exit {proc.returncode}): "
+                           f"{(proc.stdout + proc.stderr)[-3000:]}")
+    with open(out) as f:
+        return json.load(f)
 
 
 def _shape_dir(shape: dict, dtype: str) -> str:
@@ -63,71 +83,78 @@ def _shape_dir(shape: dict, dtype: str) -> str:
     return out
 
 
-def _free():
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 # -- 1. graphs give the eager engine's tokens ---------------------------------------------------------
-def graph_check(device: str, smoke: bool) -> dict:
+def _graph_workload(smoke: bool):
+    rng = random.Random(0)
+    vocab = (TINY if smoke else CHECK)["vocab_size"]
+    num = 5 if smoke else 48
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randrange(4, 40 if smoke else 300))] for _ in range(num)]
+    max_tokens = [rng.randrange(2, 8 if smoke else 64) for _ in range(num)]
+    return prompts, max_tokens
+
+
+def graph_piece(mode: str, smoke: bool, model_dir: str) -> dict:
+    """One engine (eager or graphs) on the check workload: its tokens and timings."""
     from kvserve.runtime import LLM, SamplingParams
+
+    device = "cpu" if smoke else "cuda"
+    prompts, max_tokens = _graph_workload(smoke)
+    kw = dict(max_model_len=512, attention_backend="triton", device=device, max_num_seqs=4 if smoke else 64,
+              max_num_batched_tokens=256 if smoke else 2048)
+    kw.update(num_kv_blocks=64) if smoke else kw.update(kv_cache_bytes=4 << 30)
+    if mode == "graphs":
+        kw["cuda_graphs"] = True
+    t = time.perf_counter()
+    llm = LLM(model_dir, **kw)
+    result = dict(engine_start_s=time.perf_counter() - t, max_num_seqs=kw["max_num_seqs"])
+    t = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens],
+                        use_tqdm=False)
+    result.update(generate_s=time.perf_counter() - t, tokens=[o.outputs[0].token_ids for o in outs])
+    graphs = llm.engine.runner.decode_graphs
+    if graphs is not None:
+        result.update(capture_sizes=list(graphs.capture_sizes), capture_s=graphs.capture_s,
+                      replays=graphs.num_replays, graph_memory_mib=graphs.memory_bytes / 2**20)
+    return result
+
+
+def graph_check(smoke: bool) -> dict:
     from kvserve.runtime.models.synthetic import make_random_model_dir
 
     model_dir = tempfile.mkdtemp(prefix="kvserve-graphcheck-")
     make_random_model_dir(model_dir, "LlamaForCausalLM", seed=3, dtype="float32", **(TINY if smoke else CHECK))
-    vocab = (TINY if smoke else CHECK)["vocab_size"]
-    rng = random.Random(0)
-    num, max_seqs = (5, 4) if smoke else (48, 64)
-    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randrange(4, 40 if smoke else 300))] for _ in range(num)]
-    max_tokens = [rng.randrange(2, 8 if smoke else 64) for _ in range(num)]
-    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
-    kw = dict(max_model_len=512, attention_backend="triton", device=device, max_num_seqs=max_seqs,
-              max_num_batched_tokens=256 if smoke else 2048)
-    if device == "cpu":
-        kw["num_kv_blocks"] = 64
-    result = dict(prompts=num, max_num_seqs=max_seqs)
-    tokens = {}
-    for mode in ("eager", "graphs"):
-        extra = dict(cuda_graphs=True) if mode == "graphs" else {}
-        t = time.perf_counter()
-        llm = LLM(model_dir, **kw, **extra)
-        start_s = time.perf_counter() - t
-        t = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        tokens[mode] = [o.outputs[0].token_ids for o in outs]
-        result[mode] = dict(engine_start_s=start_s, generate_s=time.perf_counter() - t)
-        graphs = llm.engine.runner.decode_graphs
-        if graphs is not None:
-            result[mode].update(capture_sizes=list(graphs.capture_sizes), capture_s=graphs.capture_s,
-                                replays=graphs.num_replays, graph_memory_mib=graphs.memory_bytes / 2**20)
-        del llm
-        _free()
+    result = {mode: _child("graphs", mode, smoke, model_dir) for mode in ("eager", "graphs")}
+    tokens = {mode: result[mode].pop("tokens") for mode in result}
+    num = len(tokens["eager"])
     same = sum(a == b for a, b in zip(tokens["eager"], tokens["graphs"]))
-    result["identical_sequences"] = f"{same}/{num}"
+    result.update(prompts=num, identical_sequences=f"{same}/{num}")
     result["ok"] = same == num and result["graphs"].get("replays", 0) > 0
     return result
 
 
 # -- 2. host vs model time per decode step -------------------------------------------------------------
-def step_bench(device: str, smoke: bool) -> dict:
+def step_piece(mode: str, smoke: bool, model_dir: str, size: int) -> dict:
     from kvserve.runtime import bench_step
 
+    kw = dict(device="cpu" if smoke else "cuda", dtype="float32" if smoke else "bfloat16", load_format="dummy",
+              attention_backend="triton")
+    if mode == "graphs":
+        kw["cuda_graphs"] = True
+    r = bench_step.main(model_dir, batch_sizes=(size,), prompt_len=16 if smoke else 128,
+                        num_steps=3 if smoke else 20, warmup_steps=1 if smoke else 3, **kw)[0]
+    return dict(num_decodes=r.num_decodes, model_ms=r.model_ms, core_host_ms=r.core_host_ms,
+                front_end_ms=r.front_end_ms, step_ms=r.step_ms)
+
+
+def step_bench(smoke: bool, deadline: float) -> dict:
     shape, dtype = (TINY, "float32") if smoke else (LLAMA3_8B, "bfloat16")
     model_dir = _shape_dir(shape, dtype)
     sizes = (2, 4) if smoke else (64, 256, 512)
     out = {"model": "tiny" if smoke else "Llama-3-8B shape, random bf16 weights", "batch_sizes": list(sizes)}
     for mode in ("eager", "graphs"):
-        kw = dict(device=device, dtype=dtype, load_format="dummy", attention_backend="triton")
-        if mode == "graphs":
-            kw["cuda_graphs"] = True
-        results = bench_step.main(model_dir, batch_sizes=sizes, prompt_len=16 if smoke else 128,
-                                  num_steps=3 if smoke else 20, warmup_steps=1 if smoke else 3, **kw)
-        out[mode] = [dict(num_decodes=r.num_decodes, model_ms=r.model_ms, core_host_ms=r.core_host_ms,
-                          front_end_ms=r.front_end_ms, step_ms=r.step_ms) for r in results]
-        _free()
+        out[mode] = [_child("step", mode, smoke, model_dir, n) if time.monotonic() < deadline
+                     else dict(num_decodes=n, skipped="time budget") for n in sizes]
     return out
 
 
@@ -139,6 +166,8 @@ def served_vs_offline(smoke: bool, deadline: float) -> dict:
     base = f"--load-format dummy --dtype {dtype} --max-num-seqs {max(n, 8)}"
     if smoke:
         base += " --num-kv-blocks 64 --max-model-len 256"
+    else:  # explicit (256 x 256 tokens x 128 KiB = 8 GiB needed): the bench's own offline engine may still hold
+        base += " --kv-cache-bytes 16GiB"  # its memory while a server starts, and a profiled share would not fit
     variants = {"eager": base} if smoke else {"eager": base, "graphs": base + " --cuda-graphs"}
     out = {"model": "tiny" if smoke else "Llama-3-8B shape, random bf16 weights", "prompts": n,
            "input_len": in_len, "output_len": out_len}
@@ -174,6 +203,9 @@ def _table(results: dict) -> str:
     if s and "eager" in s:
         lines.append("decodes  model ms (eager / graphs)  core host ms  step ms (eager / graphs)")
         for e, c in zip(s["eager"], s.get("graphs", [])):
+            if "model_ms" not in e or "model_ms" not in c:
+                lines.append(f"{e['num_decodes']:>7}  skipped (time budget)")
+                continue
             lines.append(f"{e['num_decodes']:>7}  {e['model_ms']:>8.2f} / {c['model_ms']:<8.2f}  {e['core_host_ms']:>8.2f}"
                          f"      {e['step_ms']:>8.2f} / {c['step_ms']:.2f}")
     v = results.get("served")
@@ -198,13 +230,18 @@ def main(argv=None) -> int:
         from kvserve.runtime.worker import cuda_graphs
 
         cuda_graphs.EMULATE_ON_CPU = True
-    device = "cpu" if smoke else "cuda"
+    if args.piece:  # a child: one engine's worth of work, then exit (its memory goes with it)
+        result = (graph_piece(args.mode, smoke, args.model_dir) if args.piece == "graphs"
+                  else step_piece(args.mode, smoke, args.model_dir, args.size))
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+        return 0
     start = time.monotonic()
     deadline = start + args.budget_s
     results = dict(mode="cpu-smoke" if smoke else "cuda", python=platform.python_version(), torch=torch.__version__,
                    device=torch.cuda.get_device_name(0) if not smoke else "cpu (Triton interpreter)")
     ok = True
-    for name, fn in (("graphs", lambda: graph_check(device, smoke)), ("step", lambda: step_bench(device, smoke)),
+    for name, fn in (("graphs", lambda: graph_check(smoke)), ("step", lambda: step_bench(smoke, deadline)),
                      ("served", lambda: served_vs_offline(smoke, deadline))):
         if name in args.skip:
             continue

@@ -122,6 +122,7 @@ class DecodeGraphs:
         self.capture_s = 0.0
         self.memory_bytes = 0  # device memory the capture added (its pool and static outputs); 0 on CPU
         self.num_replays = 0
+        self._staged = torch.cuda.Event() if cuda else None  # recorded after each step's host-to-device copies
 
     def metadata(self, size: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -172,6 +173,8 @@ class DecodeGraphs:
         of the graph's output, valid until the next replay). table_rows: [n, width] block-table rows."""
         n = len(input_ids)
         size = int(self._size_for[n])
+        if self._staged is not None:  # the last step's copies read the staging buffers: done before rewriting
+            self._staged.synchronize()  # (the step's sampling already synchronised: this costs ~nothing)
         h = self._np
         h["host_ids"][:n] = input_ids
         h["host_positions"][:n] = positions
@@ -188,6 +191,8 @@ class DecodeGraphs:
         self.seq_lens[:size].copy_(self.host_seq_lens[:size], non_blocking=True)
         # Whole rows (contiguous); entries past a row's length are never read (its seq_len bounds the reads).
         self.block_tables[:n].copy_(self.host_tables[:n], non_blocking=True)
+        if self._staged is not None:
+            self._staged.record()
         graph, output = self.graphs[size]
         graph.replay()
         self.num_replays += 1

@@ -149,10 +149,8 @@ def test_metrics_are_the_group_sums_from_either_server(group, server):
         {name for name, samples in scrape(server.base_url).items() if samples}
 
 
-def _stream(base_url: str, started: threading.Event, result: dict) -> None:
-    # Long enough to outlast the SIGTERM test's probing on a fast box (about 4 ms per token here): with 300
-    # tokens both servers could finish their drains, and close the port, before both were seen refusing.
-    body = {"prompt": "Keep talking", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+def _stream(base_url: str, started: threading.Event, result: dict, max_tokens: int) -> None:
+    body = {"prompt": "Keep talking", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
     finish, chunks = None, 0
     with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=60) as resp:
         result["server"] = resp.headers.get("x-kvserve-api-server")
@@ -167,12 +165,15 @@ def _stream(base_url: str, started: threading.Event, result: dict) -> None:
     result.update(finish=finish, chunks=chunks)
 
 
-def start_streams(base_url: str, count: int) -> tuple[list[threading.Thread], list[dict]]:
-    """At least `count` streams, and more until both servers hold one (connections are spread by a hash)."""
+def start_streams(base_url: str, count: int, max_tokens: int = 1000) -> tuple[list[threading.Thread], list[dict]]:
+    """At least `count` streams, and more until both servers hold one (connections are spread by a hash).
+    max_tokens 1000: long enough to outlast the SIGTERM test's probing on a fast box (~3-4 ms per token here;
+    with 300 tokens both servers could finish their drains, and close the port, before both were seen
+    refusing), short enough to drain."""
     threads, results = [], []
     while len(threads) < count or ({r["server"] for r in results} != {"0", "1"} and len(threads) < 4 * count):
         started, result = threading.Event(), {}
-        t = threading.Thread(target=_stream, args=(base_url, started, result), daemon=True)
+        t = threading.Thread(target=_stream, args=(base_url, started, result, max_tokens), daemon=True)
         t.start()
         assert started.wait(60), "stream never started"
         threads.append(t)
@@ -199,10 +200,13 @@ def test_sigterm_drains_both_servers_and_exits_0(group):
 
 
 def test_sigkill_of_the_core_answers_503_and_the_group_exits_1(cache_dir):
-    group = start_group(cache_dir)
+    # Room for up to 8 streams of 6000 tokens, all running at once (none queues, none is preempted).
+    group = start_group(cache_dir, "--max-num-seqs", "16", "--max-model-len", "8192", "--kv-cache-bytes", "512MiB")
     try:
         core = logged_pid(group, r"engine core process (\d+) started")
-        threads, results = start_streams(group.base_url, 2)
+        # 6000 tokens: no stream may finish before the kill, however long the starts take -- a 1000-token
+        # stream once did, in a CI-like run where 4 starts took over 3 s.
+        threads, results = start_streams(group.base_url, 2, max_tokens=6000)
         os.kill(core, signal.SIGKILL)
         statuses: dict[str, set[int]] = {"0": set(), "1": set()}
         health: list[int] = []

@@ -226,18 +226,14 @@ def decode_grid(device, clock, smoke: bool, copy_bps: float, deadline: float) ->
 # -- 4. end to end --------------------------------------------------------------------------------------
 def end_to_end(device, smoke: bool, deadline: float) -> dict:
     import torch
-    import transformers
 
     from kvserve.runtime import LLM, SamplingParams
-    from kvserve.runtime.models.synthetic import write_word_tokenizer
+    from kvserve.runtime.models.synthetic import make_shape_dir
 
     shape = TINY_MODEL if smoke else LLAMA3_8B
     dtype = "float32" if smoke else "bfloat16"
     batch, prompt_len, new_tokens = (3, 20, 4) if smoke else (64, 512, 128)
-    tmp = tempfile.mkdtemp(prefix="kvserve-e2e-")
-    transformers.LlamaConfig(**shape, torch_dtype=dtype, bos_token_id=1, eos_token_id=2,
-                             architectures=["LlamaForCausalLM"]).save_pretrained(tmp)
-    write_word_tokenizer(tmp, shape["vocab_size"])
+    tmp = make_shape_dir(tempfile.mkdtemp(prefix="kvserve-e2e-"), "LlamaForCausalLM", dtype, **shape)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, shape["vocab_size"], (prompt_len,), generator=gen).tolist() for _ in range(batch)]
     result = dict(model="Llama-3-8B shape, random weights" if not smoke else "tiny", dtype=dtype, batch=batch,

@@ -31,11 +31,8 @@ import sys
 import tempfile
 import time
 
-LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                 num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192,
-                 rms_norm_eps=1e-5, tie_word_embeddings=False)
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
-            vocab_size=512, max_position_embeddings=512, rms_norm_eps=1e-5)
+from gpu_kernels import LLAMA3_8B, TINY_MODEL as TINY  # noqa: E402  (this folder: the same shapes, once)
+
 # Graph check model: big enough that a wrong row or stale buffer shows, small enough to run eagerly in seconds.
 CHECK = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=2, vocab_size=2048, max_position_embeddings=1024, rms_norm_eps=1e-5,
@@ -72,15 +69,9 @@ def _child(piece: str, mode: str, smoke: bool, model_dir: str, size: int | None 
 
 def _shape_dir(shape: dict, dtype: str) -> str:
     """config.json + a word tokenizer, no weights (load_format="dummy" makes them on the device)."""
-    import transformers
+    from kvserve.runtime.models.synthetic import make_shape_dir
 
-    from kvserve.runtime.models.synthetic import write_word_tokenizer
-
-    out = tempfile.mkdtemp(prefix="kvserve-shape-")
-    transformers.LlamaConfig(**shape, torch_dtype=dtype, bos_token_id=1, eos_token_id=2,
-                             architectures=["LlamaForCausalLM"]).save_pretrained(out)
-    write_word_tokenizer(out, shape["vocab_size"])
-    return out
+    return make_shape_dir(tempfile.mkdtemp(prefix="kvserve-shape-"), "LlamaForCausalLM", dtype, **shape)
 
 
 # -- 1. graphs give the eager engine's tokens ---------------------------------------------------------

@@ -90,11 +90,13 @@ def offline_core_process_run(args: argparse.Namespace, model_dir: str, serve_arg
 
 
 def _api_server_counts(text: str) -> list[int]:
+    from kvserve.runtime.engine_args import positive_int_list
+
     try:
-        counts = [int(part) for part in str(text).split(",") if part.strip()]
+        counts = positive_int_list(text)
     except ValueError:
         counts = []
-    if not counts or any(c < 1 for c in counts) or len(set(counts)) != len(counts):
+    if not counts or len(set(counts)) != len(counts):
         raise ValueError(f"--api-server-counts: distinct positive integers, e.g. 1,2; got {text!r}")
     return counts
 

@@ -230,14 +230,14 @@ def _cuda_graph_sizes(a, model_config: ModelConfig, device: str, attention_backe
         raise InvalidParameter("cuda_graphs", reason)
     if a.cuda_graph_sizes is None:
         return cuda_graphs.default_capture_sizes(a.max_num_seqs)
+    from kvserve.runtime.engine_args import positive_int_list
+
     text = a.cuda_graph_sizes if isinstance(a.cuda_graph_sizes, str) else ",".join(map(str, a.cuda_graph_sizes))
     try:
-        sizes = sorted({int(part) for part in text.split(",") if part.strip()})
+        sizes = sorted(set(positive_int_list(text)))
     except ValueError:
-        sizes = []
-    if not sizes or sizes[0] < 1:
         raise InvalidParameter("cuda_graph_sizes", f"cuda_graph_sizes must be comma-separated positive integers, "
-                                                   f"got {a.cuda_graph_sizes!r}")
+                                                   f"got {a.cuda_graph_sizes!r}") from None
     if sizes[-1] > a.max_num_seqs:
         raise InvalidParameter("cuda_graph_sizes", f"cuda_graph_sizes {sizes[-1]} exceeds max_num_seqs "
                                                    f"{a.max_num_seqs} (a decode step never has more sequences)")

@@ -36,6 +36,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_int_list(text: str) -> list[int]:
+    """"1,2, 4" -> [1, 2, 4] (order kept); ValueError unless every comma-separated part is an integer >= 1."""
+    try:
+        values = [int(part) for part in str(text).split(",") if part.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise ValueError(f"expected comma-separated positive integers, e.g. 1,2,4; got {text!r}")
+    return values
+
+
 def _setting(default: Any, help: str, *, type: Any = None, choices: tuple | None = None, crd: str | None = None,
              crd_default: Any = MISSING, hidden: bool = False, flag: str | None = None,
              aliases: tuple[str, ...] = ()) -> Any:

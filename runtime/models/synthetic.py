@@ -63,6 +63,22 @@ ARCH_CONFIGS = {"LlamaForCausalLM": "LlamaConfig", "MistralForCausalLM": "Mistra
                 "Gemma2ForCausalLM": "Gemma2Config", "Gemma3ForCausalLM": "Gemma3TextConfig"}
 
 
+def make_shape_dir(out_dir: str, architecture: str = "LlamaForCausalLM", dtype: str = "bfloat16",
+                   **config_kwargs) -> str:
+    """config.json + tokenizer, no weights: a model shape for load_format="dummy" (benchmarks of an 8B or 70B
+    shape without writing its checkpoint). Returns out_dir."""
+    import transformers
+
+    config_kwargs.setdefault("bos_token_id", 1)
+    config_kwargs.setdefault("eos_token_id", 2)
+    config = getattr(transformers, ARCH_CONFIGS[architecture])(**config_kwargs, torch_dtype=dtype,
+                                                               architectures=[architecture])
+    os.makedirs(out_dir, exist_ok=True)
+    config.save_pretrained(out_dir)
+    write_word_tokenizer(out_dir, config.vocab_size)
+    return out_dir
+
+
 def make_random_model_dir(out_dir: str, architecture: str = "LlamaForCausalLM", seed: int = 0,
                           dtype: str = "float32", norm_weight_std: float = 0.0, **config_kwargs):
     """Write config.json + model.safetensors + tokenizer files to out_dir; returns the HF model (eval).

@@ -126,7 +126,7 @@ def graph_check(smoke: bool) -> dict:
 
 # -- 2. host vs model time per decode step -------------------------------------------------------------
 def step_piece(mode: str, smoke: bool, model_dir: str, size: int) -> dict:
-    from kvserve.runtime import bench_step
+    from kvserve.runtime.bench import step as bench_step
 
     kw = dict(device="cpu" if smoke else "cuda", dtype="float32" if smoke else "bfloat16", load_format="dummy",
               attention_backend="triton")
@@ -218,9 +218,9 @@ def main(argv=None) -> int:
     smoke = args.cpu_smoke or not torch.cuda.is_available()
     if smoke:
         os.environ["TRITON_INTERPRET"] = "1"
-        from kvserve.runtime.worker import cuda_graphs
+        from kvserve.runtime import cuda_graph_settings
 
-        cuda_graphs.EMULATE_ON_CPU = True
+        cuda_graph_settings.EMULATE_ON_CPU = True
     if args.piece:  # a child: one engine's worth of work, then exit (its memory goes with it)
         result = (graph_piece(args.mode, smoke, args.model_dir) if args.piece == "graphs"
                   else step_piece(args.mode, smoke, args.model_dir, args.size))

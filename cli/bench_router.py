@@ -1,4 +1,4 @@
-"""`kvserve bench router`: router vs random spread over local replicas (kvserve.runtime.router.bench)."""
+"""`kvserve bench router`: router vs random spread over local replicas (kvserve.runtime.bench.router)."""
 from __future__ import annotations
 
 import argparse
@@ -31,6 +31,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvserve.runtime.router.bench import main
+    from kvserve.runtime.bench.router import main
 
     return main(args)

@@ -1,4 +1,4 @@
-"""`kvserve bench serve`: a serving benchmark modelled on `vllm bench serve` (kvserve.runtime.bench_serve)."""
+"""`kvserve bench serve`: a serving benchmark modelled on `vllm bench serve` (kvserve.runtime.bench.serve)."""
 from __future__ import annotations
 
 import argparse
@@ -60,6 +60,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 # ------------------------------------------------------------------------------------------------------
 def run(args: argparse.Namespace) -> int:
-    from kvserve.runtime.bench_serve import main
+    from kvserve.runtime.bench.serve import main
 
     return main(args)

@@ -25,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvserve.runtime.bench_step import main
+    from kvserve.runtime.bench.step import main
 
     engine_kwargs = {name: value for name, value in (("device", args.device), ("dtype", args.dtype),
                                                      ("load_format", args.load_format)) if value}

@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvserve.runtime.bench_throughput import main
+    from kvserve.runtime.bench.throughput import main
 
     if args.model and (args.hidden_size or args.num_layers):
         raise SystemExit("--hidden-size / --num-layers shape the built model; with --model its config.json does")

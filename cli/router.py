@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = None
     if args.tokenizer:
         from kvserve.runtime.router.prompt import PromptTokenizer
-        from kvserve.runtime.sampling_params import InvalidParameter
+        from kvserve.runtime.errors import InvalidParameter
 
         try:
             tokenizer = PromptTokenizer(args.tokenizer)

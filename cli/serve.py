@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
 
     from kvserve.runtime.demo_model import DEMO_MODEL_ID, ensure_demo_model, is_demo_model_dir
     from kvserve.runtime.server.api_server import run_server
-    from kvserve.runtime.server.app import ServerConfig
+    from kvserve.runtime.server.state import ServerConfig
 
     if args.model_dir is None:
         model_dir = str(ensure_demo_model())

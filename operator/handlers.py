@@ -21,13 +21,14 @@ from typing import Any
 
 import kopf
 
+from kvserve.operator import labels
 from kvserve.operator import kube, leader, metrics, model_configs, pod_health, render, render_router, \
     render_security, spec as spec_mod, status as status_mod, transitions
 
 log = logging.getLogger("kvserve.operator")
 G, V, P = spec_mod.GROUP, spec_mod.VERSION, spec_mod.PLURAL
 RESYNC_SECONDS = float(os.environ.get("KVSERVE_RESYNC_SECONDS", "60"))
-CHILD_LABELS = {"app.kubernetes.io/managed-by": render.MANAGED_BY}
+CHILD_LABELS = {"app.kubernetes.io/managed-by": labels.MANAGED_BY}
 
 _known: set[tuple[str, str]] = set()  # InferenceServices seen on the watch stream, for the resync
 _locks: dict[tuple[str, str], threading.Lock] = {}
@@ -97,7 +98,7 @@ def reconcile(namespace: str, name: str) -> dict[str, str]:
         # else: an impossible spec creates nothing and leaves a previously working Deployment serving.
 
         previous = parent.get("status") or {}
-        pods = (kube.list_labelled("Pod", namespace, {render.OWNER_LABEL: name})
+        pods = (kube.list_labelled("Pod", namespace, {labels.OWNER_LABEL: name})
                 if live[("Deployment", name)] else [])
         failure = pod_health.diagnose(pods)
         new_status = status_mod.compute_status(
@@ -211,7 +212,7 @@ def on_change(namespace: str, name: str, **_: Any) -> None:
 
 def _on_child_event(body: kopf.Body, type: str | None, **_: Any) -> None:
     meta = body.get("metadata", {})
-    owner = (meta.get("labels") or {}).get(render.OWNER_LABEL)
+    owner = (meta.get("labels") or {}).get(labels.OWNER_LABEL)
     if owner and any(ref.get("kind") == spec_mod.KIND for ref in meta.get("ownerReferences") or []):
         _reconcile_or_retry(meta["namespace"], owner, "child")
 

@@ -10,10 +10,9 @@ from typing import Any
 
 from kvserve.operator import pod_resources, render_model, render_router, render_security
 from kvserve.operator.render_model import MODEL_MOUNT, model_source  # noqa: F401 - re-exported
+from kvserve.operator.labels import engine_labels, engine_selector
 from kvserve.operator.spec import API_VERSION, KIND, Resolved
 from kvserve.runtime import engine_args
-MANAGED_BY = "kvserve-operator"
-OWNER_LABEL = "serving.kvserve.dev/inferenceservice"
 METRIC_NAME = "vllm_num_requests_waiting"  # prometheus-adapter's name for vllm:num_requests_waiting
 STARTUP_PERIOD_SECONDS = 10
 
@@ -25,19 +24,6 @@ DEFAULT_BEHAVIOR: dict[str, Any] = {
     "scaleDown": {"stabilizationWindowSeconds": 600, "selectPolicy": "Max",
                   "policies": [{"type": "Pods", "value": 1, "periodSeconds": 300}]},
 }
-
-
-def selector_labels(name: str) -> dict[str, str]:
-    return {"app.kubernetes.io/name": "kvserve", "app.kubernetes.io/instance": name}
-
-
-def selector_string(name: str) -> str:
-    return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(name).items()))
-
-
-def labels(name: str) -> dict[str, str]:
-    return {**selector_labels(name), "app.kubernetes.io/component": "engine",
-            "app.kubernetes.io/managed-by": MANAGED_BY, OWNER_LABEL: name}
 
 
 def service_url(name: str, namespace: str, port: int) -> str:
@@ -141,7 +127,7 @@ def deployment(resolved: Resolved, name: str, namespace: str) -> dict:
             "maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
             # ScheduleAnyway: scarce GPU nodes must never leave a replica Pending for the sake of spreading.
             "whenUnsatisfiable": "ScheduleAnyway",
-            "labelSelector": {"matchLabels": selector_labels(name)},
+            "labelSelector": {"matchLabels": engine_selector(name)},
         }],
     }
     if node_selector:
@@ -155,16 +141,16 @@ def deployment(resolved: Resolved, name: str, namespace: str) -> dict:
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": {"name": name, "namespace": namespace, "labels": labels(name)},
+        "metadata": {"name": name, "namespace": namespace, "labels": engine_labels(name)},
         "spec": {
             "replicas": spec["replicas"],
             "revisionHistoryLimit": 3,
             "progressDeadlineSeconds": spec["startupTimeoutSeconds"] + 600,
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
-            "selector": {"matchLabels": selector_labels(name)},
+            "selector": {"matchLabels": engine_selector(name)},
             "template": {
                 "metadata": {
-                    "labels": labels(name),
+                    "labels": engine_labels(name),
                     "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(spec["port"]),
                                     "prometheus.io/path": "/metrics"},
                 },
@@ -178,8 +164,8 @@ def service(resolved: Resolved, name: str, namespace: str) -> dict:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": {"name": name, "namespace": namespace, "labels": labels(name)},
-        "spec": {"type": "ClusterIP", "selector": selector_labels(name),
+        "metadata": {"name": name, "namespace": namespace, "labels": engine_labels(name)},
+        "spec": {"type": "ClusterIP", "selector": engine_selector(name),
                  "ports": [{"name": "http", "port": resolved.spec["port"], "targetPort": "http",
                             "protocol": "TCP"}]},
     }
@@ -190,7 +176,7 @@ def autoscaler(resolved: Resolved, name: str, namespace: str) -> dict:
     return {
         "apiVersion": "autoscaling/v2",
         "kind": "HorizontalPodAutoscaler",
-        "metadata": {"name": name, "namespace": namespace, "labels": labels(name)},
+        "metadata": {"name": name, "namespace": namespace, "labels": engine_labels(name)},
         "spec": {
             # The HPA scales the InferenceService through its /scale subresource; the operator then rolls
             # the replica count into the Deployment, so nothing else fights over Deployment.spec.replicas.
@@ -210,10 +196,10 @@ def disruption_budget(resolved: Resolved, name: str, namespace: str) -> dict:
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": {"name": name, "namespace": namespace, "labels": labels(name)},
+        "metadata": {"name": name, "namespace": namespace, "labels": engine_labels(name)},
         "spec": {
             "maxUnavailable": resolved.spec["podDisruptionBudget"]["maxUnavailable"],
-            "selector": {"matchLabels": selector_labels(name)},
+            "selector": {"matchLabels": engine_selector(name)},
             # Pods still loading weights are not Ready; without this they would block node drains.
             "unhealthyPodEvictionPolicy": "AlwaysAllow",
         },
@@ -230,7 +216,7 @@ def render(resolved: Resolved, name: str, namespace: str) -> list[dict]:
     if resolved.spec["podDisruptionBudget"]["enabled"]:
         objs.append(disruption_budget(resolved, name, namespace))
     *router_source, router_inits = render_model.router_model_source(resolved)
-    objs += render_router.render(resolved, name, namespace, labels(name), tuple(router_source), router_inits)
+    objs += render_router.render(resolved, name, namespace, tuple(router_source), router_inits)
     if resolved.spec["networkPolicy"]["enabled"]:
         objs.append(render_security.network_policy(resolved, name, namespace))
     return objs

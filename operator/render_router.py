@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvserve.operator.labels import router_labels, router_selector
 from kvserve.operator.spec import Resolved
 
 SUFFIX = "-router"
@@ -43,17 +44,6 @@ def child_keys(name: str, spec: dict, previous_status: dict) -> list[tuple[str, 
     return [(kind, rname) for kind in ("Deployment", "Service", "PodDisruptionBudget", *ROUTER_ONLY_KINDS)]
 
 
-def selector_labels(name: str) -> dict[str, str]:
-    return {"app.kubernetes.io/name": "kvserve-router", "app.kubernetes.io/instance": name}
-
-
-def _labels(name: str, base_labels: dict[str, str]) -> dict[str, str]:
-    # The engine's labels minus its selector keys, plus the router's: keeps managed-by and the owner label
-    # (which routes child events back to this InferenceService).
-    keep = {k: v for k, v in base_labels.items() if k not in ("app.kubernetes.io/name", "app.kubernetes.io/instance")}
-    return {**selector_labels(name), **keep, "app.kubernetes.io/component": "router"}
-
-
 def router_args(resolved: Resolved, name: str, namespace: str, model_dir: str) -> list[str]:
     spec = resolved.spec
     return ["kvserve", "router",
@@ -65,7 +55,7 @@ def router_args(resolved: Resolved, name: str, namespace: str, model_dir: str) -
             "--default-capacity-tokens", str(max(1, resolved.plan.kv_tokens))]
 
 
-def render(resolved: Resolved, name: str, namespace: str, base_labels: dict[str, str],
+def render(resolved: Resolved, name: str, namespace: str,
            model_source: tuple[list[dict], list[dict], str], init_containers: list[dict] | None = None) -> list[dict]:
     """`model_source`: (volumes, read-only mounts, tokenizer directory); `init_containers`: what fills them
     for a downloaded model (render_model.router_model_source)."""
@@ -74,7 +64,7 @@ def render(resolved: Resolved, name: str, namespace: str, base_labels: dict[str,
         return []
     router = spec["router"]
     rname = router_name(name)
-    labels = _labels(name, base_labels)
+    labels = router_labels(name)
     meta = {"name": rname, "namespace": namespace, "labels": labels}
     volumes, mounts, model_dir = model_source
     port = spec["port"]
@@ -108,7 +98,7 @@ def render(resolved: Resolved, name: str, namespace: str, base_labels: dict[str,
     }
     if spec.get("imagePullSecrets"):
         pod_spec["imagePullSecrets"] = spec["imagePullSecrets"]
-    selector = selector_labels(name)
+    selector = router_selector(name)
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": meta,

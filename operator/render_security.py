@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from kvserve.operator import render
+from kvserve.operator.labels import OWNER_LABEL, engine_labels, engine_pod_selector
 from kvserve.operator.spec import Resolved
 
 API_KEY_ENV = "KVSERVE_API_KEY"  # cli/serve.py reads it when --api-key is not given
@@ -69,10 +69,6 @@ def with_api_key_hash(objs: list[dict], digest: str | None) -> list[dict]:
     return out
 
 
-def engine_pod_selector(name: str) -> dict[str, str]:
-    return {**render.selector_labels(name), "app.kubernetes.io/component": "engine"}
-
-
 def network_policy(resolved: Resolved, name: str, namespace: str) -> dict:
     """Ingress to the engine pods: the API port from this InferenceService's own pods (the router), pods of
     the same namespace (allowSameNamespace) and the listed peers; the same port from the monitoring namespace
@@ -80,13 +76,13 @@ def network_policy(resolved: Resolved, name: str, namespace: str) -> dict:
     policy, port = resolved.spec["networkPolicy"], resolved.spec["port"]
     api_peers: list[dict[str, Any]] = (
         [{"podSelector": {}}] if policy["allowSameNamespace"]
-        else [{"podSelector": {"matchLabels": {render.OWNER_LABEL: name}}}])
+        else [{"podSelector": {"matchLabels": {OWNER_LABEL: name}}}])
     api_peers += list(policy.get("from") or [])
     metrics_selector = policy.get("metricsNamespaceSelector") or DEFAULT_METRICS_NAMESPACE_SELECTOR
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": {"name": name, "namespace": namespace, "labels": render.labels(name)},
+        "metadata": {"name": name, "namespace": namespace, "labels": engine_labels(name)},
         "spec": {
             "podSelector": {"matchLabels": engine_pod_selector(name)},
             "policyTypes": ["Ingress"],  # egress stays open: DNS, and model downloads where configured

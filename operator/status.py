@@ -9,7 +9,8 @@ from typing import Any
 
 from kvserve.operator.planner import Plan
 from kvserve.operator.pod_health import PodFailure
-from kvserve.operator.render import selector_string, service_url
+from kvserve.operator.labels import selector_string
+from kvserve.operator.render import service_url
 from kvserve.operator.render_router import url_service_name
 
 CONDITION_TYPES = ("Ready", "CapacityPlanned", "Progressing", "Degraded", "ChildConflict", "ModelReady")

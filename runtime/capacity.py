@@ -188,7 +188,7 @@ def unsupported_architecture_error(shape: ModelShape) -> str | None:
 
 # -- tensor parallelism ---------------------------------------------------------------------------------
 def tp_shape_error(num_heads: int, num_kv_heads: int, intermediate_size: int, tp_size: int) -> str | None:
-    """Why this model cannot be split t ways, or None when it can (see runtime/parallel/sharding.py for
+    """Why this model cannot be split t ways, or None when it can (see runtime/models/sharding.py for
     the layout these rules protect)."""
     t = tp_size
     if t < 1:

@@ -6,10 +6,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvserve.runtime import capacity
+from kvserve.runtime import capacity, cuda_graph_settings
 from kvserve.runtime.capacity import SUPPORTED_ARCHITECTURES, CapacityError
 from kvserve.runtime.core.scheduler import SchedulerConfig
-from kvserve.runtime.sampling_params import InvalidParameter
+from kvserve.runtime.errors import InvalidParameter
 
 ALLOWED_BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
@@ -200,7 +200,7 @@ def build_engine_config(args) -> EngineConfig:
         raise InvalidParameter(field_name, str(exc)) from None
     if a.load_format not in ("auto", "dummy"):
         raise InvalidParameter("load_format", f"load_format must be 'auto' or 'dummy', got {a.load_format!r}")
-    cuda_graph_sizes = _cuda_graph_sizes(a, model_config, device, attention_backend)
+    cuda_graph_sizes = cuda_graph_settings.capture_sizes(a, model_config, device, attention_backend)
     cache = CacheConfig(block_size=a.block_size, enable_prefix_caching=a.enable_prefix_caching,
                         kv_cache_bytes=kv_cache_bytes, num_kv_blocks=a.num_kv_blocks,
                         gpu_memory_utilization=a.gpu_memory_utilization, kv_cache_dtype=kv_cache_dtype,
@@ -209,36 +209,3 @@ def build_engine_config(args) -> EngineConfig:
                         tensor_parallel_size=a.tensor_parallel_size, attention_backend=attention_backend,
                         device=device, seed=a.seed, max_consecutive_step_failures=a.max_consecutive_step_failures,
                         load_format=a.load_format, cuda_graph_sizes=cuda_graph_sizes)
-
-
-def _cuda_graph_sizes(a, model_config: ModelConfig, device: str, attention_backend: str) -> tuple[int, ...]:
-    """--cuda-graphs / --cuda-graph-sizes -> the sorted batch sizes to capture (empty: graphs off)."""
-    if not a.cuda_graphs:
-        if a.cuda_graph_sizes:
-            raise InvalidParameter("cuda_graph_sizes", "cuda_graph_sizes is set but cuda_graphs is off "
-                                                       "(add --cuda-graphs)")
-        return ()
-    from kvserve.runtime.models.registry import moe_shape
-    from kvserve.runtime.worker import cuda_graphs
-
-    moe = moe_shape(model_config.hf_config)
-    reason = cuda_graphs.unsupported_reason(
-        device=device, attention_backend=attention_backend, tensor_parallel_size=a.tensor_parallel_size,
-        num_kv_groups=len(capacity.shape_kv_cache_groups(model_config.shape)),
-        moe=bool(moe is not None and moe.sparse_layers))
-    if reason:
-        raise InvalidParameter("cuda_graphs", reason)
-    if a.cuda_graph_sizes is None:
-        return cuda_graphs.default_capture_sizes(a.max_num_seqs)
-    from kvserve.runtime.engine_args import positive_int_list
-
-    text = a.cuda_graph_sizes if isinstance(a.cuda_graph_sizes, str) else ",".join(map(str, a.cuda_graph_sizes))
-    try:
-        sizes = sorted(set(positive_int_list(text)))
-    except ValueError:
-        raise InvalidParameter("cuda_graph_sizes", f"cuda_graph_sizes must be comma-separated positive integers, "
-                                                   f"got {a.cuda_graph_sizes!r}") from None
-    if sizes[-1] > a.max_num_seqs:
-        raise InvalidParameter("cuda_graph_sizes", f"cuda_graph_sizes {sizes[-1]} exceeds max_num_seqs "
-                                                   f"{a.max_num_seqs} (a decode step never has more sequences)")
-    return tuple(sizes)

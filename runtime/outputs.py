@@ -47,7 +47,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
     # Set (with finished=True, finish_reason "error") when the engine failed this request: a
-    # kvserve.runtime.engine.errors.RequestError (message for the client, retryable or not).
+    # kvserve.runtime.errors.RequestError (message for the client, retryable or not).
     error: Any = None
 
 

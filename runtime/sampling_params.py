@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvserve.runtime.errors import InvalidParameter
+
 # Temperatures below this are treated as greedy: dividing logits by ~0 overflows.
 _GREEDY_EPS = 1e-5
 
@@ -160,14 +162,6 @@ def verify_request(prompt_token_ids: list[int], params: SamplingParams, limits: 
     if blocks_needed > limits.num_usable_blocks:
         raise InvalidParameter("max_tokens", f"prompt plus max_tokens ({prompt_len + max_tokens} tokens) needs "
                                              f"{blocks_needed} KV blocks; the KV pool has {limits.num_usable_blocks}")
-
-
-class InvalidParameter(ValueError):
-    """A request parameter is invalid. `param` names the field (OpenAI error bodies carry it)."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
 
 
 def _is_int(value: object) -> bool:

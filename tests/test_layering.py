@@ -43,10 +43,10 @@ def test_layering_contracts_hold(tmp_path):
 def test_a_forbidden_import_breaks_the_contract(tmp_path):
     pkg = _stage(tmp_path)
     planner = pkg / "operator" / "planner.py"
-    planner.write_text(planner.read_text() + "\nfrom kvserve.runtime.worker import kv_sizing  # noqa\n")
+    planner.write_text(planner.read_text() + "\nfrom kvserve.runtime.executor import kv_sizing  # noqa\n")
     result = _lint(tmp_path)
     assert result.returncode != 0 and "operator-seams" not in result.stderr
-    assert "BROKEN" in result.stdout and "kvserve.runtime.worker" in result.stdout
+    assert "BROKEN" in result.stdout and "kvserve.runtime.executor" in result.stdout
 
 
 def test_operator_modules_import_without_torch():
@@ -54,3 +54,54 @@ def test_operator_modules_import_without_torch():
             "kvserve.operator.status, kvserve.cli.plan; "
             "bad = [m for m in ('torch', 'transformers', 'numpy') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _import_cycles(staged_root: pathlib.Path) -> list[list[str]]:
+    """Strongly connected components (size > 1) of the module-level import graph, function-level imports
+    included: each is a set of modules that import each other in a circle."""
+    code = r'''
+import json, sys
+import grimp
+graph = grimp.build_graph("kvserve")
+modules = sorted(graph.modules)
+edges = {m: sorted(i for i in graph.find_modules_directly_imported_by(m) if i in graph.modules) for m in modules}
+sys.setrecursionlimit(100000)
+index, low, stack, on_stack, out, counter = {}, {}, [], set(), [], [0]
+def visit(v):
+    index[v] = low[v] = counter[0]; counter[0] += 1; stack.append(v); on_stack.add(v)
+    for w in edges[v]:
+        if w not in index:
+            visit(w); low[v] = min(low[v], low[w])
+        elif w in on_stack:
+            low[v] = min(low[v], index[w])
+    if low[v] == index[v]:
+        comp = []
+        while True:
+            w = stack.pop(); on_stack.discard(w); comp.append(w)
+            if w == v:
+                break
+        if len(comp) > 1:
+            out.append(sorted(comp))
+for m in modules:
+    if m not in index:
+        visit(m)
+print(json.dumps(out))
+'''
+    env = {**os.environ, "PYTHONPATH": str(staged_root)}
+    result = subprocess.run([sys.executable, "-c", code], cwd=staged_root, env=env, capture_output=True, text=True,
+                            timeout=120, check=True)
+    import json
+
+    return json.loads(result.stdout)
+
+
+def test_no_import_cycle_between_modules(tmp_path):
+    _stage(tmp_path)
+    assert _import_cycles(tmp_path) == []
+
+
+def test_an_import_cycle_is_found(tmp_path):
+    pkg = _stage(tmp_path)
+    errors = pkg / "runtime" / "errors.py"
+    errors.write_text(errors.read_text() + "\n\ndef _f():\n    from kvserve.runtime import config  # noqa\n")
+    assert any("kvserve.runtime.errors" in cycle for cycle in _import_cycles(tmp_path))

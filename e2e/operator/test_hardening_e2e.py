@@ -17,7 +17,8 @@ import pytest
 import yaml
 from kopf.testing import KopfRunner
 
-from kvserve.operator import leader, render, render_security
+from kvserve.operator import labels
+from kvserve.operator import leader, render_security
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 NS, NAME = "default", "llama70b"
@@ -85,7 +86,7 @@ def test_pod_failures_become_degraded_within_a_resync_with_one_event_each(emulat
         emulator.call("POST", emulator.path(emulator.CR, NS), _example())
         emulator.wait_for(lambda: emulator.get(emulator.CHILDREN["Deployment"], NS, NAME), what="Deployment")
         pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {
-            "name": f"{NAME}-7d9f-abcde", "namespace": NS, "labels": render.labels(NAME)}, "spec": {}}
+            "name": f"{NAME}-7d9f-abcde", "namespace": NS, "labels": labels.engine_labels(NAME)}, "spec": {}}
         emulator.call("POST", emulator.path(pod_resource, NS), pod)
         # An unrelated failing pod in the namespace must not be blamed on this service.
         stranger = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "other", "namespace": NS,

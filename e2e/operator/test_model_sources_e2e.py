@@ -13,7 +13,8 @@ import time
 import pytest
 from kopf.testing import KopfRunner
 
-from kvserve.operator import render, spec as spec_mod
+from kvserve.operator import labels
+from kvserve.operator import spec as spec_mod
 from kvserve.runtime.sources import uri as source_uri
 from tests.sources.hub_server import HubServer, Repo
 
@@ -90,7 +91,7 @@ def test_planned_from_config_json_downloaded_by_init_container_failures_surface(
         message = (f"kvserve: download failed: hf://{REPO_ID}@main ({hub.url}): the token was rejected "
                    "(check HF_TOKEN in the Secret named by spec.model.credentials.secretRef)")
         pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"{NAME}-abc", "namespace": NS,
-                                                                "labels": render.labels(NAME)},
+                                                                "labels": labels.engine_labels(NAME)},
                "status": {"phase": "Pending", "initContainerStatuses": [{
                    "name": "model-download", "ready": False, "restartCount": 2,
                    "state": {"waiting": {"reason": "CrashLoopBackOff"}},

@@ -30,8 +30,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from kvserve.runtime.engine.errors import EngineDeadError, RequestFailedError
-from kvserve.runtime.parallel.errors import WorkerDiedError
+from kvserve.runtime.errors import EngineDeadError, RequestFailedError
+from kvserve.runtime.errors import WorkerDiedError
 
 __all__ = ["AsyncEngine", "EngineDeadError", "RequestFailedError", "RequestStream"]
 

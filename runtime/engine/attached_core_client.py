@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from kvserve.runtime.config import EngineConfig
 from kvserve.runtime.engine.core_client import DEFAULT_STARTUP_TIMEOUT_S, CoreClient, close_channel
-from kvserve.runtime.engine.llm_engine import load_tokenizer
+from kvserve.runtime.tokenizer import load_tokenizer
 
 logger = logging.getLogger("kvserve.engine.client")
 

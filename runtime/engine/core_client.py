@@ -25,12 +25,14 @@ import weakref
 from kvserve.runtime.config import EngineConfig
 from kvserve.runtime.engine.core_messages import (EngineCoreAbort, EngineCoreOutputs, EngineCoreRequest,
                                                   MessageCodec, MessageType, failure_exception)
-from kvserve.runtime.engine.errors import EngineDeadError
-from kvserve.runtime.engine.llm_engine import LLMEngine, PromptInput, load_tokenizer
-from kvserve.runtime.engine.main_guard import exit_if_bootstrapping, raise_if_main_guard_exit
+from kvserve.runtime.errors import EngineDeadError
+from kvserve.runtime.engine.llm_engine import LLMEngine, PromptInput
+from kvserve.runtime.tokenizer import load_tokenizer
+from kvserve.runtime.child_process import describe_exit, exit_if_bootstrapping, raise_if_main_guard_exit
 from kvserve.runtime.engine.request_tracker import RequestTracker
 from kvserve.runtime.outputs import EngineStats, RequestOutput
-from kvserve.runtime.sampling_params import InvalidParameter, SamplingParams
+from kvserve.runtime.sampling_params import SamplingParams
+from kvserve.runtime.errors import InvalidParameter
 
 logger = logging.getLogger("kvserve.engine.client")
 
@@ -217,7 +219,7 @@ class CoreClient:
         raise self.dead_error
 
     def _describe_core_exit(self) -> str:
-        return _describe_exit(self.proc.exitcode)
+        return describe_exit(self.proc.exitcode)
 
     def _send(self, kind: MessageType, body) -> None:
         self._input.send(self._codec.encode(kind, body), copy=False)
@@ -256,14 +258,8 @@ def _core_mp_context():
     ctx = multiprocessing.get_context(method)
     if method == "forkserver":
         ctx.set_forkserver_preload(["kvserve.runtime.engine.core_process", "kvserve.runtime.engine.engine_core",
-                                    "kvserve.runtime.worker.model_runner"])
+                                    "kvserve.runtime.executor.model_runner"])
     return ctx
-
-
-def _describe_exit(code: int | None) -> str:
-    from kvserve.runtime.parallel.executor import _describe_exit as describe
-
-    return describe(code)
 
 
 def _stop_core(proc, input_sock, output_sock, ctx, tmpdir: str, fds: tuple[int, int]) -> None:

@@ -136,7 +136,7 @@ class _ReduceAs:
 
 
 def failure_message(exc: BaseException) -> CoreFailure:
-    from kvserve.runtime.sampling_params import InvalidParameter
+    from kvserve.runtime.errors import InvalidParameter
 
     try:
         # A PlanRejected at startup must stay one: the termination message (and the operator) key on its type.

@@ -18,12 +18,13 @@ from kvserve.runtime.config import EngineConfig
 from kvserve.runtime.core.kv_cache_manager import KVCacheManager
 from kvserve.runtime.core.scheduler import Scheduler
 from kvserve.runtime.engine.core_messages import EngineCoreOutputs, RequestFailure, SampleDelta
-from kvserve.runtime.engine.errors import STEP_FAILED, EngineDeadError, RequestError, request_failed
+from kvserve.runtime.errors import STEP_FAILED, EngineDeadError, RequestError, request_failed
 from kvserve.runtime.outputs import EngineStats
-from kvserve.runtime.parallel.errors import WorkerDiedError
+from kvserve.runtime.errors import WorkerDiedError
 from kvserve.runtime.request import Request, RequestStatus
-from kvserve.runtime.sampling_params import InvalidParameter, RequestLimits, SamplingParams, verify_request
-from kvserve.runtime.worker import kv_sizing
+from kvserve.runtime.sampling_params import RequestLimits, SamplingParams, verify_request
+from kvserve.runtime.errors import InvalidParameter
+from kvserve.runtime.executor import kv_sizing
 
 logger = logging.getLogger("kvserve.engine")
 
@@ -40,10 +41,10 @@ class _CoreRequest:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, tokenizer_vocab_size: int | None = None):
-        from kvserve.runtime.worker.model_runner import ModelRunner
+        from kvserve.runtime.executor.model_runner import ModelRunner
 
         if config.tensor_parallel_size > 1:  # one worker process per rank; this process only schedules
-            from kvserve.runtime.parallel.executor import MultiprocExecutor
+            from kvserve.runtime.executor.multiproc import MultiprocExecutor
 
             self.runner = MultiprocExecutor(config)
         else:

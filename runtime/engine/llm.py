@@ -6,7 +6,8 @@ from collections.abc import Sequence
 
 from kvserve.runtime.engine.llm_engine import LLMEngine, PromptInput
 from kvserve.runtime.outputs import RequestOutput
-from kvserve.runtime.sampling_params import InvalidParameter, SamplingParams
+from kvserve.runtime.sampling_params import SamplingParams
+from kvserve.runtime.errors import InvalidParameter
 
 
 class LLM:

@@ -19,7 +19,9 @@ from kvserve.runtime.config import EngineConfig, make_engine_config
 from kvserve.runtime.engine.engine_core import EngineCore
 from kvserve.runtime.engine.request_tracker import RequestTracker
 from kvserve.runtime.outputs import EngineStats, RequestOutput
-from kvserve.runtime.sampling_params import InvalidParameter, SamplingParams, is_valid_text
+from kvserve.runtime.tokenizer import load_tokenizer
+from kvserve.runtime.sampling_params import SamplingParams, is_valid_text
+from kvserve.runtime.errors import InvalidParameter
 
 logger = logging.getLogger("kvserve.engine")
 
@@ -153,12 +155,3 @@ class LLMEngine:
 
     def get_stats(self) -> EngineStats:
         return self.core.get_stats()
-
-
-def load_tokenizer(model_dir: str):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    except Exception as exc:  # noqa: BLE001 -- transformers raises many types; name the field instead
-        raise InvalidParameter("model", f"cannot load a tokenizer from {model_dir}: {exc}") from exc

@@ -1,4 +1,5 @@
-"""Per-request output state: incremental detokenisation, stop strings, logprobs, n-sample grouping."""
+"""Per-request output state: text (incremental detokenisation, runtime/tokenizer.py), stop strings, logprobs,
+n-sample grouping."""
 from __future__ import annotations
 
 import time
@@ -7,6 +8,7 @@ from dataclasses import dataclass, field
 from kvserve.runtime.core.outputs import EngineCoreOutput, TokenLogprobs
 from kvserve.runtime.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvserve.runtime.sampling_params import SamplingParams
+from kvserve.runtime.tokenizer import detokenize_incremental, fast_decode
 
 
 @dataclass
@@ -53,13 +55,10 @@ class RequestState:
                              RequestMetrics(**vars(self.metrics)))
 
 
-_CONTEXT_TOKENS = 5  # as vLLM's initial incremental-detokenisation offset
-
-
 class OutputProcessor:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self._decode_ids = _fast_decode(tokenizer)
+        self._decode_ids = fast_decode(tokenizer)
         self._token_text: dict[int, str] = {}
 
     def process(self, state: RequestState, index: int, out: EngineCoreOutput) -> str | None:
@@ -95,30 +94,7 @@ class OutputProcessor:
         return None
 
     def _detokenize(self, sample: SampleState, skip_special_tokens: bool, final: bool) -> str:
-        """Text of all of the sample's tokens, decoding only a small window per step (a full decode every
-        step is quadratic in the output length). Windows holding bytes that are not (yet) valid UTF-8 fall
-        back to a full decode, so the result is always exactly what decoding all tokens gives."""
-        ids = sample.token_ids
-
-        decode_ids = self._decode_ids
-
-        def decode(part: list[int]) -> str:
-            return decode_ids(part, skip_special_tokens)
-
-        prefix = decode(ids[sample.prefix_offset:sample.read_offset])
-        window = decode(ids[sample.prefix_offset:])
-        if "\ufffd" in window or not window.startswith(prefix):
-            text = decode(ids)
-            if final or not text.endswith("\ufffd"):
-                # Resync; keep a few tokens of context so word-boundary spaces decode as in the full text.
-                sample.decoded_text = text
-                sample.read_offset = len(ids)
-                sample.prefix_offset = max(0, len(ids) - _CONTEXT_TOKENS)
-            return text
-        if len(window) > len(prefix):
-            sample.decoded_text += window[len(prefix):]
-            sample.prefix_offset, sample.read_offset = sample.read_offset, len(ids)
-        return sample.decoded_text
+        return detokenize_incremental(self._decode_ids, sample, skip_special_tokens, final)
 
     def finish(self, state: RequestState, index: int, reason: str) -> None:
         sample = state.samples[index]
@@ -150,32 +126,3 @@ class OutputProcessor:
         if text is None:
             text = self._token_text[token_id] = self.tokenizer.decode([token_id])
         return text
-
-
-def _fast_decode(tokenizer):
-    """`decode(ids, skip_special_tokens)` giving exactly `tokenizer.decode(ids, skip_special_tokens=...)`.
-
-    Incremental detokenisation decodes two short windows per token per sample; through transformers'
-    `decode` (list conversion, kwargs plumbing, the clean-up option) a 5-token window costs ~4.4 us against
-    ~1.4 us in the Rust tokenizer it ends in (measured on the demo tokenizer). When the tokenizer is a plain
-    tokenizers-backed one whose decode is exactly `backend.decode` (no clean-up of tokenization spaces, no
-    subclass overriding decode/_decode), call the backend directly; otherwise keep transformers' path."""
-    def slow(ids: list[int], skip_special_tokens: bool) -> str:
-        return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-
-    try:
-        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
-        from transformers.tokenization_utils_tokenizers import TokenizersBackend
-    except ImportError:  # another transformers layout: stay on the general path
-        return slow
-    cls = type(tokenizer)
-    backend = getattr(tokenizer, "_tokenizer", None)
-    if (backend is None or not isinstance(tokenizer, TokenizersBackend)
-            or cls.decode is not PreTrainedTokenizerBase.decode or cls._decode is not TokenizersBackend._decode
-            or getattr(tokenizer, "clean_up_tokenization_spaces", True)):
-        return slow
-    backend_decode = backend.decode
-
-    def fast(ids: list[int], skip_special_tokens: bool) -> str:
-        return backend_decode(ids, skip_special_tokens=skip_special_tokens)
-    return fast

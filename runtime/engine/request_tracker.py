@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvserve.runtime.engine.core_messages import EngineCoreOutputs
-from kvserve.runtime.engine.errors import RequestError, request_failed
+from kvserve.runtime.errors import RequestError, request_failed
 from kvserve.runtime.engine.output_processor import OutputProcessor, RequestState
 from kvserve.runtime.outputs import RequestOutput
 from kvserve.runtime.sampling_params import SamplingParams

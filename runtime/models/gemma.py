@@ -29,9 +29,9 @@ from torch import nn
 
 from kvserve.runtime.models.attention import AttentionMetadata
 from kvserve.runtime.models.weights import load_checkpoint
-from kvserve.runtime.parallel.layers import (SINGLE, ColumnParallelLinear, ParallelContext, RowParallelLinear,
+from kvserve.runtime.models.parallel_layers import (SINGLE, ColumnParallelLinear, ParallelContext, RowParallelLinear,
                                              VocabParallelEmbedding, lm_head_logits)
-from kvserve.runtime.parallel.sharding import shard_spec
+from kvserve.runtime.models.sharding import shard_spec
 from kvserve.runtime import capacity
 
 

@@ -5,7 +5,7 @@ Q/K/V and gate/up projections are fused into one matmul each; HF checkpoints are
 Numerics follow transformers (fp32 RMSNorm, RoPE tables cast to the model dtype) so greedy output matches
 `generate` token for token.
 
-Tensor parallelism (Megatron-style, see kvserve.runtime.parallel): with a ParallelContext of size t each rank
+Tensor parallelism (Megatron-style, see kvserve.runtime.models.parallel_layers): with a ParallelContext of size t each rank
 holds its query heads and the KV heads they read (column-parallel fused QKV), its slice of the MLP's
 intermediate dim (column-parallel gate/up), row-parallel o_proj/down_proj closed by an all-reduce, and a
 vocab-parallel embedding and LM head. The loader reads only this rank's rows/columns from the checkpoint.
@@ -24,9 +24,9 @@ from kvserve.runtime.models.attention import AttentionMetadata
 from kvserve.runtime.models.moe import SparseMoeBlock
 from kvserve.runtime.models.registry import moe_shape
 from kvserve.runtime.models.weights import load_checkpoint
-from kvserve.runtime.parallel.layers import (SINGLE, ColumnParallelLinear, ParallelContext, RowParallelLinear,
+from kvserve.runtime.models.parallel_layers import (SINGLE, ColumnParallelLinear, ParallelContext, RowParallelLinear,
                                              VocabParallelEmbedding, lm_head_logits)
-from kvserve.runtime.parallel.sharding import ShardSpec, shard_spec
+from kvserve.runtime.models.sharding import ShardSpec, shard_spec
 
 
 class RMSNorm(nn.Module):

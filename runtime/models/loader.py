@@ -14,7 +14,7 @@ from kvserve.runtime.models.llama import LlamaForCausalLM
 from kvserve.runtime.models import fp8
 from kvserve.runtime.models.moe import convert_experts_to_fp8
 from kvserve.runtime.models.registry import model_class
-from kvserve.runtime.parallel.layers import SINGLE, ColumnParallelLinear, ParallelContext, RowParallelLinear
+from kvserve.runtime.models.parallel_layers import SINGLE, ColumnParallelLinear, ParallelContext, RowParallelLinear
 
 logger = logging.getLogger("kvserve.loader")
 

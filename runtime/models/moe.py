@@ -24,7 +24,7 @@ from torch import nn
 
 from kvserve.runtime.models import fp8
 from kvserve.runtime.models.registry import MoEShape
-from kvserve.runtime.parallel.layers import SINGLE, ParallelContext
+from kvserve.runtime.models.parallel_layers import SINGLE, ParallelContext
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool,

@@ -20,11 +20,10 @@ logger = logging.getLogger("kvserve.router")
 
 class PromptTokenizer:
     def __init__(self, model_dir: str):
-        from kvserve.runtime.engine.llm_engine import load_tokenizer
-        from kvserve.runtime.server.app import FALLBACK_CHAT_TEMPLATE
+        from kvserve.runtime.tokenizer import chat_template, load_tokenizer
 
         self.tokenizer = load_tokenizer(model_dir)
-        self.chat_template = getattr(self.tokenizer, "chat_template", None) or FALLBACK_CHAT_TEMPLATE
+        self.chat_template = chat_template(self.tokenizer)
 
     def token_ids(self, path: str, body: Any) -> list[int] | None:
         """Blocking (tokeniser work): call it off the event loop."""

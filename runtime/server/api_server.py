@@ -23,7 +23,8 @@ from typing import Any, Callable
 
 import uvicorn
 
-from kvserve.runtime.server.app import ServerConfig, ServerState, build_app
+from kvserve.runtime.server.app import build_app
+from kvserve.runtime.server.state import ServerConfig, ServerState
 
 logger = logging.getLogger("kvserve.server")
 

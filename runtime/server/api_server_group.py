@@ -76,7 +76,7 @@ def run_api_server_group(server_config, engine_args, *, host: str, port: int, co
     from kvserve.runtime.config import build_engine_config
     from kvserve.runtime.engine.attached_core_client import CoreAttachment
     from kvserve.runtime.engine.core_process import run_engine_core
-    from kvserve.runtime.engine.llm_engine import load_tokenizer
+    from kvserve.runtime.tokenizer import load_tokenizer
     from kvserve.runtime.server.termination import write_termination_message
 
     try:
@@ -178,7 +178,7 @@ def _api_server_main(config, engine_config, attachment, sock: socket.socket, hos
 
 def _supervise(core, servers: list, control, drain_timeout_s: float) -> int:
     """Wait until every API server has exited; returns the group's exit status."""
-    from kvserve.runtime.engine.core_client import _describe_exit
+    from kvserve.runtime.child_process import describe_exit
 
     state = {"signals": 0, "stopping": False}
     failed = False
@@ -211,7 +211,7 @@ def _supervise(core, servers: list, control, drain_timeout_s: float) -> int:
             core_gone, failed = True, True
             state["stopping"] = True  # each server answers 503 engine_dead and exits by itself: no SIGTERM
             logger.error("the engine core process died (%s): every API server answers 503 and exits 1",
-                         _describe_exit(core.exitcode))
+                         describe_exit(core.exitcode))
             deadline = min(deadline or float("inf"), time.monotonic() + CORE_DEATH_GRACE_S)
         for proc in [p for p in live if p.sentinel in ready]:
             proc.join(1)
@@ -219,7 +219,7 @@ def _supervise(core, servers: list, control, drain_timeout_s: float) -> int:
             if proc.exitcode != 0 or not state["stopping"]:
                 if not failed and not core_gone:
                     logger.error("%s exited (%s): stopping the other API servers", proc.name,
-                                 _describe_exit(proc.exitcode))
+                                 describe_exit(proc.exitcode))
                 failed = True
                 if not state["stopping"]:
                     state["stopping"] = True

@@ -39,7 +39,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 def engine_error(exc: Any) -> APIError:
     """The HTTP error for a request the engine failed (engine/errors.py): 503 + Retry-After when retrying can
     succeed (a failed step; a dead engine -- retry on another replica), 500 when its own processing failed."""
-    from kvserve.runtime.engine.errors import EngineDeadError
+    from kvserve.runtime.errors import EngineDeadError
 
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), type="server_error", code="engine_dead", headers={"Retry-After": "1"})

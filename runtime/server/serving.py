@@ -20,15 +20,16 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from kvserve.runtime.engine.async_engine import AsyncEngine, RequestStream
-from kvserve.runtime.engine.errors import RequestFailedError
-from kvserve.runtime.sampling_params import InvalidParameter, SamplingParams, verify_request
+from kvserve.runtime.errors import RequestFailedError
+from kvserve.runtime.sampling_params import SamplingParams, verify_request
+from kvserve.runtime.errors import InvalidParameter
 from kvserve.runtime.server import structured
 from kvserve.runtime.server.errors import APIError, bad_request, engine_error, find_invalid_text, from_validation_error
 from kvserve.runtime.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from kvserve.runtime.tracing import trace_headers
 
 if TYPE_CHECKING:
-    from kvserve.runtime.server.app import ServerState
+    from kvserve.runtime.server.state import ServerState
 
 logger = logging.getLogger("kvserve.server")
 

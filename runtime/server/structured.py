@@ -18,7 +18,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvserve.runtime.sampling_params import InvalidParameter
+from kvserve.runtime.errors import InvalidParameter
 from kvserve.runtime.server.errors import bad_request
 from kvserve.runtime.structured_output.spec import StructuredOutputSpec
 

@@ -18,7 +18,7 @@ logger = logging.getLogger("kvserve.server")
 
 
 def termination_message(exc: BaseException) -> str:
-    from kvserve.runtime.worker.kv_sizing import PlanRejected
+    from kvserve.runtime.executor.kv_sizing import PlanRejected
 
     prefix = PLAN_REJECTED_PREFIX if isinstance(exc, PlanRejected) else STARTUP_FAILED_PREFIX
     text = " ".join(str(exc).split()) or type(exc).__name__

@@ -12,7 +12,7 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from kvserve.runtime.sampling_params import InvalidParameter
+from kvserve.runtime.errors import InvalidParameter
 from kvserve.runtime.structured_output.spec import StructuredOutputSpec
 
 CACHE_ENTRIES = 512

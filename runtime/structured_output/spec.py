@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from kvserve.runtime.sampling_params import InvalidParameter
+from kvserve.runtime.errors import InvalidParameter
 
 MAX_SPEC_BYTES = 64 * 1024  # a schema / regex / grammar larger than this is refused (compile time grows with it)
 MAX_CHOICES = 256

@@ -1,4 +1,4 @@
-"""Decode CUDA graphs (runtime/worker/cuda_graphs.py) on CPU: capture/replay emulated, kernels under the
+"""Decode CUDA graphs (runtime/executor/cuda_graphs.py) on CPU: capture/replay emulated, kernels under the
 Triton interpreter. What this checks is everything but the CUDA graph object itself: the static buffers,
 padding a batch up to a captured size (slot -1, context length 1), metadata frozen at capture (split count
 chosen for max_model_len while real contexts are short), dropped padded rows, eager fallback above the
@@ -14,14 +14,15 @@ pytest.importorskip("transformers")
 import torch  # noqa: E402
 
 from kvserve.runtime import LLM, SamplingParams  # noqa: E402
-from kvserve.runtime.worker import cuda_graphs  # noqa: E402
+from kvserve.runtime import cuda_graph_settings  # noqa: E402
 
 MAX_MODEL_LEN = 128
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from kvserve.runtime.models.synthetic import TEST_MODEL_CONFIGS, make_random_model_dir
+    from kvserve.runtime.models.synthetic import make_random_model_dir
+    from kvserve_testing import TEST_MODEL_CONFIGS
 
     arch, kwargs = TEST_MODEL_CONFIGS["llama_gqa"]
     out = str(tmp_path_factory.mktemp("llama_gqa"))
@@ -31,7 +32,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture
 def emulate(monkeypatch):
-    monkeypatch.setattr(cuda_graphs, "EMULATE_ON_CPU", True)
+    monkeypatch.setattr(cuda_graph_settings, "EMULATE_ON_CPU", True)
 
 
 def _llm(model_dir, **kw):

@@ -33,7 +33,8 @@ def _generate(model_dir, prompts, backend, **kw):
 
 @pytest.fixture(scope="module")
 def random_model(tmp_path_factory):
-    from kvserve.runtime.models.synthetic import TEST_MODEL_CONFIGS, make_random_model_dir
+    from kvserve.runtime.models.synthetic import make_random_model_dir
+    from kvserve_testing import TEST_MODEL_CONFIGS
 
     def build(name):
         arch, kwargs = TEST_MODEL_CONFIGS[name]
@@ -59,7 +60,8 @@ def test_triton_backend_matches_torch(random_model, name, kw):
 def test_triton_backend_sliding_window_and_softcap(tmp_path):
     """Gemma 2 (window 12, attention softcap) in chunks of 24: the sliding KV group's out-of-window blocks are
     freed to null while the kernels run; a shared 20-token prefix hits through the window rule."""
-    from kvserve.runtime.models.synthetic import TEST_MODEL_CONFIGS, make_random_model_dir
+    from kvserve.runtime.models.synthetic import make_random_model_dir
+    from kvserve_testing import TEST_MODEL_CONFIGS
 
     arch, kwargs = TEST_MODEL_CONFIGS["gemma2_sliding"]
     model_dir = str(tmp_path)

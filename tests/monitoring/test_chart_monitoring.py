@@ -13,6 +13,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from kvserve.operator import labels
 from kvserve.operator import render, spec as spec_mod
 from tests.monitoring.promql import (DASHBOARD, MONITORING_ON, ROOT, binary, dashboard, dashboard_targets,
                                      metric_names, prometheus_rule_groups, render_chart, rule_exprs, substitute,
@@ -75,8 +76,8 @@ def test_podmonitor_selects_the_operators_engine_pods_and_labels_them(docs):
     (relabel,) = endpoint["relabelings"]
     # Kubernetes SD turns the pod label serving.kvserve.dev/inferenceservice into this meta label.
     assert relabel["sourceLabels"] == ["__meta_kubernetes_pod_label_"
-                                       + re.sub(r"[^a-zA-Z0-9_]", "_", render.OWNER_LABEL)]
-    assert relabel["targetLabel"] == "inferenceservice" and pod_labels[render.OWNER_LABEL] == "llama70b"
+                                       + re.sub(r"[^a-zA-Z0-9_]", "_", labels.OWNER_LABEL)]
+    assert relabel["targetLabel"] == "inferenceservice" and pod_labels[labels.OWNER_LABEL] == "llama70b"
     assert pm["spec"]["namespaceSelector"] == {"any": True}
 
 

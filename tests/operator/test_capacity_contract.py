@@ -20,8 +20,8 @@ from kvserve.operator import catalog, planner, render, spec as spec_mod
 from kvserve.runtime import capacity
 from kvserve.runtime.config import build_engine_config
 from kvserve.runtime.engine_args import EngineArgs
-from kvserve.runtime.sampling_params import InvalidParameter
-from kvserve.runtime.worker import kv_sizing
+from kvserve.runtime.errors import InvalidParameter
+from kvserve.runtime.executor import kv_sizing
 
 MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                "MixtralForCausalLM": "mixtral", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
@@ -208,7 +208,7 @@ def test_runtime_weight_bytes_match_the_planner(tmp_path):
     from kvserve.runtime.config import load_model_config
     from kvserve.runtime.models import fp8
     from kvserve.runtime.models.registry import model_class
-    from kvserve.runtime.parallel.layers import ColumnParallelLinear, ParallelContext, RowParallelLinear
+    from kvserve.runtime.models.parallel_layers import ColumnParallelLinear, ParallelContext, RowParallelLinear
 
     shapes = {
         "llama": capacity.ModelShape(2, 8, 2, 16, 128, 0, 512, 344, 1001),

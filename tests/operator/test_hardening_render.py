@@ -9,6 +9,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from kvserve.operator import labels
 from kvserve.operator import pod_resources, render, render_security, spec as spec_mod
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -86,7 +87,7 @@ def test_network_policy_defaults_and_knobs():
     policy = _by_kind(objs)["NetworkPolicy"]
     kubernetes_validate.validate(policy, K8S_VERSION, strict=True)
     spec = policy["spec"]
-    assert spec["podSelector"]["matchLabels"] == {**render.selector_labels("llama70b"),
+    assert spec["podSelector"]["matchLabels"] == {**labels.engine_selector("llama70b"),
                                                   "app.kubernetes.io/component": "engine"}
     # The engine pods carry every label the policy selects on.
     pod_labels = _by_kind(objs)["Deployment"]["spec"]["template"]["metadata"]["labels"]
@@ -103,7 +104,7 @@ def test_network_policy_defaults_and_knobs():
     kubernetes_validate.validate(tight, K8S_VERSION, strict=True)
     api, metrics = tight["spec"]["ingress"]
     # Without the namespace: only this InferenceService's own pods (the router) and the listed gateway.
-    assert api["from"] == [{"podSelector": {"matchLabels": {render.OWNER_LABEL: "llama70b"}}}, gateway]
+    assert api["from"] == [{"podSelector": {"matchLabels": {labels.OWNER_LABEL: "llama70b"}}}, gateway]
     assert api["ports"] == [{"protocol": "TCP", "port": 9000}]
     assert metrics["from"] == [{"namespaceSelector": {"matchLabels": {"team": "obs"}}}]
     assert "NetworkPolicy" not in _by_kind(_render(_doc(networkPolicy={"enabled": False})))

@@ -11,6 +11,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from kvserve.operator import labels
 from kvserve.operator import render, spec as spec_mod
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -102,7 +103,7 @@ def test_llama70b_pod_is_sized_by_the_plan():
     assert metric["type"] == "Pods" and metric["pods"]["metric"]["name"] == "vllm_num_requests_waiting"
     assert metric["pods"]["target"] == {"type": "AverageValue", "averageValue": "5"}
     # Every child selects the same pods the /scale selector names.
-    selector = dict(kv.split("=") for kv in render.selector_string("llama70b").split(","))
+    selector = dict(kv.split("=") for kv in labels.selector_string("llama70b").split(","))
     assert dep["spec"]["selector"]["matchLabels"] == selector
     assert by_kind["Service"]["spec"]["selector"] == selector
     assert all(dep["spec"]["template"]["metadata"]["labels"][k] == v for k, v in selector.items())

@@ -9,6 +9,7 @@ import kubernetes_validate
 import yaml
 
 from kvserve.cli import router as router_cli
+from kvserve.operator import labels
 from kvserve.operator import render, render_router, spec as spec_mod, status as status_mod
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -49,7 +50,7 @@ def test_router_objects_validate_and_are_wired_to_the_engine():
     router_labels = dep["spec"]["template"]["metadata"]["labels"]
     assert not all(router_labels.get(k) == v for k, v in engine_selector.items())
     assert by[("Service", "llama70b-router")]["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
-    assert router_labels[render.OWNER_LABEL] == "llama70b"  # child events find their InferenceService
+    assert router_labels[labels.OWNER_LABEL] == "llama70b"  # child events find their InferenceService
     # Its Role reads EndpointSlices and nothing else; the binding names its ServiceAccount.
     (rule,) = by[("Role", "llama70b-router")]["rules"]
     assert rule == {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],

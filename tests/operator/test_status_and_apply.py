@@ -7,7 +7,8 @@ import sys
 
 import yaml
 
-from kvserve.operator import kube, render, spec as spec_mod, status as status_mod
+from kvserve.operator import labels
+from kvserve.operator import kube, spec as spec_mod, status as status_mod
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
@@ -43,7 +44,7 @@ def test_status_lifecycle_and_stable_timestamps():
                                 "ChildConflict": ("False", "NoConflict")}
     assert creating["plan"]["kvTokens"] == r.plan.kv_tokens
     assert creating["plan"]["maxConcurrency"] == r.plan.max_concurrency
-    assert creating["selector"] == render.selector_string("llama70b")
+    assert creating["selector"] == labels.selector_string("llama70b")
     assert creating["url"] == "http://llama70b.ml.svc.cluster.local:8000"
     assert creating["observedGeneration"] == 3
     loading = _status(r, _deployment(ready=0, updated=1), previous=creating, now=T1)

@@ -12,7 +12,8 @@ import pytest
 @pytest.fixture(scope="session")
 def tp_model_factory(tmp_path_factory):
     """tp_model_factory(name) -> (model_dir, hf_model), built once per session."""
-    from kvserve.runtime.models.synthetic import TEST_MODEL_CONFIGS, make_random_model_dir
+    from kvserve.runtime.models.synthetic import make_random_model_dir
+    from kvserve_testing import TEST_MODEL_CONFIGS
 
     cache: dict = {}
 

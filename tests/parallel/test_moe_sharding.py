@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvserve.runtime.models.registry import moe_shape, split_widths
-from kvserve.runtime.parallel.sharding import split_widths_error
+from kvserve.runtime.models.sharding import split_widths_error
 
 
 class _RecordingSlice:
@@ -30,7 +30,7 @@ def _empty_model(model_dir, rank, size):
     from kvserve.runtime.config import load_model_config
     from kvserve.runtime.models.attention import get_attention_backend
     from kvserve.runtime.models.registry import model_class
-    from kvserve.runtime.parallel.layers import ParallelContext
+    from kvserve.runtime.models.parallel_layers import ParallelContext
 
     mc = load_model_config(model_dir, max_model_len=64)
     with torch.device("meta"):
@@ -111,8 +111,9 @@ def test_split_widths_follow_the_sparse_layers(tp_model_factory):
 
 def test_llm_rejects_an_unsplittable_expert_width_before_starting_workers(tmp_path):
     from kvserve.runtime import LLM
-    from kvserve.runtime.models.synthetic import TEST_MODEL_CONFIGS, make_random_model_dir
-    from kvserve.runtime.sampling_params import InvalidParameter
+    from kvserve.runtime.models.synthetic import make_random_model_dir
+    from kvserve_testing import TEST_MODEL_CONFIGS
+    from kvserve.runtime.errors import InvalidParameter
 
     arch, kwargs = TEST_MODEL_CONFIGS["qwen3_moe"]
     make_random_model_dir(str(tmp_path), arch, **dict(kwargs, moe_intermediate_size=33, num_hidden_layers=1,

@@ -9,7 +9,8 @@ import os
 import pytest
 import torch
 
-from kvserve.runtime.parallel.sharding import shard_spec, tp_shape_error
+from kvserve.runtime.models.sharding import shard_spec
+from kvserve.runtime.capacity import tp_shape_error
 
 
 def test_kv_heads_follow_query_heads():
@@ -45,7 +46,7 @@ def test_unsplittable_shapes_are_named():
 
 def test_llm_rejects_an_unsplittable_tp_size_before_starting_workers(tp_model_factory):
     from kvserve.runtime import LLM
-    from kvserve.runtime.sampling_params import InvalidParameter
+    from kvserve.runtime.errors import InvalidParameter
 
     model_dir, _ = tp_model_factory("llama_gqa")  # 8 heads
     with pytest.raises(InvalidParameter, match="num_attention_heads=8 is not divisible by tensor_parallel_size=3") \
@@ -75,7 +76,7 @@ def _load_rank(model_dir, rank, size, reads):
     from kvserve.runtime.config import load_model_config
     from kvserve.runtime.models.attention import get_attention_backend
     from kvserve.runtime.models.llama import LlamaForCausalLM
-    from kvserve.runtime.parallel.layers import ParallelContext
+    from kvserve.runtime.models.parallel_layers import ParallelContext
 
     mc = load_model_config(model_dir, max_model_len=64)
     with torch.device("meta"):

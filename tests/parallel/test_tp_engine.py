@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvserve.runtime import LLM, SamplingParams
-from kvserve.runtime.models.synthetic import random_prompts
+from kvserve_testing import random_prompts
 
 MAX_MODEL_LEN = 256
 # Small token budget: long prompts are chunked, so the ranks also agree across chunked prefill.

@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from kvserve.runtime import LLM, SamplingParams
-from kvserve.runtime.parallel.errors import WorkerDiedError
-from kvserve.runtime.sampling_params import InvalidParameter
+from kvserve.runtime.errors import WorkerDiedError
+from kvserve.runtime.errors import InvalidParameter
 
 KW = dict(max_model_len=256, num_kv_blocks=128, max_num_seqs=8, tensor_parallel_size=2)
 

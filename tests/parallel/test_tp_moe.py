@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvserve.runtime import LLM, SamplingParams
-from kvserve.runtime.models.synthetic import hf_greedy, random_prompts
+from kvserve_testing import hf_greedy
+from kvserve_testing import random_prompts
 
 
 def expected_rank_param_elements(cfg, t: int) -> int:

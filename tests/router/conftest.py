@@ -187,7 +187,8 @@ class EngineReplica(Threaded):
 
     def __init__(self, model_dir: str, **engine_kwargs: Any):
         from kvserve.runtime.engine.llm_engine import LLMEngine
-        from kvserve.runtime.server.app import ServerConfig, build_app
+        from kvserve.runtime.server.app import build_app
+        from kvserve.runtime.server.state import ServerConfig
 
         self.model_dir = model_dir
         engine = LLMEngine.from_kwargs(model=model_dir, **engine_kwargs)

@@ -10,7 +10,8 @@ SHARED_STORIES = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shar
 @pytest.fixture(scope="session")
 def model_factory(tmp_path_factory):
     """model_factory(name) -> (model_dir, hf_model); built once per session."""
-    from kvserve.runtime.models.synthetic import TEST_MODEL_CONFIGS, make_random_model_dir
+    from kvserve.runtime.models.synthetic import make_random_model_dir
+    from kvserve_testing import TEST_MODEL_CONFIGS
 
     cache: dict = {}
 

@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from kvserve.runtime import LLM, SamplingParams
-from kvserve.runtime.sampling_params import InvalidParameter
+from kvserve.runtime.errors import InvalidParameter
 
 
 @pytest.fixture(scope="module")

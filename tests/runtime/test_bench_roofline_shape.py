@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvserve.runtime.bench_throughput import DEFAULT_SHAPE, Workload, model_flops, shape_of_model_dir
+from kvserve.runtime.bench.throughput import DEFAULT_SHAPE, Workload, model_flops, shape_of_model_dir
 
 
 def write_config(path, **config):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvserve.cli.main import build_parser
-from kvserve.runtime.bench_step import run_batch
+from kvserve.runtime.bench.step import run_batch
 
 
 def test_measures_pure_decode_steps(stories_dir):

@@ -10,11 +10,12 @@ from kvserve.runtime.core.outputs import TokenLogprobs
 from kvserve.runtime.engine.core_messages import (EngineCoreAbort, EngineCoreOutputs, EngineCoreRequest, MessageCodec,
                                                   MessageType, RequestFailure, SampleDelta, failure_exception,
                                                   failure_message)
-from kvserve.runtime.engine.errors import EngineDeadError
+from kvserve.runtime.errors import EngineDeadError
 from kvserve.runtime.outputs import EngineStats
-from kvserve.runtime.parallel.errors import WorkerDiedError
-from kvserve.runtime.sampling_params import InvalidParameter, SamplingParams
-from kvserve.runtime.worker.kv_sizing import PlanRejected
+from kvserve.runtime.errors import WorkerDiedError
+from kvserve.runtime.sampling_params import SamplingParams
+from kvserve.runtime.errors import InvalidParameter
+from kvserve.runtime.executor.kv_sizing import PlanRejected
 
 
 def _roundtrip(kind: MessageType, body):

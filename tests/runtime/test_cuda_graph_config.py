@@ -1,4 +1,4 @@
-"""--cuda-graphs / --cuda-graph-sizes validation (config.py, worker/cuda_graphs.py) and --load-format dummy."""
+"""--cuda-graphs / --cuda-graph-sizes validation (config.py, cuda_graph_settings.py) and --load-format dummy."""
 from __future__ import annotations
 
 import json
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from kvserve.runtime.config import make_engine_config
-from kvserve.runtime.sampling_params import InvalidParameter
-from kvserve.runtime.worker import cuda_graphs
-from kvserve.runtime.worker.cuda_graphs import default_capture_sizes
+from kvserve.runtime.errors import InvalidParameter
+from kvserve.runtime import cuda_graph_settings
+from kvserve.runtime.cuda_graph_settings import default_capture_sizes
 
 
 def _error(model_dir, **kw) -> InvalidParameter:
@@ -43,7 +43,7 @@ def test_cuda_graphs_need_cuda(model_factory):
     ("llama_gqa", dict(attention_backend="triton", cuda_graph_sizes="0,4"), "positive integers"),
 ], ids=["torch-backend", "tp2", "sliding-window", "moe", "size-above-max-num-seqs", "not-int", "zero"])
 def test_unsupported_settings_name_the_field(model_factory, monkeypatch, name, kw, words):
-    monkeypatch.setattr(cuda_graphs, "EMULATE_ON_CPU", True)  # past the device check, to the one under test
+    monkeypatch.setattr(cuda_graph_settings, "EMULATE_ON_CPU", True)  # past the device check, to the one under test
     model_dir, _ = model_factory(name)
     err = _error(model_dir, cuda_graphs=True, **kw)
     assert words in str(err), str(err)
@@ -56,7 +56,7 @@ def test_sizes_without_the_flag(model_factory):
 
 
 def test_sizes_parsed_sorted_unique(model_factory, monkeypatch):
-    monkeypatch.setattr(cuda_graphs, "EMULATE_ON_CPU", True)
+    monkeypatch.setattr(cuda_graph_settings, "EMULATE_ON_CPU", True)
     model_dir, _ = model_factory("llama_gqa")
     config = make_engine_config(model_dir, device="cpu", max_model_len=64, attention_backend="triton",
                                 cuda_graphs=True, cuda_graph_sizes="8, 2,2,1")

@@ -66,21 +66,21 @@ def test_fast_decode_equals_transformers_decode(tokenizers):
     """The detokeniser calls the Rust tokenizer directly where that is exactly transformers' decode; on every
     tokenizer here (and on one with clean_up_tokenization_spaces, which must keep transformers' path) the
     two agree on random windows, special tokens included."""
-    from kvserve.runtime.engine.output_processor import _fast_decode
+    from kvserve.runtime.tokenizer import fast_decode
 
     rng = random.Random(0)
     for name, tok in tokenizers.items():
-        decode = _fast_decode(tok)
+        decode = fast_decode(tok)
         vocab = len(tok)
         for _ in range(300):
             ids = [rng.randrange(vocab) for _ in range(rng.randint(0, 8))]
             for skip in (True, False):
                 assert decode(ids, skip) == tok.decode(ids, skip_special_tokens=skip), (name, ids, skip)
-    assert _fast_decode(tokenizers["byte-level BPE"]).__name__ == "fast"  # the demo model takes the fast path
+    assert fast_decode(tokenizers["byte-level BPE"]).__name__ == "fast"  # the demo model takes the fast path
     tok = tokenizers["word-level"]
     original = tok.clean_up_tokenization_spaces
     tok.clean_up_tokenization_spaces = True
     try:
-        assert _fast_decode(tok).__name__ == "slow"
+        assert fast_decode(tok).__name__ == "slow"
     finally:
         tok.clean_up_tokenization_spaces = original

@@ -7,7 +7,8 @@ import random
 import pytest
 
 from kvserve.runtime import LLM, SamplingParams
-from kvserve.runtime.models.synthetic import check_logprobs_close, hf_greedy
+from kvserve_testing import check_logprobs_close
+from kvserve_testing import hf_greedy
 
 MAX_NEW = 20
 

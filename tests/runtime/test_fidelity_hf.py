@@ -7,7 +7,9 @@ import pytest
 
 from kvserve.runtime import LLM, SamplingParams
 
-from kvserve.runtime.models.synthetic import TEST_MODEL_CONFIGS, hf_greedy, random_prompts
+from kvserve_testing import hf_greedy
+from kvserve_testing import random_prompts
+from kvserve_testing import TEST_MODEL_CONFIGS
 
 MAX_NEW = 24
 

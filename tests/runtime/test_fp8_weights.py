@@ -11,7 +11,7 @@ import torch
 
 from kvserve.runtime import LLM, SamplingParams, capacity
 from kvserve.runtime.models import fp8
-from kvserve.runtime.models.synthetic import check_logprobs_close
+from kvserve_testing import check_logprobs_close
 
 MAX_NEW = 16
 

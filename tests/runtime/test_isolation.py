@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 
 from kvserve.runtime import LLM, SamplingParams
-from kvserve.runtime.engine.errors import STEP_FAILED, EngineDeadError
-from kvserve.runtime.sampling_params import INT64_MAX, InvalidParameter
+from kvserve.runtime.errors import STEP_FAILED, EngineDeadError
+from kvserve.runtime.sampling_params import INT64_MAX
+from kvserve.runtime.errors import InvalidParameter
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [17, 18]]

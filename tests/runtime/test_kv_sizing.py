@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from kvserve.runtime.server.termination import PLAN_REJECTED_PREFIX, STARTUP_FAILED_PREFIX, termination_message
-from kvserve.runtime.worker import kv_sizing
+from kvserve.runtime.executor import kv_sizing
 
 GiB = 2 ** 30
 

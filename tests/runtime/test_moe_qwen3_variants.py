@@ -7,7 +7,7 @@ import random
 import pytest
 
 from kvserve.runtime import LLM, SamplingParams
-from kvserve.runtime.models.synthetic import hf_greedy
+from kvserve_testing import hf_greedy
 
 MAX_NEW = 16
 

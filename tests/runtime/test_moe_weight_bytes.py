@@ -14,7 +14,7 @@ from kvserve.runtime import LLM, SamplingParams, capacity
 from kvserve.runtime.config import load_model_config
 from kvserve.runtime.models.attention import get_attention_backend
 from kvserve.runtime.models.loader import build_meta_model, weight_bytes
-from kvserve.runtime.parallel.layers import ParallelContext
+from kvserve.runtime.models.parallel_layers import ParallelContext
 
 # Published shapes (size fields of the public config.json files).
 SHAPES = {

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from kvserve.runtime.core.block_table_diff import BlockTableDiff, SentBlockTables
-from kvserve.runtime.worker.block_tables import BlockTables
+from kvserve.runtime.executor.block_tables import BlockTables
 
 
 class Block:

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from kvserve.runtime import LLM, SamplingParams
-from kvserve.runtime.sampling_params import InvalidParameter
+from kvserve.runtime.errors import InvalidParameter
 from kvserve.runtime.structured_output import StructuredOutputSpec
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "mood"],

@@ -31,7 +31,8 @@ class LiveServer:
     def __init__(self, engine, **config_kwargs):
         import uvicorn
 
-        from kvserve.runtime.server.app import ServerConfig, build_app
+        from kvserve.runtime.server.app import build_app
+        from kvserve.runtime.server.state import ServerConfig
 
         config_kwargs.setdefault("served_model_names", ["test-model"])
         config_kwargs.setdefault("log_interval_s", 1.0)

@@ -97,7 +97,7 @@ def group(cache_dir):
 
 def test_api_server_count_is_refused_outside_kvserve_serve():
     from kvserve.runtime.config import make_engine_config
-    from kvserve.runtime.sampling_params import InvalidParameter
+    from kvserve.runtime.errors import InvalidParameter
 
     with pytest.raises(InvalidParameter) as err:
         make_engine_config("/nonexistent-model", api_server_count=2)  # refused before the model is read

@@ -9,7 +9,8 @@ import logging
 from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 
-from kvserve.runtime.server.app import ServerConfig, build_app
+from kvserve.runtime.server.app import build_app
+from kvserve.runtime.server.state import ServerConfig
 
 OPEN = {"/health", "/metrics"}
 FASTAPI_DOCS = {"/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}

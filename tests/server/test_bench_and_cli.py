@@ -8,7 +8,8 @@ import json
 import pytest
 
 from kvserve.cli import bench_serve, serve
-from kvserve.runtime import bench_serve as bench_serve_impl
+from kvserve.runtime.bench import serve as bench_serve_impl
+from kvserve.runtime.bench import serve_client
 from kvserve.cli.main import build_parser
 
 pytestmark = pytest.mark.timeout(120)
@@ -63,15 +64,15 @@ def test_bench_serve_workloads(server, tmp_path, workload):
 def test_arrivals_and_percentiles():
     import random
 
-    delays = bench_serve_impl._arrival_delays(100, 10.0, 1.0, random.Random(0))
+    delays = serve_client.arrival_delays(100, 10.0, 1.0, random.Random(0))
     assert delays[0] == 0 and delays == sorted(delays) and 9.0 < delays[-1] <= 10.0
-    assert bench_serve_impl._arrival_delays(3, float("inf"), 1.0, random.Random(0)) == [0, 0, 0]
-    assert bench_serve_impl._percentile([1, 2, 3, 4], 50) == 2.5 and bench_serve_impl._percentile([5], 99) == 5
+    assert serve_client.arrival_delays(3, float("inf"), 1.0, random.Random(0)) == [0, 0, 0]
+    assert serve_client.percentile([1, 2, 3, 4], 50) == 2.5 and serve_client.percentile([5], 99) == 5
     assert bench_serve_impl._parse_goodput(["ttft:200", "e2el:1000"]) == {"ttft": 0.2, "e2el": 1.0}
 
 
 def test_api_server_counts_parse():
-    from kvserve.runtime.bench_served_vs_offline import _api_server_counts
+    from kvserve.runtime.bench.served_vs_offline import _api_server_counts
 
     assert _api_server_counts("1") == [1] and _api_server_counts("1, 2") == [1, 2]
     for bad in ("", "0", "1,1", "two"):

@@ -240,7 +240,8 @@ def test_health_503_while_loading(demo_model_dir):
 
     import uvicorn
 
-    from kvserve.runtime.server.app import ServerConfig, build_app
+    from kvserve.runtime.server.app import build_app
+    from kvserve.runtime.server.state import ServerConfig
     from tests.server.conftest import free_port
 
     release = threading.Event()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from kvserve.runtime.parallel.errors import WorkerDiedError
+from kvserve.runtime.errors import WorkerDiedError
 from tests.server.conftest import LiveServer, make_engine
 
 pytestmark = pytest.mark.timeout(120)

@@ -27,7 +27,7 @@ def offline_run(args: argparse.Namespace, model_dir: str, serve_args: list[str],
 
     import torch
 
-    from kvserve.runtime.bench_serve import random_workload
+    from kvserve.runtime.bench.serve_client import random_workload
     from kvserve.runtime.config import build_engine_config
     from kvserve.runtime.engine.llm_engine import LLMEngine
     from kvserve.runtime.sampling_params import SamplingParams
@@ -71,7 +71,7 @@ def offline_core_process_run(args: argparse.Namespace, model_dir: str, serve_arg
     """The offline loop again, with the core in its own process (CoreClient): is that worth it for `LLM`?"""
     import random
 
-    from kvserve.runtime.bench_serve import random_workload
+    from kvserve.runtime.bench.serve_client import random_workload
     from kvserve.runtime.config import build_engine_config
     from kvserve.runtime.engine.core_client import CoreClient
     from kvserve.runtime.sampling_params import SamplingParams
@@ -113,7 +113,7 @@ def _engine_args(model_dir: str, serve_args: list[str]):
 def compare(args: argparse.Namespace, slos: dict[str, float]) -> dict:
     import shlex
 
-    from kvserve.runtime.bench_serve import _LaunchedServer, _print_result, _run_workload, run_async
+    from kvserve.runtime.bench.serve_client import LaunchedServer, print_result, run_async, run_workload
     from kvserve.runtime.demo_model import ensure_demo_model
 
     args.workload = "random"
@@ -154,10 +154,10 @@ def compare(args: argparse.Namespace, slos: dict[str, float]) -> dict:
     rows = []
     for repeat in range(args.repeat):  # ABBA order: a load that drifts during the run hits every variant alike
         for label, extra, python in (variants if repeat % 2 == 0 else variants[::-1]):
-            with _LaunchedServer(model_dir, serve_args + extra, python) as server:
+            with LaunchedServer(model_dir, serve_args + extra, python) as server:
                 print(f"== {label} (#{repeat + 1}): kvserve serve {' '.join(serve_args + extra)}")
-                result = run_async(_run_workload(args, server.base_url, slos, label=label))
-                _print_result(result)
+                result = run_async(run_workload(args, server.base_url, slos, label=label))
+                print_result(result)
                 runs[f"{label} #{repeat + 1}"] = result
             m = result["metrics"]
             rows.append({

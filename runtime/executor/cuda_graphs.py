@@ -11,7 +11,7 @@ memory pool) it runs the forward twice (Triton JIT, cached scale tensors) and ca
 those buffers. A decode step of n <= max(sizes) sequences pads to the smallest captured B >= n: rows n..B-1
 get slot -1 (the KV store skips them), context length 1 and position 0; their outputs are dropped.
 
-Fixed at capture, hence the rules this module enforces:
+Fixed at capture, hence the rules runtime/cuda_graph_settings.py enforces at config time:
 - the attention metadata's host ints: `max_seqlen_q = 1` and `max_seqlen_k = max_model_len`, so the Triton
   decode picks its split count from the longest possible context (the kernels read each row's real length
   from `seq_lens` at run time and skip empty segments). The torch backend reads host lists per step, so
@@ -28,7 +28,7 @@ the profiled prefill step's max_num_batched_tokens. The capture logs what it add
 Logits are computed eagerly from the graph's hidden states (only the rows that sample), so sampling,
 logprobs, structured outputs and penalties are unchanged.
 
-Tests on CPU: with `EMULATE_ON_CPU = True` (tests only) "capture" records the forward and "replay" re-runs
+Tests on CPU: with `cuda_graph_settings.EMULATE_ON_CPU = True` (tests only) "capture" records the forward and "replay" re-runs
 it on the same static buffers with the metadata frozen at capture, which checks everything above but the
 CUDA graph object itself (padding, static buffers, fixed split counts, dropped rows) under the Triton
 interpreter. The CUDA path is exercised by benchmarks/gpu_serving.py on a GPU.
@@ -44,36 +44,6 @@ import torch
 from kvserve.runtime.models.attention import AttentionMetadata
 
 logger = logging.getLogger("kvserve.cuda_graphs")
-
-EMULATE_ON_CPU = False  # tests: capture/replay without CUDA (see module docstring)
-MAX_DEFAULT_CAPTURE_SIZE = 512
-
-
-def default_capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
-    """vLLM's ladder: 1, 2, 4, then every multiple of 8, up to max_num_seqs (at most 512)."""
-    limit = min(max_num_seqs, MAX_DEFAULT_CAPTURE_SIZE)
-    sizes = [s for s in (1, 2, 4) if s <= limit] + list(range(8, limit + 1, 8))
-    if limit not in sizes:  # max_num_seqs itself, so that a full batch never falls back to eager
-        sizes.append(limit)
-    return tuple(sorted(sizes))
-
-
-def unsupported_reason(*, device: str, attention_backend: str, tensor_parallel_size: int, num_kv_groups: int,
-                       moe: bool) -> str | None:
-    """Why decode CUDA graphs cannot run with these settings (None: they can). Checked once, at config time."""
-    if not (device.startswith("cuda") or EMULATE_ON_CPU):
-        return f"cuda_graphs needs a CUDA device (device is {device!r})"
-    if attention_backend != "triton":
-        return (f"cuda_graphs needs attention_backend 'triton' (got {attention_backend!r}: the torch backend "
-                f"reads per-step host lengths, which a graph would freeze)")
-    if tensor_parallel_size != 1:
-        return f"cuda_graphs supports tensor_parallel_size 1 only (got {tensor_parallel_size})"
-    if num_kv_groups > 1:
-        return ("cuda_graphs does not support sliding-window models (several KV cache groups with their own "
-                "per-step block tables)")
-    if moe:
-        return "cuda_graphs does not support mixture-of-experts models (expert routing counts tokens on the host)"
-    return None
 
 
 class _EmulatedGraph:

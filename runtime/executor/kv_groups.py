@@ -12,7 +12,7 @@ import torch
 
 from kvserve.runtime.core.outputs import ScheduledRequest
 from kvserve.runtime.models.attention import AttentionMetadata
-from kvserve.runtime.worker.block_tables import BlockTables
+from kvserve.runtime.executor.block_tables import BlockTables
 
 
 def layer_slots(model, num_layers: int) -> list[int]:

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvserve.runtime.capacity import tp_shape_error  # noqa: F401  (the rules live with capacity)
+from kvserve.runtime.capacity import tp_shape_error
+
 
 
 @dataclass(frozen=True)

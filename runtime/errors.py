@@ -1,6 +1,7 @@
-"""How the engine fails, as data and exceptions every layer shares (engine step, async front, HTTP, and --
-later -- an engine-core process boundary; all of it pickles).
+"""How the engine fails: the one error taxonomy every layer shares (executor, engine step, async front, HTTP,
+the engine-core process boundary; all of it pickles, none of it imports torch).
 
+- `InvalidParameter`: a request or setting is refused before any work starts; `param` names the field.
 - `RequestError`: one request failed inside the engine. `retryable=False`: something specific to it failed
   (sampling, penalties, logprobs, detokenisation, stop checks) -- HTTP 500 for it alone. `retryable=True`:
   a step failed in a way no single request explains (the forward), so every request in that step failed --
@@ -8,11 +9,22 @@ later -- an engine-core process boundary; all of it pickles).
 - `RequestFailedError`: the exception a caller sees for a RequestError.
 - `EngineDeadError`: the engine cannot serve any more (a tensor-parallel worker died, or
   max_consecutive_step_failures steps failed in a row). Every in-flight and queued request gets it.
+- `WorkerDiedError`: the executor's own report that a tensor-parallel worker died (the engine turns it into
+  EngineDeadError).
 Messages are written for clients: they never carry Python reprs or tracebacks (those go to the log).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+
+class InvalidParameter(ValueError):
+    """A request or engine parameter is invalid (the client's or the operator's fault, never the engine's).
+    `param` names the field: OpenAI error bodies carry it, and the CLI prints it."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -51,3 +63,16 @@ def request_failed(stage: str) -> RequestError:
 
 STEP_FAILED = RequestError("the engine step running this request failed (server-side error, see the server log); "
                            "the request was stopped and can be retried", retryable=True)
+
+
+class WorkerDiedError(RuntimeError):
+    """A tensor-parallel worker process died, failed or stopped answering. Fatal for the engine: the
+    ranks' collectives can no longer be kept in step, so every worker is shut down and each later step raises
+    this same error. The message names the rank, its pid and exit code (or the worker's exception)."""
+
+    def __init__(self, message: str, rank: int | None = None):
+        super().__init__(message)
+        self.rank = rank
+
+    def __reduce__(self):
+        return (WorkerDiedError, (str(self), self.rank))

@@ -39,7 +39,7 @@ from typing import Any
 
 import httpx
 
-from kvserve.runtime.bench_serve import _percentile
+from kvserve.runtime.bench.serve_client import percentile
 from kvserve.runtime.router.replica_metrics import parse_metrics
 
 RUNS = ("single", "router", "random", "random-proxy", "kill")
@@ -213,7 +213,7 @@ def _summary(records: list[dict], duration_s: float) -> dict[str, Any]:
         "errors": sorted({r["error"] for r in failed if r["error"]})[:5],
         "duration_s": duration_s,
         "mean_ttft_ms": statistics.fmean(ttfts) if ttfts else 0.0,
-        "p50_ttft_ms": _percentile(ttfts, 50), "p99_ttft_ms": _percentile(ttfts, 99),
+        "p50_ttft_ms": percentile(ttfts, 50), "p99_ttft_ms": percentile(ttfts, 99),
         "output_tok_s": sum(r["completion_tokens"] for r in ok) / duration_s if duration_s else 0.0,
         "requests_s": len(ok) / duration_s if duration_s else 0.0,
         "mean_prompt_tokens": statistics.fmean(r["prompt_tokens"] for r in ok if r["prompt_tokens"]) if ok else 0.0,

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from kvserve.runtime import capacity
 from kvserve.runtime.config import EngineConfig
-from kvserve.runtime.sampling_params import InvalidParameter
+from kvserve.runtime.errors import InvalidParameter
 
 logger = logging.getLogger("kvserve.runner")
 

@@ -67,8 +67,8 @@ def worker_main(config, rank: int, size: int, backend: str, init_method: str, co
         import torch
         import torch.distributed as dist
 
-        from kvserve.runtime.parallel.layers import ParallelContext
-        from kvserve.runtime.worker.model_runner import ModelRunner
+        from kvserve.runtime.models.parallel_layers import ParallelContext
+        from kvserve.runtime.executor.model_runner import ModelRunner
 
         if config.device.startswith("cuda"):
             torch.cuda.set_device(rank)

@@ -1,75 +1,19 @@
-"""`kvserve bench serve`: a serving benchmark modelled on `vllm bench serve`.
-
-Sends streamed /v1/completions requests (prompts as token ids, so lengths are exact; `ignore_eos` so output
-lengths are exact) with Poisson, gamma (burstiness) or burst arrivals, and reports request / output-token
-throughput, TTFT, TPOT, ITL and E2EL (mean, median, std, percentiles) and goodput under SLOs, like vLLM:
-TTFT = first streamed chunk; ITL = gaps between chunks; TPOT = (E2EL - TTFT) / (output tokens - 1).
-
-Workloads:
-  random         random prompt and output lengths (input_len, output_len, range_ratio)
-  shared-prefix  every prompt starts with the same prefix (default 1024 tokens) plus a short unique suffix
-  long-prompt    background streams decode steadily; phase 1 measures their steady-state ITL alone, phase 2
-                 adds long prompts (default 4096 tokens) arriving among them and measures p99 ITL
-
-`--compare served-vs-offline` (bench_served_vs_offline.py) runs the random workload offline (in-process
-engine) and through `kvserve serve` with the engine core in the server process and in its own process, and
-prints the served/offline ratios.
-
-Against a running server (--base-url), or `--compare prefix-caching|chunked-prefill`, which launches
-`kvserve serve` twice on a free local port (feature on, then off; --serve-args passed to both) and runs
-the matching workload on each. Writes JSON (--result-json) and a PNG (--plot).
-"""
+"""The serving benchmark's client side, shared by `kvserve bench serve` (serve.py), served-vs-offline and the
+peer benchmark: workloads of token-id prompts, arrivals, the streaming /v1/completions client (aiohttp on
+uvloop), the metrics (TTFT, TPOT, ITL, E2EL, goodput), a `kvserve serve` launched on a free local port, and the
+result table."""
 from __future__ import annotations
 
 import argparse
 
 
-def main(args: argparse.Namespace) -> int:
-    import json
-    import logging
-
-    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        slos = _parse_goodput(args.goodput)
-    except ValueError as exc:
-        print(f"kvserve bench serve: --goodput: {exc}")
-        return 2
-    if args.compare == "served-vs-offline":
-        from kvserve.runtime.bench_served_vs_offline import compare
-
-        result = compare(args, slos)
-    elif args.compare:
-        result = _compare(args, slos)
-    else:
-        result = run_async(_run_workload(args, args.base_url, slos))
-        _print_result(result)
-    if args.result_json:
-        with open(args.result_json, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"wrote {args.result_json}")
-    if args.plot:
-        _plot(result, args.plot)
-        print(f"wrote {args.plot}")
-    return 0
-
-
-def _parse_goodput(items: list[str] | None) -> dict[str, float]:
-    slos = {}
-    for item in items or []:
-        key, _, ms = item.partition(":")
-        if key not in ("ttft", "tpot", "e2el") or not ms:
-            raise ValueError(f"expected ttft:MS, tpot:MS or e2el:MS, got {item!r}")
-        slos[key] = float(ms) / 1000.0
-    return slos
-
-
 # ---- requests ---------------------------------------------------------------------------------------------
-class _Request:
+class Request:
     def __init__(self, prompt: list[int], output_len: int, tag: str = ""):
         self.prompt, self.output_len, self.tag = prompt, output_len, tag
 
 
-async def _send(client, url: str, model: str, req: _Request, headers: dict, timeout: float) -> dict:
+async def send_request(client, url: str, model: str, req: Request, headers: dict, timeout: float) -> dict:
     """One streamed request through an aiohttp session. aiohttp (C HTTP parser) rather than httpx (pure-Python
     h11 under httpcore and anyio): with 256 streams on a 2-core machine, httpx's per-chunk cost made the
     client itself take CPU from the server it measures (docs/serving.md, "Served vs offline"). The timings
@@ -132,7 +76,7 @@ def run_async(coro):
         return runner.run(coro)
 
 
-def _arrival_delays(n: int, rate: float, burstiness: float, rng) -> list[float]:
+def arrival_delays(n: int, rate: float, burstiness: float, rng) -> list[float]:
     """Offsets from t=0: gamma inter-arrivals (shape=burstiness; 1 = Poisson), rescaled so the last one
     lands at exactly n/rate as in vLLM; rate=inf: all at 0."""
     if rate == float("inf") or n == 0:
@@ -148,7 +92,7 @@ def _arrival_delays(n: int, rate: float, burstiness: float, rng) -> list[float]:
     return delays
 
 
-async def _run_requests(client, url: str, model: str, requests: list[_Request], delays: list[float], headers: dict,
+async def run_requests(client, url: str, model: str, requests: list[Request], delays: list[float], headers: dict,
                         max_concurrency: int | None, timeout: float) -> tuple[list[dict], float, float]:
     import asyncio
     import time
@@ -156,49 +100,49 @@ async def _run_requests(client, url: str, model: str, requests: list[_Request], 
     semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     t0 = time.perf_counter()
 
-    async def one(req: _Request, delay: float) -> dict:
+    async def one(req: Request, delay: float) -> dict:
         await asyncio.sleep(max(0.0, t0 + delay - time.perf_counter()))
         if semaphore is None:
-            return await _send(client, url, model, req, headers, timeout)
+            return await send_request(client, url, model, req, headers, timeout)
         async with semaphore:
-            return await _send(client, url, model, req, headers, timeout)
+            return await send_request(client, url, model, req, headers, timeout)
 
     results = await asyncio.gather(*(one(r, d) for r, d in zip(requests, delays)))
     return list(results), t0, time.perf_counter()
 
 
 # ---- workloads ----------------------------------------------------------------------------------------------
-async def _server_info(client, base_url: str, headers: dict, model: str | None) -> tuple[str, int]:
+async def server_info(client, base_url: str, headers: dict, model: str | None) -> tuple[str, int]:
     async with client.get(base_url + "/v1/models", headers=headers) as resp:
         resp.raise_for_status()
         card = (await resp.json())["data"][0]
     return model or card["id"], int(card.get("vocab_size") or 256)
 
 
-def _random_ids(rng, n: int, vocab: int) -> list[int]:
+def random_ids(rng, n: int, vocab: int) -> list[int]:
     low = 3 if vocab > 16 else 0  # skip the first ids: special tokens in most vocabularies
     return [rng.randrange(low, vocab) for _ in range(n)]
 
 
-def random_workload(args: argparse.Namespace, rng, vocab: int) -> tuple[list[_Request], _Request]:
+def random_workload(args: argparse.Namespace, rng, vocab: int) -> tuple[list[Request], Request]:
     """The random / shared-prefix requests and one warm-up request (the offline comparison makes the same)."""
     requests = []
-    prefix = _random_ids(rng, args.prefix_len, vocab) if args.workload == "shared-prefix" else []
+    prefix = random_ids(rng, args.prefix_len, vocab) if args.workload == "shared-prefix" else []
     for i in range(args.num_prompts):
         if args.workload == "random":
             lo, hi = int(args.input_len * (1 - args.range_ratio)), int(args.input_len * (1 + args.range_ratio))
             olo = max(1, int(args.output_len * (1 - args.range_ratio)))
             ohi = max(olo, int(args.output_len * (1 + args.range_ratio)))
-            requests.append(_Request(_random_ids(rng, max(1, rng.randint(lo, hi)), vocab), rng.randint(olo, ohi)))
+            requests.append(Request(random_ids(rng, max(1, rng.randint(lo, hi)), vocab), rng.randint(olo, ohi)))
         else:
-            requests.append(_Request(prefix + _random_ids(rng, args.suffix_len, vocab), args.output_len))
+            requests.append(Request(prefix + random_ids(rng, args.suffix_len, vocab), args.output_len))
     # one warm-up request (as vLLM's initial test run); for shared-prefix it also fills the cache
-    warm = _Request(prefix + _random_ids(rng, max(1, args.suffix_len), vocab) if prefix else
-                    _random_ids(rng, 16, vocab), 2)
+    warm = Request(prefix + random_ids(rng, max(1, args.suffix_len), vocab) if prefix else
+                    random_ids(rng, 16, vocab), 2)
     return requests, warm
 
 
-async def _run_workload(args: argparse.Namespace, base_url: str, slos: dict[str, float],
+async def run_workload(args: argparse.Namespace, base_url: str, slos: dict[str, float],
                         label: str = "") -> dict:
     import random
 
@@ -209,41 +153,41 @@ async def _run_workload(args: argparse.Namespace, base_url: str, slos: dict[str,
     connector = aiohttp.TCPConnector(limit=max(args.num_prompts, args.num_streams) + 16, force_close=False)
     timeout = aiohttp.ClientTimeout(total=args.timeout)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
-        model, vocab = await _server_info(client, base_url, headers, args.model)
+        model, vocab = await server_info(client, base_url, headers, args.model)
         url = base_url + "/v1/completions"
         config = {k: v for k, v in vars(args).items() if not k.startswith("_") and k not in ("api_key",)}
         result = {"workload": args.workload, "label": label, "base_url": base_url, "model": model, "config": config}
 
         if args.workload in ("random", "shared-prefix"):
             requests, warm = random_workload(args, rng, vocab)
-            await _send(client, url, model, warm, headers, args.timeout)
-            delays = _arrival_delays(len(requests), args.request_rate, args.burstiness, rng)
-            outs, t0, t1 = await _run_requests(client, url, model, requests, delays, headers, args.max_concurrency,
+            await send_request(client, url, model, warm, headers, args.timeout)
+            delays = arrival_delays(len(requests), args.request_rate, args.burstiness, rng)
+            outs, t0, t1 = await run_requests(client, url, model, requests, delays, headers, args.max_concurrency,
                                                args.timeout)
-            result["metrics"] = _summarize(outs, t1 - t0, slos, args.percentiles)
-            result["requests"] = _trim(outs, t0)
+            result["metrics"] = summarize(outs, t1 - t0, slos, args.percentiles)
+            result["requests"] = trim_warmup(outs, t0)
             return result
 
         # long-prompt: phase 1 (steady) = background streams alone; phase 2 = the same plus long prompts
-        def streams() -> list[_Request]:
-            return [_Request(_random_ids(rng, args.stream_prompt_len, vocab), args.stream_output_len, "stream")
+        def streams() -> list[Request]:
+            return [Request(random_ids(rng, args.stream_prompt_len, vocab), args.stream_output_len, "stream")
                     for _ in range(args.num_streams)]
 
-        await _send(client, url, model, _Request(_random_ids(rng, 16, vocab), 2), headers, args.timeout)
-        steady, s0, s1 = await _run_requests(client, url, model, streams(), [0.0] * args.num_streams, headers,
+        await send_request(client, url, model, Request(random_ids(rng, 16, vocab), 2), headers, args.timeout)
+        steady, s0, s1 = await run_requests(client, url, model, streams(), [0.0] * args.num_streams, headers,
                                              None, args.timeout)
-        result["steady"] = _summarize(steady, s1 - s0, slos, args.percentiles)
+        result["steady"] = summarize(steady, s1 - s0, slos, args.percentiles)
         # long prompts spread over the middle of the streams' expected lifetime
         expected_duration = s1 - s0
         background = streams()
-        longs = [_Request(_random_ids(rng, args.long_prompt_len, vocab), args.long_output_len, "long")
+        longs = [Request(random_ids(rng, args.long_prompt_len, vocab), args.long_output_len, "long")
                  for _ in range(args.num_long_prompts)]
         spacing = 0.7 * expected_duration / max(1, args.num_long_prompts)
         delays = [0.0] * len(background) + [0.15 * expected_duration + i * spacing for i in range(len(longs))]
-        outs, t0, t1 = await _run_requests(client, url, model, background + longs, delays, headers, None,
+        outs, t0, t1 = await run_requests(client, url, model, background + longs, delays, headers, None,
                                            args.timeout)
-        result["mixed"] = _summarize([o for o in outs if o["tag"] == "stream"], t1 - t0, slos, args.percentiles)
-        result["long_prompts"] = _summarize([o for o in outs if o["tag"] == "long"], t1 - t0, slos, args.percentiles)
+        result["mixed"] = summarize([o for o in outs if o["tag"] == "stream"], t1 - t0, slos, args.percentiles)
+        result["long_prompts"] = summarize([o for o in outs if o["tag"] == "long"], t1 - t0, slos, args.percentiles)
         steady_itl = result["steady"]["median_itl_ms"]
         result["metrics"] = {
             "steady_state_itl_ms": steady_itl,
@@ -254,18 +198,18 @@ async def _run_workload(args: argparse.Namespace, base_url: str, slos: dict[str,
             "completed": result["mixed"]["completed"] + result["long_prompts"]["completed"],
             "failed": result["mixed"]["failed"] + result["long_prompts"]["failed"],
         }
-        result["requests"] = _trim(outs, t0)
+        result["requests"] = trim_warmup(outs, t0)
         return result
 
 
-def _trim(outs: list[dict], t0: float) -> list[dict]:
+def trim_warmup(outs: list[dict], t0: float) -> list[dict]:
     """Per-request records for the JSON/plots, times relative to the run start."""
     return [{"tag": o["tag"], "prompt_len": o["prompt_len"], "output_len": o["output_len"], "success": o["success"],
              "start_s": o["start"] - t0, "ttft_s": o["ttft"], "e2el_s": o["e2el"], "itl_s": o["itl"],
              "chunk_s": [t - t0 for t in o["chunk_times"]], "error": o["error"]} for o in outs]
 
 
-def _summarize(outs: list[dict], duration_s: float, slos: dict[str, float], percentiles: str) -> dict:
+def summarize(outs: list[dict], duration_s: float, slos: dict[str, float], percentiles: str) -> dict:
     import statistics
 
     pcts = [float(p) for p in percentiles.split(",") if p.strip()]
@@ -310,11 +254,11 @@ def _summarize(outs: list[dict], duration_s: float, slos: dict[str, float], perc
         summary[f"std_{name}_ms"] = statistics.pstdev(ms) if ms else 0.0
         summary[f"max_{name}_ms"] = ms[-1] if ms else 0.0
         for p in pcts:
-            summary[f"p{p:g}_{name}_ms"] = _percentile(ms, p)
+            summary[f"p{p:g}_{name}_ms"] = percentile(ms, p)
     return summary
 
 
-def _percentile(sorted_values: list[float], p: float) -> float:
+def percentile(sorted_values: list[float], p: float) -> float:
     """Linear interpolation between closest ranks (numpy's default)."""
     if not sorted_values:
         return 0.0
@@ -325,54 +269,17 @@ def _percentile(sorted_values: list[float], p: float) -> float:
 
 
 # ---- on/off comparisons ---------------------------------------------------------------------------------------
-def _compare(args: argparse.Namespace, slos: dict[str, float]) -> dict:
-    import shlex
-
-    feature = args.compare
-    args.workload = "shared-prefix" if feature == "prefix-caching" else "long-prompt"
-    flag = "--enable-prefix-caching" if feature == "prefix-caching" else "--enable-chunked-prefill"
-    runs = {}
-    for state, extra in (("on", args.on_args), ("off", args.off_args)):
-        serve_args = [flag if state == "on" else flag.replace("--enable", "--no-enable")]
-        serve_args += shlex.split(args.serve_args) + shlex.split(extra)
-        with _LaunchedServer(args.model_dir, serve_args) as server:
-            print(f"== {feature} {state}: kvserve serve {' '.join(serve_args)}")
-            runs[state] = run_async(_run_workload(args, server.base_url, slos, label=f"{feature} {state}"))
-            runs[state]["serve_args"] = serve_args
-            _print_result(runs[state])
-    on, off = runs["on"]["metrics"], runs["off"]["metrics"]
-    if feature == "prefix-caching":
-        summary = {
-            "mean_ttft_ms_on": on["mean_ttft_ms"], "mean_ttft_ms_off": off["mean_ttft_ms"],
-            "median_ttft_ms_on": on["median_ttft_ms"], "median_ttft_ms_off": off["median_ttft_ms"],
-            "ttft_ratio_on_over_off": on["mean_ttft_ms"] / off["mean_ttft_ms"] if off["mean_ttft_ms"] else None,
-            "ttft_reduction_pct": 100 * (1 - on["mean_ttft_ms"] / off["mean_ttft_ms"]) if off["mean_ttft_ms"] else None,
-            "goal": "TTFT with the shared prefix >= 85% lower with prefix caching on",
-        }
-        summary["goal_met"] = summary["ttft_reduction_pct"] is not None and summary["ttft_reduction_pct"] >= 85
-    else:
-        summary = {
-            "steady_state_itl_ms_on": on["steady_state_itl_ms"], "steady_state_itl_ms_off": off["steady_state_itl_ms"],
-            "p99_itl_ms_on": on["p99_itl_ms_with_long_prompts"], "p99_itl_ms_off": off["p99_itl_ms_with_long_prompts"],
-            "p99_over_steady_on": on["p99_over_steady"], "p99_over_steady_off": off["p99_over_steady"],
-            "goal": "p99 ITL with chunked prefill <= 2x the steady-state ITL",
-        }
-        summary["goal_met"] = on["p99_over_steady"] is not None and on["p99_over_steady"] <= 2.0
-    print(f"== {feature}: " + ", ".join(f"{k}={_fmt(v)}" for k, v in summary.items()))
-    return {"compare": feature, "summary": summary, "runs": runs}
-
-
-def _fmt(value) -> str:
+def fmt(value) -> str:
     return f"{value:.2f}" if isinstance(value, float) else str(value)
 
 
-class _LaunchedServer:
+class LaunchedServer:
     """`kvserve serve` on a free 127.0.0.1 port, stopped with SIGTERM (graceful drain) on exit."""
 
     def __init__(self, model_dir: str | None, serve_args: list[str], python: str | None = None):
         self.model_dir, self.serve_args, self.python = model_dir, serve_args, python
 
-    def __enter__(self) -> "_LaunchedServer":
+    def __enter__(self) -> "LaunchedServer":
         import socket
         import subprocess
         import sys
@@ -413,7 +320,7 @@ class _LaunchedServer:
 
 
 # ---- output -------------------------------------------------------------------------------------------------
-def _print_result(result: dict) -> None:
+def print_result(result: dict) -> None:
     title = f" {result['workload']} {result.get('label', '')} ".center(60, "=")
     print(title)
     sections = [("", result["metrics"])] if result["workload"] != "long-prompt" else [
@@ -424,48 +331,5 @@ def _print_result(result: dict) -> None:
             print(f"-- {name}")
         for key, value in metrics.items():
             if key != "errors" or value:
-                print(f"{key:<36} {_fmt(value)}")
+                print(f"{key:<36} {fmt(value)}")
     print("=" * len(title))
-
-
-def _plot(result: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    runs = result["runs"] if "runs" in result else {"": result}
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    for label, run in runs.items():
-        reqs = [r for r in run["requests"] if r["success"]]
-        streams = [r for r in reqs if r["tag"] != "long"]
-        ttfts = sorted(r["ttft_s"] * 1000 for r in reqs if r["tag"] != "stream") or \
-            sorted(r["ttft_s"] * 1000 for r in reqs)
-        itls = sorted(x * 1000 for r in streams for x in r["itl_s"])
-        name = label or run["workload"]
-        axes[0].plot(ttfts, [i / max(1, len(ttfts) - 1) for i in range(len(ttfts))], label=name)
-        axes[1].plot(itls, [i / max(1, len(itls) - 1) for i in range(len(itls))], label=name)
-        # output tokens per 0.5 s bin over time
-        times = sorted(t for r in reqs for t in r["chunk_s"])
-        if times:
-            width = 0.5
-            nbins = int(times[-1] / width) + 1
-            counts = [0] * nbins
-            for t in times:
-                counts[int(t / width)] += 1
-            axes[2].plot([i * width for i in range(nbins)], [c / width for c in counts], label=name)
-        for r in run["requests"]:
-            if r["tag"] == "long" and r["ttft_s"] is not None:
-                axes[2].axvline(r["start_s"], color="grey", alpha=0.3, linewidth=0.8)
-    workload = next(iter(runs.values()))["workload"]
-    axes[0].set(title="TTFT CDF" + (" (long prompts)" if workload == "long-prompt" else ""), xlabel="ms",
-                ylabel="fraction")
-    axes[1].set(title="ITL CDF (streams)", xlabel="ms", xscale="log")
-    axes[2].set(title="streamed chunks/s (grey: long prompt arrivals)", xlabel="s since start")
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle(result.get("compare") or result["workload"])
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)

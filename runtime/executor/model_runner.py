@@ -19,11 +19,11 @@ from kvserve.runtime.config import EngineConfig
 from kvserve.runtime.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kvserve.runtime.models.attention import AttentionMetadata, get_attention_backend
 from kvserve.runtime.models.loader import load_model
-from kvserve.runtime.parallel.layers import SINGLE, ParallelContext
+from kvserve.runtime.models.parallel_layers import SINGLE, ParallelContext
 from kvserve.runtime.sampling import RequestSamplingState, is_plain_greedy, sample
-from kvserve.runtime.worker import kv_groups, kv_sizing
-from kvserve.runtime.worker.block_tables import BlockTables
-from kvserve.runtime.worker.cuda_graphs import DecodeGraphs
+from kvserve.runtime.executor import kv_groups, kv_sizing
+from kvserve.runtime.executor.block_tables import BlockTables
+from kvserve.runtime.executor.cuda_graphs import DecodeGraphs
 
 logger = logging.getLogger("kvserve.runner")
 
@@ -32,7 +32,7 @@ _KV_TORCH_DTYPES = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, parallel: ParallelContext | None = None):
-        """parallel: this process's tensor-parallel rank (kvserve.runtime.parallel); the model is then this
+        """parallel: this process's tensor-parallel rank (kvserve.runtime.models.parallel_layers); the model is then this
         rank's shard and the KV cache holds only its KV heads -- kv_cache_bytes is a per-rank budget."""
         self.config = config
         self.parallel = parallel or SINGLE

@@ -34,10 +34,12 @@ from multiprocessing.connection import wait
 
 from kvserve.runtime.config import EngineConfig
 from kvserve.runtime.core.outputs import ModelRunnerOutput, SchedulerOutput
-from kvserve.runtime.parallel.errors import WorkerDiedError
+from kvserve.runtime.child_process import describe_exit
+from kvserve.runtime.errors import WorkerDiedError
 from kvserve.runtime.models.registry import split_widths
-from kvserve.runtime.parallel.sharding import split_widths_error, tp_shape_error
-from kvserve.runtime.sampling_params import InvalidParameter
+from kvserve.runtime.models.sharding import split_widths_error
+from kvserve.runtime.capacity import tp_shape_error
+from kvserve.runtime.errors import InvalidParameter
 
 logger = logging.getLogger("kvserve.parallel")
 
@@ -79,8 +81,8 @@ class MultiprocExecutor:
         # Registered before the first start so that whatever happens next, the workers are reaped on
         # shutdown(), garbage collection of the executor, or interpreter exit.
         self._finalizer = weakref.finalize(self, _stop_workers, self.procs, self.conns, self._tmpdir)
-        from kvserve.runtime.engine.main_guard import exit_if_bootstrapping
-        from kvserve.runtime.parallel.worker import worker_main
+        from kvserve.runtime.child_process import exit_if_bootstrapping
+        from kvserve.runtime.executor.tp_worker import worker_main
 
         exit_if_bootstrapping()  # an unguarded script re-imported in a child: one clear error in the parent
 
@@ -122,7 +124,7 @@ class MultiprocExecutor:
         for rank, proc in enumerate(self.procs):
             if not proc.is_alive():
                 raise self._fail(rank, f"tensor-parallel worker rank {rank} (pid {proc.pid}) died "
-                                       f"({_describe_exit(proc.exitcode)})")
+                                       f"({describe_exit(proc.exitcode)})")
 
     def shutdown(self) -> None:
         """Stop every worker (idempotent); the executor is unusable afterwards."""
@@ -145,7 +147,7 @@ class MultiprocExecutor:
             except OSError:  # broken pipe: the worker is gone
                 self.procs[rank].join(1.0)
                 raise self._fail(rank, f"tensor-parallel worker rank {rank} (pid {self.procs[rank].pid}) is not "
-                                       f"reachable ({_describe_exit(self.procs[rank].exitcode)})")
+                                       f"reachable ({describe_exit(self.procs[rank].exitcode)})")
         return self._gather(self.step_timeout_s)
 
     def _gather(self, timeout_s: float, starting: bool = False) -> list:
@@ -171,7 +173,7 @@ class MultiprocExecutor:
                         self.procs[rank].join(1.0)
                         self._raise_if_main_guard_exit(rank, starting)
                         raise self._fail(rank, f"tensor-parallel worker rank {rank} (pid {self.procs[rank].pid}) "
-                                               f"died ({_describe_exit(self.procs[rank].exitcode)})") from None
+                                               f"died ({describe_exit(self.procs[rank].exitcode)})") from None
                     if reply[0] == "error":
                         _, summary, tb, param, message = reply
                         where = "while starting" if starting else "during a step"
@@ -183,7 +185,7 @@ class MultiprocExecutor:
                         if killed is not None:  # rank's error is the symptom (a collective lost its peer)
                             proc = self.procs[killed]
                             raise self._fail(killed, f"tensor-parallel worker rank {killed} (pid {proc.pid}) died "
-                                                     f"({_describe_exit(proc.exitcode)}); rank {rank} then failed: "
+                                                     f"({describe_exit(proc.exitcode)}); rank {rank} then failed: "
                                                      f"{summary.splitlines()[0][:200]}")
                         raise self._fail(rank, f"tensor-parallel worker rank {rank} failed {where}: {summary}")
                     replies[rank] = reply[1]
@@ -196,11 +198,11 @@ class MultiprocExecutor:
                     proc.join(1.0)
                     self._raise_if_main_guard_exit(rank, starting)
                     raise self._fail(rank, f"tensor-parallel worker rank {rank} (pid {proc.pid}) died "
-                                           f"({_describe_exit(proc.exitcode)})")
+                                           f"({describe_exit(proc.exitcode)})")
         return [replies[r] for r in range(len(self.conns))]
 
     def _raise_if_main_guard_exit(self, rank: int, starting: bool) -> None:
-        from kvserve.runtime.engine.main_guard import MainGuardError, MAIN_GUARD_EXIT_CODE
+        from kvserve.runtime.child_process import MainGuardError, MAIN_GUARD_EXIT_CODE
 
         if starting and self.procs[rank].exitcode == MAIN_GUARD_EXIT_CODE:
             self._finalizer()
@@ -226,19 +228,6 @@ class MultiprocExecutor:
             logger.error("%s", self.dead)
         self._finalizer()
         return self.dead
-
-
-def _describe_exit(code: int | None) -> str:
-    if code is None:
-        return "still running"
-    if code < 0:
-        import signal
-
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
 
 
 def _stop_workers(procs: list, conns: list, tmpdir: str, grace_s: float = 5.0) -> None:

@@ -1,5 +1,6 @@
-"""One clear error for a script that builds a multi-process engine at module level without an
-`if __name__ == "__main__":` guard.
+"""kvserve's child processes (the engine core, tensor-parallel workers, API servers): how a child's exit is
+described in errors, and one clear error for a script that builds a multi-process engine at module level
+without an `if __name__ == "__main__":` guard.
 
 With the spawn start method every child process re-imports the parent's main script (as `__mp_main__`); an
 unguarded `LLM(..., tensor_parallel_size=2)` there would start processes again from each child, and Python
@@ -36,3 +37,17 @@ def exit_if_bootstrapping() -> None:
 def raise_if_main_guard_exit(exitcode: int | None) -> None:
     if exitcode == MAIN_GUARD_EXIT_CODE:
         raise MainGuardError()
+
+
+def describe_exit(code: int | None) -> str:
+    """A child's exitcode (multiprocessing's convention: negative = killed by that signal) for an error message."""
+    if code is None:
+        return "still running"
+    if code < 0:
+        import signal
+
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"

@@ -62,7 +62,7 @@ def _generate(engine, requests: list, params_type) -> list[tuple[float, int]]:
     while engine.has_unfinished_requests():
         t0 = time.perf_counter()
         engine.step()
-        running = engine.scheduler.num_running if hasattr(engine, "scheduler") else engine.stats.num_requests_running
+        running = engine.get_stats().num_requests_running
         steps.append((time.perf_counter() - t0, running))
     return steps
 

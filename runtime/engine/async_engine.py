@@ -1,6 +1,7 @@
 """AsyncEngine: the asyncio front of the (not thread-safe) LLMEngine.
 
-One background thread owns the engine and runs its step loop. The engine is an LLMEngine (the core in this
+One background thread owns the engine and runs its step loop. The engine is an EngineClient (engine/client.py):
+an LLMEngine (the core in this
 process: torch releases the GIL during compute, so the event loop keeps serving HTTP meanwhile) or a
 core_client.CoreClient (the core in its own process: this thread then only sends requests, waits on the
 core's socket and detokenises). Everything else talks to that thread through a queue of
@@ -15,7 +16,7 @@ operations (add, abort) applied between steps, and gets results back on per-requ
   that stops reading -- a streaming client that does not read its socket -- costs one output, not one per
   step. Leaving the stream unfinished (client disconnect, task cancelled) aborts the request: the engine
   thread frees its KV blocks before the next step.
-- Failures (engine/errors.py): an output carrying `error` ends its stream with `RequestFailedError`
+- Failures (runtime/errors.py): an output carrying `error` ends its stream with `RequestFailedError`
   (retryable or not); when the engine dies (`EngineDeadError`, or a tensor-parallel `WorkerDiedError`)
   every in-flight and queued request -- including adds not yet applied -- gets `EngineDeadError` at once,
   and `on_dead` is called (the server then exits non-zero once those answers are out).
@@ -28,16 +29,46 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator, Callable
 
-from kvserve.runtime.errors import EngineDeadError, RequestFailedError
-from kvserve.runtime.errors import WorkerDiedError
+from kvserve.runtime.engine.client import EngineClient, PromptInput
+from kvserve.runtime.errors import EngineDeadError, RequestFailedError, WorkerDiedError
+from kvserve.runtime.outputs import EngineStats, RequestOutput
+from kvserve.runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvserve.runtime.metrics import ServerMetrics
+    from kvserve.runtime.tracing import RequestTracer
 
 __all__ = ["AsyncEngine", "EngineDeadError", "RequestFailedError", "RequestStream"]
 
 logger = logging.getLogger(__name__)
 
-_ABORTED = object()  # queue marker: the request was aborted by the server (drain timeout, shutdown)
+_ABORTED = object()  # stream marker: the request was aborted by the server (drain timeout, shutdown)
+
+
+# Operations the event loop queues for the engine thread, applied between steps.
+@dataclass
+class _AddOp:
+    request_id: str
+    prompt: PromptInput
+    params: SamplingParams
+    arrival_time: float
+    stream: "RequestStream"
+    accepted: asyncio.Future  # resolved (in the loop) once the engine took or refused the request
+    trace_headers: dict[str, str] | None
+
+
+@dataclass
+class _AbortOp:
+    request_id: str
+
+
+class _AbortAllOp:
+    pass
+
+
+_Op = _AddOp | _AbortOp | _AbortAllOp
 
 
 @dataclass
@@ -48,8 +79,8 @@ class _Tracked:
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_tokens_seen: int = 0
-    params: Any = None
-    trace_headers: Any = None  # W3C headers of the HTTP request, for the tracer
+    params: SamplingParams | None = None
+    trace_headers: dict[str, str] | None = None  # W3C headers of the HTTP request, for the tracer
 
 
 @dataclass
@@ -57,16 +88,16 @@ class RequestStream:
     request_id: str
     _engine: "AsyncEngine"
     _ready: asyncio.Event = field(default_factory=asyncio.Event)
-    _latest: Any = None  # the newest output not yet taken by the consumer (outputs are cumulative)
-    _end: Any = None  # what ends the stream after _latest: an exception or _ABORTED
+    _latest: RequestOutput | None = None  # the newest output not yet taken by the consumer (they are cumulative)
+    _end: BaseException | object | None = None  # what ends the stream after _latest: an exception or _ABORTED
     finished: bool = False
     aborted: bool = False
-    last_output: Any = None
+    last_output: RequestOutput | None = None
 
     def __aiter__(self) -> "RequestStream":
         return self
 
-    async def __anext__(self) -> Any:
+    async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
         while self._latest is None and self._end is None:
@@ -85,7 +116,7 @@ class RequestStream:
             raise StopAsyncIteration
         raise end
 
-    def _put(self, item: Any) -> None:
+    def _put(self, item: RequestOutput | BaseException | object) -> None:
         """Event-loop side delivery: an output replaces any undelivered one; an end is kept once."""
         if isinstance(item, BaseException) or item is _ABORTED:
             if self._end is None:
@@ -106,14 +137,14 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Any, metrics: Any = None, log_interval_s: float = 5.0, tracer: Any = None,
-                 on_dead: Any = None):
+    def __init__(self, engine: EngineClient, metrics: ServerMetrics | None = None, log_interval_s: float = 5.0,
+                 tracer: RequestTracer | None = None, on_dead: Callable[[BaseException], None] | None = None):
         self.engine = engine
         self.metrics = metrics
         self.tracer = tracer  # runtime.tracing.RequestTracer, or None (tracing off)
         self.on_dead = on_dead  # called in the event loop once every request got the engine's death
         self.log_interval_s = log_interval_s
-        self._ops: queue.SimpleQueue = queue.SimpleQueue()
+        self._ops: queue.SimpleQueue[_Op] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -122,7 +153,7 @@ class AsyncEngine:
         self._active: set[str] = set()  # event-loop side: requests whose stream is not finished
         self._pending_adds = 0
         self._pending_lock = threading.Lock()
-        self.stats: Any = None
+        self.stats: EngineStats | None = None
         self.dead_error: BaseException | None = None
         self._dead_lock = threading.Lock()  # orders "add queued" against "engine died, queue drained"
         self.num_step_failures = 0
@@ -147,9 +178,7 @@ class AsyncEngine:
 
     def _wake(self) -> None:
         self._wakeup.set()
-        notify = getattr(self.engine, "notify", None)  # CoreClient: interrupt its wait for the core's outputs
-        if notify is not None:
-            notify()
+        self.engine.notify()  # CoreClient: interrupt its wait for the core's outputs
 
     @property
     def is_running(self) -> bool:
@@ -164,11 +193,12 @@ class AsyncEngine:
     @property
     def num_waiting(self) -> int:
         """Requests waiting for their first schedule, including adds not yet applied by the engine thread."""
-        waiting = getattr(self.stats, "num_requests_waiting", 0) if self.stats is not None else 0
+        waiting = self.stats.num_requests_waiting if self.stats is not None else 0
         return waiting + self._pending_adds
 
-    async def add_request(self, request_id: str, prompt: str | list[int], params: Any,
-                          arrival_time: float | None = None, trace_headers: Any = None) -> RequestStream:
+    async def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams,
+                          arrival_time: float | None = None,
+                          trace_headers: dict[str, str] | None = None) -> RequestStream:
         if request_id in self._active:
             raise ValueError(f"duplicate request id {request_id!r}")
         loop = asyncio.get_running_loop()
@@ -181,7 +211,7 @@ class AsyncEngine:
             with self._pending_lock:
                 self._pending_adds += 1
             self._active.add(request_id)
-            self._ops.put(("add", request_id, prompt, params, arrival, stream, accepted, trace_headers))
+            self._ops.put(_AddOp(request_id, prompt, params, arrival, stream, accepted, trace_headers))
         self._wake()
         try:
             await accepted
@@ -193,10 +223,11 @@ class AsyncEngine:
                 stream.abort()
             raise
         if self.metrics is not None:
-            self.metrics.observe_request_start(getattr(params, "n", 1), getattr(params, "max_tokens", None))
+            self.metrics.observe_request_start(params.n, params.max_tokens)
         return stream
 
-    async def generate(self, request_id: str, prompt: str | list[int], params: Any) -> AsyncIterator[Any]:
+    async def generate(self, request_id: str, prompt: PromptInput,
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Convenience: add, then yield outputs; aborts the request if the caller stops early."""
         stream = await self.add_request(request_id, prompt, params)
         try:
@@ -207,18 +238,18 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._active.discard(request_id)
-        self._ops.put(("abort", request_id))
+        self._ops.put(_AbortOp(request_id))
         self._wake()
 
     def abort_all(self) -> None:
-        self._ops.put(("abort_all",))
+        self._ops.put(_AbortAllOp())
         self._wake()
 
     # ---- engine thread -------------------------------------------------------------------------------
     def _run(self) -> None:
         last_log = time.monotonic()
         last_logged_counters: tuple = ()
-        deliveries: list[tuple[RequestStream, Any]] = []
+        deliveries: list[tuple[RequestStream, RequestOutput | BaseException | object]] = []
         try:
             while not self._stop.is_set():
                 deliveries = []
@@ -260,11 +291,10 @@ class AsyncEngine:
                 except queue.Empty:
                     break
         for op in pending:
-            if op[0] == "add":
-                accepted = op[6]
+            if isinstance(op, _AddOp):
                 with self._pending_lock:
                     self._pending_adds -= 1
-                self._resolve(accepted, error)
+                self._resolve(op.accepted, error)
         self._fail_all(error)
         if self.metrics is not None:
             self.metrics.set_engine_alive(False)
@@ -277,23 +307,22 @@ class AsyncEngine:
                 op = self._ops.get_nowait()
             except queue.Empty:
                 return
-            kind = op[0]
-            if kind == "add":
-                _, request_id, prompt, params, arrival, stream, accepted, headers = op
+            if isinstance(op, _AddOp):
                 with self._pending_lock:
                     self._pending_adds -= 1
-                if stream.finished:  # aborted before it reached the engine
+                if op.stream.finished:  # aborted before it reached the engine
                     continue
                 try:
-                    self.engine.add_request(request_id, prompt, params, arrival_time=arrival)
+                    self.engine.add_request(op.request_id, op.prompt, op.params, arrival_time=op.arrival_time)
                 except Exception as exc:  # invalid request: the engine named the field
-                    self._resolve(accepted, exc)
+                    self._resolve(op.accepted, exc)
                     continue
-                self._tracked[request_id] = _Tracked(stream, arrival, params=params, trace_headers=headers)
-                self._resolve(accepted, None)
-            elif kind == "abort":
-                self._abort_in_engine(op[1])
-            elif kind == "abort_all":
+                self._tracked[op.request_id] = _Tracked(op.stream, op.arrival_time, params=op.params,
+                                                        trace_headers=op.trace_headers)
+                self._resolve(op.accepted, None)
+            elif isinstance(op, _AbortOp):
+                self._abort_in_engine(op.request_id)
+            else:  # _AbortAllOp
                 for request_id in list(self._tracked):
                     deliveries.append((self._tracked[request_id].stream, _ABORTED))
                     self._abort_in_engine(request_id)
@@ -306,9 +335,7 @@ class AsyncEngine:
             logger.exception("abort_request(%s) failed", request_id)
 
     def _check_engine_health(self) -> None:
-        check = getattr(self.engine, "check_health", None)
-        if check is not None:
-            check()  # raises WorkerDiedError: _run marks the engine dead (/health turns 503)
+        self.engine.check_health()  # raises WorkerDiedError: _run marks the engine dead (/health turns 503)
 
     def _step(self, deliveries: list) -> None:
         try:
@@ -333,7 +360,7 @@ class AsyncEngine:
                 tracked.num_tokens_seen = num_tokens
             if output.finished:
                 del self._tracked[output.request_id]
-                if getattr(output, "error", None) is not None:  # the engine failed it (and freed it)
+                if output.error is not None:  # the engine failed it (and freed it)
                     deliveries.append((tracked.stream, RequestFailedError.from_error(output.error)))
                     if metrics is not None:
                         metrics.observe_failed()
@@ -344,15 +371,14 @@ class AsyncEngine:
         self._refresh_stats()
 
     def _count_step_failures(self) -> None:
-        failures = getattr(self.engine, "num_step_failures", 0)
+        failures = self.engine.num_step_failures
         if failures > self.num_step_failures:
             if self.metrics is not None:
                 self.metrics.engine_step_failures.inc(failures - self.num_step_failures)
             self.num_step_failures = failures
 
-    def _observe_finished(self, output: Any, tracked: _Tracked, now: float) -> None:
-        request_metrics = getattr(output, "metrics", None)
-        first_scheduled = getattr(request_metrics, "first_scheduled_time", None)
+    def _observe_finished(self, output: RequestOutput, tracked: _Tracked, now: float) -> None:
+        first_scheduled = output.metrics.first_scheduled_time
         reasons = [c.finish_reason for c in output.outputs if c.finish_reason]
         timings = dict(num_prompt_tokens=len(output.prompt_token_ids or []),
                        num_generation_tokens=tracked.num_tokens_seen, arrival_time=tracked.arrival_time,
@@ -416,7 +442,7 @@ class AsyncEngine:
         self._tracked.clear()
         self._flush(deliveries)
 
-    def _call_in_loop(self, fn: Any, *args: Any) -> None:
+    def _call_in_loop(self, fn: Callable[..., None], *args: object) -> None:
         try:
             self._loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # loop closed during shutdown

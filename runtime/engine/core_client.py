@@ -26,7 +26,8 @@ from kvserve.runtime.config import EngineConfig
 from kvserve.runtime.engine.core_messages import (EngineCoreAbort, EngineCoreOutputs, EngineCoreRequest,
                                                   MessageCodec, MessageType, failure_exception)
 from kvserve.runtime.errors import EngineDeadError
-from kvserve.runtime.engine.llm_engine import LLMEngine, PromptInput
+from kvserve.runtime.engine.client import PromptInput
+from kvserve.runtime.engine.llm_engine import LLMEngine
 from kvserve.runtime.tokenizer import load_tokenizer
 from kvserve.runtime.child_process import describe_exit, exit_if_bootstrapping, raise_if_main_guard_exit
 from kvserve.runtime.engine.request_tracker import RequestTracker

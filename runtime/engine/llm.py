@@ -4,7 +4,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from kvserve.runtime.engine.llm_engine import LLMEngine, PromptInput
+from kvserve.runtime.engine.llm_engine import LLMEngine
+from kvserve.runtime.engine.client import PromptInput
 from kvserve.runtime.outputs import RequestOutput
 from kvserve.runtime.sampling_params import SamplingParams
 from kvserve.runtime.errors import InvalidParameter

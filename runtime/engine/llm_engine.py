@@ -16,6 +16,7 @@ import logging
 import time
 
 from kvserve.runtime.config import EngineConfig, make_engine_config
+from kvserve.runtime.engine.client import PromptInput
 from kvserve.runtime.engine.engine_core import EngineCore
 from kvserve.runtime.engine.request_tracker import RequestTracker
 from kvserve.runtime.outputs import EngineStats, RequestOutput
@@ -25,10 +26,10 @@ from kvserve.runtime.errors import InvalidParameter
 
 logger = logging.getLogger("kvserve.engine")
 
-PromptInput = str | list[int] | dict
-
 
 class LLMEngine:
+    """An EngineClient (engine/client.py) with the core in this process."""
+
     def __init__(self, config: EngineConfig):
         self.tokenizer = load_tokenizer(config.model.model_dir)
         self.core = EngineCore(config, tokenizer_vocab_size=len(self.tokenizer))
@@ -139,6 +140,9 @@ class LLMEngine:
         """Raise the engine's fatal error if it is dead (a tensor-parallel worker gone: WorkerDiedError
         naming the rank; too many failed steps: EngineDeadError). Cheap: the server calls it while idle."""
         self.core.check_health()
+
+    def notify(self) -> None:
+        """Nothing to wake: step() never waits in this process (EngineClient)."""
 
     def shutdown(self) -> None:
         """Release the tensor-parallel worker processes (idempotent; nothing to do in one process)."""

@@ -214,7 +214,7 @@ class OpenAIServing:
 
     async def add_all(self, engine: AsyncEngine, prepared: _Prepared, request: Request) -> list[RequestStream]:
         streams: list[RequestStream] = []
-        headers = trace_headers(request.headers, enabled=getattr(engine, "tracer", None) is not None)
+        headers = trace_headers(request.headers, enabled=engine.tracer is not None)
         try:
             for i, (ids, params) in enumerate(zip(prepared.prompt_ids, prepared.params)):
                 sub_id = prepared.request_id if len(prepared.prompt_ids) == 1 else f"{prepared.request_id}-{i}"

@@ -27,12 +27,6 @@ def is_fp8(dtype) -> bool:
     return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def fp8_max(dtype) -> float:
-    import torch
-
-    return float(torch.finfo(dtype).max)
-
-
 def kv_cache_dtype_bytes(kv_cache_dtype: str, model_dtype_bytes: int) -> int:
     """Bytes per cached element: 1 for fp8 (the 2x KV compression vs 16-bit), else the model's."""
     return 1 if kv_cache_dtype.startswith("fp8") else model_dtype_bytes

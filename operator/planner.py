@@ -19,13 +19,11 @@ both numbers can be set per InferenceService (engine.activationReserveMiB, engin
 """
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 
 from kvserve.operator.catalog import GiB, ModelShape
 from kvserve.runtime import capacity
 
-LLM_D_ACTIVATION_BYTES = int(4.8 * GiB)  # llm-d's flat constant, for reference and tests
 FIXED_RESERVE_BYTES = 1 * GiB  # CUDA graphs, NCCL buffers, allocator fragmentation
 RUNTIME_OVERHEAD_TP1_BYTES = int(0.15 * GiB)
 RUNTIME_OVERHEAD_TP_BYTES = int(0.6 * GiB)

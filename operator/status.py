@@ -13,8 +13,6 @@ from kvserve.operator.labels import selector_string
 from kvserve.operator.render import service_url
 from kvserve.operator.render_router import url_service_name
 
-CONDITION_TYPES = ("Ready", "CapacityPlanned", "Progressing", "Degraded", "ChildConflict", "ModelReady")
-
 _PLAN_FIELDS = {
     "kvBytesPerToken": "kv_bytes_per_token",
     "kvBytesPerTokenPerGpu": "kv_bytes_per_token_per_gpu",

@@ -16,7 +16,7 @@ Facts kept here, once:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 NULL_BLOCKS = 1  # block 0: padding for block tables, never allocated to a request
 
@@ -435,7 +435,3 @@ def one_sequence_error(num_blocks: int, max_model_len: int, layout: KVLayout, so
             f"({held}) per rank, but one max_model_len={max_model_len} sequence needs "
             f"{needed} blocks ({layout.budget_for_blocks(needed + NULL_BLOCKS)} bytes with the null block); "
             f"raise the KV budget or set max_model_len <= {longest}")
-
-
-def shape_fields() -> tuple[str, ...]:
-    return tuple(f.name for f in fields(ModelShape))

@@ -31,7 +31,7 @@ logprobs, structured outputs and penalties are unchanged.
 Tests on CPU: with `cuda_graph_settings.EMULATE_ON_CPU = True` (tests only) "capture" records the forward and "replay" re-runs
 it on the same static buffers with the metadata frozen at capture, which checks everything above but the
 CUDA graph object itself (padding, static buffers, fixed split counts, dropped rows) under the Triton
-interpreter. The CUDA path is exercised by benchmarks/gpu_serving.py on a GPU.
+interpreter. The CUDA path is exercised by runtime/bench/gpu_serving.py on a GPU.
 """
 from __future__ import annotations
 

@@ -36,11 +36,6 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def is_fp8_linear(module: nn.Module) -> bool:
-    weight = getattr(module, "weight", None)
-    return weight is not None and weight.dtype == FP8_DTYPE and hasattr(module, "weight_scale")
-
-
 def convert_linears(model: nn.Module, linear_types: tuple[type, ...]) -> int:
     """Before materialisation (meta device): give every linear of `linear_types` an fp8 weight and an fp32
     per-row scale buffer. Returns how many were converted."""

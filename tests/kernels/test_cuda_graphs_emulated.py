@@ -2,7 +2,7 @@
 Triton interpreter. What this checks is everything but the CUDA graph object itself: the static buffers,
 padding a batch up to a captured size (slot -1, context length 1), metadata frozen at capture (split count
 chosen for max_model_len while real contexts are short), dropped padded rows, eager fallback above the
-largest size and for prefill/mixed steps. benchmarks/gpu_serving.py checks the real graphs on a GPU."""
+largest size and for prefill/mixed steps. runtime/bench/gpu_serving.py checks the real graphs on a GPU."""
 from __future__ import annotations
 
 import random

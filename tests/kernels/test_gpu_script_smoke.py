@@ -1,4 +1,4 @@
-"""benchmarks/gpu_kernels.py --cpu-smoke: the GPU script's code paths at tiny sizes under the interpreter."""
+"""runtime/bench/gpu_kernels.py --cpu-smoke: the GPU script's code paths at tiny sizes under the interpreter."""
 from __future__ import annotations
 
 import json
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "gpu_kernels.py")
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "runtime", "bench", "gpu_kernels.py")
 
 
 def test_gpu_script_cpu_smoke(tmp_path):

@@ -1,4 +1,4 @@
-"""benchmarks/gpu_serving.py --cpu-smoke: every section of the GPU serving script at tiny sizes on CPU (graphs
+"""runtime/bench/gpu_serving.py --cpu-smoke: every section of the GPU serving script at tiny sizes on CPU (graphs
 emulated, Triton interpreter), so the script a GPU session runs is known to work before device time is spent."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "gpu_serving.py")
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "runtime", "bench", "gpu_serving.py")
 
 
 def test_gpu_serving_script_cpu_smoke(tmp_path):

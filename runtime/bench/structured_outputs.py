@@ -4,7 +4,7 @@ Runs the same 64-request greedy batch twice on one engine -- free text, then eve
 schema -- and times, inside the sampler, the bitmask fill + apply for the constrained rows and the matcher
 advance (what structured outputs add to a step). Prints ms per step for each and the share of the step.
 
-    .venv/bin/python benchmarks/structured_outputs.py [MODEL_DIR]      (default ../shared/models/stories260K)
+    .venv/bin/python runtime/bench/structured_outputs.py [MODEL_DIR]      (default ../shared/models/stories260K)
 """
 from __future__ import annotations
 

@@ -31,7 +31,8 @@ import sys
 import tempfile
 import time
 
-from gpu_kernels import LLAMA3_8B, TINY_MODEL as TINY  # noqa: E402  (this folder: the same shapes, once)
+from kvserve.runtime.bench.gpu_kernels import LLAMA3_8B
+from kvserve.runtime.bench.gpu_kernels import TINY_MODEL as TINY
 
 # Graph check model: big enough that a wrong row or stale buffer shows, small enough to run eagerly in seconds.
 CHECK = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,

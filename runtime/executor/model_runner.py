@@ -17,9 +17,11 @@ import torch
 
 from kvserve.runtime.config import EngineConfig
 from kvserve.runtime.core.outputs import ModelRunnerOutput, SchedulerOutput
-from kvserve.runtime.models.attention import AttentionMetadata, get_attention_backend
+from kvserve.runtime.models.attention import AttentionMetadata
+from kvserve.runtime.models.attention_backends import get_attention_backend
+from kvserve.runtime.models.cpu_linear import pack_linears
 from kvserve.runtime.models.loader import load_model
-from kvserve.runtime.models.parallel_layers import SINGLE, ParallelContext
+from kvserve.runtime.models.parallel_layers import SINGLE, ColumnParallelLinear, ParallelContext, RowParallelLinear
 from kvserve.runtime.sampling import RequestSamplingState, is_plain_greedy, sample
 from kvserve.runtime.executor import kv_groups, kv_sizing
 from kvserve.runtime.executor.block_tables import BlockTables
@@ -44,6 +46,8 @@ class ModelRunner:
         self.attention = get_attention_backend(config.attention_backend)
         self.model = load_model(config.model, self.attention, config.device, self.parallel,
                                 load_format=config.load_format)
+        if self.device.type == "cpu":  # oneDNN with prepacked weights (models/cpu_linear.py)
+            pack_linears(self.model, (ColumnParallelLinear, RowParallelLinear))
         self.num_kv_heads = self.model.shard.num_kv_heads  # on this rank
         self.num_blocks = self.parallel.all_reduce_min(self.determine_num_blocks())  # ranks agree
         self._check_one_sequence_fits(self.num_blocks)

@@ -1,4 +1,5 @@
-"""Paged attention over the KV cache, and the metadata the runner builds for it once per step.
+"""Paged attention over the KV cache: the metadata the runner builds for it once per step, and the pure-torch
+backend (attention_backends.py chooses a backend by name).
 
 Contract (shared with the Triton backend in kvserve.kernels): per layer, k_cache / v_cache are
 [num_blocks, block_size, num_kv_heads, head_dim]; the step's new tokens are one flat varlen batch. Each
@@ -157,21 +158,3 @@ def _softcapped_attention(query: torch.Tensor, keys: torch.Tensor, values: torch
     scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     return torch.matmul(probs, values)
-
-
-_BACKENDS: dict[str, type] = {"torch": TorchAttentionBackend}
-
-
-def register_attention_backend(name: str, cls: type) -> None:
-    _BACKENDS[name] = cls
-
-
-def get_attention_backend(name: str):
-    if name == "triton" and name not in _BACKENDS:
-        try:
-            import kvserve.runtime.models.attention_triton  # noqa: F401  (registers itself)
-        except ImportError as exc:
-            raise ValueError(f"attention_backend 'triton' is unavailable: {exc}") from None
-    if name not in _BACKENDS:
-        raise ValueError(f"attention_backend must be one of {sorted(set(_BACKENDS) | {'triton'})}, got {name!r}")
-    return _BACKENDS[name]()

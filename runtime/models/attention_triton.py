@@ -4,15 +4,15 @@ Same contract as TorchAttentionBackend (see attention.py): store this step's K/V
 (slot -1 skipped inside the kernel), then attend over the whole context through the block tables. FP8
 caches use ``meta.k_scale`` / ``meta.v_scale``. On CPU tensors the kernels run only under the Triton
 interpreter (``TRITON_INTERPRET=1``), which is how the backend is checked end to end without a GPU.
-Importing this module registers the backend; it raises ImportError when triton is unusable, which
-get_attention_backend turns into a clear ValueError.
+Importing this module raises ImportError when triton is unusable, which attention_backends.get_attention_backend
+turns into a clear ValueError.
 """
 from __future__ import annotations
 
 import torch
 
 import kvserve.kernels as _kernels
-from kvserve.runtime.models.attention import AttentionMetadata, register_attention_backend
+from kvserve.runtime.models.attention import AttentionMetadata
 
 if not _kernels.triton_available():
     raise ImportError(f"triton is not importable ({_kernels._TRITON_STATE.get('error')})")
@@ -56,5 +56,3 @@ class TritonAttentionBackend:
                                self._scale(meta.v_scale, q.device) if fp8 else None,
                                sliding_window=sliding_window, softcap=softcap)
 
-
-register_attention_backend("triton", TritonAttentionBackend)

@@ -196,8 +196,8 @@ class Gemma2ForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = lm_head_logits(hidden, weight, self.config.vocab_size, self.parallel)
+        head = self.embed_tokens if self.lm_head is None else self.lm_head  # a tied head is the embedding
+        logits = lm_head_logits(hidden, head, self.config.vocab_size, self.parallel)
         if logits is not None and self.final_softcap:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

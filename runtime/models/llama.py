@@ -192,8 +192,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """[rows, vocab] float32 logits; None on tensor-parallel ranks other than 0 (only rank 0 samples)."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return lm_head_logits(hidden, weight, self.config.vocab_size, self.parallel)
+        head = self.embed_tokens if self.lm_head is None else self.lm_head  # a tied head is the embedding
+        return lm_head_logits(hidden, head, self.config.vocab_size, self.parallel)
 
     # -- loading ----------------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:

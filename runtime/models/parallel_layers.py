@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.runtime.models.cpu_linear import linear
 from kvserve.runtime.models.fp8 import FP8_DTYPE, fp8_linear
 
 
@@ -69,7 +70,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.dtype == FP8_DTYPE:  # --dtype fp8 (runtime/models/fp8.py)
             return fp8_linear(x, self, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -85,7 +86,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         matmul = (lambda x_, b: fp8_linear(x_, self, b)) if self.weight.dtype == FP8_DTYPE else \
-            (lambda x_, b: F.linear(x_, self.weight, b))
+            (lambda x_, b: linear(x_, self, b))
         if self.parallel.size == 1:
             return matmul(x, self.bias)
         y = self.parallel.all_reduce(matmul(x, None))
@@ -114,11 +115,11 @@ class VocabParallelEmbedding(nn.Module):
         return self.parallel.all_reduce(x)
 
 
-def lm_head_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int,
+def lm_head_logits(hidden: torch.Tensor, head: nn.Module, vocab_size: int,
                    parallel: ParallelContext) -> torch.Tensor | None:
     """Vocab-parallel LM head: each rank computes its slice of the logits, rank 0 gathers the full
     [rows, vocab] float32 logits (padding columns dropped); other ranks get None."""
-    local = F.linear(hidden, weight).float()  # [rows, vocab_per_rank]
+    local = linear(hidden, head, None).float()  # [rows, vocab_per_rank]
     if parallel.size == 1:
         return local
     full = parallel.gather_last_dim(local)

@@ -89,7 +89,7 @@ class _ReferenceBackend:
 def test_triton_fp8_kv_cache(random_model, kv_cache_dtype):
     """FP8 KV through the engine, against the kernels' torch references wired in as a backend (the torch
     backend cannot store fp8 on CPU: index_copy_ has no float8 CPU kernel)."""
-    from kvserve.runtime.models.attention import register_attention_backend
+    from kvserve.runtime.models.attention_backends import register_attention_backend
 
     register_attention_backend("kernels_ref", _ReferenceBackend)
     model_dir = random_model("llama_gqa")

@@ -28,7 +28,7 @@ class _RecordingSlice:
 
 def _empty_model(model_dir, rank, size):
     from kvserve.runtime.config import load_model_config
-    from kvserve.runtime.models.attention import get_attention_backend
+    from kvserve.runtime.models.attention_backends import get_attention_backend
     from kvserve.runtime.models.registry import model_class
     from kvserve.runtime.models.parallel_layers import ParallelContext
 

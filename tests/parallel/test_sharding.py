@@ -74,7 +74,7 @@ def _load_rank(model_dir, rank, size, reads):
     from safetensors import safe_open
 
     from kvserve.runtime.config import load_model_config
-    from kvserve.runtime.models.attention import get_attention_backend
+    from kvserve.runtime.models.attention_backends import get_attention_backend
     from kvserve.runtime.models.llama import LlamaForCausalLM
     from kvserve.runtime.models.parallel_layers import ParallelContext
 

@@ -12,7 +12,7 @@ import torch
 
 from kvserve.runtime import LLM, SamplingParams, capacity
 from kvserve.runtime.config import load_model_config
-from kvserve.runtime.models.attention import get_attention_backend
+from kvserve.runtime.models.attention_backends import get_attention_backend
 from kvserve.runtime.models.loader import build_meta_model, weight_bytes
 from kvserve.runtime.models.parallel_layers import ParallelContext
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+from kvserve.runtime import capacity
+
 HELP = "offline throughput benchmark against transformers generate (same model, same requests, one run)"
 
 
@@ -25,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+    parser.add_argument("--dtype", default="float32", choices=capacity.FLOAT_DTYPES,
                         help="weights/activations dtype for both engines")
     parser.add_argument("--json-out", default=None)
 

@@ -1,8 +1,19 @@
-"""`kvserve plan`: how much KV cache fits, from the model's shape and the GPU's memory (the operator's math)."""
+"""`kvserve plan`: how much KV cache fits, from the model's shape and the GPU's memory (the operator's math).
+
+The engine flags are EngineArgs' own (the same type, default and help as `kvserve serve`'s), and their
+model-dependent defaults resolve with engine_args.resolve, the function `kvserve serve` resolves them with:
+`kvserve plan --model-config DIR` with no flags plans the server `kvserve serve DIR` starts.
+"""
 from __future__ import annotations
 
 import argparse
 import json
+
+from kvserve.runtime import engine_args
+
+# The engine settings a capacity plan depends on (engine_args.ResolvedSettings).
+PLAN_SETTINGS = ("tensor_parallel_size", "dtype", "max_model_len", "block_size", "gpu_memory_utilization",
+                 "max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill", "kv_cache_dtype")
 
 HELP = "Capacity plan: KV bytes/token, blocks, KV tokens and max concurrency for a model on a GPU"
 
@@ -17,14 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "s3://BUCKET/PREFIX, file:///DIR (only config.json is fetched; HF_TOKEN, HF_ENDPOINT and "
                              "AWS_* from the environment)")
     parser.add_argument("--gpu", help="catalog entry or GFD product label, e.g. a100-80gb")
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    parser.add_argument("--max-model-len", type=int, default=8192)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32", "fp8"])
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    # `kvserve serve`'s flags, from EngineArgs. For a catalog model (no config.json) --dtype auto plans the
+    # operator's default (model.dtype in the CRD) and --max-model-len defaults to the catalog's positions.
+    engine_args.EngineArgs.add_cli_args(parser, only=PLAN_SETTINGS)
     parser.add_argument("--gpu-memory-mib", type=int, help="override the GPU's memory")
     parser.add_argument("--activation-reserve-mib", type=int, help="override the estimated activation reserve")
     parser.add_argument("--runtime-overhead-mib", type=int, help="override the non-torch overhead")
@@ -76,21 +82,39 @@ def shape_line(shape) -> str:
             f"{shape.max_position_embeddings} positions{experts}, {shape.num_parameters:,} parameters")
 
 
-def _spec(args: argparse.Namespace) -> dict:
-    engine = {"maxModelLen": args.max_model_len, "blockSize": args.block_size,
-              "gpuMemoryUtilization": args.gpu_memory_utilization, "kvCacheDtype": args.kv_cache_dtype,
-              "maxNumBatchedTokens": args.max_num_batched_tokens, "maxNumSeqs": args.max_num_seqs}
+def resolve_settings(args: argparse.Namespace, config: dict | None, shape) -> engine_args.ResolvedSettings:
+    """The engine settings this plan describes, resolved as `kvserve serve` resolves them: from the model's
+    config.json when there is one, else from the catalog shape (its positions; the operator's dtype default
+    for auto). Raises InvalidParameter naming the setting."""
+    settings = engine_args.EngineArgs.from_cli_args(None, args)
+    if config is not None:
+        return engine_args.resolve_for_config(settings, config, args.model_config)
+    return engine_args.resolve(settings, shape.max_position_embeddings, engine_args.crd_defaults()["model.dtype"])
+
+
+def _spec(args: argparse.Namespace, settings: engine_args.ResolvedSettings) -> dict:
+    """An InferenceService spec that carries every resolved engine setting (no operator default applies)."""
+    values = {name: getattr(settings, name) for name in PLAN_SETTINGS}
+    spec: dict = {"model": {"uri": "file:///model"}, "gpu": {"product": args.gpu}, "engine": {}}
+    for path, name in engine_args.crd_settings().items():
+        if name in values:
+            section, key = path.split(".")
+            spec[section][key] = values[name]
+    engine, gpu, model = spec["engine"], spec["gpu"], spec["model"]
     if args.activation_reserve_mib is not None:
         engine["activationReserveMiB"] = args.activation_reserve_mib
     if args.runtime_overhead_mib is not None:
         engine["runtimeOverheadMiB"] = args.runtime_overhead_mib
-    gpu = {"product": args.gpu, "tensorParallelSize": args.tensor_parallel_size}
     if args.gpu_memory_mib:
         gpu["memoryMiB"] = args.gpu_memory_mib
-    model = {"uri": "file:///model", "dtype": args.dtype}
     if args.model:
         model["name"] = args.model
-    return {"model": model, "gpu": gpu, "engine": engine}
+    return spec
+
+
+def settings_line(settings: engine_args.ResolvedSettings) -> str:
+    return ("engine: " + ", ".join(f"{engine_args.cli_flag(name)[2:]} {getattr(settings, name)}"
+                                   for name in PLAN_SETTINGS))
 
 
 def format_table(plan: dict) -> str:
@@ -176,16 +200,25 @@ def run(args: argparse.Namespace) -> int:
         print("error: give --model (or --model-config) and --gpu, -f FILE.yaml, or --list")
         return 2
     from kvserve.operator import spec as spec_mod
+    from kvserve.runtime.errors import InvalidParameter
 
     config = load_model_config(args.model_config) if args.model_config else None
     try:
-        resolved = spec_mod.resolve(_spec(args), model_config=config)
+        shape = spec_mod.model_shape({"name": args.model}, config)
+        settings = resolve_settings(args, config, shape)
+        resolved = spec_mod.resolve(_spec(args, settings), model_config=config)
     except spec_mod.SpecError as exc:
         print(f"error: {exc.message}")
         return 2
+    except InvalidParameter as exc:
+        print(f"error: {exc.param}: {exc}")
+        return 2
     plan = resolved.plan.to_dict()
     if args.output == "json":
-        print(json.dumps({**plan, "model": resolved.model.__dict__} if config else plan, indent=2))
+        # "engine": the settings the plan assumed, named as EngineArgs (and `kvserve serve`'s flags) name them.
+        out = {**plan, "engine": settings.__dict__}
+        print(json.dumps({**out, "model": resolved.model.__dict__} if config else out, indent=2))
     else:
-        print((shape_line(resolved.model) + "\n" if config else "") + format_table(plan))
+        print((shape_line(resolved.model) + "\n" if config else "") + settings_line(settings) + "\n"
+              + format_table(plan))
     return 0 if plan["fits"] else 1

@@ -1,11 +1,14 @@
-"""KV-cache dtype names (``kv_cache_dtype``) and their torch dtypes; imports torch lazily."""
+"""KV-cache dtype names (``kv_cache_dtype``) and their torch dtypes; imports torch lazily.
+
+The names, their bytes, torch types and FP8 ranges are runtime/capacity.py's dtype table (the one home);
+this module only turns them into torch objects.
+"""
 
 from __future__ import annotations
 
-KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2")
+from kvserve.runtime.capacity import FP8_MAX, KV_CACHE_DTYPES, canonical_dtype, dtype_bytes, torch_dtype_name
 
-# Largest finite magnitude of each format (torch.finfo(...).max); values beyond it saturate on store.
-FP8_MAX = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
+__all__ = ["FP8_MAX", "KV_CACHE_DTYPES", "kv_cache_torch_dtype", "is_fp8", "fp8_max", "kv_cache_dtype_bytes"]
 
 
 def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype):
@@ -14,11 +17,9 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype):
 
     if kv_cache_dtype == "auto":
         return model_dtype
-    if kv_cache_dtype == "fp8_e4m3":
-        return torch.float8_e4m3fn
-    if kv_cache_dtype == "fp8_e5m2":
-        return torch.float8_e5m2
-    raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    return getattr(torch, torch_dtype_name(kv_cache_dtype))
 
 
 def is_fp8(dtype) -> bool:
@@ -29,4 +30,4 @@ def is_fp8(dtype) -> bool:
 
 def kv_cache_dtype_bytes(kv_cache_dtype: str, model_dtype_bytes: int) -> int:
     """Bytes per cached element: 1 for fp8 (the 2x KV compression vs 16-bit), else the model's."""
-    return 1 if kv_cache_dtype.startswith("fp8") else model_dtype_bytes
+    return model_dtype_bytes if kv_cache_dtype == "auto" else dtype_bytes(canonical_dtype(kv_cache_dtype))

@@ -22,25 +22,27 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from kvserve.operator.catalog import GiB, ModelShape
-from kvserve.runtime import capacity
+from kvserve.runtime import capacity, engine_args
 
 FIXED_RESERVE_BYTES = 1 * GiB  # CUDA graphs, NCCL buffers, allocator fragmentation
 RUNTIME_OVERHEAD_TP1_BYTES = int(0.15 * GiB)
 RUNTIME_OVERHEAD_TP_BYTES = int(0.6 * GiB)
+_DEFAULTS = engine_args.crd_defaults()
 
 
 @dataclass(frozen=True)
 class PlanInput:
     model: ModelShape
     gpu_memory_bytes: int
-    tensor_parallel_size: int = 1
-    dtype: str = "bfloat16"  # weights
-    kv_cache_dtype: str = "auto"  # "auto" = same as the weights
-    max_model_len: int = 8192
-    block_size: int = 16
-    gpu_memory_utilization: float = 0.90
-    max_num_batched_tokens: int = 8192
-    max_num_seqs: int = 256
+    # The operator's defaults (engine_args.crd_defaults: EngineArgs, the one definition).
+    tensor_parallel_size: int = _DEFAULTS["gpu.tensorParallelSize"]
+    dtype: str = _DEFAULTS["model.dtype"]  # weights
+    kv_cache_dtype: str = _DEFAULTS["engine.kvCacheDtype"]  # "auto" = same as the weights
+    max_model_len: int = _DEFAULTS["engine.maxModelLen"]
+    block_size: int = _DEFAULTS["engine.blockSize"]
+    gpu_memory_utilization: float = _DEFAULTS["engine.gpuMemoryUtilization"]
+    max_num_batched_tokens: int = _DEFAULTS["engine.maxNumBatchedTokens"]
+    max_num_seqs: int = _DEFAULTS["engine.maxNumSeqs"]
     activation_reserve_bytes: int | None = None  # None: `activation_reserve_bytes()` estimate
     runtime_overhead_bytes: int | None = None  # None: llm-d's non-torch constant for the TP size
 

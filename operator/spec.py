@@ -3,7 +3,8 @@
 The API server applies the CRD's structural defaults; `kvserve render` on a file and the K8s emulator in the
 e2e tests do not, so `with_defaults` applies the same ones (tests/operator/test_crd.py checks that every
 default here equals the CRD's). Validation that needs the catalogs (unknown model or GPU, TP split) lives
-here; shape/enum/range validation is the CRD schema's job.
+here, and so does the enum check of engine settings (`check_enums`, from the same EngineArgs definition the
+CRD's enums are tested against); shape/range validation is the CRD schema's job.
 """
 from __future__ import annotations
 
@@ -179,10 +180,23 @@ def check_no_api_key_in_args(spec: dict) -> None:
                                             "Secret and set spec.auth.apiKeySecretRef {name, key}")
 
 
+def check_enums(spec: dict) -> None:
+    """The CRD's enums on engine settings (engine_args.crd_choices, the one definition the CRD is checked
+    against), for `kvserve render` / `kvserve plan -f` and clusters without the CRD's validation."""
+    for path, choices in engine_args.crd_choices().items():
+        section, key = path.split(".")
+        value = (spec.get(section) or {}).get(key)
+        if value not in choices or isinstance(value, bool):
+            raise SpecError("InvalidEngineSetting", f"spec.{path} must be one of "
+                                                    f"{', '.join(str(c) for c in choices)}, got {value!r}")
+
+
 def resolve(spec: dict, model_config: dict | None = None) -> Resolved:
-    """Defaults + catalogs + planner. Raises SpecError for an unknown model/GPU, a bad model source or an API
-    key in extraArgs. `model_config`: the model's config.json, for models outside the catalog."""
+    """Defaults + catalogs + planner. Raises SpecError for an unknown model/GPU, a bad model source, an engine
+    setting outside the CRD's enum or an API key in extraArgs. `model_config`: the model's config.json, for
+    models outside the catalog."""
     spec = with_defaults(spec)
+    check_enums(spec)
     check_no_api_key_in_args(spec)
     source = model_source(spec["model"])
     model = model_shape(spec["model"], model_config)

@@ -6,7 +6,8 @@ allocates. Pure Python, no torch: the operator image imports it without the runt
 (tests/test_layering.py checks that with import-linter).
 
 Facts kept here, once:
-- the dtype table and its aliases (weights, activations and KV cache);
+- the dtype table and its aliases (weights, activations and KV cache): bytes per element, torch names,
+  FP8 ranges; the kernels, the executor, the CLIs and the CRD's enums (via engine_args) take them from here;
 - the KV layout: bytes per token per tensor-parallel rank and per block;
 - blocks and tokens for a byte budget, with block 0 reserved as the null block (block tables are padded
   with it; it never holds a token), so usable blocks = blocks - 1;
@@ -29,10 +30,18 @@ DTYPE_ALIASES: dict[str, str] = {
     "fp16": "float16", "half": "float16", "torch.float16": "float16",
     "fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3",
 }
+# The torch dtype (attribute of the torch module) each canonical name is stored as; the runtime's tensors
+# and the kernels' caches take their dtypes from here (getattr(torch, TORCH_DTYPE_NAMES[name])).
+TORCH_DTYPE_NAMES: dict[str, str] = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
+                                     "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+# Largest finite magnitude of each FP8 format (torch.finfo(...).max); values beyond it saturate on store.
+FP8_MAX: dict[str, float] = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
+# The unquantised floating-point dtypes weights and activations run in.
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 # `--dtype`: the weights' storage type. fp8 = online FP8 weight quantisation at load (vLLM's
 # `--quantization fp8`): linear-layer weights in e4m3 with one fp32 scale per output channel, everything
 # else (embeddings, LM head, norms, biases, MoE router) and all activations in FP8_ACTIVATION_DTYPE.
-WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8")
+WEIGHT_DTYPES = ("auto", *FLOAT_DTYPES, "fp8")
 FP8_ACTIVATION_DTYPE = "bfloat16"
 FP8_SCALE_BYTES = 4  # one fp32 scale per output channel of each quantised linear
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -72,7 +81,7 @@ def weight_dtype(dtype: str) -> str:
     if key in ("fp8", "fp8_e4m3", "fp8_e4m3fn"):
         return "fp8"
     canonical = DTYPE_ALIASES.get(key, key)
-    if canonical not in ("float32", "bfloat16", "float16"):
+    if canonical not in FLOAT_DTYPES:
         raise CapacityError("dtype", f"dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {dtype!r}")
     return canonical
 
@@ -92,6 +101,11 @@ def kv_cache_dtype(dtype: str, kv_cache_dtype_name: str = "auto") -> str:
         raise CapacityError("kv_cache_dtype", f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                                               f"got {kv_cache_dtype_name!r}")
     return canonical_dtype(key)
+
+
+def torch_dtype_name(name: str) -> str:
+    """The torch attribute name for a dtype name or alias: "bf16" -> "bfloat16", "fp8" -> "float8_e4m3fn"."""
+    return TORCH_DTYPE_NAMES[canonical_dtype(name)]
 
 
 # -- model shape ----------------------------------------------------------------------------------------
@@ -177,6 +191,51 @@ def _num_dense_layers(text: dict, num_experts: int) -> int:
     step = int(text.get("decoder_sparse_step") or 1)
     layers = int(text["num_hidden_layers"])
     return sum(1 for i in range(layers) if i in mlp_only or not (num_experts > 0 and (i + 1) % step == 0))
+
+
+# -- what the runtime serves for a config.json (runtime.engine_args.resolve_for_config: serve and plan) ----
+UNSUPPORTED_ROPE_TYPES = ("dynamic", "longrope")  # frequencies change with the running length; one table here
+
+
+def checkpoint_dtype(config: dict) -> str:
+    """What `--dtype auto` loads: the dtype config.json declares (`dtype`; `torch_dtype` in files written
+    before transformers 4.56), else float32, transformers' default. As written (weight_dtype canonicalises)."""
+    return str(config.get("dtype") or config.get("torch_dtype") or "float32")
+
+
+def _config_architecture(config: dict) -> str:
+    archs = config.get("architectures") or []
+    return next((a for a in archs if a in SUPPORTED_ARCHITECTURES), "")
+
+
+def context_limit(config: dict) -> int:
+    """The longest max_model_len the runtime serves for this config.json (and its default): the decoder's
+    max_position_embeddings (4096 when absent, as shape_from_hf_config), capped at the sliding window for
+    models other than Gemma: only Gemma's models implement sliding-window layers (runtime/models/gemma.py),
+    the others keep every sequence inside the window, where full attention is exact. use_sliding_window
+    defaults as transformers' configs do (False for the Qwen families, which carry the flag)."""
+    text = config.get("text_config") or config
+    arch = _config_architecture(config)
+    limit = int(text.get("max_position_embeddings") or 0) or 4096
+    window = text.get("sliding_window")
+    if window and text.get("use_sliding_window", not arch.startswith("Qwen")) and arch not in GEMMA_ARCHITECTURES:
+        limit = min(limit, int(window))
+    return limit
+
+
+def unsupported_config_error(config: dict, source: str = "config.json") -> str | None:
+    """Why the runtime refuses this config.json (its architecture or RoPE type), or None. `source` names the
+    file in the message."""
+    archs = config.get("architectures") or []
+    if not _config_architecture(config):
+        return (f"unsupported architecture {archs or config.get('model_type')!r} in {source}; supported: "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    text = config.get("text_config") or config
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type in UNSUPPORTED_ROPE_TYPES:
+        return f"rope_type {rope_type!r} in {source} is not supported (supported: default, linear, llama3, yarn)"
+    return None
 
 
 def unsupported_architecture_error(shape: ModelShape) -> str | None:

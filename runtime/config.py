@@ -6,12 +6,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvserve.runtime import capacity, cuda_graph_settings
-from kvserve.runtime.capacity import SUPPORTED_ARCHITECTURES, CapacityError
+from kvserve.runtime import capacity, cuda_graph_settings, engine_args
+from kvserve.runtime.capacity import SUPPORTED_ARCHITECTURES
 from kvserve.runtime.core.scheduler import SchedulerConfig
 from kvserve.runtime.errors import InvalidParameter
 
-ALLOWED_BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
+ALLOWED_BLOCK_SIZES = engine_args.BLOCK_SIZES
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 DEFAULT_SWAP_SPACE_BYTES = 4 << 30  # vLLM's default swap space
 
@@ -66,45 +66,31 @@ class EngineConfig:
     cuda_graph_sizes: tuple[int, ...] = ()
 
 
-def load_model_config(model_dir: str, dtype: str = "auto", max_model_len: int | None = None) -> ModelConfig:
-    """Read a local Hugging Face model directory's config.json (never a hub download)."""
+def read_config_json(model_dir: str) -> dict:
+    """A local Hugging Face model directory's config.json as a dict (never a hub download)."""
     if not os.path.isdir(model_dir):
         raise InvalidParameter("model", f"model directory {model_dir!r} does not exist")
-    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
         raise InvalidParameter("model", f"model directory {model_dir!r} has no config.json")
+    with open(path) as f:
+        return json.load(f)
+
+
+def load_model_config(model_dir: str, dtype: str = "auto", max_model_len: int | None = None) -> ModelConfig:
+    """Read a local Hugging Face model directory's config.json. dtype "auto" and max_model_len None resolve
+    as engine_args.resolve does (the architecture, RoPE, context limit and dtype facts are capacity's)."""
+    config = read_config_json(model_dir)
+    error = capacity.unsupported_config_error(config, f"{model_dir}/config.json")
+    if error:
+        raise InvalidParameter("model", error)
     from transformers import AutoConfig
 
     hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    archs = getattr(hf_config, "architectures", None) or []
-    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-    if arch is None:
-        raise InvalidParameter("model", f"unsupported architecture {archs or hf_config.model_type!r} in "
-                                        f"{model_dir}/config.json; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    if dtype == "auto":
-        dtype = str(getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or "float32")
-    try:
-        weight_dtype = capacity.weight_dtype(dtype)
-    except CapacityError as exc:
-        raise InvalidParameter("dtype", str(exc)) from None
-    rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type in ("dynamic", "longrope"):
-        # Their frequencies change with the running sequence length; the model precomputes one table.
-        raise InvalidParameter("model", f"rope_type {rope_type!r} in {model_dir}/config.json is not supported "
-                                        f"(supported: default, linear, llama3, yarn)")
-    limit = int(getattr(hf_config, "max_position_embeddings", 0) or 0) or 4096
-    window = getattr(hf_config, "sliding_window", None)
-    if window and getattr(hf_config, "use_sliding_window", True) and arch not in capacity.GEMMA_ARCHITECTURES:
-        # (Gemma models implement sliding-window layers: runtime/models/gemma.py.)
-        # No sliding-window attention yet: keep every sequence inside the window, where it is exact.
-        limit = min(limit, int(window))
-    if max_model_len is None:
-        max_model_len = limit
-    elif not 1 <= max_model_len <= limit:
-        raise InvalidParameter("max_model_len", f"max_model_len must be in [1, {limit}] for this model "
-                                                f"(max_position_embeddings / sliding window), got {max_model_len}")
-    with open(os.path.join(model_dir, "config.json")) as f:
-        shape = capacity.shape_from_hf_config(json.load(f))
+    arch = next(a for a in config["architectures"] if a in SUPPORTED_ARCHITECTURES)
+    weight_dtype = engine_args.resolve_dtype(dtype, capacity.checkpoint_dtype(config))
+    max_model_len = engine_args.resolve_max_model_len(max_model_len, capacity.context_limit(config))
+    shape = capacity.shape_from_hf_config(config)
     return ModelConfig(
         model_dir=model_dir, architecture=arch, hf_config=hf_config, dtype=capacity.activation_dtype(weight_dtype),
         max_model_len=max_model_len, num_layers=shape.num_layers, num_heads=shape.num_attention_heads,
@@ -150,24 +136,12 @@ def build_engine_config(args) -> EngineConfig:
     """Validate an EngineArgs once (errors name the field) and build the frozen configs."""
     a = args
     # Settings the validation below normalises get local names; the rest are read from `a` directly.
-    kv_cache_dtype, swap_space_bytes, kv_cache_bytes = a.kv_cache_dtype, a.swap_space_bytes, a.kv_cache_bytes
-    device, attention_backend, max_num_batched_tokens = a.device, a.attention_backend, a.max_num_batched_tokens
-    if a.block_size not in ALLOWED_BLOCK_SIZES:
-        raise InvalidParameter("block_size", f"block_size must be one of {ALLOWED_BLOCK_SIZES}, got {a.block_size}")
+    swap_space_bytes, kv_cache_bytes = a.swap_space_bytes, a.kv_cache_bytes
+    device, attention_backend = a.device, a.attention_backend
     if kv_cache_bytes is not None and kv_cache_bytes <= 0:
         raise InvalidParameter("kv_cache_bytes", f"kv_cache_bytes must be > 0, got {kv_cache_bytes}")
     if a.num_kv_blocks is not None and a.num_kv_blocks < 2:
         raise InvalidParameter("num_kv_blocks", f"num_kv_blocks must be >= 2, got {a.num_kv_blocks}")
-    if not 0 < a.gpu_memory_utilization <= 1:
-        raise InvalidParameter("gpu_memory_utilization",
-                               f"gpu_memory_utilization must be in (0, 1], got {a.gpu_memory_utilization}")
-    if kv_cache_dtype == "fp8":  # vLLM's spelling: e4m3
-        kv_cache_dtype = "fp8_e4m3"
-    if kv_cache_dtype not in capacity.KV_CACHE_DTYPES:
-        raise InvalidParameter("kv_cache_dtype", f"kv_cache_dtype must be one of {', '.join(capacity.KV_CACHE_DTYPES)}, "
-                                                 f"got {kv_cache_dtype!r}")
-    if a.tensor_parallel_size < 1:
-        raise InvalidParameter("tensor_parallel_size", f"tensor_parallel_size must be >= 1, got {a.tensor_parallel_size}")
     if not isinstance(a.max_consecutive_step_failures, int) or a.max_consecutive_step_failures < 1:
         raise InvalidParameter("max_consecutive_step_failures", f"max_consecutive_step_failures must be an integer "
                                                                 f">= 1, got {a.max_consecutive_step_failures!r}")
@@ -178,15 +152,17 @@ def build_engine_config(args) -> EngineConfig:
         swap_space_bytes = DEFAULT_SWAP_SPACE_BYTES if a.preemption_mode == "swap" else 0
     if swap_space_bytes < 0:
         raise InvalidParameter("swap_space_bytes", f"swap_space_bytes must be >= 0, got {swap_space_bytes}")
-    model_config = load_model_config(a.model, a.dtype, a.max_model_len)
+    # The model-dependent defaults (dtype auto, max_model_len, max_num_batched_tokens) and the settings a plan
+    # depends on, resolved by the one torch-free function `kvserve plan` calls too.
+    settings = engine_args.resolve_for_config(a, read_config_json(a.model), f"{a.model}/config.json")
+    kv_cache_dtype, max_num_batched_tokens = settings.kv_cache_dtype, settings.max_num_batched_tokens
+    model_config = load_model_config(a.model, settings.dtype, settings.max_model_len)
     if device is None:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if attention_backend is None:
         attention_backend = "triton" if device.startswith("cuda") else "torch"
-    if max_num_batched_tokens is None:
-        max_num_batched_tokens = 2048 if a.enable_chunked_prefill else model_config.max_model_len
     if kv_cache_bytes is None and a.num_kv_blocks is None and device == "cpu":
         kv_cache_bytes = DEFAULT_CPU_KV_CACHE_BYTES
     try:

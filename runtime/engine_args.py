@@ -3,11 +3,16 @@
 From this one dataclass:
 - `kvserve serve` builds its engine flags (`add_cli_args`, `from_cli_args`);
 - `LLM(model, **kwargs)` and `LLMEngine.from_kwargs` take their keyword arguments (`from_kwargs`);
-- the operator renders the pod's runtime args (`cli_args`) and its spec defaults (`crd_defaults`), and a
-  test checks the CRD's defaults against it (tests/operator/test_crd.py).
-Validation lives in `runtime.config.make_engine_config`, which receives exactly these fields.
+- `kvserve plan` builds its engine flags from the same fields (`add_cli_args(parser, only=...)`);
+- the operator renders the pod's runtime args (`cli_args`), its spec defaults (`crd_defaults`) and its spec's
+  enums (`crd_choices`), and tests check the CRD's defaults and enums against them (tests/operator/test_crd.py).
 
-Stdlib only (no torch, no runtime imports at module level): the operator imports this module and
+`resolve` turns the model-dependent defaults (max_model_len, dtype "auto", max_num_batched_tokens) into the
+numbers `kvserve serve` runs with, from the model's config.json or a catalog shape: runtime.config's
+build_engine_config calls it for serve / LLM, and `kvserve plan` calls it, so a plan describes the server that
+starts. The rest of the validation lives in `runtime.config.build_engine_config`.
+
+Torch-free (stdlib, runtime.capacity and runtime.errors): the operator imports this module and
 kvserve.runtime.capacity, nothing else of the runtime (tests/test_layering.py).
 """
 from __future__ import annotations
@@ -16,6 +21,17 @@ import argparse
 import re
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
+
+from kvserve.runtime import capacity
+from kvserve.runtime.errors import InvalidParameter
+
+# KV-cache block sizes the runtime (and the triton kernels, which gather any block size) accept.
+BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
+# max_num_batched_tokens when it is not given and chunked prefill is on (without it: max_model_len).
+CHUNKED_PREFILL_BATCHED_TOKENS = 2048
+# What the operator may put in a pod's spec for `--dtype`: every weight dtype but "auto", which the operator
+# cannot plan before it has read config.json (catalog and pvc:// models never give it one).
+CRD_DTYPES = tuple(d for d in capacity.WEIGHT_DTYPES if d != "auto")
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 
@@ -48,13 +64,13 @@ def positive_int_list(text: str) -> list[int]:
 
 
 def _setting(default: Any, help: str, *, type: Any = None, choices: tuple | None = None, crd: str | None = None,
-             crd_default: Any = MISSING, hidden: bool = False, flag: str | None = None,
-             aliases: tuple[str, ...] = ()) -> Any:
+             crd_default: Any = MISSING, crd_choices: tuple | None = None, hidden: bool = False,
+             flag: str | None = None, aliases: tuple[str, ...] = ()) -> Any:
     """A field with its CLI and CRD metadata. crd: the InferenceService spec path ("engine.maxModelLen");
     crd_default: the operator's default where the engine's depends on the model or device (the planner
-    needs a number, e.g. max_model_len)."""
-    meta = dict(help=help, type=type, choices=choices, crd=crd, crd_default=crd_default, hidden=hidden, flag=flag,
-                aliases=aliases)
+    needs a number, e.g. max_model_len); crd_choices: the CRD enum where it is not `choices`."""
+    meta = dict(help=help, type=type, choices=choices, crd=crd, crd_default=crd_default, crd_choices=crd_choices,
+                hidden=hidden, flag=flag, aliases=aliases)
     return field(default=default, metadata=meta)
 
 
@@ -62,16 +78,19 @@ def _setting(default: Any, help: str, *, type: Any = None, choices: tuple | None
 class EngineArgs:
     model: str = _setting(None, "HF-format model directory", hidden=True)
     dtype: str = _setting(
-        "auto", "weights dtype: auto (from config.json), float32, bfloat16, float16, or fp8 (online FP8 weight "
-                "quantisation at load: 1 byte per linear weight, bfloat16 activations)", crd="model.dtype",
-        crd_default="bfloat16")
+        "auto", f"weights dtype: {', '.join(capacity.WEIGHT_DTYPES)} (auto: the dtype config.json declares, float32 "
+                f"if none; fp8: online FP8 weight quantisation at load, 1 byte per linear weight, "
+                f"{capacity.FP8_ACTIVATION_DTYPE} activations)", crd="model.dtype",
+        crd_default="bfloat16", crd_choices=CRD_DTYPES)
     max_model_len: int | None = _setting(
         None, "context length (default: the model's max_position_embeddings)", type=positive_int,
         crd="engine.maxModelLen", crd_default=8192)
-    block_size: int = _setting(16, "tokens per KV-cache block", type=positive_int, crd="engine.blockSize")
+    block_size: int = _setting(16, "tokens per KV-cache block", type=positive_int, choices=BLOCK_SIZES,
+                               crd="engine.blockSize")
     max_num_seqs: int = _setting(256, "max sequences per step", type=positive_int, crd="engine.maxNumSeqs")
     max_num_batched_tokens: int | None = _setting(
-        None, "token budget per step (default: 2048 with chunked prefill, else max_model_len)", type=positive_int,
+        None, f"token budget per step (default: {CHUNKED_PREFILL_BATCHED_TOKENS} with chunked prefill, else "
+              f"max_model_len)", type=positive_int,
         crd="engine.maxNumBatchedTokens", crd_default=8192)
     enable_prefix_caching: bool = _setting(True, "automatic prefix caching", crd="engine.enablePrefixCaching")
     enable_chunked_prefill: bool = _setting(True, "split long prompts across steps",
@@ -87,7 +106,7 @@ class EngineArgs:
                                              type=float, crd="engine.gpuMemoryUtilization")
     kv_cache_dtype: str = _setting(
         "auto", "KV cache element type; fp8 (= fp8_e4m3) halves KV bytes per token vs 16-bit (per-tensor scale 1.0)",
-        choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"), crd="engine.kvCacheDtype")
+        choices=capacity.KV_CACHE_DTYPES, crd="engine.kvCacheDtype")
     seed: int = _setting(0, "random seed for sampling without a per-request seed", type=int)
     preemption_mode: str = _setting(
         "recompute", "when the KV cache is full: drop the victim's KV and recompute, or swap it to host RAM",
@@ -99,7 +118,8 @@ class EngineArgs:
                                              choices=("torch", "triton"))
     tensor_parallel_size: int = _setting(
         1, "shard the model over this many worker processes / GPUs (NCCL on CUDA, gloo on CPU); KV budgets are "
-           "per rank", type=positive_int, crd="gpu.tensorParallelSize", aliases=("-tp",))
+           "per rank", type=positive_int, crd="gpu.tensorParallelSize", aliases=("-tp",),
+        crd_choices=(1, 2, 4, 8))  # the operator: a pod's GPUs on one node
     device: str | None = _setting(None, "cpu or cuda (default: cuda when available)", hidden=True)
     max_consecutive_step_failures: int = _setting(
         3, "declare the engine dead (/health 503, every request answered, the server exits 1) after this many "
@@ -137,9 +157,14 @@ class EngineArgs:
 
     # -- command line ----------------------------------------------------------------------------------
     @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+    def add_cli_args(cls, parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None) -> None:
+        """Every setting's flag (or only the named ones: `kvserve plan`'s), with the field's type, choices,
+        default and help."""
+        unknown = sorted(set(only or ()) - {f.name for f in fields(cls)})
+        if unknown:
+            raise KeyError(f"unknown engine setting(s): {', '.join(unknown)}")
         for f in fields(cls):
-            if f.name == "model":
+            if f.name == "model" or (only is not None and f.name not in only):
                 continue
             meta = f.metadata
             flag = meta["flag"] or cli_flag(f.name)
@@ -158,7 +183,9 @@ class EngineArgs:
 
     @classmethod
     def from_cli_args(cls, model: str, namespace: argparse.Namespace) -> "EngineArgs":
-        return cls(model=model, **{f.name: getattr(namespace, f.name) for f in fields(cls) if f.name != "model"})
+        """Settings the namespace has no flag for (`kvserve plan` adds only some) keep their defaults."""
+        return cls(model=model, **{f.name: getattr(namespace, f.name) for f in fields(cls)
+                                   if f.name != "model" and hasattr(namespace, f.name)})
 
 
 class UnknownEngineArgument(TypeError):
@@ -191,9 +218,28 @@ def cli_args(values: dict[str, Any]) -> list[str]:
     return args
 
 
+def default(name: str) -> Any:
+    """A setting's default, as EngineArgs defines it (for code that needs one without an EngineArgs)."""
+    f = next((f for f in fields(EngineArgs) if f.name == name), None)
+    if f is None:
+        raise KeyError(f"unknown engine setting {name!r}")
+    return f.default
+
+
 def crd_settings() -> dict[str, str]:
     """Spec path ("engine.maxModelLen") -> engine setting name, for every setting the CRD exposes."""
     return {f.metadata["crd"]: f.name for f in fields(EngineArgs) if f.metadata["crd"]}
+
+
+def crd_choices() -> dict[str, tuple]:
+    """Spec path -> the values the CRD's enum allows, for every CRD setting that has one (the EngineArgs
+    choices, or the operator's narrower crd_choices where it says why)."""
+    out = {}
+    for f in fields(EngineArgs):
+        choices = f.metadata["crd_choices"] or f.metadata["choices"]
+        if f.metadata["crd"] and choices:
+            out[f.metadata["crd"]] = tuple(choices)
+    return out
 
 
 def crd_defaults() -> dict[str, Any]:
@@ -204,3 +250,94 @@ def crd_defaults() -> dict[str, Any]:
             crd_default = f.metadata["crd_default"]
             out[f.metadata["crd"]] = f.default if crd_default is MISSING else crd_default
     return out
+
+
+# -- model-dependent defaults, resolved once for serve, LLM and plan -----------------------------------------
+@dataclass(frozen=True)
+class ResolvedSettings:
+    """The engine settings a model is served with once its config.json (or catalog shape) is known: what
+    `kvserve serve DIR` runs and what `kvserve plan --model-config DIR` plans."""
+    dtype: str  # weights: float32 | bfloat16 | float16 | fp8 ("auto" resolved)
+    max_model_len: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    block_size: int
+    kv_cache_dtype: str  # auto | fp8_e4m3 | fp8_e5m2 ("fp8" spelled out)
+    enable_chunked_prefill: bool
+    tensor_parallel_size: int
+    gpu_memory_utilization: float
+
+
+def resolve_dtype(dtype: str, auto_dtype: str) -> str:
+    """`--dtype` as the canonical weight dtype; "auto" is `auto_dtype` (capacity.checkpoint_dtype of the
+    model's config.json). InvalidParameter("dtype") for anything else."""
+    auto = str(dtype).strip().lower() == "auto"
+    try:
+        return capacity.weight_dtype(auto_dtype if auto else dtype)
+    except capacity.CapacityError as exc:
+        if auto:
+            raise InvalidParameter("dtype", f"dtype auto: the model's config.json declares dtype {auto_dtype!r}, "
+                                            f"which the runtime does not load; give dtype, one of "
+                                            f"{', '.join(CRD_DTYPES)}") from None
+        raise InvalidParameter("dtype", str(exc)) from None
+
+
+def resolve_max_model_len(max_model_len: int | None, context_limit: int) -> int:
+    """None -> the model's context limit (capacity.context_limit); else it must lie in [1, limit]."""
+    if max_model_len is None:
+        return context_limit
+    if not 1 <= max_model_len <= context_limit:
+        raise InvalidParameter("max_model_len", f"max_model_len must be in [1, {context_limit}] for this model "
+                                                f"(max_position_embeddings / sliding window), got {max_model_len}")
+    return max_model_len
+
+
+def resolve_kv_cache_dtype(name: str) -> str:
+    key = "fp8_e4m3" if name == "fp8" else name  # vLLM's spelling: e4m3
+    if key not in capacity.KV_CACHE_DTYPES:
+        raise InvalidParameter("kv_cache_dtype", f"kv_cache_dtype must be one of "
+                                                 f"{', '.join(capacity.KV_CACHE_DTYPES)}, got {name!r}")
+    return key
+
+
+def resolve(args: EngineArgs, context_limit: int, auto_dtype: str) -> ResolvedSettings:
+    """Validate the settings a capacity plan depends on (InvalidParameter names the field) and fill in the
+    defaults that depend on the model: `context_limit` and `auto_dtype` come from the model's config.json
+    (`resolve_for_config`) or, for a catalog shape, from the shape and the operator's dtype default."""
+    if args.block_size not in BLOCK_SIZES:
+        raise InvalidParameter("block_size", f"block_size must be one of {BLOCK_SIZES}, got {args.block_size}")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise InvalidParameter("gpu_memory_utilization", f"gpu_memory_utilization must be in (0, 1], "
+                                                         f"got {args.gpu_memory_utilization}")
+    if args.tensor_parallel_size < 1:
+        raise InvalidParameter("tensor_parallel_size", f"tensor_parallel_size must be >= 1, "
+                                                       f"got {args.tensor_parallel_size}")
+    if args.max_num_seqs < 1:
+        raise InvalidParameter("max_num_seqs", f"max_num_seqs must be >= 1, got {args.max_num_seqs}")
+    kv_cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype)
+    dtype = resolve_dtype(args.dtype, auto_dtype)
+    max_model_len = resolve_max_model_len(args.max_model_len, context_limit)
+    batched = args.max_num_batched_tokens
+    if batched is None:
+        batched = CHUNKED_PREFILL_BATCHED_TOKENS if args.enable_chunked_prefill else max_model_len
+    if batched < 1:
+        raise InvalidParameter("max_num_batched_tokens", f"max_num_batched_tokens must be >= 1, got {batched}")
+    if not args.enable_chunked_prefill and batched < max_model_len:
+        raise InvalidParameter("max_num_batched_tokens", f"with chunked prefill off, max_num_batched_tokens "
+                                                         f"({batched}) must be >= max_model_len ({max_model_len}) "
+                                                         f"so any prompt fits one step")
+    return ResolvedSettings(dtype=dtype, max_model_len=max_model_len, max_num_batched_tokens=batched,
+                            max_num_seqs=args.max_num_seqs, block_size=args.block_size, kv_cache_dtype=kv_cache_dtype,
+                            enable_chunked_prefill=args.enable_chunked_prefill,
+                            tensor_parallel_size=args.tensor_parallel_size,
+                            gpu_memory_utilization=args.gpu_memory_utilization)
+
+
+def resolve_for_config(args: EngineArgs, config: dict, source: str = "config.json") -> ResolvedSettings:
+    """`resolve` for a model's config.json (a dict): what `kvserve serve` runs for that model directory.
+    InvalidParameter("model") for a config the runtime does not serve (rope type, architecture); `source`
+    names the file in that message."""
+    error = capacity.unsupported_config_error(config, source)
+    if error:
+        raise InvalidParameter("model", error)
+    return resolve(args, capacity.context_limit(config), capacity.checkpoint_dtype(config))

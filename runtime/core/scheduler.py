@@ -13,6 +13,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from kvserve.runtime import engine_args
 from kvserve.runtime.core.block_table_diff import SentBlockTables
 from kvserve.runtime.core.kv_cache_manager import KVCacheManager
 from kvserve.runtime.core.outputs import (EngineCoreOutput, ModelRunnerOutput, NewRequestData, ScheduledRequest,
@@ -22,8 +23,10 @@ from kvserve.runtime.request import Request, RequestStatus
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
+    # The engine always passes all three (runtime/config.py); the defaults serve standalone use (tests) and are
+    # EngineArgs' own, defined there once. max_model_len has none there (it is the model's).
+    max_num_seqs: int = engine_args.default("max_num_seqs")
+    max_num_batched_tokens: int = engine_args.CHUNKED_PREFILL_BATCHED_TOKENS
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0  # > 0: cap on one request's tokens per step

@@ -15,6 +15,7 @@ import logging
 import numpy as np
 import torch
 
+from kvserve.runtime import capacity
 from kvserve.runtime.config import EngineConfig
 from kvserve.runtime.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kvserve.runtime.models.attention import AttentionMetadata
@@ -29,7 +30,6 @@ from kvserve.runtime.executor.cuda_graphs import DecodeGraphs
 
 logger = logging.getLogger("kvserve.runner")
 
-_KV_TORCH_DTYPES = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
 
 class ModelRunner:
@@ -107,7 +107,7 @@ class ModelRunner:
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         m = self.config.model
         kv_dtype = self.config.cache.kv_cache_dtype
-        dtype = getattr(torch, _KV_TORCH_DTYPES.get(kv_dtype, m.dtype))
+        dtype = getattr(torch, capacity.torch_dtype_name(capacity.kv_cache_dtype(m.dtype, kv_dtype)))
         # One tensor [2, layers, blocks, block_size, kv_heads, head_dim]; zeroed so never-written slots
         # hold finite values (masked attention weights are 0, and 0 * NaN would still be NaN).
         # Sliding-window models: one slot per layer of a KV cache group, shared by the groups (kv_groups.py).

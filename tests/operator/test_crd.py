@@ -142,6 +142,61 @@ def test_python_defaults_equal_crd_defaults():
     assert _flatten(spec_mod.DEFAULTS) == _leaf_defaults(SCHEMA["properties"]["spec"])
 
 
+def _spec_property(path: str) -> dict:
+    section, key = path.split(".")
+    return SCHEMA["properties"]["spec"]["properties"][section]["properties"][key]
+
+
+def test_crd_enums_equal_the_engine_settings_choices():
+    """Every CRD field that is an engine setting allows exactly what engine_args.crd_choices says (the
+    EngineArgs choices; for model.dtype the dtype table less "auto"), so the CRD can be neither narrower
+    than the runtime nor wider than what the operator can plan."""
+    from kvserve.runtime import capacity, engine_args
+
+    choices = engine_args.crd_choices()
+    for path in engine_args.crd_settings():
+        enum = _spec_property(path).get("enum")
+        assert (tuple(enum) if enum is not None else None) == choices.get(path), path
+    # The tables they come from (the one dtype table, the runtime's block sizes).
+    assert choices["engine.kvCacheDtype"] == capacity.KV_CACHE_DTYPES
+    assert choices["engine.blockSize"] == engine_args.BLOCK_SIZES
+    assert choices["model.dtype"] == tuple(d for d in capacity.WEIGHT_DTYPES if d != "auto")
+
+
+def test_every_crd_enum_value_is_accepted_by_the_runtime():
+    """Each value the CRD admits passes the runtime's own resolution (engine_args.resolve, what
+    `kvserve serve` runs) and the operator's planner."""
+    from kvserve.runtime import engine_args
+
+    for path, name in engine_args.crd_settings().items():
+        for value in _spec_property(path).get("enum") or ():
+            settings = engine_args.EngineArgs(model=None, **{name: value})
+            resolved = engine_args.resolve(settings, context_limit=4096, auto_dtype="bfloat16")
+            assert resolved, (path, value)
+            spec = copy.deepcopy(MINIMAL["spec"])
+            section, key = path.split(".")
+            spec.setdefault(section, {})[key] = value
+            spec["gpu"]["product"] = "h200-141gb"
+            assert spec_mod.resolve(spec).plan.reason != "InvalidEngineConfig", (path, value)
+
+
+@pytest.mark.parametrize("path,value", [("engine.blockSize", 12), ("engine.kvCacheDtype", "int8"),
+                                        ("model.dtype", "auto"), ("gpu.tensorParallelSize", 3)])
+def test_the_operator_checks_the_enums_without_an_api_server(path, value):
+    """`kvserve render` / `kvserve plan -f` on a file never meets the API server: spec.resolve refuses a
+    value outside the CRD's enum and names the field."""
+    spec = copy.deepcopy(MINIMAL["spec"])
+    section, key = path.split(".")
+    spec.setdefault(section, {})[key] = value
+    with pytest.raises(spec_mod.SpecError, match=rf"spec\.{re.escape(path)} must be one of") as info:
+        spec_mod.resolve(spec)
+    assert info.value.reason == "InvalidEngineSetting"
+    obj = copy.deepcopy(MINIMAL)
+    obj["spec"] = spec
+    with pytest.raises(jsonschema.ValidationError, match="is not one of"):
+        admit(obj)  # and the API server refuses it as well
+
+
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_examples_are_admitted_and_defaulted_like_the_operator_does(path):
     obj = yaml.safe_load(path.read_text())

@@ -175,7 +175,8 @@ def test_plan_from_a_hub_config(hub, capsys):
     assert main(["plan", "--model-config", URI, "--gpu", "l4", "--max-model-len", "512"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("model: LlamaForCausalLM, 5 layers, 8 heads / 4 KV heads x 8, hidden 64")
-    assert "640 B" in out  # KV bytes per token: 2 x 5 layers x 4 KV heads x 8 x 2 bytes
+    # KV bytes per token: 2 x 5 layers x 4 KV heads x 8 x 4 bytes (the config.json's float32, as serve loads it)
+    assert "1,280 B" in out and "dtype float32" in out
     assert [r["path"] for r in hub.log] == [f"/{REPO_ID}/resolve/main/config.json"]
 
 

@@ -27,9 +27,9 @@ class RequestStatus(enum.IntEnum):
 
 
 class Request:
-    """One sequence. A request with n > 1 samples is n Requests: the first (the leader) prefills the
-    prompt; the others wait in `fork_children` and are forked from it when its prefill completes,
-    sharing its blocks (copy-on-write for the partial last block)."""
+    """One sequence: the scheduler and the KV-cache manager never see more per request. A request for n > 1
+    samples is n of these, made by the front (engine/parent_request.py), which share the prompt's full
+    blocks through prefix caching."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: frozenset[int] = frozenset(), arrival_time: float | None = None,
@@ -46,7 +46,6 @@ class Request:
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.block_hashes: list[bytes] = []  # chained hashes of this request's full blocks (kept across preemption)
-        self.fork_children: list[Request] = []  # samples 1..n-1 waiting for this leader's prefill
         self.num_prefix_cache_hit_tokens = 0
         self.first_scheduled_time: float | None = None
 

@@ -130,9 +130,9 @@ class RequestLimits:
 def verify_request(prompt_token_ids: list[int], params: SamplingParams, limits: RequestLimits,
                    prompt_param: str = "prompt") -> None:
     """Refuse (InvalidParameter naming the field) a request this engine can never serve: token ids outside
-    the vocabulary, a context longer than max_model_len, more samples than can run at once (the n samples
-    of a prompt are admitted together: n > max_num_seqs would wait at the head of the queue for ever), or a
-    sequence that cannot fit the KV pool even alone."""
+    the vocabulary, a context longer than max_model_len, more samples than can run at once (n > max_num_seqs:
+    the n child requests of one prompt could never all run together, so the later ones would wait for the
+    earlier ones to finish), or a sequence that cannot fit the KV pool even alone."""
     vocab, max_len = limits.vocab_size, limits.max_model_len
     if not prompt_token_ids:
         raise InvalidParameter(prompt_param, f"{prompt_param} is empty")

@@ -2,8 +2,7 @@
 
 The runner keeps every request's block table across steps (persistent batch); each step the scheduler sends,
 per scheduled request, a `BlockTableDiff`: usually a few appended block ids, sometimes entries overwritten in
-place (copy-on-write of a shared last block; a sliding-window layer group dropping blocks that left its
-window for the null block), and a full table when the runner's copy cannot be patched (first schedule,
+place (a sliding-window layer group dropping blocks that left its window for the null block), and a full table when the runner's copy cannot be patched (first schedule,
 resume after preemption or swap-in). Pure Python (no torch).
 
 Why blocks are compared by object identity: a block table is a list of KVCacheBlock objects, each owning a

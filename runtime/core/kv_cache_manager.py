@@ -1,7 +1,9 @@
 """Per-request block tables over the BlockPool, with automatic prefix caching. Pure Python (no torch).
 
 Scheduler-facing verbs (vLLM V1 style): get_computed_blocks (prefix hit), allocate_slots (blocks or None,
-None meaning "preempt someone and retry"), free; plus fork / take_block_copies for n > 1 sampling.
+None meaning "preempt someone and retry"), free. One sequence per request: a request for n > 1 samples
+reaches it as n requests (engine/parent_request.py) that share the prompt's full blocks as prefix-cache
+hits, so a block two requests hold is always a full, already-written one and nothing is ever copied on write.
 
 KV cache groups (sliding-window models, see runtime/capacity.py kv_cache_groups): a request has one block
 table per group, all drawing from one BlockPool (a block id buys the same bytes in every group). Group 0
@@ -54,7 +56,6 @@ class KVCacheManager:
         self._num_cached: list[dict[str, int]] = [{} for _ in self.group_windows]
         self.req_to_blocks = self._tables[0]
         self.num_cached_blocks = self._num_cached[0]
-        self._pending_copies: list[tuple[int, int]] = []
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
         # Host (CPU RAM) swap space for preemption by swapping: plain block ids into the runner's host tensor.
@@ -124,13 +125,10 @@ class KVCacheManager:
         if self.decode_fast_path and not new_computed_blocks and self.num_groups == 1:
             blocks = self.req_to_blocks.get(rid)
             if blocks is not None:  # a running request (a decode, usually): often nothing to allocate
-                num_computed = request.num_computed_tokens
-                num_total = num_computed + num_new_tokens
-                shared_tail = (num_new_tokens > 0 and num_computed % bs != 0
-                               and len(blocks) == num_computed // bs + 1 and blocks[-1].ref_cnt > 1)
-                if cdiv(num_total, bs) <= len(blocks) and not shared_tail:
+                num_total = request.num_computed_tokens + num_new_tokens
+                if cdiv(num_total, bs) <= len(blocks):
                     # What the general path below does in this case, without its per-group bookkeeping:
-                    # no hits, no copy, no new block; only a block that fills up this step gets cached.
+                    # no hits, no new block; only a block that fills up this step gets cached.
                     num_full = min(num_total, request.num_tokens)
                     if self.enable_caching and num_full // bs > self.num_cached_blocks.get(rid, 0):
                         self._cache_full_blocks(request, num_full)
@@ -143,16 +141,11 @@ class KVCacheManager:
         if rid in self.req_to_blocks:
             self._free_skipped_blocks(rid, num_computed)
         needed = 0
-        copies = []
         for g, table in enumerate(self._tables):
             blocks, hits = table.get(rid, []), hit_groups[g]
             needed += max(0, cdiv(num_total, bs) - len(blocks) - len(hits))
-            # Writing into a partial last block that a forked sibling shares: copy it first.
-            needs_copy = (num_new_tokens > 0 and num_computed % bs != 0 and len(blocks) == num_computed // bs + 1
-                          and blocks[-1].ref_cnt > 1)
-            copies.append(needs_copy)
             # Hit blocks nobody references sit in the free queue: taking them uses up free capacity.
-            needed += needs_copy + sum(1 for b in hits if b.ref_cnt == 0 and b is not self.pool.null_block)
+            needed += sum(1 for b in hits if b.ref_cnt == 0 and b is not self.pool.null_block)
         if needed > self.pool.num_free_blocks:
             return None
 
@@ -167,12 +160,6 @@ class KVCacheManager:
         result: list[KVCacheBlock] = []
         for g, table in enumerate(self._tables):
             blocks = table[rid]
-            if copies[g]:
-                shared = blocks[-1]
-                (private,) = self.pool.get_new_blocks(1)
-                self._pending_copies.append((shared.block_id, private.block_id))
-                blocks[-1] = private
-                self.pool.free_blocks([shared])
             new_blocks = self.pool.get_new_blocks(max(0, cdiv(num_total, bs) - len(blocks)))
             blocks.extend(new_blocks)
             if g == 0:
@@ -199,16 +186,6 @@ class KVCacheManager:
                 freed.append(blocks[i])
                 blocks[i] = self.pool.null_block
             self.pool.free_blocks(freed)
-
-    def fork(self, parent: Request, child: Request) -> None:
-        """Give `child` the parent's block tables, sharing every block (ref counts go up)."""
-        num_prompt_blocks = child.num_prompt_tokens // self.block_size
-        for table, num_cached in zip(self._tables, self._num_cached):
-            blocks = table[parent.request_id]
-            self.pool.touch(b for b in blocks if b is not self.pool.null_block)
-            table[child.request_id] = list(blocks)
-            num_cached[child.request_id] = min(num_cached.get(parent.request_id, 0), num_prompt_blocks)
-        child.block_hashes = parent.block_hashes[:num_prompt_blocks]
 
     # -- swap to host ----------------------------------------------------------------------------------
     def can_swap_out(self, request: Request) -> bool:
@@ -251,14 +228,12 @@ class KVCacheManager:
     def num_free_host_blocks(self) -> int:
         return len(self.free_host_blocks)
 
-    def take_block_copies(self) -> list[tuple[int, int]]:
-        copies, self._pending_copies = self._pending_copies, []
-        return copies
-
     def free(self, request: Request, keep_host_blocks: bool = False) -> None:
         """Release a finished or preempted request's blocks, tail first (longest prefixes are the least
         reusable, so they are evicted first). Blocks cached ahead of their computation (the request is
-        preempted before its step ran) lose their hash: their KV was never written."""
+        finished before its step ran, e.g. that step failed) lose their hash: their KV was never written --
+        also when another request took them as a hit in the same step (it was admitted into that step, so
+        it fails with it: nobody computed them)."""
         if not keep_host_blocks:
             self.free_host_blocks += self.req_to_host_blocks.pop(request.request_id, [])
         null = self.pool.null_block
@@ -266,7 +241,7 @@ class KVCacheManager:
             blocks = table.pop(request.request_id, [])  # a sliding table's index i still covers block i
             num_cached.pop(request.request_id, None)
             for block in blocks[request.num_computed_tokens // self.block_size:]:
-                if block.ref_cnt == 1 and block is not null:
+                if block is not null:
                     self.pool.uncache_block(block)
             self.pool.free_blocks(b for b in reversed(blocks) if b is not null)
 

@@ -25,9 +25,9 @@ class ScheduledRequest:
     # the tables: a decode step sends a handful of appended ids, not every table again -- also what TP
     # pickles per rank).
     block_table: BlockTableDiff
-    # Requests to sample from this step's last logits row: [] mid-prefill, [req_id] usually, and
-    # [leader, child1, ...] on the step a leader's prefill completes and its n-1 siblings fork from it.
-    sample_req_ids: list[str] = field(default_factory=list)
+    # Sample a token from this step's last logits row: False mid-prefill (the step ends before the request's
+    # last token), True otherwise.
+    sample: bool = False
     # Sliding-window models: the same diffs for KV cache groups 1.. (a block that left the window becomes the
     # null block 0: a `replaced` entry).
     group_block_tables: tuple[BlockTableDiff, ...] = ()
@@ -38,9 +38,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     new_requests: list[NewRequestData]
     finished_req_ids: list[str]  # finished since the last step: the runner drops their state
-    block_copies: list[tuple[int, int]]  # (src, dst) copy-on-write copies to run before this step's forward
     num_preempted: int = 0
-    # Run first, in this order: device->host (swap out), host->device (swap in), then block_copies.
+    # Run before this step's forward, in this order: device->host (swap out), host->device (swap in).
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
 

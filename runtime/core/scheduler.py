@@ -5,6 +5,10 @@ and each step spends at most `max_num_batched_tokens` across requests, running o
 one token) and then waiting ones, whose prompts are chunked to fit what is left (chunked prefill). When the
 KV pool runs dry the most recently admitted running request is preempted: its blocks are freed (full ones
 keep their hashes, so its recompute is mostly prefix-cache hits) and it goes back to the head of the queue.
+
+A request is one sequence. n > 1 samples of a prompt arrive as n requests (engine/parent_request.py), queued
+back to back: the first computes the prompt and caches its full blocks as it allocates them, and a sibling
+admitted in the same step or later takes them as prefix-cache hits (nothing here knows they are siblings).
 """
 from __future__ import annotations
 
@@ -63,8 +67,6 @@ class Scheduler:
     # -- admission / removal ---------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         self.requests[request.request_id] = request
-        for child in request.fork_children:
-            self.requests[child.request_id] = child
         self.waiting.append(request)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
@@ -80,10 +82,6 @@ class Scheduler:
                 self.swapped.remove(request)
             elif request in self.waiting:
                 self.waiting.remove(request)
-            for child in request.fork_children:  # siblings not forked yet go with their leader
-                self._finish(child, status)
-                finished.append(child)
-            request.fork_children = []
             self._finish(request, status)
             finished.append(request)
         return finished
@@ -144,7 +142,7 @@ class Scheduler:
         # Swapped-out requests come back before anything new is admitted.
         while not num_preempted and self.swapped and budget > 0:
             request = self.swapped[0]
-            if len(self.running) + self._num_reserved_seats() + 1 > cfg.max_num_seqs:
+            if len(self.running) >= cfg.max_num_seqs:
                 break
             num_new = self._num_tokens_to_schedule(request, budget)
             if not self.kv.can_swap_in(request, num_new):
@@ -164,8 +162,7 @@ class Scheduler:
         # nothing is still swapped out.
         while not num_preempted and not self.swapped and self.waiting and budget > 0:
             request = self.waiting[0]
-            num_seats = 1 + len(request.fork_children)
-            if len(self.running) + self._num_reserved_seats() + num_seats > cfg.max_num_seqs:
+            if len(self.running) >= cfg.max_num_seqs:
                 break
             hit_blocks, num_hit_tokens = ([], 0)
             if request.num_computed_tokens == 0:
@@ -189,42 +186,36 @@ class Scheduler:
         new_requests = []
         for request in scheduled_reqs:
             if request.request_id not in self._seen_by_runner:
-                for r in (request, *request.fork_children):
-                    self._seen_by_runner.add(r.request_id)
-                    new_requests.append(NewRequestData(r.request_id, r.sampling_params, r.prompt_token_ids))
+                self._seen_by_runner.add(request.request_id)
+                new_requests.append(NewRequestData(request.request_id, request.sampling_params,
+                                                   request.prompt_token_ids))
         finished, self._finished_since_last_step = self._finished_since_last_step, []
         swap_out, swap_in = self.kv.take_swaps()
         return SchedulerOutput(scheduled=scheduled, new_requests=new_requests, finished_req_ids=finished,
-                               block_copies=self.kv.take_block_copies(), num_preempted=num_preempted,
-                               swap_out=swap_out, swap_in=swap_in)
+                               num_preempted=num_preempted, swap_out=swap_out, swap_in=swap_in)
 
     def _schedule_decodes(self, scheduled: list[ScheduledRequest], scheduled_reqs: list[Request]) -> int:
         """Fast path of the running loop for its leading requests that decode one token (all of them in a
         pure-decode step): it produces exactly what the general loop would for them, minus its per-request
-        generality (budget capping, preemption retries, forks). Returns how many requests it scheduled; the
+        generality (budget capping, preemption retries). Returns how many requests it scheduled; the
         general loop goes on from there. Callers guarantee the budget covers one token per running request."""
         kv, tables = self.kv, self._sent_tables
         req_to_blocks = kv.req_to_blocks
         group_diffs = self._group_diffs if kv.num_groups > 1 else None
         for i, request in enumerate(self.running):
             start = request.num_computed_tokens
-            if request.num_tokens - start != 1 or request.fork_children:
+            if request.num_tokens - start != 1:
                 return i
             # None leaves the KV manager unchanged, so the general loop's retry (which preempts) sees the
             # same state this call did.
             if kv.allocate_slots(request, 1) is None:
                 return i
             rid = request.request_id
-            if request.first_scheduled_time is None:  # a forked sibling's first step
-                request.first_scheduled_time = time.monotonic()
             scheduled_reqs.append(request)
             scheduled.append(ScheduledRequest(rid, [request.all_token_ids[start]], start,
-                                              tables.diff(rid, req_to_blocks[rid]), [rid],
+                                              tables.diff(rid, req_to_blocks[rid]), True,
                                               group_diffs(rid) if group_diffs else ()))
         return len(self.running)
-
-    def _num_reserved_seats(self) -> int:
-        return sum(len(r.fork_children) for r in self.running)
 
     def _cap(self, num_tokens: int, budget: int) -> int:
         threshold = self.config.long_prefill_token_threshold
@@ -239,11 +230,10 @@ class Scheduler:
         start = request.num_computed_tokens
         if request.first_scheduled_time is None:
             request.first_scheduled_time = time.monotonic()
-        completes = start + num_new == request.num_tokens
-        sample_ids = [request.request_id, *(c.request_id for c in request.fork_children)] if completes else []
         rid = request.request_id
         return ScheduledRequest(rid, request.all_token_ids[start:start + num_new], start,
-                                self._sent_tables.diff(rid, self.kv.req_to_blocks.get(rid, ())), sample_ids,
+                                self._sent_tables.diff(rid, self.kv.req_to_blocks.get(rid, ())),
+                                start + num_new == request.num_tokens,
                                 group_block_tables=self._group_diffs(rid))
 
     def _group_diffs(self, rid: str) -> tuple:
@@ -265,9 +255,8 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._forget_tables(request.request_id)  # it comes back with other blocks: send them whole
-        # Swap only what is fully computed and not waiting on a fork (siblings need the prefill's logits).
-        if (self.config.preemption_mode == "swap" and not request.fork_children
-                and request.num_computed_tokens > 0 and self.kv.can_swap_out(request)):
+        if (self.config.preemption_mode == "swap" and request.num_computed_tokens > 0
+                and self.kv.can_swap_out(request)):
             self.kv.swap_out(request)
             request.status = RequestStatus.SWAPPED
             self.num_swap_outs += 1
@@ -291,36 +280,22 @@ class Scheduler:
             if request is None or request.status != running:
                 continue  # finished or preempted meanwhile
             request.num_computed_tokens += len(sched.token_ids)
-            if not sched.sample_req_ids:
+            if not sched.sample:
                 continue
-            samples = self._fork_children(request) if request.fork_children else (request,)
-            for sample in samples:
-                token_id = sampled.get(sample.request_id)
-                if token_id is None:  # its sampling failed (runner_output.failed): the engine finishes it
-                    continue
-                sample.append_token(token_id)
-                logprobs = all_logprobs.get(sample.request_id) if all_logprobs else None
-                status = check_stop(sample, token_id)
-                out = EngineCoreOutput(sample.request_id, [token_id], [logprobs] if logprobs else None)
-                if status is not None:
-                    self.running.remove(sample)
-                    self._finish(sample, status)
-                    out.finish_reason, out.stop_reason = status.finish_reason, sample.stop_reason
-                outputs.append(out)
+            rid = request.request_id
+            token_id = sampled.get(rid)
+            if token_id is None:  # its sampling failed (runner_output.failed): the engine finishes it
+                continue
+            request.append_token(token_id)
+            logprobs = all_logprobs.get(rid) if all_logprobs else None
+            status = check_stop(request, token_id)
+            out = EngineCoreOutput(rid, [token_id], [logprobs] if logprobs else None)
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+                out.finish_reason, out.stop_reason = status.finish_reason, request.stop_reason
+            outputs.append(out)
         return outputs
-
-    def _fork_children(self, request: Request) -> list[Request]:
-        """The leader's prefill completed: its waiting siblings start sharing its blocks. Returns every
-        sample to take a token from this step's row, leader first."""
-        samples = [request]
-        for child in request.fork_children:
-            child.num_computed_tokens = request.num_computed_tokens
-            child.status = RequestStatus.RUNNING
-            self.kv.fork(request, child)
-            self.running.append(child)
-            samples.append(child)
-        request.fork_children = []
-        return samples
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params

@@ -150,14 +150,15 @@ class CoreClient:
                     arrival_time: float | None = None) -> None:
         text, token_ids, params, arrival = self.admit(request_id, prompt, params, arrival_time)
         self.verify(token_ids, params)
-        self.tracker.add(request_id, text, token_ids, params, arrival)  # before ADD: outputs find their state
-        request = EngineCoreRequest.make(request_id, token_ids, params, arrival, self.client_index)
-        self._send(MessageType.ADD, request)
+        parent = self.tracker.add(request_id, text, token_ids, params, arrival)  # before ADD: outputs find it
+        for child in parent.children:  # back to back: the later ones hit the first one's prompt blocks
+            self._send(MessageType.ADD, EngineCoreRequest.make(child.request_id, token_ids, child.params, arrival,
+                                                               self.client_index, child.counts_prompt_tokens))
 
     def abort_request(self, request_id: str) -> None:
-        if request_id in self.tracker.states:
-            self.tracker.forget(request_id)
-            self._send(MessageType.ABORT, EngineCoreAbort([request_id]))
+        child_ids = self.tracker.forget(request_id)
+        if child_ids:
+            self._send(MessageType.ABORT, EngineCoreAbort(child_ids))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.tracker.states)
@@ -207,8 +208,8 @@ class CoreClient:
             self.stats = core.stats
         self.num_step_failures = core.num_step_failures
         tracked = self.tracker.process(core)
-        if tracked.stopped_sample_ids or tracked.aborted_request_ids:
-            self._send(MessageType.ABORT, EngineCoreAbort(tracked.aborted_request_ids, tracked.stopped_sample_ids))
+        if tracked.stopped_ids or tracked.aborted_ids:
+            self._send(MessageType.ABORT, EngineCoreAbort(tracked.aborted_ids, tracked.stopped_ids))
         return tracked.outputs
 
     def _die_hard(self) -> None:

@@ -2,7 +2,8 @@
 EngineCoreOutputs idea), and their msgpack wire format.
 
 Only token ids cross the boundary: the API server tokenises, detokenises and checks stop strings; the core
-schedules and runs the model and reports, per step, the *new* token ids of each sample it advanced.
+schedules and runs the model and reports, per step, the *new* token ids of each request it advanced. A core
+request is one sequence: the API server sends an n > 1 request as n child requests (engine/parent_request.py).
 
 Wire format: one ZMQ frame per message, `type byte + msgpack(struct)`. Structs are `array_like` (field names
 stay off the wire) so new fields may only be appended with defaults. SamplingParams travels as its pickle:
@@ -40,12 +41,13 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     sampling_params_pickle: bytes  # see the module docstring; build with `make`, read with `sampling_params`
     arrival_time: float  # time.monotonic(): CLOCK_MONOTONIC is one clock for all processes of a host
     client_index: int = 0  # which API-server process gets the outputs
+    count_prompt_tokens: bool = True  # False for children 1.. of an n > 1 request: a prompt is counted once
 
     @classmethod
     def make(cls, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float,
-             client_index: int = 0) -> "EngineCoreRequest":
+             client_index: int = 0, count_prompt_tokens: bool = True) -> "EngineCoreRequest":
         return cls(request_id, prompt_token_ids, pickle.dumps(params, protocol=pickle.HIGHEST_PROTOCOL),
-                   arrival_time, client_index)
+                   arrival_time, client_index, count_prompt_tokens)
 
     @property
     def sampling_params(self) -> SamplingParams:
@@ -53,16 +55,15 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 
 
 class EngineCoreAbort(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """Finish requests in the core and free their blocks. `sample_ids` set: only those samples, finished as
-    "stopped" (the API server found a stop string); otherwise whole requests, aborted."""
+    """Finish requests in the core and free their blocks: `request_ids` aborted, `stopped_ids` finished as
+    "stopped" (the API server found a stop string in their text)."""
     request_ids: list[str]
-    sample_ids: list[str] = []
+    stopped_ids: list[str] = []
 
 
 class SampleDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """What one step did for one sample (index) of one request: its new token ids only."""
+    """What one step did for one request (one sequence) in the core: its new token ids only."""
     request_id: str
-    index: int
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None  # "stop" | "length" (stop strings are decided by the API server)

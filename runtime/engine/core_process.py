@@ -175,14 +175,15 @@ def _busy_loop(core, inp, outs: list, codec: MessageCodec) -> int:
             kind, body = codec.decode(frame.buffer)
             if kind is MessageType.ADD:
                 try:
-                    core.add_request(body.request_id, body.prompt_token_ids, body.sampling_params, body.arrival_time)
+                    core.add_request(body.request_id, body.prompt_token_ids, body.sampling_params, body.arrival_time,
+                                     count_prompt_tokens=body.count_prompt_tokens)
                     owners[body.request_id] = body.client_index
                 except Exception as exc:  # noqa: BLE001 -- the API server validated it; still, fail it alone
                     logger.warning("request %s refused by the core: %s", body.request_id, exc)
                     failures[body.client_index].append(RequestFailure(body.request_id, str(exc), False))
             elif kind is MessageType.ABORT:
-                if body.sample_ids:
-                    core.finish_stopped(body.sample_ids)
+                if body.stopped_ids:
+                    core.finish_stopped(body.stopped_ids)
                 for request_id in body.request_ids:
                     core.abort_request(request_id)
                     owners.pop(request_id, None)

@@ -3,6 +3,9 @@ the failure semantics of a step. Token ids in, per-step token-id deltas out (cor
 no tokenizer work on its critical path: detokenisation and stop strings belong to the front (LLMEngine
 in-process, or the API-server process through core_client.CoreClient).
 
+A core request is one sequence; n > 1 samples arrive as n requests (engine/parent_request.py fans them out
+in front and merges their outputs).
+
 Failure semantics (engine/errors.py): a request the core cannot serve is refused by `add_request`
 (InvalidParameter); inside a step, what fails for one request fails that request alone (`fail_request`: its
 blocks freed, a RequestFailure reported); a step failure no request explains fails the requests in that
@@ -12,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from kvserve.runtime.config import EngineConfig
 from kvserve.runtime.core.kv_cache_manager import KVCacheManager
@@ -31,12 +34,8 @@ logger = logging.getLogger("kvserve.engine")
 
 @dataclass
 class _CoreRequest:
-    request_id: str
-    sample_ids: list[str]
-    unfinished: set[str] = field(default_factory=set)  # sample ids still running in the scheduler
-    num_prompt_tokens: int = 0
+    num_prompt_tokens: int  # to add to prompt_tokens with the request's first output (then 0)
     scheduled: bool = False
-    prompt_counted: bool = False
 
 
 class EngineCore:
@@ -61,8 +60,7 @@ class EngineCore:
         self.limits = RequestLimits(
             vocab_size=vocab, max_model_len=config.model.max_model_len, max_num_seqs=config.scheduler.max_num_seqs,
             block_size=config.cache.block_size, num_usable_blocks=self.runner.num_blocks - 1)
-        self._requests: dict[str, _CoreRequest] = {}
-        self._sample_owner: dict[str, tuple[_CoreRequest, int]] = {}  # sample id -> (request, index)
+        self._requests: dict[str, _CoreRequest] = {}  # unfinished requests
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.num_step_failures = 0  # steps that failed as a whole (cumulative, for metrics)
@@ -77,40 +75,30 @@ class EngineCore:
         verify_request(prompt_token_ids, params, self.limits)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float) -> None:
-        """params must carry its compiled grammar if it has a structured-output spec (the front compiles)."""
+                    arrival_time: float, count_prompt_tokens: bool = True) -> None:
+        """Queue one sequence. params must have n=1 (the front fans n > 1 out into child requests) and carry
+        its compiled grammar if it has a structured-output spec (the front compiles). count_prompt_tokens:
+        whether prompt_tokens counts this request's prompt (False for the 2nd.. child of an n > 1 request)."""
         if self.dead_error is not None:
             raise self.dead_error
         if request_id in self._requests:
             raise InvalidParameter("request_id", f"request id {request_id!r} is already in use")
         self.verify(prompt_token_ids, params)
-        sample_ids = [f"{request_id}#{i}" for i in range(params.n)]
-        samples = [Request(sid, prompt_token_ids, params.for_sample(i) if params.n > 1 else params,
-                           self.eos_token_ids, arrival_time) for i, sid in enumerate(sample_ids)]
-        samples[0].fork_children = samples[1:]
-        entry = _CoreRequest(request_id, sample_ids, set(sample_ids), len(prompt_token_ids))
-        self._requests[request_id] = entry
-        for i, sid in enumerate(sample_ids):
-            self._sample_owner[sid] = (entry, i)
-        self.scheduler.add_request(samples[0])
+        if params.n != 1:
+            raise InvalidParameter("n", f"the engine core runs one sequence per request, got n={params.n} "
+                                        "(the front fans n > 1 out: engine/parent_request.py)")
+        self._requests[request_id] = _CoreRequest(len(prompt_token_ids) if count_prompt_tokens else 0)
+        self.scheduler.add_request(Request(request_id, prompt_token_ids, params, self.eos_token_ids, arrival_time))
 
     def abort_request(self, request_id: str) -> None:
-        entry = self._requests.get(request_id)
-        if entry is not None:
-            self.scheduler.finish_requests(entry.sample_ids, RequestStatus.FINISHED_ABORTED)
-            self._forget(entry)
+        if self._requests.pop(request_id, None) is not None:
+            self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
 
-    def finish_stopped(self, sample_ids: list[str]) -> None:
-        """The front found a stop string in these samples: finish them (blocks freed) as stopped."""
-        live = [sid for sid in sample_ids if sid in self._sample_owner]
-        if not live:
-            return
-        self.scheduler.finish_requests(live, RequestStatus.FINISHED_STOPPED)
-        for sid in live:
-            entry = self._sample_owner[sid][0]
-            entry.unfinished.discard(sid)
-            if not entry.unfinished:
-                self._forget(entry)
+    def finish_stopped(self, request_ids: list[str]) -> None:
+        """The front found a stop string in these requests: finish them (blocks freed) as stopped."""
+        live = [rid for rid in request_ids if self._requests.pop(rid, None) is not None]
+        if live:
+            self.scheduler.finish_requests(live, RequestStatus.FINISHED_STOPPED)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
@@ -146,10 +134,10 @@ class EngineCore:
             scheduled_ids = [s.req_id for s in sched_out.scheduled]
             now = time.monotonic()
             for scheduled in sched_out.scheduled:
-                owner = self._sample_owner.get(scheduled.req_id)
-                if owner is not None and not owner[0].scheduled:
-                    owner[0].scheduled = True
-                    first_scheduled.append((owner[0].request_id, now))
+                entry = self._requests.get(scheduled.req_id)
+                if entry is not None and not entry.scheduled:
+                    entry.scheduled = True
+                    first_scheduled.append((scheduled.req_id, now))
             runner_out = self.runner.execute(sched_out)
             core_outputs = self.scheduler.update_from_output(sched_out, runner_out)
         except WorkerDiedError as exc:  # the ranks cannot be brought back in step: fatal
@@ -160,36 +148,26 @@ class EngineCore:
             return self._fail_step(scheduled_ids)
         self.num_consecutive_step_failures = 0
 
-        failed: dict[str, RequestError] = {}  # request id -> its own failure
-        for sample_id, stage in runner_out.failed.items():
-            owner = self._sample_owner.get(sample_id)
-            if owner is not None:
-                failed.setdefault(owner[0].request_id, request_failed(stage))
-        deltas = []
+        failed = {rid: request_failed(stage) for rid, stage in runner_out.failed.items()}  # their own failures
+        requests, deltas = self._requests, []
         for out in core_outputs:
-            owner = self._sample_owner.get(out.req_id)
-            if owner is None or owner[0].request_id in failed:
+            entry = requests.get(out.req_id)
+            if entry is None or out.req_id in failed:
                 continue
-            entry, index = owner
-            if not entry.prompt_counted:
-                entry.prompt_counted = True
+            if entry.num_prompt_tokens:
                 self.prompt_tokens += entry.num_prompt_tokens
+                entry.num_prompt_tokens = 0
             self.generation_tokens += len(out.new_token_ids)
-            deltas.append(SampleDelta(entry.request_id, index, out.new_token_ids, out.new_logprobs,
-                                      out.finish_reason, out.stop_reason))
+            deltas.append(SampleDelta(out.req_id, out.new_token_ids, out.new_logprobs, out.finish_reason,
+                                      out.stop_reason))
             if out.finish_reason is not None:
-                entry.unfinished.discard(out.req_id)
-                if not entry.unfinished:
-                    self._forget(entry)
-        failures = [self.fail_request(rid, error) for rid, error in failed.items() if rid in self._requests]
+                del requests[out.req_id]
+        failures = [self.fail_request(rid, error) for rid, error in failed.items() if rid in requests]
         return EngineCoreOutputs(deltas, failures, first_scheduled, None, self.num_step_failures)
 
     def fail_request(self, request_id: str, error: RequestError) -> RequestFailure:
         """Finish one request with an error: free its blocks now."""
-        entry = self._requests.get(request_id)
-        if entry is not None:
-            self.scheduler.finish_requests(entry.sample_ids, RequestStatus.FINISHED_ABORTED)
-            self._forget(entry)
+        self.abort_request(request_id)
         return RequestFailure(request_id, error.message, error.retryable)
 
     def _fail_step(self, scheduled_ids: list[str] | None) -> EngineCoreOutputs:
@@ -202,8 +180,7 @@ class EngineCore:
         if scheduled_ids is None:
             affected = list(self._requests)
         else:
-            owners = (self._sample_owner.get(sid) for sid in scheduled_ids)
-            affected = list({o[0].request_id: None for o in owners if o is not None})
+            affected = [rid for rid in scheduled_ids if rid in self._requests]
         failures = [self.fail_request(rid, STEP_FAILED) for rid in affected]
         if self.num_consecutive_step_failures >= limit:
             self.dead_error = EngineDeadError(
@@ -212,11 +189,6 @@ class EngineCore:
             logger.error("%s", self.dead_error)
             raise self.dead_error
         return EngineCoreOutputs([], failures, [], None, self.num_step_failures)
-
-    def _forget(self, entry: _CoreRequest) -> None:
-        self._requests.pop(entry.request_id, None)
-        for sid in entry.sample_ids:
-            self._sample_owner.pop(sid, None)
 
     def get_stats(self) -> EngineStats:
         kv = self.kv_cache_manager

@@ -113,8 +113,16 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> None:
         text, token_ids, params, arrival = self.admit(request_id, prompt, params, arrival_time)
-        self.core.add_request(request_id, token_ids, params, arrival)  # verifies, then queues
-        self.tracker.add(request_id, text, token_ids, params, arrival)
+        self.core.verify(token_ids, params)  # the request as a whole (n included), before any child is queued
+        parent = self.tracker.add(request_id, text, token_ids, params, arrival)
+        try:
+            for child in parent.children:  # back to back: the later ones hit the first one's prompt blocks
+                self.core.add_request(child.request_id, token_ids, child.params, arrival,
+                                      count_prompt_tokens=child.counts_prompt_tokens)
+        except BaseException:
+            for child_id in self.tracker.forget(request_id):
+                self.core.abort_request(child_id)
+            raise
 
     def admit(self, request_id: str, prompt: PromptInput, params: SamplingParams | None,
               arrival_time: float | None) -> tuple[str | None, list[int], SamplingParams, float]:
@@ -129,9 +137,8 @@ class LLMEngine:
         return text, token_ids, params, time.monotonic() if arrival_time is None else arrival_time
 
     def abort_request(self, request_id: str) -> None:
-        if request_id in self.tracker.states:
-            self.core.abort_request(request_id)
-            self.tracker.forget(request_id)
+        for child_id in self.tracker.forget(request_id):
+            self.core.abort_request(child_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.tracker.states)
@@ -151,9 +158,9 @@ class LLMEngine:
     # -- one step ---------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         tracked = self.tracker.process(self.core.step())
-        if tracked.stopped_sample_ids:
-            self.core.finish_stopped(tracked.stopped_sample_ids)
-        for request_id in tracked.aborted_request_ids:
+        if tracked.stopped_ids:
+            self.core.finish_stopped(tracked.stopped_ids)
+        for request_id in tracked.aborted_ids:
             self.core.abort_request(request_id)
         return tracked.outputs
 

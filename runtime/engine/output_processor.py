@@ -1,5 +1,5 @@
 """Per-request output state: text (incremental detokenisation, runtime/tokenizer.py), stop strings, logprobs,
-n-sample grouping."""
+and the merge of an n > 1 request's children (engine/parent_request.py) into one output, a choice per child."""
 from __future__ import annotations
 
 import time
@@ -28,16 +28,21 @@ class SampleState:
 
 
 class RequestState:
+    """One user request: samples[i] is choice i, the output of the core's request child_ids[i]."""
+
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                 sample_ids: list[str], arrival_time: float):
+                 child_ids: list[str], arrival_time: float):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
-        self.sample_ids = sample_ids
+        self.child_ids = child_ids
         self.samples = [SampleState(i, logprobs=[] if params.logprobs is not None else None)
-                        for i in range(len(sample_ids))]
+                        for i in range(len(child_ids))]
         self.metrics = RequestMetrics(arrival_time)
+
+    def unfinished_child_ids(self) -> list[str]:
+        return [cid for cid, s in zip(self.child_ids, self.samples) if s.finish_reason is None]
 
     @property
     def finished(self) -> bool:

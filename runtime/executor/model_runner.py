@@ -149,22 +149,20 @@ class ModelRunner:
                 self.plain_greedy.add(new.req_id)
         if sched.swap_out or sched.swap_in:
             self._swap(sched.swap_out, sched.swap_in)
-        if sched.block_copies:
-            self._copy_blocks(sched.block_copies)
         if not sched.scheduled:
             return ModelRunnerOutput({})
 
         input_ids: list[int] = []
-        rows, query_lens, starts, logits_rows, sample_groups = [], [], [], [], []
+        rows, query_lens, starts, logits_rows, req_ids = [], [], [], [], []
         apply = self.block_tables.apply
         for s in sched.scheduled:
             rows.append(apply(s.req_id, s.block_table))
             input_ids += s.token_ids
             query_lens.append(len(s.token_ids))
             starts.append(s.start_position)
-            if s.sample_req_ids:
+            if s.sample:
                 logits_rows.append(len(input_ids) - 1)
-                sample_groups.append(s.sample_req_ids)
+                req_ids.append(s.req_id)
 
         dev = self.device
         rows_np, qlens_np, starts_np = np.array(rows), np.array(query_lens), np.array(starts)
@@ -198,13 +196,6 @@ class ModelRunner:
         logits = self.model.compute_logits(rows_to_sample)
         if logits is None:  # tensor-parallel rank > 0: rank 0 gathered the logits and samples
             return ModelRunnerOutput({})
-        # A forking leader's row is sampled once per sibling, each with its own params and generator.
-        if len(sample_groups) == sum(len(g) for g in sample_groups):
-            req_ids = [group[0] for group in sample_groups]
-        else:
-            row_index = [i for i, group in enumerate(sample_groups) for _ in group]
-            req_ids = [rid for group in sample_groups for rid in group]
-            logits = logits[torch.tensor(row_index, device=dev)]
         states = self.states
         if self.plain_greedy.issuperset(req_ids):  # what sample() would do for these, minus its passes
             tokens = logits.argmax(dim=-1).tolist()
@@ -230,13 +221,6 @@ class ModelRunner:
             block_tables=torch.from_numpy(np.ascontiguousarray(block_tables, dtype=np.int32)).to(dev),
             max_seqlen_q=max(query_lens_list), max_seqlen_k=max(seq_lens_list),
             query_lens_list=query_lens_list, seq_lens_list=seq_lens_list, has_padding_slots=has_padding)
-
-    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        src = torch.tensor([c[0] for c in copies], device=self.device)
-        dst = torch.tensor([c[1] for c in copies], device=self.device)
-        for k_cache, v_cache in self.kv_caches:
-            k_cache[dst] = k_cache[src]
-            v_cache[dst] = v_cache[src]
 
     @property
     def kv_cache_bytes(self) -> int:

@@ -29,17 +29,21 @@ def _roundtrip(kind: MessageType, body):
 
 def test_a_request_keeps_its_ids_params_and_arrival():
     params = SamplingParams(n=2, temperature=0.7, seed=5, max_tokens=9, stop=["\n\n", "END"], logprobs=3,
-                            stop_token_ids=[7])
-    got = _roundtrip(MessageType.ADD, EngineCoreRequest.make("r1", [1, 2, 3], params, 12.5, client_index=1))
-    assert (got.request_id, got.prompt_token_ids, got.arrival_time, got.client_index) == ("r1", [1, 2, 3], 12.5, 1)
+                            stop_token_ids=[7]).for_sample(1)
+    got = _roundtrip(MessageType.ADD, EngineCoreRequest.make("r1#1", [1, 2, 3], params, 12.5, client_index=1,
+                                                             count_prompt_tokens=False))
+    assert (got.request_id, got.prompt_token_ids, got.arrival_time, got.client_index, got.count_prompt_tokens) == \
+        ("r1#1", [1, 2, 3], 12.5, 1, False)
     assert got.sampling_params == params and got.sampling_params.stop_strings == ["\n\n", "END"]
+    assert (got.sampling_params.n, got.sampling_params.seed) == (1, 6)
+    assert _roundtrip(MessageType.ADD, EngineCoreRequest.make("r2", [1], params, 1.0)).count_prompt_tokens
 
 
 def test_outputs_carry_deltas_logprobs_failures_and_stats():
     stats = EngineStats(3, 1, 0.25, 10, 40, 100, 200, 2, 64, 32, num_swap_outs=1)
     body = EngineCoreOutputs(
-        deltas=[SampleDelta("a", 0, [5]), SampleDelta("b", 1, [6], [TokenLogprobs(6, -0.5, 1, [(6, -0.5), (9, -1.5)])],
-                                                      "stop", 2)],
+        deltas=[SampleDelta("a", [5]), SampleDelta("b#1", [6], [TokenLogprobs(6, -0.5, 1, [(6, -0.5), (9, -1.5)])],
+                                                     "stop", 2)],
         failures=[RequestFailure("c", "sampling failed", False)], first_scheduled=[("a", 1.25)], stats=stats,
         num_step_failures=4)
     got = _roundtrip(MessageType.OUTPUTS, body)
@@ -47,9 +51,9 @@ def test_outputs_carry_deltas_logprobs_failures_and_stats():
     assert got.deltas[1].new_logprobs[0].top == [(6, -0.5), (9, -1.5)]
 
 
-def test_an_abort_names_requests_or_stopped_samples():
-    assert _roundtrip(MessageType.ABORT, EngineCoreAbort(["x"])) == EngineCoreAbort(["x"], [])
-    assert _roundtrip(MessageType.ABORT, EngineCoreAbort([], ["y#1"])).sample_ids == ["y#1"]
+def test_an_abort_names_aborted_and_stopped_requests():
+    assert _roundtrip(MessageType.ABORT, EngineCoreAbort(["x#0"])) == EngineCoreAbort(["x#0"], [])
+    assert _roundtrip(MessageType.ABORT, EngineCoreAbort([], ["y#1"])).stopped_ids == ["y#1"]
 
 
 @pytest.mark.parametrize("exc", [WorkerDiedError("rank 1 died", rank=1), EngineDeadError("too many failed steps"),

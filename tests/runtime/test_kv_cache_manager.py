@@ -1,4 +1,4 @@
-"""KV cache manager and block pool at block level: exact block ids, ref counts, eviction order, CoW."""
+"""KV cache manager and block pool at block level: exact block ids, ref counts, eviction order."""
 from __future__ import annotations
 
 import pytest
@@ -132,30 +132,40 @@ def test_collision_guard_checks_tokens():
     assert hits == [] and num_hit == 0
 
 
-def test_fork_shares_blocks_and_copy_on_write_of_partial_block():
+def test_two_holders_never_share_a_block_they_write():
+    """The only blocks two requests hold are full prefix-cache hits: a decode never writes a shared block
+    (no copy-on-write exists), whatever the prompt's alignment."""
     kv = KVCacheManager(num_blocks=10, block_size=BS)
-    leader = make_request("p#0", list(range(6)))  # 1 full + 1 partial block
-    admit(kv, leader)
-    finish_step(leader, 6)
-    child = make_request("p#1", list(range(6)))
-    child.num_computed_tokens = 6
-    kv.fork(leader, child)
-    assert kv.get_block_ids("p#1") == kv.get_block_ids("p#0") == [1, 2]
-    assert [b.ref_cnt for b in kv.req_to_blocks["p#0"]] == [2, 2]
-    leader.append_token(100)
-    child.append_token(200)
-    # The leader writes position 6 into shared partial block 2: it gets a private copy.
-    assert kv.allocate_slots(leader, 1) == []
-    assert kv.get_block_ids("p#0") == [1, 3]
-    assert kv.take_block_copies() == [(2, 3)]
-    # The child is now the only owner of block 2: it writes in place, no copy.
-    assert kv.allocate_slots(child, 1) == []
-    assert kv.get_block_ids("p#1") == [1, 2]
-    assert kv.take_block_copies() == []
-    assert [b.ref_cnt for b in kv.req_to_blocks["p#1"]] == [2, 1]
-    kv.free(leader)
-    kv.free(child)
+    a, b = make_request("a", list(range(6))), make_request("b", list(range(6)))  # 1 full + 1 partial block
+    admit(kv, a)
+    admit(kv, b)  # same step: hits a's full block 1, cached ahead of the step
+    assert kv.get_block_ids("a") == [1, 2] and kv.get_block_ids("b") == [1, 3]
+    assert [blk.ref_cnt for blk in kv.req_to_blocks["a"]] == [2, 1]
+    finish_step(a, 6)
+    finish_step(b, 2)
+    for r in (a, b):
+        r.append_token(100)
+        assert kv.allocate_slots(r, 1) == []  # writes position 6 into its own partial block
+    assert kv.get_block_ids("a") == [1, 2] and kv.get_block_ids("b") == [1, 3]
+    kv.free(a)
+    kv.free(b)
     assert kv.num_free_blocks == 9
+
+
+def test_failed_step_uncaches_blocks_a_same_step_hit_holds():
+    """a caches its prompt blocks ahead of the step, b hits them in the same step, the step fails and both
+    are freed (in either order): nobody wrote those blocks, so they leave the prefix cache."""
+    for order in ("ab", "ba"):
+        kv = KVCacheManager(num_blocks=10, block_size=BS)
+        reqs = {"a": make_request("a", list(range(9))), "b": make_request("b", list(range(9)))}
+        admit(kv, reqs["a"])
+        _, num_hit = admit(kv, reqs["b"])
+        assert num_hit == 8 and [blk.ref_cnt for blk in kv.req_to_blocks["a"][:2]] == [2, 2]
+        for rid in order:
+            kv.free(reqs[rid])
+        assert kv.pool.cached_blocks == {}, order
+        assert kv.get_computed_blocks(make_request("c", list(range(9)))) == ([], 0)
+        assert kv.num_free_blocks == 9
 
 
 def test_preempted_before_compute_uncaches_blocks_cached_ahead():

@@ -117,7 +117,7 @@ def test_scheduler_holds_about_a_window_for_the_sliding_group():
             # every block the step's queries can read is live: from the first query's window start
             first_live = max(0, s.start_position - W + 1) // BS
             assert all(sliding[first_live:]) and not any(sliding[:first_live])
-        sched.update_from_output(out, ModelRunnerOutput({s.req_id: 7 for s in out.scheduled if s.sample_req_ids}))
+        sched.update_from_output(out, ModelRunnerOutput({s.req_id: 7 for s in out.scheduled if s.sample}))
     assert peak_sliding <= -(-(W - 1 + 8) // BS) + 1
     assert num_null_replacements > 0  # blocks that left the window reach the runner as in-place null entries
     assert kv.num_free_blocks == 63

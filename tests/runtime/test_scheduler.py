@@ -1,4 +1,4 @@
-"""Scheduler with fake requests and a fake runner: budgets, chunking, preemption, fork, finish."""
+"""Scheduler with fake requests and a fake runner: budgets, chunking, preemption, finish."""
 from __future__ import annotations
 
 from kvserve.runtime.core.kv_cache_manager import KVCacheManager
@@ -25,7 +25,7 @@ def req(rid, n_prompt, max_tokens=4, **kw):
 
 def fake_run(sched_out, token=7):
     """Every request that samples gets `token`."""
-    return ModelRunnerOutput({rid: token for s in sched_out.scheduled for rid in s.sample_req_ids})
+    return ModelRunnerOutput({s.req_id: token for s in sched_out.scheduled if s.sample})
 
 
 def step(s: Scheduler, token=7):
@@ -42,12 +42,12 @@ def test_chunked_prefill_mixes_with_decodes_under_budget():
     out, res = step(s)
     # a decodes (1 token) first, then b's prompt is chunked to the remaining 15.
     assert [(x.req_id, len(x.token_ids)) for x in out.scheduled] == [("a", 1), ("b", 15)]
-    assert out.scheduled[1].sample_req_ids == []  # mid-prefill: no sampling
+    assert not out.scheduled[1].sample  # mid-prefill: no sampling
     out, _ = step(s)
     assert [(x.req_id, len(x.token_ids), x.start_position) for x in out.scheduled] == [("a", 1, 7), ("b", 15, 15)]
     out, _ = step(s)
     assert [(x.req_id, len(x.token_ids)) for x in out.scheduled] == [("a", 1), ("b", 10)]
-    assert out.scheduled[1].sample_req_ids == ["b"]
+    assert out.scheduled[1].sample
 
 
 def test_no_chunking_waits_for_room():
@@ -119,41 +119,6 @@ def test_preemption_recompute_and_resume():
     while s.has_unfinished_requests():
         step(s)
     assert s.kv.usage == 0.0
-
-
-def test_fork_n_samples_share_prompt_blocks():
-    s = make_scheduler(budget=64)
-    leader = req("x#0", 6, max_tokens=3)
-    leader.fork_children = [req("x#1", 6, max_tokens=3), req("x#2", 6, max_tokens=3)]
-    s.add_request(leader)
-    out = s.schedule()
-    assert [n.req_id for n in out.new_requests] == ["x#0", "x#1", "x#2"]
-    assert out.scheduled[0].sample_req_ids == ["x#0", "x#1", "x#2"]
-    res = s.update_from_output(out, ModelRunnerOutput({"x#0": 100, "x#1": 101, "x#2": 102}))
-    assert [(r.req_id, r.new_token_ids) for r in res] == [("x#0", [100]), ("x#1", [101]), ("x#2", [102])]
-    assert s.num_running == 3
-    assert s.kv.get_block_ids("x#1") == s.kv.get_block_ids("x#0") == [1, 2]
-    assert [b.ref_cnt for b in s.kv.req_to_blocks["x#0"]] == [3, 3]
-    out = s.schedule()
-    # Two of the three writers into the shared partial block 2 copy it first; the last writes in place.
-    assert out.block_copies == [(2, 3), (2, 4)]
-    # The runner holds x#0's table [1, 2]: it gets its copied block in place; the siblings get theirs whole.
-    assert [(x.block_table.reset, x.block_table.replaced, x.block_table.appended) for x in out.scheduled] == [
-        (False, [(1, 3)], []), (True, [], [1, 4]), (True, [], [1, 2])]
-    s.update_from_output(out, fake_run(out))
-    while s.has_unfinished_requests():
-        step(s)
-    assert s.kv.usage == 0.0
-
-
-def test_fork_reserves_seats():
-    s = make_scheduler(max_num_seqs=3, budget=64)
-    leader = req("x#0", 4)
-    leader.fork_children = [req("x#1", 4), req("x#2", 4)]
-    s.add_request(leader)
-    s.add_request(req("y", 4))
-    out = s.schedule()
-    assert [x.req_id for x in out.scheduled] == ["x#0"]
 
 
 def test_abort_waiting_and_running():

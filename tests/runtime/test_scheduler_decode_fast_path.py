@@ -2,7 +2,7 @@
 
 Two schedulers run the same workload in lockstep, one with the fast paths (the scheduler's and the KV manager's
 allocate_slots shortcut) switched off: every step's output
-(ids, tokens, positions, table diffs, samples, copies, swaps) and the KV state (each request's block ids,
+(ids, tokens, positions, table diffs, samples, swaps) and the KV state (each request's block ids,
 ref counts, the free queue's order) must be identical. A fake runner applies the diffs the way the model
 runner does; its tables must equal the KV manager's for every scheduled request, every step."""
 from __future__ import annotations
@@ -15,6 +15,7 @@ from kvserve.runtime.core.block_table_diff import BlockTableDiff, SentBlockTable
 from kvserve.runtime.core.kv_cache_manager import KVCacheManager
 from kvserve.runtime.core.outputs import ModelRunnerOutput
 from kvserve.runtime.core.scheduler import Scheduler, SchedulerConfig
+from kvserve.runtime.engine.parent_request import ParentRequest
 from kvserve.runtime.request import Request, RequestStatus
 from kvserve.runtime.sampling_params import SamplingParams
 
@@ -49,7 +50,8 @@ def make(num_blocks: int, max_num_seqs: int, budget: int, mode: str, caching: bo
     return s
 
 
-def make_requests(rng: random.Random, num: int) -> list[Request]:
+def make_requests(rng: random.Random, num: int) -> list[list[Request]]:
+    """num user requests, each as the child requests the front queues for it (n of them for n samples)."""
     shared = [rng.randrange(3, 50) for _ in range(12)]  # some prompts share prefixes (prefix-cache hits)
     reqs = []
     for i in range(num):
@@ -57,10 +59,8 @@ def make_requests(rng: random.Random, num: int) -> list[Request]:
                  [rng.randrange(3, 50) for _ in range(rng.randrange(1, 14))]
         n = rng.choice([1, 1, 1, 2, 3])
         params = SamplingParams(max_tokens=rng.randrange(1, 20), n=n)
-        samples = [Request(f"q{i}#{k}", prompt, params.for_sample(k) if n > 1 else params, frozenset({EOS}))
-                   for k in range(n)]
-        samples[0].fork_children = samples[1:]
-        reqs.append(samples[0])
+        reqs.append([Request(child.request_id, prompt, child.params, frozenset({EOS}))
+                     for child in ParentRequest(f"q{i}", params).children])
     return reqs
 
 
@@ -72,8 +72,8 @@ def state_of(s: Scheduler):
 
 
 def out_of(out):
-    return ([(x.req_id, x.token_ids, x.start_position, x.block_table, x.sample_req_ids) for x in out.scheduled],
-            [n.req_id for n in out.new_requests], out.finished_req_ids, out.block_copies, out.swap_out, out.swap_in,
+    return ([(x.req_id, x.token_ids, x.start_position, x.block_table, x.sample) for x in out.scheduled],
+            [n.req_id for n in out.new_requests], out.finished_req_ids, out.swap_out, out.swap_in,
             out.num_preempted)
 
 
@@ -85,18 +85,18 @@ def test_fast_path_matches_general_path(seed):
     run_lockstep(seed)
 
 
-def test_the_workloads_reach_preemption_swaps_forks_and_prefix_hits():
+def test_the_workloads_reach_preemption_swaps_shared_samples_and_prefix_hits():
     """Guards the test above against workloads too easy to exercise the paths the fast path hands over."""
     runs = [run_lockstep(seed) for seed in SEEDS]
     assert sum(s.num_preemptions - s.num_swap_outs for s, _ in runs) > 0  # by recompute
     assert sum(s.num_swap_outs for s, _ in runs) > 0
     assert sum(s.kv.prefix_cache_hits for s, _ in runs) > 0
-    assert sum(num_copies for _, num_copies in runs) > 0  # copy-on-write: forked siblings wrote a shared block
+    assert sum(num_shared for _, num_shared in runs) > 0  # n > 1 siblings held the same prompt blocks
 
 
 def run_lockstep(seed: int) -> tuple[Scheduler, int]:
     """Run one random workload through both schedulers, asserting at every step; returns the fast one and
-    how many copy-on-write block copies it ordered."""
+    in how many steps two children of one request held a common block."""
     rng = random.Random(seed)
     mode = rng.choice(["recompute", "swap"])
     config = dict(num_blocks=rng.randrange(14, 28), max_num_seqs=rng.randrange(2, 10), budget=rng.randrange(8, 40),
@@ -105,13 +105,13 @@ def run_lockstep(seed: int) -> tuple[Scheduler, int]:
     workload = make_requests(rng, 14)
     pending = list(workload)
     runner = FakeRunnerTables()
-    num_fast_decodes = num_copies = 0
+    num_fast_decodes = num_shared = 0
     for step in range(3000):
         for _ in range(rng.choice([0, 0, 1, 2])):  # arrivals spread over the run
             if pending:
-                r = pending.pop(0)
-                fast.add_request(r)
-                slow.add_request(_clone(r))
+                for r in pending.pop(0):  # a request's children, back to back
+                    fast.add_request(r)
+                    slow.add_request(_clone(r))
         if rng.random() < 0.05 and fast.requests:  # an abort now and then
             abort(fast, slow, rng.choice(sorted(fast.requests)))
         out_fast, out_slow = fast.schedule(), slow.schedule()
@@ -121,25 +121,33 @@ def run_lockstep(seed: int) -> tuple[Scheduler, int]:
         for x in out_fast.scheduled:
             assert runner.tables[x.req_id] == fast.kv.get_block_ids(x.req_id), f"step {step}: {x.req_id}"
         num_fast_decodes += sum(len(x.token_ids) == 1 for x in out_fast.scheduled)
-        num_copies += len(out_fast.block_copies)
+        num_shared += _siblings_share_a_block(fast)
         # The same sampled token for both (EOS now and then); a rare failed sample gets no token.
         tokens = {rid: (EOS if rng.random() < 0.05 else rng.randrange(3, 50))
-                  for x in out_fast.scheduled for rid in x.sample_req_ids if rng.random() > 0.01}
+                  for x in out_fast.scheduled if x.sample for rid in [x.req_id] if rng.random() > 0.01}
         res_fast = fast.update_from_output(out_fast, ModelRunnerOutput(dict(tokens)))
         res_slow = slow.update_from_output(out_slow, ModelRunnerOutput(dict(tokens)))
         assert [(o.req_id, o.new_token_ids, o.finish_reason) for o in res_fast] == \
                [(o.req_id, o.new_token_ids, o.finish_reason) for o in res_slow]
-        for rid in sorted({rid for x in out_fast.scheduled for rid in x.sample_req_ids} - tokens.keys()):
+        for rid in sorted({x.req_id for x in out_fast.scheduled if x.sample} - tokens.keys()):
             abort(fast, slow, rid)  # what the engine does with a request whose sampling failed
         if not pending and not fast.has_unfinished_requests():
             break
     assert not fast.has_unfinished_requests() and not slow.has_unfinished_requests()
     assert num_fast_decodes > 0
-    return fast, num_copies
+    return fast, num_shared
+
+
+def _siblings_share_a_block(s: Scheduler) -> bool:
+    held: dict[int, set[str]] = {}
+    for rid, blocks in s.kv.req_to_blocks.items():
+        for b in blocks:
+            held.setdefault(b.block_id, set()).add(rid)
+    return any(len({rid.split("#")[0] for rid in rids}) < len(rids) for rids in held.values())
 
 
 def abort(fast: Scheduler, slow: Scheduler, sample_id: str) -> None:
-    """As the engine aborts: every sample of the public request, leader first."""
+    """As the front aborts a request (or one of its children failed): every child still in the core."""
     public = sample_id.split("#")[0]
     sample_ids = sorted(rid for rid in fast.requests if rid.split("#")[0] == public)
     for s in (fast, slow):
@@ -147,9 +155,7 @@ def abort(fast: Scheduler, slow: Scheduler, sample_id: str) -> None:
 
 
 def _clone(r: Request) -> Request:
-    c = Request(r.request_id, r.prompt_token_ids, r.sampling_params, r.eos_token_ids, r.arrival_time)
-    c.fork_children = [_clone(k) for k in r.fork_children]
-    return c
+    return Request(r.request_id, r.prompt_token_ids, r.sampling_params, r.eos_token_ids, r.arrival_time)
 
 
 def test_diff_appends_then_replaces_then_resets():

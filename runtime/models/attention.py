@@ -13,10 +13,13 @@ scores before masking (Gemma 2).
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -166,12 +169,41 @@ def register_attention_backend(name: str, cls: type) -> None:
     _BACKENDS[name] = cls
 
 
+_LAZY_BACKENDS = {"triton": "kvserve.runtime.models.attention_triton", "cpu": "kvserve.runtime.models.attention_cpu"}
+
+
+def _import_backend(name: str) -> None:
+    import importlib
+
+    importlib.import_module(_LAZY_BACKENDS[name])  # registers itself, or raises ImportError with the reason
+
+
 def get_attention_backend(name: str):
-    if name == "triton" and name not in _BACKENDS:
+    if name in _LAZY_BACKENDS and name not in _BACKENDS:
         try:
-            import kvserve.runtime.models.attention_triton  # noqa: F401  (registers itself)
+            _import_backend(name)
         except ImportError as exc:
-            raise ValueError(f"attention_backend 'triton' is unavailable: {exc}") from None
+            raise ValueError(f"attention_backend {name!r} is unavailable: {exc}") from None
     if name not in _BACKENDS:
-        raise ValueError(f"attention_backend must be one of {sorted(set(_BACKENDS) | {'triton'})}, got {name!r}")
+        raise ValueError(f"attention_backend must be one of {sorted(set(_BACKENDS) | set(_LAZY_BACKENDS))}, "
+                         f"got {name!r}")
     return _BACKENDS[name]()
+
+
+_DEFAULT_CPU: list = []
+
+
+def default_cpu_backend() -> str:
+    """The CPU default: 'cpu' (the compiled ops of kvserve.kernels.cpu_ops) when they build and load, else
+    'torch'. Logs one line, once per process, saying which backend runs and why."""
+    if not _DEFAULT_CPU:
+        try:
+            _import_backend("cpu")
+            from kvserve.kernels import cpu_ops
+
+            _DEFAULT_CPU.append("cpu")
+            logger.info("CPU attention backend 'cpu': %s", cpu_ops.describe())
+        except ImportError as exc:
+            _DEFAULT_CPU.append("torch")
+            logger.warning("CPU attention backend 'torch' (pure-torch fallback): %s", exc)
+    return _DEFAULT_CPU[0]

@@ -183,8 +183,10 @@ def build_engine_config(args) -> EngineConfig:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if attention_backend is None:
-        attention_backend = "triton" if device.startswith("cuda") else "torch"
+    if attention_backend is None:  # CPU: the compiled ops when they build/load, else torch (one log line)
+        from kvserve.runtime.models.attention import default_cpu_backend
+
+        attention_backend = "triton" if device.startswith("cuda") else default_cpu_backend()
     if max_num_batched_tokens is None:
         max_num_batched_tokens = 2048 if a.enable_chunked_prefill else model_config.max_model_len
     if kv_cache_bytes is None and a.num_kv_blocks is None and device == "cpu":

@@ -5,9 +5,10 @@
 // seq_lens counts the whole context including this step's tokens, which are already stored in the cache.
 // A query at position p (= seq_len - q_len + i) sees keys 0..p.
 //
-// Work items are (sequence, KV head, tile of query tokens); the G query heads that share a KV head ride in
-// the same item, so each K/V row is read once per KV head and tile. Items are sorted longest first and
-// pulled from one atomic counter by at::get_num_threads() workers. Per item: keys in chunks of kChunk,
+// Work items are (sequence, tile of query tokens, KV heads: all of them, or one when items are scarce); the G
+// query heads that share a KV head ride together, so each K/V row is read once per KV head and tile, and the
+// next chunk's cache rows are prefetched. Items are sorted longest first and dealt round-robin to
+// at::get_num_threads() workers (so each knows its next item and prefetches its first chunk). Per item: keys in chunks of kChunk,
 // scores in fp32, online softmax in fp32, P.V accumulated in fp32, one rounding to the output dtype.
 // bf16 caches with head_dim % 32 == 0 compute Q.K with _mm512_dpbf16_ps when the compiler targets
 // AVX512-BF16 (both operands are bf16 already, so the products are exact and only the summation order
@@ -31,9 +32,14 @@ constexpr int64_t kChunk = 64;     // keys per online-softmax step
 constexpr int64_t kMaxRows = 64;   // query rows (tokens x heads of one KV head) per work item
 
 struct Item {
-  int32_t seq, kv_head, t0, t1;
+  int32_t seq, h0, h1, t0, t1;
   int64_t cost;
 };
+
+inline void prefetch_span(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 3);
+}
 
 template <typename T>
 void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -56,8 +62,17 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
   const T* vc = v_cache.data_ptr<T>();
   const float scale = static_cast<float>(scale_d);
   const int64_t tile = std::max<int64_t>(1, kMaxRows / group);
-  const int64_t max_rows = tile * group;
+  const int64_t threads = at::get_num_threads();
 
+  // Work items. A token's KV heads are adjacent in the cache, so an item takes all KV heads of its
+  // (sequence, query tile) and streams whole cache rows; only when there are too few items to keep every
+  // thread busy are the heads split across items.
+  int64_t tiles = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t q_len = cu[s + 1] - cu[s];
+    if (q_len > 0 && q_len <= max_q_len) tiles += (q_len + tile - 1) / tile;
+  }
+  const int64_t heads_per_item = tiles >= 4 * threads ? num_kv_heads : 1;
   std::vector<Item> items;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t q_len = cu[s + 1] - cu[s], ctx = lens[s];
@@ -67,8 +82,9 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
     for (int64_t t0 = 0; t0 < q_len; t0 += tile) {
       const int64_t t1 = std::min(q_len, t0 + tile);
       const int64_t keys = ctx - q_len + t1;
-      for (int64_t h = 0; h < num_kv_heads; ++h)
-        items.push_back({(int32_t)s, (int32_t)h, (int32_t)t0, (int32_t)t1, keys * (t1 - t0)});
+      for (int64_t h = 0; h < num_kv_heads; h += heads_per_item)
+        items.push_back({(int32_t)s, (int32_t)h, (int32_t)std::min(num_kv_heads, h + heads_per_item), (int32_t)t0,
+                         (int32_t)t1, keys * (t1 - t0) * heads_per_item});
     }
   }
   if (items.empty()) return;
@@ -81,23 +97,42 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
   const bool use_dpbf16 = false;
 #endif
   constexpr bool kIsF32 = std::is_same<T, float>::value;
+  const int64_t max_rows = tile * group * heads_per_item;
 
-  std::atomic<int64_t> next{0};
   const int64_t num_items = static_cast<int64_t>(items.size());
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_items);
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+  const int64_t workers = std::min<int64_t>(threads, num_items);
+  // Worker w takes items w, w + workers, ... (longest first), so it knows its next item and prefetches it.
+  at::parallel_for(0, workers, 1, [&](int64_t wb, int64_t we) {
+   for (int64_t worker = wb; worker < we; ++worker) {
     std::vector<float> qf(max_rows * head_dim), acc(max_rows * head_dim), kf(kChunk * head_dim),
         vf(kChunk * head_dim), m(max_rows), l(max_rows), sc(kChunk);
-    std::vector<const T*> qrow(max_rows);
-    std::vector<const T*> krow(kChunk);
+    std::vector<const T*> qrow(max_rows), kbase(kChunk), vbase(kChunk), nkbase(kChunk), nvbase(kChunk), krow(kChunk);
+    // kb_out[j] / vb_out[j]: the cache rows (at KV head h0) of keys c .. c + n - 1 of a sequence.
+    auto row_pointers = [&](const int32_t* table, int64_t h0, int64_t c, int64_t n, const T** kb_out,
+                            const T** vb_out) {
+      const T* kc_h0 = kc + h0 * kh;
+      const T* vc_h0 = vc + h0 * vh;
+      int64_t bi = c / block_size, off = c % block_size;  // one division per chunk, not per key
+      for (int64_t j = 0; j < n; ++j, ++off) {
+        if (off == block_size) {
+          off = 0;
+          ++bi;
+        }
+        const int64_t blk = table[bi];
+        kb_out[j] = kc_h0 + blk * kb + off * kt;
+        vb_out[j] = vc_h0 + blk * vb + off * vt;
+      }
+    };
     std::vector<const float*> kr32(kChunk), vr32(kChunk);
-    for (int64_t it = next.fetch_add(1); it < num_items; it = next.fetch_add(1)) {
+    for (int64_t it = worker; it < num_items; it += workers) {
       const Item& w = items[it];
-      const int64_t s = w.seq, h = w.kv_head, t0 = w.t0, t1 = w.t1;
+      const int64_t s = w.seq, h0 = w.h0, h1 = w.h1, t0 = w.t0, t1 = w.t1;
       const int64_t q_len = cu[s + 1] - cu[s], ctx = lens[s], start = ctx - q_len, tok0 = cu[s];
-      const int64_t rows = (t1 - t0) * group;
+      const int64_t rows_per_head = (t1 - t0) * group, rows = rows_per_head * (h1 - h0);
+      // row r: head block hb = r / rows_per_head (KV head h0 + hb), token t0 + (r % rows_per_head) / group
       for (int64_t r = 0; r < rows; ++r) {
-        const int64_t t = t0 + r / group, head = h * group + r % group;
+        const int64_t hb = r / rows_per_head, rr = r % rows_per_head;
+        const int64_t t = t0 + rr / group, head = (h0 + hb) * group + rr % group;
         qrow[r] = qp + (tok0 + t) * qs0 + head * qs1;
         if (!use_dpbf16) load_row<T>(qrow[r], qf.data() + r * head_dim, head_dim);
         m[r] = kNegInf;
@@ -108,54 +143,88 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
       const int64_t key_end = start + t1;  // the last row sees keys < key_end
       for (int64_t c0 = 0; c0 < key_end; c0 += kChunk) {
         const int64_t n = std::min(kChunk, key_end - c0);
-        for (int64_t j = 0; j < n; ++j) {
-          const int64_t pos = c0 + j, blk = table[pos / block_size], off = pos % block_size;
-          const T* kptr = kc + blk * kb + off * kt + h * kh;
-          const T* vptr = vc + blk * vb + off * vt + h * vh;
-          if constexpr (kIsF32) {
-            kr32[j] = reinterpret_cast<const float*>(kptr);
-            vr32[j] = reinterpret_cast<const float*>(vptr);
-          } else {
-            krow[j] = kptr;
-            if (!use_dpbf16) {
-              load_row<T>(kptr, kf.data() + j * head_dim, head_dim);
-              kr32[j] = kf.data() + j * head_dim;
-            }
-            load_row<T>(vptr, vf.data() + j * head_dim, head_dim);
-            vr32[j] = vf.data() + j * head_dim;
-          }
+        // This chunk's row pointers (computed as "next" during the previous chunk), then the next chunk's, whose
+        // rows are prefetched a few at a time while this chunk computes (cache blocks sit anywhere).
+        // On the last chunk, "next" is the first chunk of this worker's next item.
+        const int64_t c1 = c0 + kChunk;
+        int64_t n1 = std::max<int64_t>(0, std::min(kChunk, key_end - c1));
+        if (c0 == 0) row_pointers(table, h0, 0, n, kbase.data(), vbase.data());
+        else std::swap(kbase, nkbase), std::swap(vbase, nvbase);
+        if (n1 > 0) {
+          row_pointers(table, h0, c1, n1, nkbase.data(), nvbase.data());
+        } else if (it + workers < num_items) {
+          const Item& nx = items[it + workers];
+          const int64_t ns = nx.seq, nq = cu[ns + 1] - cu[ns];
+          n1 = std::min(kChunk, lens[ns] - nq + nx.t1);
+          n1 = nx.h1 - nx.h0 == h1 - h0 ? n1 : 0;
+          if (n1 > 0) row_pointers(bt + ns * bts, nx.h0, 0, n1, nkbase.data(), nvbase.data());
         }
-        for (int64_t r = 0; r < rows; ++r) {
-          const int64_t qpos = start + t0 + r / group;
-          const int64_t nr = std::min(n, qpos - c0 + 1);
-          if (nr <= 0) continue;
-#ifdef KVS_AVX512BF16
-          if (use_dpbf16) {
-            const c10::BFloat16* qb = reinterpret_cast<const c10::BFloat16*>(qrow[r]);
-            for (int64_t j = 0; j < nr; ++j)
-              sc[j] = dot_bf16(qb, reinterpret_cast<const c10::BFloat16*>(krow[j]), head_dim) * scale;
-          } else
-#endif
-          {
-            const float* qr = qf.data() + r * head_dim;
-            for (int64_t j = 0; j < nr; ++j) sc[j] = dot_f32(qr, kr32[j], head_dim) * scale;
+        for (int64_t hb = 0; hb < h1 - h0; ++hb) {
+          for (int64_t j = 0; j < n; ++j) {
+            const T* kptr = kbase[j] + hb * kh;
+            const T* vptr = vbase[j] + hb * vh;
+            if (j < n1) {
+              prefetch_span(nkbase[j] + hb * kh, head_dim * (int64_t)sizeof(T));
+              prefetch_span(nvbase[j] + hb * vh, head_dim * (int64_t)sizeof(T));
+            }
+            if constexpr (kIsF32) {
+              kr32[j] = reinterpret_cast<const float*>(kptr);
+              vr32[j] = reinterpret_cast<const float*>(vptr);
+            } else {
+              krow[j] = kptr;
+              if (!use_dpbf16) {
+                load_row<T>(kptr, kf.data() + j * head_dim, head_dim);
+                kr32[j] = kf.data() + j * head_dim;
+              }
+              load_row<T>(vptr, vf.data() + j * head_dim, head_dim);
+              vr32[j] = vf.data() + j * head_dim;
+            }
           }
-          const float m_new = std::max(m[r], max_of(sc.data(), nr));
-          const float alpha = m[r] == kNegInf ? 0.f : std::exp(m[r] - m_new);
-          const float sum = exp_sub_sum(sc.data(), nr, m_new);
-          l[r] = l[r] * alpha + sum;
-          m[r] = m_new;
-          scale_add_rows(acc.data() + r * head_dim, alpha, sc.data(), vr32.data(), nr, head_dim);
+          for (int64_t r = hb * rows_per_head; r < (hb + 1) * rows_per_head; ++r) {
+            const int64_t qpos = start + t0 + (r % rows_per_head) / group;
+            const int64_t nr = std::min(n, qpos - c0 + 1);
+            if (nr <= 0) continue;
+#ifdef KVS_AVX512BF16
+            if (use_dpbf16) {
+              const c10::BFloat16* qb = reinterpret_cast<const c10::BFloat16*>(qrow[r]);
+              const c10::BFloat16* const* kb16 = reinterpret_cast<const c10::BFloat16* const*>(krow.data());
+              int64_t j = 0;
+              for (; j + 4 <= nr; j += 4) dot4_bf16(qb, kb16 + j, head_dim, scale, sc.data() + j);
+              for (; j < nr; ++j) sc[j] = dot_bf16(qb, kb16[j], head_dim) * scale;
+            } else
+#endif
+            {
+              const float* qr = qf.data() + r * head_dim;
+              int64_t j = 0;
+#ifdef KVS_AVX512
+              for (; j + 4 <= nr; j += 4) dot4_f32(qr, kr32.data() + j, head_dim, scale, sc.data() + j);
+#endif
+              for (; j < nr; ++j) sc[j] = dot_f32(qr, kr32[j], head_dim) * scale;
+            }
+            const float m_new = std::max(m[r], max_of(sc.data(), nr));
+            const float alpha = m[r] == kNegInf ? 0.f : std::exp(m[r] - m_new);
+            const float sum = exp_sub_sum(sc.data(), nr, m_new);
+            l[r] = l[r] * alpha + sum;
+            m[r] = m_new;
+            if (head_dim == 64)
+              scale_add_rows_fixed<4>(acc.data() + r * head_dim, alpha, sc.data(), vr32.data(), nr);
+            else if (head_dim == 128)
+              scale_add_rows_fixed<8>(acc.data() + r * head_dim, alpha, sc.data(), vr32.data(), nr);
+            else
+              scale_add_rows(acc.data() + r * head_dim, alpha, sc.data(), vr32.data(), nr, head_dim);
+          }
         }
       }
       for (int64_t r = 0; r < rows; ++r) {
-        const int64_t t = t0 + r / group, head = h * group + r % group;
+        const int64_t hb = r / rows_per_head, rr = r % rows_per_head;
+        const int64_t t = t0 + rr / group, head = (h0 + hb) * group + rr % group;
         float* a = acc.data() + r * head_dim;
         const float inv = 1.f / l[r];
         for (int64_t d = 0; d < head_dim; ++d) a[d] *= inv;
         store_row<T>(a, op + (tok0 + t) * os0 + head * os1, head_dim);
       }
     }
+   }
   });
 }
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,6 +11,8 @@ from kvserve.runtime import capacity, cuda_graph_settings, engine_args
 from kvserve.runtime.capacity import SUPPORTED_ARCHITECTURES
 from kvserve.runtime.core.scheduler import SchedulerConfig
 from kvserve.runtime.errors import InvalidParameter
+
+logger = logging.getLogger(__name__)
 
 ALLOWED_BLOCK_SIZES = engine_args.BLOCK_SIZES
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
@@ -161,8 +164,8 @@ def build_engine_config(args) -> EngineConfig:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if attention_backend is None:
-        attention_backend = "triton" if device.startswith("cuda") else "torch"
+    if attention_backend is None:  # CPU: the compiled ops when they build/load, else torch (one log line)
+        attention_backend = "triton" if device.startswith("cuda") else default_cpu_backend()
     if kv_cache_bytes is None and a.num_kv_blocks is None and device == "cpu":
         kv_cache_bytes = DEFAULT_CPU_KV_CACHE_BYTES
     try:
@@ -185,3 +188,21 @@ def build_engine_config(args) -> EngineConfig:
                         tensor_parallel_size=a.tensor_parallel_size, attention_backend=attention_backend,
                         device=device, seed=a.seed, max_consecutive_step_failures=a.max_consecutive_step_failures,
                         load_format=a.load_format, cuda_graph_sizes=cuda_graph_sizes)
+
+
+_DEFAULT_CPU: list[str] = []  # the choice, made once per process
+
+
+def default_cpu_backend() -> str:
+    """The CPU attention default: 'cpu' (the compiled ops of kvserve.kernels.cpu_ops) when they build and
+    load, else 'torch'. Logs one line, once per process, saying which backend runs and why."""
+    if not _DEFAULT_CPU:
+        from kvserve.kernels import cpu_ops
+
+        if cpu_ops.load():
+            _DEFAULT_CPU.append("cpu")
+            logger.info("CPU attention backend 'cpu': %s", cpu_ops.describe())
+        else:
+            _DEFAULT_CPU.append("torch")
+            logger.warning("CPU attention backend 'torch' (pure-torch fallback): %s", cpu_ops.unavailable_reason())
+    return _DEFAULT_CPU[0]

@@ -114,8 +114,9 @@ class EngineArgs:
     swap_space_bytes: int | None = _setting(
         None, "host RAM for --preemption-mode swap, in bytes (suffixes like 4GiB accepted; default 4GiB)",
         type=parse_bytes, flag="--swap-space")
-    attention_backend: str | None = _setting(None, "torch or triton (default: triton on CUDA, torch on CPU)",
-                                             choices=("torch", "triton"))
+    attention_backend: str | None = _setting(
+        None, "torch, triton or cpu (default: triton on CUDA; on CPU the compiled 'cpu' ops when they build, "
+              "else torch); torch forces the pure-torch path", choices=("torch", "triton", "cpu"))
     tensor_parallel_size: int = _setting(
         1, "shard the model over this many worker processes / GPUs (NCCL on CUDA, gloo on CPU); KV budgets are "
            "per rank", type=positive_int, crd="gpu.tensorParallelSize", aliases=("-tp",),

@@ -10,6 +10,12 @@ holds its query heads and the KV heads they read (column-parallel fused QKV), it
 intermediate dim (column-parallel gate/up), row-parallel o_proj/down_proj closed by an all-reduce, and a
 vocab-parallel embedding and LM head. The loader reads only this rank's rows/columns from the checkpoint.
 With t == 1 every layer is the plain nn.Linear/nn.Embedding computation.
+
+Fused CPU ops: when the attention backend says ``fused_cpu_ops`` (the compiled "cpu" backend,
+runtime/models/attention_cpu.py), residual-add + RMSNorm, rotary and SiLU-and-mul run as single ops of
+kvserve.kernels.cpu_ops on CPU tensors, with the same rounding steps as the torch expressions below (which
+stay the fallback: other backends, other devices, mismatched dtypes). The residual stream is then carried
+between layers (``forward_fused``) so the add before each norm happens inside the norm op.
 """
 from __future__ import annotations
 
@@ -29,6 +35,13 @@ from kvserve.runtime.models.parallel_layers import (SINGLE, ColumnParallelLinear
 from kvserve.runtime.models.sharding import ShardSpec, shard_spec
 
 
+_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _cpu_ops():
+    return torch.ops.kvserve_cpu
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
@@ -40,6 +53,17 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+    def forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """kvserve_cpu ops (x on CPU, weight of x's dtype): rms_norm(x), or with ``residual``: residual += x in
+        place (rounded as torch's add), then rms_norm(residual)."""
+        x = x if x.is_contiguous() else x.contiguous()
+        out = torch.empty_like(x)
+        if residual is None:
+            _cpu_ops().rms_norm(out, x, self.weight, self.eps)
+        else:
+            _cpu_ops().add_rms_norm(out, residual, x, self.weight, self.eps)
+        return out
 
 
 class RotaryEmbedding(nn.Module):
@@ -74,7 +98,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", (emb.cos() * scaling).to(device=device, dtype=dtype), persistent=False)
         self.register_buffer("sin", (emb.sin() * scaling).to(device=device, dtype=dtype), persistent=False)
 
+    fused_cpu_ops = False  # set by LlamaForCausalLM when its backend has the compiled CPU ops
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        if (self.fused_cpu_ops and q.is_cpu and q.dtype == self.cos.dtype == k.dtype and q.stride(-1) == 1
+                and k.stride(-1) == 1 and positions.dtype == torch.int64):
+            _cpu_ops().rotary_embedding(positions.contiguous(), q, k, self.cos, self.sin)  # in place
+            return q, k
         cos = self.cos[positions].unsqueeze(1)  # [tokens, 1, head_dim]
         sin = self.sin[positions].unsqueeze(1)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
@@ -126,8 +156,15 @@ class MLP(nn.Module):
         self.gate_up_proj = ColumnParallelLinear(hidden, 2 * intermediate, bias=bias)
         self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias, parallel=parallel)
 
+    fused_cpu_ops = False  # set by LlamaForCausalLM when its backend has the compiled CPU ops
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.fused_cpu_ops and gate_up.is_cpu and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
+            act = gate_up.new_empty(gate_up.shape[0], self.intermediate)
+            _cpu_ops().silu_and_mul(act, gate_up)
+            return self.down_proj(act)
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -144,6 +181,17 @@ class DecoderLayer(nn.Module):
     def forward(self, x, positions, rotary, kv_cache, meta):
         x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_fused(self, x, residual, positions, rotary, kv_cache, meta):
+        """The same layer with the residual stream carried separately (fused CPU ops): returns (mlp output,
+        residual); the caller's next norm adds them. residual None: x is the layer input (first layer)."""
+        if residual is None:
+            residual = x.clone()  # updated in place below; never alias the embedding output
+            h = self.input_layernorm.forward_fused(x)
+        else:
+            h = self.input_layernorm.forward_fused(x, residual)
+        a = self.self_attn(h, positions, rotary, kv_cache, meta)
+        return self.mlp(self.post_attention_layernorm.forward_fused(a, residual)), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -175,6 +223,14 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if self.tie_word_embeddings else ColumnParallelLinear(cfg.hidden_size,
                                                                                   shard.vocab_per_rank, bias=False)
         self.rotary = RotaryEmbedding(cfg, model_config.head_dim, model_config.max_model_len, dtype)
+        # One switch for the fused CPU ops: the backend has them (attention_cpu.CpuAttentionBackend) and the
+        # model dtype is one they take; each call still checks the tensors are on CPU.
+        self.fused_cpu_ops = bool(getattr(backend, "fused_cpu_ops", False)) and dtype in _FUSED_DTYPES
+        if self.fused_cpu_ops:
+            self.rotary.fused_cpu_ops = True
+            for layer in self.layers:
+                if isinstance(layer.mlp, MLP):
+                    layer.mlp.fused_cpu_ops = True
 
     def _make_mlp(self, layer_idx: int) -> nn.Module:
         cfg = self.config.hf_config
@@ -186,6 +242,11 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [tokens, hidden]
+        if self.fused_cpu_ops and x.is_cpu:
+            residual = None
+            for layer, kv_cache in zip(self.layers, kv_caches):
+                x, residual = layer.forward_fused(x, residual, positions, self.rotary, kv_cache, meta)
+            return self.norm.forward_fused(x, residual) if residual is not None else self.norm.forward_fused(x)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, positions, self.rotary, kv_cache, meta)
         return self.norm(x)

@@ -1,0 +1,270 @@
+// Small SIMD helpers shared by the kvserve CPU ops: dtype <-> fp32 row conversion (round-to-nearest-even,
+// bit-identical to c10's scalar conversions), an fp32 exp, dot products and row updates. Every AVX-512 path
+// is guarded by the compiler's ISA macros, so the same sources build (scalar loops) on AVX2-only machines.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define KVS_AVX512 1
+#if defined(__AVX512BF16__)
+#define KVS_AVX512BF16 1
+#endif
+#endif
+
+namespace kvserve_cpu {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// ---- scalar conversions (the c10 types round to nearest even, as torch's own kernels do) ----
+template <typename T>
+inline float to_f32(T x) { return static_cast<float>(x); }
+template <typename T>
+inline T from_f32(float x) { return static_cast<T>(x); }
+
+// ---- row conversions ----
+template <typename T>
+inline void load_row(const T* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+template <>
+inline void load_row<float>(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+
+template <typename T>
+inline void store_row(const float* src, T* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(src[i]);
+}
+template <>
+inline void store_row<float>(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+
+#ifdef KVS_AVX512
+inline __m512 bf16x16_to_f32(__m256i b) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)); }
+
+// fp32 -> bf16 with round-to-nearest-even and NaN -> 0x7fc0: the same bits as c10::BFloat16(float).
+inline __m256i f32_to_bf16x16(__m512 f) {
+  __m512i u = _mm512_castps_si512(f);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+template <>
+inline void load_row<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(dst + i, bf16x16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+template <>
+inline void store_row<c10::BFloat16>(const float* src, c10::BFloat16* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), f32_to_bf16x16(_mm512_loadu_ps(src + i)));
+  for (; i < n; ++i) dst[i] = static_cast<c10::BFloat16>(src[i]);
+}
+template <>
+inline void load_row<c10::Half>(const c10::Half* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+template <>
+inline void store_row<c10::Half>(const float* src, c10::Half* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
+                        _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  for (; i < n; ++i) dst[i] = static_cast<c10::Half>(src[i]);
+}
+
+// exp(x) for fp32 lanes (Cephes polynomial after a two-constant ln2 range reduction; about 1 ulp).
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(89.0f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507E-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073E-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894E-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459E-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201E-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(y, n);
+}
+
+inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u); }
+#endif  // KVS_AVX512
+
+// x[i] = exp(x[i] - sub); returns the sum of the results.
+inline float exp_sub_sum(float* x, int64_t n, float sub) {
+#ifdef KVS_AVX512
+  __m512 vs = _mm512_set1_ps(sub), acc = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i < n; i += 16) {
+    __mmask16 m = tail_mask(n - i);
+    __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, x + i), vs));
+    _mm512_mask_storeu_ps(x + i, m, e);
+    acc = _mm512_mask_add_ps(acc, m, acc, e);
+  }
+  return _mm512_reduce_add_ps(acc);
+#else
+  float s = 0.f;
+  for (int64_t i = 0; i < n; ++i) { x[i] = std::exp(x[i] - sub); s += x[i]; }
+  return s;
+#endif
+}
+
+inline float max_of(const float* x, int64_t n) {
+#ifdef KVS_AVX512
+  __m512 acc = _mm512_set1_ps(kNegInf);
+  for (int64_t i = 0; i < n; i += 16) acc = _mm512_max_ps(acc, _mm512_mask_loadu_ps(acc, tail_mask(n - i), x + i));
+  return _mm512_reduce_max_ps(acc);
+#else
+  float m = kNegInf;
+  for (int64_t i = 0; i < n; ++i) m = x[i] > m ? x[i] : m;
+  return m;
+#endif
+}
+
+inline float dot_f32(const float* a, const float* b, int64_t n) {
+#ifdef KVS_AVX512
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
+    acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), acc1);
+  }
+  for (; i < n; i += 16) {
+    __mmask16 m = tail_mask(n - i);
+    acc0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc0);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+#else
+  float s = 0.f;
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+#endif
+}
+
+#ifdef KVS_AVX512BF16
+// bf16 dot product with the AVX512-BF16 pair instruction; n must be a multiple of 32.
+inline float dot_bf16(const c10::BFloat16* a, const c10::BFloat16* b, int64_t n) {
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    acc0 = _mm512_dpbf16_ps(acc0, (__m512bh)_mm512_loadu_si512(a + i), (__m512bh)_mm512_loadu_si512(b + i));
+    acc1 = _mm512_dpbf16_ps(acc1, (__m512bh)_mm512_loadu_si512(a + i + 32), (__m512bh)_mm512_loadu_si512(b + i + 32));
+  }
+  for (; i < n; i += 32)
+    acc0 = _mm512_dpbf16_ps(acc0, (__m512bh)_mm512_loadu_si512(a + i), (__m512bh)_mm512_loadu_si512(b + i));
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+}
+#endif
+
+// acc[0..d) = acc * alpha + sum_j p[j] * v[j][0..d)   (v: row pointers)
+inline void scale_add_rows(float* acc, float alpha, const float* p, const float* const* v, int64_t nv, int64_t d) {
+#ifdef KVS_AVX512
+  const __m512 va = _mm512_set1_ps(alpha);
+  for (int64_t c = 0; c < d; c += 16) {
+    __mmask16 m = tail_mask(d - c);
+    __m512 a = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, acc + c), va);
+    for (int64_t j = 0; j < nv; ++j) a = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), _mm512_maskz_loadu_ps(m, v[j] + c), a);
+    _mm512_mask_storeu_ps(acc + c, m, a);
+  }
+#else
+  for (int64_t c = 0; c < d; ++c) {
+    float a = acc[c] * alpha;
+    for (int64_t j = 0; j < nv; ++j) a += p[j] * v[j][c];
+    acc[c] = a;
+  }
+#endif
+}
+
+#ifdef KVS_AVX512
+// The four lane-sums of a0..a3 as one __m128 (a transposing tree: 13 ops instead of 4 full reductions).
+inline __m128 hsum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  __m512 x0 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+  __m512 x1 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+  __m512 y = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(x0), _mm512_castps_pd(x1))),
+                           _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(x0), _mm512_castps_pd(x1))));
+  __m256 z = _mm256_add_ps(_mm512_castps512_ps256(y), _mm512_extractf32x8_ps(y, 1));
+  return _mm_add_ps(_mm256_castps256_ps128(z), _mm256_extractf128_ps(z, 1));
+}
+
+// out[0..4) = dot(a, b[i]) for four rows b[0..3] (fp32, n a multiple of 16 or masked tail).
+inline void dot4_f32(const float* a, const float* const* b, int64_t n, float scale, float* out) {
+  __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = tail_mask(n - i);
+    const __m512 x = _mm512_maskz_loadu_ps(m, a + i);
+    s0 = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(m, b[0] + i), s0);
+    s1 = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(m, b[1] + i), s1);
+    s2 = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(m, b[2] + i), s2);
+    s3 = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(m, b[3] + i), s3);
+  }
+  _mm_storeu_ps(out, _mm_mul_ps(hsum4(s0, s1, s2, s3), _mm_set1_ps(scale)));
+}
+#endif
+
+#ifdef KVS_AVX512BF16
+// bf16 version of dot4_f32 (n a multiple of 32), with the AVX512-BF16 pair dot product.
+inline void dot4_bf16(const c10::BFloat16* a, const c10::BFloat16* const* b, int64_t n, float scale, float* out) {
+  __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+  for (int64_t i = 0; i < n; i += 32) {
+    const __m512bh x = (__m512bh)_mm512_loadu_si512(a + i);
+    s0 = _mm512_dpbf16_ps(s0, x, (__m512bh)_mm512_loadu_si512(b[0] + i));
+    s1 = _mm512_dpbf16_ps(s1, x, (__m512bh)_mm512_loadu_si512(b[1] + i));
+    s2 = _mm512_dpbf16_ps(s2, x, (__m512bh)_mm512_loadu_si512(b[2] + i));
+    s3 = _mm512_dpbf16_ps(s3, x, (__m512bh)_mm512_loadu_si512(b[3] + i));
+  }
+  _mm_storeu_ps(out, _mm_mul_ps(hsum4(s0, s1, s2, s3), _mm_set1_ps(scale)));
+}
+#endif
+
+// scale_add_rows for head_dim == 16 * NC: the NC accumulators stay in registers (independent FMA chains).
+template <int NC>
+inline void scale_add_rows_fixed(float* acc, float alpha, const float* p, const float* const* v, int64_t nv) {
+#ifdef KVS_AVX512
+  const __m512 va = _mm512_set1_ps(alpha);
+  __m512 a[NC];
+#pragma GCC unroll 16
+  for (int c = 0; c < NC; ++c) a[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * c), va);
+  __m512 b[NC];  // a second set for odd keys: twice the independent FMA chains
+#pragma GCC unroll 16
+  for (int c = 0; c < NC; ++c) b[c] = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 2 <= nv; j += 2) {
+    const __m512 p0 = _mm512_set1_ps(p[j]), p1 = _mm512_set1_ps(p[j + 1]);
+    const float* v0 = v[j];
+    const float* v1 = v[j + 1];
+#pragma GCC unroll 16
+    for (int c = 0; c < NC; ++c) {
+      a[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * c), a[c]);
+      b[c] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v1 + 16 * c), b[c]);
+    }
+  }
+  if (j < nv) {
+    const __m512 p0 = _mm512_set1_ps(p[j]);
+#pragma GCC unroll 16
+    for (int c = 0; c < NC; ++c) a[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v[j] + 16 * c), a[c]);
+  }
+#pragma GCC unroll 16
+  for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + 16 * c, _mm512_add_ps(a[c], b[c]));
+#else
+  scale_add_rows(acc, alpha, p, v, nv, 16 * NC);
+#endif
+}
+
+}  // namespace kvserve_cpu

@@ -1,0 +1,45 @@
+// Writes this step's K/V rows into their paged-cache slots (the separate, tiny half of the KV write; the
+// attention op then reads them from the cache like every other key). Parallel over tokens.
+#include "ops.h"
+
+#include <ATen/Parallel.h>
+
+#include <cstring>
+
+namespace kvserve_cpu {
+
+void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+              const at::Tensor& slot_mapping) {
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "store_kv: bad ranks");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(),
+              "store_kv: k/v must have the cache dtype");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "store_kv: contiguous head dim / cache required");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "store_kv: int64 slots");
+  const int64_t tokens = k.size(0), heads = k.size(1), head_dim = k.size(2);
+  TORCH_CHECK(k_cache.size(2) == heads && k_cache.size(3) == head_dim && slot_mapping.size(0) == tokens,
+              "store_kv: shapes");
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t elt = k.element_size(), row = head_dim * elt;
+  const int64_t ks0 = k.stride(0) * elt, ks1 = k.stride(1) * elt, vs0 = v.stride(0) * elt, vs1 = v.stride(1) * elt;
+  const int64_t slot_bytes = heads * row;
+  const char* kp = static_cast<const char*>(k.data_ptr());
+  const char* vp = static_cast<const char*>(v.data_ptr());
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(slots[t] < num_slots, "store_kv: slot ", slots[t], " out of range (", num_slots, " slots)");
+  at::parallel_for(0, tokens, 64, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const int64_t slot = slots[t];
+      if (slot < 0) continue;
+      for (int64_t h = 0; h < heads; ++h) {
+        std::memcpy(kc + slot * slot_bytes + h * row, kp + t * ks0 + h * ks1, row);
+        std::memcpy(vc + slot * slot_bytes + h * row, vp + t * vs0 + h * vs1, row);
+      }
+    }
+  });
+}
+
+}  // namespace kvserve_cpu

@@ -1,0 +1,40 @@
+// Declarations of the kvserve CPU ops; ops.cpp registers them as torch.ops.kvserve_cpu.*.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+namespace kvserve_cpu {
+
+// out[tokens, heads, head_dim] = causal attention of q over the paged cache (sequences with q_len > max_q_len
+// are skipped and their rows of out left untouched).
+void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cu_seqlens_q,
+                     double scale, int64_t max_q_len);
+
+// k_cache.view(-1, kv_heads, head_dim)[slot_mapping[t]] = k[t] (and v); slot -1 is skipped.
+void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+              const at::Tensor& slot_mapping);
+
+// out = weight * (x * rsqrt(mean(x^2) + eps)).to(dtype), computed in fp32 (Llama's RMSNorm order).
+void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps);
+
+// residual = residual + x (rounded to the dtype, as torch's add), then out = rms_norm(residual).
+void add_rms_norm(at::Tensor& out, at::Tensor& residual, const at::Tensor& x, const at::Tensor& weight, double eps);
+
+// In place, neox / rotate_half style: x = x * cos[pos] + rotate_half(x) * sin[pos], each product rounded to the
+// dtype as torch's eager ops do. q: [tokens, heads, head_dim], k: [tokens, kv_heads, head_dim].
+void rotary_embedding(const at::Tensor& positions, at::Tensor& q, at::Tensor& k, const at::Tensor& cos,
+                      const at::Tensor& sin);
+
+// out[:, :I] = silu(x[:, :I]) * x[:, I:], rounding to the dtype after the silu and after the product.
+void silu_and_mul(at::Tensor& out, const at::Tensor& x);
+
+}  // namespace kvserve_cpu
+
+#include <ATen/Dispatch.h>
+
+// float32 / bfloat16 / float16 only (double would silently run through fp32 scratch).
+#define KVS_DISPATCH(TYPE, NAME, ...)                          \
+  AT_DISPATCH_SWITCH(TYPE, NAME,                               \
+                     AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) \
+                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__) AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))

@@ -1,0 +1,255 @@
+// Paged attention on CPU that reads K/V straight from the block table (no gather into contiguous tensors).
+//
+// Layout (the kvserve contract, see runtime/models/attention.py): k_cache / v_cache are
+// [num_blocks, block_size, num_kv_heads, head_dim]; the step's tokens are one flat varlen batch (cu_seqlens_q);
+// seq_lens counts the whole context including this step's tokens, which are already stored in the cache.
+// A query at position p (= seq_len - q_len + i) sees keys 0..p.
+//
+// Work items are (sequence, tile of query tokens, KV heads: all of them, or one when items are scarce); the G
+// query heads that share a KV head ride together, so each K/V row is read once per KV head and tile, and the
+// next chunk's cache rows are prefetched. Items are sorted longest first and dealt round-robin to
+// at::get_num_threads() workers (so each knows its next item and prefetches its first chunk). Per item: keys in chunks of kChunk,
+// scores in fp32, online softmax in fp32, P.V accumulated in fp32, one rounding to the output dtype.
+// bf16 caches with head_dim % 32 == 0 compute Q.K with _mm512_dpbf16_ps when the compiler targets
+// AVX512-BF16 (both operands are bf16 already, so the products are exact and only the summation order
+// differs); other dtypes widen K to fp32 once per chunk. Sequences whose q_len exceeds max_q_len are
+// skipped (the Python backend runs those long prefills through SDPA, where GEMMs win).
+#include "ops.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <vector>
+
+#include "cpu_vec.h"
+
+namespace kvserve_cpu {
+namespace {
+
+constexpr int64_t kChunk = 64;     // keys per online-softmax step
+constexpr int64_t kMaxRows = 64;   // query rows (tokens x heads of one KV head) per work item
+
+struct Item {
+  int32_t seq, h0, h1, t0, t1;
+  int64_t cost;
+};
+
+inline void prefetch_span(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 3);
+}
+
+template <typename T>
+void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                    const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cu_seqlens_q,
+                    double scale_d, int64_t max_q_len) {
+  const int64_t num_seqs = seq_lens.size(0);
+  const int64_t num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
+  const int64_t kb = k_cache.stride(0), kt = k_cache.stride(1), kh = k_cache.stride(2);
+  const int64_t vb = v_cache.stride(0), vt = v_cache.stride(1), vh = v_cache.stride(2);
+  const int32_t* bt = block_tables.data_ptr<int32_t>();
+  const int64_t bts = block_tables.stride(0);
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* cu = cu_seqlens_q.data_ptr<int32_t>();
+  const T* qp = q.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const T* kc = k_cache.data_ptr<T>();
+  const T* vc = v_cache.data_ptr<T>();
+  const float scale = static_cast<float>(scale_d);
+  const int64_t tile = std::max<int64_t>(1, kMaxRows / group);
+  const int64_t threads = at::get_num_threads();
+
+  // Work items. A token's KV heads are adjacent in the cache, so an item takes all KV heads of its
+  // (sequence, query tile) and streams whole cache rows; only when there are too few items to keep every
+  // thread busy are the heads split across items.
+  int64_t tiles = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t q_len = cu[s + 1] - cu[s];
+    if (q_len > 0 && q_len <= max_q_len) tiles += (q_len + tile - 1) / tile;
+  }
+  const int64_t heads_per_item = tiles >= 4 * threads ? num_kv_heads : 1;
+  std::vector<Item> items;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t q_len = cu[s + 1] - cu[s], ctx = lens[s];
+    if (q_len <= 0 || q_len > max_q_len) continue;
+    TORCH_CHECK(ctx >= q_len, "paged_attention: seq_lens[", s, "] = ", ctx, " < q_len ", q_len);
+    TORCH_CHECK((ctx + block_size - 1) / block_size <= block_tables.size(1), "paged_attention: block table too short");
+    for (int64_t t0 = 0; t0 < q_len; t0 += tile) {
+      const int64_t t1 = std::min(q_len, t0 + tile);
+      const int64_t keys = ctx - q_len + t1;
+      for (int64_t h = 0; h < num_kv_heads; h += heads_per_item)
+        items.push_back({(int32_t)s, (int32_t)h, (int32_t)std::min(num_kv_heads, h + heads_per_item), (int32_t)t0,
+                         (int32_t)t1, keys * (t1 - t0) * heads_per_item});
+    }
+  }
+  if (items.empty()) return;
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+
+#ifdef KVS_AVX512BF16
+  constexpr bool kIsBf16 = std::is_same<T, c10::BFloat16>::value;
+  const bool use_dpbf16 = kIsBf16 && head_dim % 32 == 0;
+#else
+  const bool use_dpbf16 = false;
+#endif
+  constexpr bool kIsF32 = std::is_same<T, float>::value;
+  const int64_t max_rows = tile * group * heads_per_item;
+
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  const int64_t workers = std::min<int64_t>(threads, num_items);
+  // Worker w takes items w, w + workers, ... (longest first), so it knows its next item and prefetches it.
+  at::parallel_for(0, workers, 1, [&](int64_t wb, int64_t we) {
+   for (int64_t worker = wb; worker < we; ++worker) {
+    std::vector<float> qf(max_rows * head_dim), acc(max_rows * head_dim), kf(kChunk * head_dim),
+        vf(kChunk * head_dim), m(max_rows), l(max_rows), sc(kChunk);
+    std::vector<const T*> qrow(max_rows), kbase(kChunk), vbase(kChunk), nkbase(kChunk), nvbase(kChunk), krow(kChunk);
+    // kb_out[j] / vb_out[j]: the cache rows (at KV head h0) of keys c .. c + n - 1 of a sequence.
+    auto row_pointers = [&](const int32_t* table, int64_t h0, int64_t c, int64_t n, const T** kb_out,
+                            const T** vb_out) {
+      const T* kc_h0 = kc + h0 * kh;
+      const T* vc_h0 = vc + h0 * vh;
+      int64_t bi = c / block_size, off = c % block_size;  // one division per chunk, not per key
+      for (int64_t j = 0; j < n; ++j, ++off) {
+        if (off == block_size) {
+          off = 0;
+          ++bi;
+        }
+        const int64_t blk = table[bi];
+        kb_out[j] = kc_h0 + blk * kb + off * kt;
+        vb_out[j] = vc_h0 + blk * vb + off * vt;
+      }
+    };
+    std::vector<const float*> kr32(kChunk), vr32(kChunk);
+    for (int64_t it = worker; it < num_items; it += workers) {
+      const Item& w = items[it];
+      const int64_t s = w.seq, h0 = w.h0, h1 = w.h1, t0 = w.t0, t1 = w.t1;
+      const int64_t q_len = cu[s + 1] - cu[s], ctx = lens[s], start = ctx - q_len, tok0 = cu[s];
+      const int64_t rows_per_head = (t1 - t0) * group, rows = rows_per_head * (h1 - h0);
+      // row r: head block hb = r / rows_per_head (KV head h0 + hb), token t0 + (r % rows_per_head) / group
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t hb = r / rows_per_head, rr = r % rows_per_head;
+        const int64_t t = t0 + rr / group, head = (h0 + hb) * group + rr % group;
+        qrow[r] = qp + (tok0 + t) * qs0 + head * qs1;
+        if (!use_dpbf16) load_row<T>(qrow[r], qf.data() + r * head_dim, head_dim);
+        m[r] = kNegInf;
+        l[r] = 0.f;
+      }
+      std::fill(acc.begin(), acc.begin() + rows * head_dim, 0.f);
+      const int32_t* table = bt + s * bts;
+      const int64_t key_end = start + t1;  // the last row sees keys < key_end
+      for (int64_t c0 = 0; c0 < key_end; c0 += kChunk) {
+        const int64_t n = std::min(kChunk, key_end - c0);
+        // This chunk's row pointers (computed as "next" during the previous chunk), then the next chunk's, whose
+        // rows are prefetched a few at a time while this chunk computes (cache blocks sit anywhere).
+        // On the last chunk, "next" is the first chunk of this worker's next item.
+        const int64_t c1 = c0 + kChunk;
+        int64_t n1 = std::max<int64_t>(0, std::min(kChunk, key_end - c1));
+        if (c0 == 0) row_pointers(table, h0, 0, n, kbase.data(), vbase.data());
+        else std::swap(kbase, nkbase), std::swap(vbase, nvbase);
+        if (n1 > 0) {
+          row_pointers(table, h0, c1, n1, nkbase.data(), nvbase.data());
+        } else if (it + workers < num_items) {
+          const Item& nx = items[it + workers];
+          const int64_t ns = nx.seq, nq = cu[ns + 1] - cu[ns];
+          n1 = std::min(kChunk, lens[ns] - nq + nx.t1);
+          n1 = nx.h1 - nx.h0 == h1 - h0 ? n1 : 0;
+          if (n1 > 0) row_pointers(bt + ns * bts, nx.h0, 0, n1, nkbase.data(), nvbase.data());
+        }
+        for (int64_t hb = 0; hb < h1 - h0; ++hb) {
+          for (int64_t j = 0; j < n; ++j) {
+            const T* kptr = kbase[j] + hb * kh;
+            const T* vptr = vbase[j] + hb * vh;
+            if (j < n1) {
+              prefetch_span(nkbase[j] + hb * kh, head_dim * (int64_t)sizeof(T));
+              prefetch_span(nvbase[j] + hb * vh, head_dim * (int64_t)sizeof(T));
+            }
+            if constexpr (kIsF32) {
+              kr32[j] = reinterpret_cast<const float*>(kptr);
+              vr32[j] = reinterpret_cast<const float*>(vptr);
+            } else {
+              krow[j] = kptr;
+              if (!use_dpbf16) {
+                load_row<T>(kptr, kf.data() + j * head_dim, head_dim);
+                kr32[j] = kf.data() + j * head_dim;
+              }
+              load_row<T>(vptr, vf.data() + j * head_dim, head_dim);
+              vr32[j] = vf.data() + j * head_dim;
+            }
+          }
+          for (int64_t r = hb * rows_per_head; r < (hb + 1) * rows_per_head; ++r) {
+            const int64_t qpos = start + t0 + (r % rows_per_head) / group;
+            const int64_t nr = std::min(n, qpos - c0 + 1);
+            if (nr <= 0) continue;
+#ifdef KVS_AVX512BF16
+            if (use_dpbf16) {
+              const c10::BFloat16* qb = reinterpret_cast<const c10::BFloat16*>(qrow[r]);
+              const c10::BFloat16* const* kb16 = reinterpret_cast<const c10::BFloat16* const*>(krow.data());
+              int64_t j = 0;
+              for (; j + 4 <= nr; j += 4) dot4_bf16(qb, kb16 + j, head_dim, scale, sc.data() + j);
+              for (; j < nr; ++j) sc[j] = dot_bf16(qb, kb16[j], head_dim) * scale;
+            } else
+#endif
+            {
+              const float* qr = qf.data() + r * head_dim;
+              int64_t j = 0;
+#ifdef KVS_AVX512
+              for (; j + 4 <= nr; j += 4) dot4_f32(qr, kr32.data() + j, head_dim, scale, sc.data() + j);
+#endif
+              for (; j < nr; ++j) sc[j] = dot_f32(qr, kr32[j], head_dim) * scale;
+            }
+            const float m_new = std::max(m[r], max_of(sc.data(), nr));
+            const float alpha = m[r] == kNegInf ? 0.f : std::exp(m[r] - m_new);
+            const float sum = exp_sub_sum(sc.data(), nr, m_new);
+            l[r] = l[r] * alpha + sum;
+            m[r] = m_new;
+            if (head_dim == 64)
+              scale_add_rows_fixed<4>(acc.data() + r * head_dim, alpha, sc.data(), vr32.data(), nr);
+            else if (head_dim == 128)
+              scale_add_rows_fixed<8>(acc.data() + r * head_dim, alpha, sc.data(), vr32.data(), nr);
+            else
+              scale_add_rows(acc.data() + r * head_dim, alpha, sc.data(), vr32.data(), nr, head_dim);
+          }
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t hb = r / rows_per_head, rr = r % rows_per_head;
+        const int64_t t = t0 + rr / group, head = (h0 + hb) * group + rr % group;
+        float* a = acc.data() + r * head_dim;
+        const float inv = 1.f / l[r];
+        for (int64_t d = 0; d < head_dim; ++d) a[d] *= inv;
+        store_row<T>(a, op + (tok0 + t) * os0 + head * os1, head_dim);
+      }
+    }
+   }
+  });
+}
+
+}  // namespace
+
+void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cu_seqlens_q,
+                     double scale, int64_t max_q_len) {
+  TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "paged_attention: bad ranks");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type() &&
+                  q.scalar_type() == out.scalar_type(),
+              "paged_attention: q, out and the caches must share a dtype");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
+              "paged_attention: float32, bfloat16 or float16 only");
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+              "paged_attention: the head dim must be contiguous");
+  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0, "paged_attention: head shapes");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
+                  cu_seqlens_q.scalar_type() == at::kInt && block_tables.stride(1) == 1 &&
+                  seq_lens.is_contiguous() && cu_seqlens_q.is_contiguous(),
+              "paged_attention: block_tables / seq_lens / cu_seqlens_q must be int32");
+  TORCH_CHECK(cu_seqlens_q.size(0) == seq_lens.size(0) + 1, "paged_attention: cu_seqlens_q size");
+  KVS_DISPATCH(q.scalar_type(), "kvserve_paged_attention", [&] {
+    attention_impl<scalar_t>(out, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, max_q_len);
+  });
+}
+
+}  // namespace kvserve_cpu

@@ -1,0 +1,147 @@
+"""The compiled kvserve CPU ops (sources in ``kernels/cpu/``), built on first use and cached.
+
+:func:`load` builds ``kernels/cpu/*.cpp`` with ``torch.utils.cpp_extension.load`` as one lean shared library
+(ATen + ``torch/library.h``, ``TORCH_LIBRARY``; no pybind, ``is_python_module=False``), flags
+``-O3 -march=native -fopenmp -ffp-contract=off``. The library name carries an ISA tag plus a hash of the CPU's
+feature flags, because torch's build cache key covers sources and flags but not the CPU ``-march=native``
+compiled for. Builds land in torch's extension directory (``$TORCH_EXTENSIONS_DIR`` when set); torch's
+``FileBaton`` lock in that directory makes a second process wait for a build in progress instead of racing it.
+
+When the build or the load fails (no compiler, no ninja, a non-CPU torch build...), :func:`load` returns
+False and :func:`unavailable_reason` says why; callers fall back to pure torch. The ops, once loaded, are
+``torch.ops.kvserve_cpu.*`` (fake implementations are registered, so torch.compile treats them as opaque):
+
+* ``paged_attention(out, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, max_q_len)``
+* ``store_kv(k, v, k_cache, v_cache, slot_mapping)``
+* ``rms_norm(out, x, weight, eps)``, ``add_rms_norm(out, residual, x, weight, eps)``
+* ``rotary_embedding(positions, q, k, cos, sin)`` (in place), ``silu_and_mul(out, x)``
+
+Set ``KVSERVE_CPU_OPS=0`` to refuse loading (the pure-torch path then runs everywhere).
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+import shutil
+import sys
+import time
+
+_SRC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu")
+_STATE: dict = {}
+_OP_NAMES = ("paged_attention", "store_kv", "rms_norm", "add_rms_norm", "rotary_embedding", "silu_and_mul")
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def isa_tag(flags: set[str] | None = None) -> str:
+    """The widest path the kernels take on this CPU: 'avx512bf16', 'avx512', 'avx2' or 'generic'."""
+    flags = cpu_flags() if flags is None else flags
+    if {"avx512f", "avx512bw"} <= flags:
+        return "avx512bf16" if "avx512_bf16" in flags else "avx512"
+    return "avx2" if "avx2" in flags else "generic"
+
+
+def extension_name(flags: set[str] | None = None) -> str:
+    flags = cpu_flags() if flags is None else flags
+    digest = hashlib.sha1(" ".join(sorted(flags)).encode()).hexdigest()[:8]
+    return f"kvserve_cpu_ops_{isa_tag(flags)}_{digest}"
+
+
+def sources() -> list[str]:
+    return sorted(glob.glob(os.path.join(_SRC_DIR, "*.cpp")))
+
+
+def _ensure_ninja_on_path() -> None:
+    """torch runs `ninja` from PATH; the PyPI `ninja` wheel may sit in a venv whose bin/ is not on PATH."""
+    if shutil.which("ninja"):
+        return
+    dirs = [os.path.dirname(sys.executable)]
+    try:
+        import ninja  # noqa: F401  (PyPI `ninja`)
+
+        dirs.insert(0, ninja.BIN_DIR)
+    except Exception:
+        pass
+    for d in dirs:
+        if os.path.exists(os.path.join(d, "ninja")):
+            os.environ["PATH"] = d + os.pathsep + os.environ.get("PATH", "")
+            return
+
+
+def _build() -> None:
+    import torch
+    from torch.utils.cpp_extension import load as cpp_load
+
+    srcs = sources()
+    if not srcs:
+        raise RuntimeError(f"no C++ sources under {_SRC_DIR}")
+    _ensure_ninja_on_path()
+    cpp_load(name=extension_name(), sources=srcs, extra_cflags=["-O3", "-march=native", "-fopenmp",
+                                                                 "-ffp-contract=off", "-DNDEBUG"],
+             extra_ldflags=["-fopenmp"], extra_include_paths=[_SRC_DIR], is_python_module=False, verbose=False)
+    for op in _OP_NAMES:
+        if not hasattr(torch.ops.kvserve_cpu, op):
+            raise RuntimeError(f"the extension loaded but torch.ops.kvserve_cpu.{op} is missing")
+    _register_fakes()
+
+
+def _register_fakes() -> None:
+    import torch
+
+    def _none(*args, **kwargs):
+        return None
+
+    for op in _OP_NAMES:
+        try:
+            torch.library.register_fake(f"kvserve_cpu::{op}")(_none)
+        except Exception:  # already registered (a second load in one process) or an older torch
+            pass
+
+
+def load() -> bool:
+    """Build (first time on this CPU) and load the ops; True when torch.ops.kvserve_cpu is usable. Never raises."""
+    if "ok" in _STATE:
+        return _STATE["ok"]
+    if os.environ.get("KVSERVE_CPU_OPS", "1") == "0":
+        _STATE.update(ok=False, reason="disabled by KVSERVE_CPU_OPS=0", seconds=0.0)
+        return False
+    t0 = time.perf_counter()
+    try:
+        _build()
+        _STATE.update(ok=True, reason=None)
+    except Exception as exc:  # no compiler, no ninja, a failed build or load: fall back to pure torch
+        msg = str(exc).strip().splitlines()
+        _STATE.update(ok=False, reason=f"{type(exc).__name__}: {msg[0] if msg else ''}"[:300])
+    _STATE["seconds"] = time.perf_counter() - t0
+    return _STATE["ok"]
+
+
+def available() -> bool:
+    return load()
+
+
+def unavailable_reason() -> str | None:
+    load()
+    return _STATE.get("reason")
+
+
+def describe() -> str:
+    """One phrase for logs: which library and ISA path, or why the ops are unavailable."""
+    if load():
+        return f"compiled CPU ops {extension_name()} (ISA path {isa_tag()}, loaded in {_STATE['seconds']:.1f} s)"
+    return f"compiled CPU ops unavailable ({_STATE['reason']})"
+
+
+def _reset_for_tests() -> None:
+    _STATE.clear()

@@ -251,7 +251,8 @@ def _prompts(seed: int, vocab: int):
     ("llama_gqa", "bfloat16", dict()),
 ], ids=["llama_gqa-fp32-chunked", "qwen2-fp32", "llama_gqa-bf16"])
 def test_engine_cpu_backend_matches_torch(tmp_path, name, dtype, kw):
-    from kvserve.runtime.models.synthetic import TEST_MODEL_CONFIGS, make_random_model_dir
+    from kvserve.runtime.models.synthetic import make_random_model_dir
+    from kvserve_testing import TEST_MODEL_CONFIGS
 
     arch, kwargs = TEST_MODEL_CONFIGS[name]
     make_random_model_dir(str(tmp_path), arch, seed=1234, dtype=dtype, **kwargs)
@@ -273,7 +274,8 @@ def test_fused_ops_switch(tmp_path):
     """The cpu backend turns the fused ops on in the Llama model; the torch backend leaves them off."""
     from kvserve.runtime.models.attention_backends import get_attention_backend
     from kvserve.runtime.models.loader import build_meta_model
-    from kvserve.runtime.models.synthetic import TEST_MODEL_CONFIGS, make_random_model_dir
+    from kvserve.runtime.models.synthetic import make_random_model_dir
+    from kvserve_testing import TEST_MODEL_CONFIGS
     from kvserve.runtime.config import load_model_config
 
     arch, kwargs = TEST_MODEL_CONFIGS["llama_gqa"]

@@ -440,7 +440,7 @@ async def drive(base_url: str, prompts: list[list[int]], output_lens: list[int],
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout)) as client:
         model, _ = await _server_info(client, base_url, {}, None)
         url = base_url + "/v1/completions"
-        warm = await _send(client, url, model, _Request(prompts[0][:16], 4), {}, timeout)
+        warm = await _send(client, url, model, _Request(prompts[0][:16], min(4, output_lens[0])), {}, timeout)
         if not warm["success"]:
             raise RuntimeError(f"warm-up request to {base_url} failed: {warm['error']}")
         requests = [_Request(p, n) for p, n in zip(prompts, output_lens)]

@@ -513,6 +513,10 @@ class Options:
     run_timeout: float
 
 
+def _exit_on_signal(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 MODE_DEFAULTS = {  # vLLM CPU's own defaults per usage context (LLM class / OpenAI server), for both engines
     "offline": dict(num_requests=96, max_num_seqs=256, max_num_batched_tokens=4096),
     "served": dict(num_requests=256, max_num_seqs=128, max_num_batched_tokens=2048),
@@ -548,6 +552,8 @@ def main(args) -> int:
     num_requests = args.num_requests or defaults["num_requests"]
     order = abba_order(engines[0], engines[1], args.rounds) if len(engines) == 2 else engines * (2 * args.rounds)
 
+    # SIGTERM (and SIGINT, which a background job ignores) unwind through the finally blocks that stop engines
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     tmp = tempfile.mkdtemp(prefix="kvserve-peer-")
     ok = False
     try:

@@ -22,6 +22,7 @@ COMMANDS: dict[str, str] = {
     "bench serve": "kvserve.cli.bench_serve",
     "bench step": "kvserve.cli.bench_step",
     "bench router": "kvserve.cli.bench_router",
+    "bench peer": "kvserve.cli.bench_peer",
 }
 
 

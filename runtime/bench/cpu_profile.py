@@ -15,7 +15,7 @@ import torch
 
 def main() -> None:
     from kvserve.runtime import LLM, SamplingParams
-    from kvserve.runtime.bench_throughput import DEFAULT_SHAPE, Workload
+    from kvserve.runtime.bench.throughput import DEFAULT_SHAPE, Workload
     from kvserve.runtime.models.synthetic import make_random_model_dir
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

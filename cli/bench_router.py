@@ -1,4 +1,5 @@
 """`kvserve bench router`: router vs random spread over local replicas (kvserve.runtime.bench.router)."""
+
 from __future__ import annotations
 
 import argparse
@@ -9,10 +10,17 @@ HELP = "benchmark kvserve router vs random spread on local replicas (multi-turn 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-dir", default=None, help="MODEL_DIR for the replicas (default: the demo model)")
     parser.add_argument("--replicas", type=int, default=3)
-    parser.add_argument("--runs", default="single,router,random,kill",
-                        help="comma-separated subset of single, router, random, random-proxy, kill")
-    parser.add_argument("--repeat", type=int, default=3,
-                        help="repetitions of the router/random comparison (alternating order; goals use medians)")
+    parser.add_argument(
+        "--runs",
+        default="single,router,random,kill",
+        help="comma-separated subset of single, router, random, random-proxy, kill",
+    )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=3,
+        help="repetitions of the router/random comparison (alternating order; goals use medians)",
+    )
     parser.add_argument("--tenants", type=int, default=4)
     parser.add_argument("--system-tokens", type=int, default=500, help="tokens in each tenant's system prompt")
     parser.add_argument("--conversations", type=int, default=24)

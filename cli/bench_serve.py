@@ -1,4 +1,5 @@
 """`kvserve bench serve`: a serving benchmark modelled on `vllm bench serve` (kvserve.runtime.bench.serve)."""
+
 from __future__ import annotations
 
 import argparse
@@ -13,29 +14,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model name to send (default: the server's first)")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--workload", choices=WORKLOADS, default="random")
-    parser.add_argument("--compare", choices=("prefix-caching", "chunked-prefill", "served-vs-offline"), default=None,
-                        help="launch `kvserve serve` with the feature on and off and run the matching workload "
-                             "(shared-prefix / long-prompt) on each; served-vs-offline: the random workload "
-                             "offline, then served with the engine core in the server process and in its own "
-                             "process, with served/offline ratios")
-    parser.add_argument("--model-dir", default=None, help="with --compare: MODEL_DIR for the launched servers (and the offline run) "
-                                                          "(default: the built-in demo model)")
+    parser.add_argument(
+        "--compare",
+        choices=("prefix-caching", "chunked-prefill", "served-vs-offline"),
+        default=None,
+        help="launch `kvserve serve` with the feature on and off and run the matching workload "
+        "(shared-prefix / long-prompt) on each; served-vs-offline: the random workload "
+        "offline, then served with the engine core in the server process and in its own "
+        "process, with served/offline ratios",
+    )
+    parser.add_argument(
+        "--model-dir",
+        default=None,
+        help="with --compare: MODEL_DIR for the launched servers (and the offline run) "
+        "(default: the built-in demo model)",
+    )
     parser.add_argument("--serve-args", default="", help="with --compare: extra `kvserve serve` flags for both runs")
     parser.add_argument("--on-args", default="", help="with --compare: extra flags for the feature-on run only")
     parser.add_argument("--off-args", default="", help="with --compare: extra flags for the feature-off run only")
-    parser.add_argument("--repeat", type=int, default=1,
-                        help="with --compare served-vs-offline: run the two served variants this many times, in "
-                             "ABBA order (a shared machine's load drifts)")
-    parser.add_argument("--before-python", default=None,
-                        help="with --compare served-vs-offline: the python of another kvserve install (e.g. main's "
-                             "venv) whose `kvserve serve` is the before run, instead of --inprocess-engine")
-    parser.add_argument("--api-server-counts", default="1",
-                        help="with --compare served-vs-offline: comma-separated `--api-server-count` values for the "
-                             "core-process server, each a served variant in the same ABBA run (e.g. 1,2); the "
-                             "goal is judged on the first")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="with --compare served-vs-offline: run the two served variants this many times, in "
+        "ABBA order (a shared machine's load drifts)",
+    )
+    parser.add_argument(
+        "--before-python",
+        default=None,
+        help="with --compare served-vs-offline: the python of another kvserve install (e.g. main's "
+        "venv) whose `kvserve serve` is the before run, instead of --inprocess-engine",
+    )
+    parser.add_argument(
+        "--api-server-counts",
+        default="1",
+        help="with --compare served-vs-offline: comma-separated `--api-server-count` values for the "
+        "core-process server, each a served variant in the same ABBA run (e.g. 1,2); the "
+        "goal is judged on the first",
+    )
     parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--request-rate", type=float, default=float("inf"),
-                        help="requests/s; inf sends everything at t=0 (burst)")
+    parser.add_argument(
+        "--request-rate", type=float, default=float("inf"), help="requests/s; inf sends everything at t=0 (burst)"
+    )
     parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1.0 = Poisson")
     parser.add_argument("--max-concurrency", type=int, default=None)
     parser.add_argument("--input-len", type=int, default=256, help="random: mean prompt tokens")
@@ -49,8 +69,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-streams", type=int, default=8, help="long-prompt: background streams")
     parser.add_argument("--stream-output-len", type=int, default=256, help="long-prompt: tokens per stream")
     parser.add_argument("--stream-prompt-len", type=int, default=32)
-    parser.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
-                        help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:5000 (milliseconds)")
+    parser.add_argument(
+        "--goodput",
+        nargs="+",
+        default=None,
+        metavar="KEY:MS",
+        help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:5000 (milliseconds)",
+    )
     parser.add_argument("--percentiles", default="50,90,99", help="reported percentiles")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--result-json", default=None, help="write results here")

@@ -1,4 +1,5 @@
 """`kvserve bench throughput`: offline throughput vs transformers generate on a random-weight model."""
+
 from __future__ import annotations
 
 import argparse
@@ -18,8 +19,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="local HF model dir (default: build the 125M random Llama)")
     parser.add_argument("--hidden-size", type=int, default=None, help="shape of the built model (not with --model)")
     parser.add_argument("--num-layers", type=int, default=None, help="shape of the built model (not with --model)")
-    parser.add_argument("--vocab-size", type=int, default=None,
-                        help="vocab of the built model; with --model, caps the workload's token ids")
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="vocab of the built model; with --model, caps the workload's token ids",
+    )
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--max-num-seqs", type=int, default=None)
@@ -27,8 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
-    parser.add_argument("--dtype", default="float32", choices=capacity.FLOAT_DTYPES,
-                        help="weights/activations dtype for both engines")
+    parser.add_argument(
+        "--dtype", default="float32", choices=capacity.FLOAT_DTYPES, help="weights/activations dtype for both engines"
+    )
     parser.add_argument("--json-out", default=None)
 
 
@@ -37,15 +43,35 @@ def run(args: argparse.Namespace) -> int:
 
     if args.model and (args.hidden_size or args.num_layers):
         raise SystemExit("--hidden-size / --num-layers shape the built model; with --model its config.json does")
-    shape = {k: v for k, v in (("hidden_size", args.hidden_size), ("num_hidden_layers", args.num_layers),
-                               ("vocab_size", args.vocab_size)) if v is not None}
-    engine_kwargs = dict(block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
-                         enable_prefix_caching=args.enable_prefix_caching)
+    shape = {
+        k: v
+        for k, v in (
+            ("hidden_size", args.hidden_size),
+            ("num_hidden_layers", args.num_layers),
+            ("vocab_size", args.vocab_size),
+        )
+        if v is not None
+    }
+    engine_kwargs = dict(
+        block_size=args.block_size,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=args.enable_prefix_caching,
+    )
     for key in ("max_num_seqs", "kv_cache_bytes", "num_kv_blocks"):
         if getattr(args, key) is not None:
             engine_kwargs[key] = getattr(args, key)
-    main(num_requests=args.num_requests, prompt_range=tuple(args.prompt_len), output_range=tuple(args.output_len),
-         seed=args.seed, hf_batch_size=args.hf_batch_size, skip_hf=args.skip_hf, model_dir=args.model, shape=shape,
-         json_out=args.json_out, tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype,
-         **engine_kwargs)
+    main(
+        num_requests=args.num_requests,
+        prompt_range=tuple(args.prompt_len),
+        output_range=tuple(args.output_len),
+        seed=args.seed,
+        hf_batch_size=args.hf_batch_size,
+        skip_hf=args.skip_hf,
+        model_dir=args.model,
+        shape=shape,
+        json_out=args.json_out,
+        tensor_parallel_size=args.tensor_parallel_size,
+        dtype=args.dtype,
+        **engine_kwargs,
+    )
     return 0

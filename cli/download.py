@@ -2,6 +2,7 @@
 complete and verified. The engine pod's init container runs exactly this; on failure it writes one line,
 DOWNLOAD_FAILED_PREFIX + the reason, to the termination log, where the operator reads it (ModelReady=False,
 reason DownloadFailed)."""
+
 from __future__ import annotations
 
 import argparse
@@ -18,14 +19,22 @@ MAX_TERMINATION_BYTES = 4096
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("uri", help="hf://ORG/NAME[@REVISION], s3://BUCKET/PREFIX or file:///PATH")
     parser.add_argument("--revision", help="hf:// only: branch, tag or commit (default main)")
-    parser.add_argument("--dest", required=True, help="the model folder to create (its parent must be writable; "
-                                                      "locks and staging live beside it)")
-    parser.add_argument("--no-weights", action="store_true",
-                        help="config and tokenizer files only (the router's init container)")
-    parser.add_argument("--progress-interval", type=float, default=10.0, metavar="SECONDS",
-                        help="log progress this often")
-    parser.add_argument("--termination-log", default=os.environ.get("KVSERVE_TERMINATION_LOG", DEFAULT_TERMINATION_LOG),
-                        help="where to write the one-line failure reason (Kubernetes' terminationMessagePath)")
+    parser.add_argument(
+        "--dest",
+        required=True,
+        help="the model folder to create (its parent must be writable; locks and staging live beside it)",
+    )
+    parser.add_argument(
+        "--no-weights", action="store_true", help="config and tokenizer files only (the router's init container)"
+    )
+    parser.add_argument(
+        "--progress-interval", type=float, default=10.0, metavar="SECONDS", help="log progress this often"
+    )
+    parser.add_argument(
+        "--termination-log",
+        default=os.environ.get("KVSERVE_TERMINATION_LOG", DEFAULT_TERMINATION_LOG),
+        help="where to write the one-line failure reason (Kubernetes' terminationMessagePath)",
+    )
 
 
 def _write_termination(path: str, message: str) -> None:
@@ -42,8 +51,9 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         source = uri.parse(args.uri, args.revision, field="URI", revision_field="--revision")
-        result = download.download(source, args.dest, progress_interval_s=args.progress_interval,
-                                   weights=not args.no_weights)
+        result = download.download(
+            source, args.dest, progress_interval_s=args.progress_interval, weights=not args.no_weights
+        )
     except (uri.SourceError, uri.FetchError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         _write_termination(args.termination_log, str(exc))

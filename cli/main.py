@@ -4,6 +4,7 @@ Each module named below defines `HELP`, `add_arguments(parser)` and `run(args) -
 its heavy dependencies (torch, kopf, ...) inside `run`, so `kvserve plan` works in the torch-free
 operator image.
 """
+
 from __future__ import annotations
 
 import argparse

@@ -1,4 +1,5 @@
 """`kvserve operator`: run the kopf operator against the in-cluster config or the current kubeconfig."""
+
 from __future__ import annotations
 
 import argparse
@@ -9,20 +10,36 @@ HELP = "Run the InferenceService operator (kopf) against the current cluster"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-n", "--namespace", action="append", default=[],
-                        help="namespace to watch (repeatable; default: all namespaces)")
-    parser.add_argument("--liveness", default="http://0.0.0.0:8080/healthz",
-                        help="kopf liveness endpoint URL ('' to disable)")
-    parser.add_argument("--metrics-port", type=int, default=8081,
-                        help="serve the operator's Prometheus /metrics on this port (0 to disable)")
+    parser.add_argument(
+        "-n",
+        "--namespace",
+        action="append",
+        default=[],
+        help="namespace to watch (repeatable; default: all namespaces)",
+    )
+    parser.add_argument(
+        "--liveness", default="http://0.0.0.0:8080/healthz", help="kopf liveness endpoint URL ('' to disable)"
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=8081,
+        help="serve the operator's Prometheus /metrics on this port (0 to disable)",
+    )
     parser.add_argument("--metrics-host", default="0.0.0.0", help="bind address of /metrics")
     parser.add_argument("--verbose", action="store_true")
     election = parser.add_argument_group("leader election (several replicas; see kvserve.operator.leader)")
-    election.add_argument("--leader-elect", action="store_true",
-                          help="run only while holding a coordination.k8s.io Lease; stand by otherwise")
+    election.add_argument(
+        "--leader-elect",
+        action="store_true",
+        help="run only while holding a coordination.k8s.io Lease; stand by otherwise",
+    )
     election.add_argument("--lease-name", default="kvserve-operator")
-    election.add_argument("--lease-namespace", default=os.environ.get("POD_NAMESPACE") or "default",
-                          help="namespace of the Lease (default: $POD_NAMESPACE, else 'default')")
+    election.add_argument(
+        "--lease-namespace",
+        default=os.environ.get("POD_NAMESPACE") or "default",
+        help="namespace of the Lease (default: $POD_NAMESPACE, else 'default')",
+    )
     election.add_argument("--lease-duration", type=int, default=15, metavar="SECONDS")
     election.add_argument("--renew-deadline", type=float, default=10.0, metavar="SECONDS")
     election.add_argument("--retry-period", type=float, default=2.0, metavar="SECONDS")
@@ -36,16 +53,19 @@ def run(args: argparse.Namespace) -> int:
 
     from kvserve.operator import handlers, kube, leader  # noqa: F401  (handlers registers the handlers)
 
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
     if args.metrics_port:  # before the election: a standby serves /metrics too (its reconcile series stay empty)
         from kvserve.operator import metrics
 
         try:
             metrics.serve(args.metrics_port, addr=args.metrics_host)
         except OSError as exc:
-            print(f"kvserve operator: cannot serve /metrics on {args.metrics_host}:{args.metrics_port}: {exc}",
-                  file=sys.stderr)
+            print(
+                f"kvserve operator: cannot serve /metrics on {args.metrics_host}:{args.metrics_port}: {exc}",
+                file=sys.stderr,
+            )
             return 2
 
     async def operate(stop_flag: asyncio.Event | None = None) -> None:
@@ -62,9 +82,13 @@ def run(args: argparse.Namespace) -> int:
         asyncio.run(operate())
         return 0
     settings = leader.LeaseSettings(
-        name=args.lease_name, namespace=args.lease_namespace, identity=leader.default_identity(),
-        lease_duration_s=args.lease_duration, renew_deadline_s=args.renew_deadline,
-        retry_period_s=args.retry_period)
+        name=args.lease_name,
+        namespace=args.lease_namespace,
+        identity=leader.default_identity(),
+        lease_duration_s=args.lease_duration,
+        renew_deadline_s=args.renew_deadline,
+        retry_period_s=args.retry_period,
+    )
     if kube._client is None:
         kube.configure()
     return asyncio.run(leader.run_elected(leader.Elector(settings), operate, args.liveness or None))

@@ -4,6 +4,7 @@ The engine flags are EngineArgs' own (the same type, default and help as `kvserv
 model-dependent defaults resolve with engine_args.resolve, the function `kvserve serve` resolves them with:
 `kvserve plan --model-config DIR` with no flags plans the server `kvserve serve DIR` starts.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -12,21 +13,37 @@ import json
 from kvserve.runtime import engine_args
 
 # The engine settings a capacity plan depends on (engine_args.ResolvedSettings).
-PLAN_SETTINGS = ("tensor_parallel_size", "dtype", "max_model_len", "block_size", "gpu_memory_utilization",
-                 "max_num_batched_tokens", "max_num_seqs", "enable_chunked_prefill", "kv_cache_dtype")
+PLAN_SETTINGS = (
+    "tensor_parallel_size",
+    "dtype",
+    "max_model_len",
+    "block_size",
+    "gpu_memory_utilization",
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "enable_chunked_prefill",
+    "kv_cache_dtype",
+)
 
 HELP = "Capacity plan: KV bytes/token, blocks, KV tokens and max concurrency for a model on a GPU"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-f", "--filename", help="plan the InferenceService(s) in this YAML file exactly as the "
-                                                  "operator would (shape overrides, gpu.memoryMiB, engine settings)")
+    parser.add_argument(
+        "-f",
+        "--filename",
+        help="plan the InferenceService(s) in this YAML file exactly as the "
+        "operator would (shape overrides, gpu.memoryMiB, engine settings)",
+    )
     parser.add_argument("--list", action="store_true", help="list the catalog's models and GPUs")
     parser.add_argument("--model", help="catalog entry, e.g. llama-3-70b (see --list)")
-    parser.add_argument("--model-config", metavar="FILE|URI",
-                        help="plan a model from its own config.json: a file, a model folder, or hf://ORG/NAME[@REV], "
-                             "s3://BUCKET/PREFIX, file:///DIR (only config.json is fetched; HF_TOKEN, HF_ENDPOINT and "
-                             "AWS_* from the environment)")
+    parser.add_argument(
+        "--model-config",
+        metavar="FILE|URI",
+        help="plan a model from its own config.json: a file, a model folder, or hf://ORG/NAME[@REV], "
+        "s3://BUCKET/PREFIX, file:///DIR (only config.json is fetched; HF_TOKEN, HF_ENDPOINT and "
+        "AWS_* from the environment)",
+    )
     parser.add_argument("--gpu", help="catalog entry or GFD product label, e.g. a100-80gb")
     # `kvserve serve`'s flags, from EngineArgs. For a catalog model (no config.json) --dtype auto plans the
     # operator's default (model.dtype in the CRD) and --max-model-len defaults to the catalog's positions.
@@ -41,7 +58,8 @@ def load_model_config(where: str) -> dict:
     """config.json from a file, a folder, or a source URI. Raises SystemExit(2) with a clear message."""
     import os
 
-    from kvserve.runtime.sources import model_config, uri as source_uri
+    from kvserve.runtime.sources import model_config
+    from kvserve.runtime.sources import uri as source_uri
 
     try:
         if "://" in where:
@@ -65,7 +83,8 @@ def resolve_like_operator(spec: dict):
 
     config = None
     if spec_mod.needs_model_config(spec):
-        from kvserve.runtime.sources import model_config, uri as source_uri
+        from kvserve.runtime.sources import model_config
+        from kvserve.runtime.sources import uri as source_uri
 
         try:
             config = model_config.fetch_config(spec_mod.model_source(spec_mod.with_defaults(spec)["model"]))
@@ -76,10 +95,13 @@ def resolve_like_operator(spec: dict):
 
 def shape_line(shape) -> str:
     experts = f", {shape.num_experts} experts (top-{shape.experts_per_token})" if shape.num_experts else ""
-    return (f"model: {shape.architecture}, {shape.num_layers} layers, {shape.num_attention_heads} heads / "
-            f"{shape.num_kv_heads} KV heads x {shape.head_dim}, hidden {shape.hidden_size}, intermediate "
-            f"{shape.intermediate_size}, vocab {shape.vocab_size}{', tied embeddings' if shape.tie_word_embeddings else ''}, "
-            f"{shape.max_position_embeddings} positions{experts}, {shape.num_parameters:,} parameters")
+    return (
+        f"model: {shape.architecture}, {shape.num_layers} layers, {shape.num_attention_heads} heads / "
+        f"{shape.num_kv_heads} KV heads x {shape.head_dim}, hidden {shape.hidden_size}, intermediate "
+        f"{shape.intermediate_size}, vocab {shape.vocab_size}"
+        f"{', tied embeddings' if shape.tie_word_embeddings else ''}, "
+        f"{shape.max_position_embeddings} positions{experts}, {shape.num_parameters:,} parameters"
+    )
 
 
 def resolve_settings(args: argparse.Namespace, config: dict | None, shape) -> engine_args.ResolvedSettings:
@@ -113,8 +135,9 @@ def _spec(args: argparse.Namespace, settings: engine_args.ResolvedSettings) -> d
 
 
 def settings_line(settings: engine_args.ResolvedSettings) -> str:
-    return ("engine: " + ", ".join(f"{engine_args.cli_flag(name)[2:]} {getattr(settings, name)}"
-                                   for name in PLAN_SETTINGS))
+    return "engine: " + ", ".join(
+        f"{engine_args.cli_flag(name)[2:]} {getattr(settings, name)}" for name in PLAN_SETTINGS
+    )
 
 
 def format_table(plan: dict) -> str:
@@ -135,10 +158,17 @@ def format_table(plan: dict) -> str:
         ("longest single sequence", f"{plan['max_model_len_fit']:,} tokens"),
     ]
     if plan.get("num_kv_cache_groups", 1) > 1:  # sliding-window model: what a full-context charge would give
-        rows += [("sliding window (KV cache groups)", f"{plan['sliding_window']:,} tokens "
-                                                      f"({plan['num_kv_cache_groups']} groups)"),
-                 ("  if every layer kept the full context", f"max concurrency {plan['max_concurrency_full_context']:,}, "
-                                                           f"longest {plan['max_model_len_fit_full_context']:,} tokens")]
+        rows += [
+            (
+                "sliding window (KV cache groups)",
+                f"{plan['sliding_window']:,} tokens ({plan['num_kv_cache_groups']} groups)",
+            ),
+            (
+                "  if every layer kept the full context",
+                f"max concurrency {plan['max_concurrency_full_context']:,}, "
+                f"longest {plan['max_model_len_fit_full_context']:,} tokens",
+            ),
+        ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows) + f"\n{plan['message']}"
 
@@ -147,12 +177,13 @@ def list_catalog() -> str:
     from kvserve.operator import catalog
     from kvserve.runtime import capacity
 
-    lines = [f"{'MODEL':<16} {'ARCHITECTURE':<20} {'PARAMS':>8} {'LAYERS':>6} {'KV HEADS':>8} {'POSITIONS':>9}  "
-             f"SERVED"]
+    lines = [f"{'MODEL':<16} {'ARCHITECTURE':<20} {'PARAMS':>8} {'LAYERS':>6} {'KV HEADS':>8} {'POSITIONS':>9}  SERVED"]
     for key, m in sorted(catalog.MODELS.items()):
         served = "yes" if capacity.unsupported_architecture_error(m) is None else "no (planner refuses)"
-        lines.append(f"{key:<16} {m.architecture:<20} {m.num_parameters / 1e9:>7.1f}B {m.num_layers:>6} "
-                     f"{m.num_kv_heads:>8} {m.max_position_embeddings:>9}  {served}")
+        lines.append(
+            f"{key:<16} {m.architecture:<20} {m.num_parameters / 1e9:>7.1f}B {m.num_layers:>6} "
+            f"{m.num_kv_heads:>8} {m.max_position_embeddings:>9}  {served}"
+        )
     lines += ["", f"{'GPU':<12} {'MEMORY MiB':>10}  GFD PRODUCT LABEL"]
     lines += [f"{key:<12} {g.memory_mib:>10}  {g.product}" for key, g in sorted(catalog.GPUS.items())]
     return "\n".join(lines)
@@ -178,8 +209,16 @@ def plan_file(path: str, output: str) -> int:
             rc = 2
             continue
         rc = rc or (0 if plan.fits else 1)
-        results.append({"name": name, "fits": plan.fits, "reason": plan.reason, "message": plan.message,
-                        "plan": plan_status(plan), "_table": plan.to_dict()})
+        results.append(
+            {
+                "name": name,
+                "fits": plan.fits,
+                "reason": plan.reason,
+                "message": plan.message,
+                "plan": plan_status(plan),
+                "_table": plan.to_dict(),
+            }
+        )
     if output == "json":
         out = [{k: v for k, v in r.items() if k != "_table"} for r in results]
         print(json.dumps(out[0] if len(out) == 1 else out, indent=2))
@@ -219,6 +258,7 @@ def run(args: argparse.Namespace) -> int:
         out = {**plan, "engine": settings.__dict__}
         print(json.dumps({**out, "model": resolved.model.__dict__} if config else out, indent=2))
     else:
-        print((shape_line(resolved.model) + "\n" if config else "") + settings_line(settings) + "\n"
-              + format_table(plan))
+        print(
+            (shape_line(resolved.model) + "\n" if config else "") + settings_line(settings) + "\n" + format_table(plan)
+        )
     return 0 if plan["fits"] else 1

@@ -1,4 +1,5 @@
 """`kvserve render -f FILE.yaml`: the manifests the operator would create, from the same pure renderer."""
+
 from __future__ import annotations
 
 import argparse
@@ -18,7 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def render_documents(docs: list[dict], default_namespace: str) -> tuple[list[dict], list[str]]:
     """(child manifests, error lines) for every InferenceService in `docs`; other kinds are skipped."""
     from kvserve.cli.plan import resolve_like_operator
-    from kvserve.operator import render, spec as spec_mod
+    from kvserve.operator import render
+    from kvserve.operator import spec as spec_mod
 
     objs: list[dict] = []
     errors: list[str] = []

@@ -1,14 +1,14 @@
 """`kvserve router`: an OpenAI-compatible reverse proxy that routes each request to the replica most likely
 to hold its prompt's prefix in KV cache, balanced against load (kvserve.runtime.router, docs/router.md)."""
+
 from __future__ import annotations
 
 import argparse
 import sys
 
-HELP = "cache- and load-aware router in front of several `kvserve serve` replicas"
-
-
 from kvserve.runtime.engine_args import positive_int as _positive_int  # one definition of the flag type
+
+HELP = "cache- and load-aware router in front of several `kvserve serve` replicas"
 
 
 def _non_negative(text: str) -> float:
@@ -20,45 +20,89 @@ def _non_negative(text: str) -> float:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     where = parser.add_argument_group("replicas (one of)")
-    where.add_argument("--backend", action="append", default=[], metavar="URL",
-                       help="a replica's base URL, e.g. http://127.0.0.1:8001 (repeatable)")
-    where.add_argument("--service", default=None,
-                       help="in a cluster: route to the ready endpoints of this Service's EndpointSlices")
-    parser.add_argument("--namespace", default=None,
-                        help="with --service: its namespace (default: the pod's own, else 'default')")
+    where.add_argument(
+        "--backend",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a replica's base URL, e.g. http://127.0.0.1:8001 (repeatable)",
+    )
+    where.add_argument(
+        "--service", default=None, help="in a cluster: route to the ready endpoints of this Service's EndpointSlices"
+    )
+    parser.add_argument(
+        "--namespace", default=None, help="with --service: its namespace (default: the pod's own, else 'default')"
+    )
     parser.add_argument("--port-name", default="http", help="with --service: the EndpointSlice port to use")
-    parser.add_argument("--tokenizer", default=None, metavar="MODEL_DIR",
-                        help="model directory whose tokenizer and chat template the replicas use; without it "
-                             "prefix affinity is off and requests are routed on load only")
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="MODEL_DIR",
+        help="model directory whose tokenizer and chat template the replicas use; without it "
+        "prefix affinity is off and requests are routed on load only",
+    )
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=8080)
-    parser.add_argument("--block-size", type=_positive_int, default=16,
-                        help="prefix-hash block size when a replica does not report vllm:cache_config_info")
-    parser.add_argument("--default-capacity-tokens", type=_positive_int, default=500_000,
-                        help="KV capacity assumed for a replica that does not report kvserve:kv_capacity_tokens "
-                             "(sizes its prefix index)")
-    parser.add_argument("--weight-prefill", type=_non_negative, default=3.0,
-                        help="weight of the prefill work ahead (uncached prompt tokens, this request's and queued)")
+    parser.add_argument(
+        "--block-size",
+        type=_positive_int,
+        default=16,
+        help="prefix-hash block size when a replica does not report vllm:cache_config_info",
+    )
+    parser.add_argument(
+        "--default-capacity-tokens",
+        type=_positive_int,
+        default=500_000,
+        help="KV capacity assumed for a replica that does not report kvserve:kv_capacity_tokens "
+        "(sizes its prefix index)",
+    )
+    parser.add_argument(
+        "--weight-prefill",
+        type=_non_negative,
+        default=3.0,
+        help="weight of the prefill work ahead (uncached prompt tokens, this request's and queued)",
+    )
     parser.add_argument("--weight-prefix", type=_non_negative, default=1.0, help="prefix-match-ratio weight")
     parser.add_argument("--weight-queue", type=_non_negative, default=2.0, help="queue/load weight")
     parser.add_argument("--weight-kv", type=_non_negative, default=1.0, help="free-KV weight")
     parser.add_argument("--weight-session", type=_non_negative, default=4.0, help="session-affinity weight")
-    parser.add_argument("--prefill-scale", type=float, default=2048.0,
-                        help="prompt tokens of extra prefill work that cost the whole prefill weight")
-    parser.add_argument("--queue-scale", type=float, default=8.0,
-                        help="requests of extra load that cost the whole queue weight")
-    parser.add_argument("--max-imbalance", type=int, default=8,
-                        help="prefix affinity is ignored on a replica this many requests busier than the "
-                             "least-loaded one")
-    parser.add_argument("--session-header", default=None,
-                        help="request header naming a session (e.g. x-session-id) for sticky routing")
-    parser.add_argument("--max-attempts", type=_positive_int, default=2,
-                        help="replicas tried per request before any byte reached the client (default 2)")
+    parser.add_argument(
+        "--prefill-scale",
+        type=float,
+        default=2048.0,
+        help="prompt tokens of extra prefill work that cost the whole prefill weight",
+    )
+    parser.add_argument(
+        "--queue-scale", type=float, default=8.0, help="requests of extra load that cost the whole queue weight"
+    )
+    parser.add_argument(
+        "--max-imbalance",
+        type=int,
+        default=8,
+        help="prefix affinity is ignored on a replica this many requests busier than the least-loaded one",
+    )
+    parser.add_argument(
+        "--session-header", default=None, help="request header naming a session (e.g. x-session-id) for sticky routing"
+    )
+    parser.add_argument(
+        "--max-attempts",
+        type=_positive_int,
+        default=2,
+        help="replicas tried per request before any byte reached the client (default 2)",
+    )
     parser.add_argument("--poll-interval", type=float, default=0.5, help="seconds between /metrics scrapes")
-    parser.add_argument("--read-timeout", type=float, default=600.0,
-                        help="longest silence from a replica, in seconds (a non-streamed completion is one)")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
-                        help="debug logs every routing decision with its scores")
+    parser.add_argument(
+        "--read-timeout",
+        type=float,
+        default=600.0,
+        help="longest silence from a replica, in seconds (a non-streamed completion is one)",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="debug logs every routing decision with its scores",
+    )
 
 
 def _namespace(explicit: str | None) -> str:
@@ -90,16 +134,23 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.runtime.router.scoring import Weights
 
     try:
-        weights = Weights(prefill=args.weight_prefill, prefix=args.weight_prefix, queue=args.weight_queue,
-                          kv=args.weight_kv, session=args.weight_session, prefill_scale=args.prefill_scale,
-                          queue_scale=args.queue_scale, max_imbalance=args.max_imbalance)
+        weights = Weights(
+            prefill=args.weight_prefill,
+            prefix=args.weight_prefix,
+            queue=args.weight_queue,
+            kv=args.weight_kv,
+            session=args.weight_session,
+            prefill_scale=args.prefill_scale,
+            queue_scale=args.queue_scale,
+            max_imbalance=args.max_imbalance,
+        )
     except ValueError as exc:
         print(f"kvserve router: {exc}", file=sys.stderr)
         return 2
     tokenizer = None
     if args.tokenizer:
-        from kvserve.runtime.router.prompt import PromptTokenizer
         from kvserve.runtime.errors import InvalidParameter
+        from kvserve.runtime.router.prompt import PromptTokenizer
 
         try:
             tokenizer = PromptTokenizer(args.tokenizer)
@@ -112,10 +163,15 @@ def run(args: argparse.Namespace) -> int:
         found = discovery.static(args.backend)
     else:
         found = discovery.EndpointSliceWatcher(_namespace(args.namespace), args.service, args.port_name)
-    config = RouterConfig(weights=weights, default_capacity_tokens=args.default_capacity_tokens,
-                          default_block_size=args.block_size, poll_interval_s=args.poll_interval,
-                          read_timeout_s=args.read_timeout, max_attempts=args.max_attempts,
-                          session_header=args.session_header)
+    config = RouterConfig(
+        weights=weights,
+        default_capacity_tokens=args.default_capacity_tokens,
+        default_block_size=args.block_size,
+        poll_interval_s=args.poll_interval,
+        read_timeout_s=args.read_timeout,
+        max_attempts=args.max_attempts,
+        session_header=args.session_header,
+    )
     app = build_app(Router(config, tokenizer, found))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     return 0

@@ -1,5 +1,6 @@
 """`kvserve serve [MODEL_DIR]`: the OpenAI-compatible server. Flags follow `vllm serve` where the concept is
 the same. With no MODEL_DIR it serves the built-in demo model (random weights, built offline on first use)."""
+
 from __future__ import annotations
 
 import argparse
@@ -10,35 +11,66 @@ from kvserve.runtime.engine_args import EngineArgs, parse_bytes, positive_int  #
 
 HELP = "run the OpenAI-compatible server (no MODEL_DIR: the built-in random-weights demo model)"
 
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model_dir", nargs="?", metavar="MODEL_DIR",
-                        help="HF-format model directory (config.json, *.safetensors, tokenizer). "
-                             "Omit to serve the built-in demo model with random weights.")
+    parser.add_argument(
+        "model_dir",
+        nargs="?",
+        metavar="MODEL_DIR",
+        help="HF-format model directory (config.json, *.safetensors, tokenizer). "
+        "Omit to serve the built-in demo model with random weights.",
+    )
     parser.add_argument("--host", default="0.0.0.0", help="bind address (default: all interfaces)")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--served-model-name", nargs="+", default=None,
-                        help="model name(s) clients send in `model` (default: MODEL_DIR as given, or "
-                             "kvserve-demo-random-weights)")
+    parser.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="model name(s) clients send in `model` (default: MODEL_DIR as given, or kvserve-demo-random-weights)",
+    )
     # Every engine setting comes from the one EngineArgs definition (also LLM(...) and the operator's pod args).
     EngineArgs.add_cli_args(parser)
-    parser.add_argument("--api-key", default=None,
-                        help="require `Authorization: Bearer KEY` on /v1/* (also read from KVSERVE_API_KEY)")
-    parser.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"], default=None,
-                        help="parse tool calls the model writes in this format (needed for tool_choice \"auto\"; "
-                             "hermes: Hermes/Qwen <tool_call> blocks, llama3_json: Llama 3.1+ JSON)")
-    parser.add_argument("--max-queue-len", type=positive_int, default=None,
-                        help="answer 429 + Retry-After when this many requests already wait (default: unbounded)")
-    parser.add_argument("--drain-timeout", type=float, default=30.0,
-                        help="seconds to finish in-flight requests after SIGTERM before aborting them")
-    parser.add_argument("--otlp-traces-endpoint", default=None,
-                        help="export one OpenTelemetry trace per request (llm_request with queued/prefill/decode "
-                             "spans, vLLM's attribute names) to this OTLP endpoint, e.g. http://collector:4317 "
-                             "(default: tracing off; needs the `tracing` extra)")
-    parser.add_argument("--max-request-body-bytes", type=parse_bytes, default=32 << 20,
-                        help="answer 413 to request bodies larger than this (suffixes like 1MiB accepted; default 32MiB)")
-    parser.add_argument("--inprocess-engine", action="store_true",
-                        help="run the engine core in the server process (a thread beside uvicorn), as before the "
-                             "engine-core process existed; for comparisons and debugging (default: its own process)")
+    parser.add_argument(
+        "--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/* (also read from KVSERVE_API_KEY)"
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=["hermes", "llama3_json"],
+        default=None,
+        help='parse tool calls the model writes in this format (needed for tool_choice "auto"; '
+        "hermes: Hermes/Qwen <tool_call> blocks, llama3_json: Llama 3.1+ JSON)",
+    )
+    parser.add_argument(
+        "--max-queue-len",
+        type=positive_int,
+        default=None,
+        help="answer 429 + Retry-After when this many requests already wait (default: unbounded)",
+    )
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds to finish in-flight requests after SIGTERM before aborting them",
+    )
+    parser.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        help="export one OpenTelemetry trace per request (llm_request with queued/prefill/decode "
+        "spans, vLLM's attribute names) to this OTLP endpoint, e.g. http://collector:4317 "
+        "(default: tracing off; needs the `tracing` extra)",
+    )
+    parser.add_argument(
+        "--max-request-body-bytes",
+        type=parse_bytes,
+        default=32 << 20,
+        help="answer 413 to request bodies larger than this (suffixes like 1MiB accepted; default 32MiB)",
+    )
+    parser.add_argument(
+        "--inprocess-engine",
+        action="store_true",
+        help="run the engine core in the server process (a thread beside uvicorn), as before the "
+        "engine-core process existed; for comparisons and debugging (default: its own process)",
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -55,8 +87,12 @@ def run(args: argparse.Namespace) -> int:
     if args.model_dir is None:
         model_dir = str(ensure_demo_model())
         served = args.served_model_name or [DEMO_MODEL_ID]
-        log.warning("no MODEL_DIR given: serving the built-in demo model %r from %s. Its weights are RANDOM: "
-                    "the output is gibberish. Pass a model directory to serve a real model.", served[0], model_dir)
+        log.warning(
+            "no MODEL_DIR given: serving the built-in demo model %r from %s. Its weights are RANDOM: "
+            "the output is gibberish. Pass a model directory to serve a real model.",
+            served[0],
+            model_dir,
+        )
     else:
         model_dir = args.model_dir
         if not os.path.isfile(os.path.join(model_dir, "config.json")):
@@ -68,15 +104,21 @@ def run(args: argparse.Namespace) -> int:
         import importlib.util
 
         if importlib.util.find_spec("opentelemetry.sdk") is None:
-            print("kvserve serve: --otlp-traces-endpoint needs the OpenTelemetry packages: "
-                  "pip install 'kvserve[tracing]'", file=sys.stderr)
+            print(
+                "kvserve serve: --otlp-traces-endpoint needs the OpenTelemetry packages: "
+                "pip install 'kvserve[tracing]'",
+                file=sys.stderr,
+            )
             return 2
     if args.drain_timeout < 0:
         print("kvserve serve: --drain-timeout must be >= 0", file=sys.stderr)
         return 2
     if args.api_server_count > 1 and args.inprocess_engine:
-        print("kvserve serve: --inprocess-engine runs the engine inside the one API server; it cannot be "
-              "combined with --api-server-count > 1", file=sys.stderr)
+        print(
+            "kvserve serve: --inprocess-engine runs the engine inside the one API server; it cannot be "
+            "combined with --api-server-count > 1",
+            file=sys.stderr,
+        )
         return 2
 
     engine_args = EngineArgs.from_cli_args(model_dir, args)
@@ -93,17 +135,27 @@ def run(args: argparse.Namespace) -> int:
         return CoreClient(build_engine_config(engine_args))
 
     config = ServerConfig(
-        served_model_names=served, model_dir=model_dir,
+        served_model_names=served,
+        model_dir=model_dir,
         api_key=args.api_key or os.environ.get("KVSERVE_API_KEY") or None,
-        max_queue_len=args.max_queue_len, tool_call_parser=args.tool_call_parser, drain_timeout_s=args.drain_timeout, random_weights=random_weights,
-        otlp_traces_endpoint=args.otlp_traces_endpoint, max_request_body_bytes=args.max_request_body_bytes,
+        max_queue_len=args.max_queue_len,
+        tool_call_parser=args.tool_call_parser,
+        drain_timeout_s=args.drain_timeout,
+        random_weights=random_weights,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
+        max_request_body_bytes=args.max_request_body_bytes,
     )
-    log.info("serving %s as %s on http://%s:%d (loading the model; /health is 503 until ready)",
-             model_dir, ", ".join(served), args.host, args.port)
+    log.info(
+        "serving %s as %s on http://%s:%d (loading the model; /health is 503 until ready)",
+        model_dir,
+        ", ".join(served),
+        args.host,
+        args.port,
+    )
     if args.api_server_count > 1:  # N API-server processes in front of one engine core
         from kvserve.runtime.server.api_server_group import run_api_server_group
 
-        return run_api_server_group(config, engine_args, host=args.host, port=args.port,
-                                    count=args.api_server_count, log_level=args.log_level)
-    return run_server(config, host=args.host, port=args.port, engine_factory=load_engine,
-                      log_level=args.log_level)
+        return run_api_server_group(
+            config, engine_args, host=args.host, port=args.port, count=args.api_server_count, log_level=args.log_level
+        )
+    return run_server(config, host=args.host, port=args.port, engine_factory=load_engine, log_level=args.log_level)

@@ -8,6 +8,7 @@ image). torch and triton are left out: the runtime image installs torch==2.13.0 
 wheel pins its own triton and nvidia-* packages exactly; the CPU build tested here has no such dependencies.
 tests/test_docker_images.py checks the file still covers the closure and satisfies pyproject.toml.
 """
+
 from __future__ import annotations
 
 import importlib.metadata as metadata

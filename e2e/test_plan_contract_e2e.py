@@ -3,6 +3,7 @@ budget of a few MiB, render the pod, run `kvserve serve` with exactly the render
 host and port swapped for local ones), and read the pod's real capacity from /metrics. Then the same pod
 with a budget one block short: it exits non-zero and leaves the one-line termination message the operator
 turns into a `RuntimeRejectedPlan` condition."""
+
 from __future__ import annotations
 
 import json
@@ -17,7 +18,8 @@ import time
 import httpx
 import pytest
 
-from kvserve.operator import render, spec as spec_mod
+from kvserve.operator import render
+from kvserve.operator import spec as spec_mod
 from kvserve.runtime import capacity
 from kvserve.runtime.server.termination import PLAN_REJECTED_PREFIX
 from tests.server.conftest import free_port
@@ -25,21 +27,40 @@ from tests.server.conftest import free_port
 STORIES = pathlib.Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
 pytestmark = pytest.mark.timeout(180)
 
-SHAPE_KEYS = {"num_layers": "numLayers", "num_attention_heads": "numAttentionHeads", "num_kv_heads": "numKeyValueHeads",
-              "head_dim": "headDim", "hidden_size": "hiddenSize", "num_parameters": "numParameters",
-              "max_position_embeddings": "maxPositionEmbeddings", "intermediate_size": "intermediateSize",
-              "vocab_size": "vocabSize", "architecture": "architecture", "tie_word_embeddings": "tieWordEmbeddings"}
+SHAPE_KEYS = {
+    "num_layers": "numLayers",
+    "num_attention_heads": "numAttentionHeads",
+    "num_kv_heads": "numKeyValueHeads",
+    "head_dim": "headDim",
+    "hidden_size": "hiddenSize",
+    "num_parameters": "numParameters",
+    "max_position_embeddings": "maxPositionEmbeddings",
+    "intermediate_size": "intermediateSize",
+    "vocab_size": "vocabSize",
+    "architecture": "architecture",
+    "tie_word_embeddings": "tieWordEmbeddings",
+}
 
 
 def stories_spec() -> dict:
     shape = capacity.shape_from_hf_config(json.loads((STORIES / "config.json").read_text()))
     return {
-        "model": {"name": "stories260k", "uri": "file:///models/stories260K", "dtype": "float32",
-                  "shape": {camel: getattr(shape, snake) for snake, camel in SHAPE_KEYS.items()}},
+        "model": {
+            "name": "stories260k",
+            "uri": "file:///models/stories260K",
+            "dtype": "float32",
+            "shape": {camel: getattr(shape, snake) for snake, camel in SHAPE_KEYS.items()},
+        },
         # 1 GiB x 0.1 = 102.4 MiB budget; 96 MiB reserved for activations: ~6 MiB of weights + KV.
         "gpu": {"memoryMiB": 1024, "product": "made-up-gpu"},
-        "engine": {"gpuMemoryUtilization": 0.1, "activationReserveMiB": 96, "runtimeOverheadMiB": 0,
-                   "maxModelLen": 256, "maxNumSeqs": 8, "maxNumBatchedTokens": 256},
+        "engine": {
+            "gpuMemoryUtilization": 0.1,
+            "activationReserveMiB": 96,
+            "runtimeOverheadMiB": 0,
+            "maxModelLen": 256,
+            "maxNumSeqs": 8,
+            "maxNumBatchedTokens": 256,
+        },
     }
 
 
@@ -87,13 +108,16 @@ def test_served_capacity_equals_the_plan(resolved, tmp_path):
                 pass
             time.sleep(0.2)
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
-        served = re.search(r'^kvserve:kv_capacity_tokens\{[^}]*\} (\S+)$', metrics, re.M)
+        served = re.search(r"^kvserve:kv_capacity_tokens\{[^}]*\} (\S+)$", metrics, re.M)
         assert served, metrics[:2000]
         assert float(served.group(1)) == resolved.plan.kv_tokens
-        info = re.search(r'^vllm:cache_config_info\{([^}]*)\} 1\.0$', metrics, re.M).group(1)
+        info = re.search(r"^vllm:cache_config_info\{([^}]*)\} 1\.0$", metrics, re.M).group(1)
         assert f'num_gpu_blocks="{resolved.plan.num_blocks_per_gpu}"' in info
-        text = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
-                          json={"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}).json()
+        text = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            timeout=30,
+            json={"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0},
+        ).json()
         assert text["choices"][0]["text"].strip()
     finally:
         proc.terminate()

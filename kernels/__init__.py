@@ -54,7 +54,17 @@ def __getattr__(name: str):
 
 
 __all__ = [
-    "store_kv_cache", "paged_attention", "unified_attention", "split_k_decode_attention", "choose_num_segments",
-    "store_kv_cache_ref", "paged_attention_ref", "triton_available", "interpret_enabled",
-    "KV_CACHE_DTYPES", "FP8_MAX", "kv_cache_torch_dtype", "kv_cache_dtype_bytes",
+    "store_kv_cache",
+    "paged_attention",
+    "unified_attention",
+    "split_k_decode_attention",
+    "choose_num_segments",
+    "store_kv_cache_ref",
+    "paged_attention_ref",
+    "triton_available",
+    "interpret_enabled",
+    "KV_CACHE_DTYPES",
+    "FP8_MAX",
+    "kv_cache_torch_dtype",
+    "kv_cache_dtype_bytes",
 ]

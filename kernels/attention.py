@@ -45,19 +45,42 @@ _LOG2E = 1.4426950408889634
 
 
 def _unified_attention_kernel(
-    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr,
-    k_scale_ptr, v_scale_ptr,
+    out_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    cu_seqlens_q_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     sm_scale_log2,  # softmax scale * log2(e)
     num_seqs,
     window,  # sliding window in tokens (0: full attention)
     softcap,  # score soft-cap (used when USE_SOFTCAP)
-    stride_q_t, stride_q_h, stride_o_t, stride_o_h,
-    stride_k_b, stride_k_o, stride_k_h, stride_v_b, stride_v_o, stride_v_h,
+    stride_q_t,
+    stride_q_h,
+    stride_o_t,
+    stride_o_h,
+    stride_k_b,
+    stride_k_o,
+    stride_k_h,
+    stride_v_b,
+    stride_v_o,
+    stride_v_h,
     stride_bt_s,
-    Q_PER_KV: tl.constexpr, Q_PER_KV_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
-    IS_FP8: tl.constexpr, IEEE_DOT: tl.constexpr, INTERPRET: tl.constexpr, ROUND_BF16_OUT: tl.constexpr,
+    Q_PER_KV: tl.constexpr,
+    Q_PER_KV_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    TILE_N: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    ROUND_BF16_OUT: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
 ):
     q_block_global = tl.program_id(0)
@@ -92,8 +115,11 @@ def _unified_attention_kernel(
     d_mask = offs_d < HEAD_DIM
 
     tok = (q_start + q_idx).to(tl.int64)
-    q = tl.load(q_ptr + tok[:, None] * stride_q_t + q_head[:, None] * stride_q_h + offs_d[None, :],
-                mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + tok[:, None] * stride_q_t + q_head[:, None] * stride_q_h + offs_d[None, :],
+        mask=row_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
     if INTERPRET:
         q = q.to(tl.float32)
 
@@ -117,12 +143,24 @@ def _unified_attention_kernel(
         n_mask = (offs_n < kv_end) & (offs_n >= first_key)  # never load before the window: may be null
         phys = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         in_block = offs_n % BLOCK_SIZE
-        kt = tl.load(k_cache_ptr + phys[None, :] * stride_k_b + in_block[None, :] * stride_k_o
-                     + kv_head * stride_k_h + offs_d[:, None],
-                     mask=d_mask[:, None] & n_mask[None, :], other=0.0)  # [HEAD_DIM_PAD, TILE_N]
-        vt = tl.load(v_cache_ptr + phys[:, None] * stride_v_b + in_block[:, None] * stride_v_o
-                     + kv_head * stride_v_h + offs_d[None, :],
-                     mask=n_mask[:, None] & d_mask[None, :], other=0.0)  # [TILE_N, HEAD_DIM_PAD]
+        kt = tl.load(
+            k_cache_ptr
+            + phys[None, :] * stride_k_b
+            + in_block[None, :] * stride_k_o
+            + kv_head * stride_k_h
+            + offs_d[:, None],
+            mask=d_mask[:, None] & n_mask[None, :],
+            other=0.0,
+        )  # [HEAD_DIM_PAD, TILE_N]
+        vt = tl.load(
+            v_cache_ptr
+            + phys[:, None] * stride_v_b
+            + in_block[:, None] * stride_v_o
+            + kv_head * stride_v_h
+            + offs_d[None, :],
+            mask=n_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )  # [TILE_N, HEAD_DIM_PAD]
         if IS_FP8:
             kt = (kt.to(tl.float32) * k_scale).to(q.dtype)
             vt = (vt.to(tl.float32) * v_scale).to(q.dtype)
@@ -161,24 +199,49 @@ def _unified_attention_kernel(
         ob = o.to(tl.uint32, bitcast=True)
         ob = ((ob + 0x7FFF + ((ob >> 16) & 1)) >> 16) << 16
         o = ob.to(tl.float32, bitcast=True)
-    tl.store(out_ptr + tok[:, None] * stride_o_t + q_head[:, None] * stride_o_h + offs_d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+    tl.store(
+        out_ptr + tok[:, None] * stride_o_t + q_head[:, None] * stride_o_h + offs_d[None, :],
+        o.to(out_ptr.dtype.element_ty),
+        mask=row_mask[:, None] & d_mask[None, :],
+    )
 
 
 def _decode_segment_kernel(
-    part_acc_ptr, part_m_ptr, part_l_ptr,  # [num_seqs, num_heads, NUM_SEGMENTS(, HEAD_DIM_PAD)] fp32
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr,
-    k_scale_ptr, v_scale_ptr,
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,  # [num_seqs, num_heads, NUM_SEGMENTS(, HEAD_DIM_PAD)] fp32
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    cu_seqlens_q_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     sm_scale_log2,
     num_heads,
-    window, softcap,
-    stride_q_t, stride_q_h,
-    stride_k_b, stride_k_o, stride_k_h, stride_v_b, stride_v_o, stride_v_h,
+    window,
+    softcap,
+    stride_q_t,
+    stride_q_h,
+    stride_k_b,
+    stride_k_o,
+    stride_k_h,
+    stride_v_b,
+    stride_v_o,
+    stride_v_h,
     stride_bt_s,
-    Q_PER_KV: tl.constexpr, BLOCK_H: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
-    IS_FP8: tl.constexpr, IEEE_DOT: tl.constexpr, INTERPRET: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    Q_PER_KV: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_N: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+    INTERPRET: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -203,8 +266,11 @@ def _decode_segment_kernel(
     d_mask = offs_d < HEAD_DIM
     q_head = kv_head * Q_PER_KV + offs_h
     tok = tl.load(cu_seqlens_q_ptr + seq).to(tl.int64)  # the sequence's single query row
-    q = tl.load(q_ptr + tok * stride_q_t + q_head[:, None] * stride_q_h + offs_d[None, :],
-                mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + tok * stride_q_t + q_head[:, None] * stride_q_h + offs_d[None, :],
+        mask=h_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
     if INTERPRET:
         q = q.to(tl.float32)
     if IS_FP8:
@@ -221,12 +287,24 @@ def _decode_segment_kernel(
         n_mask = n_mask & (offs_n >= first_key)  # ... from the window's first key (never load before it)
         phys = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
         in_block = offs_n % BLOCK_SIZE
-        kt = tl.load(k_cache_ptr + phys[None, :] * stride_k_b + in_block[None, :] * stride_k_o
-                     + kv_head * stride_k_h + offs_d[:, None],
-                     mask=d_mask[:, None] & n_mask[None, :], other=0.0)
-        vt = tl.load(v_cache_ptr + phys[:, None] * stride_v_b + in_block[:, None] * stride_v_o
-                     + kv_head * stride_v_h + offs_d[None, :],
-                     mask=n_mask[:, None] & d_mask[None, :], other=0.0)
+        kt = tl.load(
+            k_cache_ptr
+            + phys[None, :] * stride_k_b
+            + in_block[None, :] * stride_k_o
+            + kv_head * stride_k_h
+            + offs_d[:, None],
+            mask=d_mask[:, None] & n_mask[None, :],
+            other=0.0,
+        )
+        vt = tl.load(
+            v_cache_ptr
+            + phys[:, None] * stride_v_b
+            + in_block[:, None] * stride_v_o
+            + kv_head * stride_v_h
+            + offs_d[None, :],
+            mask=n_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
         if IS_FP8:
             kt = (kt.to(tl.float32) * k_scale).to(q.dtype)
             vt = (vt.to(tl.float32) * v_scale).to(q.dtype)
@@ -261,9 +339,20 @@ def _decode_segment_kernel(
 
 
 def _decode_reduce_kernel(
-    out_ptr, part_acc_ptr, part_m_ptr, part_l_ptr, seq_lens_ptr, cu_seqlens_q_ptr,
-    num_heads, window, stride_o_t, stride_o_h,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, TILE_N: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
+    out_ptr,
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    seq_lens_ptr,
+    cu_seqlens_q_ptr,
+    num_heads,
+    window,
+    stride_o_t,
+    stride_o_h,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    TILE_N: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr,
     ROUND_BF16_OUT: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -290,8 +379,9 @@ def _decode_reduce_kernel(
         ob = ((ob + 0x7FFF + ((ob >> 16) & 1)) >> 16) << 16
         o = ob.to(tl.float32, bitcast=True)
     tok = tl.load(cu_seqlens_q_ptr + seq).to(tl.int64)
-    tl.store(out_ptr + tok * stride_o_t + head * stride_o_h + offs_d, o.to(out_ptr.dtype.element_ty),
-             mask=offs_d < HEAD_DIM)
+    tl.store(
+        out_ptr + tok * stride_o_t + head * stride_o_h + offs_d, o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM
+    )
 
 
 _unified_attention = lazy_jit(_unified_attention_kernel)
@@ -332,9 +422,25 @@ def _prepare(q, k_cache, v_cache, k_scale, v_scale):
     return False, q, q  # placeholders, never dereferenced
 
 
-def unified_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
-                      scale, k_scale=None, v_scale=None, out=None, *, block_m=None, tile_n=None,
-                      sliding_window=0, softcap=0.0):
+def unified_attention(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    cu_seqlens_q,
+    max_seqlen_q,
+    max_seqlen_k,
+    scale,
+    k_scale=None,
+    v_scale=None,
+    out=None,
+    *,
+    block_m=None,
+    tile_n=None,
+    sliding_window=0,
+    softcap=0.0,
+):
     """Mixed-batch paged attention with the 2D kernel (see module docstring)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -356,24 +462,65 @@ def unified_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
         tile_n = 32
     num_q_blocks = num_tokens // block_q + num_seqs
     _unified_attention[(num_q_blocks, num_kv_heads)](
-        out, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, ks, vs,
-        float(scale) * _LOG2E, num_seqs, int(sliding_window), float(softcap or 1.0),
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        cu_seqlens_q,
+        ks,
+        vs,
+        float(scale) * _LOG2E,
+        num_seqs,
+        int(sliding_window),
+        float(softcap or 1.0),
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
         block_tables.stride(0),
-        Q_PER_KV=q_per_kv, Q_PER_KV_PAD=q_per_kv_pad,
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, next_pow2(head_dim)),
-        BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n,
-        IS_FP8=fp8, IEEE_DOT=q.dtype == torch.float32, INTERPRET=interpret,
-        ROUND_BF16_OUT=interpret and out.dtype == torch.bfloat16, USE_SOFTCAP=bool(softcap),
+        Q_PER_KV=q_per_kv,
+        Q_PER_KV_PAD=q_per_kv_pad,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=max(16, next_pow2(head_dim)),
+        BLOCK_SIZE=block_size,
+        BLOCK_Q=block_q,
+        BLOCK_M=block_m,
+        TILE_N=tile_n,
+        IS_FP8=fp8,
+        IEEE_DOT=q.dtype == torch.float32,
+        INTERPRET=interpret,
+        ROUND_BF16_OUT=interpret and out.dtype == torch.bfloat16,
+        USE_SOFTCAP=bool(softcap),
     )
     return out
 
 
-def split_k_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_k, scale,
-                             k_scale=None, v_scale=None, out=None, *, num_segments=None, tile_n=None,
-                             sliding_window=0, softcap=0.0):
+def split_k_decode_attention(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    cu_seqlens_q,
+    max_seqlen_k,
+    scale,
+    k_scale=None,
+    v_scale=None,
+    out=None,
+    *,
+    num_segments=None,
+    tile_n=None,
+    sliding_window=0,
+    softcap=0.0,
+):
     """Decode-only paged attention (one query per sequence), flash-decoding split-K + reduce."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -396,29 +543,80 @@ def split_k_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seq
     part_m = torch.empty(num_seqs, num_heads, num_segments, dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
     _decode_segment[(num_seqs, num_kv_heads, num_segments)](
-        part_acc, part_m, part_l, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, ks, vs,
-        float(scale) * _LOG2E, num_heads, int(sliding_window), float(softcap or 1.0),
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        part_acc,
+        part_m,
+        part_l,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        cu_seqlens_q,
+        ks,
+        vs,
+        float(scale) * _LOG2E,
+        num_heads,
+        int(sliding_window),
+        float(softcap or 1.0),
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
         block_tables.stride(0),
-        Q_PER_KV=q_per_kv, BLOCK_H=max(16, next_pow2(q_per_kv)),
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        BLOCK_SIZE=block_size, TILE_N=tile_n, NUM_SEGMENTS=num_segments,
-        IS_FP8=fp8, IEEE_DOT=q.dtype == torch.float32, INTERPRET=interpret, USE_SOFTCAP=bool(softcap),
+        Q_PER_KV=q_per_kv,
+        BLOCK_H=max(16, next_pow2(q_per_kv)),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_SIZE=block_size,
+        TILE_N=tile_n,
+        NUM_SEGMENTS=num_segments,
+        IS_FP8=fp8,
+        IEEE_DOT=q.dtype == torch.float32,
+        INTERPRET=interpret,
+        USE_SOFTCAP=bool(softcap),
     )
     _decode_reduce[(num_seqs, num_heads)](
-        out, part_acc, part_m, part_l, seq_lens, cu_seqlens_q,
-        num_heads, int(sliding_window), out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, TILE_N=tile_n, NUM_SEGMENTS=num_segments,
+        out,
+        part_acc,
+        part_m,
+        part_l,
+        seq_lens,
+        cu_seqlens_q,
+        num_heads,
+        int(sliding_window),
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        TILE_N=tile_n,
+        NUM_SEGMENTS=num_segments,
         ROUND_BF16_OUT=interpret and out.dtype == torch.bfloat16,
     )
     return out
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
-                    scale, k_scale=None, v_scale=None, out=None, *, num_segments=None, sliding_window=0,
-                    softcap=0.0):
+def paged_attention(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    cu_seqlens_q,
+    max_seqlen_q,
+    max_seqlen_k,
+    scale,
+    k_scale=None,
+    v_scale=None,
+    out=None,
+    *,
+    num_segments=None,
+    sliding_window=0,
+    softcap=0.0,
+):
     """Causal paged attention for a flattened mixed batch; returns ``out [num_tokens, num_heads, head_dim]``.
 
     Arguments follow :func:`kvserve.kernels.reference.paged_attention_ref`. ``max_seqlen_q`` and
@@ -447,13 +645,39 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, m
             visible = min(max_seqlen_k, sliding_window) if sliding_window else max_seqlen_k
             num_segments = choose_num_segments(num_seqs, num_kv_heads, visible, tile_n, q.device)
         if num_segments > 1:
-            return split_k_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q,
-                                            max_seqlen_k, scale, k_scale, v_scale, out,
-                                            num_segments=num_segments, tile_n=tile_n,
-                                            sliding_window=sliding_window, softcap=softcap)
-    return unified_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, max_seqlen_q,
-                             max_seqlen_k, scale, k_scale, v_scale, out, sliding_window=sliding_window,
-                             softcap=softcap)
+            return split_k_decode_attention(
+                q,
+                k_cache,
+                v_cache,
+                block_tables,
+                seq_lens,
+                cu_seqlens_q,
+                max_seqlen_k,
+                scale,
+                k_scale,
+                v_scale,
+                out,
+                num_segments=num_segments,
+                tile_n=tile_n,
+                sliding_window=sliding_window,
+                softcap=softcap,
+            )
+    return unified_attention(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        cu_seqlens_q,
+        max_seqlen_q,
+        max_seqlen_k,
+        scale,
+        k_scale,
+        v_scale,
+        out,
+        sliding_window=sliding_window,
+        softcap=softcap,
+    )
 
 
 __all__ = ["paged_attention", "unified_attention", "split_k_decode_attention", "choose_num_segments"]

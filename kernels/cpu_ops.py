@@ -18,6 +18,7 @@ False and :func:`unavailable_reason` says why; callers fall back to pure torch. 
 
 Set ``KVSERVE_CPU_OPS=0`` to refuse loading (the pure-torch path then runs everywhere).
 """
+
 from __future__ import annotations
 
 import glob
@@ -87,9 +88,15 @@ def _build() -> None:
     if not srcs:
         raise RuntimeError(f"no C++ sources under {_SRC_DIR}")
     _ensure_ninja_on_path()
-    cpp_load(name=extension_name(), sources=srcs, extra_cflags=["-O3", "-march=native", "-fopenmp",
-                                                                 "-ffp-contract=off", "-DNDEBUG"],
-             extra_ldflags=["-fopenmp"], extra_include_paths=[_SRC_DIR], is_python_module=False, verbose=False)
+    cpp_load(
+        name=extension_name(),
+        sources=srcs,
+        extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-DNDEBUG"],
+        extra_ldflags=["-fopenmp"],
+        extra_include_paths=[_SRC_DIR],
+        is_python_module=False,
+        verbose=False,
+    )
     for op in _OP_NAMES:
         if not hasattr(torch.ops.kvserve_cpu, op):
             raise RuntimeError(f"the extension loaded but torch.ops.kvserve_cpu.{op} is missing")

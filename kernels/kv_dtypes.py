@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from kvserve.runtime.capacity import FP8_MAX, KV_CACHE_DTYPES, canonical_dtype, dtype_bytes, torch_dtype_name
 
-__all__ = ["FP8_MAX", "KV_CACHE_DTYPES", "kv_cache_torch_dtype", "is_fp8", "fp8_max", "kv_cache_dtype_bytes"]
+__all__ = ["FP8_MAX", "KV_CACHE_DTYPES", "kv_cache_torch_dtype", "is_fp8", "kv_cache_dtype_bytes"]
 
 
 def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype):

@@ -83,14 +83,14 @@ def make_paged_batch(
     for s, (ql, cl) in enumerate(zip(query_lens, context_lens)):
         n = ql + cl
         blocks = pool[: blocks_per_seq[s]]
-        pool = pool[blocks_per_seq[s]:]
+        pool = pool[blocks_per_seq[s] :]
         block_tables[s, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
         pos = torch.arange(n)
         phys = torch.tensor(blocks, dtype=torch.long)[pos // block_size] if n else torch.zeros(0, dtype=torch.long)
         kf = torch.randn(n, num_kv_heads, head_dim, generator=g)
         vf = torch.randn(n, num_kv_heads, head_dim, generator=g)
-        kf[cl:] = k_new[tok: tok + ql]
-        vf[cl:] = v_new[tok: tok + ql]
+        kf[cl:] = k_new[tok : tok + ql]
+        vf[cl:] = v_new[tok : tok + ql]
         # Round through the model dtype first: that's what the runtime would hold.
         kf, vf = kf.to(dtype).float(), vf.to(dtype).float()
         kc, vc = kf, vf  # what the cache holds (as float32; exact in the cache dtype)
@@ -103,7 +103,7 @@ def make_paged_batch(
         stored = n if prefilled_new else cl
         k_cache[phys[:stored], pos[:stored] % block_size] = kc[:stored]
         v_cache[phys[:stored], pos[:stored] % block_size] = vc[:stored]
-        slot_mapping[tok: tok + ql] = phys[cl:] * block_size + pos[cl:] % block_size
+        slot_mapping[tok : tok + ql] = phys[cl:] * block_size + pos[cl:] % block_size
         k_full.append(kf)
         v_full.append(vf)
         tok += ql
@@ -111,12 +111,21 @@ def make_paged_batch(
     cu[1:] = torch.cumsum(torch.tensor(list(query_lens), dtype=torch.int32), 0)
     to = dict(device=device)
     return PagedBatch(
-        q=q.to(dtype).to(**to), k_new=k_new.to(dtype).to(**to), v_new=v_new.to(dtype).to(**to),
-        k_cache=k_cache.to(cache_dtype).to(**to), v_cache=v_cache.to(cache_dtype).to(**to),
-        block_tables=block_tables.to(**to), seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-        cu_seqlens_q=cu.to(**to), slot_mapping=slot_mapping.to(**to),
-        max_seqlen_q=max(query_lens), max_seqlen_k=max(seq_lens), k_full=k_full, v_full=v_full,
-        k_scale=k_scale, v_scale=v_scale,
+        q=q.to(dtype).to(**to),
+        k_new=k_new.to(dtype).to(**to),
+        v_new=v_new.to(dtype).to(**to),
+        k_cache=k_cache.to(cache_dtype).to(**to),
+        v_cache=v_cache.to(cache_dtype).to(**to),
+        block_tables=block_tables.to(**to),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        cu_seqlens_q=cu.to(**to),
+        slot_mapping=slot_mapping.to(**to),
+        max_seqlen_q=max(query_lens),
+        max_seqlen_k=max(seq_lens),
+        k_full=k_full,
+        v_full=v_full,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
 
 
@@ -127,7 +136,7 @@ def dense_causal_attention(batch: PagedBatch) -> torch.Tensor:
     group = q.shape[1] // batch.k_full[0].shape[1] if batch.k_full else 1
     cu = batch.cu_seqlens_q.tolist()
     for s, (kf, vf) in enumerate(zip(batch.k_full, batch.v_full)):
-        qs = q[cu[s]: cu[s + 1]]
+        qs = q[cu[s] : cu[s + 1]]
         ql, n = qs.shape[0], kf.shape[0]
         if ql == 0:
             continue
@@ -136,7 +145,7 @@ def dense_causal_attention(batch: PagedBatch) -> torch.Tensor:
         scores = torch.einsum("qhd,khd->hqk", qs, kk) * batch.scale
         mask = torch.ones(ql, n, dtype=torch.bool, device=q.device).tril(n - ql)
         scores = scores.masked_fill(~mask, float("-inf"))
-        out[cu[s]: cu[s + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv)
+        out[cu[s] : cu[s + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv)
     return out
 
 

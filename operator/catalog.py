@@ -6,6 +6,7 @@ the safetensors index. GPU memory is the total `nvidia-smi` reports (MiB), which
 Discovery publishes in the `nvidia.com/gpu.memory` node label; `product` is GFD's `nvidia.com/gpu.product`
 label value for the common SXM/PCIe variant (override it in the spec for other variants).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -42,10 +43,23 @@ MODELS: dict[str, ModelShape] = {
     "llama-2-13b": ModelShape(40, 40, 40, 128, 5120, 13_015_864_320, 4096, 13824, 32000),
     "llama-2-70b": ModelShape(80, 64, 8, 128, 8192, 68_976_648_192, 4096, 28672, 32000),
     # v0.2/v0.3 shape (no sliding window).
-    "mistral-7b": ModelShape(32, 32, 8, 128, 4096, 7_248_023_552, 32768, 14336, 32768,
-                             architecture="MistralForCausalLM"),
-    "mixtral-8x7b": ModelShape(32, 32, 8, 128, 4096, 46_702_792_704, 32768, 14336, 32000, experts_per_token=2,
-                               num_experts=8, architecture="MixtralForCausalLM"),
+    "mistral-7b": ModelShape(
+        32, 32, 8, 128, 4096, 7_248_023_552, 32768, 14336, 32768, architecture="MistralForCausalLM"
+    ),
+    "mixtral-8x7b": ModelShape(
+        32,
+        32,
+        8,
+        128,
+        4096,
+        46_702_792_704,
+        32768,
+        14336,
+        32000,
+        experts_per_token=2,
+        num_experts=8,
+        architecture="MixtralForCausalLM",
+    ),
     "qwen2.5-7b": ModelShape(28, 28, 4, 128, 3584, 7_615_616_512, 32768, 18944, 152064, **_QWEN2),
     "qwen2.5-14b": ModelShape(48, 40, 8, 128, 5120, 14_770_033_664, 32768, 13824, 152064, **_QWEN2),
     "qwen2.5-32b": ModelShape(64, 40, 8, 128, 5120, 32_763_876_352, 32768, 27648, 152064, **_QWEN2),
@@ -57,16 +71,18 @@ MODELS: dict[str, ModelShape] = {
     "qwen3-30b-a3b": ModelShape(48, 32, 4, 128, 2048, 30_532_122_624, 40960, 768, 151936, **_QWEN3_MOE),
     "qwen3-235b-a22b": ModelShape(94, 64, 4, 128, 4096, 235_093_634_560, 40960, 1536, 151936, **_QWEN3_MOE),
     # Gemma 2: 1:1 sliding (even layers) / global, window 4096, 8K positions.
-    "gemma-2-2b": ModelShape(26, 8, 4, 256, 2304, 2_614_341_888, 8192, 9216, 256000, num_sliding_layers=13,
-                             **_GEMMA2),
-    "gemma-2-9b": ModelShape(42, 16, 8, 256, 3584, 9_241_705_984, 8192, 14336, 256000, num_sliding_layers=21,
-                             **_GEMMA2),
-    "gemma-2-27b": ModelShape(46, 32, 16, 128, 4608, 27_227_128_320, 8192, 36864, 256000, num_sliding_layers=23,
-                              **_GEMMA2),
+    "gemma-2-2b": ModelShape(26, 8, 4, 256, 2304, 2_614_341_888, 8192, 9216, 256000, num_sliding_layers=13, **_GEMMA2),
+    "gemma-2-9b": ModelShape(
+        42, 16, 8, 256, 3584, 9_241_705_984, 8192, 14336, 256000, num_sliding_layers=21, **_GEMMA2
+    ),
+    "gemma-2-27b": ModelShape(
+        46, 32, 16, 128, 4608, 27_227_128_320, 8192, 36864, 256000, num_sliding_layers=23, **_GEMMA2
+    ),
     # Gemma 3 text-only checkpoint (Gemma3ForCausalLM): 22 of 26 layers slide over 512 tokens. The 4B/12B/27B
     # checkpoints are multimodal (Gemma3ForConditionalGeneration), which the runtime does not load.
-    "gemma-3-1b": ModelShape(26, 4, 1, 256, 1152, 999_885_952, 32768, 6912, 262144, num_sliding_layers=22,
-                             sliding_window=512, **_GEMMA3),
+    "gemma-3-1b": ModelShape(
+        26, 4, 1, 256, 1152, 999_885_952, 32768, 6912, 262144, num_sliding_layers=22, sliding_window=512, **_GEMMA3
+    ),
 }
 
 MODEL_ALIASES: dict[str, str] = {

@@ -10,6 +10,7 @@ has a timer, and a finalizer would block `kubectl delete` whenever the operator 
 handlers, timers or daemons the InferenceService carries no finalizer; Kubernetes' garbage collector
 removes the children through their ownerReferences.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -21,9 +22,20 @@ from typing import Any
 
 import kopf
 
-from kvserve.operator import labels
-from kvserve.operator import kube, leader, metrics, model_configs, pod_health, render, render_router, \
-    render_security, spec as spec_mod, status as status_mod, transitions
+from kvserve.operator import (
+    kube,
+    labels,
+    leader,
+    metrics,
+    model_configs,
+    pod_health,
+    render,
+    render_router,
+    render_security,
+    transitions,
+)
+from kvserve.operator import spec as spec_mod
+from kvserve.operator import status as status_mod
 
 log = logging.getLogger("kvserve.operator")
 G, V, P = spec_mod.GROUP, spec_mod.VERSION, spec_mod.PLURAL
@@ -57,8 +69,11 @@ def reconcile(namespace: str, name: str) -> dict[str, str]:
         try:
             raw_spec = parent.get("spec") or {}
             # A model outside the catalog is planned from its own config.json (only that file is fetched).
-            config = model_configs.fetch(namespace, spec_mod.with_defaults(raw_spec)) \
-                if spec_mod.needs_model_config(raw_spec) else None
+            config = (
+                model_configs.fetch(namespace, spec_mod.with_defaults(raw_spec))
+                if spec_mod.needs_model_config(raw_spec)
+                else None
+            )
             resolved = spec_mod.resolve(raw_spec, model_config=config)
             spec, plan, reason, message = resolved.spec, resolved.plan, resolved.plan.reason, resolved.plan.message
             desired = render.render(resolved, name, namespace)
@@ -75,11 +90,18 @@ def reconcile(namespace: str, name: str) -> dict[str, str]:
         live = {key: kube.get(key[0], namespace, key[1]) for key in keys}
         # Someone else's object under one of our names: adopt nothing, write nothing (a half-built service is
         # worse), and report ChildConflict instead of computing status from an object that is not ours.
-        conflicts = tuple(_label(key, name) for key in ((o["kind"], o["metadata"]["name"]) for o in desired)
-                          if live.get(key) is not None and not kube.owned_by(live[key], parent))
+        conflicts = tuple(
+            _label(key, name)
+            for key in ((o["kind"], o["metadata"]["name"]) for o in desired)
+            if live.get(key) is not None and not kube.owned_by(live[key], parent)
+        )
         if conflicts:
-            log.warning("%s/%s: %s exist(s) and not owned by this InferenceService; leaving everything alone",
-                        namespace, name, ", ".join(conflicts))
+            log.warning(
+                "%s/%s: %s exist(s) and not owned by this InferenceService; leaving everything alone",
+                namespace,
+                name,
+                ", ".join(conflicts),
+            )
             desired = []
         for obj in desired:
             key = (obj["kind"], obj["metadata"]["name"])
@@ -98,14 +120,23 @@ def reconcile(namespace: str, name: str) -> dict[str, str]:
         # else: an impossible spec creates nothing and leaves a previously working Deployment serving.
 
         previous = parent.get("status") or {}
-        pods = (kube.list_labelled("Pod", namespace, {labels.OWNER_LABEL: name})
-                if live[("Deployment", name)] else [])
+        pods = kube.list_labelled("Pod", namespace, {labels.OWNER_LABEL: name}) if live[("Deployment", name)] else []
         failure = pod_health.diagnose(pods)
         new_status = status_mod.compute_status(
-            name=name, namespace=namespace, spec=spec, generation=parent["metadata"].get("generation"),
-            plan=plan, plan_reason=reason, plan_message=message, deployment=live[("Deployment", name)],
-            previous=previous, now=_now(), pod_failure=failure, conflicts=conflicts,
-            model_ready=_model_ready(spec, pods, failure))
+            name=name,
+            namespace=namespace,
+            spec=spec,
+            generation=parent["metadata"].get("generation"),
+            plan=plan,
+            plan_reason=reason,
+            plan_message=message,
+            deployment=live[("Deployment", name)],
+            previous=previous,
+            now=_now(),
+            pod_failure=failure,
+            conflicts=conflicts,
+            model_ready=_model_ready(spec, pods, failure),
+        )
         metrics.record(namespace, name, spec=spec, plan=plan, status=new_status)
         if kube.patch_status(namespace, name, previous, new_status):
             actions["status"] = "patched"
@@ -198,7 +229,8 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.posting.level = logging.WARNING
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="serving.kvserve.dev")
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix="serving.kvserve.dev", key="last-handled-configuration")
+        prefix="serving.kvserve.dev", key="last-handled-configuration"
+    )
     if kube._client is None:
         kube.configure()
 
@@ -217,10 +249,14 @@ def _on_child_event(body: kopf.Body, type: str | None, **_: Any) -> None:
         _reconcile_or_retry(meta["namespace"], owner, "child")
 
 
-for _group, _version, _plural in [("apps", "v1", "deployments"), ("", "v1", "services"),
-                                   ("autoscaling", "v2", "horizontalpodautoscalers"),
-                                   ("policy", "v1", "poddisruptionbudgets"), ("", "v1", "serviceaccounts"),
-                                   ("rbac.authorization.k8s.io", "v1", "roles"),
-                                   ("rbac.authorization.k8s.io", "v1", "rolebindings"),
-                                   ("networking.k8s.io", "v1", "networkpolicies")]:
+for _group, _version, _plural in [
+    ("apps", "v1", "deployments"),
+    ("", "v1", "services"),
+    ("autoscaling", "v2", "horizontalpodautoscalers"),
+    ("policy", "v1", "poddisruptionbudgets"),
+    ("", "v1", "serviceaccounts"),
+    ("rbac.authorization.k8s.io", "v1", "roles"),
+    ("rbac.authorization.k8s.io", "v1", "rolebindings"),
+    ("networking.k8s.io", "v1", "networkpolicies"),
+]:
     kopf.on.event(_group, _version, _plural, labels=CHILD_LABELS, id=f"child-{_plural}")(_on_child_event)

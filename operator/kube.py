@@ -3,6 +3,7 @@
 Apply is compare-then-write: a live object that already contains every field we render (extra fields the
 API server defaults are fine) is left alone, so reconciling an unchanged InferenceService sends no writes.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -81,8 +82,13 @@ def path(kind: str, namespace: str, name: str | None = None, subresource: str | 
     return out
 
 
-def request(method: str, url_path: str, body: Any = None, content_type: str = "application/json",
-            query: dict[str, str] | None = None) -> dict | None:
+def request(
+    method: str,
+    url_path: str,
+    body: Any = None,
+    content_type: str = "application/json",
+    query: dict[str, str] | None = None,
+) -> dict | None:
     """One API call; returns the decoded JSON body, None on 404, raises KubeError on other failures."""
     api = _api()
     headers = {"Accept": "application/json", "Content-Type": content_type}
@@ -91,14 +97,26 @@ def request(method: str, url_path: str, body: Any = None, content_type: str = "a
     try:
         if hasattr(api, "param_serialize"):  # kubernetes >= 37 (the newer OpenAPI generator)
             method_, url, headers, body_, _ = api.param_serialize(
-                method=method, resource_path=url_path, header_params=headers, body=body,
-                auth_settings=["BearerToken"], query_params=list((query or {}).items()))
+                method=method,
+                resource_path=url_path,
+                header_params=headers,
+                body=body,
+                auth_settings=["BearerToken"],
+                query_params=list((query or {}).items()),
+            )
             response = api.call_api(method_, url, header_params=headers, body=body_, _request_timeout=30)
             response.read()
         else:  # kubernetes <= 36: what pip picks beside botocore (37 needs python-dateutil >= 3, botocore < 3)
-            response = api.call_api(url_path, method, query_params=list((query or {}).items()),
-                                    header_params=headers, body=body, auth_settings=["BearerToken"],
-                                    _preload_content=False, _request_timeout=30)
+            response = api.call_api(
+                url_path,
+                method,
+                query_params=list((query or {}).items()),
+                header_params=headers,
+                body=body,
+                auth_settings=["BearerToken"],
+                _preload_content=False,
+                _request_timeout=30,
+            )
     except kubernetes.client.ApiException as exc:
         if exc.status == 404:
             return None
@@ -120,8 +138,11 @@ def list_labelled(kind: str, namespace: str, match_labels: dict[str, str]) -> li
     selector = ",".join(f"{k}={v}" for k, v in sorted(match_labels.items()))
     body = request("GET", path(kind, namespace), query={"labelSelector": selector})
     items = (body or {}).get("items") or []
-    return [obj for obj in items
-            if all(((obj.get("metadata") or {}).get("labels") or {}).get(k) == v for k, v in match_labels.items())]
+    return [
+        obj
+        for obj in items
+        if all(((obj.get("metadata") or {}).get("labels") or {}).get(k) == v for k, v in match_labels.items())
+    ]
 
 
 def contains(live: Any, desired: Any) -> bool:
@@ -135,8 +156,14 @@ def contains(live: Any, desired: Any) -> bool:
 
 def owner_reference(owner: dict) -> dict:
     meta = owner["metadata"]
-    return {"apiVersion": owner.get("apiVersion", API_VERSION), "kind": owner.get("kind", KIND),
-            "name": meta["name"], "uid": meta["uid"], "controller": True, "blockOwnerDeletion": True}
+    return {
+        "apiVersion": owner.get("apiVersion", API_VERSION),
+        "kind": owner.get("kind", KIND),
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
 
 
 def owned_by(obj: dict, owner: dict) -> bool:
@@ -158,9 +185,12 @@ def apply(obj: dict, live: dict | None) -> str:
     if contains(live, obj):
         return "unchanged"
     # Merge patch replaces lists whole (containers, tolerations...), which restores hand-edited entries.
-    request("PATCH", path(kind, meta["namespace"], meta["name"]),
-            {k: v for k, v in obj.items() if k not in ("apiVersion", "kind")},
-            content_type="application/merge-patch+json")
+    request(
+        "PATCH",
+        path(kind, meta["namespace"], meta["name"]),
+        {k: v for k, v in obj.items() if k not in ("apiVersion", "kind")},
+        content_type="application/merge-patch+json",
+    )
     log.info("patched %s %s/%s", kind, meta["namespace"], meta["name"])
     return "patched"
 
@@ -176,13 +206,25 @@ def post_warning(owner: dict, reason: str, message: str, component: str = "kvser
     meta = owner["metadata"]
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     event = {
-        "apiVersion": "v1", "kind": "Event", "type": "Warning", "reason": reason, "message": message[:1024],
+        "apiVersion": "v1",
+        "kind": "Event",
+        "type": "Warning",
+        "reason": reason,
+        "message": message[:1024],
         # client-go's naming: the object's name plus a unique suffix.
         "metadata": {"name": f"{meta['name']}.{uuid.uuid4().hex[:16]}", "namespace": meta["namespace"]},
-        "involvedObject": {"apiVersion": owner.get("apiVersion", API_VERSION), "kind": owner.get("kind", KIND),
-                           "name": meta["name"], "namespace": meta["namespace"], "uid": meta.get("uid")},
-        "source": {"component": component}, "reportingComponent": component,
-        "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+        "involvedObject": {
+            "apiVersion": owner.get("apiVersion", API_VERSION),
+            "kind": owner.get("kind", KIND),
+            "name": meta["name"],
+            "namespace": meta["namespace"],
+            "uid": meta.get("uid"),
+        },
+        "source": {"component": component},
+        "reportingComponent": component,
+        "firstTimestamp": now,
+        "lastTimestamp": now,
+        "count": 1,
     }
     request("POST", path("Event", meta["namespace"]), event)
 
@@ -210,6 +252,7 @@ def patch_status(namespace: str, name: str, live_status: dict, status: dict) -> 
     patch = status_patch(live_status, status)
     if not patch:
         return False
-    request("PATCH", path(KIND, namespace, name, "status"), {"status": patch},
-            content_type="application/merge-patch+json")
+    request(
+        "PATCH", path(KIND, namespace, name, "status"), {"status": patch}, content_type="application/merge-patch+json"
+    )
     return True

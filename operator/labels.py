@@ -1,6 +1,7 @@
 """Every Kubernetes label the operator puts on what it renders, in one place: the engine's and the router's
 selectors (what Services, PDBs, HPAs' /scale and NetworkPolicies match), the owner label that routes child
 events back to their InferenceService, and managed-by (what the operator watches). Pure."""
+
 from __future__ import annotations
 
 MANAGED_BY = "kvserve-operator"
@@ -18,8 +19,12 @@ def selector_string(name: str) -> str:
 
 
 def engine_labels(name: str) -> dict[str, str]:
-    return {**engine_selector(name), "app.kubernetes.io/component": "engine",
-            "app.kubernetes.io/managed-by": MANAGED_BY, OWNER_LABEL: name}
+    return {
+        **engine_selector(name),
+        "app.kubernetes.io/component": "engine",
+        "app.kubernetes.io/managed-by": MANAGED_BY,
+        OWNER_LABEL: name,
+    }
 
 
 def engine_pod_selector(name: str) -> dict[str, str]:

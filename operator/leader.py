@@ -19,6 +19,7 @@ Lease reads. A leader that loses the Lease stops kopf and exits non-zero; the ku
 and it comes back as a candidate (client-go's `OnStoppedLeading` -> exit, for the same reason: no half-stopped
 state). On SIGTERM the leader releases the Lease, so a rolling update hands over within one retry period.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -55,14 +56,16 @@ class LeaseSettings:
     name: str
     namespace: str
     identity: str
-    lease_duration_s: int = 15   # client-go's defaults: 15 s lease, 10 s renew deadline, 2 s retry period
+    lease_duration_s: int = 15  # client-go's defaults: 15 s lease, 10 s renew deadline, 2 s retry period
     renew_deadline_s: float = 10.0
     retry_period_s: float = 2.0
 
     def __post_init__(self) -> None:
         if not 0 < self.retry_period_s < self.renew_deadline_s < self.lease_duration_s:
-            raise ValueError("leader election needs 0 < retry period < renew deadline < lease duration, got "
-                             f"{self.retry_period_s}, {self.renew_deadline_s}, {self.lease_duration_s}")
+            raise ValueError(
+                "leader election needs 0 < retry period < renew deadline < lease duration, got "
+                f"{self.retry_period_s}, {self.renew_deadline_s}, {self.lease_duration_s}"
+            )
 
     @property
     def takeover_bound_s(self) -> float:
@@ -88,14 +91,18 @@ class Elector:
     def _set(self, leading: bool) -> bool:
         global _leading
         if leading != self.leading:
-            log.info("%s %s the lease %s/%s", self.settings.identity, "acquired" if leading else "does not hold",
-                     self.settings.namespace, self.settings.name)
+            log.info(
+                "%s %s the lease %s/%s",
+                self.settings.identity,
+                "acquired" if leading else "does not hold",
+                self.settings.namespace,
+                self.settings.name,
+            )
         self.leading = _leading = leading
         return leading
 
     def _observe(self, spec: dict, now: float) -> None:
-        record = tuple(spec.get(k) for k in ("holderIdentity", "renewTime", "leaseDurationSeconds",
-                                             "leaseTransitions"))
+        record = tuple(spec.get(k) for k in ("holderIdentity", "renewTime", "leaseDurationSeconds", "leaseTransitions"))
         if record != self._observed:
             self._observed, self._observed_at = record, now
         self.holder = spec.get("holderIdentity") or ""
@@ -108,16 +115,25 @@ class Elector:
 
     def _patch(self, spec: dict, lease: dict) -> None:
         body = self._body(spec, (lease.get("metadata") or {}).get("resourceVersion"))
-        kube.request("PATCH", kube.path("Lease", self.settings.namespace, self.settings.name), body,
-                     content_type="application/merge-patch+json")
+        kube.request(
+            "PATCH",
+            kube.path("Lease", self.settings.namespace, self.settings.name),
+            body,
+            content_type="application/merge-patch+json",
+        )
 
     def try_acquire_or_renew(self) -> bool:
         s, me, now = self.settings, self.settings.identity, self._clock()
         lease = kube.get("Lease", s.namespace, s.name)
         stamp = _micro_time()
         if lease is None:
-            spec = {"holderIdentity": me, "leaseDurationSeconds": s.lease_duration_s, "acquireTime": stamp,
-                    "renewTime": stamp, "leaseTransitions": 0}
+            spec = {
+                "holderIdentity": me,
+                "leaseDurationSeconds": s.lease_duration_s,
+                "acquireTime": stamp,
+                "renewTime": stamp,
+                "leaseTransitions": 0,
+            }
             try:
                 kube.request("POST", kube.path("Lease", s.namespace), self._body(spec, None))
             except kube.KubeError as exc:
@@ -132,9 +148,13 @@ class Elector:
         duration = spec.get("leaseDurationSeconds") or s.lease_duration_s
         if holder and holder != me and now < self._observed_at + duration:
             return self._set(False)  # someone else holds a lease that has not expired on our clock
-        new_spec = {"holderIdentity": me, "leaseDurationSeconds": s.lease_duration_s,
-                    "acquireTime": spec.get("acquireTime") if holder == me else stamp, "renewTime": stamp,
-                    "leaseTransitions": int(spec.get("leaseTransitions") or 0) + (0 if holder == me else 1)}
+        new_spec = {
+            "holderIdentity": me,
+            "leaseDurationSeconds": s.lease_duration_s,
+            "acquireTime": spec.get("acquireTime") if holder == me else stamp,
+            "renewTime": stamp,
+            "leaseTransitions": int(spec.get("leaseTransitions") or 0) + (0 if holder == me else 1),
+        }
         try:
             self._patch(new_spec, lease)
         except kube.KubeError as exc:
@@ -208,8 +228,9 @@ async def _standby_health(endpoint: str):
     return runner
 
 
-async def run_elected(elector: Elector, run_operator: Callable[[asyncio.Event], Awaitable[None]],
-                      liveness_endpoint: str | None = None) -> int:
+async def run_elected(
+    elector: Elector, run_operator: Callable[[asyncio.Event], Awaitable[None]], liveness_endpoint: str | None = None
+) -> int:
     """Stand by until `elector` holds the Lease, then run `run_operator(stop_flag)` while renewing it.
 
     Returns 0 after a clean stop (SIGTERM/SIGINT, Lease released) and 1 when the Lease was lost.
@@ -223,8 +244,12 @@ async def run_elected(elector: Elector, run_operator: Callable[[asyncio.Event], 
         loop.add_signal_handler(sig, stop.set)
     health = await _standby_health(liveness_endpoint) if liveness_endpoint else None
     try:
-        log.info("%s standing by for the lease %s/%s", elector.settings.identity, elector.settings.namespace,
-                 elector.settings.name)
+        log.info(
+            "%s standing by for the lease %s/%s",
+            elector.settings.identity,
+            elector.settings.namespace,
+            elector.settings.name,
+        )
         while not stop.is_set():
             try:
                 if await asyncio.to_thread(elector.try_acquire_or_renew):

@@ -12,6 +12,7 @@ Two kinds:
 Names use the `kvserve_` prefix (not `vllm:`): one name, one source. The per-object gauges are produced by a
 collector from the last recorded snapshot of each object, so a deleted InferenceService leaves no stale series.
 """
+
 from __future__ import annotations
 
 import threading
@@ -30,13 +31,25 @@ REGISTRY = CollectorRegistry(auto_describe=True)
 # Reconciles are API round trips: tens of ms normally, seconds when the API server is slow.
 RECONCILE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
-RECONCILES = Counter("kvserve_operator_reconciles", "InferenceService reconciles by trigger and result.",
-                     ["trigger", "result"], registry=REGISTRY)
-RECONCILE_ERRORS = Counter("kvserve_operator_reconcile_errors",
-                           "Reconciles that raised, by trigger and exception type.", ["trigger", "error"],
-                           registry=REGISTRY)
-RECONCILE_DURATION = Histogram("kvserve_operator_reconcile_duration_seconds", "Time one reconcile took.",
-                               ["trigger"], buckets=RECONCILE_BUCKETS, registry=REGISTRY)
+RECONCILES = Counter(
+    "kvserve_operator_reconciles",
+    "InferenceService reconciles by trigger and result.",
+    ["trigger", "result"],
+    registry=REGISTRY,
+)
+RECONCILE_ERRORS = Counter(
+    "kvserve_operator_reconcile_errors",
+    "Reconciles that raised, by trigger and exception type.",
+    ["trigger", "error"],
+    registry=REGISTRY,
+)
+RECONCILE_DURATION = Histogram(
+    "kvserve_operator_reconcile_duration_seconds",
+    "Time one reconcile took.",
+    ["trigger"],
+    buckets=RECONCILE_BUCKETS,
+    registry=REGISTRY,
+)
 
 # (metric suffix, Plan attribute, help): the plan figures a dashboard or alert compares the engines against.
 PLAN_GAUGES = (
@@ -51,6 +64,7 @@ PLAN_GAUGES = (
 @dataclass(frozen=True)
 class Snapshot:
     """What one reconcile saw and decided for one InferenceService."""
+
     plan: Plan | None
     conditions: tuple[tuple[str, str], ...]  # (type, status) with status True/False/Unknown
     desired_replicas: int
@@ -89,14 +103,19 @@ class _InferenceServiceCollector(Collector):
 
         plan_families = [(family(suffix, doc), attr) for suffix, attr, doc in PLAN_GAUGES]
         fits = family("plan_fits", "1 when the capacity plan fits the GPUs (CapacityPlanned=True).")
-        condition = family("condition", "1 for the current status of each condition type (True, False or "
-                                         "Unknown), 0 for the other two.", ["type", "status"])
+        condition = family(
+            "condition",
+            "1 for the current status of each condition type (True, False or Unknown), 0 for the other two.",
+            ["type", "status"],
+        )
         desired = family("desired_replicas", "spec.replicas (what the HPA or the user asks for).")
         ready = family("ready_replicas", "Ready engine pods, from the Deployment's status.")
         max_replicas = family("autoscaling_max_replicas", "spec.autoscaling.maxReplicas (autoscaling on only).")
         min_replicas = family("autoscaling_min_replicas", "spec.autoscaling.minReplicas (autoscaling on only).")
-        target = family("autoscaling_target_queue_depth",
-                        "spec.autoscaling.targetQueueDepth: the HPA's target of waiting requests per pod.")
+        target = family(
+            "autoscaling_target_queue_depth",
+            "spec.autoscaling.targetQueueDepth: the HPA's target of waiting requests per pod.",
+        )
         for (namespace, name), snap in objects:
             key = [namespace, name]
             if snap.plan is not None:
@@ -123,13 +142,17 @@ REGISTRY.register(INFERENCE_SERVICES)
 def record(namespace: str, name: str, *, spec: dict, plan: Plan | None, status: dict) -> None:
     """Called at the end of each reconcile with the spec (defaults applied), the plan and the new status."""
     autoscaling = spec.get("autoscaling") or {}
-    INFERENCE_SERVICES.record(namespace, name, Snapshot(
-        plan=plan,
-        conditions=tuple((c["type"], c["status"]) for c in status.get("conditions") or []),
-        desired_replicas=int(spec.get("replicas", 1)),
-        ready_replicas=int(status.get("readyReplicas") or 0),
-        autoscaling=autoscaling if autoscaling.get("enabled") else None,
-    ))
+    INFERENCE_SERVICES.record(
+        namespace,
+        name,
+        Snapshot(
+            plan=plan,
+            conditions=tuple((c["type"], c["status"]) for c in status.get("conditions") or []),
+            desired_replicas=int(spec.get("replicas", 1)),
+            ready_replicas=int(status.get("readyReplicas") or 0),
+            autoscaling=autoscaling if autoscaling.get("enabled") else None,
+        ),
+    )
 
 
 def forget(namespace: str, name: str) -> None:

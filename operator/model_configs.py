@@ -5,6 +5,7 @@ A commit-pinned hf:// revision never changes, so its config is kept for the oper
 else (a branch, an S3 prefix) is re-read after CONFIG_TTL_SECONDS. Failures are not remembered: the next
 reconcile (at most one resync later) tries again.
 """
+
 from __future__ import annotations
 
 import base64
@@ -15,7 +16,8 @@ import time
 
 from kvserve.operator import kube
 from kvserve.operator.spec import SpecError, model_source
-from kvserve.runtime.sources import model_config, uri as source_uri
+from kvserve.runtime.sources import model_config
+from kvserve.runtime.sources import uri as source_uri
 
 log = logging.getLogger("kvserve.operator")
 CONFIG_TTL_SECONDS = float(os.environ.get("KVSERVE_MODEL_CONFIG_TTL_SECONDS", "600"))
@@ -28,8 +30,10 @@ def credentials(namespace: str, secret_name: str | None) -> dict[str, str]:
         return {}
     secret = kube.get("Secret", namespace, secret_name)
     if secret is None:
-        raise SpecError("CredentialsNotFound", f"the Secret {secret_name!r} named by "
-                                               "spec.model.credentials.secretRef does not exist")
+        raise SpecError(
+            "CredentialsNotFound",
+            f"the Secret {secret_name!r} named by spec.model.credentials.secretRef does not exist",
+        )
     out = {k: base64.b64decode(v).decode() for k, v in (secret.get("data") or {}).items()}
     out.update(secret.get("stringData") or {})  # the emulator (and a create without the API server) keeps it
     return out
@@ -52,7 +56,9 @@ def fetch(namespace: str, spec: dict) -> dict:
         config = model_config.fetch_config(source, creds)
     except (source_uri.FetchError, source_uri.SourceError) as exc:
         raise SpecError("ModelConfigUnavailable", f"cannot read the model's config.json to plan it: {exc}") from None
-    log.info("%s: planning %s from its config.json (%s)", namespace, source, ", ".join(config.get("architectures") or []))
+    log.info(
+        "%s: planning %s from its config.json (%s)", namespace, source, ", ".join(config.get("architectures") or [])
+    )
     with _cache_lock:
         _cache[key] = (now, config)
     return config

@@ -17,6 +17,7 @@ is llm-d's constant (config_explorer/capacity_planner.py: 0.15 GiB at TP=1, 0.6 
 small models (Llama-3-8B on a 24 GB L4 would get almost no KV), so it is offered as an override instead:
 both numbers can be set per InferenceService (engine.activationReserveMiB, engine.runtimeOverheadMiB).
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -91,8 +92,13 @@ def valid_tensor_parallel_sizes(model: ModelShape, limit: int = 8) -> list[int]:
     return capacity.valid_tp_sizes(model.num_attention_heads, model.num_kv_heads, model.intermediate_size, limit)
 
 
-def activation_reserve_bytes(model: ModelShape, tensor_parallel_size: int, max_num_batched_tokens: int,
-                             max_num_seqs: int, act_dtype_bytes: int = 2) -> int:  # noqa: D417
+def activation_reserve_bytes(
+    model: ModelShape,
+    tensor_parallel_size: int,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+    act_dtype_bytes: int = 2,
+) -> int:  # noqa: D417
     """Peak forward-pass memory per rank for one step of `max_num_batched_tokens` tokens.
 
     Per token: ~6 hidden-size buffers (residual, norm output, attention output, q/k/v slices) plus the MLP's
@@ -115,8 +121,13 @@ def plan(inp: PlanInput) -> Plan:
     budget = int(inp.gpu_memory_bytes * inp.gpu_memory_utilization)
     activation = inp.activation_reserve_bytes
     if activation is None:
-        activation = activation_reserve_bytes(m, max(t, 1), inp.max_num_batched_tokens, inp.max_num_seqs,
-                                              capacity.dtype_bytes(capacity.activation_dtype(inp.dtype)))
+        activation = activation_reserve_bytes(
+            m,
+            max(t, 1),
+            inp.max_num_batched_tokens,
+            inp.max_num_seqs,
+            capacity.dtype_bytes(capacity.activation_dtype(inp.dtype)),
+        )
     overhead = inp.runtime_overhead_bytes
     if overhead is None:
         overhead = RUNTIME_OVERHEAD_TP1_BYTES if t == 1 else RUNTIME_OVERHEAD_TP_BYTES
@@ -128,22 +139,35 @@ def plan(inp: PlanInput) -> Plan:
     limit = m.max_position_embeddings
     max_model_len_fit = layout.longest_sequence(num_blocks, limit, step)
     # The same bytes charged as if every layer kept the whole context (one group of all layers).
-    full = capacity.KVLayout(layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.kv_dtype,
-                             layout.block_size, t)
+    full = capacity.KVLayout(
+        layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.kv_dtype, layout.block_size, t
+    )
     full_blocks = full.blocks_for_budget(layout.budget_for_blocks(num_blocks))
-    sliding = dict(sliding_window=m.sliding_window if layout.num_groups > 1 else 0,
-                   num_kv_cache_groups=layout.num_groups, kv_bytes_per_block_per_gpu=layout.bytes_per_block,
-                   max_concurrency_full_context=full.max_concurrency(full_blocks, inp.max_model_len),
-                   max_model_len_fit_full_context=full.longest_sequence(full_blocks, limit))
+    sliding = dict(
+        sliding_window=m.sliding_window if layout.num_groups > 1 else 0,
+        num_kv_cache_groups=layout.num_groups,
+        kv_bytes_per_block_per_gpu=layout.bytes_per_block,
+        max_concurrency_full_context=full.max_concurrency(full_blocks, inp.max_model_len),
+        max_model_len_fit_full_context=full.longest_sequence(full_blocks, limit),
+    )
     common = dict(
-        kv_bytes_per_token=layout.bytes_per_token, kv_bytes_per_token_per_gpu=layout.bytes_per_token_per_rank,
-        weight_bytes=weight_bytes, weight_bytes_per_gpu=weight_bytes_per_gpu,
-        gpu_memory_bytes=inp.gpu_memory_bytes, memory_budget_bytes_per_gpu=budget,
-        activation_reserve_bytes=activation, runtime_overhead_bytes=overhead,
-        kv_cache_bytes_per_gpu=layout.budget_for_blocks(num_blocks), num_blocks_per_gpu=num_blocks,
-        kv_tokens=kv_tokens, max_concurrency=max_concurrency,
-        max_model_len_fit=max_model_len_fit, max_model_len=inp.max_model_len,
-        block_size=inp.block_size, tensor_parallel_size=t, **sliding,
+        kv_bytes_per_token=layout.bytes_per_token,
+        kv_bytes_per_token_per_gpu=layout.bytes_per_token_per_rank,
+        weight_bytes=weight_bytes,
+        weight_bytes_per_gpu=weight_bytes_per_gpu,
+        gpu_memory_bytes=inp.gpu_memory_bytes,
+        memory_budget_bytes_per_gpu=budget,
+        activation_reserve_bytes=activation,
+        runtime_overhead_bytes=overhead,
+        kv_cache_bytes_per_gpu=layout.budget_for_blocks(num_blocks),
+        num_blocks_per_gpu=num_blocks,
+        kv_tokens=kv_tokens,
+        max_concurrency=max_concurrency,
+        max_model_len_fit=max_model_len_fit,
+        max_model_len=inp.max_model_len,
+        block_size=inp.block_size,
+        tensor_parallel_size=t,
+        **sliding,
     )
 
     arch_error = capacity.unsupported_architecture_error(m)
@@ -153,27 +177,39 @@ def plan(inp: PlanInput) -> Plan:
     if tp_error:
         return Plan(False, "InvalidTensorParallelSize", tp_error, **common)
     if inp.max_model_len > m.max_position_embeddings:
-        return Plan(False, "ContextExceedsModel",
-                    f"maxModelLen {inp.max_model_len} exceeds the model's {m.max_position_embeddings} positions",
-                    **common)
+        return Plan(
+            False,
+            "ContextExceedsModel",
+            f"maxModelLen {inp.max_model_len} exceeds the model's {m.max_position_embeddings} positions",
+            **common,
+        )
     if free_bytes <= 0:
         fixed = weight_bytes_per_gpu + activation + overhead
-        return Plan(False, "WeightsDoNotFit",
-                    f"weights {_gb(weight_bytes_per_gpu)} + activations {_gb(activation)} + overhead "
-                    f"{_gb(overhead)} = {_gb(fixed)} per GPU exceed the {_gb(budget)} budget "
-                    f"({inp.gpu_memory_utilization:g} x {_gb(inp.gpu_memory_bytes)}) at tensorParallelSize {t}",
-                    **common)
+        return Plan(
+            False,
+            "WeightsDoNotFit",
+            f"weights {_gb(weight_bytes_per_gpu)} + activations {_gb(activation)} + overhead "
+            f"{_gb(overhead)} = {_gb(fixed)} per GPU exceed the {_gb(budget)} budget "
+            f"({inp.gpu_memory_utilization:g} x {_gb(inp.gpu_memory_bytes)}) at tensorParallelSize {t}",
+            **common,
+        )
     context_error = capacity.one_sequence_error(num_blocks, inp.max_model_len, layout, "kv_cache_bytes", step)
     if context_error:
         return Plan(False, "ContextDoesNotFit", context_error, **common)
     saving = ""
     if layout.num_groups > 1:
-        saving = (f" (sliding window {m.sliding_window} on {m.num_sliding_layers} of {m.num_layers} layers; "
-                  f"{sliding['max_concurrency_full_context']} if every layer kept the full context)")
-    return Plan(True, "Fits",
-                f"{kv_tokens} KV tokens per replica ({num_blocks} blocks of {inp.block_size} per GPU incl. the null "
-                f"block, {_gb(layout.budget_for_blocks(num_blocks))}); {max_concurrency} concurrent "
-                f"{inp.max_model_len}-token sequences{saving}", **common)
+        saving = (
+            f" (sliding window {m.sliding_window} on {m.num_sliding_layers} of {m.num_layers} layers; "
+            f"{sliding['max_concurrency_full_context']} if every layer kept the full context)"
+        )
+    return Plan(
+        True,
+        "Fits",
+        f"{kv_tokens} KV tokens per replica ({num_blocks} blocks of {inp.block_size} per GPU incl. the null "
+        f"block, {_gb(layout.budget_for_blocks(num_blocks))}); {max_concurrency} concurrent "
+        f"{inp.max_model_len}-token sequences{saving}",
+        **common,
+    )
 
 
 def _gb(num_bytes: int) -> str:

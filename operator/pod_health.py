@@ -6,6 +6,7 @@ a last termination OOMKilled, the scheduler's Unschedulable message ("0/4 nodes 
 nvidia.com/gpu"), or the runtime's own one-line reason in its termination message. The operator reads the
 pods on every reconcile (at least once per resync) and turns the worst finding into Degraded=True.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,15 +22,23 @@ STARTUP_FAILED_PREFIX = "kvserve: startup failed: "
 MAX_MESSAGE_CHARS = 1024  # the kubelet caps termination messages at 4096 bytes; a condition needs far less
 
 # Most specific first: a reason that names the cause beats one that only names the symptom.
-SEVERITY = ("DownloadFailed", "RuntimeRejectedPlan", "RuntimeStartupFailed", "OOMKilled", "CrashLoopBackOff", "ImagePullBackOff",
-            "CreateContainerConfigError", "Unschedulable")
+SEVERITY = (
+    "DownloadFailed",
+    "RuntimeRejectedPlan",
+    "RuntimeStartupFailed",
+    "OOMKilled",
+    "CrashLoopBackOff",
+    "ImagePullBackOff",
+    "CreateContainerConfigError",
+    "Unschedulable",
+)
 _IMAGE_PULL = {"ImagePullBackOff", "ErrImagePull", "InvalidImageName", "ErrImageNeverPull"}
 _CONFIG = {"CreateContainerConfigError", "CreateContainerError"}
 
 
 @dataclass(frozen=True)
 class PodFailure:
-    reason: str   # one of SEVERITY: the condition and Event reason
+    reason: str  # one of SEVERITY: the condition and Event reason
     message: str  # names the pod and container; carries the termination or scheduler message
     pod: str
 
@@ -60,41 +69,69 @@ def _container_failure(pod: str, status: dict) -> PodFailure | None:
     if termination_message.startswith(STARTUP_FAILED_PREFIX.strip()) and terminated.get("reason") != "OOMKilled":
         return PodFailure("RuntimeStartupFailed", f"{where}: {termination_message}", pod)
     if terminated.get("reason") == "OOMKilled":
-        return PodFailure("OOMKilled", f"{where} was OOMKilled ({_exit_text(terminated)}); raise "
-                                       "spec.resources memory or lower the engine's host-memory use", pod)
+        return PodFailure(
+            "OOMKilled",
+            f"{where} was OOMKilled ({_exit_text(terminated)}); raise "
+            "spec.resources memory or lower the engine's host-memory use",
+            pod,
+        )
     if waiting.get("reason") == "CrashLoopBackOff":
-        last = f"; last termination {terminated.get('reason') or 'Error'}, {_exit_text(terminated)}" if terminated else ""
-        return PodFailure("CrashLoopBackOff", f"{where} is in CrashLoopBackOff (restarts: "
-                                              f"{status.get('restartCount', 0)}){last}", pod)
+        last = (
+            f"; last termination {terminated.get('reason') or 'Error'}, {_exit_text(terminated)}" if terminated else ""
+        )
+        return PodFailure(
+            "CrashLoopBackOff", f"{where} is in CrashLoopBackOff (restarts: {status.get('restartCount', 0)}){last}", pod
+        )
     if waiting.get("reason") in _IMAGE_PULL:
-        return PodFailure("ImagePullBackOff", f"{where} cannot pull image {status.get('image', '?')}: "
-                                              f"{waiting.get('reason')}: {waiting.get('message', '')}".rstrip(": "), pod)
+        return PodFailure(
+            "ImagePullBackOff",
+            f"{where} cannot pull image {status.get('image', '?')}: "
+            f"{waiting.get('reason')}: {waiting.get('message', '')}".rstrip(": "),
+            pod,
+        )
     if waiting.get("reason") in _CONFIG:
-        return PodFailure("CreateContainerConfigError",
-                          f"{where}: {waiting.get('reason')}: {waiting.get('message', '')}".rstrip(": "), pod)
+        return PodFailure(
+            "CreateContainerConfigError",
+            f"{where}: {waiting.get('reason')}: {waiting.get('message', '')}".rstrip(": "),
+            pod,
+        )
     return None
 
 
 def _pod_failure(pod: dict) -> PodFailure | None:
     meta, status = pod.get("metadata") or {}, pod.get("status") or {}
     name = meta.get("name", "?")
-    found = [f for s in (status.get("initContainerStatuses") or []) + (status.get("containerStatuses") or [])
-             if (f := _container_failure(name, s)) is not None]
+    found = [
+        f
+        for s in (status.get("initContainerStatuses") or []) + (status.get("containerStatuses") or [])
+        if (f := _container_failure(name, s)) is not None
+    ]
     for cond in status.get("conditions") or []:
-        if cond.get("type") == "PodScheduled" and cond.get("status") == "False" and cond.get("reason") == "Unschedulable":
-            found.append(PodFailure("Unschedulable", f"pod {name} cannot be scheduled: {cond.get('message', '')}", name))
+        if (
+            cond.get("type") == "PodScheduled"
+            and cond.get("status") == "False"
+            and cond.get("reason") == "Unschedulable"
+        ):
+            found.append(
+                PodFailure("Unschedulable", f"pod {name} cannot be scheduled: {cond.get('message', '')}", name)
+            )
     return min(found, key=lambda f: SEVERITY.index(f.reason), default=None)
 
 
 def diagnose(pods: list[dict]) -> PodFailure | None:
     """The most severe failure among `pods` (ties: the first pod by name, so the message does not flap)."""
-    found = [f for pod in sorted(pods, key=lambda p: (p.get("metadata") or {}).get("name", ""))
-             if not (pod.get("metadata") or {}).get("deletionTimestamp")  # leaving anyway (rollout, scale-down)
-             and (f := _pod_failure(pod)) is not None]
+    found = [
+        f
+        for pod in sorted(pods, key=lambda p: (p.get("metadata") or {}).get("name", ""))
+        if not (pod.get("metadata") or {}).get("deletionTimestamp")  # leaving anyway (rollout, scale-down)
+        and (f := _pod_failure(pod)) is not None
+    ]
     if not found:
         return None
     worst = min(found, key=lambda f: SEVERITY.index(f.reason))
-    message = worst.message if len(worst.message) <= MAX_MESSAGE_CHARS else worst.message[:MAX_MESSAGE_CHARS - 3] + "..."
+    message = (
+        worst.message if len(worst.message) <= MAX_MESSAGE_CHARS else worst.message[: MAX_MESSAGE_CHARS - 3] + "..."
+    )
     return PodFailure(worst.reason, message, worst.pod)
 
 
@@ -107,7 +144,7 @@ def model_ready(pods: list[dict], remote: bool, failure: PodFailure | None) -> t
         return False, "DownloadFailed", failure.message
     for pod in pods:
         for status in (pod.get("status") or {}).get("initContainerStatuses") or []:
-            done = ((status.get("state") or {}).get("terminated") or {})
+            done = (status.get("state") or {}).get("terminated") or {}
             if status.get("name") == DOWNLOAD_CONTAINER and done.get("exitCode") == 0:
                 return True, "Downloaded", f"pod {(pod.get('metadata') or {}).get('name', '?')} downloaded the model"
     return False, "Downloading", "waiting for a pod's model-download init container to finish"

@@ -10,12 +10,13 @@ is the worst choice. The figures are host-side estimates, not measurements (no G
 Memory limits are not defaulted: the memory-backed /dev/shm counts against a limit, so a limit is the user's
 explicit choice (spec.resources.limits).
 """
+
 from __future__ import annotations
 
 import math
 
-from kvserve.runtime.engine_args import parse_bytes  # the runtime's own parser for --swap-space
 from kvserve.operator.spec import Resolved
+from kvserve.runtime.engine_args import parse_bytes  # the runtime's own parser for --swap-space
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -48,6 +49,9 @@ def swap_space_bytes(extra_args: list[str]) -> int:
 
 def default_requests(resolved: Resolved) -> dict[str, str]:
     ranks = int(resolved.spec["gpu"]["tensorParallelSize"])
-    memory = (FRONT_PROCESS_BYTES + ranks * HOST_BYTES_PER_RANK
-              + swap_space_bytes(resolved.spec["engine"].get("extraArgs") or []))
+    memory = (
+        FRONT_PROCESS_BYTES
+        + ranks * HOST_BYTES_PER_RANK
+        + swap_space_bytes(resolved.spec["engine"].get("extraArgs") or [])
+    )
     return {"cpu": str(FRONT_PROCESS_CPU + ranks * CPU_PER_RANK), "memory": f"{math.ceil(memory / MiB)}Mi"}

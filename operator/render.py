@@ -3,26 +3,34 @@
 No I/O and no owner references here (the apply step adds those), so `kvserve render` prints exactly what the
 operator would create, and golden-file tests pin it.
 """
+
 from __future__ import annotations
 
 import math
 from typing import Any
 
 from kvserve.operator import pod_resources, render_model, render_router, render_security
-from kvserve.operator.render_model import MODEL_MOUNT, model_source  # noqa: F401 - re-exported
 from kvserve.operator.labels import engine_labels, engine_selector
+from kvserve.operator.render_model import MODEL_MOUNT, model_source  # noqa: F401 - re-exported
 from kvserve.operator.spec import API_VERSION, KIND, Resolved
 from kvserve.runtime import engine_args
+
 METRIC_NAME = "vllm_num_requests_waiting"  # prometheus-adapter's name for vllm:num_requests_waiting
 STARTUP_PERIOD_SECONDS = 10
 
 # Scale up by at most 2 pods a minute, down by 1 pod per 5 minutes after a 10-minute window: GPU pods take
 # minutes to load weights, so flapping costs far more than a slightly late scale-down.
 DEFAULT_BEHAVIOR: dict[str, Any] = {
-    "scaleUp": {"stabilizationWindowSeconds": 0, "selectPolicy": "Max",
-                "policies": [{"type": "Pods", "value": 2, "periodSeconds": 60}]},
-    "scaleDown": {"stabilizationWindowSeconds": 600, "selectPolicy": "Max",
-                  "policies": [{"type": "Pods", "value": 1, "periodSeconds": 300}]},
+    "scaleUp": {
+        "stabilizationWindowSeconds": 0,
+        "selectPolicy": "Max",
+        "policies": [{"type": "Pods", "value": 2, "periodSeconds": 60}],
+    },
+    "scaleDown": {
+        "stabilizationWindowSeconds": 600,
+        "selectPolicy": "Max",
+        "policies": [{"type": "Pods", "value": 1, "periodSeconds": 300}],
+    },
 }
 
 
@@ -48,13 +56,19 @@ def runtime_args(resolved: Resolved, name: str, model_dir: str) -> list[str]:
     parses them with), so a setting is never spelled twice."""
     spec, engine = resolved.spec, resolved.spec["engine"]
     args = [
-        "kvserve", "serve", model_dir,
-        "--host", "0.0.0.0",
-        "--port", str(spec["port"]),
-        "--served-model-name", served_model_name(spec, name),
+        "kvserve",
+        "serve",
+        model_dir,
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(spec["port"]),
+        "--served-model-name",
+        served_model_name(spec, name),
         *engine_args.cli_args(engine_settings(resolved)),
         # Leave the kubelet 10 s after the drain before it sends SIGKILL.
-        "--drain-timeout", str(max(1, spec["terminationGracePeriodSeconds"] - 10)),
+        "--drain-timeout",
+        str(max(1, spec["terminationGracePeriodSeconds"] - 10)),
     ]
     return args + [str(a) for a in engine.get("extraArgs", [])]
 
@@ -64,11 +78,15 @@ def _resources(resolved: Resolved) -> dict:
     gpus = str(spec["gpu"]["tensorParallelSize"])
     resource = spec["gpu"]["resourceName"]
     user = spec.get("resources") or {}
-    requests = {**pod_resources.default_requests(resolved),
-                **{k: str(v) for k, v in (user.get("requests") or {}).items()}}
+    requests = {
+        **pod_resources.default_requests(resolved),
+        **{k: str(v) for k, v in (user.get("requests") or {}).items()},
+    }
     # nvidia.com/gpu cannot be overcommitted: requests must equal limits.
-    return {"requests": {**requests, resource: gpus},
-            "limits": {**{k: str(v) for k, v in (user.get("limits") or {}).items()}, resource: gpus}}
+    return {
+        "requests": {**requests, resource: gpus},
+        "limits": {**{k: str(v) for k, v in (user.get("limits") or {}).items()}, resource: gpus},
+    }
 
 
 def _tolerations(spec: dict) -> list[dict]:
@@ -78,8 +96,12 @@ def _tolerations(spec: dict) -> list[dict]:
 
 
 def _probe(port_name: str, period: int, failures: int) -> dict:
-    return {"httpGet": {"path": "/health", "port": port_name}, "periodSeconds": period,
-            "timeoutSeconds": 5, "failureThreshold": failures}
+    return {
+        "httpGet": {"path": "/health", "port": port_name},
+        "periodSeconds": period,
+        "timeoutSeconds": 5,
+        "failureThreshold": failures,
+    }
 
 
 def deployment(resolved: Resolved, name: str, namespace: str) -> dict:
@@ -105,30 +127,42 @@ def deployment(resolved: Resolved, name: str, namespace: str) -> dict:
         "terminationMessagePath": "/dev/termination-log",
         "terminationMessagePolicy": "FallbackToLogsOnError",
         # Weights for a 70B model take many minutes to load: the startup probe holds off liveness until then.
-        "startupProbe": _probe("http", STARTUP_PERIOD_SECONDS,
-                               math.ceil(spec["startupTimeoutSeconds"] / STARTUP_PERIOD_SECONDS)),
+        "startupProbe": _probe(
+            "http", STARTUP_PERIOD_SECONDS, math.ceil(spec["startupTimeoutSeconds"] / STARTUP_PERIOD_SECONDS)
+        ),
         "readinessProbe": _probe("http", 5, 3),
         # /health answers 503 while draining; 6 x 20 s outlasts the drain so liveness never kills a draining pod.
         "livenessProbe": _probe("http", 20, 6),
-        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-                            "capabilities": {"drop": ["ALL"]}},
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
     }
     pod_spec: dict[str, Any] = {
         **({"initContainers": inits} if (inits := render_model.init_containers(resolved)) else {}),
         "containers": [container],
         "volumes": volumes,
-        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
-                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": 1000,
+            "runAsGroup": 1000,
+            "fsGroup": 1000,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
         "terminationGracePeriodSeconds": spec["terminationGracePeriodSeconds"],
         # The engine never talks to the Kubernetes API: no token to steal from a compromised pod.
         "automountServiceAccountToken": False,
         "tolerations": _tolerations(spec),
-        "topologySpreadConstraints": [{
-            "maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
-            # ScheduleAnyway: scarce GPU nodes must never leave a replica Pending for the sake of spreading.
-            "whenUnsatisfiable": "ScheduleAnyway",
-            "labelSelector": {"matchLabels": engine_selector(name)},
-        }],
+        "topologySpreadConstraints": [
+            {
+                "maxSkew": 1,
+                "topologyKey": "kubernetes.io/hostname",
+                # ScheduleAnyway: scarce GPU nodes must never leave a replica Pending for the sake of spreading.
+                "whenUnsatisfiable": "ScheduleAnyway",
+                "labelSelector": {"matchLabels": engine_selector(name)},
+            }
+        ],
     }
     if node_selector:
         pod_spec["nodeSelector"] = node_selector
@@ -151,8 +185,11 @@ def deployment(resolved: Resolved, name: str, namespace: str) -> dict:
             "template": {
                 "metadata": {
                     "labels": engine_labels(name),
-                    "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(spec["port"]),
-                                    "prometheus.io/path": "/metrics"},
+                    "annotations": {
+                        "prometheus.io/scrape": "true",
+                        "prometheus.io/port": str(spec["port"]),
+                        "prometheus.io/path": "/metrics",
+                    },
                 },
                 "spec": pod_spec,
             },
@@ -165,9 +202,11 @@ def service(resolved: Resolved, name: str, namespace: str) -> dict:
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": {"name": name, "namespace": namespace, "labels": engine_labels(name)},
-        "spec": {"type": "ClusterIP", "selector": engine_selector(name),
-                 "ports": [{"name": "http", "port": resolved.spec["port"], "targetPort": "http",
-                            "protocol": "TCP"}]},
+        "spec": {
+            "type": "ClusterIP",
+            "selector": engine_selector(name),
+            "ports": [{"name": "http", "port": resolved.spec["port"], "targetPort": "http", "protocol": "TCP"}],
+        },
     }
 
 
@@ -183,10 +222,15 @@ def autoscaler(resolved: Resolved, name: str, namespace: str) -> dict:
             "scaleTargetRef": {"apiVersion": API_VERSION, "kind": KIND, "name": name},
             "minReplicas": auto["minReplicas"],
             "maxReplicas": auto["maxReplicas"],
-            "metrics": [{"type": "Pods", "pods": {
-                "metric": {"name": METRIC_NAME},
-                "target": {"type": "AverageValue", "averageValue": str(auto["targetQueueDepth"])},
-            }}],
+            "metrics": [
+                {
+                    "type": "Pods",
+                    "pods": {
+                        "metric": {"name": METRIC_NAME},
+                        "target": {"type": "AverageValue", "averageValue": str(auto["targetQueueDepth"])},
+                    },
+                }
+            ],
             "behavior": auto.get("behavior") or DEFAULT_BEHAVIOR,
         },
     }

@@ -4,6 +4,7 @@ s3:// sources the init container that runs `kvserve download` into a shared cach
 Cache layout (spec.model.cache): CACHE/models/<uri.cache_key>, one folder per source and revision, written
 only by the init containers (staging + rename under a flock beside it), mounted read-only by the engine.
 """
+
 from __future__ import annotations
 
 from kvserve.operator.spec import Resolved

@@ -7,6 +7,7 @@ the tokenizer from the same model source as the engine, and `status.url` then po
 Router pods carry their own `app.kubernetes.io/name`, so the engine Service and the /scale selector never
 select them.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -46,17 +47,36 @@ def child_keys(name: str, spec: dict, previous_status: dict) -> list[tuple[str, 
 
 def router_args(resolved: Resolved, name: str, namespace: str, model_dir: str) -> list[str]:
     spec = resolved.spec
-    return ["kvserve", "router",
-            "--service", name, "--namespace", namespace, "--port-name", "http",
-            "--tokenizer", model_dir,
-            "--host", "0.0.0.0", "--port", str(spec["port"]),
-            # Fallbacks only: replicas report block size and KV capacity on /metrics.
-            "--block-size", str(spec["engine"]["blockSize"]),
-            "--default-capacity-tokens", str(max(1, resolved.plan.kv_tokens))]
+    return [
+        "kvserve",
+        "router",
+        "--service",
+        name,
+        "--namespace",
+        namespace,
+        "--port-name",
+        "http",
+        "--tokenizer",
+        model_dir,
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(spec["port"]),
+        # Fallbacks only: replicas report block size and KV capacity on /metrics.
+        "--block-size",
+        str(spec["engine"]["blockSize"]),
+        "--default-capacity-tokens",
+        str(max(1, resolved.plan.kv_tokens)),
+    ]
 
 
-def render(resolved: Resolved, name: str, namespace: str,
-           model_source: tuple[list[dict], list[dict], str], init_containers: list[dict] | None = None) -> list[dict]:
+def render(
+    resolved: Resolved,
+    name: str,
+    namespace: str,
+    model_source: tuple[list[dict], list[dict], str],
+    init_containers: list[dict] | None = None,
+) -> list[dict]:
     """`model_source`: (volumes, read-only mounts, tokenizer directory); `init_containers`: what fills them
     for a downloaded model (render_model.router_model_source)."""
     spec = resolved.spec
@@ -68,8 +88,12 @@ def render(resolved: Resolved, name: str, namespace: str,
     meta = {"name": rname, "namespace": namespace, "labels": labels}
     volumes, mounts, model_dir = model_source
     port = spec["port"]
-    probe: dict[str, Any] = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5,
-                             "timeoutSeconds": 3, "failureThreshold": 3}
+    probe: dict[str, Any] = {
+        "httpGet": {"path": "/health", "port": "http"},
+        "periodSeconds": 5,
+        "timeoutSeconds": 3,
+        "failureThreshold": 3,
+    }
     container = {
         "name": "router",
         "image": spec["image"],
@@ -82,18 +106,30 @@ def render(resolved: Resolved, name: str, namespace: str,
         # Ready once it knows at least one routable replica; alive as long as it accepts connections (a
         # router with no replicas must not be restarted for it).
         "readinessProbe": probe,
-        "livenessProbe": {"tcpSocket": {"port": "http"}, "periodSeconds": 10, "timeoutSeconds": 3,
-                          "failureThreshold": 6},
-        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-                            "capabilities": {"drop": ["ALL"]}},
+        "livenessProbe": {
+            "tcpSocket": {"port": "http"},
+            "periodSeconds": 10,
+            "timeoutSeconds": 3,
+            "failureThreshold": 6,
+        },
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
     }
     pod_spec: dict[str, Any] = {
         "serviceAccountName": rname,
         **({"initContainers": init_containers} if init_containers else {}),
         "containers": [container],
         "volumes": volumes + [{"name": "tmp", "emptyDir": {}}],
-        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
-                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": 1000,
+            "runAsGroup": 1000,
+            "fsGroup": 1000,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
         "terminationGracePeriodSeconds": 30,
     }
     if spec.get("imagePullSecrets"):
@@ -101,25 +137,61 @@ def render(resolved: Resolved, name: str, namespace: str,
     selector = router_selector(name)
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": meta,
-         "rules": [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
-                    "verbs": ["get", "list", "watch"]}]},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": meta,
-         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": rname},
-         "subjects": [{"kind": "ServiceAccount", "name": rname, "namespace": namespace}]},
-        {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta,
-         "spec": {"replicas": router["replicas"], "revisionHistoryLimit": 3,
-                  "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
-                  "selector": {"matchLabels": selector},
-                  "template": {"metadata": {"labels": labels,
-                                            "annotations": {"prometheus.io/scrape": "true",
-                                                            "prometheus.io/port": str(port),
-                                                            "prometheus.io/path": "/metrics"}},
-                               "spec": pod_spec}}},
-        {"apiVersion": "v1", "kind": "Service", "metadata": meta,
-         "spec": {"type": "ClusterIP", "selector": selector,
-                  "ports": [{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}]}},
-        {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": meta,
-         "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector},
-                  "unhealthyPodEvictionPolicy": "AlwaysAllow"}},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": meta,
+            "rules": [
+                {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]}
+            ],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": meta,
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": rname},
+            "subjects": [{"kind": "ServiceAccount", "name": rname, "namespace": namespace}],
+        },
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": meta,
+            "spec": {
+                "replicas": router["replicas"],
+                "revisionHistoryLimit": 3,
+                "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+                "selector": {"matchLabels": selector},
+                "template": {
+                    "metadata": {
+                        "labels": labels,
+                        "annotations": {
+                            "prometheus.io/scrape": "true",
+                            "prometheus.io/port": str(port),
+                            "prometheus.io/path": "/metrics",
+                        },
+                    },
+                    "spec": pod_spec,
+                },
+            },
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": meta,
+            "spec": {
+                "type": "ClusterIP",
+                "selector": selector,
+                "ports": [{"name": "http", "port": port, "targetPort": "http", "protocol": "TCP"}],
+            },
+        },
+        {
+            "apiVersion": "policy/v1",
+            "kind": "PodDisruptionBudget",
+            "metadata": meta,
+            "spec": {
+                "maxUnavailable": 1,
+                "selector": {"matchLabels": selector},
+                "unhealthyPodEvictionPolicy": "AlwaysAllow",
+            },
+        },
     ]

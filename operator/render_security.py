@@ -6,6 +6,7 @@ when `--api-key` is absent). The Secret's value does not change the pod spec, so
 never reach running pods; the operator therefore reads the Secret and writes a digest of it into a pod
 template annotation, and a changed digest rolls the Deployment like any other template change.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -49,8 +50,7 @@ def secret_digest(secret: dict | None, key: str) -> str | None:
 
 def _uses_api_key(template: dict) -> bool:
     containers = (template.get("spec") or {}).get("containers") or []
-    return any(env.get("name") == API_KEY_ENV and "valueFrom" in env
-               for c in containers for env in c.get("env") or [])
+    return any(env.get("name") == API_KEY_ENV and "valueFrom" in env for c in containers for env in c.get("env") or [])
 
 
 def with_api_key_hash(objs: list[dict], digest: str | None) -> list[dict]:
@@ -62,8 +62,13 @@ def with_api_key_hash(objs: list[dict], digest: str | None) -> list[dict]:
         template = (obj.get("spec") or {}).get("template")
         if template is not None and _uses_api_key(template):
             meta = template.get("metadata") or {}
-            template = {**template, "metadata": {
-                **meta, "annotations": {**(meta.get("annotations") or {}), API_KEY_HASH_ANNOTATION: digest}}}
+            template = {
+                **template,
+                "metadata": {
+                    **meta,
+                    "annotations": {**(meta.get("annotations") or {}), API_KEY_HASH_ANNOTATION: digest},
+                },
+            }
             obj = {**obj, "spec": {**obj["spec"], "template": template}}
         out.append(obj)
     return out
@@ -75,8 +80,10 @@ def network_policy(resolved: Resolved, name: str, namespace: str) -> dict:
     for /metrics. NetworkPolicy is L4: the metrics peers can also open /v1, which the API key still guards."""
     policy, port = resolved.spec["networkPolicy"], resolved.spec["port"]
     api_peers: list[dict[str, Any]] = (
-        [{"podSelector": {}}] if policy["allowSameNamespace"]
-        else [{"podSelector": {"matchLabels": {OWNER_LABEL: name}}}])
+        [{"podSelector": {}}]
+        if policy["allowSameNamespace"]
+        else [{"podSelector": {"matchLabels": {OWNER_LABEL: name}}}]
+    )
     api_peers += list(policy.get("from") or [])
     metrics_selector = policy.get("metricsNamespaceSelector") or DEFAULT_METRICS_NAMESPACE_SELECTOR
     return {

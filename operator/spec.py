@@ -6,6 +6,7 @@ default here equals the CRD's). Validation that needs the catalogs (unknown mode
 here, and so does the enum check of engine settings (`check_enums`, from the same EngineArgs definition the
 CRD's enums are tested against); shape/range validation is the CRD schema's job.
 """
+
 from __future__ import annotations
 
 import copy
@@ -23,6 +24,7 @@ KIND = "InferenceService"
 PLURAL = "inferenceservices"
 
 DEFAULT_IMAGE = "ghcr.io/kvserve/kvserve-runtime:0.1.0"
+
 
 def _engine_defaults() -> dict[str, dict[str, Any]]:
     """The engine settings the CRD exposes, with their defaults, from the one EngineArgs definition."""
@@ -102,8 +104,14 @@ _SHAPE_FIELDS = {
     "attentionBias": "attention_bias",
     "qkNorm": "qk_norm",
 }
-_OPTIONAL_SHAPE_FIELDS = {"expertsPerToken", "numExperts", "architecture", "tieWordEmbeddings", "attentionBias",
-                          "qkNorm"}
+_OPTIONAL_SHAPE_FIELDS = {
+    "expertsPerToken",
+    "numExperts",
+    "architecture",
+    "tieWordEmbeddings",
+    "attentionBias",
+    "qkNorm",
+}
 
 
 def model_source(model_spec: dict) -> source_uri.ModelURI:
@@ -114,12 +122,16 @@ def model_source(model_spec: dict) -> source_uri.ModelURI:
         raise SpecError("InvalidModelSource", str(exc)) from None
     for key in ("cache", "credentials"):
         if model_spec.get(key) and not source.remote:
-            raise SpecError("InvalidModelSource", f"spec.model.{key} applies to hf:// and s3:// sources only; "
-                                                  f"{source.scheme}:// is mounted as it is")
+            raise SpecError(
+                "InvalidModelSource",
+                f"spec.model.{key} applies to hf:// and s3:// sources only; {source.scheme}:// is mounted as it is",
+            )
     cache = model_spec.get("cache") or {}
     if cache and bool(cache.get("claimName")) == bool(cache.get("hostPath")):
-        raise SpecError("InvalidModelSource", "spec.model.cache: set exactly one of claimName (a ReadWriteMany "
-                                              "PVC) and hostPath (a node-local folder)")
+        raise SpecError(
+            "InvalidModelSource",
+            "spec.model.cache: set exactly one of claimName (a ReadWriteMany PVC) and hostPath (a node-local folder)",
+        )
     return source
 
 
@@ -146,22 +158,29 @@ def model_shape(model_spec: dict, model_config: dict | None = None) -> catalog.M
     if base is None and model_config is not None:
         archs = model_config.get("architectures") or []
         if archs and not any(a in capacity.SUPPORTED_ARCHITECTURES for a in archs):
-            raise SpecError("UnsupportedArchitecture",
-                            f"the model's config.json names architectures {', '.join(archs)}, which the runtime "
-                            f"does not serve; supported: {', '.join(capacity.SUPPORTED_ARCHITECTURES)}")
+            raise SpecError(
+                "UnsupportedArchitecture",
+                f"the model's config.json names architectures {', '.join(archs)}, which the runtime "
+                f"does not serve; supported: {', '.join(capacity.SUPPORTED_ARCHITECTURES)}",
+            )
         try:
             base = capacity.shape_from_hf_config(model_config)
         except (KeyError, TypeError, ValueError) as exc:
-            raise SpecError("InvalidModelConfig", f"the model's config.json lacks or mangles a shape field "
-                                                  f"({type(exc).__name__}: {exc}); give spec.model.shape") from None
+            raise SpecError(
+                "InvalidModelConfig",
+                f"the model's config.json lacks or mangles a shape field "
+                f"({type(exc).__name__}: {exc}); give spec.model.shape",
+            ) from None
     if base is None:
         missing = [k for k in _SHAPE_FIELDS if k not in _OPTIONAL_SHAPE_FIELDS and k not in overrides]
         if missing:
             known = ", ".join(sorted(catalog.MODELS))
-            raise SpecError("UnknownModel",
-                            f"model {model_spec.get('name')!r} is not in the catalog ({known}); "
-                            f"give spec.model.shape with {', '.join(missing)}, or an hf:// or s3:// "
-                            "spec.model.uri (the operator then plans from its config.json)")
+            raise SpecError(
+                "UnknownModel",
+                f"model {model_spec.get('name')!r} is not in the catalog ({known}); "
+                f"give spec.model.shape with {', '.join(missing)}, or an hf:// or s3:// "
+                "spec.model.uri (the operator then plans from its config.json)",
+            )
         fields = {py: overrides[k] for k, py in _SHAPE_FIELDS.items() if k in overrides}
         return catalog.ModelShape(**fields)
     replace = {py: overrides[k] for k, py in _SHAPE_FIELDS.items() if k in overrides}
@@ -175,9 +194,12 @@ def check_no_api_key_in_args(spec: dict) -> None:
     """
     for arg in (spec.get("engine") or {}).get("extraArgs") or []:
         if str(arg).split("=", 1)[0] == "--api-key":
-            raise SpecError("ApiKeyInArgs", "spec.engine.extraArgs must not carry --api-key (it would be readable "
-                                            "in the CR, the Deployment and the process list); put the key in a "
-                                            "Secret and set spec.auth.apiKeySecretRef {name, key}")
+            raise SpecError(
+                "ApiKeyInArgs",
+                "spec.engine.extraArgs must not carry --api-key (it would be readable "
+                "in the CR, the Deployment and the process list); put the key in a "
+                "Secret and set spec.auth.apiKeySecretRef {name, key}",
+            )
 
 
 def check_enums(spec: dict) -> None:
@@ -187,8 +209,10 @@ def check_enums(spec: dict) -> None:
         section, key = path.split(".")
         value = (spec.get(section) or {}).get(key)
         if value not in choices or isinstance(value, bool):
-            raise SpecError("InvalidEngineSetting", f"spec.{path} must be one of "
-                                                    f"{', '.join(str(c) for c in choices)}, got {value!r}")
+            raise SpecError(
+                "InvalidEngineSetting",
+                f"spec.{path} must be one of {', '.join(str(c) for c in choices)}, got {value!r}",
+            )
 
 
 def resolve(spec: dict, model_config: dict | None = None) -> Resolved:
@@ -207,28 +231,40 @@ def resolve(spec: dict, model_config: dict | None = None) -> Resolved:
     elif gpu is not None:
         memory_bytes = gpu.memory_bytes
     else:
-        raise SpecError("UnknownGPU",
-                        f"GPU {gpu_spec.get('product')!r} is not in the catalog ({', '.join(sorted(catalog.GPUS))}); "
-                        "give spec.gpu.memoryMiB")
+        raise SpecError(
+            "UnknownGPU",
+            f"GPU {gpu_spec.get('product')!r} is not in the catalog ({', '.join(sorted(catalog.GPUS))}); "
+            "give spec.gpu.memoryMiB",
+        )
     product = gpu_spec.get("nodeSelectorProduct") or (gpu.product if gpu else gpu_spec.get("product"))
     mib = catalog.MiB
-    plan = planner.plan(planner.PlanInput(
-        model=model,
-        gpu_memory_bytes=memory_bytes,
-        tensor_parallel_size=gpu_spec["tensorParallelSize"],
-        dtype=spec["model"]["dtype"],
-        kv_cache_dtype=engine["kvCacheDtype"],
-        max_model_len=engine["maxModelLen"],
-        block_size=engine["blockSize"],
-        gpu_memory_utilization=engine["gpuMemoryUtilization"],
-        max_num_batched_tokens=engine["maxNumBatchedTokens"],
-        max_num_seqs=engine["maxNumSeqs"],
-        activation_reserve_bytes=engine["activationReserveMiB"] * mib if "activationReserveMiB" in engine else None,
-        runtime_overhead_bytes=engine["runtimeOverheadMiB"] * mib if "runtimeOverheadMiB" in engine else None,
-    ))
+    plan = planner.plan(
+        planner.PlanInput(
+            model=model,
+            gpu_memory_bytes=memory_bytes,
+            tensor_parallel_size=gpu_spec["tensorParallelSize"],
+            dtype=spec["model"]["dtype"],
+            kv_cache_dtype=engine["kvCacheDtype"],
+            max_model_len=engine["maxModelLen"],
+            block_size=engine["blockSize"],
+            gpu_memory_utilization=engine["gpuMemoryUtilization"],
+            max_num_batched_tokens=engine["maxNumBatchedTokens"],
+            max_num_seqs=engine["maxNumSeqs"],
+            activation_reserve_bytes=engine["activationReserveMiB"] * mib if "activationReserveMiB" in engine else None,
+            runtime_overhead_bytes=engine["runtimeOverheadMiB"] * mib if "runtimeOverheadMiB" in engine else None,
+        )
+    )
     if plan.fits and not engine["enableChunkedPrefill"] and engine["maxNumBatchedTokens"] < engine["maxModelLen"]:
-        plan = planner.Plan(**{**plan.to_dict(), "fits": False, "reason": "InvalidEngineConfig",
-                               "message": "without chunked prefill maxNumBatchedTokens "
-                                          f"({engine['maxNumBatchedTokens']}) must be >= maxModelLen "
-                                          f"({engine['maxModelLen']})"})
-    return Resolved(spec=spec, source=source, model=model, gpu_memory_bytes=memory_bytes, gpu_product=product, plan=plan)
+        plan = planner.Plan(
+            **{
+                **plan.to_dict(),
+                "fits": False,
+                "reason": "InvalidEngineConfig",
+                "message": "without chunked prefill maxNumBatchedTokens "
+                f"({engine['maxNumBatchedTokens']}) must be >= maxModelLen "
+                f"({engine['maxModelLen']})",
+            }
+        )
+    return Resolved(
+        spec=spec, source=source, model=model, gpu_memory_bytes=memory_bytes, gpu_product=product, plan=plan
+    )

@@ -3,13 +3,14 @@
 Condition timestamps move only when a condition's status flips, so recomputing the status of an unchanged
 object yields an identical dict and the operator patches nothing.
 """
+
 from __future__ import annotations
 
 from typing import Any
 
+from kvserve.operator.labels import selector_string
 from kvserve.operator.planner import Plan
 from kvserve.operator.pod_health import PodFailure
-from kvserve.operator.labels import selector_string
 from kvserve.operator.render import service_url
 from kvserve.operator.render_router import url_service_name
 
@@ -31,8 +32,9 @@ def plan_status(plan: Plan) -> dict[str, int]:
     return {camel: getattr(plan, snake) for camel, snake in _PLAN_FIELDS.items()}
 
 
-def _condition(ctype: str, ok: bool, reason: str, message: str, previous: dict[str, dict], now: str,
-               generation: int | None) -> dict[str, Any]:
+def _condition(
+    ctype: str, ok: bool, reason: str, message: str, previous: dict[str, dict], now: str, generation: int | None
+) -> dict[str, Any]:
     status = "True" if ok else "False"
     old = previous.get(ctype)
     since = old["lastTransitionTime"] if old and old.get("status") == status and old.get("lastTransitionTime") else now
@@ -49,11 +51,22 @@ def _deployment_condition(deployment: dict | None, ctype: str) -> dict:
     return {}
 
 
-def compute_status(*, name: str, namespace: str, spec: dict, generation: int | None,
-                   plan: Plan | None, plan_reason: str, plan_message: str,
-                   deployment: dict | None, previous: dict | None, now: str,
-                   pod_failure: PodFailure | None = None, conflicts: tuple[str, ...] = (),
-                   model_ready: tuple[bool, str, str] | None = None) -> dict[str, Any]:
+def compute_status(
+    *,
+    name: str,
+    namespace: str,
+    spec: dict,
+    generation: int | None,
+    plan: Plan | None,
+    plan_reason: str,
+    plan_message: str,
+    deployment: dict | None,
+    previous: dict | None,
+    now: str,
+    pod_failure: PodFailure | None = None,
+    conflicts: tuple[str, ...] = (),
+    model_ready: tuple[bool, str, str] | None = None,
+) -> dict[str, Any]:
     """`plan` is None when the spec could not be planned at all (unknown model/GPU); `spec` has defaults.
 
     `conflicts` labels children (kind, or kind/name) whose object this InferenceService does not own: nothing is
@@ -73,9 +86,13 @@ def compute_status(*, name: str, namespace: str, spec: dict, generation: int | N
     dep_observed = dep_status.get("observedGeneration")
     rolled = dep_generation is None or (dep_observed is not None and dep_observed >= dep_generation)
 
-    conflict_message = ("objects under this InferenceService's child names exist but are not owned by it: "
-                        f"{', '.join(conflicts)} (kind, or kind/name for the router's); nothing is adopted or "
-                        "changed: delete or rename them" if conflicts else "")
+    conflict_message = (
+        "objects under this InferenceService's child names exist but are not owned by it: "
+        f"{', '.join(conflicts)} (kind, or kind/name for the router's); nothing is adopted or "
+        "changed: delete or rename them"
+        if conflicts
+        else ""
+    )
     if not fits:
         ready_c = (False, "CapacityNotPlanned", plan_message)
     elif conflicts:
@@ -101,8 +118,11 @@ def compute_status(*, name: str, namespace: str, spec: dict, generation: int | N
     deadline = _deployment_condition(deployment, "Progressing")
     failure = _deployment_condition(deployment, "ReplicaFailure")
     if not fits and deployment is not None:
-        degraded_c = (True, "SpecNotApplied",
-                      f"the new spec does not fit ({plan_reason}); the previous Deployment keeps serving")
+        degraded_c = (
+            True,
+            "SpecNotApplied",
+            f"the new spec does not fit ({plan_reason}); the previous Deployment keeps serving",
+        )
     elif fits and deployment is not None and pod_failure is not None:
         degraded_c = (True, pod_failure.reason, pod_failure.message)
     elif deadline.get("status") == "False" and deadline.get("reason") == "ProgressDeadlineExceeded":
@@ -117,8 +137,15 @@ def compute_status(*, name: str, namespace: str, spec: dict, generation: int | N
         _condition("CapacityPlanned", fits, plan_reason, plan_message, previous_conditions, now, generation),
         _condition("Progressing", *progressing_c, previous_conditions, now, generation),
         _condition("Degraded", *degraded_c, previous_conditions, now, generation),
-        _condition("ChildConflict", bool(conflicts), "ChildConflict" if conflicts else "NoConflict", conflict_message,
-                   previous_conditions, now, generation),
+        _condition(
+            "ChildConflict",
+            bool(conflicts),
+            "ChildConflict" if conflicts else "NoConflict",
+            conflict_message,
+            previous_conditions,
+            now,
+            generation,
+        ),
     ]
     if model_ready is not None:
         conditions.append(_condition("ModelReady", *model_ready, previous_conditions, now, generation))

@@ -1,5 +1,6 @@
 """Pure: which Warning Events a status change deserves -- one per transition into a bad state, never one per
 reconcile (the resync recomputes the same status every minute; Events must not pile up)."""
+
 from __future__ import annotations
 
 # condition type -> the status that is bad news

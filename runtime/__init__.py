@@ -1,4 +1,5 @@
 """kvserve runtime. `from kvserve.runtime import LLM, SamplingParams` (torch loads on first use of LLM)."""
+
 from kvserve.runtime.sampling_params import SamplingParams
 
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput"]

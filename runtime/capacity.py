@@ -14,6 +14,7 @@ Facts kept here, once:
 - the tensor-parallel shape rules and the exact bytes of weights each rank holds;
 - which architectures the runtime serves and how an HF config.json maps to a model shape.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,15 +26,26 @@ NULL_BLOCKS = 1  # block 0: padding for block tables, never allocated to a reque
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1}
 # Other spellings users and HF configs use. "fp8" is vLLM's: e4m3 for KV caches, e4m3 weights for models.
 DTYPE_ALIASES: dict[str, str] = {
-    "fp32": "float32", "float": "float32", "torch.float32": "float32",
-    "bf16": "bfloat16", "torch.bfloat16": "bfloat16",
-    "fp16": "float16", "half": "float16", "torch.float16": "float16",
-    "fp8": "fp8_e4m3", "fp8_e4m3fn": "fp8_e4m3",
+    "fp32": "float32",
+    "float": "float32",
+    "torch.float32": "float32",
+    "bf16": "bfloat16",
+    "torch.bfloat16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+    "torch.float16": "float16",
+    "fp8": "fp8_e4m3",
+    "fp8_e4m3fn": "fp8_e4m3",
 }
 # The torch dtype (attribute of the torch module) each canonical name is stored as; the runtime's tensors
 # and the kernels' caches take their dtypes from here (getattr(torch, TORCH_DTYPE_NAMES[name])).
-TORCH_DTYPE_NAMES: dict[str, str] = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
-                                     "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+TORCH_DTYPE_NAMES: dict[str, str] = {
+    "float32": "float32",
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "fp8_e4m3": "float8_e4m3fn",
+    "fp8_e5m2": "float8_e5m2",
+}
 # Largest finite magnitude of each FP8 format (torch.finfo(...).max); values beyond it saturate on store.
 FP8_MAX: dict[str, float] = {"fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}
 # The unquantised floating-point dtypes weights and activations run in.
@@ -47,9 +59,16 @@ FP8_SCALE_BYTES = 4  # one fp32 scale per output channel of each quantised linea
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 # What the runtime's model files implement (runtime/models). The planner refuses anything else.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "MixtralForCausalLM",
-                           "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma2ForCausalLM",
-                           "Gemma3ForCausalLM")  # classes: runtime/models/registry.py
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+)  # classes: runtime/models/registry.py
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
 
@@ -65,8 +84,9 @@ def canonical_dtype(name: str) -> str:
     key = str(name).strip().lower()
     key = DTYPE_ALIASES.get(key, key)
     if key not in DTYPE_BYTES:
-        raise CapacityError("dtype", f"unknown dtype {name!r}; known: {', '.join(DTYPE_BYTES)} "
-                                     f"(aliases: {', '.join(DTYPE_ALIASES)})")
+        raise CapacityError(
+            "dtype", f"unknown dtype {name!r}; known: {', '.join(DTYPE_BYTES)} (aliases: {', '.join(DTYPE_ALIASES)})"
+        )
     return key
 
 
@@ -98,8 +118,9 @@ def kv_cache_dtype(dtype: str, kv_cache_dtype_name: str = "auto") -> str:
     if key == "auto":
         return activation_dtype(dtype)
     if key not in KV_CACHE_DTYPES:
-        raise CapacityError("kv_cache_dtype", f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
-                                              f"got {kv_cache_dtype_name!r}")
+        raise CapacityError(
+            "kv_cache_dtype", f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype_name!r}"
+        )
     return canonical_dtype(key)
 
 
@@ -112,6 +133,7 @@ def torch_dtype_name(name: str) -> str:
 @dataclass(frozen=True)
 class ModelShape:
     """What capacity depends on. Built from a catalog entry, a spec's overrides or a config.json."""
+
     num_layers: int
     num_attention_heads: int
     num_kv_heads: int
@@ -150,16 +172,24 @@ def shape_from_hf_config(config: dict) -> ModelShape:
     heads = int(text["num_attention_heads"])
     hidden = int(text["hidden_size"])
     num_experts = int(text.get("num_local_experts") or text.get("num_experts") or 0)
-    inter = int(text.get("moe_intermediate_size") or text["intermediate_size"]) if num_experts else \
-        int(text["intermediate_size"])
+    inter = (
+        int(text.get("moe_intermediate_size") or text["intermediate_size"])
+        if num_experts
+        else int(text["intermediate_size"])
+    )
     shape = ModelShape(
-        num_layers=int(text["num_hidden_layers"]), num_attention_heads=heads,
+        num_layers=int(text["num_hidden_layers"]),
+        num_attention_heads=heads,
         num_kv_heads=int(text.get("num_key_value_heads") or heads),
-        head_dim=int(text.get("head_dim") or hidden // heads), hidden_size=hidden, num_parameters=0,
-        max_position_embeddings=int(text.get("max_position_embeddings") or 4096), intermediate_size=inter,
+        head_dim=int(text.get("head_dim") or hidden // heads),
+        hidden_size=hidden,
+        num_parameters=0,
+        max_position_embeddings=int(text.get("max_position_embeddings") or 4096),
+        intermediate_size=inter,
         vocab_size=int(text["vocab_size"]),
         experts_per_token=int(text.get("num_experts_per_tok") or 1) if num_experts else 1,
-        num_experts=num_experts, architecture=arch,
+        num_experts=num_experts,
+        architecture=arch,
         tie_word_embeddings=bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", gemma))),
         attention_bias=arch == "Qwen2ForCausalLM" or bool(text.get("attention_bias", False)),
         o_proj_bias=arch != "Qwen2ForCausalLM" and bool(text.get("attention_bias", False)),
@@ -169,12 +199,13 @@ def shape_from_hf_config(config: dict) -> ModelShape:
         num_sliding_layers=num_sliding if text.get("sliding_window") else 0,
         num_layer_norms=4 if gemma else 2,
         num_dense_layers=_num_dense_layers(text, num_experts) if num_experts else 0,
-        dense_intermediate_size=int(text["intermediate_size"]) if num_experts else 0)
+        dense_intermediate_size=int(text["intermediate_size"]) if num_experts else 0,
+    )
     return ModelShape(**{**shape.__dict__, "num_parameters": parameters_per_rank(shape, 1)})
 
 
 def gemma_layer_types(text: dict) -> tuple[str, ...]:
-    """"sliding_attention" / "full_attention" per layer, as transformers decides: an explicit layer_types,
+    """ "sliding_attention" / "full_attention" per layer, as transformers decides: an explicit layer_types,
     else Gemma 2 slides on even indices (1:1) and Gemma 3 on all but every sliding_window_pattern-th (5:1)."""
     num_layers = int(text["num_hidden_layers"])
     explicit = text.get("layer_types")
@@ -228,8 +259,10 @@ def unsupported_config_error(config: dict, source: str = "config.json") -> str |
     file in the message."""
     archs = config.get("architectures") or []
     if not _config_architecture(config):
-        return (f"unsupported architecture {archs or config.get('model_type')!r} in {source}; supported: "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        return (
+            f"unsupported architecture {archs or config.get('model_type')!r} in {source}; supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
     text = config.get("text_config") or config
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -241,8 +274,10 @@ def unsupported_config_error(config: dict, source: str = "config.json") -> str |
 def unsupported_architecture_error(shape: ModelShape) -> str | None:
     if shape.architecture in SUPPORTED_ARCHITECTURES:
         return None
-    return (f"architecture {shape.architecture or 'unknown'!r} is not served by the kvserve runtime; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    return (
+        f"architecture {shape.architecture or 'unknown'!r} is not served by the kvserve runtime; "
+        f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
 
 
 # -- tensor parallelism ---------------------------------------------------------------------------------
@@ -258,8 +293,10 @@ def tp_shape_error(num_heads: int, num_kv_heads: int, intermediate_size: int, tp
     if num_heads % t:
         return f"num_attention_heads={num_heads} is not divisible by tensor_parallel_size={t} (valid: {valid})"
     if num_kv_heads % t and t % num_kv_heads:
-        return (f"num_key_value_heads={num_kv_heads} and tensor_parallel_size={t}: one must divide the other, so "
-                f"every rank's query heads share whole KV heads (valid: {valid})")
+        return (
+            f"num_key_value_heads={num_kv_heads} and tensor_parallel_size={t}: one must divide the other, so "
+            f"every rank's query heads share whole KV heads (valid: {valid})"
+        )
     if intermediate_size % t:
         return f"intermediate_size={intermediate_size} is not divisible by tensor_parallel_size={t} (valid: {valid})"
     return None
@@ -269,14 +306,19 @@ def shape_tp_error(shape: ModelShape, tp_size: int) -> str | None:
     """tp_shape_error for a whole model: the experts' width and, for MoE models with dense layers, theirs."""
     error = tp_shape_error(shape.num_attention_heads, shape.num_kv_heads, shape.intermediate_size, tp_size)
     if error is None and shape.num_dense_layers and shape.dense_intermediate_size % tp_size:
-        return (f"intermediate_size={shape.dense_intermediate_size} (the dense layers' MLP) is not divisible by "
-                f"tensor_parallel_size={tp_size}")
+        return (
+            f"intermediate_size={shape.dense_intermediate_size} (the dense layers' MLP) is not divisible by "
+            f"tensor_parallel_size={tp_size}"
+        )
     return error
 
 
 def valid_tp_sizes(num_heads: int, num_kv_heads: int, intermediate_size: int, limit: int = 8) -> list[int]:
-    return [t for t in range(1, min(limit, num_heads) + 1)
-            if num_heads % t == 0 and intermediate_size % t == 0 and (num_kv_heads % t == 0 or t % num_kv_heads == 0)]
+    return [
+        t
+        for t in range(1, min(limit, num_heads) + 1)
+        if num_heads % t == 0 and intermediate_size % t == 0 and (num_kv_heads % t == 0 or t % num_kv_heads == 0)
+    ]
 
 
 def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
@@ -304,8 +346,12 @@ def parameter_groups_per_rank(shape: ModelShape, tp_size: int) -> tuple[int, int
     attn_linear = (q_out + 2 * kv_out) * m.hidden_size + m.hidden_size * q_out
     attn_channels = q_out + 2 * kv_out + m.hidden_size
     # Row-parallel biases (o_proj, down_proj) are whole on every rank: added once after the all-reduce.
-    attn_other = m.num_layer_norms * m.hidden_size + (q_out + 2 * kv_out if m.attention_bias else 0) + \
-        (m.hidden_size if m.o_proj_bias else 0) + (2 * m.head_dim if m.qk_norm else 0)
+    attn_other = (
+        m.num_layer_norms * m.hidden_size
+        + (q_out + 2 * kv_out if m.attention_bias else 0)
+        + (m.hidden_size if m.o_proj_bias else 0)
+        + (2 * m.head_dim if m.qk_norm else 0)
+    )
     experts = max(m.num_experts, 1)
     mlp_linear = experts * 3 * m.hidden_size * inter  # gate, up, down per expert
     mlp_other = experts * (2 * inter + m.hidden_size) if m.mlp_bias else 0
@@ -314,11 +360,15 @@ def parameter_groups_per_rank(shape: ModelShape, tp_size: int) -> tuple[int, int
     embeddings = vocab_rows * m.hidden_size * (1 if m.tie_word_embeddings else 2)
     sparse_layers = m.num_layers - m.num_dense_layers  # all of them for dense models (one "expert")
     dense_inter = m.dense_intermediate_size // t
-    linear = m.num_layers * attn_linear + sparse_layers * mlp_linear + \
-        m.num_dense_layers * 3 * m.hidden_size * dense_inter
+    linear = (
+        m.num_layers * attn_linear + sparse_layers * mlp_linear + m.num_dense_layers * 3 * m.hidden_size * dense_inter
+    )
     other = m.num_layers * attn_other + sparse_layers * (mlp_other + router) + embeddings + m.hidden_size  # + norm
-    channels = m.num_layers * attn_channels + sparse_layers * mlp_channels + \
-        m.num_dense_layers * (2 * dense_inter + m.hidden_size)
+    channels = (
+        m.num_layers * attn_channels
+        + sparse_layers * mlp_channels
+        + m.num_dense_layers * (2 * dense_inter + m.hidden_size)
+    )
     return linear, other, channels
 
 
@@ -335,6 +385,7 @@ def weight_bytes_per_rank(shape: ModelShape, dtype: str, tp_size: int) -> int:
 @dataclass(frozen=True)
 class KVCacheGroup:
     """Layers that share one block table (vLLM's KV cache group). sliding_window 0: full attention."""
+
     sliding_window: int
     layers: tuple[int, ...]  # model layer indices; a bucket's last group may hold fewer than layers_per_group
 
@@ -357,9 +408,9 @@ def kv_cache_groups(windows: tuple[int, ...]) -> tuple[KVCacheGroup, ...]:
     if not full or not sliding:
         return (KVCacheGroup(0, tuple(range(len(windows)))),)
     g = min(len(full), *(len(v) for v in sliding.values()))
-    groups = [KVCacheGroup(0, full[i:i + g]) for i in range(0, len(full), g)]
+    groups = [KVCacheGroup(0, full[i : i + g]) for i in range(0, len(full), g)]
     for w, layers in sliding.items():
-        groups += [KVCacheGroup(w, tuple(layers[i:i + g])) for i in range(0, len(layers), g)]
+        groups += [KVCacheGroup(w, tuple(layers[i : i + g])) for i in range(0, len(layers), g)]
     return tuple(groups)
 
 
@@ -379,6 +430,7 @@ def shape_kv_cache_groups(shape: ModelShape) -> tuple[KVCacheGroup, ...]:
 class KVLayout:
     """One rank's KV cache geometry. Every rank holds its KV heads' slice of the same tokens.
     group_windows: one entry per KV cache group (0 = full attention); empty = one group of every layer."""
+
     num_layers: int
     num_kv_heads: int  # whole model
     head_dim: int
@@ -427,8 +479,9 @@ class KVLayout:
         step = num_tokens if max_num_batched_tokens is None else max_num_batched_tokens
         total = 0
         for w in self.group_windows or (0,):
-            total += full if not w else min(full, blocks_per_sequence(min(w - 1 + step, num_tokens),
-                                                                      self.block_size) + 1)
+            total += (
+                full if not w else min(full, blocks_per_sequence(min(w - 1 + step, num_tokens), self.block_size) + 1)
+            )
         return total
 
     def usable_tokens(self, num_blocks: int) -> int:
@@ -455,9 +508,16 @@ class KVLayout:
 def kv_layout(shape: ModelShape, dtype: str, kv_cache_dtype_name: str, block_size: int, tp_size: int) -> KVLayout:
     groups = shape_kv_cache_groups(shape)
     windows = tuple(g.sliding_window for g in groups) if len(groups) > 1 else ()
-    return KVLayout(shape.num_layers, shape.num_kv_heads, shape.head_dim,
-                    kv_cache_dtype(dtype, kv_cache_dtype_name), block_size, tp_size,
-                    group_windows=windows, layers_per_group=len(groups[0].layers) if windows else 0)
+    return KVLayout(
+        shape.num_layers,
+        shape.num_kv_heads,
+        shape.head_dim,
+        kv_cache_dtype(dtype, kv_cache_dtype_name),
+        block_size,
+        tp_size,
+        group_windows=windows,
+        layers_per_group=len(groups[0].layers) if windows else 0,
+    )
 
 
 def usable_blocks(num_blocks: int) -> int:
@@ -479,8 +539,9 @@ def max_concurrency(num_blocks: int, max_model_len: int, block_size: int) -> int
     return usable_blocks(num_blocks) // blocks_per_sequence(max_model_len, block_size)
 
 
-def one_sequence_error(num_blocks: int, max_model_len: int, layout: KVLayout, source: str,
-                       max_num_batched_tokens: int | None = None) -> str | None:
+def one_sequence_error(
+    num_blocks: int, max_model_len: int, layout: KVLayout, source: str, max_num_batched_tokens: int | None = None
+) -> str | None:
     """The refusal both sides give when one max_model_len sequence cannot fit (None when it fits).
     `source` names the setting that decided the budget (kv_cache_bytes, num_kv_blocks, ...)."""
     usable = usable_blocks(num_blocks)
@@ -488,9 +549,14 @@ def one_sequence_error(num_blocks: int, max_model_len: int, layout: KVLayout, so
     if usable >= needed:
         return None
     longest = layout.longest_sequence(num_blocks, max_model_len, max_num_batched_tokens)
-    held = (f"{usable * layout.block_size} tokens" if layout.num_groups == 1 else
-            f"shared by {layout.num_groups} KV cache groups")
-    return (f"{source}: the KV cache holds {usable} usable blocks of {layout.block_size} tokens "
-            f"({held}) per rank, but one max_model_len={max_model_len} sequence needs "
-            f"{needed} blocks ({layout.budget_for_blocks(needed + NULL_BLOCKS)} bytes with the null block); "
-            f"raise the KV budget or set max_model_len <= {longest}")
+    held = (
+        f"{usable * layout.block_size} tokens"
+        if layout.num_groups == 1
+        else f"shared by {layout.num_groups} KV cache groups"
+    )
+    return (
+        f"{source}: the KV cache holds {usable} usable blocks of {layout.block_size} tokens "
+        f"({held}) per rank, but one max_model_len={max_model_len} sequence needs "
+        f"{needed} blocks ({layout.budget_for_blocks(needed + NULL_BLOCKS)} bytes with the null block); "
+        f"raise the KV budget or set max_model_len <= {longest}"
+    )

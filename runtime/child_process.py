@@ -8,6 +8,7 @@ answers with its raw "An attempt has been made to start a new process before the
 its bootstrapping phase", once per child. Instead the child leaves silently with MAIN_GUARD_EXIT_CODE and the
 parent, which sees that exit code, raises MainGuardError once, saying what to change.
 """
+
 from __future__ import annotations
 
 import multiprocessing
@@ -18,8 +19,9 @@ MAIN_GUARD_EXIT_CODE = 87
 MAIN_GUARD_MESSAGE = (
     "kvserve starts child processes (the engine core, tensor-parallel workers) with the 'spawn' method, which "
     "re-imports your main script in each child; the script builds the engine at module level, so each child "
-    "would start it again. Put the code that creates the engine under `if __name__ == \"__main__\":` "
-    "(see https://docs.python.org/3/library/multiprocessing.html#the-spawn-and-forkserver-start-methods)")
+    'would start it again. Put the code that creates the engine under `if __name__ == "__main__":` '
+    "(see https://docs.python.org/3/library/multiprocessing.html#the-spawn-and-forkserver-start-methods)"
+)
 
 
 class MainGuardError(RuntimeError):

@@ -1,4 +1,5 @@
 """Engine configuration: frozen dataclasses, validated once where they are built (LLM / CLI kwargs)."""
+
 from __future__ import annotations
 
 import json
@@ -95,11 +96,21 @@ def load_model_config(model_dir: str, dtype: str = "auto", max_model_len: int | 
     max_model_len = engine_args.resolve_max_model_len(max_model_len, capacity.context_limit(config))
     shape = capacity.shape_from_hf_config(config)
     return ModelConfig(
-        model_dir=model_dir, architecture=arch, hf_config=hf_config, dtype=capacity.activation_dtype(weight_dtype),
-        max_model_len=max_model_len, num_layers=shape.num_layers, num_heads=shape.num_attention_heads,
-        num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim, hidden_size=shape.hidden_size,
-        vocab_size=shape.vocab_size, eos_token_ids=_eos_token_ids(model_dir, hf_config), shape=shape,
-        weight_dtype=weight_dtype)
+        model_dir=model_dir,
+        architecture=arch,
+        hf_config=hf_config,
+        dtype=capacity.activation_dtype(weight_dtype),
+        max_model_len=max_model_len,
+        num_layers=shape.num_layers,
+        num_heads=shape.num_attention_heads,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        hidden_size=shape.hidden_size,
+        vocab_size=shape.vocab_size,
+        eos_token_ids=_eos_token_ids(model_dir, hf_config),
+        shape=shape,
+        weight_dtype=weight_dtype,
+    )
 
 
 def _eos_token_ids(model_dir: str, hf_config: Any) -> tuple[int, ...]:
@@ -130,8 +141,11 @@ def make_engine_config(model: str, **kwargs) -> EngineConfig:
     except UnknownEngineArgument as exc:
         raise InvalidParameter(exc.name, str(exc)) from None
     if args.api_server_count != 1:  # a process layout of `kvserve serve`; an engine built here has no HTTP side
-        raise InvalidParameter("api_server_count", "api_server_count is a `kvserve serve` setting "
-                                                   "(--api-server-count); an engine built in-process has no API server")
+        raise InvalidParameter(
+            "api_server_count",
+            "api_server_count is a `kvserve serve` setting "
+            "(--api-server-count); an engine built in-process has no API server",
+        )
     return build_engine_config(args)
 
 
@@ -146,11 +160,14 @@ def build_engine_config(args) -> EngineConfig:
     if a.num_kv_blocks is not None and a.num_kv_blocks < 2:
         raise InvalidParameter("num_kv_blocks", f"num_kv_blocks must be >= 2, got {a.num_kv_blocks}")
     if not isinstance(a.max_consecutive_step_failures, int) or a.max_consecutive_step_failures < 1:
-        raise InvalidParameter("max_consecutive_step_failures", f"max_consecutive_step_failures must be an integer "
-                                                                f">= 1, got {a.max_consecutive_step_failures!r}")
+        raise InvalidParameter(
+            "max_consecutive_step_failures",
+            f"max_consecutive_step_failures must be an integer >= 1, got {a.max_consecutive_step_failures!r}",
+        )
     if a.preemption_mode not in ("recompute", "swap"):
-        raise InvalidParameter("preemption_mode", f"preemption_mode must be 'recompute' or 'swap', "
-                                                  f"got {a.preemption_mode!r}")
+        raise InvalidParameter(
+            "preemption_mode", f"preemption_mode must be 'recompute' or 'swap', got {a.preemption_mode!r}"
+        )
     if swap_space_bytes is None:
         swap_space_bytes = DEFAULT_SWAP_SPACE_BYTES if a.preemption_mode == "swap" else 0
     if swap_space_bytes < 0:
@@ -169,25 +186,41 @@ def build_engine_config(args) -> EngineConfig:
     if kv_cache_bytes is None and a.num_kv_blocks is None and device == "cpu":
         kv_cache_bytes = DEFAULT_CPU_KV_CACHE_BYTES
     try:
-        scheduler = SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                    max_model_len=model_config.max_model_len,
-                                    enable_chunked_prefill=a.enable_chunked_prefill,
-                                    long_prefill_token_threshold=a.long_prefill_token_threshold,
-                                    preemption_mode=a.preemption_mode)
+        scheduler = SchedulerConfig(
+            max_num_seqs=a.max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=model_config.max_model_len,
+            enable_chunked_prefill=a.enable_chunked_prefill,
+            long_prefill_token_threshold=a.long_prefill_token_threshold,
+            preemption_mode=a.preemption_mode,
+        )
     except ValueError as exc:
         field_name = str(exc).split(" ", 1)[0].replace("with", "max_num_batched_tokens")
         raise InvalidParameter(field_name, str(exc)) from None
     if a.load_format not in ("auto", "dummy"):
         raise InvalidParameter("load_format", f"load_format must be 'auto' or 'dummy', got {a.load_format!r}")
     cuda_graph_sizes = cuda_graph_settings.capture_sizes(a, model_config, device, attention_backend)
-    cache = CacheConfig(block_size=a.block_size, enable_prefix_caching=a.enable_prefix_caching,
-                        kv_cache_bytes=kv_cache_bytes, num_kv_blocks=a.num_kv_blocks,
-                        gpu_memory_utilization=a.gpu_memory_utilization, kv_cache_dtype=kv_cache_dtype,
-                        swap_space_bytes=swap_space_bytes)
-    return EngineConfig(model=model_config, cache=cache, scheduler=scheduler,
-                        tensor_parallel_size=a.tensor_parallel_size, attention_backend=attention_backend,
-                        device=device, seed=a.seed, max_consecutive_step_failures=a.max_consecutive_step_failures,
-                        load_format=a.load_format, cuda_graph_sizes=cuda_graph_sizes)
+    cache = CacheConfig(
+        block_size=a.block_size,
+        enable_prefix_caching=a.enable_prefix_caching,
+        kv_cache_bytes=kv_cache_bytes,
+        num_kv_blocks=a.num_kv_blocks,
+        gpu_memory_utilization=a.gpu_memory_utilization,
+        kv_cache_dtype=kv_cache_dtype,
+        swap_space_bytes=swap_space_bytes,
+    )
+    return EngineConfig(
+        model=model_config,
+        cache=cache,
+        scheduler=scheduler,
+        tensor_parallel_size=a.tensor_parallel_size,
+        attention_backend=attention_backend,
+        device=device,
+        seed=a.seed,
+        max_consecutive_step_failures=a.max_consecutive_step_failures,
+        load_format=a.load_format,
+        cuda_graph_sizes=cuda_graph_sizes,
+    )
 
 
 _DEFAULT_CPU: list[str] = []  # the choice, made once per process

@@ -1,6 +1,7 @@
 """The decode-CUDA-graph settings (--cuda-graphs, --cuda-graph-sizes), checked once when the engine config is
 built: which settings graphs support, and the batch sizes to capture. Torch-free, so the config layer never
 imports the executor; the capture itself is runtime/executor/cuda_graphs.py."""
+
 from __future__ import annotations
 
 from kvserve.runtime import capacity
@@ -20,19 +21,24 @@ def default_capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
     return tuple(sorted(sizes))
 
 
-def unsupported_reason(*, device: str, attention_backend: str, tensor_parallel_size: int, num_kv_groups: int,
-                       moe: bool) -> str | None:
+def unsupported_reason(
+    *, device: str, attention_backend: str, tensor_parallel_size: int, num_kv_groups: int, moe: bool
+) -> str | None:
     """Why decode CUDA graphs cannot run with these settings (None: they can). Checked once, at config time."""
     if not (device.startswith("cuda") or EMULATE_ON_CPU):
         return f"cuda_graphs needs a CUDA device (device is {device!r})"
     if attention_backend != "triton":
-        return (f"cuda_graphs needs attention_backend 'triton' (got {attention_backend!r}: the torch backend "
-                f"reads per-step host lengths, which a graph would freeze)")
+        return (
+            f"cuda_graphs needs attention_backend 'triton' (got {attention_backend!r}: the torch backend "
+            f"reads per-step host lengths, which a graph would freeze)"
+        )
     if tensor_parallel_size != 1:
         return f"cuda_graphs supports tensor_parallel_size 1 only (got {tensor_parallel_size})"
     if num_kv_groups > 1:
-        return ("cuda_graphs does not support sliding-window models (several KV cache groups with their own "
-                "per-step block tables)")
+        return (
+            "cuda_graphs does not support sliding-window models (several KV cache groups with their own "
+            "per-step block tables)"
+        )
     if moe:
         return "cuda_graphs does not support mixture-of-experts models (expert routing counts tokens on the host)"
     return None
@@ -42,14 +48,18 @@ def capture_sizes(a, model_config, device: str, attention_backend: str) -> tuple
     """--cuda-graphs / --cuda-graph-sizes -> the sorted batch sizes to capture (empty: graphs off)."""
     if not a.cuda_graphs:
         if a.cuda_graph_sizes:
-            raise InvalidParameter("cuda_graph_sizes", "cuda_graph_sizes is set but cuda_graphs is off "
-                                                       "(add --cuda-graphs)")
+            raise InvalidParameter(
+                "cuda_graph_sizes", "cuda_graph_sizes is set but cuda_graphs is off (add --cuda-graphs)"
+            )
         return ()
     shape = model_config.shape
     reason = unsupported_reason(
-        device=device, attention_backend=attention_backend, tensor_parallel_size=a.tensor_parallel_size,
+        device=device,
+        attention_backend=attention_backend,
+        tensor_parallel_size=a.tensor_parallel_size,
         num_kv_groups=len(capacity.shape_kv_cache_groups(shape)),
-        moe=shape.num_experts > 0 and shape.num_dense_layers < shape.num_layers)
+        moe=shape.num_experts > 0 and shape.num_dense_layers < shape.num_layers,
+    )
     if reason:
         raise InvalidParameter("cuda_graphs", reason)
     if a.cuda_graph_sizes is None:
@@ -58,9 +68,14 @@ def capture_sizes(a, model_config, device: str, attention_backend: str) -> tuple
     try:
         sizes = sorted(set(positive_int_list(text)))
     except ValueError:
-        raise InvalidParameter("cuda_graph_sizes", f"cuda_graph_sizes must be comma-separated positive integers, "
-                                                   f"got {a.cuda_graph_sizes!r}") from None
+        raise InvalidParameter(
+            "cuda_graph_sizes",
+            f"cuda_graph_sizes must be comma-separated positive integers, got {a.cuda_graph_sizes!r}",
+        ) from None
     if sizes[-1] > a.max_num_seqs:
-        raise InvalidParameter("cuda_graph_sizes", f"cuda_graph_sizes {sizes[-1]} exceeds max_num_seqs "
-                                                   f"{a.max_num_seqs} (a decode step never has more sequences)")
+        raise InvalidParameter(
+            "cuda_graph_sizes",
+            f"cuda_graph_sizes {sizes[-1]} exceeds max_num_seqs "
+            f"{a.max_num_seqs} (a decode step never has more sequences)",
+        )
     return tuple(sizes)

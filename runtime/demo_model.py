@@ -10,6 +10,7 @@ Built offline and deterministically, then loaded through the normal `model=DIR` 
 The directory is written once to `$KVSERVE_CACHE_DIR` (default `~/.cache/kvserve`) under a name that hashes
 everything that defines it, via a temporary directory and an atomic rename, so concurrent builders are safe.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -111,8 +112,16 @@ def default_cache_dir() -> Path:
 
 def _spec_hash() -> str:
     spec = json.dumps(
-        {"v": DEMO_FORMAT_VERSION, "seed": SEED, "shape": MODEL_SHAPE, "std": WEIGHT_STD, "corpus": CORPUS,
-         "special": SPECIAL_TOKENS, "vocab": TOKENIZER_VOCAB_TARGET, "template": CHAT_TEMPLATE},
+        {
+            "v": DEMO_FORMAT_VERSION,
+            "seed": SEED,
+            "shape": MODEL_SHAPE,
+            "std": WEIGHT_STD,
+            "corpus": CORPUS,
+            "special": SPECIAL_TOKENS,
+            "vocab": TOKENIZER_VOCAB_TARGET,
+            "template": CHAT_TEMPLATE,
+        },
         sort_keys=True,
     )
     return hashlib.sha256(spec.encode()).hexdigest()[:12]
@@ -138,20 +147,26 @@ def _build_tokenizer(out_dir: Path) -> int:
     )
     tokenizer.train_from_iterator(CORPUS.splitlines(keepends=True), trainer=trainer)
     tokenizer.save(str(out_dir / "tokenizer.json"))
-    (out_dir / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": None,
-        "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>",
-        "unk_token": None,
-        "add_bos_token": False,
-        "add_eos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": MODEL_SHAPE["max_position_embeddings"],
-        "chat_template": CHAT_TEMPLATE,
-    }, indent=2))
-    (out_dir / "special_tokens_map.json").write_text(json.dumps(
-        {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}, indent=2))
+    (out_dir / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": None,
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "unk_token": None,
+                "add_bos_token": False,
+                "add_eos_token": False,
+                "clean_up_tokenization_spaces": False,
+                "model_max_length": MODEL_SHAPE["max_position_embeddings"],
+                "chat_template": CHAT_TEMPLATE,
+            },
+            indent=2,
+        )
+    )
+    (out_dir / "special_tokens_map.json").write_text(
+        json.dumps({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}, indent=2)
+    )
     return tokenizer.get_vocab_size()
 
 
@@ -217,7 +232,8 @@ def _write_configs(out_dir: Path, vocab_size: int) -> None:
     (out_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}, indent=2))
     (out_dir / "README.md").write_text(
         f"# {DEMO_MODEL_ID}\n\nBuilt by kvserve.runtime.demo_model. RANDOM WEIGHTS (seed {SEED}): the output is "
-        "gibberish. It exists to exercise the serving path offline.\n")
+        "gibberish. It exists to exercise the serving path offline.\n"
+    )
 
 
 def ensure_demo_model(cache_dir: str | Path | None = None) -> Path:

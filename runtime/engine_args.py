@@ -15,6 +15,7 @@ starts. The rest of the validation lives in `runtime.config.build_engine_config`
 Torch-free (stdlib, runtime.capacity and runtime.errors): the operator imports this module and
 kvserve.runtime.capacity, nothing else of the runtime (tests/test_layering.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,7 +54,7 @@ def positive_int(text: str) -> int:
 
 
 def positive_int_list(text: str) -> list[int]:
-    """"1,2, 4" -> [1, 2, 4] (order kept); ValueError unless every comma-separated part is an integer >= 1."""
+    """ "1,2, 4" -> [1, 2, 4] (order kept); ValueError unless every comma-separated part is an integer >= 1."""
     try:
         values = [int(part) for part in str(text).split(",") if part.strip()]
     except ValueError:
@@ -63,14 +64,33 @@ def positive_int_list(text: str) -> list[int]:
     return values
 
 
-def _setting(default: Any, help: str, *, type: Any = None, choices: tuple | None = None, crd: str | None = None,
-             crd_default: Any = MISSING, crd_choices: tuple | None = None, hidden: bool = False,
-             flag: str | None = None, aliases: tuple[str, ...] = ()) -> Any:
+def _setting(
+    default: Any,
+    help: str,
+    *,
+    type: Any = None,
+    choices: tuple | None = None,
+    crd: str | None = None,
+    crd_default: Any = MISSING,
+    crd_choices: tuple | None = None,
+    hidden: bool = False,
+    flag: str | None = None,
+    aliases: tuple[str, ...] = (),
+) -> Any:
     """A field with its CLI and CRD metadata. crd: the InferenceService spec path ("engine.maxModelLen");
     crd_default: the operator's default where the engine's depends on the model or device (the planner
     needs a number, e.g. max_model_len); crd_choices: the CRD enum where it is not `choices`."""
-    meta = dict(help=help, type=type, choices=choices, crd=crd, crd_default=crd_default, crd_choices=crd_choices,
-                hidden=hidden, flag=flag, aliases=aliases)
+    meta = dict(
+        help=help,
+        type=type,
+        choices=choices,
+        crd=crd,
+        crd_default=crd_default,
+        crd_choices=crd_choices,
+        hidden=hidden,
+        flag=flag,
+        aliases=aliases,
+    )
     return field(default=default, metadata=meta)
 
 
@@ -78,72 +98,117 @@ def _setting(default: Any, help: str, *, type: Any = None, choices: tuple | None
 class EngineArgs:
     model: str = _setting(None, "HF-format model directory", hidden=True)
     dtype: str = _setting(
-        "auto", f"weights dtype: {', '.join(capacity.WEIGHT_DTYPES)} (auto: the dtype config.json declares, float32 "
-                f"if none; fp8: online FP8 weight quantisation at load, 1 byte per linear weight, "
-                f"{capacity.FP8_ACTIVATION_DTYPE} activations)", crd="model.dtype",
-        crd_default="bfloat16", crd_choices=CRD_DTYPES)
+        "auto",
+        f"weights dtype: {', '.join(capacity.WEIGHT_DTYPES)} (auto: the dtype config.json declares, float32 "
+        f"if none; fp8: online FP8 weight quantisation at load, 1 byte per linear weight, "
+        f"{capacity.FP8_ACTIVATION_DTYPE} activations)",
+        crd="model.dtype",
+        crd_default="bfloat16",
+        crd_choices=CRD_DTYPES,
+    )
     max_model_len: int | None = _setting(
-        None, "context length (default: the model's max_position_embeddings)", type=positive_int,
-        crd="engine.maxModelLen", crd_default=8192)
-    block_size: int = _setting(16, "tokens per KV-cache block", type=positive_int, choices=BLOCK_SIZES,
-                               crd="engine.blockSize")
+        None,
+        "context length (default: the model's max_position_embeddings)",
+        type=positive_int,
+        crd="engine.maxModelLen",
+        crd_default=8192,
+    )
+    block_size: int = _setting(
+        16, "tokens per KV-cache block", type=positive_int, choices=BLOCK_SIZES, crd="engine.blockSize"
+    )
     max_num_seqs: int = _setting(256, "max sequences per step", type=positive_int, crd="engine.maxNumSeqs")
     max_num_batched_tokens: int | None = _setting(
-        None, f"token budget per step (default: {CHUNKED_PREFILL_BATCHED_TOKENS} with chunked prefill, else "
-              f"max_model_len)", type=positive_int,
-        crd="engine.maxNumBatchedTokens", crd_default=8192)
+        None,
+        f"token budget per step (default: {CHUNKED_PREFILL_BATCHED_TOKENS} with chunked prefill, else max_model_len)",
+        type=positive_int,
+        crd="engine.maxNumBatchedTokens",
+        crd_default=8192,
+    )
     enable_prefix_caching: bool = _setting(True, "automatic prefix caching", crd="engine.enablePrefixCaching")
-    enable_chunked_prefill: bool = _setting(True, "split long prompts across steps",
-                                            crd="engine.enableChunkedPrefill")
+    enable_chunked_prefill: bool = _setting(True, "split long prompts across steps", crd="engine.enableChunkedPrefill")
     long_prefill_token_threshold: int = _setting(
-        0, "with chunked prefill: at most this many prompt tokens of one request per step (0: only the step "
-           "budget limits it); keeps decode steps short among long prompts", type=int)
+        0,
+        "with chunked prefill: at most this many prompt tokens of one request per step (0: only the step "
+        "budget limits it); keeps decode steps short among long prompts",
+        type=int,
+    )
     kv_cache_bytes: int | None = _setting(
-        None, "KV-cache budget per tensor-parallel rank, e.g. 512MiB (CPU default: 1GiB; GPUs profile the "
-              "forward when it is not given, and verify it fits when it is)", type=parse_bytes)
+        None,
+        "KV-cache budget per tensor-parallel rank, e.g. 512MiB (CPU default: 1GiB; GPUs profile the "
+        "forward when it is not given, and verify it fits when it is)",
+        type=parse_bytes,
+    )
     num_kv_blocks: int | None = _setting(None, "explicit KV block count (tests)", type=positive_int, hidden=True)
-    gpu_memory_utilization: float = _setting(0.9, "fraction of GPU memory for weights, activations and KV",
-                                             type=float, crd="engine.gpuMemoryUtilization")
+    gpu_memory_utilization: float = _setting(
+        0.9, "fraction of GPU memory for weights, activations and KV", type=float, crd="engine.gpuMemoryUtilization"
+    )
     kv_cache_dtype: str = _setting(
-        "auto", "KV cache element type; fp8 (= fp8_e4m3) halves KV bytes per token vs 16-bit (per-tensor scale 1.0)",
-        choices=capacity.KV_CACHE_DTYPES, crd="engine.kvCacheDtype")
+        "auto",
+        "KV cache element type; fp8 (= fp8_e4m3) halves KV bytes per token vs 16-bit (per-tensor scale 1.0)",
+        choices=capacity.KV_CACHE_DTYPES,
+        crd="engine.kvCacheDtype",
+    )
     seed: int = _setting(0, "random seed for sampling without a per-request seed", type=int)
     preemption_mode: str = _setting(
-        "recompute", "when the KV cache is full: drop the victim's KV and recompute, or swap it to host RAM",
-        choices=("recompute", "swap"))
+        "recompute",
+        "when the KV cache is full: drop the victim's KV and recompute, or swap it to host RAM",
+        choices=("recompute", "swap"),
+    )
     swap_space_bytes: int | None = _setting(
-        None, "host RAM for --preemption-mode swap, in bytes (suffixes like 4GiB accepted; default 4GiB)",
-        type=parse_bytes, flag="--swap-space")
+        None,
+        "host RAM for --preemption-mode swap, in bytes (suffixes like 4GiB accepted; default 4GiB)",
+        type=parse_bytes,
+        flag="--swap-space",
+    )
     attention_backend: str | None = _setting(
-        None, "torch, triton or cpu (default: triton on CUDA; on CPU the compiled 'cpu' ops when they build, "
-              "else torch); torch forces the pure-torch path", choices=("torch", "triton", "cpu"))
+        None,
+        "torch, triton or cpu (default: triton on CUDA; on CPU the compiled 'cpu' ops when they build, "
+        "else torch); torch forces the pure-torch path",
+        choices=("torch", "triton", "cpu"),
+    )
     tensor_parallel_size: int = _setting(
-        1, "shard the model over this many worker processes / GPUs (NCCL on CUDA, gloo on CPU); KV budgets are "
-           "per rank", type=positive_int, crd="gpu.tensorParallelSize", aliases=("-tp",),
-        crd_choices=(1, 2, 4, 8))  # the operator: a pod's GPUs on one node
+        1,
+        "shard the model over this many worker processes / GPUs (NCCL on CUDA, gloo on CPU); KV budgets are per rank",
+        type=positive_int,
+        crd="gpu.tensorParallelSize",
+        aliases=("-tp",),
+        crd_choices=(1, 2, 4, 8),
+    )  # the operator: a pod's GPUs on one node
     device: str | None = _setting(None, "cpu or cuda (default: cuda when available)", hidden=True)
     max_consecutive_step_failures: int = _setting(
-        3, "declare the engine dead (/health 503, every request answered, the server exits 1) after this many "
-           "engine steps in a row fail", type=positive_int)
+        3,
+        "declare the engine dead (/health 503, every request answered, the server exits 1) after this many "
+        "engine steps in a row fail",
+        type=positive_int,
+    )
 
     load_format: str = _setting(
-        "auto", "auto: read the model directory's safetensors; dummy: random weights made on the device from "
-                "config.json alone (benchmarks of a model shape without its checkpoint, as vLLM's dummy format)",
-        choices=("auto", "dummy"))
+        "auto",
+        "auto: read the model directory's safetensors; dummy: random weights made on the device from "
+        "config.json alone (benchmarks of a model shape without its checkpoint, as vLLM's dummy format)",
+        choices=("auto", "dummy"),
+    )
     cuda_graphs: bool = _setting(
-        False, "capture pure-decode steps as CUDA graphs at start-up (batch sizes --cuda-graph-sizes) and replay "
-               "them: one launch per decode step instead of hundreds. Needs CUDA, the triton attention backend, "
-               "tensor_parallel_size 1, a model with one KV cache group and no MoE layers")
+        False,
+        "capture pure-decode steps as CUDA graphs at start-up (batch sizes --cuda-graph-sizes) and replay "
+        "them: one launch per decode step instead of hundreds. Needs CUDA, the triton attention backend, "
+        "tensor_parallel_size 1, a model with one KV cache group and no MoE layers",
+    )
     cuda_graph_sizes: str | None = _setting(
-        None, "with --cuda-graphs: comma-separated decode batch sizes to capture, e.g. 1,2,4,8,16,32,64 (default: "
-              "1, 2, 4 and every multiple of 8 up to min(max_num_seqs, 512)); a decode step pads to the next "
-              "size, larger ones run eagerly", type=str)
+        None,
+        "with --cuda-graphs: comma-separated decode batch sizes to capture, e.g. 1,2,4,8,16,32,64 (default: "
+        "1, 2, 4 and every multiple of 8 up to min(max_num_seqs, 512)); a decode step pads to the next "
+        "size, larger ones run eagerly",
+        type=str,
+    )
 
     api_server_count: int = _setting(
-        1, "`kvserve serve` only: run this many API-server processes (HTTP, tokenisation, detokenisation, "
-           "JSON/SSE) on the same host:port (SO_REUSEPORT) in front of one engine core, for tokenisation-heavy "
-           "traffic; /metrics on any of them shows the group's sums. 1 (default): one server process",
-        type=positive_int)
+        1,
+        "`kvserve serve` only: run this many API-server processes (HTTP, tokenisation, detokenisation, "
+        "JSON/SSE) on the same host:port (SO_REUSEPORT) in front of one engine core, for tokenisation-heavy "
+        "traffic; /metrics on any of them shows the group's sums. 1 (default): one server process",
+        type=positive_int,
+    )
 
     # -- construction ----------------------------------------------------------------------------------
     @classmethod
@@ -152,8 +217,9 @@ class EngineArgs:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
-            raise UnknownEngineArgument(unknown[0], f"unknown engine argument {unknown[0]!r}; known: "
-                                                    f"{', '.join(sorted(known - {'model'}))}")
+            raise UnknownEngineArgument(
+                unknown[0], f"unknown engine argument {unknown[0]!r}; known: {', '.join(sorted(known - {'model'}))}"
+            )
         return cls(model=model, **kwargs)
 
     # -- command line ----------------------------------------------------------------------------------
@@ -171,9 +237,13 @@ class EngineArgs:
             flag = meta["flag"] or cli_flag(f.name)
             help_text = argparse.SUPPRESS if meta["hidden"] else meta["help"]
             if isinstance(f.default, bool):
-                parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
-                                    help=f"{help_text} (default: {'on' if f.default else 'off'})"
-                                    if not meta["hidden"] else help_text)
+                parser.add_argument(
+                    flag,
+                    dest=f.name,
+                    action=argparse.BooleanOptionalAction,
+                    default=f.default,
+                    help=f"{help_text} (default: {'on' if f.default else 'off'})" if not meta["hidden"] else help_text,
+                )
                 continue
             kwargs: dict[str, Any] = dict(dest=f.name, default=f.default, help=help_text)
             if meta["type"] is not None:
@@ -185,8 +255,14 @@ class EngineArgs:
     @classmethod
     def from_cli_args(cls, model: str, namespace: argparse.Namespace) -> "EngineArgs":
         """Settings the namespace has no flag for (`kvserve plan` adds only some) keep their defaults."""
-        return cls(model=model, **{f.name: getattr(namespace, f.name) for f in fields(cls)
-                                   if f.name != "model" and hasattr(namespace, f.name)})
+        return cls(
+            model=model,
+            **{
+                f.name: getattr(namespace, f.name)
+                for f in fields(cls)
+                if f.name != "model" and hasattr(namespace, f.name)
+            },
+        )
 
 
 class UnknownEngineArgument(TypeError):
@@ -258,6 +334,7 @@ def crd_defaults() -> dict[str, Any]:
 class ResolvedSettings:
     """The engine settings a model is served with once its config.json (or catalog shape) is known: what
     `kvserve serve DIR` runs and what `kvserve plan --model-config DIR` plans."""
+
     dtype: str  # weights: float32 | bfloat16 | float16 | fp8 ("auto" resolved)
     max_model_len: int
     max_num_batched_tokens: int
@@ -277,9 +354,12 @@ def resolve_dtype(dtype: str, auto_dtype: str) -> str:
         return capacity.weight_dtype(auto_dtype if auto else dtype)
     except capacity.CapacityError as exc:
         if auto:
-            raise InvalidParameter("dtype", f"dtype auto: the model's config.json declares dtype {auto_dtype!r}, "
-                                            f"which the runtime does not load; give dtype, one of "
-                                            f"{', '.join(CRD_DTYPES)}") from None
+            raise InvalidParameter(
+                "dtype",
+                f"dtype auto: the model's config.json declares dtype {auto_dtype!r}, "
+                f"which the runtime does not load; give dtype, one of "
+                f"{', '.join(CRD_DTYPES)}",
+            ) from None
         raise InvalidParameter("dtype", str(exc)) from None
 
 
@@ -288,16 +368,20 @@ def resolve_max_model_len(max_model_len: int | None, context_limit: int) -> int:
     if max_model_len is None:
         return context_limit
     if not 1 <= max_model_len <= context_limit:
-        raise InvalidParameter("max_model_len", f"max_model_len must be in [1, {context_limit}] for this model "
-                                                f"(max_position_embeddings / sliding window), got {max_model_len}")
+        raise InvalidParameter(
+            "max_model_len",
+            f"max_model_len must be in [1, {context_limit}] for this model "
+            f"(max_position_embeddings / sliding window), got {max_model_len}",
+        )
     return max_model_len
 
 
 def resolve_kv_cache_dtype(name: str) -> str:
     key = "fp8_e4m3" if name == "fp8" else name  # vLLM's spelling: e4m3
     if key not in capacity.KV_CACHE_DTYPES:
-        raise InvalidParameter("kv_cache_dtype", f"kv_cache_dtype must be one of "
-                                                 f"{', '.join(capacity.KV_CACHE_DTYPES)}, got {name!r}")
+        raise InvalidParameter(
+            "kv_cache_dtype", f"kv_cache_dtype must be one of {', '.join(capacity.KV_CACHE_DTYPES)}, got {name!r}"
+        )
     return key
 
 
@@ -308,11 +392,13 @@ def resolve(args: EngineArgs, context_limit: int, auto_dtype: str) -> ResolvedSe
     if args.block_size not in BLOCK_SIZES:
         raise InvalidParameter("block_size", f"block_size must be one of {BLOCK_SIZES}, got {args.block_size}")
     if not 0 < args.gpu_memory_utilization <= 1:
-        raise InvalidParameter("gpu_memory_utilization", f"gpu_memory_utilization must be in (0, 1], "
-                                                         f"got {args.gpu_memory_utilization}")
+        raise InvalidParameter(
+            "gpu_memory_utilization", f"gpu_memory_utilization must be in (0, 1], got {args.gpu_memory_utilization}"
+        )
     if args.tensor_parallel_size < 1:
-        raise InvalidParameter("tensor_parallel_size", f"tensor_parallel_size must be >= 1, "
-                                                       f"got {args.tensor_parallel_size}")
+        raise InvalidParameter(
+            "tensor_parallel_size", f"tensor_parallel_size must be >= 1, got {args.tensor_parallel_size}"
+        )
     if args.max_num_seqs < 1:
         raise InvalidParameter("max_num_seqs", f"max_num_seqs must be >= 1, got {args.max_num_seqs}")
     kv_cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype)
@@ -324,14 +410,23 @@ def resolve(args: EngineArgs, context_limit: int, auto_dtype: str) -> ResolvedSe
     if batched < 1:
         raise InvalidParameter("max_num_batched_tokens", f"max_num_batched_tokens must be >= 1, got {batched}")
     if not args.enable_chunked_prefill and batched < max_model_len:
-        raise InvalidParameter("max_num_batched_tokens", f"with chunked prefill off, max_num_batched_tokens "
-                                                         f"({batched}) must be >= max_model_len ({max_model_len}) "
-                                                         f"so any prompt fits one step")
-    return ResolvedSettings(dtype=dtype, max_model_len=max_model_len, max_num_batched_tokens=batched,
-                            max_num_seqs=args.max_num_seqs, block_size=args.block_size, kv_cache_dtype=kv_cache_dtype,
-                            enable_chunked_prefill=args.enable_chunked_prefill,
-                            tensor_parallel_size=args.tensor_parallel_size,
-                            gpu_memory_utilization=args.gpu_memory_utilization)
+        raise InvalidParameter(
+            "max_num_batched_tokens",
+            f"with chunked prefill off, max_num_batched_tokens "
+            f"({batched}) must be >= max_model_len ({max_model_len}) "
+            f"so any prompt fits one step",
+        )
+    return ResolvedSettings(
+        dtype=dtype,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=batched,
+        max_num_seqs=args.max_num_seqs,
+        block_size=args.block_size,
+        kv_cache_dtype=kv_cache_dtype,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        tensor_parallel_size=args.tensor_parallel_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+    )
 
 
 def resolve_for_config(args: EngineArgs, config: dict, source: str = "config.json") -> ResolvedSettings:

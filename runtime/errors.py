@@ -13,6 +13,7 @@ the engine-core process boundary; all of it pickles, none of it imports torch).
   EngineDeadError).
 Messages are written for clients: they never carry Python reprs or tracebacks (those go to the log).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -57,12 +58,18 @@ class EngineDeadError(RequestFailedError):
 
 def request_failed(stage: str) -> RequestError:
     """The error of one request whose own processing raised at `stage` (the details are in the log)."""
-    return RequestError(f"the engine failed while {stage} for this request; it was stopped and its resources "
-                        "freed (server-side error, see the server log)", retryable=False)
+    return RequestError(
+        f"the engine failed while {stage} for this request; it was stopped and its resources "
+        "freed (server-side error, see the server log)",
+        retryable=False,
+    )
 
 
-STEP_FAILED = RequestError("the engine step running this request failed (server-side error, see the server log); "
-                           "the request was stopped and can be retried", retryable=True)
+STEP_FAILED = RequestError(
+    "the engine step running this request failed (server-side error, see the server log); "
+    "the request was stopped and can be retried",
+    retryable=True,
+)
 
 
 class WorkerDiedError(RuntimeError):

@@ -7,6 +7,7 @@ exposition (`vllm:prompt_tokens_total`), exactly as vLLM's own exposition does.
 
 Each `ServerMetrics` owns its own `CollectorRegistry`, so several servers (tests) can live in one process.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -14,12 +15,74 @@ from typing import Any, Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                40.0, 80.0, 160.0, 640.0, 2560.0]
-ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
-               80.0]
-REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-                           240.0, 480.0, 960.0, 1920.0, 7680.0]
+TTFT_BUCKETS = [
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+]
+ITL_BUCKETS = [
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+]
+REQUEST_LATENCY_BUCKETS = [
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+]
 PARAMS_N_BUCKETS = [1, 2, 5, 10, 20]
 ITERATION_TOKENS_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 
@@ -55,8 +118,13 @@ class ServerMetrics:
 
     exports_engine_stats = True  # False: another API server of the group exports the core's gauges/counters
 
-    def __init__(self, model_name: str, max_model_len: int, cache_info: dict[str, Any] | None = None,
-                 num_kv_cache_groups: int = 1):
+    def __init__(
+        self,
+        model_name: str,
+        max_model_len: int,
+        cache_info: dict[str, Any] | None = None,
+        num_kv_cache_groups: int = 1,
+    ):
         self.registry = registry = CollectorRegistry(auto_describe=True)
         labels = ["model_name", "engine"]
         self._label_values = {"model_name": model_name, "engine": "0"}
@@ -81,67 +149,103 @@ class ServerMetrics:
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
         self.num_preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions.")
-        self.prefix_cache_queries = counter("vllm:prefix_cache_queries",
-                                            "Prefix cache queries, in terms of number of queried tokens.")
-        self.prefix_cache_hits = counter("vllm:prefix_cache_hits",
-                                         "Prefix cache hits, in terms of number of cached tokens.")
+        self.prefix_cache_queries = counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
+        )
+        self.prefix_cache_hits = counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+        )
         # Swap preemption (vLLM V1 has no swapping, hence kvserve: names)
         self.num_swap_outs = counter("kvserve:num_swap_outs", "Requests preempted by swapping their KV to host memory.")
         self.num_swap_ins = counter("kvserve:num_swap_ins", "Swapped-out requests brought back to device memory.")
-        self._request_success = Counter("vllm:request_success", "Count of successfully processed requests.",
-                                        labels + ["finished_reason"], registry=registry)
+        self._request_success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            labels + ["finished_reason"],
+            registry=registry,
+        )
 
         # Histograms
-        self.time_to_first_token = histogram("vllm:time_to_first_token_seconds",
-                                             "Histogram of time to first token in seconds.", TTFT_BUCKETS)
-        self.inter_token_latency = histogram("vllm:inter_token_latency_seconds",
-                                             "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
-        self.time_per_output_token = histogram("vllm:request_time_per_output_token_seconds",
-                                               "Histogram of time_per_output_token_seconds per request.", ITL_BUCKETS)
-        self.e2e_request_latency = histogram("vllm:e2e_request_latency_seconds",
-                                             "Histogram of e2e request latency in seconds.", REQUEST_LATENCY_BUCKETS)
-        self.request_queue_time = histogram("vllm:request_queue_time_seconds",
-                                            "Histogram of time spent in WAITING phase for request.",
-                                            REQUEST_LATENCY_BUCKETS)
-        self.request_inference_time = histogram("vllm:request_inference_time_seconds",
-                                                "Histogram of time spent in RUNNING phase for request.",
-                                                REQUEST_LATENCY_BUCKETS)
-        self.request_prefill_time = histogram("vllm:request_prefill_time_seconds",
-                                              "Histogram of time spent in PREFILL phase for request.",
-                                              REQUEST_LATENCY_BUCKETS)
-        self.request_decode_time = histogram("vllm:request_decode_time_seconds",
-                                             "Histogram of time spent in DECODE phase for request.",
-                                             REQUEST_LATENCY_BUCKETS)
-        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens",
-                                               "Number of prefill tokens processed.", token_buckets)
-        self.request_generation_tokens = histogram("vllm:request_generation_tokens",
-                                                   "Number of generation tokens processed.", token_buckets)
-        self.request_params_n = histogram("vllm:request_params_n", "Histogram of the n request parameter.",
-                                          PARAMS_N_BUCKETS)
-        self.request_params_max_tokens = histogram("vllm:request_params_max_tokens",
-                                                   "Histogram of the max_tokens request parameter.", token_buckets)
-        self.iteration_tokens = histogram("vllm:iteration_tokens_total",
-                                          "Histogram of number of tokens per engine_step.", ITERATION_TOKENS_BUCKETS)
+        self.time_to_first_token = histogram(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
+        )
+        self.inter_token_latency = histogram(
+            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS
+        )
+        self.time_per_output_token = histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            ITL_BUCKETS,
+        )
+        self.e2e_request_latency = histogram(
+            "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", REQUEST_LATENCY_BUCKETS
+        )
+        self.request_queue_time = histogram(
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_inference_time = histogram(
+            "vllm:request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_prefill_time = histogram(
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_decode_time = histogram(
+            "vllm:request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_prompt_tokens = histogram(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets
+        )
+        self.request_generation_tokens = histogram(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.", token_buckets
+        )
+        self.request_params_n = histogram(
+            "vllm:request_params_n", "Histogram of the n request parameter.", PARAMS_N_BUCKETS
+        )
+        self.request_params_max_tokens = histogram(
+            "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.", token_buckets
+        )
+        self.iteration_tokens = histogram(
+            "vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", ITERATION_TOKENS_BUCKETS
+        )
 
         # Info: cache configuration as labels of a constant-1 gauge (vLLM's vllm:cache_config_info)
         info = {k: str(v) for k, v in (cache_info or {}).items()}
         if info:
-            Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", sorted(info),
-                  registry=registry, multiprocess_mode=DEFAULT_GAUGE_MULTIPROCESS_MODE).labels(**info).set(1)
+            Gauge(
+                "vllm:cache_config_info",
+                "Information of the LLMEngine CacheConfig",
+                sorted(info),
+                registry=registry,
+                multiprocess_mode=DEFAULT_GAUGE_MULTIPROCESS_MODE,
+            ).labels(**info).set(1)
 
         # kvserve-specific extras
         # What the pod really holds: usable blocks (null block excluded) x block size -- equal to the
         # operator's status.plan.kvTokens when the pod runs its rendered args (issue 16's contract).
-        self.kv_capacity_tokens = gauge("kvserve:kv_capacity_tokens",
-                                        "KV-cache capacity in tokens: usable blocks (null block excluded) x block size "
-                                        "/ KV cache groups.")
+        self.kv_capacity_tokens = gauge(
+            "kvserve:kv_capacity_tokens",
+            "KV-cache capacity in tokens: usable blocks (null block excluded) x block size / KV cache groups.",
+        )
         if "num_blocks" in (cache_info or {}) and "block_size" in (cache_info or {}):
             from kvserve.runtime.capacity import usable_tokens
 
-            self.kv_capacity_tokens.set(usable_tokens(int(cache_info["num_blocks"]), int(cache_info["block_size"]),
-                                                      num_kv_cache_groups))
-        self.http_rejected = Counter("kvserve:http_requests_rejected", "Requests rejected before reaching the engine.",
-                                     labels + ["reason"], registry=registry)
+            self.kv_capacity_tokens.set(
+                usable_tokens(int(cache_info["num_blocks"]), int(cache_info["block_size"]), num_kv_cache_groups)
+            )
+        self.http_rejected = Counter(
+            "kvserve:http_requests_rejected",
+            "Requests rejected before reaching the engine.",
+            labels + ["reason"],
+            registry=registry,
+        )
         self.num_kv_blocks_free = gauge("kvserve:num_kv_blocks_free", "Free KV-cache blocks (cached ones included).")
         self.num_kv_blocks_total = gauge("kvserve:num_kv_blocks_total", "Total KV-cache blocks.")
         self.draining = gauge("kvserve:draining", "1 while the server drains after SIGTERM.")
@@ -149,8 +253,9 @@ class ServerMetrics:
         self.healthy = gauge("kvserve:healthy", "1 while /health answers 200 (engine running, not draining).")
         # Liveness: a step failure fails the requests in that step (retryable); enough in a row, or a dead
         # tensor-parallel worker, make the engine dead (engine_alive 0, /health 503, the process exits 1).
-        self.engine_step_failures = counter("kvserve:engine_step_failures",
-                                            "Engine steps that failed as a whole (their requests got 503).")
+        self.engine_step_failures = counter(
+            "kvserve:engine_step_failures", "Engine steps that failed as a whole (their requests got 503)."
+        )
         self.engine_alive = gauge("kvserve:engine_alive", "1 while the engine can serve, 0 once it is dead.")
         self.engine_alive.set(1)
         self._last_counters: dict[str, float] = {}
@@ -166,8 +271,15 @@ class ServerMetrics:
         self.num_kv_blocks_free.set(getattr(stats, "num_free_blocks", 0))
         self.num_kv_blocks_total.set(getattr(stats, "num_total_blocks", 0))
         iteration_tokens = 0
-        for name in ("prompt_tokens", "generation_tokens", "num_preemptions", "prefix_cache_queries",
-                     "prefix_cache_hits", "num_swap_outs", "num_swap_ins"):
+        for name in (
+            "prompt_tokens",
+            "generation_tokens",
+            "num_preemptions",
+            "prefix_cache_queries",
+            "prefix_cache_hits",
+            "num_swap_outs",
+            "num_swap_ins",
+        ):
             value = getattr(stats, name, None)
             if value is None:
                 continue
@@ -185,9 +297,17 @@ class ServerMetrics:
         if max_tokens is not None:
             self.request_params_max_tokens.observe(max_tokens)
 
-    def observe_finished(self, *, finish_reason: str, num_prompt_tokens: int, num_generation_tokens: int,
-                         arrival_time: float, first_scheduled_time: float | None, first_token_time: float | None,
-                         finished_time: float) -> None:
+    def observe_finished(
+        self,
+        *,
+        finish_reason: str,
+        num_prompt_tokens: int,
+        num_generation_tokens: int,
+        arrival_time: float,
+        first_scheduled_time: float | None,
+        first_token_time: float | None,
+        finished_time: float,
+    ) -> None:
         self._request_success.labels(finished_reason=finish_reason, **self._label_values).inc()
         self.request_prompt_tokens.observe(num_prompt_tokens)
         self.request_generation_tokens.observe(num_generation_tokens)
@@ -209,6 +329,7 @@ class ServerMetrics:
     def observe_failed(self) -> None:
         """A request the engine could not finish (step failure, dead engine): vLLM's finished_reason="error"."""
         self._request_success.labels(finished_reason="error", **self._label_values).inc()
+
     def set_engine_alive(self, alive: bool) -> None:
         self.engine_alive.set(1 if alive else 0)
 
@@ -217,4 +338,3 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
-

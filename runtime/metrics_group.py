@@ -13,6 +13,7 @@ server renders the whole group (MultiProcessCollector):
   core's next step on;
 - kvserve:healthy is what the answering server's /health says (a live value, not a file).
 """
+
 from __future__ import annotations
 
 import os
@@ -36,8 +37,10 @@ class _Discard:
 class GroupServerMetrics(ServerMetrics):
     def __init__(self, server_index: int, *args: Any, **kwargs: Any):
         if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-            raise RuntimeError("GroupServerMetrics needs PROMETHEUS_MULTIPROC_DIR set before prometheus_client "
-                               "is imported (the API-server group launcher sets it)")
+            raise RuntimeError(
+                "GroupServerMetrics needs PROMETHEUS_MULTIPROC_DIR set before prometheus_client "
+                "is imported (the API-server group launcher sets it)"
+            )
         self.exports_engine_stats = server_index == 0
         super().__init__(*args, **kwargs)
         if not self.exports_engine_stats:
@@ -64,7 +67,8 @@ class _GroupCollector:
             if family.name != _LOCAL:
                 yield family
         m = self.metrics
-        health = GaugeMetricFamily(_LOCAL, "1 while /health answers 200 (engine running, not draining).",
-                                   labels=list(m._label_values))
+        health = GaugeMetricFamily(
+            _LOCAL, "1 while /health answers 200 (engine running, not draining).", labels=list(m._label_values)
+        )
         health.add_metric(list(m._label_values.values()), 1.0 if m._is_healthy() else 0.0)
         yield health

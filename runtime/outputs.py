@@ -1,4 +1,5 @@
 """What the engine returns per request (vLLM's RequestOutput shape, which users already know)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ class CompletionOutput:
 @dataclass
 class RequestMetrics:
     """time.monotonic() timestamps."""
+
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -1,4 +1,5 @@
 """A request as the scheduler sees it: token ids, progress, status. Pure Python (no torch)."""
+
 from __future__ import annotations
 
 import enum
@@ -31,9 +32,15 @@ class Request:
     samples is n of these, made by the front (engine/parent_request.py), which share the prompt's full
     blocks through prefix caching."""
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 eos_token_ids: frozenset[int] = frozenset(), arrival_time: float | None = None,
-                 max_tokens: int | None = None):
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_ids: frozenset[int] = frozenset(),
+        arrival_time: float | None = None,
+        max_tokens: int | None = None,
+    ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -59,7 +66,7 @@ class Request:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[self.num_prompt_tokens:]
+        return self.all_token_ids[self.num_prompt_tokens :]
 
     @property
     def num_output_tokens(self) -> int:
@@ -69,5 +76,7 @@ class Request:
         self.all_token_ids.append(token_id)
 
     def __repr__(self) -> str:
-        return (f"Request({self.request_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
-                f"{self.status.name})")
+        return (
+            f"Request({self.request_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+            f"{self.status.name})"
+        )

@@ -5,6 +5,7 @@ penalties (repetition, frequency, presence), and greedy argmax or temperature ->
 Per-request fault isolation: whatever is specific to one request (its generator, penalties, min-tokens
 masking, sampling, logprobs) runs under its own guard; if it raises, only that request is reported failed
 (`sample`'s third result) and the batch's other rows are sampled as usual."""
+
 from __future__ import annotations
 
 import logging
@@ -21,8 +22,14 @@ logger = logging.getLogger("kvserve.sampling")
 class RequestSamplingState:
     """What the sampler keeps per request across steps (and across preemption)."""
 
-    def __init__(self, params: SamplingParams, prompt_token_ids: list[int], eos_token_ids: tuple[int, ...],
-                 device: torch.device, default_generator: torch.Generator | None):
+    def __init__(
+        self,
+        params: SamplingParams,
+        prompt_token_ids: list[int],
+        eos_token_ids: tuple[int, ...],
+        device: torch.device,
+        default_generator: torch.Generator | None,
+    ):
         self.params = params
         self.prompt_token_ids = prompt_token_ids
         self.output_token_ids: list[int] = []
@@ -39,8 +46,9 @@ class RequestSamplingState:
         self.stop_ids = list(params.stop_token_ids) + ([] if params.ignore_eos else list(eos_token_ids))
         if params.structured_outputs is not None and params.compiled_constraint is None:
             raise ValueError("structured_outputs reached the sampler uncompiled (the edge compiles it)")
-        self.constraint = (GrammarConstraint(params.compiled_constraint)
-                           if params.compiled_constraint is not None else None)
+        self.constraint = (
+            GrammarConstraint(params.compiled_constraint) if params.compiled_constraint is not None else None
+        )
 
 
 def is_plain_greedy(state: RequestSamplingState) -> bool:
@@ -48,12 +56,19 @@ def is_plain_greedy(state: RequestSamplingState) -> bool:
     logits (penalties, min-tokens masking, a grammar), no logprobs, no setup error. The runner keeps the set
     of such requests so an all-plain batch skips sample()'s per-request passes."""
     p = state.params
-    return (state.error is None and p.greedy and not p.uses_penalties and not (p.min_tokens and state.stop_ids)
-            and state.constraint is None and p.logprobs is None)
+    return (
+        state.error is None
+        and p.greedy
+        and not p.uses_penalties
+        and not (p.min_tokens and state.stop_ids)
+        and state.constraint is None
+        and p.logprobs is None
+    )
 
 
-def sample(logits: torch.Tensor, states: list[RequestSamplingState]
-           ) -> tuple[list[int | None], list[TokenLogprobs | None], dict[int, str]]:
+def sample(
+    logits: torch.Tensor, states: list[RequestSamplingState]
+) -> tuple[list[int | None], list[TokenLogprobs | None], dict[int, str]]:
     """logits: [rows, vocab] float32, one row per state. Returns token ids (None for a failed row), logprobs
     (if asked) and {row: what failed} for rows whose own processing raised."""
     failed: dict[int, str] = {i: s.error for i, s in enumerate(states) if s.error is not None}
@@ -71,9 +86,15 @@ def sample(logits: torch.Tensor, states: list[RequestSamplingState]
         raw_logprobs = torch.log_softmax(logits, dim=-1)
 
     processed = logits
-    needs_processing = [i for i, s in enumerate(states)
-                        if i not in failed and (s.params.uses_penalties or (
-                            s.params.min_tokens and s.stop_ids and len(s.output_token_ids) < s.params.min_tokens))]
+    needs_processing = [
+        i
+        for i, s in enumerate(states)
+        if i not in failed
+        and (
+            s.params.uses_penalties
+            or (s.params.min_tokens and s.stop_ids and len(s.output_token_ids) < s.params.min_tokens)
+        )
+    ]
     if needs_processing:
         processed = logits.clone()
         for i in needs_processing:
@@ -103,8 +124,9 @@ def sample(logits: torch.Tensor, states: list[RequestSamplingState]
     for i, state in enumerate(states):
         if i in failed or state.params.logprobs is None:
             continue
-        logprobs[i] = guarded(i, "computing logprobs", _token_logprobs, raw_logprobs[i], tokens[i],
-                              state.params.logprobs)
+        logprobs[i] = guarded(
+            i, "computing logprobs", _token_logprobs, raw_logprobs[i], tokens[i], state.params.logprobs
+        )
     for i, state in enumerate(states):
         if i in failed:
             tokens[i], logprobs[i] = None, None
@@ -128,13 +150,14 @@ def _apply_penalties_and_min_tokens(row: torch.Tensor, state: RequestSamplingSta
     if params.min_tokens and len(state.output_token_ids) < params.min_tokens and state.stop_ids:
         row[state.stop_ids] = float("-inf")
     if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(state.prompt_token_ids) | set(state.output_token_ids)), device=row.device,
-                            dtype=torch.long)
+        seen = torch.tensor(
+            sorted(set(state.prompt_token_ids) | set(state.output_token_ids)), device=row.device, dtype=torch.long
+        )
         values = row[seen]
         row[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
     if state.output_token_ids and (params.frequency_penalty or params.presence_penalty):
         counts = torch.bincount(torch.tensor(state.output_token_ids, device=row.device), minlength=row.shape[0])
-        counts = counts[:row.shape[0]].to(row.dtype)
+        counts = counts[: row.shape[0]].to(row.dtype)
         row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(row.dtype)
 
 

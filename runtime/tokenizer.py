@@ -1,6 +1,7 @@
 """Tokenizers, in one place: loading a model dir's tokenizer (transformers), the chat template a model
 without one gets, and detokenisation (a fast exact decode, and vLLM's incremental scheme for streaming).
 The engine, the API server and the router all go through here, so they see the same tokens and text."""
+
 from __future__ import annotations
 
 from kvserve.runtime.errors import InvalidParameter
@@ -40,6 +41,7 @@ def fast_decode(tokenizer):
     ~1.4 us in the Rust tokenizer it ends in (measured on the demo tokenizer). When the tokenizer is a plain
     tokenizers-backed one whose decode is exactly `backend.decode` (no clean-up of tokenization spaces, no
     subclass overriding decode/_decode), call the backend directly; otherwise keep transformers' path."""
+
     def slow(ids: list[int], skip_special_tokens: bool) -> str:
         return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
@@ -50,14 +52,19 @@ def fast_decode(tokenizer):
         return slow
     cls = type(tokenizer)
     backend = getattr(tokenizer, "_tokenizer", None)
-    if (backend is None or not isinstance(tokenizer, TokenizersBackend)
-            or cls.decode is not PreTrainedTokenizerBase.decode or cls._decode is not TokenizersBackend._decode
-            or getattr(tokenizer, "clean_up_tokenization_spaces", True)):
+    if (
+        backend is None
+        or not isinstance(tokenizer, TokenizersBackend)
+        or cls.decode is not PreTrainedTokenizerBase.decode
+        or cls._decode is not TokenizersBackend._decode
+        or getattr(tokenizer, "clean_up_tokenization_spaces", True)
+    ):
         return slow
     backend_decode = backend.decode
 
     def fast(ids: list[int], skip_special_tokens: bool) -> str:
         return backend_decode(ids, skip_special_tokens=skip_special_tokens)
+
     return fast
 
 
@@ -71,8 +78,8 @@ def detokenize_incremental(decode_ids, sample, skip_special_tokens: bool, final:
     def decode(part: list[int]) -> str:
         return decode_ids(part, skip_special_tokens)
 
-    prefix = decode(ids[sample.prefix_offset:sample.read_offset])
-    window = decode(ids[sample.prefix_offset:])
+    prefix = decode(ids[sample.prefix_offset : sample.read_offset])
+    window = decode(ids[sample.prefix_offset :])
     if "\ufffd" in window or not window.startswith(prefix):
         text = decode(ids)
         if final or not text.endswith("\ufffd"):
@@ -82,6 +89,6 @@ def detokenize_incremental(decode_ids, sample, skip_special_tokens: bool, final:
             sample.prefix_offset = max(0, len(ids) - CONTEXT_TOKENS)
         return text
     if len(window) > len(prefix):
-        sample.decoded_text += window[len(prefix):]
+        sample.decoded_text += window[len(prefix) :]
         sample.prefix_offset, sample.read_offset = sample.read_offset, len(ids)
     return sample.decoded_text

@@ -11,6 +11,7 @@ OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf (vLLM's convention); the other 
 (OTEL_SERVICE_NAME, OTEL_EXPORTER_OTLP_TRACES_INSECURE, OTEL_TRACES_SAMPLER, ...) apply as usual.
 The OpenTelemetry packages are the optional `tracing` extra; nothing here imports them until a tracer is built.
 """
+
 from __future__ import annotations
 
 import logging
@@ -28,6 +29,7 @@ PHASES = ("queued", "prefill", "decode")
 
 class SpanAttributes:
     """vLLM's attribute names (vllm/tracing.py), so traces from both look alike."""
+
     GEN_AI_USAGE_COMPLETION_TOKENS = "gen_ai.usage.completion_tokens"
     GEN_AI_USAGE_PROMPT_TOKENS = "gen_ai.usage.prompt_tokens"
     GEN_AI_REQUEST_MAX_TOKENS = "gen_ai.request.max_tokens"
@@ -54,8 +56,10 @@ def trace_headers(headers: Mapping[str, str], enabled: bool) -> dict[str, str] |
     found = {h: headers[h] for h in TRACE_HEADERS if h in headers}
     if found and not enabled and not _warned_disabled:
         _warned_disabled = True
-        logger.warning("received a request with trace context but tracing is disabled "
-                       "(start with --otlp-traces-endpoint to export spans)")
+        logger.warning(
+            "received a request with trace context but tracing is disabled "
+            "(start with --otlp-traces-endpoint to export spans)"
+        )
     return found or None
 
 
@@ -72,10 +76,19 @@ class RequestTracer:
         self._server_kind = SpanKind.SERVER
         self.model_name = model_name
 
-    def record_finished(self, *, request_id: str, trace_headers: Mapping[str, str] | None, params: Any,
-                        num_prompt_tokens: int, num_generation_tokens: int, arrival_time: float,
-                        first_scheduled_time: float | None, first_token_time: float | None,
-                        finished_time: float) -> None:
+    def record_finished(
+        self,
+        *,
+        request_id: str,
+        trace_headers: Mapping[str, str] | None,
+        params: Any,
+        num_prompt_tokens: int,
+        num_generation_tokens: int,
+        arrival_time: float,
+        first_scheduled_time: float | None,
+        first_token_time: float | None,
+        finished_time: float,
+    ) -> None:
         from opentelemetry import trace
 
         # Monotonic seconds -> epoch nanoseconds, with one offset for the whole trace.
@@ -92,8 +105,12 @@ class RequestTracer:
             attrs.GEN_AI_USAGE_COMPLETION_TOKENS: num_generation_tokens,
             attrs.GEN_AI_LATENCY_E2E: finished_time - arrival_time,
         }
-        for name, key in ((attrs.GEN_AI_REQUEST_TEMPERATURE, "temperature"), (attrs.GEN_AI_REQUEST_TOP_P, "top_p"),
-                          (attrs.GEN_AI_REQUEST_MAX_TOKENS, "max_tokens"), (attrs.GEN_AI_REQUEST_N, "n")):
+        for name, key in (
+            (attrs.GEN_AI_REQUEST_TEMPERATURE, "temperature"),
+            (attrs.GEN_AI_REQUEST_TOP_P, "top_p"),
+            (attrs.GEN_AI_REQUEST_MAX_TOKENS, "max_tokens"),
+            (attrs.GEN_AI_REQUEST_N, "n"),
+        ):
             value = getattr(params, key, None)
             if value is not None:
                 attributes[name] = value
@@ -108,10 +125,14 @@ class RequestTracer:
             attributes[attrs.GEN_AI_LATENCY_TIME_IN_MODEL_DECODE] = finished_time - first_token_time
 
         parent = self._propagator.extract(dict(trace_headers or {}))
-        span = self._tracer.start_span(SPAN_NAME, context=parent, kind=self._server_kind, attributes=attributes,
-                                       start_time=ns(arrival_time))
-        phase_bounds = zip(PHASES, (arrival_time, first_scheduled_time, first_token_time),
-                           (first_scheduled_time, first_token_time, finished_time))
+        span = self._tracer.start_span(
+            SPAN_NAME, context=parent, kind=self._server_kind, attributes=attributes, start_time=ns(arrival_time)
+        )
+        phase_bounds = zip(
+            PHASES,
+            (arrival_time, first_scheduled_time, first_token_time),
+            (first_scheduled_time, first_token_time, finished_time),
+        )
         context = trace.set_span_in_context(span)
         for phase, start, end in phase_bounds:
             if start is not None and end is not None:
@@ -131,8 +152,9 @@ def span_exporter(endpoint: str) -> Any:
     elif protocol == "http/protobuf":
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     else:
-        raise ValueError(f"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL={protocol!r} is not supported "
-                         "(use grpc or http/protobuf)")
+        raise ValueError(
+            f"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL={protocol!r} is not supported (use grpc or http/protobuf)"
+        )
     return OTLPSpanExporter(endpoint=endpoint)
 
 
@@ -144,8 +166,9 @@ def build_otlp_tracer(endpoint: str, model_name: str) -> RequestTracer:
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
     except ImportError as exc:
-        raise RuntimeError("--otlp-traces-endpoint needs the OpenTelemetry packages: "
-                           "pip install 'kvserve[tracing]'") from exc
+        raise RuntimeError(
+            "--otlp-traces-endpoint needs the OpenTelemetry packages: pip install 'kvserve[tracing]'"
+        ) from exc
     resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", "kvserve")})
     provider = TracerProvider(resource=resource)
     provider.add_span_processor(BatchSpanProcessor(span_exporter(endpoint)))

@@ -1,6 +1,7 @@
 """The two Dockerfiles, without a container engine: hadolint, bases pinned by digest, Python dependencies
 pinned by docker/constraints.txt, and the runtime image's user creation replayed against an Ubuntu 24.04
 /etc (which has user `ubuntu` with uid 1000) in a private mount namespace."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -88,13 +89,15 @@ def test_constraints_pin_every_image_dependency_within_pyproject():
         needed = generator.closure()
     except Exception as exc:  # an extra not installed here
         pytest.skip(f"dependency closure unavailable in this environment: {exc}")
-    missing = sorted(n for n in needed if n not in pins and n not in generator.NOT_PINNED
-                     and not n.startswith("nvidia-"))
+    missing = sorted(
+        n for n in needed if n not in pins and n not in generator.NOT_PINNED and not n.startswith("nvidia-")
+    )
     assert missing == [], f"regenerate: .venv/bin/python docker/constraints.py > docker/constraints.txt ({missing})"
     tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    direct = project["dependencies"] + [r for extra in ("runtime", "server", "kernels", "operator")
-                                        for r in project["optional-dependencies"][extra]]
+    direct = project["dependencies"] + [
+        r for extra in ("runtime", "server", "kernels", "operator") for r in project["optional-dependencies"][extra]
+    ]
     for text in direct:
         req = Requirement(text)
         name = canonicalize_name(req.name)
@@ -129,28 +132,46 @@ def _user_creation(path: pathlib.Path) -> str:
     return cmd
 
 
-def replay_user_creation(cmd: str, tmp_path: pathlib.Path,
-                         ubuntu_user: bool = True) -> tuple[subprocess.CompletedProcess, str]:
+def replay_user_creation(
+    cmd: str, tmp_path: pathlib.Path, ubuntu_user: bool = True
+) -> tuple[subprocess.CompletedProcess, str]:
     """Run `cmd` with /etc replaced by a copy of this machine's /etc in which uid/gid 1000 are free, plus
     (ubuntu_user) Ubuntu 24.04's `ubuntu` user and group with id 1000; returns the resulting passwd."""
     etc = tmp_path / "etc"
-    shutil.copytree("/etc", etc, symlinks=True, ignore_dangling_symlinks=True,
-                    ignore=shutil.ignore_patterns("ssl", "alternatives", "*.d", "X11", "fonts"))
-    for name, extra in (("passwd", UBUNTU_2404_USER), ("group", UBUNTU_2404_GROUP),
-                        ("shadow", "ubuntu:!:19800:0:99999:7:::\n"), ("gshadow", "ubuntu:!::\n")):
+    shutil.copytree(
+        "/etc",
+        etc,
+        symlinks=True,
+        ignore_dangling_symlinks=True,
+        ignore=shutil.ignore_patterns("ssl", "alternatives", "*.d", "X11", "fonts"),
+    )
+    for name, extra in (
+        ("passwd", UBUNTU_2404_USER),
+        ("group", UBUNTU_2404_GROUP),
+        ("shadow", "ubuntu:!:19800:0:99999:7:::\n"),
+        ("gshadow", "ubuntu:!::\n"),
+    ):
         if not (etc / name).exists():
             continue
-        lines = [line for line in (etc / name).read_text().splitlines(keepends=True)
-                 if not line.startswith("ubuntu:") and ":1000:" not in line]
+        lines = [
+            line
+            for line in (etc / name).read_text().splitlines(keepends=True)
+            if not line.startswith("ubuntu:") and ":1000:" not in line
+        ]
         (etc / name).write_text("".join(lines) + (extra if ubuntu_user else ""))
     script = f"mount --bind {etc} /etc && exec sh -c {subprocess.list2cmdline([cmd])}"
-    proc = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     return proc, (etc / "passwd").read_text()
 
 
-@pytest.mark.skipif(not _unshare_works() or shutil.which("useradd") is None,
-                    reason="needs unshare (mount namespace) and useradd")
+@pytest.mark.skipif(
+    not _unshare_works() or shutil.which("useradd") is None, reason="needs unshare (mount namespace) and useradd"
+)
 def test_runtime_image_user_creation_survives_the_ubuntu_user(tmp_path):
     import os
 
@@ -161,8 +182,9 @@ def test_runtime_image_user_creation_survives_the_ubuntu_user(tmp_path):
     users = {line.split(":")[0]: line.split(":") for line in passwd.splitlines()}
     assert users["kvserve"][2:4] == ["1000", "1000"] and "ubuntu" not in users
     # The old instruction fails exactly as `docker build` did on the nvidia/cuda ubuntu24.04 base.
-    old, _ = replay_user_creation("useradd --uid 1000 --user-group --home-dir /tmp --no-create-home kvserve",
-                                  tmp_path / "old")
+    old, _ = replay_user_creation(
+        "useradd --uid 1000 --user-group --home-dir /tmp --no-create-home kvserve", tmp_path / "old"
+    )
     assert old.returncode != 0 and "UID 1000 is not unique" in old.stderr
     # And on a base without the ubuntu user the fixed instruction still works.
     proc, passwd = replay_user_creation(_user_creation(DOCKERFILES[0]), tmp_path / "plain", ubuntu_user=False)

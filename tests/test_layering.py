@@ -4,6 +4,7 @@ import-linter's graph builder (grimp) cannot walk setuptools' editable namespace
 are copied under a plain `kvserve/` package in a temp dir (operator/ gets an __init__.py there: inside
 `kvserve/` it cannot shadow the stdlib). A control run injects one forbidden import and must fail.
 """
+
 from __future__ import annotations
 
 import os
@@ -29,8 +30,14 @@ def _stage(tmp_path: pathlib.Path) -> pathlib.Path:
 def _lint(staged_root: pathlib.Path) -> subprocess.CompletedProcess:
     lint = pathlib.Path(sys.executable).parent / "lint-imports"
     env = {**os.environ, "PYTHONPATH": str(staged_root)}
-    return subprocess.run([str(lint), "--no-cache", str(ROOT / "pyproject.toml")], cwd=staged_root, env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [str(lint), "--no-cache", str(ROOT / "pyproject.toml")],
+        cwd=staged_root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_layering_contracts_hold(tmp_path):
@@ -50,16 +57,18 @@ def test_a_forbidden_import_breaks_the_contract(tmp_path):
 
 
 def test_operator_modules_import_without_torch():
-    code = ("import sys; import kvserve.operator.planner, kvserve.operator.render, kvserve.operator.spec, "
-            "kvserve.operator.status, kvserve.cli.plan; "
-            "bad = [m for m in ('torch', 'transformers', 'numpy') if m in sys.modules]; assert not bad, bad")
+    code = (
+        "import sys; import kvserve.operator.planner, kvserve.operator.render, kvserve.operator.spec, "
+        "kvserve.operator.status, kvserve.cli.plan; "
+        "bad = [m for m in ('torch', 'transformers', 'numpy') if m in sys.modules]; assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def _import_cycles(staged_root: pathlib.Path) -> list[list[str]]:
     """Strongly connected components (size > 1) of the module-level import graph, function-level imports
     included: each is a set of modules that import each other in a circle."""
-    code = r'''
+    code = r"""
 import json, sys
 import grimp
 graph = grimp.build_graph("kvserve")
@@ -86,10 +95,11 @@ for m in modules:
     if m not in index:
         visit(m)
 print(json.dumps(out))
-'''
+"""
     env = {**os.environ, "PYTHONPATH": str(staged_root)}
-    result = subprocess.run([sys.executable, "-c", code], cwd=staged_root, env=env, capture_output=True, text=True,
-                            timeout=120, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=staged_root, env=env, capture_output=True, text=True, timeout=120, check=True
+    )
     import json
 
     return json.loads(result.stdout)

@@ -1,10 +1,12 @@
 """Packaging: every code folder is in pyproject's explicit package list, nothing shadows the stdlib,
 and the pure layers import without torch."""
+
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+
 import tomllib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,8 +39,10 @@ def test_operator_folder_does_not_shadow_stdlib():
 
 
 def test_scheduling_layer_imports_without_torch():
-    code = ("import sys; import kvserve.runtime.core.scheduler, kvserve.runtime.core.kv_cache_manager, "
-            "kvserve.runtime.core.block_pool, kvserve.runtime.core.outputs, kvserve.runtime.request, kvserve.runtime; "
-            "bad = [m for m in ('torch', 'transformers', 'numpy') if m in sys.modules]; "
-            "assert not bad, bad")
+    code = (
+        "import sys; import kvserve.runtime.core.scheduler, kvserve.runtime.core.kv_cache_manager, "
+        "kvserve.runtime.core.block_pool, kvserve.runtime.core.outputs, kvserve.runtime.request, kvserve.runtime; "
+        "bad = [m for m in ('torch', 'transformers', 'numpy') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -5,6 +5,7 @@ The emulator runs on its own event loop in a background thread, so tests stay sy
 The emulator stores objects as they are sent: no defaulting, no schema validation, no uid/generation
 bookkeeping and no garbage collection; tests set uid/generation themselves and check ownerReferences.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -61,8 +62,12 @@ class Emulator:
 
     def call(self, method: str, path: str, body: Any = None, content_type: str = "application/json") -> Any:
         data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(self.url.rstrip("/") + path, data=data, method=method,
-                                     headers={"Content-Type": content_type, "Accept": "application/json"})
+        req = urllib.request.Request(
+            self.url.rstrip("/") + path,
+            data=data,
+            method=method,
+            headers={"Content-Type": content_type, "Accept": "application/json"},
+        )
         try:
             with urllib.request.urlopen(req, timeout=10) as resp:
                 return json.loads(resp.read() or b"null")
@@ -110,9 +115,15 @@ def emulator() -> Iterator[Emulator]:
             handler.resources["v1/namespaces"] = info(kind="Namespace", namespaced=False, verbs=_ALL_VERBS)
             handler.resources["v1/events"] = info(kind="Event", namespaced=True, verbs=_ALL_VERBS)
             handler.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = info(
-                kind="CustomResourceDefinition", namespaced=False, verbs=_ALL_VERBS)
-            handler.resources[CR] = info(kind="InferenceService", namespaced=True, verbs=_ALL_VERBS,
-                                         subresources={"status", "scale"}, shortnames={"kvs"})
+                kind="CustomResourceDefinition", namespaced=False, verbs=_ALL_VERBS
+            )
+            handler.resources[CR] = info(
+                kind="InferenceService",
+                namespaced=True,
+                verbs=_ALL_VERBS,
+                subresources={"status", "scale"},
+                shortnames={"kvs"},
+            )
             for kind, resource in {**CHILDREN, **ROUTER_CHILDREN, **OTHERS}.items():
                 handler.resources[resource] = info(kind=kind, namespaced=True, verbs=_ALL_VERBS)
             box["handler"], box["url"] = handler, str(server.url)

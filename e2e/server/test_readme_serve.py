@@ -1,6 +1,7 @@
 """The README's main job on a fresh machine: the `kvserve` console script with no MODEL_DIR and default
 engine settings builds the demo model into an empty cache, serves it, answers the official openai client
 (chat, streaming), says the weights are random, and exits 0 on SIGTERM."""
+
 from __future__ import annotations
 
 import os
@@ -28,8 +29,9 @@ def test_kvserve_serve_no_args_fresh_cache(tmp_path):
     env = {**os.environ, "KVSERVE_CACHE_DIR": str(tmp_path / "cache")}
     log_path = tmp_path / "serve.log"
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([*cmd, "serve", "--host", "127.0.0.1", "--port", str(port)], env=env, stdout=log,
-                                stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [*cmd, "serve", "--host", "127.0.0.1", "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT
+        )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 150
@@ -46,8 +48,11 @@ def test_kvserve_serve_no_args_fresh_cache(tmp_path):
         client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=60)
         (model,) = client.models.list().data
         assert model.id == "kvserve-demo-random-weights" and model.model_extra["random_weights"] is True
-        chunks = list(client.chat.completions.create(model=model.id, stream=True, max_tokens=8,
-                                                     messages=[{"role": "user", "content": "Hello!"}]))
+        chunks = list(
+            client.chat.completions.create(
+                model=model.id, stream=True, max_tokens=8, messages=[{"role": "user", "content": "Hello!"}]
+            )
+        )
         assert chunks[-1].choices[0].finish_reason in ("length", "stop")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0

@@ -15,6 +15,7 @@ It writes JSON (--out) and prints a table; exit status 1 if any correctness chec
 Without CUDA, or with --cpu-smoke, it sets TRITON_INTERPRET=1 and runs the same code paths at tiny sizes
 under the Triton interpreter (the timings are then meaningless; the point is that the script works).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,11 +30,28 @@ import time
 GRID_BATCHES = (1, 8, 32, 128, 256)
 GRID_CONTEXTS = (512, 2048, 8192, 32768)
 MAX_GRID_TOKENS = 1 << 23  # B * ctx cap: 8M tokens (256 x 32k) = 32 GiB of bf16 K+V for one layer of this shape
-LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                 num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192,
-                 rms_norm_eps=1e-5, tie_word_embeddings=False)
-TINY_MODEL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
-                  num_key_value_heads=2, vocab_size=512, max_position_embeddings=512, rms_norm_eps=1e-5)
+LLAMA3_8B = dict(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    rope_theta=500000.0,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
+TINY_MODEL = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    vocab_size=512,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+)
 
 
 def _parse(argv):
@@ -95,9 +113,18 @@ def run_checks(device, smoke: bool, seed: int) -> list[dict]:
         return int(torch.randint(lo, hi + 1, (1,), generator=g))
 
     def record(kind, shape, dtype, cache_dtype, err, limit, extra=None):
-        results.append(dict(kernel=kind, shape=shape, dtype=str(dtype).replace("torch.", ""),
-                            cache_dtype=str(cache_dtype).replace("torch.", ""), rel_err=err, tol=limit,
-                            ok=bool(err <= limit), **(extra or {})))
+        results.append(
+            dict(
+                kernel=kind,
+                shape=shape,
+                dtype=str(dtype).replace("torch.", ""),
+                cache_dtype=str(cache_dtype).replace("torch.", ""),
+                rel_err=err,
+                tol=limit,
+                ok=bool(err <= limit),
+                **(extra or {}),
+            )
+        )
 
     pairs = [(hd, dt) for hd in heads for dt in dtypes]
     if smoke:  # one head shape per dtype: GQA 8 with head dim 64, GQA 8 with odd head dim 80
@@ -109,9 +136,20 @@ def run_checks(device, smoke: bool, seed: int) -> list[dict]:
             q_lens = [1] * n_dec + [rnd(2, 40 if smoke else 300) for _ in range(n_pre)]
             ctx = [rnd(0, max_ctx) for _ in q_lens]
             shape = dict(heads=h, kv_heads=kvh, head_dim=d, block_size=bs, q_lens=q_lens, ctx=ctx)
-            b = make_paged_batch(q_lens, ctx, num_heads=h, num_kv_heads=kvh, head_dim=d, block_size=bs,
-                                 dtype=dtype, cache_dtype=cache_dtype, pad_tokens=2, prefilled_new=False,
-                                 device=device, generator=g)
+            b = make_paged_batch(
+                q_lens,
+                ctx,
+                num_heads=h,
+                num_kv_heads=kvh,
+                head_dim=d,
+                block_size=bs,
+                dtype=dtype,
+                cache_dtype=cache_dtype,
+                pad_tokens=2,
+                prefilled_new=False,
+                device=device,
+                generator=g,
+            )
             # store: bit-exact against the reference store into a copy of the cache
             kr, vr = b.k_cache.clone(), b.v_cache.clone()
             store_kv_cache_ref(b.k_new, b.v_new, kr, vr, b.slot_mapping, b.k_scale, b.v_scale)
@@ -120,24 +158,80 @@ def run_checks(device, smoke: bool, seed: int) -> list[dict]:
             same = torch.equal(b.k_cache.view(ib), kr.view(ib)) and torch.equal(b.v_cache.view(ib), vr.view(ib))
             record("store_kv_cache", shape, dtype, cache_dtype or dtype, 0.0 if same else float("inf"), 0.0)
             lim = tol[dtype]
-            ref = paged_attention_ref(b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.cu_seqlens_q,
-                                      b.max_seqlen_q, b.max_seqlen_k, b.scale, b.k_scale, b.v_scale)
+            ref = paged_attention_ref(
+                b.q,
+                b.k_cache,
+                b.v_cache,
+                b.block_tables,
+                b.seq_lens,
+                b.cu_seqlens_q,
+                b.max_seqlen_q,
+                b.max_seqlen_k,
+                b.scale,
+                b.k_scale,
+                b.v_scale,
+            )
             n = int(b.cu_seqlens_q[-1])
             out = torch.full_like(b.q, float("nan"))
-            paged_attention(b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.cu_seqlens_q,
-                            b.max_seqlen_q, b.max_seqlen_k, b.scale, b.k_scale, b.v_scale, out=out)
+            paged_attention(
+                b.q,
+                b.k_cache,
+                b.v_cache,
+                b.block_tables,
+                b.seq_lens,
+                b.cu_seqlens_q,
+                b.max_seqlen_q,
+                b.max_seqlen_k,
+                b.scale,
+                b.k_scale,
+                b.v_scale,
+                out=out,
+            )
             record("paged_attention[mixed,2d]", shape, dtype, cache_dtype or dtype, rel_err(out[:n], ref[:n]), lim)
             # decode-only batch from the same sequences' contexts: split-K with 4 segments and 2D
-            dq = make_paged_batch([1] * len(ctx), ctx, num_heads=h, num_kv_heads=kvh, head_dim=d, block_size=bs,
-                                  dtype=dtype, cache_dtype=cache_dtype, device=device, generator=g)
-            ref = paged_attention_ref(dq.q, dq.k_cache, dq.v_cache, dq.block_tables, dq.seq_lens,
-                                      dq.cu_seqlens_q, 1, dq.max_seqlen_k, dq.scale, dq.k_scale, dq.v_scale)
+            dq = make_paged_batch(
+                [1] * len(ctx),
+                ctx,
+                num_heads=h,
+                num_kv_heads=kvh,
+                head_dim=d,
+                block_size=bs,
+                dtype=dtype,
+                cache_dtype=cache_dtype,
+                device=device,
+                generator=g,
+            )
+            ref = paged_attention_ref(
+                dq.q,
+                dq.k_cache,
+                dq.v_cache,
+                dq.block_tables,
+                dq.seq_lens,
+                dq.cu_seqlens_q,
+                1,
+                dq.max_seqlen_k,
+                dq.scale,
+                dq.k_scale,
+                dq.v_scale,
+            )
             for segs, name in ((4, "paged_attention[decode,split-k]"), (1, "paged_attention[decode,2d]")):
                 out = torch.full_like(dq.q, float("nan"))
-                paged_attention(dq.q, dq.k_cache, dq.v_cache, dq.block_tables, dq.seq_lens, dq.cu_seqlens_q,
-                                1, dq.max_seqlen_k, dq.scale, dq.k_scale, dq.v_scale, out=out, num_segments=segs)
-                record(name, dict(shape, q_lens=[1] * len(ctx)), dtype, cache_dtype or dtype,
-                       rel_err(out, ref), lim)
+                paged_attention(
+                    dq.q,
+                    dq.k_cache,
+                    dq.v_cache,
+                    dq.block_tables,
+                    dq.seq_lens,
+                    dq.cu_seqlens_q,
+                    1,
+                    dq.max_seqlen_k,
+                    dq.scale,
+                    dq.k_scale,
+                    dq.v_scale,
+                    out=out,
+                    num_segments=segs,
+                )
+                record(name, dict(shape, q_lens=[1] * len(ctx)), dtype, cache_dtype or dtype, rel_err(out, ref), lim)
     return results
 
 
@@ -150,7 +244,7 @@ def copy_bandwidth(device, clock, smoke: bool) -> float:
     src = torch.empty(n, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     ms = clock.time(lambda: dst.copy_(src), warmup=2, reps=5 if smoke else 20)
-    del src, dst
+    src = dst = None  # free the device memory (the timing closure is done with them)
     return 2 * n / (ms * 1e-3)
 
 
@@ -185,41 +279,53 @@ def decode_grid(device, clock, smoke: bool, copy_bps: float, deadline: float) ->
         cu = torch.arange(batch + 1, dtype=torch.int32, device=device)
         q = torch.randn(batch, h, d, device=device).to(dtype)
         out = torch.empty_like(q)
-        scale = d ** -0.5
+        scale = d**-0.5
         kv_bytes = 2 * batch * ctx * kvh * d * k_cache.element_size()
         io_bytes = kv_bytes + 2 * q.numel() * q.element_size() + block_tables.numel() * 4
         reps = 1 if smoke else 20
         segs = choose_num_segments(batch, kvh, ctx, 32, device)
 
         def run(num_segments=None):
-            return lambda: paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu, 1, ctx, scale,
-                                           out=out, num_segments=num_segments)
+            return lambda: paged_attention(
+                q, k_cache, v_cache, block_tables, seq_lens, cu, 1, ctx, scale, out=out, num_segments=num_segments
+            )
 
         row = dict(batch=batch, context=ctx, kv_bytes=kv_bytes, segments=segs)
         row["triton_ms"] = clock.time(run(), warmup=1 if smoke else 3, reps=reps)
         row["triton_2d_ms"] = clock.time(run(1), warmup=1 if smoke else 3, reps=reps)
         if torch_backend is not None and batch * ctx <= (1 << 20):
-            meta = AttentionMetadata(slot_mapping=torch.full((batch,), -1, dtype=torch.long, device=device),
-                                     cu_seqlens_q=cu, seq_lens=seq_lens, block_tables=block_tables, max_seqlen_q=1,
-                                     max_seqlen_k=ctx, query_lens_list=[1] * batch, seq_lens_list=[ctx] * batch)
+            meta = AttentionMetadata(
+                slot_mapping=torch.full((batch,), -1, dtype=torch.long, device=device),
+                cu_seqlens_q=cu,
+                seq_lens=seq_lens,
+                block_tables=block_tables,
+                max_seqlen_q=1,
+                max_seqlen_k=ctx,
+                query_lens_list=[1] * batch,
+                seq_lens_list=[ctx] * batch,
+            )
             rows_idx = list(range(batch))
             k_new = torch.zeros(batch, kvh, d, dtype=dtype, device=device)
             try:  # the backend's decode path alone (a private helper: fall back to forward if it changed)
                 row["torch_ms"] = clock.time(
                     lambda: torch_backend._decode_batch(q, k_cache, v_cache, meta, scale, rows_idx, out),
-                    warmup=1, reps=reps)
+                    warmup=1,
+                    reps=reps,
+                )
             except Exception:
                 try:  # forward = store (all slots -1 here) + attention
                     meta.has_padding_slots = True
                     row["torch_ms"] = clock.time(
                         lambda: torch_backend.forward(q, k_new, k_new, k_cache, v_cache, meta, scale),
-                        warmup=1, reps=reps)
+                        warmup=1,
+                        reps=reps,
+                    )
                 except Exception as exc:
                     row["torch_error"] = repr(exc)[:200]
         row["triton_GBps"] = io_bytes / (row["triton_ms"] * 1e-3) / 1e9
         row["frac_of_copy_bw"] = (io_bytes / (row["triton_ms"] * 1e-3)) / copy_bps
         rows.append(row)
-    del k_cache, v_cache
+    k_cache = v_cache = None  # free the device memory
     return rows
 
 
@@ -236,15 +342,27 @@ def end_to_end(device, smoke: bool, deadline: float) -> dict:
     tmp = make_shape_dir(tempfile.mkdtemp(prefix="kvserve-e2e-"), "LlamaForCausalLM", dtype, **shape)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, shape["vocab_size"], (prompt_len,), generator=gen).tolist() for _ in range(batch)]
-    result = dict(model="Llama-3-8B shape, random weights" if not smoke else "tiny", dtype=dtype, batch=batch,
-                  prompt_len=prompt_len, new_tokens=new_tokens)
+    result = dict(
+        model="Llama-3-8B shape, random weights" if not smoke else "tiny",
+        dtype=dtype,
+        batch=batch,
+        prompt_len=prompt_len,
+        new_tokens=new_tokens,
+    )
     tokens = {}
     for backend in ("triton", "torch"):
         if time.monotonic() > deadline:
             result[backend] = dict(skipped="time budget")
             continue
-        kw = dict(max_model_len=prompt_len + new_tokens + 16, attention_backend=backend, dtype=dtype,
-                  device=str(device), max_num_seqs=batch, block_size=16, load_format="dummy")
+        kw = dict(
+            max_model_len=prompt_len + new_tokens + 16,
+            attention_backend=backend,
+            dtype=dtype,
+            device=str(device),
+            max_num_seqs=batch,
+            block_size=16,
+            load_format="dummy",
+        )
         if device.type == "cuda":
             # An explicit budget (what this batch needs, x1.5), not a share of the device: should the first
             # backend's engine outlive its `del`, the second still fits beside it.
@@ -272,9 +390,13 @@ def end_to_end(device, smoke: bool, deadline: float) -> dict:
         tn, toks = gen_time(new_tokens)
         tokens[backend] = toks
         decode_tps = batch * (new_tokens - 1) / max(tn - t1, 1e-9)
-        result[backend] = dict(prefill_plus_first_s=t1, total_s=tn, decode_tokens_per_s=decode_tps,
-                               kv_blocks=llm.engine.runner.num_blocks if hasattr(llm.engine, "runner") else None)
-        del llm
+        result[backend] = dict(
+            prefill_plus_first_s=t1,
+            total_s=tn,
+            decode_tokens_per_s=decode_tps,
+            kv_blocks=llm.engine.runner.num_blocks if hasattr(llm.engine, "runner") else None,
+        )
+        llm = None  # free the device memory
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -286,8 +408,9 @@ def end_to_end(device, smoke: bool, deadline: float) -> dict:
         first = sum(a[0] == b[0] for a, b in zip(tokens["triton"], tokens["torch"]))
         result["identical_first_tokens"] = f"{first}/{batch}"
     if all(isinstance(result.get(b), dict) and "decode_tokens_per_s" in result[b] for b in ("triton", "torch")):
-        result["speedup_triton_vs_torch"] = (result["triton"]["decode_tokens_per_s"]
-                                             / result["torch"]["decode_tokens_per_s"])
+        result["speedup_triton_vs_torch"] = (
+            result["triton"]["decode_tokens_per_s"] / result["torch"]["decode_tokens_per_s"]
+        )
     return result
 
 
@@ -304,15 +427,19 @@ def _table(results: dict) -> str:
     for (k, dt, cd), e in sorted(worst.items()):
         lines.append(f"{k:34s} {dt:9s} {cd:14s} {e:12.3g}")
     lines.append(f"device-to-device copy: {results['copy_GBps']:.1f} GB/s (read + write)")
-    lines.append(f"{'batch':>6s} {'ctx':>6s} {'segs':>4s} {'triton ms':>10s} {'2d ms':>9s} {'torch ms':>9s} "
-                 f"{'GB/s':>8s} {'% copy':>7s}")
+    lines.append(
+        f"{'batch':>6s} {'ctx':>6s} {'segs':>4s} {'triton ms':>10s} {'2d ms':>9s} {'torch ms':>9s} "
+        f"{'GB/s':>8s} {'% copy':>7s}"
+    )
     for r in results["decode_grid"]:
         if "skipped" in r:
             lines.append(f"{r['batch']:6d} {r['context']:6d}  skipped ({r['skipped']})")
             continue
         torch_ms = f"{r['torch_ms']:9.3f}" if "torch_ms" in r else f"{'-':>9s}"
-        lines.append(f"{r['batch']:6d} {r['context']:6d} {r['segments']:4d} {r['triton_ms']:10.3f} "
-                     f"{r['triton_2d_ms']:9.3f} {torch_ms} {r['triton_GBps']:8.1f} {100 * r['frac_of_copy_bw']:6.1f}%")
+        lines.append(
+            f"{r['batch']:6d} {r['context']:6d} {r['segments']:4d} {r['triton_ms']:10.3f} "
+            f"{r['triton_2d_ms']:9.3f} {torch_ms} {r['triton_GBps']:8.1f} {100 * r['frac_of_copy_bw']:6.1f}%"
+        )
     e2e = results.get("e2e")
     if e2e:
         lines.append(f"end to end ({e2e.get('model')}, {e2e.get('dtype')}, batch {e2e.get('batch')}):")
@@ -323,8 +450,10 @@ def _table(results: dict) -> str:
             elif v:
                 lines.append(f"  {b:7s} {v}")
         if "speedup_triton_vs_torch" in e2e:
-            lines.append(f"  triton / torch: {e2e['speedup_triton_vs_torch']:.2f}x; identical sequences "
-                         f"{e2e.get('identical_sequences')}")
+            lines.append(
+                f"  triton / torch: {e2e['speedup_triton_vs_torch']:.2f}x; identical sequences "
+                f"{e2e.get('identical_sequences')}"
+            )
         if "error" in e2e:
             lines.append(f"  error: {e2e['error']}")
     return "\n".join(lines)
@@ -345,10 +474,15 @@ def main(argv=None) -> int:
     import triton
 
     clock = Clock(device)
-    results = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else
-                   f"cpu ({platform.processor() or platform.machine()}), Triton interpreter",
-                   mode="cpu-smoke" if smoke else "gpu", torch=torch.__version__, triton=triton.__version__,
-                   python=sys.version.split()[0])
+    results = dict(
+        device=torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else f"cpu ({platform.processor() or platform.machine()}), Triton interpreter",
+        mode="cpu-smoke" if smoke else "gpu",
+        torch=torch.__version__,
+        triton=triton.__version__,
+        python=sys.version.split()[0],
+    )
     results["checks"] = run_checks(device, smoke, args.seed)
     results["copy_GBps"] = copy_bandwidth(device, clock, smoke) / 1e9
     results["decode_grid"] = decode_grid(device, clock, smoke, results["copy_GBps"] * 1e9, deadline)

@@ -19,6 +19,7 @@ Without CUDA, or with --cpu-smoke: TRITON_INTERPRET=1, graphs emulated on CPU (w
 tiny sizes, and the served comparison without graphs (the server process cannot emulate them) -- the
 timings are meaningless; the point is that every code path of the script runs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,9 +36,17 @@ from kvserve.runtime.bench.gpu_kernels import LLAMA3_8B
 from kvserve.runtime.bench.gpu_kernels import TINY_MODEL as TINY
 
 # Graph check model: big enough that a wrong row or stale buffer shows, small enough to run eagerly in seconds.
-CHECK = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
-             num_key_value_heads=2, vocab_size=2048, max_position_embeddings=1024, rms_norm_eps=1e-5,
-             initializer_range=0.2)
+CHECK = dict(
+    hidden_size=512,
+    intermediate_size=1024,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    vocab_size=2048,
+    max_position_embeddings=1024,
+    rms_norm_eps=1e-5,
+    initializer_range=0.2,
+)
 
 
 def _parse(argv):
@@ -58,12 +67,27 @@ def _parse(argv):
 def _child(piece: str, mode: str, smoke: bool, model_dir: str, size: int | None = None) -> dict:
     """Run one piece in a fresh interpreter; its JSON result (or the error it printed)."""
     out = tempfile.mktemp(suffix=".json")
-    cmd = [sys.executable, os.path.abspath(__file__), "--piece", piece, "--mode", mode, "--model-dir", model_dir,
-           "--out", out] + (["--cpu-smoke"] if smoke else []) + (["--size", str(size)] if size else [])
+    cmd = (
+        [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--piece",
+            piece,
+            "--mode",
+            mode,
+            "--model-dir",
+            model_dir,
+            "--out",
+            out,
+        ]
+        + (["--cpu-smoke"] if smoke else [])
+        + (["--size", str(size)] if size else [])
+    )
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0 or not os.path.exists(out):
-        raise RuntimeError(f"{piece} {mode} {size or ''} failed (exit {proc.returncode}): "
-                           f"{(proc.stdout + proc.stderr)[-3000:]}")
+        raise RuntimeError(
+            f"{piece} {mode} {size or ''} failed (exit {proc.returncode}): {(proc.stdout + proc.stderr)[-3000:]}"
+        )
     with open(out) as f:
         return json.load(f)
 
@@ -91,8 +115,13 @@ def graph_piece(mode: str, smoke: bool, model_dir: str) -> dict:
 
     device = "cpu" if smoke else "cuda"
     prompts, max_tokens = _graph_workload(smoke)
-    kw = dict(max_model_len=512, attention_backend="triton", device=device, max_num_seqs=4 if smoke else 64,
-              max_num_batched_tokens=256 if smoke else 2048)
+    kw = dict(
+        max_model_len=512,
+        attention_backend="triton",
+        device=device,
+        max_num_seqs=4 if smoke else 64,
+        max_num_batched_tokens=256 if smoke else 2048,
+    )
     kw.update(num_kv_blocks=64) if smoke else kw.update(kv_cache_bytes=4 << 30)
     if mode == "graphs":
         kw["cuda_graphs"] = True
@@ -100,14 +129,20 @@ def graph_piece(mode: str, smoke: bool, model_dir: str) -> dict:
     llm = LLM(model_dir, **kw)
     result = dict(engine_start_s=time.perf_counter() - t, max_num_seqs=kw["max_num_seqs"])
     t = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens],
-                        use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens],
+        use_tqdm=False,
+    )
     result.update(generate_s=time.perf_counter() - t, tokens=[o.outputs[0].token_ids for o in outs])
     graphs = llm.engine.runner.decode_graphs
     if graphs is not None:
-        result.update(capture_sizes=list(graphs.capture_sizes), capture_s=graphs.capture_s,
-                      replays=graphs.num_replays, graph_memory_mib=graphs.memory_bytes / 2**20)
+        result.update(
+            capture_sizes=list(graphs.capture_sizes),
+            capture_s=graphs.capture_s,
+            replays=graphs.num_replays,
+            graph_memory_mib=graphs.memory_bytes / 2**20,
+        )
     return result
 
 
@@ -129,14 +164,29 @@ def graph_check(smoke: bool) -> dict:
 def step_piece(mode: str, smoke: bool, model_dir: str, size: int) -> dict:
     from kvserve.runtime.bench import step as bench_step
 
-    kw = dict(device="cpu" if smoke else "cuda", dtype="float32" if smoke else "bfloat16", load_format="dummy",
-              attention_backend="triton")
+    kw = dict(
+        device="cpu" if smoke else "cuda",
+        dtype="float32" if smoke else "bfloat16",
+        load_format="dummy",
+        attention_backend="triton",
+    )
     if mode == "graphs":
         kw["cuda_graphs"] = True
-    r = bench_step.main(model_dir, batch_sizes=(size,), prompt_len=16 if smoke else 128,
-                        num_steps=3 if smoke else 20, warmup_steps=1 if smoke else 3, **kw)[0]
-    return dict(num_decodes=r.num_decodes, model_ms=r.model_ms, core_host_ms=r.core_host_ms,
-                front_end_ms=r.front_end_ms, step_ms=r.step_ms)
+    r = bench_step.main(
+        model_dir,
+        batch_sizes=(size,),
+        prompt_len=16 if smoke else 128,
+        num_steps=3 if smoke else 20,
+        warmup_steps=1 if smoke else 3,
+        **kw,
+    )[0]
+    return dict(
+        num_decodes=r.num_decodes,
+        model_ms=r.model_ms,
+        core_host_ms=r.core_host_ms,
+        front_end_ms=r.front_end_ms,
+        step_ms=r.step_ms,
+    )
 
 
 def step_bench(smoke: bool, deadline: float) -> dict:
@@ -145,8 +195,12 @@ def step_bench(smoke: bool, deadline: float) -> dict:
     sizes = (2, 4) if smoke else (64, 256, 512)
     out = {"model": "tiny" if smoke else "Llama-3-8B shape, random bf16 weights", "batch_sizes": list(sizes)}
     for mode in ("eager", "graphs"):
-        out[mode] = [_child("step", mode, smoke, model_dir, n) if time.monotonic() < deadline
-                     else dict(num_decodes=n, skipped="time budget") for n in sizes]
+        out[mode] = [
+            _child("step", mode, smoke, model_dir, n)
+            if time.monotonic() < deadline
+            else dict(num_decodes=n, skipped="time budget")
+            for n in sizes
+        ]
     return out
 
 
@@ -161,27 +215,59 @@ def served_vs_offline(smoke: bool, deadline: float) -> dict:
     else:  # explicit (256 x 256 tokens x 128 KiB = 8 GiB needed): the bench's own offline engine may still hold
         base += " --kv-cache-bytes 16GiB"  # its memory while a server starts, and a profiled share would not fit
     variants = {"eager": base} if smoke else {"eager": base, "graphs": base + " --cuda-graphs"}
-    out = {"model": "tiny" if smoke else "Llama-3-8B shape, random bf16 weights", "prompts": n,
-           "input_len": in_len, "output_len": out_len}
+    out = {
+        "model": "tiny" if smoke else "Llama-3-8B shape, random bf16 weights",
+        "prompts": n,
+        "input_len": in_len,
+        "output_len": out_len,
+    }
     for name, serve_args in variants.items():
         if time.monotonic() > deadline:
             out[name] = dict(skipped="time budget")
             continue
         path = tempfile.mktemp(suffix=".json")
-        cmd = [sys.executable, "-m", "kvserve.cli", "bench", "serve", "--compare", "served-vs-offline",
-               "--model-dir", model_dir, "--serve-args", serve_args, "--num-prompts", str(n),
-               "--input-len", str(in_len), "--output-len", str(out_len), "--range-ratio", "0",
-               "--request-rate", "inf", "--max-concurrency", str(n), "--repeat", "1", "--result-json", path]
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvserve.cli",
+            "bench",
+            "serve",
+            "--compare",
+            "served-vs-offline",
+            "--model-dir",
+            model_dir,
+            "--serve-args",
+            serve_args,
+            "--num-prompts",
+            str(n),
+            "--input-len",
+            str(in_len),
+            "--output-len",
+            str(out_len),
+            "--range-ratio",
+            "0",
+            "--request-rate",
+            "inf",
+            "--max-concurrency",
+            str(n),
+            "--repeat",
+            "1",
+            "--result-json",
+            path,
+        ]
         t = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         out[name] = dict(wall_s=time.perf_counter() - t, returncode=proc.returncode)
         if proc.returncode != 0:
-            out[name]["error"] = (proc.stdout[-2000:] + proc.stderr[-2000:])
+            out[name]["error"] = proc.stdout[-2000:] + proc.stderr[-2000:]
             continue
         with open(path) as f:
             summary = json.load(f)["summary"]
-        out[name].update(rows=summary["rows"], served_over_offline=summary["median_served_over_offline"],
-                         tpot_over_offline_step=summary["median_tpot_over_offline_step"])
+        out[name].update(
+            rows=summary["rows"],
+            served_over_offline=summary["median_served_over_offline"],
+            tpot_over_offline_step=summary["median_tpot_over_offline_step"],
+        )
     return out
 
 
@@ -189,8 +275,10 @@ def _table(results: dict) -> str:
     lines = [f"device: {results['device']}"]
     g = results.get("graphs")
     if g:
-        lines.append(f"graphs vs eager: identical sequences {g.get('identical_sequences')}; capture "
-                     f"{g.get('graphs', {}).get('capture_s', 0):.1f} s; ok={g.get('ok')}")
+        lines.append(
+            f"graphs vs eager: identical sequences {g.get('identical_sequences')}; capture "
+            f"{g.get('graphs', {}).get('capture_s', 0):.1f} s; ok={g.get('ok')}"
+        )
     s = results.get("step")
     if s and "eager" in s:
         lines.append("decodes  model ms (eager / graphs)  core host ms  step ms (eager / graphs)")
@@ -198,15 +286,19 @@ def _table(results: dict) -> str:
             if "model_ms" not in e or "model_ms" not in c:
                 lines.append(f"{e['num_decodes']:>7}  skipped (time budget)")
                 continue
-            lines.append(f"{e['num_decodes']:>7}  {e['model_ms']:>8.2f} / {c['model_ms']:<8.2f}  {e['core_host_ms']:>8.2f}"
-                         f"      {e['step_ms']:>8.2f} / {c['step_ms']:.2f}")
+            lines.append(
+                f"{e['num_decodes']:>7}  {e['model_ms']:>8.2f} / {c['model_ms']:<8.2f}  {e['core_host_ms']:>8.2f}"
+                f"      {e['step_ms']:>8.2f} / {c['step_ms']:.2f}"
+            )
     v = results.get("served")
     if v:
         for name in ("eager", "graphs"):
             r = v.get(name)
             if r and "served_over_offline" in r:
-                lines.append(f"served vs offline ({name}): ratio {r['served_over_offline']:.2f}, TPOT / step "
-                             f"{r['tpot_over_offline_step']:.2f}")
+                lines.append(
+                    f"served vs offline ({name}): ratio {r['served_over_offline']:.2f}, TPOT / step "
+                    f"{r['tpot_over_offline_step']:.2f}"
+                )
             elif r:
                 lines.append(f"served vs offline ({name}): {r.get('skipped') or r.get('error', '')[-300:]}")
     return "\n".join(lines)
@@ -223,18 +315,28 @@ def main(argv=None) -> int:
 
         cuda_graph_settings.EMULATE_ON_CPU = True
     if args.piece:  # a child: one engine's worth of work, then exit (its memory goes with it)
-        result = (graph_piece(args.mode, smoke, args.model_dir) if args.piece == "graphs"
-                  else step_piece(args.mode, smoke, args.model_dir, args.size))
+        result = (
+            graph_piece(args.mode, smoke, args.model_dir)
+            if args.piece == "graphs"
+            else step_piece(args.mode, smoke, args.model_dir, args.size)
+        )
         with open(args.out, "w") as f:
             json.dump(result, f)
         return 0
     start = time.monotonic()
     deadline = start + args.budget_s
-    results = dict(mode="cpu-smoke" if smoke else "cuda", python=platform.python_version(), torch=torch.__version__,
-                   device=torch.cuda.get_device_name(0) if not smoke else "cpu (Triton interpreter)")
+    results = dict(
+        mode="cpu-smoke" if smoke else "cuda",
+        python=platform.python_version(),
+        torch=torch.__version__,
+        device=torch.cuda.get_device_name(0) if not smoke else "cpu (Triton interpreter)",
+    )
     ok = True
-    for name, fn in (("graphs", lambda: graph_check(smoke)), ("step", lambda: step_bench(smoke, deadline)),
-                     ("served", lambda: served_vs_offline(smoke, deadline))):
+    for name, fn in (
+        ("graphs", lambda: graph_check(smoke)),
+        ("step", lambda: step_bench(smoke, deadline)),
+        ("served", lambda: served_vs_offline(smoke, deadline)),
+    ):
         if name in args.skip:
             continue
         if time.monotonic() > deadline:

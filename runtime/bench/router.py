@@ -22,6 +22,7 @@ p50 / p99 TTFT (first streamed content) and throughput per run, the ratios the i
 the kill run the failed requests split by whether any byte had reached the client. Writes JSON and a plot.
 A program, not a test: every process it starts is on 127.0.0.1 and is stopped when it ends.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,8 +61,18 @@ class _Proc:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-        self.cmd = [sys.executable, "-m", "kvserve.cli", *args, "--host", "127.0.0.1", "--port", str(self.port),
-                    "--log-level", "warning"]
+        self.cmd = [
+            sys.executable,
+            "-m",
+            "kvserve.cli",
+            *args,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--log-level",
+            "warning",
+        ]
         self.proc = subprocess.Popen(self.cmd, env=env)
         self.health_path = health_path
 
@@ -112,21 +123,40 @@ def _workload(args: argparse.Namespace, seed: int) -> dict[str, Any]:
     conversations = []
     t = 0.0
     for c in range(args.conversations):
-        conversations.append({
-            "id": c, "tenant": c % args.tenants, "start_s": t,
-            "users": [_text(rng, words, args.user_tokens) for _ in range(args.turns)],
-            "think_s": [rng.expovariate(1.0 / args.think_time) for _ in range(args.turns)],
-        })
+        conversations.append(
+            {
+                "id": c,
+                "tenant": c % args.tenants,
+                "start_s": t,
+                "users": [_text(rng, words, args.user_tokens) for _ in range(args.turns)],
+                "think_s": [rng.expovariate(1.0 / args.think_time) for _ in range(args.turns)],
+            }
+        )
         t += rng.expovariate(args.conversation_rate)
     return {"systems": systems, "conversations": conversations}
 
 
 # ---- one run ------------------------------------------------------------------------------------------------------
 async def _chat(client: httpx.AsyncClient, url: str, model: str, messages: list[dict], max_tokens: int) -> dict:
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
-    out: dict[str, Any] = {"ok": False, "ttft_s": None, "bytes": 0, "text": "", "error": None, "replica": None,
-                           "prompt_tokens": None, "completion_tokens": 0}
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    out: dict[str, Any] = {
+        "ok": False,
+        "ttft_s": None,
+        "bytes": 0,
+        "text": "",
+        "error": None,
+        "replica": None,
+        "prompt_tokens": None,
+        "completion_tokens": 0,
+    }
     start = time.perf_counter()
     out["start"] = start
     try:
@@ -159,8 +189,9 @@ async def _chat(client: httpx.AsyncClient, url: str, model: str, messages: list[
     return out
 
 
-async def _replay(args: argparse.Namespace, workload: dict, pick_url, model: str, kill_at_s: float | None = None,
-                  on_kill=None) -> tuple[list[dict], float]:
+async def _replay(
+    args: argparse.Namespace, workload: dict, pick_url, model: str, kill_at_s: float | None = None, on_kill=None
+) -> tuple[list[dict], float]:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     records: list[dict] = []
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(args.timeout, connect=5.0)) as client:
@@ -207,13 +238,16 @@ def _summary(records: list[dict], duration_s: float) -> dict[str, Any]:
     ttfts = sorted(r["ttft_s"] * 1000 for r in ok)
     failed = [r for r in records if not r["ok"]]
     return {
-        "requests": len(records), "completed": len(ok), "failed": len(failed),
+        "requests": len(records),
+        "completed": len(ok),
+        "failed": len(failed),
         "failed_before_first_byte": sum(1 for r in failed if r["bytes"] == 0),
         "failed_mid_stream": sum(1 for r in failed if r["bytes"] > 0),
         "errors": sorted({r["error"] for r in failed if r["error"]})[:5],
         "duration_s": duration_s,
         "mean_ttft_ms": statistics.fmean(ttfts) if ttfts else 0.0,
-        "p50_ttft_ms": percentile(ttfts, 50), "p99_ttft_ms": percentile(ttfts, 99),
+        "p50_ttft_ms": percentile(ttfts, 50),
+        "p99_ttft_ms": percentile(ttfts, 99),
         "output_tok_s": sum(r["completion_tokens"] for r in ok) / duration_s if duration_s else 0.0,
         "requests_s": len(ok) / duration_s if duration_s else 0.0,
         "mean_prompt_tokens": statistics.fmean(r["prompt_tokens"] for r in ok if r["prompt_tokens"]) if ok else 0.0,
@@ -221,8 +255,15 @@ def _summary(records: list[dict], duration_s: float) -> dict[str, Any]:
 
 
 def _run(args: argparse.Namespace, name: str, seed: int) -> dict[str, Any]:
-    serve_args = ["serve", *([args.model_dir] if args.model_dir else []), "--kv-cache-bytes", args.kv_cache_bytes,
-                  "--max-num-seqs", "64", *args.serve_args.split()]
+    serve_args = [
+        "serve",
+        *([args.model_dir] if args.model_dir else []),
+        "--kv-cache-bytes",
+        args.kv_cache_bytes,
+        "--max-num-seqs",
+        "64",
+        *args.serve_args.split(),
+    ]
     n = 1 if name == "single" else args.replicas
     replicas = [_Proc(serve_args) for _ in range(n)]
     router = None
@@ -233,10 +274,33 @@ def _run(args: argparse.Namespace, name: str, seed: int) -> dict[str, Any]:
         model = httpx.get(urls[0] + "/v1/models", timeout=10).json()["data"][0]["id"]
         root = httpx.get(urls[0] + "/v1/models", timeout=10).json()["data"][0].get("root")
         if name in ("router", "kill", "random-proxy"):
-            weights = (["--weight-prefill", "0", "--weight-prefix", "0", "--weight-queue", "0", "--weight-kv", "0",
-                        "--weight-session", "0"] if name == "random-proxy" else [])
-            router = _Proc(["router", *sum((["--backend", u] for u in urls), []), "--tokenizer", root,
-                            *weights, *args.router_args.split()], threads=1)
+            weights = (
+                [
+                    "--weight-prefill",
+                    "0",
+                    "--weight-prefix",
+                    "0",
+                    "--weight-queue",
+                    "0",
+                    "--weight-kv",
+                    "0",
+                    "--weight-session",
+                    "0",
+                ]
+                if name == "random-proxy"
+                else []
+            )
+            router = _Proc(
+                [
+                    "router",
+                    *sum((["--backend", u] for u in urls), []),
+                    "--tokenizer",
+                    root,
+                    *weights,
+                    *args.router_args.split(),
+                ],
+                threads=1,
+            )
             router.wait_healthy(60)
         rng = random.Random(seed)
         target = router.url if router else None
@@ -245,8 +309,11 @@ def _run(args: argparse.Namespace, name: str, seed: int) -> dict[str, Any]:
             return target or rng.choice(urls)
 
         for url in urls:  # one warm-up request per replica (first-call costs), unrelated to the workload
-            httpx.post(url + "/v1/chat/completions", timeout=120, json={
-                "model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "warm up"}]})
+            httpx.post(
+                url + "/v1/chat/completions",
+                timeout=120,
+                json={"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "warm up"}]},
+            )
         hits0, queries0 = _cache_counters(urls)
         workload = _workload(args, seed)
         expected_s = workload["conversations"][-1]["start_s"] + args.turns * (args.think_time + 1.0)
@@ -258,11 +325,14 @@ def _run(args: argparse.Namespace, name: str, seed: int) -> dict[str, Any]:
             killed.update(replica=victim.url, at_s=at_s)
             print(f"   killed replica {victim.url} at t={at_s:.1f}s", flush=True)
 
-        print(f"== {name}: {n} replica(s){' behind the router' if router else ''}, "
-              f"{len(workload['conversations'])} conversations x {args.turns} turns", flush=True)
-        records, duration = asyncio.run(_replay(args, workload, pick, model,
-                                                kill_at_s=expected_s / 2 if name == "kill" else None,
-                                                on_kill=on_kill))
+        print(
+            f"== {name}: {n} replica(s){' behind the router' if router else ''}, "
+            f"{len(workload['conversations'])} conversations x {args.turns} turns",
+            flush=True,
+        )
+        records, duration = asyncio.run(
+            _replay(args, workload, pick, model, kill_at_s=expected_s / 2 if name == "kill" else None, on_kill=on_kill)
+        )
         live = [u for u in urls if u != killed.get("replica")]
         hits1, queries1 = _cache_counters(live)
         result = _summary(records, duration)
@@ -274,8 +344,13 @@ def _run(args: argparse.Namespace, name: str, seed: int) -> dict[str, Any]:
             result["requests_after_kill"] = len(after)
         if router is not None:
             result["router_metrics"] = _router_summary(httpx.get(router.url + "/metrics", timeout=5).text)
-        result["records"] = [{k: r.get(k) for k in ("conv", "turn", "start_s", "ttft_s", "ok", "bytes", "replica",
-                                                    "prompt_tokens", "error")} for r in records]
+        result["records"] = [
+            {
+                k: r.get(k)
+                for k in ("conv", "turn", "start_s", "ttft_s", "ok", "bytes", "replica", "prompt_tokens", "error")
+            }
+            for r in records
+        ]
         return result
     finally:
         for proc in ([router] if router else []) + replicas:
@@ -288,8 +363,11 @@ def _router_summary(text: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if s.name in ("kvserve_router:requests_total", "kvserve_router:retries_total",
-                          "kvserve_router:ejections_total"):
+            if s.name in (
+                "kvserve_router:requests_total",
+                "kvserve_router:retries_total",
+                "kvserve_router:ejections_total",
+            ):
                 key = s.name.split(":")[1].removesuffix("_total")
                 label = s.labels.get("reason") or s.labels.get("cause") or ""
                 out[f"{key}[{label}]"] = out.get(f"{key}[{label}]", 0.0) + s.value
@@ -326,9 +404,21 @@ def _goals(runs: dict[str, dict]) -> dict[str, Any]:
 
 
 def _print(runs: dict[str, dict], goals: dict[str, Any]) -> None:
-    keys = ["requests", "completed", "failed", "failed_before_first_byte", "failed_mid_stream",
-            "prefix_cache_hit_rate", "mean_ttft_ms", "p50_ttft_ms", "p99_ttft_ms", "output_tok_s", "requests_s",
-            "mean_prompt_tokens", "duration_s"]
+    keys = [
+        "requests",
+        "completed",
+        "failed",
+        "failed_before_first_byte",
+        "failed_mid_stream",
+        "prefix_cache_hit_rate",
+        "mean_ttft_ms",
+        "p50_ttft_ms",
+        "p99_ttft_ms",
+        "output_tok_s",
+        "requests_s",
+        "mean_prompt_tokens",
+        "duration_s",
+    ]
     print(f"{'':28}" + "".join(f"{name:>15}" for name in runs))
     for key in keys:
         cells = []
@@ -338,7 +428,9 @@ def _print(runs: dict[str, dict], goals: dict[str, Any]) -> None:
         print(f"{key:28}" + "".join(cells))
     for name, run in runs.items():
         if run.get("router_metrics"):
-            print(f"router metrics ({name}): " + ", ".join(f"{k}={v:g}" for k, v in sorted(run["router_metrics"].items())))
+            print(
+                f"router metrics ({name}): " + ", ".join(f"{k}={v:g}" for k, v in sorted(run["router_metrics"].items()))
+            )
         if run.get("errors"):
             print(f"errors ({name}): {run['errors']}")
     for key, value in goals.items():
@@ -356,8 +448,7 @@ def _plot(runs: dict[str, dict], path: str) -> None:
     names = [n for n in colors if _group(runs, n)]
     for name in names:  # pooled over repetitions
         ttfts = sorted(r["ttft_s"] * 1000 for run in _group(runs, name) for r in run["records"] if r["ok"])
-        axes[0].plot(ttfts, [i / max(1, len(ttfts) - 1) for i in range(len(ttfts))], label=name,
-                     color=colors[name])
+        axes[0].plot(ttfts, [i / max(1, len(ttfts) - 1) for i in range(len(ttfts))], label=name, color=colors[name])
     axes[0].set(title="TTFT CDF (all repetitions)", xlabel="ms", ylabel="fraction of requests", xscale="log")
     for i, name in enumerate(names):
         rates = [run.get("prefix_cache_hit_rate", 0) for run in _group(runs, name)]
@@ -373,8 +464,9 @@ def _plot(runs: dict[str, dict], path: str) -> None:
                 axes[2].scatter(*zip(*pts), s=10, color=color, label=label)
         if kill.get("killed"):
             axes[2].axvline(kill["killed"]["at_s"], color="black", linestyle="--", label="replica killed")
-        axes[2].set(title="router with a replica killed: TTFT per request", xlabel="request start (s)",
-                    ylabel="TTFT (ms)")
+        axes[2].set(
+            title="router with a replica killed: TTFT per request", xlabel="request start (s)", ylabel="TTFT (ms)"
+        )
     for ax in axes:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
@@ -390,6 +482,7 @@ def main(args: argparse.Namespace) -> int:
     if bad:
         print(f"kvserve bench router: --runs: unknown {bad}; choose from {', '.join(RUNS)}", file=sys.stderr)
         return 2
+
     def stop(signum: int, frame: Any) -> None:  # SIGTERM stops the replicas too (the finally blocks run)
         raise KeyboardInterrupt
 
@@ -400,7 +493,7 @@ def main(args: argparse.Namespace) -> int:
         runs["single"] = _run(args, "single", args.seed)
     compared = [r for r in runs_wanted if r in REPEATED]
     for rep in range(1, args.repeat + 1):
-        for name in (compared if rep % 2 else compared[::-1]):
+        for name in compared if rep % 2 else compared[::-1]:
             runs[f"{name}#{rep}"] = _run(args, name, args.seed)
     if "kill" in runs_wanted:
         runs["kill"] = _run(args, "kill", args.seed)

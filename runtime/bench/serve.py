@@ -19,6 +19,7 @@ Against a running server (--base-url), or `--compare prefix-caching|chunked-pref
 `kvserve serve` twice on a free local port (feature on, then off; --serve-args passed to both) and runs
 the matching workload on each. Writes JSON (--result-json) and a PNG (--plot).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -83,8 +84,10 @@ def _compare(args: argparse.Namespace, slos: dict[str, float]) -> dict:
     on, off = runs["on"]["metrics"], runs["off"]["metrics"]
     if feature == "prefix-caching":
         summary = {
-            "mean_ttft_ms_on": on["mean_ttft_ms"], "mean_ttft_ms_off": off["mean_ttft_ms"],
-            "median_ttft_ms_on": on["median_ttft_ms"], "median_ttft_ms_off": off["median_ttft_ms"],
+            "mean_ttft_ms_on": on["mean_ttft_ms"],
+            "mean_ttft_ms_off": off["mean_ttft_ms"],
+            "median_ttft_ms_on": on["median_ttft_ms"],
+            "median_ttft_ms_off": off["median_ttft_ms"],
             "ttft_ratio_on_over_off": on["mean_ttft_ms"] / off["mean_ttft_ms"] if off["mean_ttft_ms"] else None,
             "ttft_reduction_pct": 100 * (1 - on["mean_ttft_ms"] / off["mean_ttft_ms"]) if off["mean_ttft_ms"] else None,
             "goal": "TTFT with the shared prefix >= 85% lower with prefix caching on",
@@ -92,9 +95,12 @@ def _compare(args: argparse.Namespace, slos: dict[str, float]) -> dict:
         summary["goal_met"] = summary["ttft_reduction_pct"] is not None and summary["ttft_reduction_pct"] >= 85
     else:
         summary = {
-            "steady_state_itl_ms_on": on["steady_state_itl_ms"], "steady_state_itl_ms_off": off["steady_state_itl_ms"],
-            "p99_itl_ms_on": on["p99_itl_ms_with_long_prompts"], "p99_itl_ms_off": off["p99_itl_ms_with_long_prompts"],
-            "p99_over_steady_on": on["p99_over_steady"], "p99_over_steady_off": off["p99_over_steady"],
+            "steady_state_itl_ms_on": on["steady_state_itl_ms"],
+            "steady_state_itl_ms_off": off["steady_state_itl_ms"],
+            "p99_itl_ms_on": on["p99_itl_ms_with_long_prompts"],
+            "p99_itl_ms_off": off["p99_itl_ms_with_long_prompts"],
+            "p99_over_steady_on": on["p99_over_steady"],
+            "p99_over_steady_off": off["p99_over_steady"],
             "goal": "p99 ITL with chunked prefill <= 2x the steady-state ITL",
         }
         summary["goal_met"] = on["p99_over_steady"] is not None and on["p99_over_steady"] <= 2.0
@@ -113,8 +119,9 @@ def _plot(result: dict, path: str) -> None:
     for label, run in runs.items():
         reqs = [r for r in run["requests"] if r["success"]]
         streams = [r for r in reqs if r["tag"] != "long"]
-        ttfts = sorted(r["ttft_s"] * 1000 for r in reqs if r["tag"] != "stream") or \
-            sorted(r["ttft_s"] * 1000 for r in reqs)
+        ttfts = sorted(r["ttft_s"] * 1000 for r in reqs if r["tag"] != "stream") or sorted(
+            r["ttft_s"] * 1000 for r in reqs
+        )
         itls = sorted(x * 1000 for r in streams for x in r["itl_s"])
         name = label or run["workload"]
         axes[0].plot(ttfts, [i / max(1, len(ttfts) - 1) for i in range(len(ttfts))], label=name)
@@ -132,8 +139,9 @@ def _plot(result: dict, path: str) -> None:
             if r["tag"] == "long" and r["ttft_s"] is not None:
                 axes[2].axvline(r["start_s"], color="grey", alpha=0.3, linewidth=0.8)
     workload = next(iter(runs.values()))["workload"]
-    axes[0].set(title="TTFT CDF" + (" (long prompts)" if workload == "long-prompt" else ""), xlabel="ms",
-                ylabel="fraction")
+    axes[0].set(
+        title="TTFT CDF" + (" (long prompts)" if workload == "long-prompt" else ""), xlabel="ms", ylabel="fraction"
+    )
     axes[1].set(title="ITL CDF (streams)", xlabel="ms", xscale="log")
     axes[2].set(title="streamed chunks/s (grey: long prompt arrivals)", xlabel="s since start")
     for ax in axes:

@@ -2,6 +2,7 @@
 peer benchmark: workloads of token-id prompts, arrivals, the streaming /v1/completions client (aiohttp on
 uvloop), the metrics (TTFT, TPOT, ITL, E2EL, goodput), a `kvserve serve` launched on a free local port, and the
 result table."""
+
 from __future__ import annotations
 
 import argparse
@@ -21,10 +22,26 @@ async def send_request(client, url: str, model: str, req: Request, headers: dict
     import json
     import time
 
-    body = {"model": model, "prompt": req.prompt, "max_tokens": req.output_len, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    out = {"tag": req.tag, "prompt_len": len(req.prompt), "success": False, "ttft": None, "itl": [],
-           "chunk_times": [], "output_len": 0, "e2el": None, "error": None}
+    body = {
+        "model": model,
+        "prompt": req.prompt,
+        "max_tokens": req.output_len,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    out = {
+        "tag": req.tag,
+        "prompt_len": len(req.prompt),
+        "success": False,
+        "ttft": None,
+        "itl": [],
+        "chunk_times": [],
+        "output_len": 0,
+        "e2el": None,
+        "error": None,
+    }
     start = time.perf_counter()
     out["start"] = start
     try:
@@ -92,8 +109,16 @@ def arrival_delays(n: int, rate: float, burstiness: float, rng) -> list[float]:
     return delays
 
 
-async def run_requests(client, url: str, model: str, requests: list[Request], delays: list[float], headers: dict,
-                        max_concurrency: int | None, timeout: float) -> tuple[list[dict], float, float]:
+async def run_requests(
+    client,
+    url: str,
+    model: str,
+    requests: list[Request],
+    delays: list[float],
+    headers: dict,
+    max_concurrency: int | None,
+    timeout: float,
+) -> tuple[list[dict], float, float]:
     import asyncio
     import time
 
@@ -128,7 +153,7 @@ def random_workload(args: argparse.Namespace, rng, vocab: int) -> tuple[list[Req
     """The random / shared-prefix requests and one warm-up request (the offline comparison makes the same)."""
     requests = []
     prefix = random_ids(rng, args.prefix_len, vocab) if args.workload == "shared-prefix" else []
-    for i in range(args.num_prompts):
+    for _ in range(args.num_prompts):
         if args.workload == "random":
             lo, hi = int(args.input_len * (1 - args.range_ratio)), int(args.input_len * (1 + args.range_ratio))
             olo = max(1, int(args.output_len * (1 - args.range_ratio)))
@@ -137,13 +162,13 @@ def random_workload(args: argparse.Namespace, rng, vocab: int) -> tuple[list[Req
         else:
             requests.append(Request(prefix + random_ids(rng, args.suffix_len, vocab), args.output_len))
     # one warm-up request (as vLLM's initial test run); for shared-prefix it also fills the cache
-    warm = Request(prefix + random_ids(rng, max(1, args.suffix_len), vocab) if prefix else
-                    random_ids(rng, 16, vocab), 2)
+    warm = Request(
+        prefix + random_ids(rng, max(1, args.suffix_len), vocab) if prefix else random_ids(rng, 16, vocab), 2
+    )
     return requests, warm
 
 
-async def run_workload(args: argparse.Namespace, base_url: str, slos: dict[str, float],
-                        label: str = "") -> dict:
+async def run_workload(args: argparse.Namespace, base_url: str, slos: dict[str, float], label: str = "") -> dict:
     import random
 
     import aiohttp
@@ -162,30 +187,35 @@ async def run_workload(args: argparse.Namespace, base_url: str, slos: dict[str, 
             requests, warm = random_workload(args, rng, vocab)
             await send_request(client, url, model, warm, headers, args.timeout)
             delays = arrival_delays(len(requests), args.request_rate, args.burstiness, rng)
-            outs, t0, t1 = await run_requests(client, url, model, requests, delays, headers, args.max_concurrency,
-                                               args.timeout)
+            outs, t0, t1 = await run_requests(
+                client, url, model, requests, delays, headers, args.max_concurrency, args.timeout
+            )
             result["metrics"] = summarize(outs, t1 - t0, slos, args.percentiles)
             result["requests"] = trim_warmup(outs, t0)
             return result
 
         # long-prompt: phase 1 (steady) = background streams alone; phase 2 = the same plus long prompts
         def streams() -> list[Request]:
-            return [Request(random_ids(rng, args.stream_prompt_len, vocab), args.stream_output_len, "stream")
-                    for _ in range(args.num_streams)]
+            return [
+                Request(random_ids(rng, args.stream_prompt_len, vocab), args.stream_output_len, "stream")
+                for _ in range(args.num_streams)
+            ]
 
         await send_request(client, url, model, Request(random_ids(rng, 16, vocab), 2), headers, args.timeout)
-        steady, s0, s1 = await run_requests(client, url, model, streams(), [0.0] * args.num_streams, headers,
-                                             None, args.timeout)
+        steady, s0, s1 = await run_requests(
+            client, url, model, streams(), [0.0] * args.num_streams, headers, None, args.timeout
+        )
         result["steady"] = summarize(steady, s1 - s0, slos, args.percentiles)
         # long prompts spread over the middle of the streams' expected lifetime
         expected_duration = s1 - s0
         background = streams()
-        longs = [Request(random_ids(rng, args.long_prompt_len, vocab), args.long_output_len, "long")
-                 for _ in range(args.num_long_prompts)]
+        longs = [
+            Request(random_ids(rng, args.long_prompt_len, vocab), args.long_output_len, "long")
+            for _ in range(args.num_long_prompts)
+        ]
         spacing = 0.7 * expected_duration / max(1, args.num_long_prompts)
         delays = [0.0] * len(background) + [0.15 * expected_duration + i * spacing for i in range(len(longs))]
-        outs, t0, t1 = await run_requests(client, url, model, background + longs, delays, headers, None,
-                                           args.timeout)
+        outs, t0, t1 = await run_requests(client, url, model, background + longs, delays, headers, None, args.timeout)
         result["mixed"] = summarize([o for o in outs if o["tag"] == "stream"], t1 - t0, slos, args.percentiles)
         result["long_prompts"] = summarize([o for o in outs if o["tag"] == "long"], t1 - t0, slos, args.percentiles)
         steady_itl = result["steady"]["median_itl_ms"]
@@ -204,9 +234,21 @@ async def run_workload(args: argparse.Namespace, base_url: str, slos: dict[str, 
 
 def trim_warmup(outs: list[dict], t0: float) -> list[dict]:
     """Per-request records for the JSON/plots, times relative to the run start."""
-    return [{"tag": o["tag"], "prompt_len": o["prompt_len"], "output_len": o["output_len"], "success": o["success"],
-             "start_s": o["start"] - t0, "ttft_s": o["ttft"], "e2el_s": o["e2el"], "itl_s": o["itl"],
-             "chunk_s": [t - t0 for t in o["chunk_times"]], "error": o["error"]} for o in outs]
+    return [
+        {
+            "tag": o["tag"],
+            "prompt_len": o["prompt_len"],
+            "output_len": o["output_len"],
+            "success": o["success"],
+            "start_s": o["start"] - t0,
+            "ttft_s": o["ttft"],
+            "e2el_s": o["e2el"],
+            "itl_s": o["itl"],
+            "chunk_s": [t - t0 for t in o["chunk_times"]],
+            "error": o["error"],
+        }
+        for o in outs
+    ]
 
 
 def summarize(outs: list[dict], duration_s: float, slos: dict[str, float], percentiles: str) -> dict:
@@ -236,12 +278,16 @@ def summarize(outs: list[dict], duration_s: float, slos: dict[str, float], perce
         concurrent += delta
         peak = max(peak, concurrent)
     summary = {
-        "completed": len(ok), "failed": len(outs) - len(ok), "duration_s": duration_s,
-        "total_input_tokens": total_in, "total_output_tokens": total_out,
+        "completed": len(ok),
+        "failed": len(outs) - len(ok),
+        "duration_s": duration_s,
+        "total_input_tokens": total_in,
+        "total_output_tokens": total_out,
         "request_throughput": len(ok) / duration_s if duration_s else 0.0,
         "output_throughput": total_out / duration_s if duration_s else 0.0,
         "total_token_throughput": (total_in + total_out) / duration_s if duration_s else 0.0,
-        "peak_output_throughput": max(bins.values(), default=0), "peak_concurrent_requests": peak,
+        "peak_output_throughput": max(bins.values(), default=0),
+        "peak_concurrent_requests": peak,
         "errors": sorted({o["error"] for o in outs if o["error"]})[:5],
     }
     if slos:
@@ -291,8 +337,20 @@ class LaunchedServer:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         self.base_url = f"http://127.0.0.1:{port}"
-        cmd = [self.python or sys.executable, "-m", "kvserve.cli", "serve", *([self.model_dir] if self.model_dir else []),
-               "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *self.serve_args]
+        cmd = [
+            self.python or sys.executable,
+            "-m",
+            "kvserve.cli",
+            "serve",
+            *([self.model_dir] if self.model_dir else []),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+            *self.serve_args,
+        ]
         self.proc = subprocess.Popen(cmd)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
@@ -323,9 +381,16 @@ class LaunchedServer:
 def print_result(result: dict) -> None:
     title = f" {result['workload']} {result.get('label', '')} ".center(60, "=")
     print(title)
-    sections = [("", result["metrics"])] if result["workload"] != "long-prompt" else [
-        ("steady (streams alone)", result["steady"]), ("streams with long prompts", result["mixed"]),
-        ("long prompts", result["long_prompts"]), ("summary", result["metrics"])]
+    sections = (
+        [("", result["metrics"])]
+        if result["workload"] != "long-prompt"
+        else [
+            ("steady (streams alone)", result["steady"]),
+            ("streams with long prompts", result["mixed"]),
+            ("long prompts", result["long_prompts"]),
+            ("summary", result["metrics"]),
+        ]
+    )
     for name, metrics in sections:
         if name:
             print(f"-- {name}")

@@ -14,6 +14,7 @@ one run, so the serving stack's own cost shows as a ratio against a peer measure
 Printed: output tok/s of each, served/offline throughput ratios, and median TPOT / offline step time.
 Goals (issue 10): ratio >= 0.9 at 256 concurrent streams on the demo model; TPOT within 1.15x of the step.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,16 +49,25 @@ def offline_run(args: argparse.Namespace, model_dir: str, serve_args: list[str],
         torch.set_num_threads(default_threads)
     total_out = sum(r.output_len for r in requests)
     full = [dt for dt, running in steps if running == len(requests)] or [dt for dt, _ in steps]
-    return {"duration_s": wall_s, "total_output_tokens": total_out, "output_throughput": total_out / wall_s,
-            "num_steps": len(steps), "median_step_ms": statistics.median(dt for dt, _ in steps) * 1000,
-            "median_full_batch_step_ms": statistics.median(full) * 1000, "num_full_batch_steps": len(full)}
+    return {
+        "duration_s": wall_s,
+        "total_output_tokens": total_out,
+        "output_throughput": total_out / wall_s,
+        "num_steps": len(steps),
+        "median_step_ms": statistics.median(dt for dt, _ in steps) * 1000,
+        "median_full_batch_step_ms": statistics.median(full) * 1000,
+        "num_full_batch_steps": len(full),
+    }
 
 
 def _generate(engine, requests: list, params_type) -> list[tuple[float, int]]:
     """Run `requests` to completion; (seconds, requests running) per step."""
     for i, req in enumerate(requests):
-        engine.add_request(f"offline-{id(requests)}-{i}", list(req.prompt),
-                           params_type(max_tokens=req.output_len, temperature=0.0, ignore_eos=True))
+        engine.add_request(
+            f"offline-{id(requests)}-{i}",
+            list(req.prompt),
+            params_type(max_tokens=req.output_len, temperature=0.0, ignore_eos=True),
+        )
     steps = []
     while engine.has_unfinished_requests():
         t0 = time.perf_counter()
@@ -125,8 +135,10 @@ def compare(args: argparse.Namespace, slos: dict[str, float]) -> dict:
     print("   " + ", ".join(f"{k}={_fmt(v)}" for k, v in offline.items()))
     runs = {"offline": offline}
     core_offline = offline_core_process_run(args, model_dir, serve_args)
-    print(f"== offline through the core process: {core_offline['output_throughput']:.0f} tok/s "
-          f"({core_offline['output_throughput'] / offline['output_throughput']:.2f}x the in-process engine)")
+    print(
+        f"== offline through the core process: {core_offline['output_throughput']:.0f} tok/s "
+        f"({core_offline['output_throughput'] / offline['output_throughput']:.2f}x the in-process engine)"
+    )
     runs["offline, core in its own process"] = core_offline
     # On CPU the core process computes on all cores but one (core_process.core_cpu_threads), leaving one to the
     # API server; the offline engine above uses torch's default (every core). The same offline loop with the
@@ -141,72 +153,108 @@ def compare(args: argparse.Namespace, slos: dict[str, float]) -> dict:
     offline_core_threads = None
     if threads is not None and threads != torch.get_num_threads():
         offline_core_threads = offline_run(args, model_dir, serve_args, threads)
-        print(f"== offline with the core process's {threads} torch thread(s) (default {torch.get_num_threads()}): "
-              f"{offline_core_threads['output_throughput']:.0f} tok/s, median full-batch step "
-              f"{offline_core_threads['median_full_batch_step_ms']:.1f} ms")
+        print(
+            f"== offline with the core process's {threads} torch thread(s) (default {torch.get_num_threads()}): "
+            f"{offline_core_threads['output_throughput']:.0f} tok/s, median full-batch step "
+            f"{offline_core_threads['median_full_batch_step_ms']:.1f} ms"
+        )
         runs[f"offline, {threads} torch threads"] = offline_core_threads
     variants = [("served, core in the server process", ["--inprocess-engine"], None)]
     for count in counts:  # the core-process server, once per --api-server-counts value
-        variants.append(("served, core in its own process" + (f", {count} API servers" if count > 1 else ""),
-                         [] if count == 1 else ["--api-server-count", str(count)], None))
+        variants.append(
+            (
+                "served, core in its own process" + (f", {count} API servers" if count > 1 else ""),
+                [] if count == 1 else ["--api-server-count", str(count)],
+                None,
+            )
+        )
     if args.before_python:  # the "before" server is another checkout's (e.g. main's venv python): no new flag
         variants[0] = (f"served, {args.before_python}", [], args.before_python)
     rows = []
     for repeat in range(args.repeat):  # ABBA order: a load that drifts during the run hits every variant alike
-        for label, extra, python in (variants if repeat % 2 == 0 else variants[::-1]):
+        for label, extra, python in variants if repeat % 2 == 0 else variants[::-1]:
             with LaunchedServer(model_dir, serve_args + extra, python) as server:
                 print(f"== {label} (#{repeat + 1}): kvserve serve {' '.join(serve_args + extra)}")
                 result = run_async(run_workload(args, server.base_url, slos, label=label))
                 print_result(result)
                 runs[f"{label} #{repeat + 1}"] = result
             m = result["metrics"]
-            rows.append({
-                "run": f"{label} #{repeat + 1}", "variant": label, "output_tok_s": m["output_throughput"],
-                "served_over_offline": m["output_throughput"] / offline["output_throughput"],
-                "median_tpot_ms": m["median_tpot_ms"], "median_ttft_ms": m["median_ttft_ms"],
-                "tpot_over_offline_step": m["median_tpot_ms"] / offline["median_full_batch_step_ms"],
-                "failed": m["failed"]})
+            rows.append(
+                {
+                    "run": f"{label} #{repeat + 1}",
+                    "variant": label,
+                    "output_tok_s": m["output_throughput"],
+                    "served_over_offline": m["output_throughput"] / offline["output_throughput"],
+                    "median_tpot_ms": m["median_tpot_ms"],
+                    "median_ttft_ms": m["median_ttft_ms"],
+                    "tpot_over_offline_step": m["median_tpot_ms"] / offline["median_full_batch_step_ms"],
+                    "failed": m["failed"],
+                }
+            )
             if offline_core_threads is not None:
-                rows[-1]["served_over_offline_core_threads"] = (m["output_throughput"]
-                                                                / offline_core_threads["output_throughput"])
+                rows[-1]["served_over_offline_core_threads"] = (
+                    m["output_throughput"] / offline_core_threads["output_throughput"]
+                )
                 rows[-1]["tpot_over_offline_core_threads_step"] = (
-                    m["median_tpot_ms"] / offline_core_threads["median_full_batch_step_ms"])
-    print(f"== served vs offline ({args.num_prompts} prompts, max concurrency {args.max_concurrency}); offline "
-          f"{offline['output_throughput']:.0f} tok/s, median full-batch step {offline['median_full_batch_step_ms']:.1f} ms")
+                    m["median_tpot_ms"] / offline_core_threads["median_full_batch_step_ms"]
+                )
+    print(
+        f"== served vs offline ({args.num_prompts} prompts, max concurrency {args.max_concurrency}); offline "
+        f"{offline['output_throughput']:.0f} tok/s, "
+        f"median full-batch step {offline['median_full_batch_step_ms']:.1f} ms"
+    )
     width = max(40, *(len(row["run"]) for row in rows))
     extra = offline_core_threads is not None
     if extra:
-        print(f"   ratio' and TPOT/step': against the offline run with the core's {threads} thread(s) "
-              f"({offline_core_threads['output_throughput']:.0f} tok/s, step "
-              f"{offline_core_threads['median_full_batch_step_ms']:.1f} ms)")
-    print(f"{'run':<{width}} {'tok/s':>8} {'ratio':>7} {'TPOT ms':>8} {'TPOT/step':>9} {'TTFT ms':>8}"
-          + (f" {'ratio_':>7} {'TPOT/step_':>10}".replace("_", "'") if extra else ""))
+        print(
+            f"   ratio' and TPOT/step': against the offline run with the core's {threads} thread(s) "
+            f"({offline_core_threads['output_throughput']:.0f} tok/s, step "
+            f"{offline_core_threads['median_full_batch_step_ms']:.1f} ms)"
+        )
+    print(
+        f"{'run':<{width}} {'tok/s':>8} {'ratio':>7} {'TPOT ms':>8} {'TPOT/step':>9} {'TTFT ms':>8}"
+        + (f" {'ratio_':>7} {'TPOT/step_':>10}".replace("_", "'") if extra else "")
+    )
     for row in rows:
-        print(f"{row['run']:<{width}} {row['output_tok_s']:>8.0f} {row['served_over_offline']:>7.2f} "
-              f"{row['median_tpot_ms']:>8.1f} {row['tpot_over_offline_step']:>9.2f} {row['median_ttft_ms']:>8.0f}"
-              + (f" {row['served_over_offline_core_threads']:>7.2f} {row['tpot_over_offline_core_threads_step']:>10.2f}"
-                 if extra else ""))
+        print(
+            f"{row['run']:<{width}} {row['output_tok_s']:>8.0f} {row['served_over_offline']:>7.2f} "
+            f"{row['median_tpot_ms']:>8.1f} {row['tpot_over_offline_step']:>9.2f} {row['median_ttft_ms']:>8.0f}"
+            + (
+                f" {row['served_over_offline_core_threads']:>7.2f} {row['tpot_over_offline_core_threads_step']:>10.2f}"
+                if extra
+                else ""
+            )
+        )
     medians = {}
     for label, _, _ in variants[1:]:
         mine = [r for r in rows if r["variant"] == label]
-        medians[label] = {"median_served_over_offline": statistics.median(r["served_over_offline"] for r in mine),
-                          "median_tpot_over_offline_step": statistics.median(r["tpot_over_offline_step"] for r in mine),
-                          "runs": len(mine)}
-        print(f"{label}, median of {len(mine)}: served/offline {medians[label]['median_served_over_offline']:.2f}, "
-              f"TPOT/step {medians[label]['median_tpot_over_offline_step']:.2f}")
+        medians[label] = {
+            "median_served_over_offline": statistics.median(r["served_over_offline"] for r in mine),
+            "median_tpot_over_offline_step": statistics.median(r["tpot_over_offline_step"] for r in mine),
+            "runs": len(mine),
+        }
+        print(
+            f"{label}, median of {len(mine)}: served/offline {medians[label]['median_served_over_offline']:.2f}, "
+            f"TPOT/step {medians[label]['median_tpot_over_offline_step']:.2f}"
+        )
     goal = medians[variants[1][0]]  # the goal is about the first --api-server-counts value (default 1)
     ratio, tpot = goal["median_served_over_offline"], goal["median_tpot_over_offline_step"]
-    summary = {"rows": rows, "median_served_over_offline": ratio, "median_tpot_over_offline_step": tpot,
-               "per_variant": medians,
-               "goal": f"served/offline >= 0.9 and TPOT <= 1.15x offline step ({variants[1][0]})",
-               "goal_met": ratio >= 0.9 and tpot <= 1.15}
-    if offline_core_threads is not None and (offline_core_threads["output_throughput"]
-                                             > offline["output_throughput"]):
+    summary = {
+        "rows": rows,
+        "median_served_over_offline": ratio,
+        "median_tpot_over_offline_step": tpot,
+        "per_variant": medians,
+        "goal": f"served/offline >= 0.9 and TPOT <= 1.15x offline step ({variants[1][0]})",
+        "goal_met": ratio >= 0.9 and tpot <= 1.15,
+    }
+    if offline_core_threads is not None and (offline_core_threads["output_throughput"] > offline["output_throughput"]):
         # With every core in torch's pool, one core taken by another job makes OpenMP threads spin at barriers:
         # the all-cores offline run then collapses (746 tok/s against 2,595 with 1 thread, measured) and every
         # ratio against it, the goal included, means nothing.
-        summary["warning"] = ("the offline run with every core was slower than with the core's thread count: "
-                              "the machine is busy; ratios against it (and goal_met) are not meaningful")
+        summary["warning"] = (
+            "the offline run with every core was slower than with the core's thread count: "
+            "the machine is busy; ratios against it (and goal_met) are not meaningful"
+        )
         summary["goal_met"] = None
         print(f"WARNING: {summary['warning']}")
     print(f"goal met: {'unknown' if summary['goal_met'] is None else summary['goal_met']}")

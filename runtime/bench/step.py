@@ -13,6 +13,7 @@ benchmark runs unchanged on older checkouts, for before/after tables). Per step:
 
 Only steps with exactly N requests decoding one token each are measured (prefill steps are skipped).
 """
+
 from __future__ import annotations
 
 import json
@@ -28,6 +29,7 @@ PHASES = ("schedule", "execute", "model", "update", "step")
 @dataclass
 class StepTimes:
     """Seconds per phase, one entry per measured step."""
+
     schedule: list[float] = field(default_factory=list)
     execute: list[float] = field(default_factory=list)
     model: list[float] = field(default_factory=list)
@@ -106,8 +108,9 @@ def _instrument(engine):
         out = schedule()
         acc["schedule"] += time.perf_counter() - t
         acc["bytes"] = len(pickle.dumps(out, pickle.HIGHEST_PROTOCOL))  # outside the timed region
-        acc["decode_only"] = bool(out.scheduled) and not out.new_requests and all(
-            len(s.token_ids) == 1 for s in out.scheduled)
+        acc["decode_only"] = (
+            bool(out.scheduled) and not out.new_requests and all(len(s.token_ids) == 1 for s in out.scheduled)
+        )
         return out
 
     def timed_execute(sched):
@@ -128,8 +131,16 @@ def _instrument(engine):
     return acc, model_s
 
 
-def run_batch(model_dir: str, num_decodes: int, prompt_len: int, num_steps: int, warmup_steps: int,
-              block_size: int, seed: int, **engine_kwargs) -> BatchResult:
+def run_batch(
+    model_dir: str,
+    num_decodes: int,
+    prompt_len: int,
+    num_steps: int,
+    warmup_steps: int,
+    block_size: int,
+    seed: int,
+    **engine_kwargs,
+) -> BatchResult:
     import random
 
     from kvserve.runtime.engine.llm_engine import LLMEngine
@@ -140,8 +151,13 @@ def run_batch(model_dir: str, num_decodes: int, prompt_len: int, num_steps: int,
     num_prefill_steps = -(-num_decodes * prompt_len // budget) + 1
     max_model_len = prompt_len + num_prefill_steps + warmup_steps + num_steps + 8
     num_blocks = num_decodes * -(-max_model_len // block_size) + 1  # no preemption: every request fits
-    kwargs = dict(max_num_seqs=num_decodes, max_model_len=max_model_len, block_size=block_size,
-                  num_kv_blocks=num_blocks, max_num_batched_tokens=budget)
+    kwargs = dict(
+        max_num_seqs=num_decodes,
+        max_model_len=max_model_len,
+        block_size=block_size,
+        num_kv_blocks=num_blocks,
+        max_num_batched_tokens=budget,
+    )
     kwargs.update(engine_kwargs)
     if kwargs.get("cuda_graphs") and not kwargs.get("cuda_graph_sizes"):
         kwargs["cuda_graph_sizes"] = str(num_decodes)  # capture just the measured size: start-up stays short
@@ -151,8 +167,9 @@ def run_batch(model_dir: str, num_decodes: int, prompt_len: int, num_steps: int,
     # Distinct random prompts (no prefix sharing) and outputs long enough to outlast the measured steps.
     params = SamplingParams(temperature=0, max_tokens=max_model_len - prompt_len, ignore_eos=True)
     for i in range(num_decodes):
-        engine.add_request(f"step-{i}", {"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(prompt_len)]},
-                           params)
+        engine.add_request(
+            f"step-{i}", {"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(prompt_len)]}, params
+        )
     acc, model_s = _instrument(engine)
     times = StepTimes()
     num_decode_steps = 0
@@ -180,25 +197,43 @@ def run_batch(model_dir: str, num_decodes: int, prompt_len: int, num_steps: int,
     core = [s + (e - m) + u for s, e, m, u in zip(times.schedule, times.execute, times.model, times.update)]
     front = [st - s - e - u for st, s, e, u in zip(times.step, times.schedule, times.execute, times.update)]
     prep = [e - m for e, m in zip(times.execute, times.model)]
-    return BatchResult(num_decodes=num_decodes, num_steps=num_steps, model_ms=times.median_ms("model"),
-                       schedule_ms=times.median_ms("schedule"), prepare_and_sample_ms=1e3 * statistics.median(prep),
-                       update_ms=times.median_ms("update"), core_host_ms=1e3 * statistics.median(core),
-                       core_host_best_ms=1e3 * min(core),
-                       front_end_ms=1e3 * statistics.median(front), step_ms=times.median_ms("step"),
-                       sched_out_bytes=int(statistics.median(times.sched_out_bytes)))
+    return BatchResult(
+        num_decodes=num_decodes,
+        num_steps=num_steps,
+        model_ms=times.median_ms("model"),
+        schedule_ms=times.median_ms("schedule"),
+        prepare_and_sample_ms=1e3 * statistics.median(prep),
+        update_ms=times.median_ms("update"),
+        core_host_ms=1e3 * statistics.median(core),
+        core_host_best_ms=1e3 * min(core),
+        front_end_ms=1e3 * statistics.median(front),
+        step_ms=times.median_ms("step"),
+        sched_out_bytes=int(statistics.median(times.sched_out_bytes)),
+    )
 
 
-def main(model_dir: str | None = None, batch_sizes=(64, 256, 512), prompt_len: int = 128, num_steps: int = 20,
-         warmup_steps: int = 3, block_size: int = 16, seed: int = 0, json_out: str | None = None,
-         **engine_kwargs) -> list[BatchResult]:
+def main(
+    model_dir: str | None = None,
+    batch_sizes=(64, 256, 512),
+    prompt_len: int = 128,
+    num_steps: int = 20,
+    warmup_steps: int = 3,
+    block_size: int = 16,
+    seed: int = 0,
+    json_out: str | None = None,
+    **engine_kwargs,
+) -> list[BatchResult]:
     import torch
 
     if model_dir is None:
         from kvserve.runtime.demo_model import ensure_demo_model
 
         model_dir = str(ensure_demo_model())
-    print(f"model {model_dir}; prompts {prompt_len} tokens; {num_steps} measured decode steps after {warmup_steps} "
-          f"warm-up; torch threads {torch.get_num_threads()}", flush=True)
+    print(
+        f"model {model_dir}; prompts {prompt_len} tokens; {num_steps} measured decode steps after {warmup_steps} "
+        f"warm-up; torch threads {torch.get_num_threads()}",
+        flush=True,
+    )
     results = []
     for n in batch_sizes:
         r = run_batch(model_dir, n, prompt_len, num_steps, warmup_steps, block_size, seed, **engine_kwargs)
@@ -208,18 +243,26 @@ def main(model_dir: str | None = None, batch_sizes=(64, 256, 512), prompt_len: i
     if json_out:
         os.makedirs(os.path.dirname(os.path.abspath(json_out)), exist_ok=True)
         with open(json_out, "w") as f:
-            json.dump(dict(model_dir=model_dir, prompt_len=prompt_len, results=[asdict(r) for r in results]), f,
-                      indent=2)
+            json.dump(
+                dict(model_dir=model_dir, prompt_len=prompt_len, results=[asdict(r) for r in results]), f, indent=2
+            )
     return results
 
 
 def print_table(results: list[BatchResult]) -> None:
     print("\n=== host time vs model time per decode step (medians, ms) ===")
-    print(f"{'decodes':>8} {'core host':>10} {'(best)':>7} {'schedule':>9} {'prep+samp':>10} {'update':>7} {'model':>8} "
-          f"{'front-end':>10} {'step':>8} {'sched out':>10}")
+    print(
+        f"{'decodes':>8} {'core host':>10} {'(best)':>7} {'schedule':>9} {'prep+samp':>10} {'update':>7} {'model':>8} "
+        f"{'front-end':>10} {'step':>8} {'sched out':>10}"
+    )
     for r in results:
-        print(f"{r.num_decodes:>8} {r.core_host_ms:>10.2f} {r.core_host_best_ms:>7.2f} {r.schedule_ms:>9.2f} {r.prepare_and_sample_ms:>10.2f} "
-              f"{r.update_ms:>7.2f} {r.model_ms:>8.2f} {r.front_end_ms:>10.2f} {r.step_ms:>8.2f} "
-              f"{r.sched_out_bytes / 1024:>8.1f}KiB")
-    print("core host = schedule + prep+samp (execute minus model) + update; front-end = output processing and "
-          "detokenisation (leaves the core in issue 10); sched out = pickled SchedulerOutput per step")
+        print(
+            f"{r.num_decodes:>8} {r.core_host_ms:>10.2f} {r.core_host_best_ms:>7.2f} {r.schedule_ms:>9.2f} "
+            f"{r.prepare_and_sample_ms:>10.2f} "
+            f"{r.update_ms:>7.2f} {r.model_ms:>8.2f} {r.front_end_ms:>10.2f} {r.step_ms:>8.2f} "
+            f"{r.sched_out_bytes / 1024:>8.1f}KiB"
+        )
+    print(
+        "core host = schedule + prep+samp (execute minus model) + update; front-end = output processing and "
+        "detokenisation (leaves the core in issue 10); sched out = pickled SchedulerOutput per step"
+    )

@@ -6,6 +6,7 @@ advance (what structured outputs add to a step). Prints ms per step for each and
 
     .venv/bin/python runtime/bench/structured_outputs.py [MODEL_DIR]      (default ../shared/models/stories260K)
 """
+
 from __future__ import annotations
 
 import sys
@@ -14,10 +15,16 @@ import time
 from kvserve.runtime import LLM, SamplingParams, sampling
 from kvserve.runtime.structured_output import StructuredOutputSpec, constraint
 
-SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
-          "properties": {"name": {"type": "string", "maxLength": 16}, "age": {"type": "integer", "minimum": 0,
-                                                                             "maximum": 120},
-                         "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 4}}}
+SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name", "age", "tags"],
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 4},
+    },
+}
 
 
 def main() -> None:
@@ -40,8 +47,9 @@ def main() -> None:
 
     sampling.apply_constraints, constraint.GrammarConstraint.accept = timed_apply, timed_accept
     free = SamplingParams(temperature=0, max_tokens=64)
-    constrained = SamplingParams(temperature=0, max_tokens=64,
-                                 structured_outputs=StructuredOutputSpec.from_request("json", SCHEMA, "bench"))
+    constrained = SamplingParams(
+        temperature=0, max_tokens=64, structured_outputs=StructuredOutputSpec.from_request("json", SCHEMA, "bench")
+    )
     llm.generate(prompts[:4], free, use_tqdm=False)  # warm-up
     t = time.perf_counter()
     llm.generate(prompts, free, use_tqdm=False)
@@ -52,10 +60,14 @@ def main() -> None:
     steps = max(timings["steps"], 1)
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     print(f"64 sequences, {steps} constrained steps, {tokens} constrained tokens")
-    print(f"bitmask fill+apply: {1e3 * timings['mask'] / steps:.2f} ms/step; matcher advance: "
-          f"{1e3 * timings['accept'] / steps:.2f} ms/step")
-    print(f"batch wall time: free text {free_s:.2f} s, constrained {constrained_s:.2f} s "
-          f"(grammar share of the constrained run: {100 * (timings['mask'] + timings['accept']) / constrained_s:.1f}%)")
+    print(
+        f"bitmask fill+apply: {1e3 * timings['mask'] / steps:.2f} ms/step; matcher advance: "
+        f"{1e3 * timings['accept'] / steps:.2f} ms/step"
+    )
+    print(
+        f"batch wall time: free text {free_s:.2f} s, constrained {constrained_s:.2f} s "
+        f"(grammar share of the constrained run: {100 * (timings['mask'] + timings['accept']) / constrained_s:.1f}%)"
+    )
 
 
 if __name__ == "__main__":

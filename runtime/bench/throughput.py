@@ -2,6 +2,7 @@
 same random-weight model and the same requests, in one process. Prints useful output tokens/s of both,
 their ratio, the fraction of the FLOP roofline (peak measured here, in this run), peak KV slots allocated
 vs used, and preemptions."""
+
 from __future__ import annotations
 
 import json
@@ -11,9 +12,17 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 
-DEFAULT_SHAPE = dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
-                     intermediate_size=2048, vocab_size=32000, max_position_embeddings=2048,
-                     initializer_range=0.02, tie_word_embeddings=False)
+DEFAULT_SHAPE = dict(
+    hidden_size=768,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    num_key_value_heads=4,
+    intermediate_size=2048,
+    vocab_size=32000,
+    max_position_embeddings=2048,
+    initializer_range=0.02,
+    tie_word_embeddings=False,
+)
 
 
 @dataclass
@@ -22,11 +31,13 @@ class Workload:
     output_lens: list[int]
 
     @classmethod
-    def random(cls, num_requests: int, prompt_range: tuple[int, int], output_range: tuple[int, int],
-               vocab_size: int, seed: int) -> "Workload":
+    def random(
+        cls, num_requests: int, prompt_range: tuple[int, int], output_range: tuple[int, int], vocab_size: int, seed: int
+    ) -> "Workload":
         rng = random.Random(seed)
-        prompts = [[rng.randrange(3, vocab_size) for _ in range(rng.randint(*prompt_range))]
-                   for _ in range(num_requests)]
+        prompts = [
+            [rng.randrange(3, vocab_size) for _ in range(rng.randint(*prompt_range))] for _ in range(num_requests)
+        ]
         return cls(prompts, [rng.randint(*output_range) for _ in range(num_requests)])
 
     @property
@@ -55,8 +66,9 @@ def run_kvserve(model_dir: str, wl: Workload, **engine_kwargs) -> tuple[Result, 
     llm = LLM(model_dir, **engine_kwargs)
     engine = llm.engine
     # Warm-up (allocator, kernels), as vLLM's and nano-vllm's benchmarks do.
-    llm.generate([{"prompt_token_ids": wl.prompts[0][:16]}], SamplingParams(max_tokens=4, ignore_eos=True),
-                 use_tqdm=False)
+    llm.generate(
+        [{"prompt_token_ids": wl.prompts[0][:16]}], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False
+    )
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in wl.output_lens]
     for i, (prompt, p) in enumerate(zip(wl.prompts, params)):
         engine.add_request(f"bench-{i}", {"prompt_token_ids": prompt}, p)
@@ -75,14 +87,24 @@ def run_kvserve(model_dir: str, wl: Workload, **engine_kwargs) -> tuple[Result, 
             used_at_peak = sum(r.num_computed_tokens for r in engine.scheduler.running)
     seconds = time.perf_counter() - start
     stats = engine.get_stats()
-    extra = dict(steps=steps, preemptions=stats.num_preemptions, peak_kv_slots_allocated=peak_allocated_slots,
-                 kv_slots_used_at_peak=used_at_peak,
-                 kv_waste_pct=100.0 * (1 - used_at_peak / peak_allocated_slots) if peak_allocated_slots else 0.0,
-                 num_kv_blocks=engine.config.cache.num_blocks - 1, block_size=bs)
+    extra = dict(
+        steps=steps,
+        preemptions=stats.num_preemptions,
+        peak_kv_slots_allocated=peak_allocated_slots,
+        kv_slots_used_at_peak=used_at_peak,
+        kv_waste_pct=100.0 * (1 - used_at_peak / peak_allocated_slots) if peak_allocated_slots else 0.0,
+        num_kv_blocks=engine.config.cache.num_blocks - 1,
+        block_size=bs,
+    )
     if hasattr(engine.runner, "collect_rank_info"):  # tensor parallel: what each rank holds, measured there
-        extra["per_rank"] = [{k: i[k] for k in ("rank", "pid", "param_bytes", "kv_tensor_bytes", "num_blocks",
-                                                "kv_head_ids", "max_rss_bytes") if k in i}
-                             for i in engine.runner.collect_rank_info()]
+        extra["per_rank"] = [
+            {
+                k: i[k]
+                for k in ("rank", "pid", "param_bytes", "kv_tensor_bytes", "num_blocks", "kv_head_ids", "max_rss_bytes")
+                if k in i
+            }
+            for i in engine.runner.collect_rank_info()
+        ]
     llm.shutdown()
     return Result("kvserve", seconds, tokens_out), extra
 
@@ -99,17 +121,19 @@ def run_hf(model_dir: str, wl: Workload, batch_size: int, dtype: str = "float32"
     start = time.perf_counter()
     with torch.no_grad():
         for b in range(0, len(wl.prompts), batch_size):
-            prompts, lens = wl.prompts[b:b + batch_size], wl.output_lens[b:b + batch_size]
+            prompts, lens = wl.prompts[b : b + batch_size], wl.output_lens[b : b + batch_size]
             width = max(len(p) for p in prompts)
             ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-            model.generate(ids, attention_mask=mask, max_new_tokens=max(lens), do_sample=False, pad_token_id=0,
-                           eos_token_id=-1)
+            model.generate(
+                ids, attention_mask=mask, max_new_tokens=max(lens), do_sample=False, pad_token_id=0, eos_token_id=-1
+            )
     return Result("hf_generate", time.perf_counter() - start, wl.num_output_tokens)
 
 
-def measured_peak_flops(hidden: int, intermediate: int, tokens: int = 256, repeats: int = 5,
-                        dtype: str = "float32") -> float:
+def measured_peak_flops(
+    hidden: int, intermediate: int, tokens: int = 256, repeats: int = 5, dtype: str = "float32"
+) -> float:
     """FLOP/s of this machine on the model's own largest matmul shape, at a fat batch (best of N)."""
     import torch
 
@@ -134,7 +158,9 @@ def shape_of_model_dir(model_dir: str) -> dict:
     shape = {k: config[k] for k in DEFAULT_SHAPE if k in config}
     if config.get("head_dim"):
         shape["head_dim"] = config["head_dim"]
-    missing = {"hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"} - set(shape)
+    missing = {"hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"} - set(
+        shape
+    )
     if missing:
         raise ValueError(f"{model_dir}/config.json lacks {sorted(missing)}: cannot compute the roofline")
     shape.setdefault("num_key_value_heads", shape["num_attention_heads"])
@@ -144,8 +170,12 @@ def shape_of_model_dir(model_dir: str) -> dict:
 def model_flops(shape: dict, wl: Workload) -> float:
     """Matmul FLOPs the workload needs at minimum: every token through every linear layer, the LM head only
     for generated tokens, plus attention scores/values over each token's causal context."""
-    h, layers, heads, kvh = (shape["hidden_size"], shape["num_hidden_layers"], shape["num_attention_heads"],
-                             shape["num_key_value_heads"])
+    h, layers, heads, kvh = (
+        shape["hidden_size"],
+        shape["num_hidden_layers"],
+        shape["num_attention_heads"],
+        shape["num_key_value_heads"],
+    )
     head_dim = shape.get("head_dim") or h // heads
     per_layer = h * (heads + 2 * kvh) * head_dim + heads * head_dim * h + 3 * h * shape["intermediate_size"]
     tokens = wl.num_prompt_tokens + wl.num_output_tokens
@@ -154,10 +184,20 @@ def model_flops(shape: dict, wl: Workload) -> float:
     return flops + 2 * 2 * layers * heads * head_dim * ctx
 
 
-def main(num_requests: int = 32, prompt_range=(16, 256), output_range=(16, 128), seed: int = 0,
-         hf_batch_size: int = 8, skip_hf: bool = False, model_dir: str | None = None, shape: dict | None = None,
-         json_out: str | None = None, tensor_parallel_size: int = 1, dtype: str = "float32",
-         **engine_kwargs) -> dict:
+def main(
+    num_requests: int = 32,
+    prompt_range=(16, 256),
+    output_range=(16, 128),
+    seed: int = 0,
+    hf_batch_size: int = 8,
+    skip_hf: bool = False,
+    model_dir: str | None = None,
+    shape: dict | None = None,
+    json_out: str | None = None,
+    tensor_parallel_size: int = 1,
+    dtype: str = "float32",
+    **engine_kwargs,
+) -> dict:
     import torch
 
     from kvserve.runtime.models.synthetic import make_random_model_dir
@@ -174,12 +214,18 @@ def main(num_requests: int = 32, prompt_range=(16, 256), output_range=(16, 128),
     if model_dir is None:
         tmp = tempfile.TemporaryDirectory(prefix="kvserve-bench-")
         model_dir = tmp.name
-        print(f"building a random-weight Llama ({shape['hidden_size']} hidden, {shape['num_hidden_layers']} layers, "
-              f"vocab {shape['vocab_size']}) in {model_dir} ...", flush=True)
+        print(
+            f"building a random-weight Llama ({shape['hidden_size']} hidden, {shape['num_hidden_layers']} layers, "
+            f"vocab {shape['vocab_size']}) in {model_dir} ...",
+            flush=True,
+        )
         make_random_model_dir(model_dir, "LlamaForCausalLM", seed=seed, **shape)
     wl = Workload.random(num_requests, prompt_range, output_range, workload_vocab, seed)
-    print(f"workload: {num_requests} requests, {wl.num_prompt_tokens} prompt tokens, {wl.num_output_tokens} output "
-          f"tokens (ignore_eos), seed {seed}; torch threads {torch.get_num_threads()}", flush=True)
+    print(
+        f"workload: {num_requests} requests, {wl.num_prompt_tokens} prompt tokens, {wl.num_output_tokens} output "
+        f"tokens (ignore_eos), seed {seed}; torch threads {torch.get_num_threads()}",
+        flush=True,
+    )
     engine_kwargs.setdefault("max_model_len", max(len(p) for p in wl.prompts) + max(wl.output_lens))
     engine_kwargs.setdefault("max_num_seqs", num_requests)
     engine_kwargs.setdefault("max_num_batched_tokens", 512)
@@ -187,15 +233,28 @@ def main(num_requests: int = 32, prompt_range=(16, 256), output_range=(16, 128),
     if tensor_parallel_size != 1:
         engine_kwargs["tensor_parallel_size"] = tensor_parallel_size
     ours, extra = run_kvserve(model_dir, wl, **engine_kwargs)
-    print(f"kvserve: {ours.seconds:.1f} s, {ours.output_tokens_per_s:.1f} useful output tok/s, {extra['steps']} steps, "
-          f"{extra['preemptions']} preemptions", flush=True)
+    print(
+        f"kvserve: {ours.seconds:.1f} s, {ours.output_tokens_per_s:.1f} useful output tok/s, {extra['steps']} steps, "
+        f"{extra['preemptions']} preemptions",
+        flush=True,
+    )
     peak = measured_peak_flops(shape["hidden_size"], shape["intermediate_size"], dtype=dtype)
     roofline_s = model_flops(shape, wl) / peak
-    report = dict(workload=dict(num_requests=num_requests, prompt_tokens=wl.num_prompt_tokens,
-                                output_tokens=wl.num_output_tokens, seed=seed, dtype=dtype),
-                  engine_kwargs=engine_kwargs, kvserve=asdict(ours) | {"tok_per_s": ours.output_tokens_per_s},
-                  **extra, measured_peak_gflops=peak / 1e9, roofline_seconds=roofline_s,
-                  roofline_fraction=roofline_s / ours.seconds)
+    report = dict(
+        workload=dict(
+            num_requests=num_requests,
+            prompt_tokens=wl.num_prompt_tokens,
+            output_tokens=wl.num_output_tokens,
+            seed=seed,
+            dtype=dtype,
+        ),
+        engine_kwargs=engine_kwargs,
+        kvserve=asdict(ours) | {"tok_per_s": ours.output_tokens_per_s},
+        **extra,
+        measured_peak_gflops=peak / 1e9,
+        roofline_seconds=roofline_s,
+        roofline_fraction=roofline_s / ours.seconds,
+    )
     if not skip_hf:
         print(f"running transformers generate (static batches of {hf_batch_size}, left padding) ...", flush=True)
         hf = run_hf(model_dir, wl, hf_batch_size, dtype)
@@ -217,13 +276,21 @@ def print_report(r: dict) -> None:
     print(f"kvserve        {r['kvserve']['seconds']:8.1f} s   {r['kvserve']['tok_per_s']:8.1f} useful output tok/s")
     if "hf" in r:
         print(f"HF generate    {r['hf']['seconds']:8.1f} s   {r['hf']['tok_per_s']:8.1f} useful output tok/s")
-        print(f"speedup        {r['speedup_vs_hf']:8.2f} x   (HF at {100 * r['hf_roofline_fraction']:.0f}% of roofline)")
-    print(f"FLOP roofline  {r['roofline_seconds']:8.1f} s at {r['measured_peak_gflops']:.0f} GFLOP/s measured here "
-          f"-> kvserve at {100 * r['roofline_fraction']:.0f}% of roofline")
-    print(f"KV at peak     {r['kv_slots_used_at_peak']} of {r['peak_kv_slots_allocated']} allocated slots used "
-          f"-> waste {r['kv_waste_pct']:.2f}% (block_size {r['block_size']})")
+        print(
+            f"speedup        {r['speedup_vs_hf']:8.2f} x   (HF at {100 * r['hf_roofline_fraction']:.0f}% of roofline)"
+        )
+    print(
+        f"FLOP roofline  {r['roofline_seconds']:8.1f} s at {r['measured_peak_gflops']:.0f} GFLOP/s measured here "
+        f"-> kvserve at {100 * r['roofline_fraction']:.0f}% of roofline"
+    )
+    print(
+        f"KV at peak     {r['kv_slots_used_at_peak']} of {r['peak_kv_slots_allocated']} allocated slots used "
+        f"-> waste {r['kv_waste_pct']:.2f}% (block_size {r['block_size']})"
+    )
     print(f"preemptions    {r['preemptions']}")
     for i in r.get("per_rank", []):
         rss = f", peak RSS {i['max_rss_bytes'] / 2**20:.0f} MiB" if "max_rss_bytes" in i else ""
-        print(f"rank {i['rank']} (pid {i['pid']}): weights {i['param_bytes'] / 2**20:.1f} MiB, KV cache "
-              f"{i['kv_tensor_bytes'] / 2**20:.1f} MiB ({i['num_blocks']} blocks, KV heads {i['kv_head_ids']}){rss}")
+        print(
+            f"rank {i['rank']} (pid {i['pid']}): weights {i['param_bytes'] / 2**20:.1f} MiB, KV cache "
+            f"{i['kv_tensor_bytes'] / 2**20:.1f} MiB ({i['num_blocks']} blocks, KV heads {i['kv_head_ids']}){rss}"
+        )

@@ -4,6 +4,7 @@ reuse) and `kvserve router` (which replica most likely holds a prompt's prefix).
 Block i's hash covers block i-1's hash and block i's token ids, so equal hashes mean equal whole prefixes.
 Only full blocks are hashed: a partial last block is never shared.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -26,8 +27,9 @@ def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_siz
     further full block, in place; returns `hashes`."""
     while (len(hashes) + 1) * block_size <= len(token_ids):
         i = len(hashes)
-        hashes.append(hash_block_tokens(hashes[-1] if hashes else NONE_HASH,
-                                        token_ids[i * block_size:(i + 1) * block_size]))
+        hashes.append(
+            hash_block_tokens(hashes[-1] if hashes else NONE_HASH, token_ids[i * block_size : (i + 1) * block_size])
+        )
     return hashes
 
 

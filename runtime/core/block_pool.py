@@ -4,6 +4,7 @@ Eviction order lives in the free queue: allocation pops the head; freed blocks t
 tail (kept longest), freed blocks without one go to the head (reused first). A cached block keeps its
 hash while free and is evicted lazily, only when it is popped for reuse (vLLM V1 BlockPool).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable

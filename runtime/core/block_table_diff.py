@@ -2,13 +2,15 @@
 
 The runner keeps every request's block table across steps (persistent batch); each step the scheduler sends,
 per scheduled request, a `BlockTableDiff`: usually a few appended block ids, sometimes entries overwritten in
-place (a sliding-window layer group dropping blocks that left its window for the null block), and a full table when the runner's copy cannot be patched (first schedule,
+place (a sliding-window layer group dropping blocks that left its window for the null block), and a full table when
+the runner's copy cannot be patched (first schedule,
 resume after preemption or swap-in). Pure Python (no torch).
 
 Why blocks are compared by object identity: a block table is a list of KVCacheBlock objects, each owning a
 fixed block id, mutated in place by the KV-cache manager; `list == list` then runs in C and stops at the
 first differing object, so an unchanged prefix of any length costs nanoseconds per entry.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 class BlockTableDiff:
     """Apply to the runner's copy of one table: if `reset`, the table becomes `appended`; otherwise first
     `table[i] = block_id` for each `replaced` pair, then `table += appended`."""
+
     appended: list[int] = field(default_factory=list)
     replaced: list[tuple[int, int]] = field(default_factory=list)  # (index, block id)
     reset: bool = False

@@ -13,6 +13,7 @@ group's table holds the null block where its blocks fell out of the window and w
 is the longest length every group can serve. Swapping to host is off for multi-group models (the
 scheduler then recomputes: can_swap_out is False).
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -41,8 +42,14 @@ class KVCacheManager:
     # steps); off only in the test that checks it against the general path.
     decode_fast_path = True
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, num_host_blocks: int = 0,
-                 group_windows: tuple[int, ...] = ()):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        num_host_blocks: int = 0,
+        group_windows: tuple[int, ...] = (),
+    ):
         """group_windows: sliding window per KV cache group (0 = full attention; group 0 must be full);
         empty = one full-attention group."""
         self.block_size = block_size
@@ -97,8 +104,9 @@ class KVCacheManager:
         max_blocks = (request.num_tokens - 1) // bs
 
         def lookup(group: int, i: int) -> KVCacheBlock | None:
-            return self.pool.get_cached_block(_group_key(request.block_hashes[i], group),
-                                              tuple(request.all_token_ids[i * bs:(i + 1) * bs]))
+            return self.pool.get_cached_block(
+                _group_key(request.block_hashes[i], group), tuple(request.all_token_ids[i * bs : (i + 1) * bs])
+            )
 
         length = max_blocks
         changed = True
@@ -115,8 +123,9 @@ class KVCacheManager:
         return PrefixHit(groups[0], groups), length * bs
 
     # -- allocation ------------------------------------------------------------------------------------
-    def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: Sequence[KVCacheBlock] = ()) -> list[KVCacheBlock] | None:
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[KVCacheBlock] = ()
+    ) -> list[KVCacheBlock] | None:
         """Make room for `num_new_tokens` more tokens after the request's computed ones (plus the prefix
         hit `new_computed_blocks` on admission). Blocks that fell out of a sliding window are freed first.
         Returns group 0's newly allocated blocks, or None when the pool cannot supply them (nothing is
@@ -179,8 +188,11 @@ class KVCacheManager:
                 continue
             blocks = self._tables[g][rid]
             freed = []
-            for i in range(min(len(blocks), sliding_window.num_skipped_blocks(num_computed_tokens, window,
-                                                                                 self.block_size)) - 1, -1, -1):
+            for i in range(
+                min(len(blocks), sliding_window.num_skipped_blocks(num_computed_tokens, window, self.block_size)) - 1,
+                -1,
+                -1,
+            ):
                 if blocks[i] is self.pool.null_block:
                     break
                 freed.append(blocks[i])
@@ -240,7 +252,7 @@ class KVCacheManager:
         for table, num_cached in zip(self._tables, self._num_cached):
             blocks = table.pop(request.request_id, [])  # a sliding table's index i still covers block i
             num_cached.pop(request.request_id, None)
-            for block in blocks[request.num_computed_tokens // self.block_size:]:
+            for block in blocks[request.num_computed_tokens // self.block_size :]:
                 if block is not null:
                     self.pool.uncache_block(block)
             self.pool.free_blocks(b for b in reversed(blocks) if b is not null)
@@ -260,8 +272,11 @@ class KVCacheManager:
             blocks = table[rid]
             for i in range(start, end):
                 if blocks[i] is not self.pool.null_block:  # out of the window: cached before it was freed
-                    self.pool.cache_block(blocks[i], _group_key(request.block_hashes[i], g),
-                                          tuple(request.all_token_ids[i * bs:(i + 1) * bs]))
+                    self.pool.cache_block(
+                        blocks[i],
+                        _group_key(request.block_hashes[i], g),
+                        tuple(request.all_token_ids[i * bs : (i + 1) * bs]),
+                    )
             num_cached[rid] = end
 
 

@@ -1,4 +1,5 @@
 """Plain data passed scheduler -> model runner -> scheduler. No torch, so it can be pickled to TP workers."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -11,6 +12,7 @@ from kvserve.runtime.sampling_params import SamplingParams
 class NewRequestData:
     """Sent the first time the runner sees a request: what the sampler keeps per request (params, seeded
     generator, penalty history). Kept by the runner across preemption, dropped on finish."""
+
     req_id: str
     sampling_params: SamplingParams
     prompt_token_ids: list[int]
@@ -55,6 +57,7 @@ class SchedulerOutput:
 @dataclass
 class TokenLogprobs:
     """Logprobs of one sampled token: its own and the top-k, from the raw (unprocessed) logits."""
+
     token_id: int
     logprob: float
     rank: int  # 1 = most likely
@@ -72,6 +75,7 @@ class ModelRunnerOutput:
 @dataclass
 class EngineCoreOutput:
     """What one step did for one request."""
+
     req_id: str
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs] | None

@@ -10,6 +10,7 @@ A request is one sequence. n > 1 samples of a prompt arrive as n requests (engin
 back to back: the first computes the prompt and caches its full blocks as it allocates them, and a sibling
 admitted in the same step or later takes them as prefix-cache hits (nothing here knows they are siblings).
 """
+
 from __future__ import annotations
 
 import time
@@ -20,8 +21,13 @@ from dataclasses import dataclass
 from kvserve.runtime import engine_args
 from kvserve.runtime.core.block_table_diff import SentBlockTables
 from kvserve.runtime.core.kv_cache_manager import KVCacheManager
-from kvserve.runtime.core.outputs import (EngineCoreOutput, ModelRunnerOutput, NewRequestData, ScheduledRequest,
-                                          SchedulerOutput)
+from kvserve.runtime.core.outputs import (
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    ScheduledRequest,
+    SchedulerOutput,
+)
 from kvserve.runtime.request import Request, RequestStatus
 
 
@@ -44,8 +50,10 @@ class SchedulerConfig:
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(f"with chunked prefill off, max_num_batched_tokens ({self.max_num_batched_tokens}) "
-                             f"must be >= max_model_len ({self.max_model_len}) so any prompt fits one step")
+            raise ValueError(
+                f"with chunked prefill off, max_num_batched_tokens ({self.max_num_batched_tokens}) "
+                f"must be >= max_model_len ({self.max_model_len}) so any prompt fits one step"
+            )
 
 
 class Scheduler:
@@ -187,12 +195,19 @@ class Scheduler:
         for request in scheduled_reqs:
             if request.request_id not in self._seen_by_runner:
                 self._seen_by_runner.add(request.request_id)
-                new_requests.append(NewRequestData(request.request_id, request.sampling_params,
-                                                   request.prompt_token_ids))
+                new_requests.append(
+                    NewRequestData(request.request_id, request.sampling_params, request.prompt_token_ids)
+                )
         finished, self._finished_since_last_step = self._finished_since_last_step, []
         swap_out, swap_in = self.kv.take_swaps()
-        return SchedulerOutput(scheduled=scheduled, new_requests=new_requests, finished_req_ids=finished,
-                               num_preempted=num_preempted, swap_out=swap_out, swap_in=swap_in)
+        return SchedulerOutput(
+            scheduled=scheduled,
+            new_requests=new_requests,
+            finished_req_ids=finished,
+            num_preempted=num_preempted,
+            swap_out=swap_out,
+            swap_in=swap_in,
+        )
 
     def _schedule_decodes(self, scheduled: list[ScheduledRequest], scheduled_reqs: list[Request]) -> int:
         """Fast path of the running loop for its leading requests that decode one token (all of them in a
@@ -212,9 +227,16 @@ class Scheduler:
                 return i
             rid = request.request_id
             scheduled_reqs.append(request)
-            scheduled.append(ScheduledRequest(rid, [request.all_token_ids[start]], start,
-                                              tables.diff(rid, req_to_blocks[rid]), True,
-                                              group_diffs(rid) if group_diffs else ()))
+            scheduled.append(
+                ScheduledRequest(
+                    rid,
+                    [request.all_token_ids[start]],
+                    start,
+                    tables.diff(rid, req_to_blocks[rid]),
+                    True,
+                    group_diffs(rid) if group_diffs else (),
+                )
+            )
         return len(self.running)
 
     def _cap(self, num_tokens: int, budget: int) -> int:
@@ -231,10 +253,14 @@ class Scheduler:
         if request.first_scheduled_time is None:
             request.first_scheduled_time = time.monotonic()
         rid = request.request_id
-        return ScheduledRequest(rid, request.all_token_ids[start:start + num_new], start,
-                                self._sent_tables.diff(rid, self.kv.req_to_blocks.get(rid, ())),
-                                start + num_new == request.num_tokens,
-                                group_block_tables=self._group_diffs(rid))
+        return ScheduledRequest(
+            rid,
+            request.all_token_ids[start : start + num_new],
+            start,
+            self._sent_tables.diff(rid, self.kv.req_to_blocks.get(rid, ())),
+            start + num_new == request.num_tokens,
+            group_block_tables=self._group_diffs(rid),
+        )
 
     def _group_diffs(self, rid: str) -> tuple:
         """Block-table diffs of KV cache groups 1.. (sliding-window models; () for one group)."""
@@ -255,8 +281,7 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._forget_tables(request.request_id)  # it comes back with other blocks: send them whole
-        if (self.config.preemption_mode == "swap" and request.num_computed_tokens > 0
-                and self.kv.can_swap_out(request)):
+        if self.config.preemption_mode == "swap" and request.num_computed_tokens > 0 and self.kv.can_swap_out(request):
             self.kv.swap_out(request)
             request.status = RequestStatus.SWAPPED
             self.num_swap_outs += 1
@@ -268,8 +293,9 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     # -- results ---------------------------------------------------------------------------------------
-    def update_from_output(self, scheduler_output: SchedulerOutput,
-                           runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
         # Hoisted lookups: this loop runs once per scheduled request per step (a hot path at 256+ decodes).
         requests, running = self.requests, RequestStatus.RUNNING
@@ -308,7 +334,8 @@ class Scheduler:
                 return RequestStatus.FINISHED_STOPPED
             if not params.ignore_eos and token_id in request.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
-        if (request.max_tokens is not None and num_output_tokens >= request.max_tokens) \
-                or num_tokens >= self.config.max_model_len:
+        if (
+            request.max_tokens is not None and num_output_tokens >= request.max_tokens
+        ) or num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

@@ -6,6 +6,7 @@ KV manager swaps the whole blocks among them for the null block and frees them (
 SlidingWindowManager.remove_skipped_blocks). A prefix-cache hit of L blocks needs only the blocks that the
 next token's window reaches: the last cdiv(W - 1, block_size) before L.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable

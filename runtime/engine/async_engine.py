@@ -21,6 +21,7 @@ operations (add, abort) applied between steps, and gets results back on per-requ
   every in-flight and queued request -- including adds not yet applied -- gets `EngineDeadError` at once,
   and `on_dead` is called (the server then exits non-zero once those answers are out).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -74,6 +75,7 @@ _Op = _AddOp | _AbortOp | _AbortAllOp
 @dataclass
 class _Tracked:
     """Engine-thread bookkeeping for one request (timings for the latency histograms)."""
+
     stream: "RequestStream"
     arrival_time: float
     first_token_time: float | None = None
@@ -137,8 +139,14 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: EngineClient, metrics: ServerMetrics | None = None, log_interval_s: float = 5.0,
-                 tracer: RequestTracer | None = None, on_dead: Callable[[BaseException], None] | None = None):
+    def __init__(
+        self,
+        engine: EngineClient,
+        metrics: ServerMetrics | None = None,
+        log_interval_s: float = 5.0,
+        tracer: RequestTracer | None = None,
+        on_dead: Callable[[BaseException], None] | None = None,
+    ):
         self.engine = engine
         self.metrics = metrics
         self.tracer = tracer  # runtime.tracing.RequestTracer, or None (tracing off)
@@ -196,9 +204,14 @@ class AsyncEngine:
         waiting = self.stats.num_requests_waiting if self.stats is not None else 0
         return waiting + self._pending_adds
 
-    async def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams,
-                          arrival_time: float | None = None,
-                          trace_headers: dict[str, str] | None = None) -> RequestStream:
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: PromptInput,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        trace_headers: dict[str, str] | None = None,
+    ) -> RequestStream:
         if request_id in self._active:
             raise ValueError(f"duplicate request id {request_id!r}")
         loop = asyncio.get_running_loop()
@@ -226,8 +239,9 @@ class AsyncEngine:
             self.metrics.observe_request_start(params.n, params.max_tokens)
         return stream
 
-    async def generate(self, request_id: str, prompt: PromptInput,
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, request_id: str, prompt: PromptInput, params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
         """Convenience: add, then yield outputs; aborts the request if the caller stops early."""
         stream = await self.add_request(request_id, prompt, params)
         try:
@@ -317,8 +331,9 @@ class AsyncEngine:
                 except Exception as exc:  # invalid request: the engine named the field
                     self._resolve(op.accepted, exc)
                     continue
-                self._tracked[op.request_id] = _Tracked(op.stream, op.arrival_time, params=op.params,
-                                                        trace_headers=op.trace_headers)
+                self._tracked[op.request_id] = _Tracked(
+                    op.stream, op.arrival_time, params=op.params, trace_headers=op.trace_headers
+                )
                 self._resolve(op.accepted, None)
             elif isinstance(op, _AbortOp):
                 self._abort_in_engine(op.request_id)
@@ -380,16 +395,21 @@ class AsyncEngine:
     def _observe_finished(self, output: RequestOutput, tracked: _Tracked, now: float) -> None:
         first_scheduled = output.metrics.first_scheduled_time
         reasons = [c.finish_reason for c in output.outputs if c.finish_reason]
-        timings = dict(num_prompt_tokens=len(output.prompt_token_ids or []),
-                       num_generation_tokens=tracked.num_tokens_seen, arrival_time=tracked.arrival_time,
-                       first_scheduled_time=first_scheduled, first_token_time=tracked.first_token_time,
-                       finished_time=now)
+        timings = dict(
+            num_prompt_tokens=len(output.prompt_token_ids or []),
+            num_generation_tokens=tracked.num_tokens_seen,
+            arrival_time=tracked.arrival_time,
+            first_scheduled_time=first_scheduled,
+            first_token_time=tracked.first_token_time,
+            finished_time=now,
+        )
         if self.metrics is not None:
             self.metrics.observe_finished(finish_reason=reasons[0] if reasons else "stop", **timings)
         if self.tracer is not None:
             try:
-                self.tracer.record_finished(request_id=output.request_id, trace_headers=tracked.trace_headers,
-                                            params=tracked.params, **timings)
+                self.tracer.record_finished(
+                    request_id=output.request_id, trace_headers=tracked.trace_headers, params=tracked.params, **timings
+                )
             except Exception:  # tracing is best effort; it never costs a request
                 logger.exception("recording the trace of %s failed", output.request_id)
 
@@ -415,9 +435,14 @@ class AsyncEngine:
         logger.info(
             "running=%d waiting=%d kv_cache_usage=%.1f%% prompt_throughput=%.1f tok/s "
             "generation_throughput=%.1f tok/s prefix_cache_hit_rate=%.1f%% preemptions=%d",
-            s.num_requests_running, s.num_requests_waiting, s.kv_cache_usage * 100,
-            (counters[0] - prev[0]) / interval_s, (counters[1] - prev[1]) / interval_s, hit_rate,
-            s.num_preemptions)
+            s.num_requests_running,
+            s.num_requests_waiting,
+            s.kv_cache_usage * 100,
+            (counters[0] - prev[0]) / interval_s,
+            (counters[1] - prev[1]) / interval_s,
+            hit_rate,
+            s.num_preemptions,
+        )
         return counters
 
     def _resolve(self, future: asyncio.Future, exc: BaseException | None) -> None:
@@ -428,6 +453,7 @@ class AsyncEngine:
                 future.set_result(None)
             else:
                 future.set_exception(exc)
+
         self._call_in_loop(apply)
 
     def _flush(self, deliveries: list) -> None:
@@ -458,7 +484,11 @@ def _dead_error_for_clients(exc: BaseException | None) -> EngineDeadError:
     """What clients see when the engine is dead: no Python repr, no pids (the log has the details)."""
     if isinstance(exc, EngineDeadError):
         return exc
-    cause = ("a tensor-parallel worker died" if isinstance(exc, WorkerDiedError)
-             else "the engine stopped" if exc is None else "the engine loop failed")
+    cause = (
+        "a tensor-parallel worker died"
+        if isinstance(exc, WorkerDiedError)
+        else "the engine stopped"
+        if exc is None
+        else "the engine loop failed"
+    )
     return EngineDeadError(f"the engine is dead ({cause}); this server is shutting down, retry on another replica")
-

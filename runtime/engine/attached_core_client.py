@@ -9,6 +9,7 @@ every request answered 503, /health 503, this server exits 1). The exit status b
 the core's real parent, which logs it. Shutting this client down closes its sockets; it never stops the
 core (the other API servers still use it): the launcher does, once every API server is gone.
 """
+
 from __future__ import annotations
 
 import logging
@@ -27,6 +28,7 @@ logger = logging.getLogger("kvserve.engine.client")
 @dataclass(frozen=True)
 class CoreAttachment:
     """What the launcher tells API server `client_index` (picklable: it crosses a spawn)."""
+
     client_index: int
     input_address: str
     output_address: str
@@ -62,14 +64,16 @@ class _CoreProcessHandle:
 class AttachedCoreClient(CoreClient):
     owns_core_process = False
 
-    def __init__(self, config: EngineConfig, attachment: CoreAttachment,
-                 startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S):
+    def __init__(
+        self, config: EngineConfig, attachment: CoreAttachment, startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
+    ):
         self.tokenizer = load_tokenizer(config.model.model_dir)
         self.client_index = attachment.client_index
         self.proc = _CoreProcessHandle(attachment.core_pid)
         self._open_sockets(attachment.input_address, attachment.output_address)
-        self._finalizer = weakref.finalize(self, _close, self.proc, self._input, self._output, self._ctx,
-                                           (self._wake_r, self._wake_w))
+        self._finalizer = weakref.finalize(
+            self, _close, self.proc, self._input, self._output, self._ctx, (self._wake_r, self._wake_w)
+        )
         self._await_core(startup_timeout_s)
         logger.info("API server %d attached to engine core %d", self.client_index, self.core_pid)
 

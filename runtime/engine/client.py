@@ -6,6 +6,7 @@ gets through exactly these members, from its one engine thread (none of them is 
 `notify`); nothing is probed with getattr. tests/runtime/test_engine_client.py checks that each engine has
 every member with the protocol's signature.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
@@ -25,8 +26,13 @@ class EngineClient(Protocol):
     tokenizer: Any  # the model's transformers tokenizer
     num_step_failures: int  # cumulative failed steps (the engine_step_failures counter)
 
-    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptInput,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
         """Queue a request, or raise InvalidParameter (naming the field) / the engine's dead error."""
 
     def abort_request(self, request_id: str) -> None:

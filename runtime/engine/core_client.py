@@ -10,6 +10,7 @@ send), or for the core process to exit. Core death -- a DEAD message (soft: the 
 the process gone (hard: SIGKILL, OOM) -- raises EngineDeadError (WorkerDiedError when a tensor-parallel worker
 died), which AsyncEngine turns into errors for every request, /health 503 and exit 1.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -22,18 +23,23 @@ import tempfile
 import time
 import weakref
 
-from kvserve.runtime.config import EngineConfig
-from kvserve.runtime.engine.core_messages import (EngineCoreAbort, EngineCoreOutputs, EngineCoreRequest,
-                                                  MessageCodec, MessageType, failure_exception)
-from kvserve.runtime.errors import EngineDeadError
-from kvserve.runtime.engine.client import PromptInput
-from kvserve.runtime.engine.llm_engine import LLMEngine
-from kvserve.runtime.tokenizer import load_tokenizer
 from kvserve.runtime.child_process import describe_exit, exit_if_bootstrapping, raise_if_main_guard_exit
+from kvserve.runtime.config import EngineConfig
+from kvserve.runtime.engine.client import PromptInput
+from kvserve.runtime.engine.core_messages import (
+    EngineCoreAbort,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    MessageCodec,
+    MessageType,
+    failure_exception,
+)
+from kvserve.runtime.engine.llm_engine import LLMEngine
 from kvserve.runtime.engine.request_tracker import RequestTracker
+from kvserve.runtime.errors import EngineDeadError, InvalidParameter
 from kvserve.runtime.outputs import EngineStats, RequestOutput
 from kvserve.runtime.sampling_params import SamplingParams
-from kvserve.runtime.errors import InvalidParameter
+from kvserve.runtime.tokenizer import load_tokenizer
 
 logger = logging.getLogger("kvserve.engine.client")
 
@@ -57,12 +63,22 @@ class CoreClient:
 
         mp = _core_mp_context()
         # Not a daemon: daemonic processes may not start children (the tensor-parallel workers).
-        self.proc = mp.Process(target=run_engine_core, name="kvserve-engine-core",
-                               args=(config, [input_address], [output_address], os.getpid(),
-                                     logging.getLogger("kvserve").getEffectiveLevel(), len(self.tokenizer)))
+        self.proc = mp.Process(
+            target=run_engine_core,
+            name="kvserve-engine-core",
+            args=(
+                config,
+                [input_address],
+                [output_address],
+                os.getpid(),
+                logging.getLogger("kvserve").getEffectiveLevel(),
+                len(self.tokenizer),
+            ),
+        )
         self.proc.start()
-        self._finalizer = weakref.finalize(self, _stop_core, self.proc, self._input, self._output, self._ctx,
-                                           self._dir, (self._wake_r, self._wake_w))
+        self._finalizer = weakref.finalize(
+            self, _stop_core, self.proc, self._input, self._output, self._ctx, self._dir, (self._wake_r, self._wake_w)
+        )
         self._await_core(startup_timeout_s)
 
     def _open_sockets(self, input_address: str, output_address: str) -> None:
@@ -125,10 +141,10 @@ class CoreClient:
             if self.proc.sentinel in events or not self.proc.is_alive():
                 self.proc.join(1)
                 raise_if_main_guard_exit(self.proc.exitcode)
-                raise RuntimeError(f"the engine core process died while starting ({self._describe_core_exit()}); "
-                                   "see its log above")
-        raise TimeoutError(f"the engine core did not start within {timeout_s:.0f} s "
-                           "(KVSERVE_CORE_STARTUP_TIMEOUT_S)")
+                raise RuntimeError(
+                    f"the engine core process died while starting ({self._describe_core_exit()}); see its log above"
+                )
+        raise TimeoutError(f"the engine core did not start within {timeout_s:.0f} s (KVSERVE_CORE_STARTUP_TIMEOUT_S)")
 
     # -- the front half, as in LLMEngine ----------------------------------------------------------------------
     tokenize_prompt = LLMEngine.tokenize_prompt
@@ -142,18 +158,28 @@ class CoreClient:
         from kvserve.runtime.sampling_params import verify_request
 
         if not isinstance(params, SamplingParams):
-            raise InvalidParameter("sampling_params", f"sampling_params must be a SamplingParams, "
-                                                      f"got {type(params).__name__}")
+            raise InvalidParameter(
+                "sampling_params", f"sampling_params must be a SamplingParams, got {type(params).__name__}"
+            )
         verify_request(prompt_token_ids, params, self.limits)
 
-    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptInput,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
         text, token_ids, params, arrival = self.admit(request_id, prompt, params, arrival_time)
         self.verify(token_ids, params)
         parent = self.tracker.add(request_id, text, token_ids, params, arrival)  # before ADD: outputs find it
         for child in parent.children:  # back to back: the later ones hit the first one's prompt blocks
-            self._send(MessageType.ADD, EngineCoreRequest.make(child.request_id, token_ids, child.params, arrival,
-                                                               self.client_index, child.counts_prompt_tokens))
+            self._send(
+                MessageType.ADD,
+                EngineCoreRequest.make(
+                    child.request_id, token_ids, child.params, arrival, self.client_index, child.counts_prompt_tokens
+                ),
+            )
 
     def abort_request(self, request_id: str) -> None:
         child_ids = self.tracker.forget(request_id)
@@ -214,9 +240,11 @@ class CoreClient:
 
     def _die_hard(self) -> None:
         self.proc.join(1)
-        self.dead_error = EngineDeadError(f"the engine is dead (the engine core process died: "
-                                          f"{self._describe_core_exit()}); this server is shutting down, "
-                                          "retry on another replica")
+        self.dead_error = EngineDeadError(
+            f"the engine is dead (the engine core process died: "
+            f"{self._describe_core_exit()}); this server is shutting down, "
+            "retry on another replica"
+        )
         logger.error("%s", self.dead_error)
         raise self.dead_error
 
@@ -231,8 +259,9 @@ class CoreClient:
         not scheduled yet: a request in flight to the core waits as it would in an in-process scheduler, so
         --max-queue-len and vllm:num_requests_waiting see it at once, not one core step later."""
         stats = self.stats
-        unscheduled = sum(1 for state in list(self.tracker.states.values())
-                          if state.metrics.first_scheduled_time is None)
+        unscheduled = sum(
+            1 for state in list(self.tracker.states.values()) if state.metrics.first_scheduled_time is None
+        )
         if stats is not None and unscheduled > stats.num_requests_waiting:
             stats = dataclasses.replace(stats, num_requests_waiting=unscheduled)
         return stats
@@ -259,8 +288,13 @@ def _core_mp_context():
     method = os.environ.get("KVSERVE_CORE_START_METHOD", "forkserver")
     ctx = multiprocessing.get_context(method)
     if method == "forkserver":
-        ctx.set_forkserver_preload(["kvserve.runtime.engine.core_process", "kvserve.runtime.engine.engine_core",
-                                    "kvserve.runtime.executor.model_runner"])
+        ctx.set_forkserver_preload(
+            [
+                "kvserve.runtime.engine.core_process",
+                "kvserve.runtime.engine.engine_core",
+                "kvserve.runtime.executor.model_runner",
+            ]
+        )
     return ctx
 
 

@@ -8,9 +8,11 @@ request is one sequence: the API server sends an n > 1 request as n child reques
 Wire format: one ZMQ frame per message, `type byte + msgpack(struct)`. Structs are `array_like` (field names
 stay off the wire) so new fields may only be appended with defaults. SamplingParams travels as its pickle:
 msgspec would encode the dataclass field by field and cannot describe the compiled grammar it carries
-(that pickles as xgrammar's own serialisation, through `CompiledConstraint.__reduce__`). Pickle is safe here because both ends are
+(that pickles as xgrammar's own serialisation, through `CompiledConstraint.__reduce__`). Pickle is safe here because
+both ends are
 processes of one server talking over ipc:// sockets in a private (0700) directory.
 """
+
 from __future__ import annotations
 
 import enum
@@ -22,6 +24,7 @@ import msgspec
 from kvserve.runtime.core.outputs import TokenLogprobs
 from kvserve.runtime.outputs import EngineStats
 from kvserve.runtime.sampling_params import SamplingParams
+
 
 class MessageType(bytes, enum.Enum):
     # API server -> core
@@ -44,10 +47,23 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     count_prompt_tokens: bool = True  # False for children 1.. of an n > 1 request: a prompt is counted once
 
     @classmethod
-    def make(cls, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float,
-             client_index: int = 0, count_prompt_tokens: bool = True) -> "EngineCoreRequest":
-        return cls(request_id, prompt_token_ids, pickle.dumps(params, protocol=pickle.HIGHEST_PROTOCOL),
-                   arrival_time, client_index, count_prompt_tokens)
+    def make(
+        cls,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float,
+        client_index: int = 0,
+        count_prompt_tokens: bool = True,
+    ) -> "EngineCoreRequest":
+        return cls(
+            request_id,
+            prompt_token_ids,
+            pickle.dumps(params, protocol=pickle.HIGHEST_PROTOCOL),
+            arrival_time,
+            client_index,
+            count_prompt_tokens,
+        )
 
     @property
     def sampling_params(self) -> SamplingParams:
@@ -57,12 +73,14 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 class EngineCoreAbort(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Finish requests in the core and free their blocks: `request_ids` aborted, `stopped_ids` finished as
     "stopped" (the API server found a stop string in their text)."""
+
     request_ids: list[str]
     stopped_ids: list[str] = []
 
 
 class SampleDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """What one step did for one request (one sequence) in the core: its new token ids only."""
+
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs] | None = None
@@ -72,6 +90,7 @@ class SampleDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False)
 
 class RequestFailure(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """The core failed this request (engine/errors.py RequestError): it is finished and its blocks freed."""
+
     request_id: str
     message: str
     retryable: bool
@@ -79,6 +98,7 @@ class RequestFailure(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """One per step per API-server process."""
+
     deltas: list[SampleDelta] = []
     failures: list[RequestFailure] = []
     first_scheduled: list[tuple[str, float]] = []  # (request id, monotonic time) for requests first scheduled
@@ -88,6 +108,7 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 
 class CoreReady(msgspec.Struct, array_like=True, gc=False):
     """Sent once per API server when the core has loaded the model."""
+
     engine_config: bytes  # pickled EngineConfig (with the KV block count the core found)
     limits: bytes  # pickled RequestLimits: what a request is validated against
     pid: int
@@ -97,13 +118,18 @@ class CoreReady(msgspec.Struct, array_like=True, gc=False):
 class CoreFailure(msgspec.Struct, array_like=True, gc=False):
     """Why the core died (DEAD) or could not start (STARTUP_FAILED): the pickled exception (its types --
     EngineDeadError, WorkerDiedError, PlanRejected, InvalidParameter -- all pickle) and a text fallback."""
+
     exception: bytes
     text: str
 
 
 _BODY_TYPES = {
-    MessageType.ADD: EngineCoreRequest, MessageType.ABORT: EngineCoreAbort, MessageType.OUTPUTS: EngineCoreOutputs,
-    MessageType.READY: CoreReady, MessageType.DEAD: CoreFailure, MessageType.STARTUP_FAILED: CoreFailure,
+    MessageType.ADD: EngineCoreRequest,
+    MessageType.ABORT: EngineCoreAbort,
+    MessageType.OUTPUTS: EngineCoreOutputs,
+    MessageType.READY: CoreReady,
+    MessageType.DEAD: CoreFailure,
+    MessageType.STARTUP_FAILED: CoreFailure,
 }
 
 
@@ -112,8 +138,7 @@ class MessageCodec:
 
     def __init__(self):
         self._encoder = msgspec.msgpack.Encoder()
-        self._decoders = {kind: msgspec.msgpack.Decoder(body)
-                          for kind, body in _BODY_TYPES.items()}
+        self._decoders = {kind: msgspec.msgpack.Decoder(body) for kind, body in _BODY_TYPES.items()}
 
     def encode(self, kind: MessageType, body: Any = None) -> bytes:
         return kind.value + (b"" if body is None else self._encoder.encode(body))

@@ -11,6 +11,7 @@ reason, then exit 1; on SHUTDOWN (or when the parent process is gone) stop the w
 SIGTERM are ignored: a terminal's Ctrl-C or a process-group SIGTERM reaches this process too, and the API
 server drives the shutdown (a SIGTERM drain still needs the core to finish the in-flight requests).
 """
+
 from __future__ import annotations
 
 import logging
@@ -20,8 +21,14 @@ import signal
 import threading
 import time
 
-from kvserve.runtime.engine.core_messages import (CoreReady, EngineCoreOutputs, MessageCodec, MessageType,
-                                                  RequestFailure, failure_message)
+from kvserve.runtime.engine.core_messages import (
+    CoreReady,
+    EngineCoreOutputs,
+    MessageCodec,
+    MessageType,
+    RequestFailure,
+    failure_message,
+)
 
 logger = logging.getLogger("kvserve.engine.core")
 
@@ -47,11 +54,19 @@ def _watch_parent(api_server_pid: int) -> None:
                 pass
             if os.getppid() != parent_pid:
                 os._exit(3)
+
     threading.Thread(target=watch, name="kvserve-core-parent-watch", daemon=True).start()
 
 
-def run_engine_core(config, input_addresses: list[str], output_addresses: list[str], parent_pid: int,
-                    log_level: int, tokenizer_vocab_size: int, status_address: str | None = None) -> None:
+def run_engine_core(
+    config,
+    input_addresses: list[str],
+    output_addresses: list[str],
+    parent_pid: int,
+    log_level: int,
+    tokenizer_vocab_size: int,
+    status_address: str | None = None,
+) -> None:
     """Process entry point (spawned by core_client.CoreClient or the multi-API-server launcher).
     status_address: the launcher's socket, which gets READY / STARTUP_FAILED / DEAD too (never per-step
     outputs): an API server still starting may miss them, and the launcher writes the termination message."""
@@ -106,11 +121,22 @@ def run_engine_core(config, input_addresses: list[str], output_addresses: list[s
             exit_code = 1
             return
         m, c = core.config.model, core.config.cache
-        logger.info("engine core ready (pid %d): %s, max_model_len=%d, %d KV blocks x %d tokens (%.1f MiB), "
-                    "device=%s", os.getpid(), m.architecture, m.max_model_len, c.num_blocks - 1, c.block_size,
-                    core.runner.kv_cache_bytes / 2**20, core.config.device)
-        send_all(codec.encode(MessageType.READY, CoreReady(pickle.dumps(core.config), pickle.dumps(core.limits),
-                                                           os.getpid(), core.get_stats())))
+        logger.info(
+            "engine core ready (pid %d): %s, max_model_len=%d, %d KV blocks x %d tokens (%.1f MiB), device=%s",
+            os.getpid(),
+            m.architecture,
+            m.max_model_len,
+            c.num_blocks - 1,
+            c.block_size,
+            core.runner.kv_cache_bytes / 2**20,
+            core.config.device,
+        )
+        send_all(
+            codec.encode(
+                MessageType.READY,
+                CoreReady(pickle.dumps(core.config), pickle.dumps(core.limits), os.getpid(), core.get_stats()),
+            )
+        )
         exit_code = _busy_loop(core, inp, outs, codec)
     except BaseException as exc:  # a dead worker, too many failed steps, or a bug here: tell every client
         logger.exception("engine core died")
@@ -175,8 +201,13 @@ def _busy_loop(core, inp, outs: list, codec: MessageCodec) -> int:
             kind, body = codec.decode(frame.buffer)
             if kind is MessageType.ADD:
                 try:
-                    core.add_request(body.request_id, body.prompt_token_ids, body.sampling_params, body.arrival_time,
-                                     count_prompt_tokens=body.count_prompt_tokens)
+                    core.add_request(
+                        body.request_id,
+                        body.prompt_token_ids,
+                        body.sampling_params,
+                        body.arrival_time,
+                        count_prompt_tokens=body.count_prompt_tokens,
+                    )
                     owners[body.request_id] = body.client_index
                 except Exception as exc:  # noqa: BLE001 -- the API server validated it; still, fail it alone
                     logger.warning("request %s refused by the core: %s", body.request_id, exc)
@@ -199,13 +230,22 @@ def _busy_loop(core, inp, outs: list, codec: MessageCodec) -> int:
         _send_step(core, step, failures, owners, outs, codec)
 
 
-def _send_step(core, step: EngineCoreOutputs, failures: list[list[RequestFailure]], owners: dict[str, int],
-               outs: list, codec: MessageCodec) -> None:
+def _send_step(
+    core,
+    step: EngineCoreOutputs,
+    failures: list[list[RequestFailure]],
+    owners: dict[str, int],
+    outs: list,
+    codec: MessageCodec,
+) -> None:
     """Route one step's deltas to the API server that owns each request; every server gets the stats."""
     stats = core.get_stats()
     if len(outs) == 1:
-        per_client = [EngineCoreOutputs(step.deltas, step.failures + failures[0], step.first_scheduled, stats,
-                                        step.num_step_failures)]
+        per_client = [
+            EngineCoreOutputs(
+                step.deltas, step.failures + failures[0], step.first_scheduled, stats, step.num_step_failures
+            )
+        ]
     else:
         per_client = [EngineCoreOutputs([], failures[i], [], stats, step.num_step_failures) for i in range(len(outs))]
         for delta in step.deltas:

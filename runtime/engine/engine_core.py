@@ -11,6 +11,7 @@ Failure semantics (engine/errors.py): a request the core cannot serve is refused
 blocks freed, a RequestFailure reported); a step failure no request explains fails the requests in that
 step with a retryable error (`_fail_step`); a dead tensor-parallel worker or `max_consecutive_step_failures`
 failed steps in a row make the core dead (`dead_error`, raised by every later call)."""
+
 from __future__ import annotations
 
 import logging
@@ -21,13 +22,18 @@ from kvserve.runtime.config import EngineConfig
 from kvserve.runtime.core.kv_cache_manager import KVCacheManager
 from kvserve.runtime.core.scheduler import Scheduler
 from kvserve.runtime.engine.core_messages import EngineCoreOutputs, RequestFailure, SampleDelta
-from kvserve.runtime.errors import STEP_FAILED, EngineDeadError, RequestError, request_failed
+from kvserve.runtime.errors import (
+    STEP_FAILED,
+    EngineDeadError,
+    InvalidParameter,
+    RequestError,
+    WorkerDiedError,
+    request_failed,
+)
+from kvserve.runtime.executor import kv_sizing
 from kvserve.runtime.outputs import EngineStats
-from kvserve.runtime.errors import WorkerDiedError
 from kvserve.runtime.request import Request, RequestStatus
 from kvserve.runtime.sampling_params import RequestLimits, SamplingParams, verify_request
-from kvserve.runtime.errors import InvalidParameter
-from kvserve.runtime.executor import kv_sizing
 
 logger = logging.getLogger("kvserve.engine")
 
@@ -49,17 +55,27 @@ class EngineCore:
         else:
             self.runner = ModelRunner(config)
         self.config = replace(config, cache=replace(config.cache, num_blocks=self.runner.num_blocks))
-        self.kv_cache_manager = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
-                                               config.cache.enable_prefix_caching,
-                                               num_host_blocks=self.runner.num_host_blocks,
-                                               group_windows=kv_sizing.layout(config).group_windows)
+        self.kv_cache_manager = KVCacheManager(
+            self.runner.num_blocks,
+            config.cache.block_size,
+            config.cache.enable_prefix_caching,
+            num_host_blocks=self.runner.num_host_blocks,
+            group_windows=kv_sizing.layout(config).group_windows,
+        )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
         self.eos_token_ids = frozenset(config.model.eos_token_ids)
-        vocab = config.model.vocab_size if tokenizer_vocab_size is None else min(config.model.vocab_size,
-                                                                                 tokenizer_vocab_size)
+        vocab = (
+            config.model.vocab_size
+            if tokenizer_vocab_size is None
+            else min(config.model.vocab_size, tokenizer_vocab_size)
+        )
         self.limits = RequestLimits(
-            vocab_size=vocab, max_model_len=config.model.max_model_len, max_num_seqs=config.scheduler.max_num_seqs,
-            block_size=config.cache.block_size, num_usable_blocks=self.runner.num_blocks - 1)
+            vocab_size=vocab,
+            max_model_len=config.model.max_model_len,
+            max_num_seqs=config.scheduler.max_num_seqs,
+            block_size=config.cache.block_size,
+            num_usable_blocks=self.runner.num_blocks - 1,
+        )
         self._requests: dict[str, _CoreRequest] = {}  # unfinished requests
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -70,12 +86,19 @@ class EngineCore:
     # -- requests -------------------------------------------------------------------------------------------
     def verify(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):
-            raise InvalidParameter("sampling_params", f"sampling_params must be a SamplingParams, "
-                                                      f"got {type(params).__name__}")
+            raise InvalidParameter(
+                "sampling_params", f"sampling_params must be a SamplingParams, got {type(params).__name__}"
+            )
         verify_request(prompt_token_ids, params, self.limits)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float, count_prompt_tokens: bool = True) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float,
+        count_prompt_tokens: bool = True,
+    ) -> None:
         """Queue one sequence. params must have n=1 (the front fans n > 1 out into child requests) and carry
         its compiled grammar if it has a structured-output spec (the front compiles). count_prompt_tokens:
         whether prompt_tokens counts this request's prompt (False for the 2nd.. child of an n > 1 request)."""
@@ -85,8 +108,11 @@ class EngineCore:
             raise InvalidParameter("request_id", f"request id {request_id!r} is already in use")
         self.verify(prompt_token_ids, params)
         if params.n != 1:
-            raise InvalidParameter("n", f"the engine core runs one sequence per request, got n={params.n} "
-                                        "(the front fans n > 1 out: engine/parent_request.py)")
+            raise InvalidParameter(
+                "n",
+                f"the engine core runs one sequence per request, got n={params.n} "
+                "(the front fans n > 1 out: engine/parent_request.py)",
+            )
         self._requests[request_id] = _CoreRequest(len(prompt_token_ids) if count_prompt_tokens else 0)
         self.scheduler.add_request(Request(request_id, prompt_token_ids, params, self.eos_token_ids, arrival_time))
 
@@ -158,8 +184,9 @@ class EngineCore:
                 self.prompt_tokens += entry.num_prompt_tokens
                 entry.num_prompt_tokens = 0
             self.generation_tokens += len(out.new_token_ids)
-            deltas.append(SampleDelta(out.req_id, out.new_token_ids, out.new_logprobs, out.finish_reason,
-                                      out.stop_reason))
+            deltas.append(
+                SampleDelta(out.req_id, out.new_token_ids, out.new_logprobs, out.finish_reason, out.stop_reason)
+            )
             if out.finish_reason is not None:
                 del requests[out.req_id]
         failures = [self.fail_request(rid, error) for rid, error in failed.items() if rid in requests]
@@ -185,7 +212,8 @@ class EngineCore:
         if self.num_consecutive_step_failures >= limit:
             self.dead_error = EngineDeadError(
                 f"the engine is dead after {self.num_consecutive_step_failures} consecutive failed steps "
-                f"(max_consecutive_step_failures={limit}); retry on another replica")
+                f"(max_consecutive_step_failures={limit}); retry on another replica"
+            )
             logger.error("%s", self.dead_error)
             raise self.dead_error
         return EngineCoreOutputs([], failures, [], None, self.num_step_failures)
@@ -193,11 +221,20 @@ class EngineCore:
     def get_stats(self) -> EngineStats:
         kv = self.kv_cache_manager
         return EngineStats(
-            num_requests_running=self.scheduler.num_running, num_requests_waiting=self.scheduler.num_waiting,
-            kv_cache_usage=kv.usage, num_free_blocks=kv.num_free_blocks, num_total_blocks=kv.pool.num_blocks - 1,
-            prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens,
-            num_preemptions=self.scheduler.num_preemptions, prefix_cache_queries=kv.prefix_cache_queries,
-            prefix_cache_hits=kv.prefix_cache_hits, num_swap_outs=self.scheduler.num_swap_outs,
-            num_swap_ins=self.scheduler.num_swap_ins, num_swapped_out_blocks=kv.num_swapped_out_blocks,
-            num_swapped_in_blocks=kv.num_swapped_in_blocks, num_free_host_blocks=kv.num_free_host_blocks,
-            num_total_host_blocks=kv.num_host_blocks)
+            num_requests_running=self.scheduler.num_running,
+            num_requests_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=kv.usage,
+            num_free_blocks=kv.num_free_blocks,
+            num_total_blocks=kv.pool.num_blocks - 1,
+            prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens,
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_swap_outs=self.scheduler.num_swap_outs,
+            num_swap_ins=self.scheduler.num_swap_ins,
+            num_swapped_out_blocks=kv.num_swapped_out_blocks,
+            num_swapped_in_blocks=kv.num_swapped_in_blocks,
+            num_free_host_blocks=kv.num_free_host_blocks,
+            num_total_host_blocks=kv.num_host_blocks,
+        )

@@ -1,14 +1,15 @@
 """Offline batch API mirroring vLLM's: `LLM(model=DIR, ...).generate(prompts, sampling_params)`."""
+
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
 
-from kvserve.runtime.engine.llm_engine import LLMEngine
 from kvserve.runtime.engine.client import PromptInput
+from kvserve.runtime.engine.llm_engine import LLMEngine
+from kvserve.runtime.errors import InvalidParameter
 from kvserve.runtime.outputs import RequestOutput
 from kvserve.runtime.sampling_params import SamplingParams
-from kvserve.runtime.errors import InvalidParameter
 
 
 class LLM:
@@ -33,17 +34,19 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts: PromptInput | Sequence[PromptInput],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         """Generate for every prompt; returns one RequestOutput per prompt, in input order. All prompts and
         their sampling params are validated before any work starts, so a bad one raises InvalidParameter
         (naming the field and the prompt's index, `prompts[i]: ...`) without leaving half a batch behind.
         A request that fails inside the engine (a server-side error specific to it) fails alone: its
         RequestOutput has finish_reason "error" and `error` set, the other prompts complete normally.
         A dead engine raises (EngineDeadError, or WorkerDiedError naming the rank)."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                                 and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
@@ -53,8 +56,9 @@ class LLM:
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
-                raise InvalidParameter("sampling_params", f"got {len(params_list)} sampling_params for "
-                                                          f"{len(prompts)} prompts")
+                raise InvalidParameter(
+                    "sampling_params", f"got {len(params_list)} sampling_params for {len(prompts)} prompts"
+                )
         tokenized = []
         compiled: dict[int, SamplingParams] = {}  # one compile per distinct params object
         for i, (prompt, params) in enumerate(zip(prompts, params_list)):

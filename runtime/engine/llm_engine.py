@@ -10,6 +10,7 @@ Failure semantics (engine/errors.py, enforced by EngineCore): a request the engi
 `add_request` (InvalidParameter); a request that fails inside a step fails alone (an output with `error`
 set); a step failure fails the requests in that step (retryable); a dead tensor-parallel worker or too many
 failed steps in a row make the engine dead (`dead_error`, raised by every later call)."""
+
 from __future__ import annotations
 
 import logging
@@ -19,10 +20,10 @@ from kvserve.runtime.config import EngineConfig, make_engine_config
 from kvserve.runtime.engine.client import PromptInput
 from kvserve.runtime.engine.engine_core import EngineCore
 from kvserve.runtime.engine.request_tracker import RequestTracker
-from kvserve.runtime.outputs import EngineStats, RequestOutput
-from kvserve.runtime.tokenizer import load_tokenizer
-from kvserve.runtime.sampling_params import SamplingParams, is_valid_text
 from kvserve.runtime.errors import InvalidParameter
+from kvserve.runtime.outputs import EngineStats, RequestOutput
+from kvserve.runtime.sampling_params import SamplingParams, is_valid_text
+from kvserve.runtime.tokenizer import load_tokenizer
 
 logger = logging.getLogger("kvserve.engine")
 
@@ -37,10 +38,19 @@ class LLMEngine:
         self.tracker = RequestTracker(self.tokenizer)
         self._grammar_compiler = None
         m, c = self.config.model, self.config.cache
-        logger.info("engine ready: %s, max_model_len=%d, %d KV blocks x %d tokens (%.1f MiB), prefix caching %s, "
-                    "chunked prefill %s, attention=%s, device=%s", m.architecture, m.max_model_len, c.num_blocks - 1,
-                    c.block_size, self.runner.kv_cache_bytes / 2**20, c.enable_prefix_caching,
-                    self.config.scheduler.enable_chunked_prefill, self.config.attention_backend, self.config.device)
+        logger.info(
+            "engine ready: %s, max_model_len=%d, %d KV blocks x %d tokens (%.1f MiB), prefix caching %s, "
+            "chunked prefill %s, attention=%s, device=%s",
+            m.architecture,
+            m.max_model_len,
+            c.num_blocks - 1,
+            c.block_size,
+            self.runner.kv_cache_bytes / 2**20,
+            c.enable_prefix_caching,
+            self.config.scheduler.enable_chunked_prefill,
+            self.config.attention_backend,
+            self.config.device,
+        )
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "LLMEngine":
@@ -85,8 +95,9 @@ class LLMEngine:
             return prompt, list(self.tokenizer(prompt).input_ids)
         if isinstance(prompt, (list, tuple)):
             return None, list(prompt)
-        raise InvalidParameter("prompt", f"prompt must be a string, a list of token ids or a dict, "
-                                         f"got {type(prompt).__name__}")
+        raise InvalidParameter(
+            "prompt", f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}"
+        )
 
     def verify(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidParameter (naming the field) if this engine can never serve the request."""
@@ -110,22 +121,29 @@ class LLMEngine:
 
         return replace(params, compiled_constraint=self.grammar_compiler.compile(params.structured_outputs))
 
-    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptInput,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
         text, token_ids, params, arrival = self.admit(request_id, prompt, params, arrival_time)
         self.core.verify(token_ids, params)  # the request as a whole (n included), before any child is queued
         parent = self.tracker.add(request_id, text, token_ids, params, arrival)
         try:
             for child in parent.children:  # back to back: the later ones hit the first one's prompt blocks
-                self.core.add_request(child.request_id, token_ids, child.params, arrival,
-                                      count_prompt_tokens=child.counts_prompt_tokens)
+                self.core.add_request(
+                    child.request_id, token_ids, child.params, arrival, count_prompt_tokens=child.counts_prompt_tokens
+                )
         except BaseException:
             for child_id in self.tracker.forget(request_id):
                 self.core.abort_request(child_id)
             raise
 
-    def admit(self, request_id: str, prompt: PromptInput, params: SamplingParams | None,
-              arrival_time: float | None) -> tuple[str | None, list[int], SamplingParams, float]:
+    def admit(
+        self, request_id: str, prompt: PromptInput, params: SamplingParams | None, arrival_time: float | None
+    ) -> tuple[str | None, list[int], SamplingParams, float]:
         """add_request's front half, shared with CoreClient (the engine core in its own process): refuse when
         dead or on a duplicate id, compile the grammar, tokenise. -> (text, token ids, params, arrival)."""
         if self.dead_error is not None:

@@ -1,5 +1,6 @@
 """Per-request output state: text (incremental detokenisation, runtime/tokenizer.py), stop strings, logprobs,
 and the merge of an n > 1 request's children (engine/parent_request.py) into one output, a choice per child."""
+
 from __future__ import annotations
 
 import time
@@ -30,15 +31,23 @@ class SampleState:
 class RequestState:
     """One user request: samples[i] is choice i, the output of the core's request child_ids[i]."""
 
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-                 child_ids: list[str], arrival_time: float):
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        child_ids: list[str],
+        arrival_time: float,
+    ):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.child_ids = child_ids
-        self.samples = [SampleState(i, logprobs=[] if params.logprobs is not None else None)
-                        for i in range(len(child_ids))]
+        self.samples = [
+            SampleState(i, logprobs=[] if params.logprobs is not None else None) for i in range(len(child_ids))
+        ]
         self.metrics = RequestMetrics(arrival_time)
 
     def unfinished_child_ids(self) -> list[str]:
@@ -53,11 +62,26 @@ class RequestState:
         return True
 
     def to_output(self) -> RequestOutput:
-        outs = [CompletionOutput(s.index, s.text, list(s.token_ids), s.finish_reason, s.stop_reason,
-                                 None if s.logprobs is None else list(s.logprobs),
-                                 s.cumulative_logprob if s.logprobs is not None else None) for s in self.samples]
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, self.finished,
-                             RequestMetrics(**vars(self.metrics)))
+        outs = [
+            CompletionOutput(
+                s.index,
+                s.text,
+                list(s.token_ids),
+                s.finish_reason,
+                s.stop_reason,
+                None if s.logprobs is None else list(s.logprobs),
+                s.cumulative_logprob if s.logprobs is not None else None,
+            )
+            for s in self.samples
+        ]
+        return RequestOutput(
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            outs,
+            self.finished,
+            RequestMetrics(**vars(self.metrics)),
+        )
 
 
 class OutputProcessor:
@@ -92,7 +116,7 @@ class OutputProcessor:
         else:
             # Hold back what might still turn into a stop string, and an incomplete UTF-8 tail.
             hold = max((len(s) for s in params.stop_strings), default=1) - 1
-            visible = full_text[:len(full_text) - hold] if hold else full_text
+            visible = full_text[: len(full_text) - hold] if hold else full_text
             visible = visible.rstrip("\ufffd")
             if len(visible) > len(sample.text) and visible.startswith(sample.text):
                 sample.text = visible

@@ -26,6 +26,7 @@ mid-prefill, hit the blocks cached so far and compute the next chunk itself.
 Abort and failure are per user request: aborting the parent aborts every child still running; a child the
 core fails (its sampling failed, a failed step) fails the parent, and the front aborts the other children.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -54,9 +55,10 @@ class ParentRequest:
     def __init__(self, request_id: str, params: SamplingParams):
         self.request_id = request_id
         self.params = params
-        self.children = [ChildRequest(child_request_id(request_id, i), i,
-                                      params.for_sample(i) if params.n > 1 else params, i == 0)
-                         for i in range(params.n)]
+        self.children = [
+            ChildRequest(child_request_id(request_id, i), i, params.for_sample(i) if params.n > 1 else params, i == 0)
+            for i in range(params.n)
+        ]
 
     @property
     def child_ids(self) -> list[str]:

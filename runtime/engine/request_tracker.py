@@ -10,6 +10,7 @@ them as stopped) and core requests to abort (the children of a request that fail
 Across a process boundary the core may have run one more step for such a request meanwhile; deltas for
 children or requests the front already finished are dropped here.
 """
+
 from __future__ import annotations
 
 import logging
@@ -17,9 +18,9 @@ import time
 from dataclasses import dataclass, field
 
 from kvserve.runtime.engine.core_messages import EngineCoreOutputs
-from kvserve.runtime.errors import RequestError, request_failed
 from kvserve.runtime.engine.output_processor import OutputProcessor, RequestState
 from kvserve.runtime.engine.parent_request import ParentRequest
+from kvserve.runtime.errors import RequestError, request_failed
 from kvserve.runtime.outputs import RequestOutput
 from kvserve.runtime.sampling_params import SamplingParams
 
@@ -39,8 +40,14 @@ class RequestTracker:
         self.states: dict[str, RequestState] = {}  # user request id -> its state
         self._children: dict[str, tuple[RequestState, int]] = {}  # core request id -> (its parent, index)
 
-    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-            arrival_time: float) -> ParentRequest:
+    def add(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float,
+    ) -> ParentRequest:
         """Track a request; returns its fan-out: the child requests to add to the core, in this order."""
         parent = ParentRequest(request_id, params)
         state = RequestState(request_id, prompt, prompt_token_ids, params, parent.child_ids, arrival_time)

@@ -5,6 +5,7 @@ Rows live in numpy (scalar writes cost ~0.1 us there, ~2 us on a torch tensor); 
 one fancy index. Rows are kept while a request is preempted (its table is reset when it comes back) and
 freed when it finishes; the array grows by doubling, so a long queue of preempted requests only costs memory.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -25,13 +26,15 @@ class BlockTables:
         if row is not None and not diff.reset and not diff.replaced:  # a decode step: unchanged or appended
             if diff.appended:
                 n, k = int(self.num_blocks[row]), len(diff.appended)
-                self.table[row, n:n + k] = diff.appended
+                self.table[row, n : n + k] = diff.appended
                 self.num_blocks[row] = n + k
             return row
         if row is None:
             if not diff.reset:
-                raise RuntimeError(f"block table diff for {req_id!r}, whose table this runner does not hold "
-                                   f"(scheduler and runner out of step)")
+                raise RuntimeError(
+                    f"block table diff for {req_id!r}, whose table this runner does not hold "
+                    f"(scheduler and runner out of step)"
+                )
             row = self._new_row(req_id)
         n = int(self.num_blocks[row])
         if diff.reset:
@@ -45,7 +48,7 @@ class BlockTables:
         for index, block_id in diff.replaced:
             table[index] = block_id
         k = len(diff.appended)
-        table[n:n + k] = diff.appended
+        table[n : n + k] = diff.appended
         self.num_blocks[row] = n + k
         return row
 
@@ -53,13 +56,13 @@ class BlockTables:
         row = self.row_of.pop(req_id, None)
         if row is None:
             return
-        self.table[row, :int(self.num_blocks[row])] = 0
+        self.table[row, : int(self.num_blocks[row])] = 0
         self.num_blocks[row] = 0
         self._free_rows.append(row)
 
     def block_ids(self, req_id: str) -> list[int]:
         row = self.row_of[req_id]
-        return self.table[row, :int(self.num_blocks[row])].tolist()
+        return self.table[row, : int(self.num_blocks[row])].tolist()
 
     def _new_row(self, req_id: str) -> int:
         if not self._free_rows:

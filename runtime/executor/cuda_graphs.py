@@ -28,11 +28,13 @@ the profiled prefill step's max_num_batched_tokens. The capture logs what it add
 Logits are computed eagerly from the graph's hidden states (only the rows that sample), so sampling,
 logprobs, structured outputs and penalties are unchanged.
 
-Tests on CPU: with `cuda_graph_settings.EMULATE_ON_CPU = True` (tests only) "capture" records the forward and "replay" re-runs
+Tests on CPU: with `cuda_graph_settings.EMULATE_ON_CPU = True` (tests only) "capture" records the forward and "replay"
+re-runs
 it on the same static buffers with the metadata frozen at capture, which checks everything above but the
 CUDA graph object itself (padding, static buffers, fixed split counts, dropped rows) under the Triton
 interpreter. The CUDA path is exercised by runtime/bench/gpu_serving.py on a GPU.
 """
+
 from __future__ import annotations
 
 import logging
@@ -59,8 +61,15 @@ class _EmulatedGraph:
 
 
 class DecodeGraphs:
-    def __init__(self, model, kv_caches, device: torch.device, capture_sizes: tuple[int, ...],
-                 max_model_len: int, max_blocks_per_seq: int):
+    def __init__(
+        self,
+        model,
+        kv_caches,
+        device: torch.device,
+        capture_sizes: tuple[int, ...],
+        max_model_len: int,
+        max_blocks_per_seq: int,
+    ):
         self.model, self.kv_caches, self.device = model, kv_caches, device
         self.capture_sizes = tuple(sorted(set(capture_sizes)))
         self.max_size = self.capture_sizes[-1]
@@ -68,7 +77,7 @@ class DecodeGraphs:
         # size_for[n]: the smallest captured size >= n, for every n up to the largest size.
         self._size_for = np.zeros(self.max_size + 1, dtype=np.int64)
         for size in reversed(self.capture_sizes):
-            self._size_for[1:size + 1] = size
+            self._size_for[1 : size + 1] = size
         cuda = device.type == "cuda"
         n, w = self.max_size, max_blocks_per_seq
 
@@ -86,8 +95,10 @@ class DecodeGraphs:
         self.block_tables, self.host_tables = static((n, w), torch.int32, 0), staging((n, w), torch.int32, 0)
         self.cu_seqlens_q = torch.arange(n + 1, dtype=torch.int32, device=device)  # one query per row, always
         # numpy views of the staging buffers: row writes there cost ~nothing next to torch indexing
-        self._np = {name: getattr(self, name).numpy() for name in
-                    ("host_ids", "host_positions", "host_slots", "host_seq_lens", "host_tables")}
+        self._np = {
+            name: getattr(self, name).numpy()
+            for name in ("host_ids", "host_positions", "host_slots", "host_seq_lens", "host_tables")
+        }
         self.graphs: dict[int, tuple[object, torch.Tensor]] = {}  # size -> (graph, its output buffer)
         self.capture_s = 0.0
         self.memory_bytes = 0  # device memory the capture added (its pool and static outputs); 0 on CPU
@@ -96,10 +107,16 @@ class DecodeGraphs:
 
     def metadata(self, size: int) -> AttentionMetadata:
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:size], cu_seqlens_q=self.cu_seqlens_q[:size + 1],
-            seq_lens=self.seq_lens[:size], block_tables=self.block_tables[:size],
-            max_seqlen_q=1, max_seqlen_k=self.max_model_len,
-            query_lens_list=[1] * size, seq_lens_list=[self.max_model_len] * size, has_padding_slots=True)
+            slot_mapping=self.slot_mapping[:size],
+            cu_seqlens_q=self.cu_seqlens_q[: size + 1],
+            seq_lens=self.seq_lens[:size],
+            block_tables=self.block_tables[:size],
+            max_seqlen_q=1,
+            max_seqlen_k=self.max_model_len,
+            query_lens_list=[1] * size,
+            seq_lens_list=[self.max_model_len] * size,
+            has_padding_slots=True,
+        )
 
     def _forward(self, size: int, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, meta)
@@ -131,14 +148,26 @@ class DecodeGraphs:
             torch.cuda.synchronize(self.device)
             self.memory_bytes = torch.cuda.memory_reserved(self.device) - reserved_before
         self.capture_s = time.perf_counter() - start
-        logger.info("captured %d decode CUDA graphs (batch sizes %s..%s) in %.1f s, %.0f MiB of graph memory",
-                    len(self.graphs), self.capture_sizes[0], self.max_size, self.capture_s, self.memory_bytes / 2**20)
+        logger.info(
+            "captured %d decode CUDA graphs (batch sizes %s..%s) in %.1f s, %.0f MiB of graph memory",
+            len(self.graphs),
+            self.capture_sizes[0],
+            self.max_size,
+            self.capture_s,
+            self.memory_bytes / 2**20,
+        )
 
     def can_run(self, num_seqs: int) -> bool:
         return 0 < num_seqs <= self.max_size
 
-    def run(self, input_ids: list[int], positions: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray,
-            table_rows: np.ndarray) -> torch.Tensor:
+    def run(
+        self,
+        input_ids: list[int],
+        positions: np.ndarray,
+        slots: np.ndarray,
+        seq_lens: np.ndarray,
+        table_rows: np.ndarray,
+    ) -> torch.Tensor:
         """One pure-decode step of n = len(input_ids) sequences; returns hidden states [n, hidden] (a view
         of the graph's output, valid until the next replay). table_rows: [n, width] block-table rows."""
         n = len(input_ids)
@@ -150,7 +179,7 @@ class DecodeGraphs:
         h["host_positions"][:n] = positions
         h["host_slots"][:n] = slots
         h["host_seq_lens"][:n] = seq_lens
-        h["host_tables"][:n, :table_rows.shape[1]] = table_rows
+        h["host_tables"][:n, : table_rows.shape[1]] = table_rows
         if size > n:  # rows left by a larger earlier step: back to padding
             h["host_slots"][n:size] = -1
             h["host_seq_lens"][n:size] = 1

@@ -4,6 +4,7 @@
 An explicit budget (`--num-kv-blocks`, `--kv-cache-bytes`: what the operator renders from its plan) is
 turned into blocks with kvserve.runtime.capacity, the same arithmetic the planner used; only a CUDA device
 without a budget profiles (model_runner.py)."""
+
 from __future__ import annotations
 
 import logging
@@ -19,8 +20,13 @@ logger = logging.getLogger("kvserve.runner")
 def budget_source(config: EngineConfig) -> str:
     """The setting that decides the KV budget (named in errors and the startup log)."""
     cache = config.cache
-    return ("num_kv_blocks" if cache.num_kv_blocks is not None else
-            "kv_cache_bytes" if cache.kv_cache_bytes is not None else "gpu_memory_utilization")
+    return (
+        "num_kv_blocks"
+        if cache.num_kv_blocks is not None
+        else "kv_cache_bytes"
+        if cache.kv_cache_bytes is not None
+        else "gpu_memory_utilization"
+    )
 
 
 def layout(config: EngineConfig) -> capacity.KVLayout:
@@ -41,8 +47,9 @@ def check_one_sequence_fits(config: EngineConfig, num_blocks: int) -> None:
     """Fail at startup, not mid-request, when one max_model_len sequence cannot fit -- with the planner's
     own wording (capacity.one_sequence_error)."""
     source = budget_source(config)
-    error = capacity.one_sequence_error(num_blocks, config.model.max_model_len, layout(config), source,
-                                        config.scheduler.max_num_batched_tokens)
+    error = capacity.one_sequence_error(
+        num_blocks, config.model.max_model_len, layout(config), source, config.scheduler.max_num_batched_tokens
+    )
     if error:
         raise PlanRejected(source, error)
 
@@ -62,12 +69,18 @@ class DeviceMemory:
 
 def profiled_num_blocks(config: EngineConfig, memory: DeviceMemory) -> int:
     """No explicit budget: what is left of total * gpu_memory_utilization after the profiled peak."""
-    available = int(memory.total_bytes * config.cache.gpu_memory_utilization) - memory.peak_bytes - \
-        memory.non_torch_bytes
+    available = (
+        int(memory.total_bytes * config.cache.gpu_memory_utilization) - memory.peak_bytes - memory.non_torch_bytes
+    )
     num_blocks = max(0, available // layout(config).bytes_per_block)
-    logger.info("KV sizing: total %.2f GiB x %.2f - peak %.2f GiB - other %.2f GiB -> %d blocks",
-                memory.total_bytes / 2**30, config.cache.gpu_memory_utilization, memory.peak_bytes / 2**30,
-                memory.non_torch_bytes / 2**30, num_blocks)
+    logger.info(
+        "KV sizing: total %.2f GiB x %.2f - peak %.2f GiB - other %.2f GiB -> %d blocks",
+        memory.total_bytes / 2**30,
+        config.cache.gpu_memory_utilization,
+        memory.peak_bytes / 2**30,
+        memory.non_torch_bytes / 2**30,
+        num_blocks,
+    )
     return num_blocks
 
 
@@ -76,9 +89,11 @@ def check_budget_fits_device(config: EngineConfig, memory: DeviceMemory, kv_cach
     needed = memory.peak_bytes + memory.non_torch_bytes + kv_cache_bytes
     if needed <= memory.total_bytes:
         return
-    gib = 2 ** 30
-    raise PlanRejected(budget_source(config),
+    gib = 2**30
+    raise PlanRejected(
+        budget_source(config),
         f"{budget_source(config)}={kv_cache_bytes} does not fit this GPU: weights+activations "
         f"{memory.peak_bytes / gib:.2f} GiB + other {memory.non_torch_bytes / gib:.2f} GiB + KV "
         f"{kv_cache_bytes / gib:.2f} GiB = {needed / gib:.2f} GiB > {memory.total_bytes / gib:.2f} GiB; the plan "
-        f"under-estimated activations: raise engine.activationReserveMiB or lower gpuMemoryUtilization")
+        f"under-estimated activations: raise engine.activationReserveMiB or lower gpuMemoryUtilization",
+    )

@@ -8,6 +8,7 @@ Persistent batch: every request's block table stays in the runner across steps (
 is patched from the scheduler's diffs; positions, slots and lengths are computed with numpy over the step's
 rows, so a decode step's host work is a few vector ops plus one short Python loop over the requests.
 """
+
 from __future__ import annotations
 
 import logging
@@ -18,23 +19,23 @@ import torch
 from kvserve.runtime import capacity
 from kvserve.runtime.config import EngineConfig
 from kvserve.runtime.core.outputs import ModelRunnerOutput, SchedulerOutput
+from kvserve.runtime.executor import kv_groups, kv_sizing
+from kvserve.runtime.executor.block_tables import BlockTables
+from kvserve.runtime.executor.cuda_graphs import DecodeGraphs
 from kvserve.runtime.models.attention import AttentionMetadata
 from kvserve.runtime.models.attention_backends import get_attention_backend
 from kvserve.runtime.models.cpu_linear import pack_linears
 from kvserve.runtime.models.loader import load_model
 from kvserve.runtime.models.parallel_layers import SINGLE, ColumnParallelLinear, ParallelContext, RowParallelLinear
 from kvserve.runtime.sampling import RequestSamplingState, is_plain_greedy, sample
-from kvserve.runtime.executor import kv_groups, kv_sizing
-from kvserve.runtime.executor.block_tables import BlockTables
-from kvserve.runtime.executor.cuda_graphs import DecodeGraphs
 
 logger = logging.getLogger("kvserve.runner")
 
 
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, parallel: ParallelContext | None = None):
-        """parallel: this process's tensor-parallel rank (kvserve.runtime.models.parallel_layers); the model is then this
+        """parallel: this process's tensor-parallel rank (kvserve.runtime.models.parallel_layers); the model is then
+        this
         rank's shard and the KV cache holds only its KV heads -- kv_cache_bytes is a per-rank budget."""
         self.config = config
         self.parallel = parallel or SINGLE
@@ -44,8 +45,9 @@ class ModelRunner:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
         self.attention = get_attention_backend(config.attention_backend)
-        self.model = load_model(config.model, self.attention, config.device, self.parallel,
-                                load_format=config.load_format)
+        self.model = load_model(
+            config.model, self.attention, config.device, self.parallel, load_format=config.load_format
+        )
         if self.device.type == "cpu":  # oneDNN with prepacked weights (models/cpu_linear.py)
             pack_linears(self.model, (ColumnParallelLinear, RowParallelLinear))
         self.num_kv_heads = self.model.shard.num_kv_heads  # on this rank
@@ -56,13 +58,20 @@ class ModelRunner:
         self.host_kv = self._allocate_host_kv_cache(self.num_host_blocks) if self.num_host_blocks else None
         self.states: dict[str, RequestSamplingState] = {}
         self.plain_greedy: set[str] = set()  # requests whose sampling is a bare argmax (sampling.is_plain_greedy)
-        self.block_tables = BlockTables(-(-config.model.max_model_len // self.block_size),
-                                        num_rows=config.scheduler.max_num_seqs)
+        self.block_tables = BlockTables(
+            -(-config.model.max_model_len // self.block_size), num_rows=config.scheduler.max_num_seqs
+        )
         self.group_block_tables: list[BlockTables] = []  # KV cache groups 1.. (kv_groups.py), made on first use
         self.decode_graphs: DecodeGraphs | None = None
         if config.cuda_graph_sizes:  # after the KV cache: the graphs capture its tensors
-            self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.device, config.cuda_graph_sizes,
-                                              config.model.max_model_len, self.block_tables.table.shape[1])
+            self.decode_graphs = DecodeGraphs(
+                self.model,
+                self.kv_caches,
+                self.device,
+                config.cuda_graph_sizes,
+                config.model.max_model_len,
+                self.block_tables.table.shape[1],
+            )
             self.decode_graphs.capture()
 
     # -- KV cache sizing --------------------------------------------------------------------------------
@@ -90,19 +99,24 @@ class ModelRunner:
         num_tokens = min(self.config.scheduler.max_num_batched_tokens, self.config.model.max_model_len)
         dummy_caches = self._allocate_kv_cache(2)
         num_dummy_blocks = -(-num_tokens // self.block_size)
-        meta = self._metadata(np.array([num_tokens]), np.array([num_tokens]),
-                              np.ones((1, num_dummy_blocks), dtype=np.int32),
-                              torch.full((num_tokens,), -1, dtype=torch.long), has_padding=True)
+        meta = self._metadata(
+            np.array([num_tokens]),
+            np.array([num_tokens]),
+            np.ones((1, num_dummy_blocks), dtype=np.int32),
+            torch.full((num_tokens,), -1, dtype=torch.long),
+            has_padding=True,
+        )
         with torch.inference_mode():
             ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
             hidden = self.model(ids, torch.arange(num_tokens, device=self.device), dummy_caches, meta)
-            self.model.compute_logits(hidden[-min(num_tokens, self.config.scheduler.max_num_seqs):])
+            self.model.compute_logits(hidden[-min(num_tokens, self.config.scheduler.max_num_seqs) :])
         torch.cuda.synchronize()
         del dummy_caches
         peak = torch.cuda.max_memory_allocated()
         free, total = torch.cuda.mem_get_info()
-        return kv_sizing.DeviceMemory(total_bytes=total, peak_bytes=peak,
-                                      non_torch_bytes=max(total - free - torch.cuda.memory_reserved(), 0))
+        return kv_sizing.DeviceMemory(
+            total_bytes=total, peak_bytes=peak, non_torch_bytes=max(total - free - torch.cuda.memory_reserved(), 0)
+        )
 
     def _allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         m = self.config.model
@@ -112,8 +126,16 @@ class ModelRunner:
         # hold finite values (masked attention weights are 0, and 0 * NaN would still be NaN).
         # Sliding-window models: one slot per layer of a KV cache group, shared by the groups (kv_groups.py).
         slots = kv_groups.layer_slots(self.model, m.num_layers)
-        kv = torch.zeros(2, max(slots) + 1, max(num_blocks, 1), self.block_size, self.num_kv_heads, m.head_dim,
-                         dtype=dtype, device=self.device)
+        kv = torch.zeros(
+            2,
+            max(slots) + 1,
+            max(num_blocks, 1),
+            self.block_size,
+            self.num_kv_heads,
+            m.head_dim,
+            dtype=dtype,
+            device=self.device,
+        )
         self.kv = kv
         return [(kv[0, slot], kv[1, slot]) for slot in slots]
 
@@ -142,8 +164,9 @@ class ModelRunner:
             for tables in self.group_block_tables:
                 tables.remove(rid)
         for new in sched.new_requests:
-            state = RequestSamplingState(new.sampling_params, new.prompt_token_ids, self.config.model.eos_token_ids,
-                                         self.device, self.generator)
+            state = RequestSamplingState(
+                new.sampling_params, new.prompt_token_ids, self.config.model.eos_token_ids, self.device, self.generator
+            )
             self.states[new.req_id] = state
             if is_plain_greedy(state):
                 self.plain_greedy.add(new.req_id)
@@ -182,13 +205,17 @@ class ModelRunner:
             # (a graph-capable config has one KV cache group: config.py checks it)
             hidden = graphs.run(input_ids, positions, slots, starts_np + 1, tables[rows_np, :width])
         else:
-            meta = self._metadata(qlens_np, starts_np + qlens_np, tables[rows_np, :width],
-                                  torch.from_numpy(slots).to(dev))
+            meta = self._metadata(
+                qlens_np, starts_np + qlens_np, tables[rows_np, :width], torch.from_numpy(slots).to(dev)
+            )
             if sched.scheduled[0].group_block_tables:  # KV cache groups 1..: their own tables and slots
                 meta = kv_groups.group_metadata(self, sched.scheduled, meta, qlens_np, positions)
-            hidden = self.model(torch.tensor(input_ids, dtype=torch.long, device=dev),
-                                torch.from_numpy(positions.astype(np.int64, copy=False)).to(dev), self.kv_caches,
-                                meta)
+            hidden = self.model(
+                torch.tensor(input_ids, dtype=torch.long, device=dev),
+                torch.from_numpy(positions.astype(np.int64, copy=False)).to(dev),
+                self.kv_caches,
+                meta,
+            )
         if not logits_rows:
             return ModelRunnerOutput({})
         # Every row samples in a pure-decode step: no gather needed.
@@ -203,12 +230,20 @@ class ModelRunner:
                 states[rid].output_token_ids.append(token)
             return ModelRunnerOutput(dict(zip(req_ids, tokens)))
         tokens, logprobs, failed = sample(logits, [states[rid] for rid in req_ids])
-        return ModelRunnerOutput({rid: t for rid, t in zip(req_ids, tokens) if t is not None},
-                                 {rid: lp for rid, lp in zip(req_ids, logprobs) if lp is not None},
-                                 failed={req_ids[i]: stage for i, stage in failed.items()})
+        return ModelRunnerOutput(
+            {rid: t for rid, t in zip(req_ids, tokens) if t is not None},
+            {rid: lp for rid, lp in zip(req_ids, logprobs) if lp is not None},
+            failed={req_ids[i]: stage for i, stage in failed.items()},
+        )
 
-    def _metadata(self, query_lens: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray,
-                  slot_mapping: torch.Tensor, has_padding: bool = False) -> AttentionMetadata:
+    def _metadata(
+        self,
+        query_lens: np.ndarray,
+        seq_lens: np.ndarray,
+        block_tables: np.ndarray,
+        slot_mapping: torch.Tensor,
+        has_padding: bool = False,
+    ) -> AttentionMetadata:
         """block_tables: [num_seqs, width] int32, already padded with the null block 0."""
         dev = self.device
         cu = np.zeros(len(query_lens) + 1, dtype=np.int32)
@@ -219,10 +254,13 @@ class ModelRunner:
             cu_seqlens_q=torch.from_numpy(cu).to(dev),
             seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
             block_tables=torch.from_numpy(np.ascontiguousarray(block_tables, dtype=np.int32)).to(dev),
-            max_seqlen_q=max(query_lens_list), max_seqlen_k=max(seq_lens_list),
-            query_lens_list=query_lens_list, seq_lens_list=seq_lens_list, has_padding_slots=has_padding)
+            max_seqlen_q=max(query_lens_list),
+            max_seqlen_k=max(seq_lens_list),
+            query_lens_list=query_lens_list,
+            seq_lens_list=seq_lens_list,
+            has_padding_slots=has_padding,
+        )
 
     @property
     def kv_cache_bytes(self) -> int:
         return self.num_blocks * self.kv_bytes_per_block()
-

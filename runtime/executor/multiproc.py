@@ -21,6 +21,7 @@ them: a KV block on one rank holds only that rank's KV heads, so the same byte b
 blocks than with t=1 (fewer when KV heads are replicated, see sharding.py). All ranks use the minimum block
 count any rank found.
 """
+
 from __future__ import annotations
 
 import logging
@@ -32,14 +33,13 @@ import time
 import weakref
 from multiprocessing.connection import wait
 
+from kvserve.runtime.capacity import tp_shape_error
+from kvserve.runtime.child_process import describe_exit
 from kvserve.runtime.config import EngineConfig
 from kvserve.runtime.core.outputs import ModelRunnerOutput, SchedulerOutput
-from kvserve.runtime.child_process import describe_exit
-from kvserve.runtime.errors import WorkerDiedError
+from kvserve.runtime.errors import InvalidParameter, WorkerDiedError
 from kvserve.runtime.models.registry import split_widths
 from kvserve.runtime.models.sharding import split_widths_error
-from kvserve.runtime.capacity import tp_shape_error
-from kvserve.runtime.errors import InvalidParameter
 
 logger = logging.getLogger("kvserve.parallel")
 
@@ -53,22 +53,29 @@ class MultiprocExecutor:
     """Drop-in for ModelRunner on the engine side: execute(), num_blocks, kv_cache_bytes, num_host_blocks;
     plus check_health() and shutdown()."""
 
-    def __init__(self, config: EngineConfig, startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
-                 step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S):
+    def __init__(
+        self,
+        config: EngineConfig,
+        startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+        step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
+    ):
         import torch
         import torch.multiprocessing as mp
 
         t = config.tensor_parallel_size
         m = config.model
-        error = tp_shape_error(m.num_heads, m.num_kv_heads, m.hf_config.intermediate_size, t) or \
-            split_widths_error(split_widths(m.hf_config), t)
+        error = tp_shape_error(m.num_heads, m.num_kv_heads, m.hf_config.intermediate_size, t) or split_widths_error(
+            split_widths(m.hf_config), t
+        )
         if error:
-            raise InvalidParameter("tensor_parallel_size", f"tensor_parallel_size={t} does not fit {m.model_dir}: "
-                                                           f"{error}")
+            raise InvalidParameter(
+                "tensor_parallel_size", f"tensor_parallel_size={t} does not fit {m.model_dir}: {error}"
+            )
         cuda = config.device.startswith("cuda")
         if cuda and torch.cuda.device_count() < t:
-            raise InvalidParameter("tensor_parallel_size", f"tensor_parallel_size={t} needs {t} GPUs, "
-                                                           f"{torch.cuda.device_count()} visible")
+            raise InvalidParameter(
+                "tensor_parallel_size", f"tensor_parallel_size={t} needs {t} GPUs, {torch.cuda.device_count()} visible"
+            )
         self.config = config
         self.size = t
         self.step_timeout_s = step_timeout_s
@@ -89,25 +96,48 @@ class MultiprocExecutor:
         log_level = logging.getLogger("kvserve").getEffectiveLevel()
         for rank in range(t):
             parent_conn, child_conn = ctx.Pipe(duplex=True)
-            proc = ctx.Process(target=worker_main, name=f"kvserve-tp-rank{rank}", daemon=True,
-                               args=(config, rank, t, backend, init_method, child_conn, os.getpid(), log_level,
-                                     max(step_timeout_s, 60.0)))
+            proc = ctx.Process(
+                target=worker_main,
+                name=f"kvserve-tp-rank{rank}",
+                daemon=True,
+                args=(
+                    config,
+                    rank,
+                    t,
+                    backend,
+                    init_method,
+                    child_conn,
+                    os.getpid(),
+                    log_level,
+                    max(step_timeout_s, 60.0),
+                ),
+            )
             proc.start()
             child_conn.close()
             self.procs.append(proc)
             self.conns.append(parent_conn)
-        logger.info("tensor parallel: started %d %s workers (pids %s), loading shards", t, backend,
-                    ", ".join(str(p.pid) for p in self.procs))
+        logger.info(
+            "tensor parallel: started %d %s workers (pids %s), loading shards",
+            t,
+            backend,
+            ", ".join(str(p.pid) for p in self.procs),
+        )
         started = time.monotonic()
         self.rank_info: list[dict] = self._gather(startup_timeout_s, starting=True)
         info = self.rank_info[0]
         self.num_blocks: int = info["num_blocks"]
         self.kv_cache_bytes: int = info["kv_cache_bytes"]  # per rank
         self.num_host_blocks: int = info.get("num_host_blocks", 0)
-        logger.info("tensor parallel: %d ranks ready in %.1f s; per rank: %s", t, time.monotonic() - started,
-                    "; ".join(f"rank {i['rank']} {i['param_bytes'] / 2**20:.1f} MiB weights, {i['num_heads']} "
-                              f"q heads, KV heads {i['kv_head_ids']}, {i['kv_cache_bytes'] / 2**20:.1f} MiB KV"
-                              for i in self.rank_info))
+        logger.info(
+            "tensor parallel: %d ranks ready in %.1f s; per rank: %s",
+            t,
+            time.monotonic() - started,
+            "; ".join(
+                f"rank {i['rank']} {i['param_bytes'] / 2**20:.1f} MiB weights, {i['num_heads']} "
+                f"q heads, KV heads {i['kv_head_ids']}, {i['kv_cache_bytes'] / 2**20:.1f} MiB KV"
+                for i in self.rank_info
+            ),
+        )
 
     # -- engine-side API ----------------------------------------------------------------------------------
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -123,8 +153,9 @@ class MultiprocExecutor:
             raise self.dead
         for rank, proc in enumerate(self.procs):
             if not proc.is_alive():
-                raise self._fail(rank, f"tensor-parallel worker rank {rank} (pid {proc.pid}) died "
-                                       f"({describe_exit(proc.exitcode)})")
+                raise self._fail(
+                    rank, f"tensor-parallel worker rank {rank} (pid {proc.pid}) died ({describe_exit(proc.exitcode)})"
+                )
 
     def shutdown(self) -> None:
         """Stop every worker (idempotent); the executor is unusable afterwards."""
@@ -144,10 +175,13 @@ class MultiprocExecutor:
         for rank, conn in enumerate(self.conns):
             try:
                 conn.send_bytes(data)
-            except OSError:  # broken pipe: the worker is gone
+            except OSError as exc:  # broken pipe: the worker is gone
                 self.procs[rank].join(1.0)
-                raise self._fail(rank, f"tensor-parallel worker rank {rank} (pid {self.procs[rank].pid}) is not "
-                                       f"reachable ({describe_exit(self.procs[rank].exitcode)})")
+                raise self._fail(
+                    rank,
+                    f"tensor-parallel worker rank {rank} (pid {self.procs[rank].pid}) is not "
+                    f"reachable ({describe_exit(self.procs[rank].exitcode)})",
+                ) from exc
         return self._gather(self.step_timeout_s)
 
     def _gather(self, timeout_s: float, starting: bool = False) -> list:
@@ -160,8 +194,11 @@ class MultiprocExecutor:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 late = sorted(pending.values())
-                raise self._fail(late[0], f"tensor-parallel worker rank(s) {late} did not answer within "
-                                          f"{timeout_s:.0f} s (pids {[self.procs[r].pid for r in late]})")
+                raise self._fail(
+                    late[0],
+                    f"tensor-parallel worker rank(s) {late} did not answer within "
+                    f"{timeout_s:.0f} s (pids {[self.procs[r].pid for r in late]})",
+                )
             ready = wait(list(pending) + list(sentinels), timeout=remaining)
             # Read pipes before looking at exits: a worker that failed sent its error before exiting.
             for obj in sorted(ready, key=lambda o: not hasattr(o, "recv_bytes")):
@@ -172,8 +209,11 @@ class MultiprocExecutor:
                     except (EOFError, OSError):
                         self.procs[rank].join(1.0)
                         self._raise_if_main_guard_exit(rank, starting)
-                        raise self._fail(rank, f"tensor-parallel worker rank {rank} (pid {self.procs[rank].pid}) "
-                                               f"died ({describe_exit(self.procs[rank].exitcode)})") from None
+                        raise self._fail(
+                            rank,
+                            f"tensor-parallel worker rank {rank} (pid {self.procs[rank].pid}) "
+                            f"died ({describe_exit(self.procs[rank].exitcode)})",
+                        ) from None
                     if reply[0] == "error":
                         _, summary, tb, param, message = reply
                         where = "while starting" if starting else "during a step"
@@ -184,9 +224,12 @@ class MultiprocExecutor:
                         killed = self._killed_peer(rank)
                         if killed is not None:  # rank's error is the symptom (a collective lost its peer)
                             proc = self.procs[killed]
-                            raise self._fail(killed, f"tensor-parallel worker rank {killed} (pid {proc.pid}) died "
-                                                     f"({describe_exit(proc.exitcode)}); rank {rank} then failed: "
-                                                     f"{summary.splitlines()[0][:200]}")
+                            raise self._fail(
+                                killed,
+                                f"tensor-parallel worker rank {killed} (pid {proc.pid}) died "
+                                f"({describe_exit(proc.exitcode)}); rank {rank} then failed: "
+                                f"{summary.splitlines()[0][:200]}",
+                            )
                         raise self._fail(rank, f"tensor-parallel worker rank {rank} failed {where}: {summary}")
                     replies[rank] = reply[1]
                     del pending[obj]
@@ -197,12 +240,14 @@ class MultiprocExecutor:
                     proc = self.procs[rank]
                     proc.join(1.0)
                     self._raise_if_main_guard_exit(rank, starting)
-                    raise self._fail(rank, f"tensor-parallel worker rank {rank} (pid {proc.pid}) died "
-                                           f"({describe_exit(proc.exitcode)})")
+                    raise self._fail(
+                        rank,
+                        f"tensor-parallel worker rank {rank} (pid {proc.pid}) died ({describe_exit(proc.exitcode)})",
+                    )
         return [replies[r] for r in range(len(self.conns))]
 
     def _raise_if_main_guard_exit(self, rank: int, starting: bool) -> None:
-        from kvserve.runtime.child_process import MainGuardError, MAIN_GUARD_EXIT_CODE
+        from kvserve.runtime.child_process import MAIN_GUARD_EXIT_CODE, MainGuardError
 
         if starting and self.procs[rank].exitcode == MAIN_GUARD_EXIT_CODE:
             self._finalizer()
@@ -223,8 +268,9 @@ class MultiprocExecutor:
     def _fail(self, rank: int, message: str) -> WorkerDiedError:
         """Record the fatal error, stop every worker, and return the error for the caller to raise."""
         if self.dead is None:
-            self.dead = WorkerDiedError(message + "; the engine is stopped (all tensor-parallel workers were shut "
-                                                  "down)", rank)
+            self.dead = WorkerDiedError(
+                message + "; the engine is stopped (all tensor-parallel workers were shut down)", rank
+            )
             logger.error("%s", self.dead)
         self._finalizer()
         return self.dead

@@ -7,6 +7,7 @@ None), or `("error", summary, traceback, param, message)` once, after which the 
 exits by itself when the engine process goes away (EOF on the pipe, or its parent pid changes while it is
 blocked in a collective), so a killed engine leaves no orphans.
 """
+
 from __future__ import annotations
 
 import logging
@@ -28,6 +29,7 @@ def _watch_parent(parent_pid: int, interval_s: float = 1.0) -> None:
             time.sleep(interval_s)
             if os.getppid() != parent_pid:  # reparented: the engine process is gone
                 os._exit(3)
+
     threading.Thread(target=watch, name="kvserve-parent-watch", daemon=True).start()
 
 
@@ -37,11 +39,20 @@ def rank_info(runner) -> dict:
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     kv = {t.data_ptr(): t for pair in runner.kv_caches for t in pair}  # views of one tensor; count each once
     kv_tensor_bytes = sum(t.numel() * t.element_size() for t in kv.values())
-    return dict(pid=os.getpid(), rank=model.parallel.rank, param_bytes=param_bytes, kv_tensor_bytes=kv_tensor_bytes,
-                kv_cache_bytes=runner.kv_cache_bytes, num_blocks=runner.num_blocks,
-                num_kv_heads=model.shard.num_kv_heads, kv_head_ids=list(model.shard.kv_head_ids),
-                num_heads=model.shard.num_heads, num_host_blocks=getattr(runner, "num_host_blocks", 0),
-                max_rss_bytes=_max_rss_bytes(), cuda_allocated_bytes=_cuda_allocated_bytes(runner))
+    return dict(
+        pid=os.getpid(),
+        rank=model.parallel.rank,
+        param_bytes=param_bytes,
+        kv_tensor_bytes=kv_tensor_bytes,
+        kv_cache_bytes=runner.kv_cache_bytes,
+        num_blocks=runner.num_blocks,
+        num_kv_heads=model.shard.num_kv_heads,
+        kv_head_ids=list(model.shard.kv_head_ids),
+        num_heads=model.shard.num_heads,
+        num_host_blocks=getattr(runner, "num_host_blocks", 0),
+        max_rss_bytes=_max_rss_bytes(),
+        cuda_allocated_bytes=_cuda_allocated_bytes(runner),
+    )
 
 
 def _max_rss_bytes() -> int:
@@ -56,8 +67,17 @@ def _cuda_allocated_bytes(runner) -> int:
     return torch.cuda.memory_allocated(runner.device) if runner.device.type == "cuda" else 0
 
 
-def worker_main(config, rank: int, size: int, backend: str, init_method: str, conn, parent_pid: int,
-                log_level: int, collective_timeout_s: float) -> None:
+def worker_main(
+    config,
+    rank: int,
+    size: int,
+    backend: str,
+    init_method: str,
+    conn,
+    parent_pid: int,
+    log_level: int,
+    collective_timeout_s: float,
+) -> None:
     _watch_parent(parent_pid)
     # Ctrl-C reaches the whole foreground process group: the engine decides when workers stop (a server
     # drains first), so a worker must not die of the SIGINT meant for it.
@@ -67,8 +87,8 @@ def worker_main(config, rank: int, size: int, backend: str, init_method: str, co
         import torch
         import torch.distributed as dist
 
-        from kvserve.runtime.models.parallel_layers import ParallelContext
         from kvserve.runtime.executor.model_runner import ModelRunner
+        from kvserve.runtime.models.parallel_layers import ParallelContext
 
         if config.device.startswith("cuda"):
             torch.cuda.set_device(rank)
@@ -76,8 +96,13 @@ def worker_main(config, rank: int, size: int, backend: str, init_method: str, co
         else:
             # The ranks share the host's cores: one rank per core slice instead of t ranks fighting over all.
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
-                                timeout=timedelta(seconds=collective_timeout_s))
+        dist.init_process_group(
+            backend,
+            init_method=init_method,
+            rank=rank,
+            world_size=size,
+            timeout=timedelta(seconds=collective_timeout_s),
+        )
         runner = ModelRunner(config, parallel=ParallelContext(rank, size))
         conn.send_bytes(pickle.dumps(("ok", rank_info(runner)), pickle.HIGHEST_PROTOCOL))
         while True:
@@ -97,8 +122,17 @@ def worker_main(config, rank: int, size: int, backend: str, init_method: str, co
     except BaseException as exc:  # noqa: BLE001 -- report anything, then die: the group is out of step
         logger.error("tensor-parallel rank %d failed: %r", rank, exc)
         try:
-            conn.send_bytes(pickle.dumps(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc(),
-                                          getattr(exc, "param", None), str(exc))))
+            conn.send_bytes(
+                pickle.dumps(
+                    (
+                        "error",
+                        f"{type(exc).__name__}: {exc}",
+                        traceback.format_exc(),
+                        getattr(exc, "param", None),
+                        str(exc),
+                    )
+                )
+            )
             conn.close()
         except Exception:  # noqa: BLE001
             pass

@@ -12,6 +12,7 @@ blocks wholly before the window, so their block-table entries may be the null bl
 them, see core/kv_cache_manager.py). `softcap` > 0 applies `softcap * tanh(scores / softcap)` to the scaled
 scores before masking (Gemma 2).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -42,8 +43,9 @@ class TorchAttentionBackend:
     name = "torch"
     decode_group_size = 8
 
-    def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 meta: AttentionMetadata) -> None:
+    def store_kv(
+        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> None:
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         slots = meta.slot_mapping
         if meta.has_padding_slots:
@@ -55,9 +57,18 @@ class TorchAttentionBackend:
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, sliding_window: int = 0,
-                softcap: float = 0.0) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int = 0,
+        softcap: float = 0.0,
+    ) -> torch.Tensor:
         self.store_kv(k, v, k_cache, v_cache, meta)
         out = torch.empty_like(q)
         decode_rows = [s for s, n in enumerate(meta.query_lens_list) if n == 1]
@@ -66,29 +77,53 @@ class TorchAttentionBackend:
             # cache-resident (measured ~3x faster than one padded batch of 32 on a 2-core EPYC).
             decode_rows.sort(key=lambda s: meta.seq_lens_list[s])
             for i in range(0, len(decode_rows), self.decode_group_size):
-                self._decode_batch(q, k_cache, v_cache, meta, scale, decode_rows[i:i + self.decode_group_size], out,
-                                   sliding_window, softcap)
+                self._decode_batch(
+                    q,
+                    k_cache,
+                    v_cache,
+                    meta,
+                    scale,
+                    decode_rows[i : i + self.decode_group_size],
+                    out,
+                    sliding_window,
+                    softcap,
+                )
             decode_set = set(decode_rows)
         else:
             decode_set = set()
         start = 0
         for s, (q_len, ctx_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
             if s not in decode_set:
-                out[start:start + q_len] = self._one_sequence(q[start:start + q_len], k_cache, v_cache,
-                                                              meta.block_tables[s], ctx_len, scale, sliding_window,
-                                                              softcap)
+                out[start : start + q_len] = self._one_sequence(
+                    q[start : start + q_len],
+                    k_cache,
+                    v_cache,
+                    meta.block_tables[s],
+                    ctx_len,
+                    scale,
+                    sliding_window,
+                    softcap,
+                )
             start += q_len
         return out
 
-    def _one_sequence(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      block_table: torch.Tensor, ctx_len: int, scale: float, sliding_window: int = 0,
-                      softcap: float = 0.0) -> torch.Tensor:
+    def _one_sequence(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        ctx_len: int,
+        scale: float,
+        sliding_window: int = 0,
+        softcap: float = 0.0,
+    ) -> torch.Tensor:
         q_len, block_size = q.shape[0], k_cache.shape[1]
         # With a window, blocks wholly before the first query's window are never read (they may be null).
         first_key = max(0, ctx_len - q_len - sliding_window + 1) if sliding_window else 0
         first_block = first_key // block_size
         key_start = first_block * block_size
-        ids = block_table[first_block:-(-ctx_len // block_size)]
+        ids = block_table[first_block : -(-ctx_len // block_size)]
         num_keys = ctx_len - key_start
         # [ctx, kv_heads, head_dim] -> [1, kv_heads, ctx, head_dim]
         keys = k_cache.index_select(0, ids).flatten(0, 1)[:num_keys].to(q.dtype).transpose(0, 1).unsqueeze(0)
@@ -112,9 +147,18 @@ class TorchAttentionBackend:
                 o = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
         return o.squeeze(0).transpose(0, 1)
 
-    def _decode_batch(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      meta: AttentionMetadata, scale: float, rows: list[int], out: torch.Tensor,
-                      sliding_window: int = 0, softcap: float = 0.0) -> None:
+    def _decode_batch(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        rows: list[int],
+        out: torch.Tensor,
+        sliding_window: int = 0,
+        softcap: float = 0.0,
+    ) -> None:
         """All single-token queries of the step in one SDPA call, padded to the longest context (the
         longest window with a sliding window). The query heads sharing a KV head ride as extra query rows
         ([B, kv_heads, group, d]), so each K/V element is read once per KV head rather than once per
@@ -130,7 +174,8 @@ class TorchAttentionBackend:
         dev = q.device
         first_t = torch.tensor(first, device=dev)
         cols = (first_t[:, None] + torch.arange(num_blocks, device=dev)[None, :]).clamp_(
-            max=meta.block_tables.shape[1] - 1)
+            max=meta.block_tables.shape[1] - 1
+        )
         ids = meta.block_tables[rows].gather(1, cols).flatten()
         # index_select on the block dim: one contiguous gather, [B, width, kv_heads, d] -> [B, kv_heads, width, d]
         keys = k_cache.index_select(0, ids).view(num_seqs, width, num_kv_heads, head_dim).to(q.dtype).transpose(1, 2)
@@ -149,8 +194,9 @@ class TorchAttentionBackend:
         out[token_idx] = o.reshape(num_seqs, num_kv_heads * group, head_dim)
 
 
-def _softcapped_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-                          scale: float, softcap: float) -> torch.Tensor:
+def _softcapped_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float
+) -> torch.Tensor:
     """transformers' eager order (SDPA cannot softcap): scores in the activation dtype, scaled, capped,
     masked, softmax in fp32 and cast back, times V. query [..., q, d]; keys/values [..., k, d]."""
     scores = torch.matmul(query, keys.transpose(-1, -2)) * scale

@@ -1,9 +1,11 @@
 """Attention backends by name: "torch" (attention.py, pure torch, any device), "triton" (attention_triton.py,
 kvserve.kernels' Triton kernels; the CUDA default) and "cpu" (attention_cpu.py, the compiled CPU ops of
-kvserve.kernels.cpu_ops; the CPU default when they build and load, config.default_cpu_backend). The backends import only the metadata
+kvserve.kernels.cpu_ops; the CPU default when they build and load, config.default_cpu_backend). The backends import
+only the metadata
 contract from attention.py and never this module, so choosing one is a plain lazy import (no registration
 cycle).
 """
+
 from __future__ import annotations
 
 _EXTRA: dict[str, type] = {}  # register_attention_backend (tests wire in reference implementations)
@@ -32,6 +34,4 @@ def get_attention_backend(name: str):
         except ImportError as exc:
             raise ValueError(f"attention_backend 'cpu' is unavailable: {exc}") from None
         return CpuAttentionBackend()
-    raise ValueError(f"attention_backend must be one of {sorted({'cpu', 'torch', 'triton', *_EXTRA})}, "
-                     f"got {name!r}")
-
+    raise ValueError(f"attention_backend must be one of {sorted({'cpu', 'torch', 'triton', *_EXTRA})}, got {name!r}")

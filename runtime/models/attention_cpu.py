@@ -17,6 +17,7 @@ residual-add + RMSNorm, in-place rotary and SiLU-and-mul (``KVSERVE_CPU_FUSED_OP
 Importing this module raises ImportError when the ops do not load, which
 attention_backends.get_attention_backend turns into a clear ValueError.
 """
+
 from __future__ import annotations
 
 import os
@@ -43,11 +44,18 @@ class CpuAttentionBackend:
         self.fused_cpu_ops = os.environ.get("KVSERVE_CPU_FUSED_OPS", "1") != "0"
 
     def _supported(self, q: torch.Tensor, k_cache: torch.Tensor, sliding_window: int, softcap: float) -> bool:
-        return (not sliding_window and not softcap and q.device.type == "cpu" and q.dtype in _DTYPES
-                and k_cache.dtype == q.dtype and k_cache.is_contiguous())
+        return (
+            not sliding_window
+            and not softcap
+            and q.device.type == "cpu"
+            and q.dtype in _DTYPES
+            and k_cache.dtype == q.dtype
+            and k_cache.is_contiguous()
+        )
 
-    def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 meta: AttentionMetadata) -> None:
+    def store_kv(
+        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> None:
         if k_cache.dtype not in _DTYPES or k.device.type != "cpu" or not k_cache.is_contiguous():
             return self._torch.store_kv(k, v, k_cache, v_cache, meta)
         k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
@@ -55,31 +63,45 @@ class CpuAttentionBackend:
         v = v if v.stride(-1) == 1 else v.contiguous()
         _ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, sliding_window: int = 0,
-                softcap: float = 0.0) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int = 0,
+        softcap: float = 0.0,
+    ) -> torch.Tensor:
         if not self._supported(q, k_cache, sliding_window, softcap):
             return self._torch.forward(q, k, v, k_cache, v_cache, meta, scale, sliding_window, softcap)
         self.store_kv(k, v, k_cache, v_cache, meta)
         q = q if q.stride(-1) == 1 else q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype)
         limit = self.gemm_prefill_min_q
-        _ops.paged_attention(out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q,
-                             scale, limit)
+        _ops.paged_attention(
+            out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, scale, limit
+        )
         if meta.max_seqlen_q > limit:
             start = 0
             for s, (q_len, ctx_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
                 if q_len > limit:
                     rows = slice(start, start + q_len)
                     if q_len == ctx_len:  # a fresh prefill: its keys are exactly this step's K/V
-                        o = F.scaled_dot_product_attention(q[rows].transpose(0, 1).unsqueeze(0),
-                                                           k[rows].to(q.dtype).transpose(0, 1).unsqueeze(0),
-                                                           v[rows].to(q.dtype).transpose(0, 1).unsqueeze(0),
-                                                           is_causal=True, scale=scale, enable_gqa=True)
+                        o = F.scaled_dot_product_attention(
+                            q[rows].transpose(0, 1).unsqueeze(0),
+                            k[rows].to(q.dtype).transpose(0, 1).unsqueeze(0),
+                            v[rows].to(q.dtype).transpose(0, 1).unsqueeze(0),
+                            is_causal=True,
+                            scale=scale,
+                            enable_gqa=True,
+                        )
                         out[rows] = o.squeeze(0).transpose(0, 1)
                     else:
-                        out[rows] = self._torch._one_sequence(q[rows], k_cache, v_cache, meta.block_tables[s],
-                                                              ctx_len, scale)
+                        out[rows] = self._torch._one_sequence(
+                            q[rows], k_cache, v_cache, meta.block_tables[s], ctx_len, scale
+                        )
                 start += q_len
         return out
-

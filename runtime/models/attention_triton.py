@@ -7,6 +7,7 @@ interpreter (``TRITON_INTERPRET=1``), which is how the backend is checked end to
 Importing this module raises ImportError when triton is unusable, which attention_backends.get_attention_backend
 turns into a clear ValueError.
 """
+
 from __future__ import annotations
 
 import torch
@@ -33,26 +34,51 @@ class TritonAttentionBackend:
             t = self._scales[key] = torch.tensor([float(value)], dtype=torch.float32, device=device)
         return t
 
-    def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 meta: AttentionMetadata) -> None:
+    def store_kv(
+        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> None:
         fp8 = k_cache.element_size() == 1
         k = k if k.stride(-1) == 1 else k.contiguous()
         v = v if v.stride(-1) == 1 else v.contiguous()
         if not fp8 and k.dtype != k_cache.dtype:
             k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
-        store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping,
-                       self._scale(meta.k_scale, k.device) if fp8 else None,
-                       self._scale(meta.v_scale, k.device) if fp8 else None)
+        store_kv_cache(
+            k,
+            v,
+            k_cache,
+            v_cache,
+            meta.slot_mapping,
+            self._scale(meta.k_scale, k.device) if fp8 else None,
+            self._scale(meta.v_scale, k.device) if fp8 else None,
+        )
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, sliding_window: int = 0,
-                softcap: float = 0.0) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int = 0,
+        softcap: float = 0.0,
+    ) -> torch.Tensor:
         self.store_kv(k, v, k_cache, v_cache, meta)
         fp8 = k_cache.element_size() == 1
         q = q if q.stride(-1) == 1 else q.contiguous()
-        return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q,
-                               meta.max_seqlen_q, meta.max_seqlen_k, scale,
-                               self._scale(meta.k_scale, q.device) if fp8 else None,
-                               self._scale(meta.v_scale, q.device) if fp8 else None,
-                               sliding_window=sliding_window, softcap=softcap)
-
+        return paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.cu_seqlens_q,
+            meta.max_seqlen_q,
+            meta.max_seqlen_k,
+            scale,
+            self._scale(meta.k_scale, q.device) if fp8 else None,
+            self._scale(meta.v_scale, q.device) if fp8 else None,
+            sliding_window=sliding_window,
+            softcap=softcap,
+        )

@@ -16,6 +16,7 @@ packing off (a comparison, or a machine where oneDNN misbehaves).
 Numerics: oneDNN and MKL sum in different orders, so fp32 results differ in the last bits (bf16 outputs came
 out identical in the measurement); greedy parity with transformers is tested on the parity models.
 """
+
 from __future__ import annotations
 
 import logging
@@ -49,8 +50,7 @@ def pack_weight(module: nn.Module, weight: torch.Tensor, free_original: bool) ->
         return False
     module.__dict__[_ATTR] = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
     if free_original:
-        module.weight = nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"),
-                                     requires_grad=False)
+        module.weight = nn.Parameter(torch.empty(weight.shape, dtype=weight.dtype, device="meta"), requires_grad=False)
     return True
 
 
@@ -69,6 +69,9 @@ def pack_linears(model: nn.Module, linear_types: tuple[type, ...]) -> int:
         count += pack_weight(model.embed_tokens, model.embed_tokens.weight, free_original=False)
     if count:
         dtype = next((p.dtype for p in model.parameters()), None)
-        logger.info("CPU linears: oneDNN with prepacked weights (%d weights, %s); KVSERVE_CPU_LINEAR=aten "
-                    "turns this off", count, str(dtype).removeprefix("torch."))
+        logger.info(
+            "CPU linears: oneDNN with prepacked weights (%d weights, %s); KVSERVE_CPU_LINEAR=aten turns this off",
+            count,
+            str(dtype).removeprefix("torch."),
+        )
     return count

@@ -15,6 +15,7 @@ Two matmuls:
 - "scaled_mm" (CUDA with compute capability >= 8.9: Ada, Hopper, Blackwell): activations quantised per token
   at run time and torch._scaled_mm with row-wise scales on both sides (W8A8, FP8 tensor cores).
 """
+
 from __future__ import annotations
 
 import os
@@ -43,10 +44,14 @@ def convert_linears(model: nn.Module, linear_types: tuple[type, ...]) -> int:
     for module in model.modules():
         if isinstance(module, linear_types):
             weight = module.weight
-            module.weight = nn.Parameter(torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device),
-                                         requires_grad=False)
-            module.register_buffer("weight_scale", torch.empty(weight.shape[0], dtype=torch.float32,
-                                                               device=weight.device), persistent=False)
+            module.weight = nn.Parameter(
+                torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device), requires_grad=False
+            )
+            module.register_buffer(
+                "weight_scale",
+                torch.empty(weight.shape[0], dtype=torch.float32, device=weight.device),
+                persistent=False,
+            )
             count += 1
     return count
 

@@ -18,6 +18,7 @@ embedding and head); the loader (weights.py) maps the HF names, which are Llama'
 The forward takes one AttentionMetadata per KV-cache group (see runtime/capacity.py kv_cache_groups):
 each layer reads the block table of its group.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
@@ -27,12 +28,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.runtime.models.attention import AttentionMetadata
-from kvserve.runtime.models.weights import load_checkpoint
-from kvserve.runtime.models.parallel_layers import (SINGLE, ColumnParallelLinear, ParallelContext, RowParallelLinear,
-                                             VocabParallelEmbedding, lm_head_logits)
-from kvserve.runtime.models.sharding import shard_spec
 from kvserve.runtime import capacity
+from kvserve.runtime.models.attention import AttentionMetadata
+from kvserve.runtime.models.parallel_layers import (
+    SINGLE,
+    ColumnParallelLinear,
+    ParallelContext,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    lm_head_logits,
+)
+from kvserve.runtime.models.sharding import shard_spec
+from kvserve.runtime.models.weights import load_checkpoint
 
 
 class GemmaRMSNorm(nn.Module):
@@ -78,8 +85,10 @@ class GemmaRotary(nn.Module):
         for layer_type, params in self.params.items():
             freqs = positions * _rope_inv_freq(params, self.head_dim)[None, :]
             emb = torch.cat((freqs, freqs), dim=-1)
-            self.tables[layer_type] = (emb.cos().to(device=device, dtype=self.dtype),
-                                       emb.sin().to(device=device, dtype=self.dtype))
+            self.tables[layer_type] = (
+                emb.cos().to(device=device, dtype=self.dtype),
+                emb.sin().to(device=device, dtype=self.dtype),
+            )
 
     def forward(self, layer_type: str, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         cos, sin = self.tables[layer_type]
@@ -93,8 +102,18 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class GemmaAttention(nn.Module):
-    def __init__(self, hf_config, num_heads: int, num_kv_heads: int, head_dim: int, layer_type: str, backend,
-                 parallel: ParallelContext, qk_norm: bool, softcap: float):
+    def __init__(
+        self,
+        hf_config,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        layer_type: str,
+        backend,
+        parallel: ParallelContext,
+        qk_norm: bool,
+        softcap: float,
+    ):
         super().__init__()
         hidden, bias = hf_config.hidden_size, bool(getattr(hf_config, "attention_bias", False))
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -117,8 +136,17 @@ class GemmaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(self.layer_type, positions, q, k)
-        o = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale,
-                                 sliding_window=self.sliding_window, softcap=self.softcap)
+        o = self.backend.forward(
+            q,
+            k,
+            v,
+            kv_cache[0],
+            kv_cache[1],
+            meta,
+            self.scale,
+            sliding_window=self.sliding_window,
+            softcap=self.softcap,
+        )
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
@@ -135,12 +163,22 @@ class GemmaMLP(nn.Module):
 
 
 class GemmaDecoderLayer(nn.Module):
-    def __init__(self, hf_config, shard, head_dim: int, layer_type: str, backend, parallel, qk_norm: bool,
-                 attn_softcap: float):
+    def __init__(
+        self, hf_config, shard, head_dim: int, layer_type: str, backend, parallel, qk_norm: bool, attn_softcap: float
+    ):
         super().__init__()
         hidden, eps = hf_config.hidden_size, hf_config.rms_norm_eps
-        self.self_attn = GemmaAttention(hf_config, shard.num_heads, shard.num_kv_heads, head_dim, layer_type,
-                                        backend, parallel, qk_norm, attn_softcap)
+        self.self_attn = GemmaAttention(
+            hf_config,
+            shard.num_heads,
+            shard.num_kv_heads,
+            head_dim,
+            layer_type,
+            backend,
+            parallel,
+            qk_norm,
+            attn_softcap,
+        )
         self.mlp = GemmaMLP(hidden, shard.intermediate_size, parallel)
         self.input_layernorm = GemmaRMSNorm(hidden, eps)
         self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
@@ -148,8 +186,9 @@ class GemmaDecoderLayer(nn.Module):
         self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
 
     def forward(self, x, positions, rotary, kv_cache, meta):
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache,
-                                                             meta))
+        x = x + self.post_attention_layernorm(
+            self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
+        )
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
@@ -161,19 +200,27 @@ class Gemma2ForCausalLM(nn.Module):
         super().__init__()
         cfg = model_config.hf_config
         self.config, self.parallel, self.moe = model_config, parallel, None
-        self.shard = shard = shard_spec(model_config.num_heads, model_config.num_kv_heads, cfg.intermediate_size,
-                                        cfg.vocab_size, parallel.rank, parallel.size)
+        self.shard = shard = shard_spec(
+            model_config.num_heads,
+            model_config.num_kv_heads,
+            cfg.intermediate_size,
+            cfg.vocab_size,
+            parallel.rank,
+            parallel.size,
+        )
         dtype = getattr(torch, model_config.dtype)
         self.layer_types = capacity.gemma_layer_types(_config_dict(cfg))
         attn_softcap = getattr(cfg, "attn_logit_softcapping", None) if self.attn_softcap_supported else None
-        self.embed_tokens = VocabParallelEmbedding(shard.vocab_per_rank, shard.vocab_start, cfg.vocab_size,
-                                                   cfg.hidden_size, parallel)
+        self.embed_tokens = VocabParallelEmbedding(
+            shard.vocab_per_rank, shard.vocab_start, cfg.vocab_size, cfg.hidden_size, parallel
+        )
         # transformers rounds sqrt(hidden) to the weight dtype before scaling (bf16: 3584 -> 59.75); a Python
         # float holding that rounded value gives the same products without a tensor per step.
-        self.embed_scale = float(torch.tensor(cfg.hidden_size ** 0.5, dtype=dtype, device="cpu"))
+        self.embed_scale = float(torch.tensor(cfg.hidden_size**0.5, dtype=dtype, device="cpu"))
         self.layers = nn.ModuleList(
             GemmaDecoderLayer(cfg, shard, model_config.head_dim, t, backend, parallel, self.qk_norm, attn_softcap)
-            for t in self.layer_types)
+            for t in self.layer_types
+        )
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None  # Gemma ties the LM head to the embedding
         if not getattr(cfg, "tie_word_embeddings", True):
@@ -181,12 +228,17 @@ class Gemma2ForCausalLM(nn.Module):
         self.final_softcap = float(getattr(cfg, "final_logit_softcapping", None) or 0.0)
         self.rotary = GemmaRotary(cfg, model_config.head_dim, model_config.max_model_len, dtype)
         # Which KV-cache group each layer's block table comes from (the runner allocates the same grouping).
-        self.layer_groups = capacity.layer_group_index(capacity.kv_cache_groups(
-            capacity.layer_windows(self.layer_types, int(cfg.sliding_window or 0))))
+        self.layer_groups = capacity.layer_group_index(
+            capacity.kv_cache_groups(capacity.layer_windows(self.layer_types, int(cfg.sliding_window or 0)))
+        )
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                meta: AttentionMetadata | Sequence[AttentionMetadata]) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata | Sequence[AttentionMetadata],
+    ) -> torch.Tensor:
         """meta: one AttentionMetadata per KV-cache group, or one shared by all layers (every layer keeps
         its full context then; the sliding layers still mask to their window)."""
         metas = [meta] if isinstance(meta, AttentionMetadata) else list(meta)
@@ -212,7 +264,11 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
 
 
 def _config_dict(hf_config) -> dict:
-    return {"model_type": hf_config.model_type, "num_hidden_layers": hf_config.num_hidden_layers,
-            "layer_types": getattr(hf_config, "layer_types", None),
-            "sliding_window_pattern": getattr(hf_config, "_sliding_window_pattern",
-                                              getattr(hf_config, "sliding_window_pattern", None))}
+    return {
+        "model_type": hf_config.model_type,
+        "num_hidden_layers": hf_config.num_hidden_layers,
+        "layer_types": getattr(hf_config, "layer_types", None),
+        "sliding_window_pattern": getattr(
+            hf_config, "_sliding_window_pattern", getattr(hf_config, "sliding_window_pattern", None)
+        ),
+    }

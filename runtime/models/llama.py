@@ -5,7 +5,8 @@ Q/K/V and gate/up projections are fused into one matmul each; HF checkpoints are
 Numerics follow transformers (fp32 RMSNorm, RoPE tables cast to the model dtype) so greedy output matches
 `generate` token for token.
 
-Tensor parallelism (Megatron-style, see kvserve.runtime.models.parallel_layers): with a ParallelContext of size t each rank
+Tensor parallelism (Megatron-style, see kvserve.runtime.models.parallel_layers): with a ParallelContext of size t each
+rank
 holds its query heads and the KV heads they read (column-parallel fused QKV), its slice of the MLP's
 intermediate dim (column-parallel gate/up), row-parallel o_proj/down_proj closed by an all-reduce, and a
 vocab-parallel embedding and LM head. The loader reads only this rank's rows/columns from the checkpoint.
@@ -17,6 +18,7 @@ kvserve.kernels.cpu_ops on CPU tensors, with the same rounding steps as the torc
 stay the fallback: other backends, other devices, mismatched dtypes). The residual stream is then carried
 between layers (``forward_fused``) so the add before each norm happens inside the norm op.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -28,12 +30,17 @@ from torch import nn
 
 from kvserve.runtime.models.attention import AttentionMetadata
 from kvserve.runtime.models.moe import SparseMoeBlock
+from kvserve.runtime.models.parallel_layers import (
+    SINGLE,
+    ColumnParallelLinear,
+    ParallelContext,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    lm_head_logits,
+)
 from kvserve.runtime.models.registry import moe_shape
-from kvserve.runtime.models.weights import load_checkpoint
-from kvserve.runtime.models.parallel_layers import (SINGLE, ColumnParallelLinear, ParallelContext, RowParallelLinear,
-                                             VocabParallelEmbedding, lm_head_logits)
 from kvserve.runtime.models.sharding import ShardSpec, shard_spec
-
+from kvserve.runtime.models.weights import load_checkpoint
 
 _FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -101,8 +108,14 @@ class RotaryEmbedding(nn.Module):
     fused_cpu_ops = False  # set by LlamaForCausalLM when its backend has the compiled CPU ops
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        if (self.fused_cpu_ops and q.is_cpu and q.dtype == self.cos.dtype == k.dtype and q.stride(-1) == 1
-                and k.stride(-1) == 1 and positions.dtype == torch.int64):
+        if (
+            self.fused_cpu_ops
+            and q.is_cpu
+            and q.dtype == self.cos.dtype == k.dtype
+            and q.stride(-1) == 1
+            and k.stride(-1) == 1
+            and positions.dtype == torch.int64
+        ):
             _cpu_ops().rotary_embedding(positions.contiguous(), q, k, self.cos, self.sin)  # in place
             return q, k
         cos = self.cos[positions].unsqueeze(1)  # [tokens, 1, head_dim]
@@ -119,23 +132,41 @@ class Attention(nn.Module):
     """num_heads / num_kv_heads are this rank's (all of them when not tensor-parallel). qk_norm: Qwen3's
     per-head RMSNorm on q and k (over head_dim, before RoPE)."""
 
-    def __init__(self, hf_config, num_heads: int, num_kv_heads: int, head_dim: int, qkv_bias: bool, backend,
-                 parallel: ParallelContext = SINGLE, qk_norm: bool = False):
+    def __init__(
+        self,
+        hf_config,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        qkv_bias: bool,
+        backend,
+        parallel: ParallelContext = SINGLE,
+        qk_norm: bool = False,
+    ):
         super().__init__()
         hidden = hf_config.hidden_size
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.qkv_proj = ColumnParallelLinear(hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = RowParallelLinear(self.q_size, hidden, bias=bool(getattr(hf_config, "attention_bias", False)
-                                                                       and hf_config.model_type != "qwen2"),
-                                        parallel=parallel)
+        self.o_proj = RowParallelLinear(
+            self.q_size,
+            hidden,
+            bias=bool(getattr(hf_config, "attention_bias", False) and hf_config.model_type != "qwen2"),
+            parallel=parallel,
+        )
         self.q_norm = RMSNorm(head_dim, hf_config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, hf_config.rms_norm_eps) if qk_norm else None
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim**-0.5
         self.backend = backend
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        rotary: RotaryEmbedding,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [tokens, heads, head_dim]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [tokens, kv_heads, head_dim]
@@ -169,11 +200,21 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, hf_config, shard: ShardSpec, head_dim, qkv_bias, backend, parallel: ParallelContext,
-                 mlp: nn.Module, qk_norm: bool = False):
+    def __init__(
+        self,
+        hf_config,
+        shard: ShardSpec,
+        head_dim,
+        qkv_bias,
+        backend,
+        parallel: ParallelContext,
+        mlp: nn.Module,
+        qk_norm: bool = False,
+    ):
         super().__init__()
-        self.self_attn = Attention(hf_config, shard.num_heads, shard.num_kv_heads, head_dim, qkv_bias, backend,
-                                   parallel, qk_norm)
+        self.self_attn = Attention(
+            hf_config, shard.num_heads, shard.num_kv_heads, head_dim, qkv_bias, backend, parallel, qk_norm
+        )
         self.mlp = mlp  # dense MLP or a SparseMoeBlock
         self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
@@ -206,22 +247,34 @@ class LlamaForCausalLM(nn.Module):
         self.config = model_config
         self.parallel = parallel
         self.moe = moe = moe_shape(cfg)
-        self.shard = shard = shard_spec(model_config.num_heads, model_config.num_kv_heads, cfg.intermediate_size,
-                                        cfg.vocab_size, parallel.rank, parallel.size,
-                                        moe_intermediate_size=moe.intermediate_size if moe and moe.sparse_layers else 0)
+        self.shard = shard = shard_spec(
+            model_config.num_heads,
+            model_config.num_kv_heads,
+            cfg.intermediate_size,
+            cfg.vocab_size,
+            parallel.rank,
+            parallel.size,
+            moe_intermediate_size=moe.intermediate_size if moe and moe.sparse_layers else 0,
+        )
         # Qwen2 always has a q/k/v bias; Llama/Mistral/Qwen3 only with attention_bias.
         qkv_bias = cfg.model_type == "qwen2" or bool(getattr(cfg, "attention_bias", False))
         dtype = getattr(torch, model_config.dtype)
-        self.embed_tokens = VocabParallelEmbedding(shard.vocab_per_rank, shard.vocab_start, cfg.vocab_size,
-                                                   cfg.hidden_size, parallel)
+        self.embed_tokens = VocabParallelEmbedding(
+            shard.vocab_per_rank, shard.vocab_start, cfg.vocab_size, cfg.hidden_size, parallel
+        )
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, shard, model_config.head_dim, qkv_bias, backend, parallel, self._make_mlp(i),
-                         self.qk_norm)
-            for i in range(cfg.num_hidden_layers))
+            DecoderLayer(
+                cfg, shard, model_config.head_dim, qkv_bias, backend, parallel, self._make_mlp(i), self.qk_norm
+            )
+            for i in range(cfg.num_hidden_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = None if self.tie_word_embeddings else ColumnParallelLinear(cfg.hidden_size,
-                                                                                  shard.vocab_per_rank, bias=False)
+        self.lm_head = (
+            None
+            if self.tie_word_embeddings
+            else ColumnParallelLinear(cfg.hidden_size, shard.vocab_per_rank, bias=False)
+        )
         self.rotary = RotaryEmbedding(cfg, model_config.head_dim, model_config.max_model_len, dtype)
         # One switch for the fused CPU ops: the backend has them (attention_cpu.CpuAttentionBackend) and the
         # model dtype is one they take; each call still checks the tensors are on CPU.
@@ -236,11 +289,15 @@ class LlamaForCausalLM(nn.Module):
         cfg = self.config.hf_config
         if self.moe is not None and layer_idx in self.moe.sparse_layers:
             return SparseMoeBlock(cfg.hidden_size, self.moe, self.shard.moe_intermediate_size, self.parallel)
-        return MLP(cfg.hidden_size, self.shard.intermediate_size, bool(getattr(cfg, "mlp_bias", False)),
-                   self.parallel)
+        return MLP(cfg.hidden_size, self.shard.intermediate_size, bool(getattr(cfg, "mlp_bias", False)), self.parallel)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [tokens, hidden]
         if self.fused_cpu_ops and x.is_cpu:
             residual = None

@@ -1,4 +1,5 @@
 """Build a model from a local Hugging Face directory: config.json + one or more *.safetensors files."""
+
 from __future__ import annotations
 
 import glob
@@ -10,11 +11,11 @@ from typing import Any
 import torch
 
 from kvserve.runtime.config import ModelConfig
-from kvserve.runtime.models.llama import LlamaForCausalLM
 from kvserve.runtime.models import fp8
+from kvserve.runtime.models.llama import LlamaForCausalLM
 from kvserve.runtime.models.moe import convert_experts_to_fp8
-from kvserve.runtime.models.registry import model_class
 from kvserve.runtime.models.parallel_layers import SINGLE, ColumnParallelLinear, ParallelContext, RowParallelLinear
+from kvserve.runtime.models.registry import model_class
 
 logger = logging.getLogger("kvserve.loader")
 
@@ -60,8 +61,13 @@ def weight_bytes(model) -> int:
     return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()) if id(t) not in rotary)
 
 
-def load_model(model_config: ModelConfig, attention_backend, device: str,
-               parallel: ParallelContext = SINGLE, load_format: str = "auto") -> LlamaForCausalLM:
+def load_model(
+    model_config: ModelConfig,
+    attention_backend,
+    device: str,
+    parallel: ParallelContext = SINGLE,
+    load_format: str = "auto",
+) -> LlamaForCausalLM:
     """The model, or with a tensor-parallel `parallel` this rank's shard of it (only the shard is allocated
     and only the shard's bytes are read from the safetensors files). load_format "dummy": random weights,
     no checkpoint read (init_dummy_weights)."""
@@ -72,15 +78,23 @@ def load_model(model_config: ModelConfig, attention_backend, device: str,
     if load_format == "dummy":
         init_dummy_weights(model, seed=parallel.rank)
     else:
-        model.load_weights(iter_safetensors(model_config.model_dir, show_progress=parallel.rank == 0,
-                                            lazy=parallel.size > 1))
+        model.load_weights(
+            iter_safetensors(model_config.model_dir, show_progress=parallel.rank == 0, lazy=parallel.size > 1)
+        )
     model.eval()
     num_params = sum(p.numel() for p in model.parameters())
     rank = f" (tensor-parallel rank {parallel.rank}/{parallel.size})" if parallel.size > 1 else ""
-    logger.info("loaded %s from %s%s: %.1fM parameters%s, %.1f MiB of weights (%s), %s", model_config.architecture,
-                model_config.model_dir, " (dummy: random weights)" if load_format == "dummy" else "",
-                num_params / 1e6, rank, weight_bytes(model) / 2**20, model_config.weight_dtype,
-                device)
+    logger.info(
+        "loaded %s from %s%s: %.1fM parameters%s, %.1f MiB of weights (%s), %s",
+        model_config.architecture,
+        model_config.model_dir,
+        " (dummy: random weights)" if load_format == "dummy" else "",
+        num_params / 1e6,
+        rank,
+        weight_bytes(model) / 2**20,
+        model_config.weight_dtype,
+        device,
+    )
     return model
 
 

@@ -14,6 +14,7 @@ dense MLP's (gate/up column-parallel, down row-parallel). A rank's experts produ
 output; one all-reduce per layer completes them (after the routing weights are applied -- they scale the
 whole expert output, so they distribute over the partial sums). The router is replicated.
 """
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -23,12 +24,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.runtime.models import fp8
-from kvserve.runtime.models.registry import MoEShape
 from kvserve.runtime.models.parallel_layers import SINGLE, ParallelContext
+from kvserve.runtime.models.registry import MoEShape
 
 
-def route(router_logits: torch.Tensor, top_k: int, renormalize: bool,
-          fp32_weights: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool, fp32_weights: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """[tokens, experts] logits -> (weights [tokens, top_k], expert ids [tokens, top_k])."""
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float)
     weights, ids = torch.topk(probs, top_k, dim=-1)
@@ -68,7 +70,7 @@ class Experts(nn.Module):
         for e, n in enumerate(counts):
             if n == 0:
                 continue
-            picks = order[start:start + n]  # flat (token, slot) indices, in token order
+            picks = order[start : start + n]  # flat (token, slot) indices, in token order
             start += n
             tokens = picks // top_k
             gate, up = self._linear(x[tokens], "gate_up_proj", e).split(self.intermediate, dim=-1)
@@ -80,8 +82,9 @@ class Experts(nn.Module):
     def _linear(self, x: torch.Tensor, name: str, expert: int) -> torch.Tensor:
         weight = getattr(self, name)[expert]
         if weight.dtype == fp8.FP8_DTYPE:
-            return fp8.fp8_linear(x, SimpleNamespace(weight=weight, weight_scale=getattr(self, f"{name}_scale")[expert]),
-                                  None)
+            return fp8.fp8_linear(
+                x, SimpleNamespace(weight=weight, weight_scale=getattr(self, f"{name}_scale")[expert]), None
+            )
         return F.linear(x, weight)
 
 
@@ -93,10 +96,18 @@ def convert_experts_to_fp8(model: nn.Module) -> int:
         if isinstance(module, Experts):
             for name in ("gate_up_proj", "down_proj"):
                 weight = getattr(module, name)
-                setattr(module, name, nn.Parameter(torch.empty(weight.shape, dtype=fp8.FP8_DTYPE, device=weight.device),
-                                                   requires_grad=False))
-                module.register_buffer(f"{name}_scale", torch.empty(weight.shape[:-1], dtype=torch.float32,
-                                                                    device=weight.device), persistent=False)
+                setattr(
+                    module,
+                    name,
+                    nn.Parameter(
+                        torch.empty(weight.shape, dtype=fp8.FP8_DTYPE, device=weight.device), requires_grad=False
+                    ),
+                )
+                module.register_buffer(
+                    f"{name}_scale",
+                    torch.empty(weight.shape[:-1], dtype=torch.float32, device=weight.device),
+                    persistent=False,
+                )
             count += 1
     return count
 

@@ -5,6 +5,7 @@ With size == 1 every layer computes exactly what nn.Linear / nn.Embedding comput
 collectives), so single-process numerics are unchanged. Parameters keep the names `weight` / `bias`, so the
 model's parameter names match the checkpoint's whatever the split.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from kvserve.runtime.models.fp8 import FP8_DTYPE, fp8_linear
 @dataclass
 class ParallelContext:
     """This process's place in the tensor-parallel group. group=None with size 1: no collectives at all."""
+
     rank: int = 0
     size: int = 1
     group: Any = None  # torch.distributed ProcessGroup (the default group when None and size > 1)
@@ -85,8 +87,11 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        matmul = (lambda x_, b: fp8_linear(x_, self, b)) if self.weight.dtype == FP8_DTYPE else \
-            (lambda x_, b: linear(x_, self, b))
+        matmul = (
+            (lambda x_, b: fp8_linear(x_, self, b))
+            if self.weight.dtype == FP8_DTYPE
+            else (lambda x_, b: linear(x_, self, b))
+        )
         if self.parallel.size == 1:
             return matmul(x, self.bias)
         y = self.parallel.all_reduce(matmul(x, None))
@@ -98,8 +103,7 @@ class VocabParallelEmbedding(nn.Module):
     the real vocabulary are zero padding). A token outside the local range looks up zeros; the all-reduce
     then leaves exactly the owner's row. The same weight serves as the LM head when embeddings are tied."""
 
-    def __init__(self, vocab_per_rank: int, vocab_start: int, vocab_size: int, hidden: int,
-                 parallel: ParallelContext):
+    def __init__(self, vocab_per_rank: int, vocab_start: int, vocab_size: int, hidden: int, parallel: ParallelContext):
         super().__init__()
         self.parallel = parallel
         self.vocab_start, self.vocab_per_rank, self.vocab_size = vocab_start, vocab_per_rank, vocab_size
@@ -115,8 +119,9 @@ class VocabParallelEmbedding(nn.Module):
         return self.parallel.all_reduce(x)
 
 
-def lm_head_logits(hidden: torch.Tensor, head: nn.Module, vocab_size: int,
-                   parallel: ParallelContext) -> torch.Tensor | None:
+def lm_head_logits(
+    hidden: torch.Tensor, head: nn.Module, vocab_size: int, parallel: ParallelContext
+) -> torch.Tensor | None:
     """Vocab-parallel LM head: each rank computes its slice of the logits, rank 0 gathers the full
     [rows, vocab] float32 logits (padding columns dropped); other ranks get None."""
     local = linear(hidden, head, None).float()  # [rows, vocab_per_rank]

@@ -2,6 +2,7 @@
 config. Torch-free: the engine's config validation and the tensor-parallel shape rules use it before any
 model is built.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -31,6 +32,7 @@ def model_class(architecture: str) -> type:
 @dataclass(frozen=True)
 class MoEShape:
     """A sparse MLP's routing and width, as transformers computes it for the family."""
+
     num_experts: int
     top_k: int
     intermediate_size: int  # per expert, whole (tensor parallelism splits it like a dense MLP's)
@@ -45,9 +47,15 @@ def moe_shape(hf_config: Any) -> MoEShape | None:
     arch = next((a for a in getattr(hf_config, "architectures", None) or [] if a in MODEL_CLASSES), "")
     layers = range(hf_config.num_hidden_layers)
     if arch == "MixtralForCausalLM":
-        return MoEShape(num_experts=hf_config.num_local_experts, top_k=hf_config.num_experts_per_tok,
-                        intermediate_size=hf_config.intermediate_size, intermediate_field="intermediate_size",
-                        renormalize=True, fp32_weights=True, sparse_layers=frozenset(layers))
+        return MoEShape(
+            num_experts=hf_config.num_local_experts,
+            top_k=hf_config.num_experts_per_tok,
+            intermediate_size=hf_config.intermediate_size,
+            intermediate_field="intermediate_size",
+            renormalize=True,
+            fp32_weights=True,
+            sparse_layers=frozenset(layers),
+        )
     if arch == "Qwen3MoeForCausalLM":
         # transformers: layer i is sparse unless listed in mlp_only_layers, and only every
         # decoder_sparse_step-th layer (counting from 1) is.
@@ -55,10 +63,15 @@ def moe_shape(hf_config: Any) -> MoEShape | None:
         step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
         num_experts = int(hf_config.num_experts)
         sparse = frozenset(i for i in layers if i not in mlp_only and num_experts > 0 and (i + 1) % step == 0)
-        return MoEShape(num_experts=num_experts, top_k=hf_config.num_experts_per_tok,
-                        intermediate_size=hf_config.moe_intermediate_size, intermediate_field="moe_intermediate_size",
-                        renormalize=bool(getattr(hf_config, "norm_topk_prob", False)), fp32_weights=False,
-                        sparse_layers=sparse)
+        return MoEShape(
+            num_experts=num_experts,
+            top_k=hf_config.num_experts_per_tok,
+            intermediate_size=hf_config.moe_intermediate_size,
+            intermediate_field="moe_intermediate_size",
+            renormalize=bool(getattr(hf_config, "norm_topk_prob", False)),
+            fp32_weights=False,
+            sparse_layers=sparse,
+        )
     return None
 
 

@@ -12,6 +12,7 @@ Any other split would give a rank query heads spread unevenly over its KV heads,
 backends' GQA contract (query head h reads local KV head h // (heads / kv_heads)) cannot express; it is
 rejected at startup with the sizes that would work.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,10 +20,10 @@ from dataclasses import dataclass
 from kvserve.runtime.capacity import tp_shape_error
 
 
-
 @dataclass(frozen=True)
 class ShardSpec:
     """One rank's share of the model (all counts are per rank)."""
+
     rank: int
     size: int
     num_heads: int  # query heads on this rank
@@ -54,10 +55,18 @@ def split_widths_error(widths: dict[str, int], tp_size: int) -> str | None:
     return None
 
 
-def shard_spec(num_heads: int, num_kv_heads: int, intermediate_size: int, vocab_size: int,
-               rank: int = 0, size: int = 1, moe_intermediate_size: int = 0) -> ShardSpec:
-    error = tp_shape_error(num_heads, num_kv_heads, intermediate_size, size) or \
-        split_widths_error({"moe_intermediate_size": moe_intermediate_size}, size)
+def shard_spec(
+    num_heads: int,
+    num_kv_heads: int,
+    intermediate_size: int,
+    vocab_size: int,
+    rank: int = 0,
+    size: int = 1,
+    moe_intermediate_size: int = 0,
+) -> ShardSpec:
+    error = tp_shape_error(num_heads, num_kv_heads, intermediate_size, size) or split_widths_error(
+        {"moe_intermediate_size": moe_intermediate_size}, size
+    )
     if error:
         raise ValueError(error)
     heads = num_heads // size
@@ -71,7 +80,17 @@ def shard_spec(num_heads: int, num_kv_heads: int, intermediate_size: int, vocab_
     vocab_per_rank = -(-vocab_size // size)
     inter = intermediate_size // size
     moe_inter = moe_intermediate_size // size
-    return ShardSpec(rank=rank, size=size, num_heads=heads, q_head_start=q_start, kv_head_ids=kv_ids,
-                     intermediate_size=inter, intermediate_start=rank * inter, vocab_per_rank=vocab_per_rank,
-                     vocab_start=rank * vocab_per_rank, vocab_size=vocab_size,
-                     moe_intermediate_size=moe_inter, moe_intermediate_start=rank * moe_inter)
+    return ShardSpec(
+        rank=rank,
+        size=size,
+        num_heads=heads,
+        q_head_start=q_start,
+        kv_head_ids=kv_ids,
+        intermediate_size=inter,
+        intermediate_start=rank * inter,
+        vocab_per_rank=vocab_per_rank,
+        vocab_start=rank * vocab_per_rank,
+        vocab_size=vocab_size,
+        moe_intermediate_size=moe_inter,
+        moe_intermediate_start=rank * moe_inter,
+    )

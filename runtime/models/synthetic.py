@@ -3,35 +3,49 @@
 transformers instantiates the architecture from the config, so the checkpoint has exactly the names and
 layout a real download would; a word-level tokenizer ("w<id>" words) makes every id decodable.
 """
+
 from __future__ import annotations
 
 import os
-import random
 
-ARCH_CONFIGS = {"LlamaForCausalLM": "LlamaConfig", "MistralForCausalLM": "MistralConfig",
-                "Qwen2ForCausalLM": "Qwen2Config", "MixtralForCausalLM": "MixtralConfig",
-                "Qwen3ForCausalLM": "Qwen3Config", "Qwen3MoeForCausalLM": "Qwen3MoeConfig",
-                "Gemma2ForCausalLM": "Gemma2Config", "Gemma3ForCausalLM": "Gemma3TextConfig"}
+ARCH_CONFIGS = {
+    "LlamaForCausalLM": "LlamaConfig",
+    "MistralForCausalLM": "MistralConfig",
+    "Qwen2ForCausalLM": "Qwen2Config",
+    "MixtralForCausalLM": "MixtralConfig",
+    "Qwen3ForCausalLM": "Qwen3Config",
+    "Qwen3MoeForCausalLM": "Qwen3MoeConfig",
+    "Gemma2ForCausalLM": "Gemma2Config",
+    "Gemma3ForCausalLM": "Gemma3TextConfig",
+}
 
 
-def make_shape_dir(out_dir: str, architecture: str = "LlamaForCausalLM", dtype: str = "bfloat16",
-                   **config_kwargs) -> str:
+def make_shape_dir(
+    out_dir: str, architecture: str = "LlamaForCausalLM", dtype: str = "bfloat16", **config_kwargs
+) -> str:
     """config.json + tokenizer, no weights: a model shape for load_format="dummy" (benchmarks of an 8B or 70B
     shape without writing its checkpoint). Returns out_dir."""
     import transformers
 
     config_kwargs.setdefault("bos_token_id", 1)
     config_kwargs.setdefault("eos_token_id", 2)
-    config = getattr(transformers, ARCH_CONFIGS[architecture])(**config_kwargs, torch_dtype=dtype,
-                                                               architectures=[architecture])
+    config = getattr(transformers, ARCH_CONFIGS[architecture])(
+        **config_kwargs, torch_dtype=dtype, architectures=[architecture]
+    )
     os.makedirs(out_dir, exist_ok=True)
     config.save_pretrained(out_dir)
     write_word_tokenizer(out_dir, config.vocab_size)
     return out_dir
 
 
-def make_random_model_dir(out_dir: str, architecture: str = "LlamaForCausalLM", seed: int = 0,
-                          dtype: str = "float32", norm_weight_std: float = 0.0, **config_kwargs):
+def make_random_model_dir(
+    out_dir: str,
+    architecture: str = "LlamaForCausalLM",
+    seed: int = 0,
+    dtype: str = "float32",
+    norm_weight_std: float = 0.0,
+    **config_kwargs,
+):
     """Write config.json + model.safetensors + tokenizer files to out_dir; returns the HF model (eval).
     norm_weight_std > 0 draws every RMSNorm weight (transformers initialises them to ones) from
     1 + N(0, std), so a norm weight that is loaded into the wrong place or not applied changes the output."""

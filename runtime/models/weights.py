@@ -8,6 +8,7 @@ for the experts (3-D `experts.gate_up_proj` / `experts.down_proj`, `mlp.` instea
 this rank reads and where in the parameter it goes, so a lazy safetensors slice is only ever read for the
 rank's rows/columns. Every expected piece must arrive exactly once.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -20,11 +21,22 @@ from kvserve.runtime.models import fp8
 ALL = slice(None)
 
 # HF name suffix -> (our parameter suffix, shard index within the fused parameter)
-_FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
 # One expert's projections (Mixtral: w1 gate, w3 up, w2 down; Qwen3-MoE: gate/up/down_proj)
-_EXPERT = {"w1": ("gate_up_proj", 0), "gate_proj": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1),
-           "up_proj": ("gate_up_proj", 1), "w2": ("down_proj", None), "down_proj": ("down_proj", None)}
+_EXPERT = {
+    "w1": ("gate_up_proj", 0),
+    "gate_proj": ("gate_up_proj", 0),
+    "w3": ("gate_up_proj", 1),
+    "up_proj": ("gate_up_proj", 1),
+    "w2": ("down_proj", None),
+    "down_proj": ("down_proj", None),
+}
 
 
 def resolve(name: str) -> tuple[str, int | None, int | None]:
@@ -91,8 +103,10 @@ def load_checkpoint(model, weights: Iterable[tuple[str, Any]]) -> None:
             piece = _read(source, src_index)
             dst = param.data[dst_index] if dst_index else param.data
             if tuple(dst.shape) != tuple(piece.shape):
-                raise ValueError(f"weight {hf_name!r}: shard of shape {tuple(piece.shape)} does not fit "
-                                 f"{target} slice {tuple(dst.shape)} (checkpoint shape {shape})")
+                raise ValueError(
+                    f"weight {hf_name!r}: shard of shape {tuple(piece.shape)} does not fit "
+                    f"{target} slice {tuple(dst.shape)} (checkpoint shape {shape})"
+                )
             if param.dtype == fp8.FP8_DTYPE:  # --dtype fp8: quantise these rows as they are read
                 # scales: one per output row, `weight_scale` of a linear, `<name>_scale` of the experts
                 fp8.quantize_into(param.data, model.get_buffer(f"{target}_scale"), dst_index, piece)
@@ -107,8 +121,9 @@ def load_checkpoint(model, weights: Iterable[tuple[str, Any]]) -> None:
         raise ValueError(f"checkpoint is missing {len(missing)} weights, e.g. {missing[:3]}")
 
 
-def _check_global_shape(model, hf_name: str, target: str, fused: int | None, expert: int | None,
-                        shape: tuple[int, ...]) -> None:
+def _check_global_shape(
+    model, hf_name: str, target: str, fused: int | None, expert: int | None, shape: tuple[int, ...]
+) -> None:
     """The checkpoint tensor's full shape along the split dimension (the rest is checked per slice)."""
     m, cfg = model.config, model.config.hf_config
     if _is_expert(target):
@@ -123,8 +138,14 @@ def _check_global_shape(model, hf_name: str, target: str, fused: int | None, exp
         else:
             dim, want = 1 + int(stacked), moe.intermediate_size
     elif fused is not None:
-        dim, want = 0, ([m.num_heads * m.head_dim] + [m.num_kv_heads * m.head_dim] * 2 if "qkv_proj" in target
-                        else [cfg.intermediate_size] * 2)[fused]
+        dim, want = (
+            0,
+            (
+                [m.num_heads * m.head_dim] + [m.num_kv_heads * m.head_dim] * 2
+                if "qkv_proj" in target
+                else [cfg.intermediate_size] * 2
+            )[fused],
+        )
     elif target.endswith("o_proj.weight"):
         dim, want = 1, m.num_heads * m.head_dim
     elif target.endswith("down_proj.weight"):
@@ -150,8 +171,10 @@ def _placements(model, target: str, fused: int | None, expert: int | None):
             start = s.q_head_start * hd
             return [((slice(0, q_size),), (slice(start, start + q_size),))], keys
         base = q_size + (fused - 1) * kv_size  # k or v block of the fused rows
-        return [((slice(base + i * hd, base + (i + 1) * hd),), (slice(h * hd, (h + 1) * hd),))
-                for i, h in enumerate(s.kv_head_ids)], keys
+        return [
+            ((slice(base + i * hd, base + (i + 1) * hd),), (slice(h * hd, (h + 1) * hd),))
+            for i, h in enumerate(s.kv_head_ids)
+        ], keys
     if fused is not None:  # dense gate_proj / up_proj
         inter, start = s.intermediate_size, s.intermediate_start
         return [((slice(fused * inter, (fused + 1) * inter),), (slice(start, start + inter),))], keys
@@ -180,6 +203,11 @@ def _expert_placements(model, target: str, fused: int | None, expert: int | None
     experts = range(moe.num_experts)
     if target.endswith("gate_up_proj"):  # [experts, 2 * intermediate, hidden], gate rows then up rows
         full = moe.intermediate_size
-        return ([((ALL, slice(f * inter, (f + 1) * inter)), (ALL, slice(f * full + start, f * full + start + inter)))
-                 for f in range(2)], [_key(target, f, e) for e in experts for f in range(2)])
+        return (
+            [
+                ((ALL, slice(f * inter, (f + 1) * inter)), (ALL, slice(f * full + start, f * full + start + inter)))
+                for f in range(2)
+            ],
+            [_key(target, f, e) for e in experts for f in range(2)],
+        )
     return [((), (ALL, ALL, mine))], [_key(target, None, e) for e in experts]

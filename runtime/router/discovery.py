@@ -6,6 +6,7 @@ Endpoint semantics follow discovery.k8s.io/v1: `ready` (nil = ready) takes new r
 `terminating` but not ready = draining (in-flight requests finish, nothing new is routed there, as
 production-stack learnt in their #601); an address that disappears is removed at once.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -52,6 +53,7 @@ def endpoints_from_slices(slices: Iterable[dict], port_name: str | None = None) 
 def static(urls: list[str]) -> Callable[[Any], Any]:
     async def run(router: Any) -> None:
         router.set_endpoints({u.rstrip("/") for u in urls})
+
     return run
 
 
@@ -59,8 +61,15 @@ class EndpointSliceWatcher:
     """List + watch the EndpointSlices of one Service; `push(ready, draining)` on every change (called on the
     event loop). Re-lists after any watch error or expiry, with a short back-off."""
 
-    def __init__(self, namespace: str, service: str, port_name: str | None = "http", api_client: Any = None,
-                 watch_timeout_s: int = 60, retry_s: float = 2.0):
+    def __init__(
+        self,
+        namespace: str,
+        service: str,
+        port_name: str | None = "http",
+        api_client: Any = None,
+        watch_timeout_s: int = 60,
+        retry_s: float = 2.0,
+    ):
         self.namespace, self.service, self.port_name = namespace, service, port_name
         self.api_client = api_client
         self.watch_timeout_s, self.retry_s = watch_timeout_s, retry_s
@@ -72,8 +81,9 @@ class EndpointSliceWatcher:
         def push(ready: set[str], draining: set[str]) -> None:
             loop.call_soon_threadsafe(router.set_endpoints, ready, draining)
 
-        thread = threading.Thread(target=self.run_blocking, args=(push,), daemon=True,
-                                  name=f"kvserve-router-endpointslices-{self.service}")
+        thread = threading.Thread(
+            target=self.run_blocking, args=(push,), daemon=True, name=f"kvserve-router-endpointslices-{self.service}"
+        )
         thread.start()
         try:
             await asyncio.Event().wait()  # until cancelled by Router.stop
@@ -102,12 +112,15 @@ class EndpointSliceWatcher:
                 slices = {item.metadata.name: to_dict(item) for item in listing.items}
                 last = self._emit(slices, push, last)
                 watch = kubernetes.watch.Watch()
-                for event in watch.stream(api.list_namespaced_endpoint_slice, self.namespace,
-                                          label_selector=selector,
-                                          resource_version=listing.metadata.resource_version,
-                                          timeout_seconds=self.watch_timeout_s,
-                                          # a half-open connection must not freeze the endpoint set forever
-                                          _request_timeout=(10, self.watch_timeout_s + 5)):
+                for event in watch.stream(
+                    api.list_namespaced_endpoint_slice,
+                    self.namespace,
+                    label_selector=selector,
+                    resource_version=listing.metadata.resource_version,
+                    timeout_seconds=self.watch_timeout_s,
+                    # a half-open connection must not freeze the endpoint set forever
+                    _request_timeout=(10, self.watch_timeout_s + 5),
+                ):
                     obj = to_dict(event["object"])
                     name = (obj.get("metadata") or {}).get("name")
                     if event["type"] == "DELETED":
@@ -118,15 +131,27 @@ class EndpointSliceWatcher:
                     if self._stop.is_set():
                         watch.stop()
             except Exception as exc:  # API down, 410 Gone, RBAC: keep the last known set and re-list
-                logger.warning("EndpointSlice watch for %s/%s failed (%s); re-listing in %.0fs",
-                               self.namespace, self.service, exc, self.retry_s)
+                logger.warning(
+                    "EndpointSlice watch for %s/%s failed (%s); re-listing in %.0fs",
+                    self.namespace,
+                    self.service,
+                    exc,
+                    self.retry_s,
+                )
                 self._stop.wait(self.retry_s)
 
-    def _emit(self, slices: dict[str, dict], push: Callable[[set[str], set[str]], None],
-              last: tuple[set[str], set[str]] | None) -> tuple[set[str], set[str]]:
+    def _emit(
+        self,
+        slices: dict[str, dict],
+        push: Callable[[set[str], set[str]], None],
+        last: tuple[set[str], set[str]] | None,
+    ) -> tuple[set[str], set[str]]:
         # The label selector is applied again here: a slice relabelled away from the Service must go too.
-        ours = [s for s in slices.values()
-                if ((s.get("metadata") or {}).get("labels") or {}).get(SERVICE_NAME_LABEL) == self.service]
+        ours = [
+            s
+            for s in slices.values()
+            if ((s.get("metadata") or {}).get("labels") or {}).get(SERVICE_NAME_LABEL) == self.service
+        ]
         current = endpoints_from_slices(ours, self.port_name)
         if current != last:
             push(*current)

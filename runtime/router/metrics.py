@@ -1,4 +1,5 @@
 """The router's own Prometheus metrics (`kvserve_router:*`), in a private registry per Router instance."""
+
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -12,33 +13,61 @@ RATIO_BUCKETS = [0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0]
 class RouterMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
-        self.requests = Counter("kvserve_router:requests", "Requests dispatched, by replica and routing reason "
-                                "(prefix, load, session, only, retry).", ["replica", "reason"], registry=r)
-        self.responses = Counter("kvserve_router:upstream_responses", "Upstream response status codes.",
-                                 ["replica", "code"], registry=r)
-        self.retries = Counter("kvserve_router:retries", "Requests retried on another replica before any byte "
-                               "reached the client, by the replica that failed and why.", ["replica", "cause"],
-                               registry=r)
-        self.ejections = Counter("kvserve_router:ejections", "Replicas taken out of rotation.", ["replica", "cause"],
-                                 registry=r)
-        self.failed = Counter("kvserve_router:failed_requests", "Requests the router answered with an error itself.",
-                              ["cause"], registry=r)
-        self.client_disconnects = Counter("kvserve_router:client_disconnects",
-                                          "Requests whose client went away; the upstream request was closed.",
-                                          registry=r)
-        self.upstream_ttft = Histogram("kvserve_router:upstream_ttft_seconds",
-                                       "Dispatch to first upstream body byte (first SSE event when streaming).",
-                                       ["replica"], buckets=TTFT_BUCKETS, registry=r)
-        self.decision_seconds = Histogram("kvserve_router:decision_seconds",
-                                          "Tokenising, hashing and scoring one request.", buckets=DECISION_BUCKETS,
-                                          registry=r)
-        self.prefix_match_ratio = Histogram("kvserve_router:prefix_match_ratio",
-                                            "Matched fraction of the prompt's blocks on the chosen replica.",
-                                            buckets=RATIO_BUCKETS, registry=r)
-        self.in_flight = Gauge("kvserve_router:in_flight_requests", "Requests in flight per replica.", ["replica"],
-                               registry=r)
-        self.index_blocks = Gauge("kvserve_router:prefix_index_blocks",
-                                  "Block hashes in the replica's prefix index.", ["replica"], registry=r)
+        self.requests = Counter(
+            "kvserve_router:requests",
+            "Requests dispatched, by replica and routing reason (prefix, load, session, only, retry).",
+            ["replica", "reason"],
+            registry=r,
+        )
+        self.responses = Counter(
+            "kvserve_router:upstream_responses", "Upstream response status codes.", ["replica", "code"], registry=r
+        )
+        self.retries = Counter(
+            "kvserve_router:retries",
+            "Requests retried on another replica before any byte "
+            "reached the client, by the replica that failed and why.",
+            ["replica", "cause"],
+            registry=r,
+        )
+        self.ejections = Counter(
+            "kvserve_router:ejections", "Replicas taken out of rotation.", ["replica", "cause"], registry=r
+        )
+        self.failed = Counter(
+            "kvserve_router:failed_requests",
+            "Requests the router answered with an error itself.",
+            ["cause"],
+            registry=r,
+        )
+        self.client_disconnects = Counter(
+            "kvserve_router:client_disconnects",
+            "Requests whose client went away; the upstream request was closed.",
+            registry=r,
+        )
+        self.upstream_ttft = Histogram(
+            "kvserve_router:upstream_ttft_seconds",
+            "Dispatch to first upstream body byte (first SSE event when streaming).",
+            ["replica"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.decision_seconds = Histogram(
+            "kvserve_router:decision_seconds",
+            "Tokenising, hashing and scoring one request.",
+            buckets=DECISION_BUCKETS,
+            registry=r,
+        )
+        self.prefix_match_ratio = Histogram(
+            "kvserve_router:prefix_match_ratio",
+            "Matched fraction of the prompt's blocks on the chosen replica.",
+            buckets=RATIO_BUCKETS,
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "kvserve_router:in_flight_requests", "Requests in flight per replica.", ["replica"], registry=r
+        )
+        self.index_blocks = Gauge(
+            "kvserve_router:prefix_index_blocks", "Block hashes in the replica's prefix index.", ["replica"], registry=r
+        )
         self.replicas = Gauge("kvserve_router:replicas", "Known replicas by state.", ["state"], registry=r)
 
     def render(self) -> bytes:

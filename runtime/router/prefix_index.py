@@ -6,6 +6,7 @@ keeps the guess honest -- an index larger than the cache would report prefixes t
 and keeps the router's memory bounded (production-stack's unbounded trie grew past 16 GiB, their #687).
 Pure Python, no I/O.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -39,7 +40,7 @@ class ReplicaLRU:
         """Mark `hashes` (a prompt's chain) as most recently used. Recorded tail first, so the first block ends
         up most recent and, as in the engine, a prompt's later blocks are evicted before its earlier (more
         shared) ones. A prompt longer than the whole LRU keeps its leading blocks."""
-        for h in reversed(hashes[:self.capacity_blocks]):
+        for h in reversed(hashes[: self.capacity_blocks]):
             self._hashes[h] = None
             self._hashes.move_to_end(h)
         while len(self._hashes) > self.capacity_blocks:

@@ -6,6 +6,7 @@ hashes the same tokens the engine caches: completions tokenise `prompt` with spe
 tokens, exactly as kvserve.runtime.server.serving does. A body the server would reject yields None: the
 router then routes on load alone and the replica returns the proper 400.
 """
+
 from __future__ import annotations
 
 import logging
@@ -31,9 +32,12 @@ class PromptTokenizer:
             if path.endswith("/chat/completions"):
                 chat = ChatCompletionRequest.model_validate(body)
                 conversation = [{"role": m.role, "content": m.text()} for m in chat.messages]
-                text = self.tokenizer.apply_chat_template(conversation, chat_template=self.chat_template,
-                                                          tokenize=False,
-                                                          add_generation_prompt=chat.add_generation_prompt)
+                text = self.tokenizer.apply_chat_template(
+                    conversation,
+                    chat_template=self.chat_template,
+                    tokenize=False,
+                    add_generation_prompt=chat.add_generation_prompt,
+                )
                 return list(self.tokenizer.encode(text, add_special_tokens=False))
             prompt = CompletionRequest.model_validate(body).prompt
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):

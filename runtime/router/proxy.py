@@ -8,6 +8,7 @@ default). After that, bytes flow through untouched; a broken upstream ends an SS
 A client that disconnects closes the upstream connection, which makes the replica abort the request.
 Background tasks scrape each replica's /metrics and re-probe ejected replicas' /health.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -34,8 +35,20 @@ logger = logging.getLogger("kvserve.router")
 
 # Hop-by-hop and encoding headers are the proxy's own business (RFC 9110 7.6.1; production-stack #827:
 # forwarding content-encoding after the client library decompressed the body corrupted responses).
-HOP_HEADERS = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-               "transfer-encoding", "upgrade", "content-length", "content-encoding", "host", "accept-encoding"}
+HOP_HEADERS = {
+    "connection",
+    "keep-alive",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "content-length",
+    "content-encoding",
+    "host",
+    "accept-encoding",
+}
 ENDPOINT_HEADER = "x-kvserve-endpoint"
 
 
@@ -69,15 +82,22 @@ class _ClientGone(Exception):
 class Router:
     """State and behaviour of one router process; `build_app` puts HTTP routes in front of it."""
 
-    def __init__(self, config: RouterConfig, tokenizer: Any = None,
-                 discovery: Callable[["Router"], Awaitable[None]] | None = None):
+    def __init__(
+        self,
+        config: RouterConfig,
+        tokenizer: Any = None,
+        discovery: Callable[["Router"], Awaitable[None]] | None = None,
+    ):
         self.config = config
         self.tokenizer = tokenizer  # PromptTokenizer or None (then routing is on load only)
         self.discovery = discovery
-        self.replicas = ReplicaSet(default_capacity_tokens=config.default_capacity_tokens,
-                                   default_block_size=config.default_block_size,
-                                   stale_after_s=config.stale_after_s, eject_base_s=config.eject_base_s,
-                                   eject_max_s=config.eject_max_s)
+        self.replicas = ReplicaSet(
+            default_capacity_tokens=config.default_capacity_tokens,
+            default_block_size=config.default_block_size,
+            stale_after_s=config.stale_after_s,
+            eject_base_s=config.eject_base_s,
+            eject_max_s=config.eject_max_s,
+        )
         self.metrics = RouterMetrics()
         self.rng = random.Random(config.seed)
         self.client: httpx.AsyncClient | None = None
@@ -94,8 +114,10 @@ class Router:
         # timeout: a stream lasts as long as it produces bytes.
         self.client = httpx.AsyncClient(
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-            timeout=httpx.Timeout(connect=self.config.connect_timeout_s, read=self.config.read_timeout_s,
-                                  write=60.0, pool=None))
+            timeout=httpx.Timeout(
+                connect=self.config.connect_timeout_s, read=self.config.read_timeout_s, write=60.0, pool=None
+            ),
+        )
         if self.discovery is not None:
             self._tasks.append(asyncio.create_task(self.discovery(self)))
         if self.config.poll_interval_s > 0:
@@ -178,18 +200,23 @@ class Router:
         token_ids = None
         if self.tokenizer is not None:
             token_ids = await asyncio.get_running_loop().run_in_executor(
-                self._tokenize_pool, self.tokenizer.token_ids, path, payload)
+                self._tokenize_pool, self.tokenizer.token_ids, path, payload
+            )
         hashes = HashCache(token_ids) if token_ids else None
         now = time.monotonic()
         views = [self.replicas.view(r, now) for r in self.replicas.routable(now)]
-        features = RequestFeatures(hashes_for=hashes, num_prompt_tokens=len(token_ids) if token_ids else 0,
-                                   session_url=self.replicas.sessions.get(session_key))
+        features = RequestFeatures(
+            hashes_for=hashes,
+            num_prompt_tokens=len(token_ids) if token_ids else 0,
+            session_url=self.replicas.sessions.get(session_key),
+        )
         decision = rank(features, views, self.replicas.index, self.config.weights, self.rng)
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
         if decision.ranked:
             best = decision.ranked[0]
-            self.metrics.prefix_match_ratio.observe(best.matched_blocks / best.total_blocks if best.total_blocks
-                                                    else 0.0)
+            self.metrics.prefix_match_ratio.observe(
+                best.matched_blocks / best.total_blocks if best.total_blocks else 0.0
+            )
             if logger.isEnabledFor(logging.DEBUG):
                 logger.debug("route %s -> %s (%s): %s", path, best.url, decision.reason, decision.describe())
         return decision, hashes
@@ -197,8 +224,9 @@ class Router:
     async def forward(self, request: Request, path: str) -> Response:
         body = await request.body()
         if len(body) > self.config.max_request_body_bytes:
-            return error_response(413, f"request body exceeds {self.config.max_request_body_bytes} bytes",
-                                  type="invalid_request_error")
+            return error_response(
+                413, f"request body exceeds {self.config.max_request_body_bytes} bytes", type="invalid_request_error"
+            )
         try:
             payload = json.loads(body)
         except ValueError as exc:
@@ -211,14 +239,15 @@ class Router:
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
         headers["accept-encoding"] = "identity"
         last_error = "no attempt made"
-        for attempt, score in enumerate(decision.ranked[:self.config.max_attempts]):
+        for attempt, score in enumerate(decision.ranked[: self.config.max_attempts]):
             replica = self.replicas.replicas.get(score.url)
             if replica is None:  # removed by discovery while we were deciding
                 continue
             url = score.url
             if hashes is not None:  # recorded at dispatch, so simultaneous identical prompts stick together
-                self.replicas.index.record(url, hashes(self.replicas.block_size(replica)),
-                                           self.replicas.capacity_blocks(replica))
+                self.replicas.index.record(
+                    url, hashes(self.replicas.block_size(replica)), self.replicas.capacity_blocks(replica)
+                )
             self.metrics.requests.labels(url, decision.reason if attempt == 0 else "retry").inc()
             lease = _Lease(self, url, score.uncached_tokens)
             upstream = self.client.build_request("POST", url + path, content=body, headers=headers)
@@ -245,13 +274,18 @@ class Router:
             out_headers = {k: v for k, v in resp.headers.items() if k.lower() not in HOP_HEADERS}
             out_headers[ENDPOINT_HEADER] = url
             is_sse = resp.headers.get("content-type", "").startswith("text/event-stream")
-            return _LeasedStreamingResponse(_relay(self, url, resp, first_chunk, chunks, is_sse), lease,
-                                            status_code=resp.status_code, headers=out_headers)
+            return _LeasedStreamingResponse(
+                _relay(self, url, resp, first_chunk, chunks, is_sse),
+                lease,
+                status_code=resp.status_code,
+                headers=out_headers,
+            )
         self.metrics.failed.labels("all_attempts_failed").inc()
         return error_response(502, f"no replica could take the request ({last_error})", type="server_error")
 
-    async def _open(self, upstream: httpx.Request, url: str, last: bool
-                    ) -> tuple[httpx.Response, bytes, AsyncIterator[bytes]]:
+    async def _open(
+        self, upstream: httpx.Request, url: str, last: bool
+    ) -> tuple[httpx.Response, bytes, AsyncIterator[bytes]]:
         """Send and wait for the first body chunk. Raises _Retryable for failures that are safe to retry
         (nothing reached the client and the replica did not take the request, or died before answering)."""
         dispatched = time.perf_counter()
@@ -320,8 +354,9 @@ class _LeasedStreamingResponse(StreamingResponse):
             await self.lease.release()
 
 
-async def _relay(router: Router, url: str, resp: httpx.Response, first: bytes, chunks: AsyncIterator[bytes],
-                 is_sse: bool) -> AsyncIterator[bytes]:
+async def _relay(
+    router: Router, url: str, resp: httpx.Response, first: bytes, chunks: AsyncIterator[bytes], is_sse: bool
+) -> AsyncIterator[bytes]:
     """Upstream bytes to the client as they arrive (no buffering, no parsing: `[DONE]` may be split across
     reads). A client disconnect cancels this generator; the finally closes the upstream connection."""
     try:
@@ -333,8 +368,14 @@ async def _relay(router: Router, url: str, resp: httpx.Response, first: bytes, c
         router._eject(url, "stream_broken", exc)
         logger.warning("upstream %s broke mid-response: %s", url, exc)
         if is_sse:  # end the stream the way kvserve's server reports a failed request
-            error = {"error": {"message": f"replica {url} failed mid-stream: {type(exc).__name__}",
-                               "type": "server_error", "param": None, "code": "upstream_error"}}
+            error = {
+                "error": {
+                    "message": f"replica {url} failed mid-stream: {type(exc).__name__}",
+                    "type": "server_error",
+                    "param": None,
+                    "code": "upstream_error",
+                }
+            }
             yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
         else:
             raise
@@ -395,17 +436,23 @@ def build_app(router: Router) -> FastAPI:
             except httpx.HTTPError as exc:
                 router._eject(replica.url, "connect_error", exc)
                 continue
-            return Response(resp.content, status_code=resp.status_code,
-                            media_type=resp.headers.get("content-type", "application/json"),
-                            headers={ENDPOINT_HEADER: replica.url})
+            return Response(
+                resp.content,
+                status_code=resp.status_code,
+                media_type=resp.headers.get("content-type", "application/json"),
+                headers={ENDPOINT_HEADER: replica.url},
+            )
         return error_response(503, "no replicas available", type="server_error")
 
     @app.get("/health")
     async def health() -> Response:
         replicas = router.replicas.replicas.values()
         routable = sum(1 for r in replicas if r.ejected_until is None and not r.draining)
-        body = {"status": "ok" if routable else "no_replicas", "replicas": len(router.replicas.replicas),
-                "routable": routable}
+        body = {
+            "status": "ok" if routable else "no_replicas",
+            "replicas": len(router.replicas.replicas),
+            "routable": routable,
+        }
         return JSONResponse(body, status_code=200 if routable else 503)
 
     @app.get("/metrics")

@@ -4,6 +4,7 @@ Accepts both vLLM generations of the KV gauge (`vllm:kv_cache_usage_perc`, older
 Capacity, most precise first: kvserve's `kvserve:kv_capacity_tokens` gauge; vLLM's `vllm:cache_config_info`
 labels `num_gpu_blocks` x `block_size`; else None (the router's --default-capacity-tokens applies).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -3,6 +3,7 @@
 No I/O here: the proxy feeds in scrape results, failures and discovery updates (with the time), and asks for
 the routable set. Keeping the clock a parameter lets tests drive ejection and back-off deterministically.
 """
+
 from __future__ import annotations
 
 import logging
@@ -28,8 +29,15 @@ class Replica:
 
 
 class ReplicaSet:
-    def __init__(self, *, default_capacity_tokens: int = 500_000, default_block_size: int = 16,
-                 stale_after_s: float = 2.0, eject_base_s: float = 1.0, eject_max_s: float = 30.0):
+    def __init__(
+        self,
+        *,
+        default_capacity_tokens: int = 500_000,
+        default_block_size: int = 16,
+        stale_after_s: float = 2.0,
+        eject_base_s: float = 1.0,
+        eject_max_s: float = 30.0,
+    ):
         self.default_capacity_tokens = default_capacity_tokens
         self.default_block_size = default_block_size
         self.stale_after_s = stale_after_s
@@ -72,7 +80,7 @@ class ReplicaSet:
         replica = self.replicas.get(url)
         if replica is None or replica.ejected_until is not None:
             return None
-        backoff = min(self.eject_max_s, self.eject_base_s * 2 ** replica.ejections_in_a_row)
+        backoff = min(self.eject_max_s, self.eject_base_s * 2**replica.ejections_in_a_row)
         replica.ejected_until = now + backoff
         replica.ejections_in_a_row += 1
         replica.metrics = replica.metrics_at = None
@@ -87,7 +95,7 @@ class ReplicaSet:
     def probe_failed(self, url: str, now: float) -> None:
         replica = self.replicas.get(url)
         if replica is not None and replica.ejected_until is not None:
-            backoff = min(self.eject_max_s, self.eject_base_s * 2 ** replica.ejections_in_a_row)
+            backoff = min(self.eject_max_s, self.eject_base_s * 2**replica.ejections_in_a_row)
             replica.ejected_until = now + backoff
             replica.ejections_in_a_row += 1
 
@@ -107,12 +115,14 @@ class ReplicaSet:
 
     # ---- queries --------------------------------------------------------------------------------------------
     def block_size(self, replica: Replica) -> int:
-        return (replica.metrics.block_size if replica.metrics and replica.metrics.block_size
-                else self.default_block_size)
+        return replica.metrics.block_size if replica.metrics and replica.metrics.block_size else self.default_block_size
 
     def capacity_blocks(self, replica: Replica) -> int:
-        tokens = (replica.metrics.capacity_tokens if replica.metrics and replica.metrics.capacity_tokens
-                  else self.default_capacity_tokens)
+        tokens = (
+            replica.metrics.capacity_tokens
+            if replica.metrics and replica.metrics.capacity_tokens
+            else self.default_capacity_tokens
+        )
         return max(1, tokens // self.block_size(replica))
 
     def routable(self, now: float) -> list[Replica]:
@@ -123,10 +133,18 @@ class ReplicaSet:
         return healthy or live
 
     def view(self, replica: Replica, now: float) -> ReplicaView:
-        fresh = (replica.metrics is not None and replica.metrics_at is not None
-                 and now - replica.metrics_at <= self.stale_after_s)
+        fresh = (
+            replica.metrics is not None
+            and replica.metrics_at is not None
+            and now - replica.metrics_at <= self.stale_after_s
+        )
         m = replica.metrics if fresh else None
-        return ReplicaView(url=replica.url, in_flight=replica.in_flight,
-                           waiting=m.waiting if m else None, running=m.running if m else None,
-                           kv_usage=m.kv_usage if m else None, block_size=self.block_size(replica),
-                           in_flight_prefill_tokens=replica.in_flight_prefill_tokens)
+        return ReplicaView(
+            url=replica.url,
+            in_flight=replica.in_flight,
+            waiting=m.waiting if m else None,
+            running=m.running if m else None,
+            kv_usage=m.kv_usage if m else None,
+            block_size=self.block_size(replica),
+            in_flight_prefill_tokens=replica.in_flight_prefill_tokens,
+        )

@@ -9,7 +9,8 @@ Scorers (weights in `Weights`, documented in docs/router.md):
 - prefill: prompt work on the replica, in tokens -- this prompt's uncached part there, plus the uncached
   prompt tokens of the router's requests in flight there (held until they end: the router cannot see when a
   replica finishes a prefill without parsing the stream). Scored 1 for the least such work, falling
-  linearly by 1/prefill_scale per extra token. This is how a cached prefix pays (in prefill work saved) and how it stops paying on a
+  linearly by 1/prefill_scale per extra token. This is how a cached prefix pays (in prefill work saved) and how it
+  stops paying on a
   replica already busy prefilling ("sticky until saturated", in tokens rather than request counts).
 - prefix: the fraction of the prompt's full blocks that the replica is believed to hold (longest cached
   prefix, from the PrefixIndex): a small tie-breaker towards locality.
@@ -20,6 +21,7 @@ Scorers (weights in `Weights`, documented in docs/router.md):
 - kv: 1 - the replica's KV-cache usage; 0 when its metrics are stale (unknown pressure counts as full).
 - session: 1 on the replica this session was last sent to (optional, keyed by a request header).
 """
+
 from __future__ import annotations
 
 import random
@@ -54,6 +56,7 @@ class Weights:
 @dataclass(frozen=True)
 class ReplicaView:
     """What the router knows about one routable replica at decision time."""
+
     url: str
     in_flight: int = 0
     waiting: int | None = None  # None: no fresh /metrics
@@ -73,6 +76,7 @@ class ReplicaView:
 class RequestFeatures:
     """`hashes_for(block_size)` returns the prompt's chained block hashes at that block size (callers memoise);
     None when the prompt could not be tokenised (then only load decides)."""
+
     hashes_for: Callable[[int], Sequence[bytes]] | None = None
     num_prompt_tokens: int = 0
     session_url: str | None = None  # where this session went last, if session affinity is on
@@ -103,14 +107,21 @@ class Decision:
         return [s.url for s in self.ranked]
 
     def describe(self) -> str:
-        return "; ".join(f"{s.url} total={s.total:.2f} prefill={s.prefill:.2f}({s.uncached_tokens} uncached) "
-                         f"prefix={s.prefix:.2f}({s.matched_blocks}/{s.total_blocks}) "
-                         f"queue={s.queue:.2f}(load {s.load}) kv={s.kv:.2f} session={s.session:.0f}"
-                         for s in self.ranked)
+        return "; ".join(
+            f"{s.url} total={s.total:.2f} prefill={s.prefill:.2f}({s.uncached_tokens} uncached) "
+            f"prefix={s.prefix:.2f}({s.matched_blocks}/{s.total_blocks}) "
+            f"queue={s.queue:.2f}(load {s.load}) kv={s.kv:.2f} session={s.session:.0f}"
+            for s in self.ranked
+        )
 
 
-def rank(features: RequestFeatures, replicas: Sequence[ReplicaView], index: PrefixIndex, weights: Weights,
-         rng: random.Random | None = None) -> Decision:
+def rank(
+    features: RequestFeatures,
+    replicas: Sequence[ReplicaView],
+    index: PrefixIndex,
+    weights: Weights,
+    rng: random.Random | None = None,
+) -> Decision:
     if not replicas:
         return Decision([], "none")
     rng = rng or random
@@ -138,10 +149,14 @@ def rank(features: RequestFeatures, replicas: Sequence[ReplicaView], index: Pref
         queue = 1.0 - (r.load - min_load) / span
         kv = 1.0 - min(1.0, max(0.0, r.kv_usage)) if r.kv_usage is not None else 0.0
         session = 1.0 if features.session_url == r.url else 0.0
-        total_score = (weights.prefill * prefill + weights.prefix * prefix + weights.queue * queue
-                       + weights.kv * kv + weights.session * session)
-        scores.append(Score(r.url, total_score, prefill, prefix, queue, kv, session, matched, total, r.load,
-                            uncached))
+        total_score = (
+            weights.prefill * prefill
+            + weights.prefix * prefix
+            + weights.queue * queue
+            + weights.kv * kv
+            + weights.session * session
+        )
+        scores.append(Score(r.url, total_score, prefill, prefix, queue, kv, session, matched, total, r.load, uncached))
     rng.shuffle(scores)  # random tie-break: the sort below is stable
     scores.sort(key=lambda s: s.total, reverse=True)
     return Decision(scores, _reason(scores, weights))
@@ -190,11 +205,12 @@ class SessionTable:
 class HashCache:
     """A prompt's block hashes, computed once per block size (replicas may differ). Only the first
     `max_tokens` tokens are hashed: matching beyond that buys little and costs router CPU (llm-d caps at 128K)."""
+
     token_ids: Sequence[int]
     max_tokens: int = 131_072
     _by_size: dict[int, list[bytes]] = field(default_factory=dict)
 
     def __call__(self, block_size: int) -> list[bytes]:
         if block_size not in self._by_size:
-            self._by_size[block_size] = block_hashes(self.token_ids[:self.max_tokens], block_size)
+            self._by_size[block_size] = block_hashes(self.token_ids[: self.max_tokens], block_size)
         return self._by_size[block_size]

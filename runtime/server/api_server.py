@@ -12,6 +12,7 @@ uvicorn's own handler would close the listening socket immediately (new clients 
 refused instead of a clean 503) and re-raise the signal on exit (exit status 143, not 0); so the server
 overrides it.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -101,15 +102,30 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def run_server(config: ServerConfig, *, host: str, port: int, engine_factory: Callable[[], Any] | None = None,
-               engine: Any = None, log_level: str = "info", uvicorn_kwargs: dict | None = None,
-               sockets: list | None = None) -> int:
+def run_server(
+    config: ServerConfig,
+    *,
+    host: str,
+    port: int,
+    engine_factory: Callable[[], Any] | None = None,
+    engine: Any = None,
+    log_level: str = "info",
+    uvicorn_kwargs: dict | None = None,
+    sockets: list | None = None,
+) -> int:
     """`sockets`: listening sockets bound by the caller (the API-server group's launcher) instead of host:port."""
     app = build_app(config, engine=engine, engine_factory=engine_factory)
     state: ServerState = app.state.kvserve
-    uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                               timeout_graceful_shutdown=max(5, int(config.drain_timeout_s)),
-                               timeout_keep_alive=5, **(uvicorn_kwargs or {}))
+    uv_config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        lifespan="on",
+        timeout_graceful_shutdown=max(5, int(config.drain_timeout_s)),
+        timeout_keep_alive=5,
+        **(uvicorn_kwargs or {}),
+    )
     server = DrainingServer(uv_config, state)
     state.on_fatal = server.fatal
     state.on_engine_dead = server.engine_dead

@@ -29,6 +29,7 @@ Layout (this process is the launcher and only supervises):
 - The launcher killed (SIGKILL): the core watches the launcher's pid and leaves within 0.5 s, and the API
   servers follow as on core death.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -69,15 +70,16 @@ def listen_sockets(host: str, port: int, count: int) -> list[socket.socket]:
     return sockets
 
 
-def run_api_server_group(server_config, engine_args, *, host: str, port: int, count: int,
-                         log_level: str = "info") -> int:
+def run_api_server_group(
+    server_config, engine_args, *, host: str, port: int, count: int, log_level: str = "info"
+) -> int:
     import zmq
 
     from kvserve.runtime.config import build_engine_config
     from kvserve.runtime.engine.attached_core_client import CoreAttachment
     from kvserve.runtime.engine.core_process import run_engine_core
-    from kvserve.runtime.tokenizer import load_tokenizer
     from kvserve.runtime.server.termination import write_termination_message
+    from kvserve.runtime.tokenizer import load_tokenizer
 
     try:
         engine_config = build_engine_config(engine_args)
@@ -93,8 +95,9 @@ def run_api_server_group(server_config, engine_args, *, host: str, port: int, co
     group_dir = tempfile.mkdtemp(prefix="kvserve-group-")  # 0700: the ipc sockets and the metric files
     metrics_dir = os.path.join(group_dir, "metrics")
     os.mkdir(metrics_dir)
-    attachments = [CoreAttachment(i, f"ipc://{group_dir}/input-{i}", f"ipc://{group_dir}/output-{i}", 0)
-                   for i in range(count)]
+    attachments = [
+        CoreAttachment(i, f"ipc://{group_dir}/input-{i}", f"ipc://{group_dir}/output-{i}", 0) for i in range(count)
+    ]
     ctx = zmq.Context()
     control = ctx.socket(zmq.PUSH)  # the launcher's own input to the core: SHUTDOWN once the servers are gone
     control.setsockopt(zmq.LINGER, 1000)
@@ -106,20 +109,38 @@ def run_api_server_group(server_config, engine_args, *, host: str, port: int, co
     # core's, not a forkserver's pipe), and a SIGTERM to the process group cannot kill a forkserver under it.
     spawn = multiprocessing.get_context("spawn")
     core = spawn.Process(
-        target=run_engine_core, name="kvserve-engine-core",
-        args=(engine_config, [a.input_address for a in attachments] + [f"ipc://{group_dir}/control"],
-              [a.output_address for a in attachments], os.getpid(), level, vocab_size, f"ipc://{group_dir}/status"))
+        target=run_engine_core,
+        name="kvserve-engine-core",
+        args=(
+            engine_config,
+            [a.input_address for a in attachments] + [f"ipc://{group_dir}/control"],
+            [a.output_address for a in attachments],
+            os.getpid(),
+            level,
+            vocab_size,
+            f"ipc://{group_dir}/status",
+        ),
+    )
     core.start()
-    logger.info("engine core process %d started; starting %d API servers on http://%s:%d", core.pid, count,
-                host, port)
+    logger.info("engine core process %d started; starting %d API servers on http://%s:%d", core.pid, count, host, port)
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # before any API server imports prometheus_client
     servers = []
     try:
         for i, sock in enumerate(listeners):
             config = dataclasses.replace(server_config, api_server_index=i, api_server_count=count)
-            proc = spawn.Process(target=_api_server_main, name=f"kvserve-api-server-{i}",
-                                 args=(config, engine_config, dataclasses.replace(attachments[i], core_pid=core.pid),
-                                       sock, host, port, log_level))
+            proc = spawn.Process(
+                target=_api_server_main,
+                name=f"kvserve-api-server-{i}",
+                args=(
+                    config,
+                    engine_config,
+                    dataclasses.replace(attachments[i], core_pid=core.pid),
+                    sock,
+                    host,
+                    port,
+                    log_level,
+                ),
+            )
             proc.start()
             servers.append(proc)
             logger.info("API server %d: pid %d", i, proc.pid)
@@ -160,20 +181,22 @@ def _report_startup_failure(status) -> None:
             return
 
 
-def _api_server_main(config, engine_config, attachment, sock: socket.socket, host: str, port: int,
-                     log_level: str) -> None:
+def _api_server_main(
+    config, engine_config, attachment, sock: socket.socket, host: str, port: int, log_level: str
+) -> None:
     """One API server (a spawned process): uvicorn on the launcher's socket, attached to the shared core."""
     os.setpgrp()  # signals come from the launcher only (see the module docstring)
-    logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s %(levelname)s %(name)s"
-                                                        f"[api-server {attachment.client_index}]: %(message)s")
+    logging.basicConfig(
+        level=log_level.upper(),
+        format=f"%(asctime)s %(levelname)s %(name)s[api-server {attachment.client_index}]: %(message)s",
+    )
     from kvserve.runtime.engine.attached_core_client import AttachedCoreClient
     from kvserve.runtime.server.api_server import run_server
 
     def load_engine():
         return AttachedCoreClient(engine_config, attachment)
 
-    sys.exit(run_server(config, host=host, port=port, engine_factory=load_engine, log_level=log_level,
-                        sockets=[sock]))
+    sys.exit(run_server(config, host=host, port=port, engine_factory=load_engine, log_level=log_level, sockets=[sock]))
 
 
 def _supervise(core, servers: list, control, drain_timeout_s: float) -> int:
@@ -195,8 +218,12 @@ def _supervise(core, servers: list, control, drain_timeout_s: float) -> int:
 
     def on_signal(sig: int, frame) -> None:
         state["signals"] += 1
-        logger.info("%s received: %s %d API server(s)", signal.Signals(sig).name,
-                    "draining" if state["signals"] == 1 else "stopping now", len(live))
+        logger.info(
+            "%s received: %s %d API server(s)",
+            signal.Signals(sig).name,
+            "draining" if state["signals"] == 1 else "stopping now",
+            len(live),
+        )
         state["stopping"] = True
         stop_servers()
 
@@ -210,16 +237,19 @@ def _supervise(core, servers: list, control, drain_timeout_s: float) -> int:
             core.join(1)
             core_gone, failed = True, True
             state["stopping"] = True  # each server answers 503 engine_dead and exits by itself: no SIGTERM
-            logger.error("the engine core process died (%s): every API server answers 503 and exits 1",
-                         describe_exit(core.exitcode))
+            logger.error(
+                "the engine core process died (%s): every API server answers 503 and exits 1",
+                describe_exit(core.exitcode),
+            )
             deadline = min(deadline or float("inf"), time.monotonic() + CORE_DEATH_GRACE_S)
         for proc in [p for p in live if p.sentinel in ready]:
             proc.join(1)
             live.remove(proc)
             if proc.exitcode != 0 or not state["stopping"]:
                 if not failed and not core_gone:
-                    logger.error("%s exited (%s): stopping the other API servers", proc.name,
-                                 describe_exit(proc.exitcode))
+                    logger.error(
+                        "%s exited (%s): stopping the other API servers", proc.name, describe_exit(proc.exitcode)
+                    )
                 failed = True
                 if not state["stopping"]:
                     state["stopping"] = True

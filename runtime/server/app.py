@@ -7,6 +7,7 @@ Request path: auth -> drain/ready check -> parse + validate (400 naming the fiel
 queue depth (429 + Retry-After) -> tokenize off the event loop -> AsyncEngine.add_request (the engine's
 own validation maps to 400) -> stream SSE chunks or collect. A client that goes away aborts its requests.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -25,6 +26,7 @@ from kvserve.runtime.server.state import ServerConfig, ServerState
 
 logger = logging.getLogger("kvserve.server")
 
+
 def build_app(config: ServerConfig, *, engine: Any = None, engine_factory: Callable[[], Any] | None = None) -> FastAPI:
     """`engine`: an LLMEngine already loaded (tests). `engine_factory`: called in a worker thread at startup
     while /health says 503 (the server binds first, so a Kubernetes startup probe sees it loading)."""
@@ -36,6 +38,7 @@ def build_app(config: ServerConfig, *, engine: Any = None, engine_factory: Calla
         if engine is not None:
             state.attach_engine(engine)
         elif engine_factory is not None:
+
             async def load() -> None:
                 try:
                     loaded = await asyncio.get_running_loop().run_in_executor(None, engine_factory)
@@ -46,6 +49,7 @@ def build_app(config: ServerConfig, *, engine: Any = None, engine_factory: Calla
                     logger.exception("model loading failed")
                     if state.on_fatal is not None:
                         state.on_fatal(exc)
+
             load_task = asyncio.create_task(load())
         try:
             yield
@@ -87,8 +91,15 @@ def build_app(config: ServerConfig, *, engine: Any = None, engine_factory: Calla
     async def health() -> Response:
         if state.ready:
             return JSONResponse({"status": "ok"})
-        status = ("draining" if state.draining else "failed" if state.load_error is not None
-                  else "loading" if state.engine is None else "engine_dead")
+        status = (
+            "draining"
+            if state.draining
+            else "failed"
+            if state.load_error is not None
+            else "loading"
+            if state.engine is None
+            else "engine_dead"
+        )
         return JSONResponse({"status": status}, status_code=503)
 
     @app.get("/metrics")
@@ -101,12 +112,22 @@ def build_app(config: ServerConfig, *, engine: Any = None, engine_factory: Calla
         serving.check_auth(request)
         data = []
         for name in config.served_model_names:
-            entry = {"id": name, "object": "model", "created": state.created, "owned_by": "kvserve",
-                     "root": config.model_dir, "parent": None, "max_model_len": state.max_model_len or None,
-                     "random_weights": config.random_weights, "vocab_size": state.vocab_size or None}
+            entry = {
+                "id": name,
+                "object": "model",
+                "created": state.created,
+                "owned_by": "kvserve",
+                "root": config.model_dir,
+                "parent": None,
+                "max_model_len": state.max_model_len or None,
+                "random_weights": config.random_weights,
+                "vocab_size": state.vocab_size or None,
+            }
             if config.random_weights:
-                entry["description"] = ("kvserve built-in demo model with RANDOM WEIGHTS: it exercises the serving "
-                                        "path; its output is gibberish")
+                entry["description"] = (
+                    "kvserve built-in demo model with RANDOM WEIGHTS: it exercises the serving "
+                    "path; its output is gibberish"
+                )
             data.append(entry)
         return JSONResponse({"object": "list", "data": data})
 
@@ -147,4 +168,5 @@ class _ServerIndexHeader:
             if message["type"] == "http.response.start":
                 message = {**message, "headers": [*message.get("headers", []), self.header]}
             await send(message)
+
         await self.app(scope, receive, send_with_header)

@@ -1,4 +1,5 @@
 """OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with the right HTTP status."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -8,8 +9,16 @@ from pydantic import ValidationError
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -22,12 +31,20 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return error_response(self.status, self.message, type=self.type, param=self.param, code=self.code,
-                              headers=self.headers)
+        return error_response(
+            self.status, self.message, type=self.type, param=self.param, code=self.code, headers=self.headers
+        )
 
 
-def error_response(status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                   code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(
+    status: int,
+    message: str,
+    *,
+    type: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
     body = {"error": {"message": message, "type": type, "param": param, "code": code}}
     return JSONResponse(body, status_code=status, headers=headers)
 

@@ -4,6 +4,7 @@ Unknown fields are ignored (new OpenAI client versions add fields); known fields
 each error names the field. Non-OpenAI sampling extras (`top_k`, `min_p`, `repetition_penalty`,
 `ignore_eos`, `min_tokens`, ...) come in through the openai client's `extra_body`, as with vLLM.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,16 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 # The bounds are SamplingParams' (one source); what depends on the model (vocabulary, context length,
 # max_num_seqs, KV pool) is checked by sampling_params.verify_request once the prompt is tokenized.
-from kvserve.runtime.sampling_params import (INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_N, MAX_PROMPTS,
-                                             MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS)
+from kvserve.runtime.sampling_params import (
+    INT64_MAX,
+    INT64_MIN,
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_PROMPTS,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+)
 
 TokenId = Annotated[StrictInt, Field(ge=0, le=INT64_MAX)]
 StopString = Annotated[StrictStr, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
@@ -32,6 +41,7 @@ class StreamOptions(_Base):
 
 class _SamplingFields(_Base):
     """Fields shared by completions and chat completions."""
+
     model: StrictStr | None = None
     n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = 1
     best_of: Annotated[StrictInt, Field(ge=1, le=MAX_N)] | None = None
@@ -62,8 +72,9 @@ class _SamplingFields(_Base):
     guided_choice: list[StrictStr] | None = None
     guided_grammar: StrictStr | None = None
 
-    @field_validator("temperature", "top_p", "presence_penalty", "frequency_penalty", "min_p", "repetition_penalty",
-                     mode="before")
+    @field_validator(
+        "temperature", "top_p", "presence_penalty", "frequency_penalty", "min_p", "repetition_penalty", mode="before"
+    )
     @classmethod
     def _number_not_string(cls, value: Any) -> Any:
         if isinstance(value, (str, bool)):
@@ -81,8 +92,9 @@ class _SamplingFields(_Base):
 class CompletionRequest(_SamplingFields):
     # left_to_right: a list of token ids matches its member first (smart mode would also validate every id
     # against the other list members: 0.4 s of pydantic for a 1 MiB body, with the GIL held).
-    prompt: Annotated[StrictStr | list[TokenId] | list[StrictStr] | list[list[TokenId]],
-                      Field(union_mode="left_to_right")]
+    prompt: Annotated[
+        StrictStr | list[TokenId] | list[StrictStr] | list[list[TokenId]], Field(union_mode="left_to_right")
+    ]
     max_tokens: Annotated[StrictInt, Field(le=INT64_MAX)] | None = 16
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: StrictBool = False
@@ -136,8 +148,14 @@ class ChatMessage(_Base):
         if self.name is not None:
             out["name"] = self.name
         if self.tool_calls:
-            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-                "name": c.function.name, "arguments": _maybe_json(c.function.arguments)}} for c in self.tool_calls]
+            out["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": _maybe_json(c.function.arguments)},
+                }
+                for c in self.tool_calls
+            ]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
         return out

@@ -5,13 +5,13 @@ collection, logprobs and usage in OpenAI's shapes."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import re
 import secrets
 import time
 import uuid
-import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
@@ -20,9 +20,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from kvserve.runtime.engine.async_engine import AsyncEngine, RequestStream
-from kvserve.runtime.errors import RequestFailedError
+from kvserve.runtime.errors import InvalidParameter, RequestFailedError
 from kvserve.runtime.sampling_params import SamplingParams, verify_request
-from kvserve.runtime.errors import InvalidParameter
 from kvserve.runtime.server import structured
 from kvserve.runtime.server.errors import APIError, bad_request, engine_error, find_invalid_text, from_validation_error
 from kvserve.runtime.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -37,6 +36,7 @@ logger = logging.getLogger("kvserve.server")
 @dataclass
 class _Delta:
     """What one step added to one streamed choice."""
+
     index: int
     text: str
     token_ids: list[int]
@@ -49,6 +49,7 @@ class _Delta:
 @dataclass
 class _Choice:
     """Streaming progress of one choice: what has been sent so far."""
+
     index: int
     sent_text_len: int = 0
     sent_tokens: int = 0
@@ -81,35 +82,61 @@ class OpenAIServing:
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key.encode()):
-            raise APIError(401, "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.",
-                           type="invalid_request_error", code="invalid_api_key")
+            raise APIError(
+                401,
+                "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.",
+                type="invalid_request_error",
+                code="invalid_api_key",
+            )
 
     def check_ready(self) -> AsyncEngine:
         state = self.state
         if state.draining:
-            raise APIError(503, "The server is shutting down (draining); retry on another replica.",
-                           type="server_error", code="service_unavailable", headers={"Connection": "close"})
+            raise APIError(
+                503,
+                "The server is shutting down (draining); retry on another replica.",
+                type="server_error",
+                code="service_unavailable",
+                headers={"Connection": "close"},
+            )
         if state.engine is None:
-            raise APIError(503, "The model is still loading; retry shortly.", type="server_error",
-                           code="service_unavailable", headers={"Retry-After": "5"})
+            raise APIError(
+                503,
+                "The model is still loading; retry shortly.",
+                type="server_error",
+                code="service_unavailable",
+                headers={"Retry-After": "5"},
+            )
         if not state.engine.is_running:
-            raise APIError(503, "The engine is dead; this server is shutting down. Retry on another replica.",
-                           type="server_error", code="engine_dead")
+            raise APIError(
+                503,
+                "The engine is dead; this server is shutting down. Retry on another replica.",
+                type="server_error",
+                code="engine_dead",
+            )
         return state.engine
 
     def check_model(self, model: str | None) -> None:
         names = self.state.config.served_model_names
         if model is not None and model not in names:
-            raise APIError(404, f"The model '{model}' does not exist. Available: {', '.join(names)}.",
-                           type="invalid_request_error", param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"The model '{model}' does not exist. Available: {', '.join(names)}.",
+                type="invalid_request_error",
+                param="model",
+                code="model_not_found",
+            )
 
     def check_queue(self, engine: AsyncEngine) -> None:
         limit = self.state.config.max_queue_len
         if limit is not None and engine.num_waiting >= limit:
-            raise APIError(429, f"Server is at capacity: {engine.num_waiting} requests waiting "
-                                f"(--max-queue-len {limit}). Retry later.",
-                           type="rate_limit_error", code="queue_full",
-                           headers={"Retry-After": str(self.state.config.retry_after_s)})
+            raise APIError(
+                429,
+                f"Server is at capacity: {engine.num_waiting} requests waiting (--max-queue-len {limit}). Retry later.",
+                type="rate_limit_error",
+                code="queue_full",
+                headers={"Retry-After": str(self.state.config.retry_after_s)},
+            )
 
     async def parse(self, request: Request, model_cls: type) -> Any:
         limit = self.state.config.max_request_body_bytes
@@ -128,8 +155,9 @@ class OpenAIServing:
             return _parse_body(body, model_cls, context)
         # Parsing and validating a large body takes milliseconds per MiB: off the event loop, so /health and
         # other clients' streams keep flowing meanwhile (the thread yields the GIL every switch interval).
-        return await asyncio.get_running_loop().run_in_executor(self.state.parse_pool, _parse_body, body, model_cls,
-                                                          context)
+        return await asyncio.get_running_loop().run_in_executor(
+            self.state.parse_pool, _parse_body, body, model_cls, context
+        )
 
     # ---- tokenization (one dedicated thread) ---------------------------------------------------------
     async def _run_tokenizer(self, fn: Callable, *args: Any) -> Any:
@@ -140,9 +168,12 @@ class OpenAIServing:
         characters, so with this many characters the prompt cannot fit (x4 margin for normalizers)."""
         limit = self.state.max_model_len * self.state.max_token_chars * 4
         if len(text) > limit:
-            raise bad_request(f"{param} is too long: {len(text)} characters cannot fit in this model's maximum "
-                              f"context length of {self.state.max_model_len} tokens.", param=param,
-                              code="context_length_exceeded")
+            raise bad_request(
+                f"{param} is too long: {len(text)} characters cannot fit in this model's maximum "
+                f"context length of {self.state.max_model_len} tokens.",
+                param=param,
+                code="context_length_exceeded",
+            )
 
     async def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
         self._guard_length(text, param)
@@ -156,24 +187,39 @@ class OpenAIServing:
         tokenizer, template = self.state.tokenizer, self.state.chat_template
 
         def render() -> str:
-            return tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False,
-                                                 add_generation_prompt=add_generation_prompt, tools=tools or None)
+            return tokenizer.apply_chat_template(
+                conversation,
+                chat_template=template,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                tools=tools or None,
+            )
+
         try:
             return await self._run_tokenizer(render)
         except Exception as exc:  # template errors are the request's fault (e.g. roles it cannot render)
-            raise bad_request(f"messages could not be rendered with the chat template: {exc}",
-                              param="messages") from None
+            raise bad_request(
+                f"messages could not be rendered with the chat template: {exc}", param="messages"
+            ) from None
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         vocab = self.state.limits.vocab_size
         bad = [t for t in ids if t >= vocab]
         if bad:
-            raise bad_request(f"{param} contains token ids outside the vocabulary (size {vocab}): {bad[:5]}",
-                              param=param)
+            raise bad_request(
+                f"{param} contains token ids outside the vocabulary (size {vocab}): {bad[:5]}", param=param
+            )
 
     # ---- shared request plumbing ---------------------------------------------------------------------
-    def sampling_params(self, body: Any, max_tokens: int | None, logprobs: int | None, prompt_ids: list[int],
-                        prompt_param: str = "prompt", structured: Any = None) -> SamplingParams:
+    def sampling_params(
+        self,
+        body: Any,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_ids: list[int],
+        prompt_param: str = "prompt",
+        structured: Any = None,
+    ) -> SamplingParams:
         """The request's SamplingParams, checked against this engine exactly as the engine (and the offline
         LLM) checks them (sampling_params.verify_request): a 400 naming the field, before the engine sees it."""
         if max_tokens is None:
@@ -183,13 +229,23 @@ class OpenAIServing:
         if body.logit_bias:
             raise bad_request("logit_bias is not supported.", param="logit_bias")
         kwargs = dict(
-            n=body.n, temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p, top_k=-1 if body.top_k is None else body.top_k,
-            min_p=body.min_p or 0.0, seed=body.seed, max_tokens=max_tokens, min_tokens=body.min_tokens,
-            stop=body.stop, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, logprobs=logprobs,
-            presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+            n=body.n,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=-1 if body.top_k is None else body.top_k,
+            min_p=body.min_p or 0.0,
+            seed=body.seed,
+            max_tokens=max_tokens,
+            min_tokens=body.min_tokens,
+            stop=body.stop,
+            stop_token_ids=body.stop_token_ids,
+            ignore_eos=body.ignore_eos,
+            logprobs=logprobs,
+            presence_penalty=body.presence_penalty,
+            frequency_penalty=body.frequency_penalty,
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-            skip_special_tokens=body.skip_special_tokens, include_stop_str_in_output=body.include_stop_str_in_output,
+            skip_special_tokens=body.skip_special_tokens,
+            include_stop_str_in_output=body.include_stop_str_in_output,
             structured_outputs=structured,
         )
         try:
@@ -207,7 +263,8 @@ class OpenAIServing:
         compiler = self.state.grammar_compiler
         try:
             compiled = await asyncio.get_running_loop().run_in_executor(
-                self.state.grammar_pool, compiler.compile, params.structured_outputs)
+                self.state.grammar_pool, compiler.compile, params.structured_outputs
+            )
         except InvalidParameter as exc:
             raise bad_request(str(exc), param=exc.param) from None
         return dataclasses.replace(params, compiled_constraint=compiled)
@@ -231,6 +288,7 @@ class OpenAIServing:
 
     async def collect(self, request: Request, streams: list[RequestStream]) -> list[Any] | None:
         """Run every stream to its end; abort them all and return None if the client disconnects meanwhile."""
+
         async def drain(stream: RequestStream) -> Any:
             async for _ in stream:
                 pass
@@ -289,8 +347,11 @@ class OpenAIServing:
 
     def usage(self, prepared: _Prepared, completion_tokens: int) -> dict[str, int]:
         prompt_tokens = sum(len(ids) for ids in prepared.prompt_ids)
-        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens}
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
 
     def token_text(self, token_id: int, logprob_entry: Any) -> str:
         decoded = getattr(logprob_entry, "decoded_token", None)
@@ -321,10 +382,22 @@ class OpenAIServing:
         for token_id, entry in zip(token_ids, logprobs):
             sampled = entry.get(token_id)
             text = self.token_text(token_id, sampled)
-            tops = [{"token": (s := self.token_text(t, lp)), "logprob": _finite(lp.logprob),
-                     "bytes": list(s.encode("utf-8"))} for t, lp in self._entries(entry)[:top_n]]
-            content.append({"token": text, "logprob": None if sampled is None else _finite(sampled.logprob),
-                            "bytes": list(text.encode("utf-8")), "top_logprobs": tops})
+            tops = [
+                {
+                    "token": (s := self.token_text(t, lp)),
+                    "logprob": _finite(lp.logprob),
+                    "bytes": list(s.encode("utf-8")),
+                }
+                for t, lp in self._entries(entry)[:top_n]
+            ]
+            content.append(
+                {
+                    "token": text,
+                    "logprob": None if sampled is None else _finite(sampled.logprob),
+                    "bytes": list(text.encode("utf-8")),
+                    "top_logprobs": tops,
+                }
+            )
         return {"content": content, "refusal": None}
 
     # ---- /v1/completions ------------------------------------------------------------------------------
@@ -361,9 +434,12 @@ class OpenAIServing:
                 raise bad_request(f"{param} must not be empty.", param=param)
             prompt_ids.append(ids)
         spec = structured.output_spec(body)
-        params = [self.sampling_params(body, body.max_tokens, body.logprobs, ids,
-                                       "prompt" if len(prompt_ids) == 1 else f"prompt.{i}", spec)
-                  for i, ids in enumerate(prompt_ids)]
+        params = [
+            self.sampling_params(
+                body, body.max_tokens, body.logprobs, ids, "prompt" if len(prompt_ids) == 1 else f"prompt.{i}", spec
+            )
+            for i, ids in enumerate(prompt_ids)
+        ]
         if spec is not None:
             compiled = await self.compile_grammar(params[0])
             params = [dataclasses.replace(p, compiled_constraint=compiled.compiled_constraint) for p in params]
@@ -376,32 +452,48 @@ class OpenAIServing:
         created = int(time.time())
         model = self.state.config.served_model_names[0] if body.model is None else body.model
         if body.stream:
-            return StreamingResponse(self._completion_stream(body, prepared, streams, created, model),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            return StreamingResponse(
+                self._completion_stream(body, prepared, streams, created, model),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
         done = await self.collect(request, streams)
         if done is None:
             return Response(status_code=499)  # nobody is listening (nginx's "client closed request")
         choices, completion_tokens = [], 0
         for i, stream in enumerate(done):
             out = stream.last_output
-            for c in (out.outputs if out is not None else []):
+            for c in out.outputs if out is not None else []:
                 completion_tokens += len(c.token_ids)
                 echo = prepared.prompt_texts[i] if body.echo else ""
-                choices.append({
-                    "index": i * body.n + c.index,
-                    "text": echo + c.text,
-                    "logprobs": (self.completion_logprobs(c.token_ids, c.logprobs, len(echo))
-                                 if body.logprobs is not None and c.logprobs is not None else None),
-                    "finish_reason": "abort" if stream.aborted else c.finish_reason,
-                    "stop_reason": c.stop_reason,
-                })
+                choices.append(
+                    {
+                        "index": i * body.n + c.index,
+                        "text": echo + c.text,
+                        "logprobs": (
+                            self.completion_logprobs(c.token_ids, c.logprobs, len(echo))
+                            if body.logprobs is not None and c.logprobs is not None
+                            else None
+                        ),
+                        "finish_reason": "abort" if stream.aborted else c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                    }
+                )
         choices.sort(key=lambda c: c["index"])
-        return JSONResponse({"id": prepared.request_id, "object": "text_completion", "created": created,
-                             "model": model, "choices": choices,
-                             "usage": self.usage(prepared, completion_tokens)})
+        return JSONResponse(
+            {
+                "id": prepared.request_id,
+                "object": "text_completion",
+                "created": created,
+                "model": model,
+                "choices": choices,
+                "usage": self.usage(prepared, completion_tokens),
+            }
+        )
 
-    async def _choice_deltas(self, streams: list[RequestStream], n: int,
-                             choices: dict[int, _Choice]) -> AsyncIterator[_Delta]:
+    async def _choice_deltas(
+        self, streams: list[RequestStream], n: int, choices: dict[int, _Choice]
+    ) -> AsyncIterator[_Delta]:
         """What each engine step added to each choice (choice index = prompt index * n + sample index). A
         delta per step with new tokens, even when their text is held back (a partial UTF-8 character, a
         possible stop string) and the text is "": clients see every token's timing (ITL), as with vLLM.
@@ -420,20 +512,34 @@ class OpenAIServing:
                 if ch.finish_reason is not None:
                     continue
                 ch.num_tokens = len(c.token_ids)
-                text = c.text[ch.sent_text_len:]
-                new_ids = c.token_ids[ch.sent_tokens:]
+                text = c.text[ch.sent_text_len :]
+                new_ids = c.token_ids[ch.sent_tokens :]
                 if not text and not c.finish_reason and not new_ids:
                     continue
-                logprobs = c.logprobs[ch.sent_tokens:] if c.logprobs is not None else None
-                delta = _Delta(ch.index, text, new_ids, logprobs, ch.sent_text_len, c.finish_reason,
-                               c.stop_reason if c.finish_reason else None)
+                logprobs = c.logprobs[ch.sent_tokens :] if c.logprobs is not None else None
+                delta = _Delta(
+                    ch.index,
+                    text,
+                    new_ids,
+                    logprobs,
+                    ch.sent_text_len,
+                    c.finish_reason,
+                    c.stop_reason if c.finish_reason else None,
+                )
                 ch.sent_text_len += len(text)
                 ch.sent_tokens = len(c.token_ids)
                 ch.finish_reason = c.finish_reason
                 yield delta
 
-    async def _sse_stream(self, events: AsyncIterator[str], streams: list[RequestStream], base: dict,
-                          prepared: _Prepared, choices: dict[int, _Choice], include_usage: bool) -> AsyncIterator[str]:
+    async def _sse_stream(
+        self,
+        events: AsyncIterator[str],
+        streams: list[RequestStream],
+        base: dict,
+        prepared: _Prepared,
+        choices: dict[int, _Choice],
+        include_usage: bool,
+    ) -> AsyncIterator[str]:
         """The SSE envelope shared by both endpoints: the events, a usage chunk if asked for, an error event
         if the engine failed the request, then [DONE]; the requests are aborted however the stream ends
         (a client that disconnects frees its KV blocks)."""
@@ -450,8 +556,9 @@ class OpenAIServing:
                 stream.abort()
         yield "data: [DONE]\n\n"
 
-    def _completion_stream(self, body: CompletionRequest, prepared: _Prepared, streams: list[RequestStream],
-                           created: int, model: str) -> AsyncIterator[str]:
+    def _completion_stream(
+        self, body: CompletionRequest, prepared: _Prepared, streams: list[RequestStream], created: int, model: str
+    ) -> AsyncIterator[str]:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         base = {"id": prepared.request_id, "object": "text_completion", "created": created, "model": model}
         choices: dict[int, _Choice] = {}
@@ -479,8 +586,11 @@ class OpenAIServing:
         tools = structured.tool_plan(body, self.state.config.tool_call_parser)
         spec = structured.output_spec(body)
         if spec is not None and tools.constrained:
-            raise bad_request(f"{spec.field} cannot be combined with tool_choice {body.tool_choice!r}: the tool "
-                              "call is the structured output.", param=spec.field)
+            raise bad_request(
+                f"{spec.field} cannot be combined with tool_choice {body.tool_choice!r}: the tool "
+                "call is the structured output.",
+                param=spec.field,
+            )
         spec = spec or structured.tool_spec(tools)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         param_name = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
@@ -501,35 +611,58 @@ class OpenAIServing:
         created = int(time.time())
         model = self.state.config.served_model_names[0] if body.model is None else body.model
         if body.stream:
-            return StreamingResponse(self._chat_stream(body, prepared, streams, created, model, tools),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            return StreamingResponse(
+                self._chat_stream(body, prepared, streams, created, model, tools),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
         done = await self.collect(request, streams)
         if done is None:
             return Response(status_code=499)
         (stream,) = done
         out = stream.last_output
         choices, completion_tokens = [], 0
-        for c in (out.outputs if out is not None else []):
+        for c in out.outputs if out is not None else []:
             completion_tokens += len(c.token_ids)
             content, tool_calls = structured.tool_calls_from_output(tools, c.text)
             message = {"role": "assistant", "content": content, "refusal": None}
             if tool_calls:
                 message["tool_calls"] = tool_calls
             finish = "abort" if stream.aborted else c.finish_reason
-            choices.append({
-                "index": c.index,
-                "message": message,
-                "logprobs": (self.chat_logprobs(c.token_ids, c.logprobs, body.top_logprobs or 0)
-                             if body.logprobs and c.logprobs is not None else None),
-                "finish_reason": "tool_calls" if tool_calls and finish == "stop" else finish,
-                "stop_reason": c.stop_reason,
-            })
+            choices.append(
+                {
+                    "index": c.index,
+                    "message": message,
+                    "logprobs": (
+                        self.chat_logprobs(c.token_ids, c.logprobs, body.top_logprobs or 0)
+                        if body.logprobs and c.logprobs is not None
+                        else None
+                    ),
+                    "finish_reason": "tool_calls" if tool_calls and finish == "stop" else finish,
+                    "stop_reason": c.stop_reason,
+                }
+            )
         choices.sort(key=lambda c: c["index"])
-        return JSONResponse({"id": prepared.request_id, "object": "chat.completion", "created": created,
-                             "model": model, "choices": choices, "usage": self.usage(prepared, completion_tokens)})
+        return JSONResponse(
+            {
+                "id": prepared.request_id,
+                "object": "chat.completion",
+                "created": created,
+                "model": model,
+                "choices": choices,
+                "usage": self.usage(prepared, completion_tokens),
+            }
+        )
 
-    def _chat_stream(self, body: ChatCompletionRequest, prepared: _Prepared, streams: list[RequestStream],
-                     created: int, model: str, tools: structured.ToolPlan) -> AsyncIterator[str]:
+    def _chat_stream(
+        self,
+        body: ChatCompletionRequest,
+        prepared: _Prepared,
+        streams: list[RequestStream],
+        created: int,
+        model: str,
+        tools: structured.ToolPlan,
+    ) -> AsyncIterator[str]:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         base = {"id": prepared.request_id, "object": "chat.completion.chunk", "created": created, "model": model}
         choices = {i: _Choice(i) for i in range(body.n)}
@@ -549,7 +682,7 @@ class OpenAIServing:
                 content = (content or "")[sent:] if calls else text[sent:]
             else:
                 safe = tools.parser.content_prefix_len(text) if tools.mode == "auto" else 0
-                content, calls = text[sent:max(safe, sent)], []
+                content, calls = text[sent : max(safe, sent)], []
             sent_content[index] = sent + len(content)
             return content, calls
 
@@ -573,8 +706,7 @@ class OpenAIServing:
                         yield chunk(d.index, {"tool_calls": [{"index": k, **call}]}, None, None)
                 if not text and not finish and logprobs is None:
                     continue
-                yield chunk(d.index, {"content": text} if text else {}, logprobs, finish,
-                            d.stop_reason)
+                yield chunk(d.index, {"content": text} if text else {}, logprobs, finish, d.stop_reason)
 
         return self._sse_stream(events(), streams, base, prepared, choices, include_usage)
 
@@ -623,8 +755,11 @@ def _parse_body(body: bytes, model_cls: type, context: dict | None = None) -> An
         raise bad_request("Request body must be a JSON object.", code="invalid_json")
     bad_text = find_invalid_text(data) if _SURROGATE_ESCAPE.search(body) else None
     if bad_text is not None:
-        raise bad_request(f"{bad_text or 'a key'}: text is not valid Unicode (it holds a lone surrogate escape "
-                          "such as \\ud800).", param=bad_text or None, code="invalid_value")
+        raise bad_request(
+            f"{bad_text or 'a key'}: text is not valid Unicode (it holds a lone surrogate escape such as \\ud800).",
+            param=bad_text or None,
+            code="invalid_value",
+        )
     try:
         return model_cls.model_validate(data, context=context)
     except ValidationError as exc:
@@ -658,8 +793,10 @@ class _ChunkEncoder:
         self._tail = '], "usage": null}\n\n' if include_usage else "]}\n\n"
 
     def __call__(self, index: int, value: Any, logprobs: Any, finish: str | None, stop_reason: Any = None) -> str:
-        return (f"{self._head}{index}{self._field}{_JSON.encode(value)}, \"logprobs\": {_json_value(logprobs)}, "
-                f"\"finish_reason\": {_json_value(finish)}, \"stop_reason\": {_json_value(stop_reason)}}}{self._tail}")
+        return (
+            f'{self._head}{index}{self._field}{_JSON.encode(value)}, "logprobs": {_json_value(logprobs)}, '
+            f'"finish_reason": {_json_value(finish)}, "stop_reason": {_json_value(stop_reason)}}}{self._tail}'
+        )
 
 
 def _finite(value: float) -> float:

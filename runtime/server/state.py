@@ -1,6 +1,7 @@
 """What one API server process holds: its settings (ServerConfig) and its state (ServerState: the attached
 engine, the HTTP side's tokenizer copy, metrics, the thread pools for tokenising, grammar compilation and
 body parsing). The app (app.py) wires routes to it; OpenAIServing (serving.py) handles requests with it."""
+
 from __future__ import annotations
 
 import copy
@@ -18,6 +19,7 @@ from kvserve.runtime.tokenizer import chat_template
 from kvserve.runtime.tracing import build_otlp_tracer
 
 logger = logging.getLogger("kvserve.server")
+
 
 @dataclass
 class ServerConfig:
@@ -57,14 +59,17 @@ class ServerState:
     on_engine_dead: Callable[[BaseException], None] | None = None  # every request answered; exit non-zero
     # One worker: HF tokenizers mutate internal state on encode, so never use one from two threads at once.
     tokenize_pool: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-tokenize"))
+        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-tokenize")
+    )
     # Grammars compile here, beside the event loop and off the engine's step (runtime/structured_output).
     grammar_pool: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-grammar"))
+        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-grammar")
+    )
     grammar_compiler: Any = None
     # Large request bodies are parsed here, not on the event loop.
     parse_pool: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvserve-parse"))
+        default_factory=lambda: ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvserve-parse")
+    )
 
     @property
     def ready(self) -> bool:
@@ -85,8 +90,11 @@ class ServerState:
         self.max_token_chars = max((len(t) for t in vocab), default=64) or 64
         self.chat_template = chat_template(self.tokenizer)
         cache = llm_engine.config.cache
-        cache_info = {k: getattr(cache, k) for k in ("block_size", "num_blocks", "enable_prefix_caching",
-                                                     "kv_cache_dtype", "gpu_memory_utilization") if hasattr(cache, k)}
+        cache_info = {
+            k: getattr(cache, k)
+            for k in ("block_size", "num_blocks", "enable_prefix_caching", "kv_cache_dtype", "gpu_memory_utilization")
+            if hasattr(cache, k)
+        }
         if "num_blocks" in cache_info:
             cache_info["num_gpu_blocks"] = cache_info["num_blocks"]  # vLLM's label name (null block included)
         # Sliding-window models keep one block table per KV cache group over the one pool (capacity.py).
@@ -94,22 +102,35 @@ class ServerState:
         if self.config.api_server_count > 1:
             from kvserve.runtime.metrics_group import GroupServerMetrics
 
-            self.metrics = GroupServerMetrics(self.config.api_server_index, self.config.served_model_names[0],
-                                              self.max_model_len, cache_info, num_groups)
+            self.metrics = GroupServerMetrics(
+                self.config.api_server_index,
+                self.config.served_model_names[0],
+                self.max_model_len,
+                cache_info,
+                num_groups,
+            )
         else:
             self.metrics = ServerMetrics(self.config.served_model_names[0], self.max_model_len, cache_info, num_groups)
         self.metrics.track_health(lambda: self.ready)
         tracer = self.config.request_tracer
         if tracer is None and self.config.otlp_traces_endpoint:
             tracer = build_otlp_tracer(self.config.otlp_traces_endpoint, self.config.served_model_names[0])
-        self.engine = AsyncEngine(llm_engine, self.metrics, log_interval_s=self.config.log_interval_s,
-                                  tracer=tracer, on_dead=self._engine_died)
+        self.engine = AsyncEngine(
+            llm_engine,
+            self.metrics,
+            log_interval_s=self.config.log_interval_s,
+            tracer=tracer,
+            on_dead=self._engine_died,
+        )
         self.engine.start()
         _freeze_startup_heap()
-        logger.info("ready: model=%s max_model_len=%d kv_blocks=%s%s", self.config.served_model_names[0],
-                    self.max_model_len, cache_info.get("num_blocks"),
-                    " (RANDOM WEIGHTS: output is gibberish)" if self.config.random_weights else "")
-
+        logger.info(
+            "ready: model=%s max_model_len=%d kv_blocks=%s%s",
+            self.config.served_model_names[0],
+            self.max_model_len,
+            cache_info.get("num_blocks"),
+            " (RANDOM WEIGHTS: output is gibberish)" if self.config.random_weights else "",
+        )
 
     def _engine_died(self, exc: BaseException) -> None:
         if self.on_engine_dead is not None:

@@ -11,6 +11,7 @@ Request fields (every unsupported combination is a 400 naming the field):
   objects (one item unless parallel_tool_calls), a named function generates its arguments object. `auto`
   lets the model write its native format, parsed afterwards by `--tool-call-parser` (tool_parsers.py).
 """
+
 from __future__ import annotations
 
 import json
@@ -29,6 +30,7 @@ _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "cho
 @dataclass
 class ToolPlan:
     """How a chat request's output becomes tool calls."""
+
     mode: str = "none"  # none | auto | required | named
     tools: list[dict] = field(default_factory=list)  # OpenAI tool objects, for the chat template
     function_name: str | None = None  # mode "named"
@@ -53,15 +55,18 @@ def output_spec(body: Any) -> StructuredOutputSpec | None:
     fmt = getattr(body, "response_format", None)
     if fmt is not None:
         if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
-            raise bad_request("response_format.type must be one of text, json_object, json_schema.",
-                              param="response_format.type")
+            raise bad_request(
+                "response_format.type must be one of text, json_object, json_schema.", param="response_format.type"
+            )
         if fmt["type"] == "json_object":
             found.append(_spec("json_object", None, "response_format"))
         elif fmt["type"] == "json_schema":
             js = fmt.get("json_schema")
             if not isinstance(js, dict) or not isinstance(js.get("name", ""), str):
-                raise bad_request("response_format.json_schema must be an object with a name and a schema.",
-                                  param="response_format.json_schema")
+                raise bad_request(
+                    "response_format.json_schema must be an object with a name and a schema.",
+                    param="response_format.json_schema",
+                )
             schema = js.get("schema", {"type": "object"})
             found.append(_spec("json", schema, "response_format.json_schema.schema"))
     extension = getattr(body, "structured_outputs", None)
@@ -70,16 +75,19 @@ def output_spec(body: Any) -> StructuredOutputSpec | None:
             raise bad_request("structured_outputs must be an object.", param="structured_outputs")
         keys = [k for k, v in extension.items() if v not in (None, False)]
         if len(keys) != 1:
-            raise bad_request("structured_outputs needs exactly one of json, json_object, regex, choice, grammar.",
-                              param="structured_outputs")
+            raise bad_request(
+                "structured_outputs needs exactly one of json, json_object, regex, choice, grammar.",
+                param="structured_outputs",
+            )
         found.append(_spec(keys[0], extension[keys[0]], f"structured_outputs.{keys[0]}"))
     for name, kind in _GUIDED.items():
         value = getattr(body, name, None)
         if value is not None:
             found.append(_spec(kind, value, name))
     if len(found) > 1:
-        raise bad_request("give at most one of response_format (json), structured_outputs and guided_*.",
-                          param=found[1].field)
+        raise bad_request(
+            "give at most one of response_format (json), structured_outputs and guided_*.", param=found[1].field
+        )
     return found[0] if found else None
 
 
@@ -95,12 +103,18 @@ def tool_plan(body: Any, parser_name: str | None) -> ToolPlan:
     names = []
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict) \
-                or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise bad_request("each tool must be {\"type\": \"function\", \"function\": {\"name\": ...}}.",
-                              param=f"tools.{i}")
+        if (
+            not isinstance(tool, dict)
+            or tool.get("type", "function") != "function"
+            or not isinstance(fn, dict)
+            or not isinstance(fn.get("name"), str)
+            or not fn["name"]
+        ):
+            raise bad_request('each tool must be {"type": "function", "function": {"name": ...}}.', param=f"tools.{i}")
         if not isinstance(fn.get("parameters", {}), dict):
-            raise bad_request("function.parameters must be a JSON schema object.", param=f"tools.{i}.function.parameters")
+            raise bad_request(
+                "function.parameters must be a JSON schema object.", param=f"tools.{i}.function.parameters"
+            )
         names.append(fn["name"])
     if len(set(names)) != len(names):
         raise bad_request("tool function names must be unique.", param="tools")
@@ -118,14 +132,15 @@ def tool_plan(body: Any, parser_name: str | None) -> ToolPlan:
         return ToolPlan("required", tools, None, parallel)
     if choice == "auto":
         if parser_name is None:
-            raise bad_request('"auto" tool choice requires the server to run with --tool-call-parser '
-                              '(hermes or llama3_json); use tool_choice "required" or a named function otherwise.',
-                              param="tool_choice")
+            raise bad_request(
+                '"auto" tool choice requires the server to run with --tool-call-parser '
+                '(hermes or llama3_json); use tool_choice "required" or a named function otherwise.',
+                param="tool_choice",
+            )
         from kvserve.runtime.server.tool_parsers import get_parser
 
         return ToolPlan("auto", tools, None, parallel, get_parser(parser_name))
-    raise bad_request("tool_choice must be none, auto, required or {\"type\": \"function\", ...}.",
-                      param="tool_choice")
+    raise bad_request('tool_choice must be none, auto, required or {"type": "function", ...}.', param="tool_choice")
 
 
 def _parameters(tool: dict) -> dict:
@@ -138,9 +153,17 @@ def tool_spec(plan: ToolPlan) -> StructuredOutputSpec | None:
         tool = next(t for t in plan.tools if t["function"]["name"] == plan.function_name)
         return _spec("json", _parameters(tool), "tool_choice")
     if plan.mode == "required":
-        call = {"anyOf": [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
-                           "properties": {"name": {"const": t["function"]["name"]}, "parameters": _parameters(t)}}
-                          for t in plan.tools]}
+        call = {
+            "anyOf": [
+                {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["name", "parameters"],
+                    "properties": {"name": {"const": t["function"]["name"]}, "parameters": _parameters(t)},
+                }
+                for t in plan.tools
+            ]
+        }
         schema = {"type": "array", "items": call, "minItems": 1}
         if not plan.parallel:
             schema["maxItems"] = 1
@@ -151,8 +174,11 @@ def tool_spec(plan: ToolPlan) -> StructuredOutputSpec | None:
 def _call(name: str, arguments: Any) -> dict:
     if not isinstance(arguments, str):
         arguments = json.dumps(arguments, ensure_ascii=False)
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": arguments}}
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
 
 
 def tool_calls_from_output(plan: ToolPlan, text: str) -> tuple[str | None, list[dict]]:

@@ -4,6 +4,7 @@ Kubernetes copies /dev/termination-log into `status.containerStatuses[].lastStat
 (the rendered pod sets `terminationMessagePolicy: FallbackToLogsOnError`), where the operator reads it and
 shows it as a condition and an Event. A plan the runtime cannot honour starts with PLAN_REJECTED_PREFIX,
 which the operator maps to reason RuntimeRejectedPlan."""
+
 from __future__ import annotations
 
 import logging

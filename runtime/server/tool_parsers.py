@@ -7,6 +7,7 @@
 
 Each parser also tells the streaming path how much of a partial text is safe to send as content
 (`content_prefix_len`): text that may still turn into a tool call is held back."""
+
 from __future__ import annotations
 
 import json
@@ -49,7 +50,7 @@ class HermesParser(ToolParser):
             calls.append((obj["name"], obj.get("arguments", {})))
         if not calls:
             return text, []
-        content = text[:text.find(self.START)].strip()
+        content = text[: text.find(self.START)].strip()
         return (content or None), calls
 
     def content_prefix_len(self, text: str) -> int:
@@ -63,7 +64,7 @@ class Llama3JsonParser(ToolParser):
 
     def parse(self, text: str) -> tuple[str | None, list[tuple[str, Any]]]:
         body = text.strip()
-        body = body[len(self.TAG):] if body.startswith(self.TAG) else body
+        body = body[len(self.TAG) :] if body.startswith(self.TAG) else body
         if not body.startswith("{"):
             return text, []
         calls = []
@@ -84,7 +85,7 @@ class Llama3JsonParser(ToolParser):
 
     def content_prefix_len(self, text: str) -> int:
         stripped = text.lstrip()
-        if not stripped or stripped.startswith("{") or self.TAG.startswith(stripped[:len(self.TAG)]):
+        if not stripped or stripped.startswith("{") or self.TAG.startswith(stripped[: len(self.TAG)]):
             return 0  # may be a tool call: hold everything until the end
         return len(text)
 

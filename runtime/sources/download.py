@@ -9,6 +9,7 @@ Layout beside DEST (same filesystem, so the final rename is atomic):
 A restarted download keeps finished files (re-hashed, not re-fetched) and resumes a .part file with a ranged
 request. A staging folder for another commit (a branch that moved) is discarded.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -55,8 +56,9 @@ def _check_existing(dest: Path, source: ModelURI) -> dict | None:
     if marker is not None and marker.get("source") != str(source):
         raise FetchError(f"{dest} already holds {marker.get('source')!r}, not {str(source)!r}; choose another --dest")
     if marker is None and dest.exists() and any(dest.iterdir()):
-        raise FetchError(f"{dest} exists but is not a completed kvserve download (no {MARKER}); remove it or "
-                         "choose another --dest")
+        raise FetchError(
+            f"{dest} exists but is not a completed kvserve download (no {MARKER}); remove it or choose another --dest"
+        )
     return marker
 
 
@@ -73,8 +75,13 @@ class _Progress:
         if now - self.last >= self.interval_s:
             self.last = now
             rate = self.fetched / max(now - self.started, 1e-9)
-            log.info("progress: %s of %s (%.0f%%), %s/s", _size(self.done), _size(self.total),
-                     100.0 * self.done / max(self.total, 1), _size(int(rate)))
+            log.info(
+                "progress: %s of %s (%.0f%%), %s/s",
+                _size(self.done),
+                _size(self.total),
+                100.0 * self.done / max(self.total, 1),
+                _size(int(rate)),
+            )
 
 
 def _size(n: int) -> str:
@@ -111,11 +118,13 @@ def _verify(file: RemoteFile, size: int, sha256, git) -> None:
     if size != file.size:
         raise _Corrupt(f"{file.path}: got {size} bytes, the source lists {file.size}", retryable=True)
     if file.sha256 and sha256.hexdigest() != file.sha256.lower():
-        raise _Corrupt(f"{file.path}: sha256 {sha256.hexdigest()} does not match the source's {file.sha256}",
-                         retryable=True)
+        raise _Corrupt(
+            f"{file.path}: sha256 {sha256.hexdigest()} does not match the source's {file.sha256}", retryable=True
+        )
     if git and git.hexdigest() != file.git_sha1:
-        raise _Corrupt(f"{file.path}: git blob id {git.hexdigest()} does not match the source's {file.git_sha1}",
-                         retryable=True)
+        raise _Corrupt(
+            f"{file.path}: git blob id {git.hexdigest()} does not match the source's {file.git_sha1}", retryable=True
+        )
 
 
 def _fetch_file(backend: Backend, file: RemoteFile, staging: Path, progress: _Progress) -> str:
@@ -191,15 +200,25 @@ def _lock(lock_path: Path, wait_log_s: float) -> int:
         except BlockingIOError:
             now = time.monotonic()
             if last_log is None or now - last_log >= wait_log_s:
-                log.info("another process is downloading this model (%s); waiting (%.0f s so far)", lock_path,
-                         now - waited_since)
+                log.info(
+                    "another process is downloading this model (%s); waiting (%.0f s so far)",
+                    lock_path,
+                    now - waited_since,
+                )
                 last_log = now
             time.sleep(0.2)
 
 
-def download(source: ModelURI, dest: str | os.PathLike, *, backend: Backend | None = None,
-             progress_interval_s: float = 5.0, lock_wait_log_s: float = 30.0,
-             on_listing: Callable[[list[RemoteFile]], None] | None = None, weights: bool = True) -> Result:
+def download(
+    source: ModelURI,
+    dest: str | os.PathLike,
+    *,
+    backend: Backend | None = None,
+    progress_interval_s: float = 5.0,
+    lock_wait_log_s: float = 30.0,
+    on_listing: Callable[[list[RemoteFile]], None] | None = None,
+    weights: bool = True,
+) -> Result:
     """`weights=False`: config and tokenizer files only (what the router reads)."""
     dest = Path(os.path.abspath(dest))
     started = time.monotonic()
@@ -209,25 +228,41 @@ def download(source: ModelURI, dest: str | os.PathLike, *, backend: Backend | No
         try:
             marker = _check_existing(dest, source)  # another pod may have finished while we waited
             if marker is None:
-                return _download_locked(source, dest, backend or open_backend(source), progress_interval_s,
-                                        started, on_listing, weights)
+                return _download_locked(
+                    source, dest, backend or open_backend(source), progress_interval_s, started, on_listing, weights
+                )
         finally:
             os.close(fd)  # releases the flock
     log.info("%s is already complete at %s (commit %s); nothing to download", source, dest, marker.get("commit"))
-    return Result(dest, marker.get("commit", ""), len(marker.get("files", {})),
-                  sum(f["size"] for f in marker.get("files", {}).values()), 0, time.monotonic() - started)
+    return Result(
+        dest,
+        marker.get("commit", ""),
+        len(marker.get("files", {})),
+        sum(f["size"] for f in marker.get("files", {}).values()),
+        0,
+        time.monotonic() - started,
+    )
 
 
-def _download_locked(source: ModelURI, dest: Path, backend: Backend, progress_interval_s: float, started: float,
-                     on_listing, weights: bool) -> Result:
+def _download_locked(
+    source: ModelURI,
+    dest: Path,
+    backend: Backend,
+    progress_interval_s: float,
+    started: float,
+    on_listing,
+    weights: bool,
+) -> Result:
     listing = backend.listing()
     if not weights:
         listing = type(listing)(listing.commit, [f for f in listing.files if not is_weight(f.path)])
     paths = [f.path for f in listing.files]
     missing = missing_required(paths, weights)
     if missing:
-        raise FetchError(f"{source}: found no {' or '.join(missing)} among the files serving reads "
-                         f"({', '.join(paths) or 'none'}); is spec.model.uri the model's folder?")
+        raise FetchError(
+            f"{source}: found no {' or '.join(missing)} among the files serving reads "
+            f"({', '.join(paths) or 'none'}); is spec.model.uri the model's folder?"
+        )
     if on_listing:
         on_listing(listing.files)
     staging = dest.parent / STAGING_DIR / dest.name
@@ -242,15 +277,24 @@ def _download_locked(source: ModelURI, dest: Path, backend: Backend, progress_in
     staging.mkdir(parents=True, exist_ok=True)
     (staging / _SOURCE_FILE).write_text(json.dumps(identity))
     total = sum(f.size for f in listing.files)
-    log.info("downloading %s (commit %s): %d files, %s into %s", source, listing.commit, len(listing.files),
-             _size(total), dest)
+    log.info(
+        "downloading %s (commit %s): %d files, %s into %s",
+        source,
+        listing.commit,
+        len(listing.files),
+        _size(total),
+        dest,
+    )
     progress = _Progress(total, progress_interval_s)
     digests = {f.path: _fetch_file(backend, f, staging, progress) for f in listing.files}
     for leftover in staging.iterdir():  # files from an earlier listing of the same commit never happen; parts might
         if leftover.name.endswith(".part"):
             leftover.unlink()
-    manifest = {**identity, "files": {f.path: {"size": f.size, "sha256": digests[f.path]} for f in listing.files},
-                "completedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    manifest = {
+        **identity,
+        "files": {f.path: {"size": f.size, "sha256": digests[f.path]} for f in listing.files},
+        "completedAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
     (staging / _SOURCE_FILE).unlink()
     with open(staging / MARKER, "w") as f:
         json.dump(manifest, f, indent=1, sort_keys=True)
@@ -265,8 +309,15 @@ def _download_locked(source: ModelURI, dest: Path, backend: Backend, progress_in
     except OSError:
         pass
     elapsed = time.monotonic() - started
-    log.info("downloaded %s: %d files, %s (%s fetched) in %.1f s to %s", source, len(listing.files), _size(total),
-             _size(progress.fetched), elapsed, dest)
+    log.info(
+        "downloaded %s: %d files, %s (%s fetched) in %.1f s to %s",
+        source,
+        len(listing.files),
+        _size(total),
+        _size(progress.fetched),
+        elapsed,
+        dest,
+    )
     return Result(dest, listing.commit, len(listing.files), total, progress.fetched, elapsed)
 
 

@@ -3,6 +3,7 @@ git-blob oids) read with HfApi; each file is then one GET of `/{repo}/resolve/{c
 ourselves, so a restarted init container resumes with `Range` (huggingface_hub >= 1.18 keeps no partial file
 across processes) and every byte lands in the downloader's staging folder rather than in a second HF cache.
 """
+
 from __future__ import annotations
 
 import os
@@ -27,8 +28,9 @@ NO_TOKEN_HINT = "no token was given: put HF_TOKEN in a Secret and name it in spe
 
 
 class HubBackend:
-    def __init__(self, source: ModelURI, token: str | None = None, endpoint: str | None = None,
-                 timeout_s: float = 30.0):
+    def __init__(
+        self, source: ModelURI, token: str | None = None, endpoint: str | None = None, timeout_s: float = 30.0
+    ):
         self.source, self.token = source, token or None
         self.endpoint = (endpoint or os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
         self.timeout = httpx.Timeout(timeout_s, read=max(timeout_s, 60.0))
@@ -55,13 +57,20 @@ class HubBackend:
             if getattr(entry, "size", None) is None or not wanted(entry.path):
                 continue  # folders, and files serving does not read
             lfs = getattr(entry, "lfs", None)
-            files.append(RemoteFile(path=entry.path, size=int(entry.size), sha256=lfs.sha256 if lfs else None,
-                                    git_sha1=None if lfs else entry.blob_id))
+            files.append(
+                RemoteFile(
+                    path=entry.path,
+                    size=int(entry.size),
+                    sha256=lfs.sha256 if lfs else None,
+                    git_sha1=None if lfs else entry.blob_id,
+                )
+            )
         return Listing(commit=commit, files=sorted(files, key=lambda f: f.path))
 
     def _headers(self, extra: dict[str, str] | None = None) -> dict[str, str]:
-        return build_hf_headers(token=self.token if self.token else False,
-                                headers={"Accept-Encoding": "identity", **(extra or {})})
+        return build_hf_headers(
+            token=self.token if self.token else False, headers={"Accept-Encoding": "identity", **(extra or {})}
+        )
 
     def stream(self, file: RemoteFile, offset: int) -> tuple[int, Iterator[bytes]]:
         url = hf_hub_url(self.source.location, file.path, revision=self.commit, endpoint=self.endpoint)
@@ -82,11 +91,13 @@ class HubBackend:
             try:
                 yield from response.iter_bytes()  # as received: a killed process keeps every byte it got
             except httpx.HTTPError as exc:
-                raise FetchError(f"{self._where()}: {file.path}: the transfer broke off: {type(exc).__name__}: "
-                                 f"{exc}", retryable=True) from exc
+                raise FetchError(
+                    f"{self._where()}: {file.path}: the transfer broke off: {type(exc).__name__}: {exc}", retryable=True
+                ) from exc
             finally:
                 response.close()
                 client.close()
+
         return start, chunks()
 
     def read_file(self, path: str) -> bytes:
@@ -95,8 +106,9 @@ class HubBackend:
             with httpx.Client(timeout=self.timeout_s, follow_redirects=True) as client:  # small file: one timeout
                 response = client.get(url, headers=self._headers())
         except httpx.HTTPError as exc:
-            raise FetchError(f"{self._where()}: cannot reach the hub: {type(exc).__name__}: {exc}",
-                             retryable=True) from exc
+            raise FetchError(
+                f"{self._where()}: cannot reach the hub: {type(exc).__name__}: {exc}", retryable=True
+            ) from exc
         if response.status_code != 200:
             raise _status_error(response, f"{self._where()}: GET {path}", self._hint())
         return response.content
@@ -106,11 +118,15 @@ def _status_error(response: httpx.Response, what: str, hint: str) -> FetchError:
     code = response.headers.get("X-Error-Code", "")
     status = response.status_code
     if code == "GatedRepo" or status == 403:
-        return FetchError(f"{what}: HTTP {status} {code or 'Forbidden'}: the repository is gated or the token may "
-                          f"not read it; accept its license on the hub with the token's account ({hint})")
+        return FetchError(
+            f"{what}: HTTP {status} {code or 'Forbidden'}: the repository is gated or the token may "
+            f"not read it; accept its license on the hub with the token's account ({hint})"
+        )
     if status == 401 or code == "RepoNotFound":
-        return FetchError(f"{what}: HTTP {status} {code}: repository not found, or the token was rejected or "
-                          f"cannot read this private repository ({hint})".replace("  ", " "))
+        return FetchError(
+            f"{what}: HTTP {status} {code}: repository not found, or the token was rejected or "
+            f"cannot read this private repository ({hint})".replace("  ", " ")
+        )
     if code == "RevisionNotFound":
         return FetchError(f"{what}: HTTP {status}: revision not found (spec.model.revision)")
     if code == "EntryNotFound" or status == 404:
@@ -120,18 +136,24 @@ def _status_error(response: httpx.Response, what: str, hint: str) -> FetchError:
 
 def _hub_error(exc: Exception, where: str, hint: str) -> FetchError:
     if isinstance(exc, hf_errors.GatedRepoError):
-        return FetchError(f"{where}: the repository is gated: accept its license on the hub with the token's "
-                          f"account ({hint})")
+        return FetchError(
+            f"{where}: the repository is gated: accept its license on the hub with the token's account ({hint})"
+        )
     if isinstance(exc, hf_errors.RevisionNotFoundError):
         return FetchError(f"{where}: revision not found (spec.model.revision)")
     if isinstance(exc, hf_errors.RepositoryNotFoundError):
-        return FetchError(f"{where}: repository not found, or the token was rejected or cannot read this "
-                          f"private repository ({hint})")
+        return FetchError(
+            f"{where}: repository not found, or the token was rejected or cannot read this private repository ({hint})"
+        )
     if isinstance(exc, hf_errors.HfHubHTTPError):
         status = getattr(getattr(exc, "response", None), "status_code", None)
         if status in (401, 403):
             return FetchError(f"{where}: HTTP {status}: the token was rejected ({hint})")
-        return FetchError(f"{where}: HTTP {status}: {str(exc).splitlines()[0]}",
-                          retryable=status is None or status >= 500 or status == 429)
-    return FetchError(f"{where}: cannot reach the hub: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
-                      retryable=True)
+        return FetchError(
+            f"{where}: HTTP {status}: {str(exc).splitlines()[0]}",
+            retryable=status is None or status >= 500 or status == 429,
+        )
+    return FetchError(
+        f"{where}: cannot reach the hub: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+        retryable=True,
+    )

@@ -1,5 +1,6 @@
 """file:// as a download source: copy a model folder (a mounted volume, a pre-staged disk) into a cache with
 the same staging, verification and completion marker as a remote source -- the way to pre-warm a cache."""
+
 from __future__ import annotations
 
 import hashlib
@@ -19,9 +20,11 @@ class LocalBackend:
     def listing(self) -> Listing:
         if not os.path.isdir(self.root):
             raise FetchError(f"file://{self.root}: not a directory")
-        files = [RemoteFile(path=name, size=os.path.getsize(os.path.join(self.root, name)))
-                 for name in sorted(os.listdir(self.root))
-                 if os.path.isfile(os.path.join(self.root, name)) and wanted(name)]
+        files = [
+            RemoteFile(path=name, size=os.path.getsize(os.path.join(self.root, name)))
+            for name in sorted(os.listdir(self.root))
+            if os.path.isfile(os.path.join(self.root, name)) and wanted(name)
+        ]
         identity = "\n".join(f"{f.path} {f.size} {os.path.getmtime(os.path.join(self.root, f.path))}" for f in files)
         return Listing(commit=hashlib.sha256(identity.encode()).hexdigest()[:40], files=files)
 
@@ -31,6 +34,7 @@ class LocalBackend:
                 f.seek(offset)
                 while chunk := f.read(CHUNK_BYTES):
                     yield chunk
+
         return offset, chunks()
 
     def read_file(self, path: str) -> bytes:

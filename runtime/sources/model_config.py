@@ -1,5 +1,6 @@
 """A source's backend, and its config.json alone: what the operator plans a non-catalog model from (it never
 downloads weights). Torch-free: a seam the operator may import (pyproject's import-linter contracts)."""
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,12 @@ def backend(source: ModelURI, credentials: dict[str, str] | None = None, timeout
             import os
 
             creds = {k: os.environ[k] for k in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_ENDPOINT") if k in os.environ}
-        return HubBackend(source, token=creds.get("HF_TOKEN") or creds.get("HUGGING_FACE_HUB_TOKEN"),
-                          endpoint=creds.get("HF_ENDPOINT"), timeout_s=timeout_s)
+        return HubBackend(
+            source,
+            token=creds.get("HF_TOKEN") or creds.get("HUGGING_FACE_HUB_TOKEN"),
+            endpoint=creds.get("HF_ENDPOINT"),
+            timeout_s=timeout_s,
+        )
     if source.scheme == "s3":
         from kvserve.runtime.sources.s3 import S3Backend
 
@@ -29,9 +34,12 @@ def backend(source: ModelURI, credentials: dict[str, str] | None = None, timeout
         from kvserve.runtime.sources.local import LocalBackend
 
         return LocalBackend(source)
-    raise SourceError("uri", f"{source.scheme}:// is mounted, not fetched: the operator mounts the claim read-only "
-                             "into the engine pod, so there is nothing to download (use file:///PATH for a folder "
-                             "that is already mounted)")
+    raise SourceError(
+        "uri",
+        f"{source.scheme}:// is mounted, not fetched: the operator mounts the claim read-only "
+        "into the engine pod, so there is nothing to download (use file:///PATH for a folder "
+        "that is already mounted)",
+    )
 
 
 def fetch_config(source: ModelURI, credentials: dict[str, str] | None = None, timeout_s: float = 10.0) -> dict:

@@ -8,6 +8,7 @@ repo ids nor S3 prefixes we want to guess about.
     pvc://CLAIM[/PATH]          a PersistentVolumeClaim mounted read-only (nothing downloaded)
     file:///PATH                a path inside the image or a mounted volume (nothing downloaded)
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -22,9 +23,20 @@ DEFAULT_HF_REVISION = "main"
 # What serving needs, matched against top-level file names only: weights in subfolders (original/*.pth,
 # onnx/...) and everything else in a repo (READMEs, .bin duplicates, images) stay where they are.
 SERVING_FILE_PATTERNS = (
-    "config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
-    "tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "added_tokens.json",
-    "vocab.json", "merges.txt", "chat_template.json", "chat_template.jinja", "*.tiktoken",
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.json",
+    "chat_template.jinja",
+    "*.tiktoken",
 )
 REQUIRED_PATTERNS = ("config.json", "*.safetensors")  # a source without these is not a model we can serve
 WEIGHT_PATTERNS = ("*.safetensors", "model.safetensors.index.json")  # left out by --no-weights (the router)
@@ -56,9 +68,9 @@ class SourceError(ValueError):
 
 @dataclass(frozen=True)
 class ModelURI:
-    scheme: str         # one of SCHEMES
-    location: str       # hf: "org/name"; s3: bucket; pvc: claim; file: ""
-    path: str           # s3: key prefix without slashes at either end; pvc/file: the path; hf: ""
+    scheme: str  # one of SCHEMES
+    location: str  # hf: "org/name"; s3: bucket; pvc: claim; file: ""
+    path: str  # s3: key prefix without slashes at either end; pvc/file: the path; hf: ""
     revision: str | None = None  # hf only (default "main")
 
     @property
@@ -73,31 +85,39 @@ class ModelURI:
         return f"{self.scheme}://{self.location}" + (f"/{self.path}" if self.path else "")
 
 
-def parse(uri: str, revision: str | None = None, *, field: str = "spec.model.uri",
-          revision_field: str = "spec.model.revision") -> ModelURI:
+def parse(
+    uri: str, revision: str | None = None, *, field: str = "spec.model.uri", revision_field: str = "spec.model.revision"
+) -> ModelURI:
     """Parse and validate; `revision` is the separate revision setting (spec.model.revision / --revision)."""
     uri = (uri or "").strip()
     scheme = uri.split("://", 1)[0] if "://" in uri else ""
     if scheme not in SCHEMES:
-        raise SourceError(field, f"{uri!r} has no supported scheme; use hf://ORG/NAME[@REVISION], "
-                                 "s3://BUCKET/PREFIX, pvc://CLAIM/PATH or file:///PATH")
+        raise SourceError(
+            field,
+            f"{uri!r} has no supported scheme; use hf://ORG/NAME[@REVISION], "
+            "s3://BUCKET/PREFIX, pvc://CLAIM/PATH or file:///PATH",
+        )
     if revision is not None and scheme != "hf":
         raise SourceError(revision_field, f"a revision applies to hf:// sources only, not {scheme}://")
     if scheme == "hf":
         m = _HF_RE.match(uri)
         if not m or ".." in uri or "--" in m.group("org") + m.group("name"):
-            raise SourceError(field, f"{uri!r} is not hf://ORG/NAME[@REVISION] (exactly two path parts of "
-                                     "letters, digits, '.', '_' or '-')")
+            raise SourceError(
+                field,
+                f"{uri!r} is not hf://ORG/NAME[@REVISION] (exactly two path parts of letters, digits, '.', '_' or '-')",
+            )
         if m.group("rev") and revision and m.group("rev") != revision:
-            raise SourceError(revision_field, f"{revision!r} contradicts the revision {m.group('rev')!r} in "
-                                              f"{field}; give it once")
+            raise SourceError(
+                revision_field, f"{revision!r} contradicts the revision {m.group('rev')!r} in {field}; give it once"
+            )
         rev = m.group("rev") or revision or DEFAULT_HF_REVISION
         return ModelURI("hf", f"{m.group('org')}/{m.group('name')}", "", rev)
     if scheme == "s3":
         m = _S3_RE.match(uri)
         if not m:
-            raise SourceError(field, f"{uri!r} is not s3://BUCKET/PREFIX (bucket: 3-63 lowercase letters, "
-                                     "digits, '.' or '-')")
+            raise SourceError(
+                field, f"{uri!r} is not s3://BUCKET/PREFIX (bucket: 3-63 lowercase letters, digits, '.' or '-')"
+            )
         prefix = (m.group("prefix") or "").strip("/")
         if any(part in ("", ".", "..") for part in prefix.split("/")) and prefix:
             raise SourceError(field, f"{uri!r}: the prefix has an empty, '.' or '..' part")

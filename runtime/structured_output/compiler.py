@@ -5,6 +5,7 @@ delays that request alone. Compiled grammars are cached by spec (xgrammar caches
 A compiled grammar crosses process boundaries (tensor-parallel workers, an engine-core process) as
 xgrammar's JSON serialisation plus the tokenizer it was compiled for; the receiving process rebuilds the
 tokenizer info once per model (`CompiledConstraint.__reduce__`)."""
+
 from __future__ import annotations
 
 import json
@@ -40,8 +41,7 @@ def tokenizer_info(model_key: tuple, tokenizer: Any = None):
 def _restore(grammar_json: str, model_key: tuple) -> "CompiledConstraint":
     import xgrammar as xgr
 
-    return CompiledConstraint(xgr.CompiledGrammar.deserialize_json(grammar_json, tokenizer_info(model_key)),
-                              model_key)
+    return CompiledConstraint(xgr.CompiledGrammar.deserialize_json(grammar_json, tokenizer_info(model_key)), model_key)
 
 
 class CompiledConstraint:

@@ -3,6 +3,7 @@ mask their logits, and advance each matcher with the sampled token.
 
 The matcher lives in the runner's RequestSamplingState, which survives preemption (recompute only rebuilds
 KV; the tokens the matcher accepted are still the sequence's tokens), so no rollback is needed there."""
+
 from __future__ import annotations
 
 import torch

@@ -3,6 +3,7 @@
 One spec per request: exactly one of json (a JSON schema), json_object, regex, choice or grammar (EBNF, the
 GBNF dialect xgrammar reads). The field names follow vLLM's `structured_outputs` request extension; OpenAI's
 `response_format` maps onto `json` / `json_object` (runtime/server/structured.py)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -54,6 +55,7 @@ class StructuredOutputSpec:
                 raise InvalidParameter(field, f"{field}: {kind} must be a non-empty string")
             text = value
         if len(text.encode()) > MAX_SPEC_BYTES:
-            raise InvalidParameter(field, f"{field}: the {kind} is {len(text.encode())} bytes; at most "
-                                          f"{MAX_SPEC_BYTES}")
+            raise InvalidParameter(
+                field, f"{field}: the {kind} is {len(text.encode())} bytes; at most {MAX_SPEC_BYTES}"
+            )
         return cls(kind, text, field)

@@ -9,6 +9,7 @@
   differs only by the summation order of mean(x^2), SiLU only by the exp polynomial (last-bit differences).
 * fallback: a failed build selects the torch backend with one log line.
 """
+
 from __future__ import annotations
 
 import logging
@@ -35,16 +36,33 @@ HEADS = [(4, 4, 64), (12, 4, 64), (8, 2, 128), (6, 2, 80)]  # GQA 1 / 3 / 4 / 3 
 def _lengths(gen, block_size):
     r = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=gen))  # noqa: E731
     q_lens = [1, 1, 1, r(40, 90), r(2, 40), r(17, 33), 1, 1, r(60, 130)]
-    ctx = [0, block_size * r(1, 4) - 1, r(200, 500), 0, r(1, 200), block_size * r(2, 8), r(1, 400), block_size, r(5, 90)]
+    ctx = [
+        0,
+        block_size * r(1, 4) - 1,
+        r(200, 500),
+        0,
+        r(1, 200),
+        block_size * r(2, 8),
+        r(1, 400),
+        block_size,
+        r(5, 90),
+    ]
     return q_lens, ctx
 
 
 def _meta(b) -> AttentionMetadata:
     q_lens = (b.cu_seqlens_q[1:] - b.cu_seqlens_q[:-1]).tolist()
-    return AttentionMetadata(slot_mapping=b.slot_mapping, cu_seqlens_q=b.cu_seqlens_q, seq_lens=b.seq_lens,
-                             block_tables=b.block_tables, max_seqlen_q=b.max_seqlen_q, max_seqlen_k=b.max_seqlen_k,
-                             query_lens_list=q_lens, seq_lens_list=b.seq_lens.tolist(),
-                             has_padding_slots=bool((b.slot_mapping < 0).any()))
+    return AttentionMetadata(
+        slot_mapping=b.slot_mapping,
+        cu_seqlens_q=b.cu_seqlens_q,
+        seq_lens=b.seq_lens,
+        block_tables=b.block_tables,
+        max_seqlen_q=b.max_seqlen_q,
+        max_seqlen_k=b.max_seqlen_k,
+        query_lens_list=q_lens,
+        seq_lens_list=b.seq_lens.tolist(),
+        has_padding_slots=bool((b.slot_mapping < 0).any()),
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -53,8 +71,16 @@ def _meta(b) -> AttentionMetadata:
 def test_paged_attention_op_matches_oracle(heads, block_size, dtype, seed, gen):
     num_heads, num_kv_heads, head_dim = heads
     q_lens, ctx = _lengths(gen, block_size)
-    b = make_paged_batch(q_lens, ctx, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                         block_size=block_size, dtype=dtype, generator=gen)
+    b = make_paged_batch(
+        q_lens,
+        ctx,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        generator=gen,
+    )
     out = torch.full_like(b.q, float("nan"))
     ops.paged_attention(out, b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.cu_seqlens_q, b.scale, 1 << 30)
     assert not torch.isnan(out).any(), f"unwritten / NaN rows (seed={seed})"
@@ -65,16 +91,24 @@ def test_paged_attention_op_matches_oracle(heads, block_size, dtype, seed, gen):
     ops.paged_attention(out2, b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.cu_seqlens_q, b.scale, 48)
     cu = b.cu_seqlens_q.tolist()
     for s, ql in enumerate(q_lens):
-        rows = out2[cu[s]:cu[s + 1]]
-        assert torch.isnan(rows).all() if ql > 48 else torch.equal(rows, out[cu[s]:cu[s + 1]]), (s, ql, seed)
+        rows = out2[cu[s] : cu[s + 1]]
+        assert torch.isnan(rows).all() if ql > 48 else torch.equal(rows, out[cu[s] : cu[s + 1]]), (s, ql, seed)
 
 
 def test_paged_attention_op_strided_q_and_fp16(gen):
     """q as a view into a fused qkv output (token stride > heads * head_dim), and the fp16 path."""
-    b = make_paged_batch([1, 5, 1], [33, 7, 0], num_heads=12, num_kv_heads=4, head_dim=64, block_size=16,
-                         dtype=torch.float16, generator=gen)
+    b = make_paged_batch(
+        [1, 5, 1],
+        [33, 7, 0],
+        num_heads=12,
+        num_kv_heads=4,
+        head_dim=64,
+        block_size=16,
+        dtype=torch.float16,
+        generator=gen,
+    )
     qkv = torch.randn(b.q.shape[0], (12 + 8) * 64).to(torch.float16)
-    q = qkv[:, :12 * 64].view(-1, 12, 64)
+    q = qkv[:, : 12 * 64].view(-1, 12, 64)
     q.copy_(b.q)
     out = torch.empty_like(b.q)
     ops.paged_attention(out, q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.cu_seqlens_q, b.scale, 1 << 30)
@@ -88,8 +122,19 @@ def test_backend_matches_torch_backend(heads, dtype, seed, gen):
     backend on identical caches: same outputs within tolerance, identical caches afterwards."""
     num_heads, num_kv_heads, head_dim = heads
     q_lens, ctx = _lengths(gen, 16)
-    b = make_paged_batch(q_lens, ctx, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                         block_size=16, dtype=dtype, generator=gen, prefilled_new=False, pad_tokens=3, poison=0.0)
+    b = make_paged_batch(
+        q_lens,
+        ctx,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=16,
+        dtype=dtype,
+        generator=gen,
+        prefilled_new=False,
+        pad_tokens=3,
+        poison=0.0,
+    )
     meta = _meta(b)
     assert meta.has_padding_slots
     kc1, vc1, kc2, vc2 = b.k_cache.clone(), b.v_cache.clone(), b.k_cache.clone(), b.v_cache.clone()
@@ -103,8 +148,18 @@ def test_backend_matches_torch_backend(heads, dtype, seed, gen):
 
 
 def test_store_kv_skips_padding_slots(gen):
-    b = make_paged_batch([3, 1], [5, 16], num_heads=4, num_kv_heads=2, head_dim=64, block_size=8,
-                         generator=gen, prefilled_new=False, pad_tokens=2, poison=-7.0)
+    b = make_paged_batch(
+        [3, 1],
+        [5, 16],
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=8,
+        generator=gen,
+        prefilled_new=False,
+        pad_tokens=2,
+        poison=-7.0,
+    )
     kc, vc = b.k_cache.clone(), b.v_cache.clone()
     ops.store_kv(b.k_new, b.v_new, kc, vc, b.slot_mapping)
     slots = b.slot_mapping
@@ -115,7 +170,7 @@ def test_store_kv_skips_padding_slots(gen):
     untouched[slots[keep]] = False
     assert torch.equal(flat_k[untouched], b.k_cache.view(-1, 2, 64)[untouched])
     with pytest.raises(RuntimeError, match="out of range"):
-        ops.store_kv(b.k_new, b.v_new, kc, vc, torch.full_like(slots, 10 ** 6))
+        ops.store_kv(b.k_new, b.v_new, kc, vc, torch.full_like(slots, 10**6))
 
 
 def _rms_ref(x, w, eps):  # runtime/models/llama.py RMSNorm.forward
@@ -207,7 +262,6 @@ def test_failed_build_falls_back_to_torch(monkeypatch, caplog):
 
 def test_working_build_selects_cpu_with_one_line(monkeypatch, caplog):
     import kvserve.runtime.config as config
-    import kvserve.runtime.models.attention_backends as attention
 
     monkeypatch.setattr(config, "_DEFAULT_CPU", [])
     with caplog.at_level(logging.INFO, logger="kvserve.runtime.config"):
@@ -229,11 +283,14 @@ def test_isa_tag_and_name():
 def _generate(model_dir, prompts, backend, max_new=8, **kw):
     from kvserve.runtime import LLM, SamplingParams
 
-    llm = LLM(model_dir, max_model_len=160, num_kv_blocks=64, block_size=16, attention_backend=backend,
-              device="cpu", **kw)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True, logprobs=1),
-                        use_tqdm=False)
+    llm = LLM(
+        model_dir, max_model_len=160, num_kv_blocks=64, block_size=16, attention_backend=backend, device="cpu", **kw
+    )
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True, logprobs=1),
+        use_tqdm=False,
+    )
     return [o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs]
 
 
@@ -245,14 +302,19 @@ def _prompts(seed: int, vocab: int):
     return [shared + [rng.randrange(3, vocab) for _ in range(n)] for n in (1, 13, 70)] + [[5], [7, 9, 11]]
 
 
-@pytest.mark.parametrize("name,dtype,kw", [
-    ("llama_gqa", "float32", dict(max_num_batched_tokens=24)),  # chunked prefill: extends over a cached prefix
-    ("qwen2_qkv_bias", "float32", dict()),
-    ("llama_gqa", "bfloat16", dict()),
-], ids=["llama_gqa-fp32-chunked", "qwen2-fp32", "llama_gqa-bf16"])
+@pytest.mark.parametrize(
+    "name,dtype,kw",
+    [
+        ("llama_gqa", "float32", dict(max_num_batched_tokens=24)),  # chunked prefill: extends over a cached prefix
+        ("qwen2_qkv_bias", "float32", dict()),
+        ("llama_gqa", "bfloat16", dict()),
+    ],
+    ids=["llama_gqa-fp32-chunked", "qwen2-fp32", "llama_gqa-bf16"],
+)
 def test_engine_cpu_backend_matches_torch(tmp_path, name, dtype, kw):
-    from kvserve.runtime.models.synthetic import make_random_model_dir
     from kvserve_testing import TEST_MODEL_CONFIGS
+
+    from kvserve.runtime.models.synthetic import make_random_model_dir
 
     arch, kwargs = TEST_MODEL_CONFIGS[name]
     make_random_model_dir(str(tmp_path), arch, seed=1234, dtype=dtype, **kwargs)
@@ -272,11 +334,12 @@ def test_engine_cpu_backend_matches_torch(tmp_path, name, dtype, kw):
 
 def test_fused_ops_switch(tmp_path):
     """The cpu backend turns the fused ops on in the Llama model; the torch backend leaves them off."""
+    from kvserve_testing import TEST_MODEL_CONFIGS
+
+    from kvserve.runtime.config import load_model_config
     from kvserve.runtime.models.attention_backends import get_attention_backend
     from kvserve.runtime.models.loader import build_meta_model
     from kvserve.runtime.models.synthetic import make_random_model_dir
-    from kvserve_testing import TEST_MODEL_CONFIGS
-    from kvserve.runtime.config import load_model_config
 
     arch, kwargs = TEST_MODEL_CONFIGS["llama_gqa"]
     make_random_model_dir(str(tmp_path), arch, seed=1, dtype="float32", **kwargs)

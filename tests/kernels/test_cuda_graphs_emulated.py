@@ -3,6 +3,7 @@ Triton interpreter. What this checks is everything but the CUDA graph object its
 padding a batch up to a captured size (slot -1, context length 1), metadata frozen at capture (split count
 chosen for max_model_len while real contexts are short), dropped padded rows, eager fallback above the
 largest size and for prefill/mixed steps. runtime/bench/gpu_serving.py checks the real graphs on a GPU."""
+
 from __future__ import annotations
 
 import random
@@ -13,16 +14,20 @@ pytest.importorskip("transformers")
 
 import torch  # noqa: E402
 
-from kvserve.runtime import LLM, SamplingParams  # noqa: E402
-from kvserve.runtime import cuda_graph_settings  # noqa: E402
+from kvserve.runtime import (  # noqa: E402
+    LLM,
+    SamplingParams,
+    cuda_graph_settings,  # noqa: E402
+)
 
 MAX_MODEL_LEN = 128
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from kvserve.runtime.models.synthetic import make_random_model_dir
     from kvserve_testing import TEST_MODEL_CONFIGS
+
+    from kvserve.runtime.models.synthetic import make_random_model_dir
 
     arch, kwargs = TEST_MODEL_CONFIGS["llama_gqa"]
     out = str(tmp_path_factory.mktemp("llama_gqa"))
@@ -36,15 +41,25 @@ def emulate(monkeypatch):
 
 
 def _llm(model_dir, **kw):
-    return LLM(model_dir, max_model_len=MAX_MODEL_LEN, num_kv_blocks=64, block_size=16, attention_backend="triton",
-               device="cpu", max_num_batched_tokens=64, **kw)
+    return LLM(
+        model_dir,
+        max_model_len=MAX_MODEL_LEN,
+        num_kv_blocks=64,
+        block_size=16,
+        attention_backend="triton",
+        device="cpu",
+        max_num_batched_tokens=64,
+        **kw,
+    )
 
 
 def _run(llm, prompts, max_tokens):
     """Greedy; each request its own length, so the decode batch shrinks step by step (pads change)."""
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens],
-                        use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens],
+        use_tqdm=False,
+    )
     return [o.outputs[0].token_ids for o in outs]
 
 
@@ -98,10 +113,14 @@ def test_padded_rows_write_no_kv(model_dir, emulate):
     # A larger step first, so the padding row holds a stale real slot unless it is reset to -1.
     rng = random.Random(9)
     for i in range(4):
-        engine.add_request(f"r{i}", {"prompt_token_ids": [rng.randrange(3, 512) for _ in range(18)]},
-                           SamplingParams(temperature=0, max_tokens=3 if i == 3 else 8, ignore_eos=True))
+        engine.add_request(
+            f"r{i}",
+            {"prompt_token_ids": [rng.randrange(3, 512) for _ in range(18)]},
+            SamplingParams(temperature=0, max_tokens=3 if i == 3 else 8, ignore_eos=True),
+        )
     while engine.scheduler.num_running != 3 or any(
-            r.num_computed_tokens < 18 for r in engine.scheduler.requests.values()):
+        r.num_computed_tokens < 18 for r in engine.scheduler.requests.values()
+    ):
         engine.step()
     before = runner.kv.clone()
     engine.step()  # 3 decodes -> graph size 4
@@ -118,8 +137,13 @@ def test_graph_buffers_reset_padding_between_steps(model_dir, emulate):
     llm = _llm(model_dir, cuda_graphs=True, cuda_graph_sizes="4")
     graphs = llm.engine.runner.decode_graphs
     with torch.inference_mode():  # as in ModelRunner.execute
-        graphs.run([5, 6, 7, 8], [20, 21, 22, 23], [40, 41, 42, 43], [21, 22, 23, 24],
-                   torch.tensor([[1, 2], [3, 4], [5, 6], [7, 8]], dtype=torch.int32).numpy())
+        graphs.run(
+            [5, 6, 7, 8],
+            [20, 21, 22, 23],
+            [40, 41, 42, 43],
+            [21, 22, 23, 24],
+            torch.tensor([[1, 2], [3, 4], [5, 6], [7, 8]], dtype=torch.int32).numpy(),
+        )
         assert graphs.slot_mapping[:4].tolist() == [40, 41, 42, 43]
         graphs.run([9], [30], [50], [31], torch.tensor([[9, 10]], dtype=torch.int32).numpy())
     assert graphs.slot_mapping[:4].tolist() == [50, -1, -1, -1]

@@ -1,6 +1,7 @@
 """End to end: LLM(..., attention_backend="triton") under the Triton interpreter gives the torch backend's
 greedy tokens (two random-weight configs and the pretrained stories260K), incl. chunked prefill, prefix
 hits, mixed decode+prefill steps and an fp8 KV cache. Kept tiny: the interpreter runs every launch in numpy."""
+
 from __future__ import annotations
 
 import os
@@ -12,8 +13,7 @@ pytest.importorskip("transformers")
 
 from kvserve.runtime import LLM, SamplingParams  # noqa: E402
 
-STORIES = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "models",
-                                       "stories260K"))
+STORIES = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "models", "stories260K"))
 MAX_NEW = 6
 
 
@@ -24,17 +24,22 @@ def _prompts(seed: int, vocab: int):
 
 
 def _generate(model_dir, prompts, backend, **kw):
-    llm = LLM(model_dir, max_model_len=128, num_kv_blocks=48, block_size=16, attention_backend=backend,
-              device="cpu", **kw)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False)
+    llm = LLM(
+        model_dir, max_model_len=128, num_kv_blocks=48, block_size=16, attention_backend=backend, device="cpu", **kw
+    )
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True),
+        use_tqdm=False,
+    )
     return [o.outputs[0].token_ids for o in outs]
 
 
 @pytest.fixture(scope="module")
 def random_model(tmp_path_factory):
-    from kvserve.runtime.models.synthetic import make_random_model_dir
     from kvserve_testing import TEST_MODEL_CONFIGS
+
+    from kvserve.runtime.models.synthetic import make_random_model_dir
 
     def build(name):
         arch, kwargs = TEST_MODEL_CONFIGS[name]
@@ -45,10 +50,14 @@ def random_model(tmp_path_factory):
     return build
 
 
-@pytest.mark.parametrize("name,kw", [
-    ("llama_gqa", dict(max_num_batched_tokens=24)),  # chunked prefill: extends over a cached prefix
-    ("qwen2_qkv_bias", dict()),
-], ids=["llama_gqa-chunked", "qwen2_qkv_bias"])
+@pytest.mark.parametrize(
+    "name,kw",
+    [
+        ("llama_gqa", dict(max_num_batched_tokens=24)),  # chunked prefill: extends over a cached prefix
+        ("qwen2_qkv_bias", dict()),
+    ],
+    ids=["llama_gqa-chunked", "qwen2_qkv_bias"],
+)
 def test_triton_backend_matches_torch(random_model, name, kw):
     model_dir = random_model(name)
     prompts = _prompts(3, 512)
@@ -60,8 +69,9 @@ def test_triton_backend_matches_torch(random_model, name, kw):
 def test_triton_backend_sliding_window_and_softcap(tmp_path):
     """Gemma 2 (window 12, attention softcap) in chunks of 24: the sliding KV group's out-of-window blocks are
     freed to null while the kernels run; a shared 20-token prefix hits through the window rule."""
-    from kvserve.runtime.models.synthetic import make_random_model_dir
     from kvserve_testing import TEST_MODEL_CONFIGS
+
+    from kvserve.runtime.models.synthetic import make_random_model_dir
 
     arch, kwargs = TEST_MODEL_CONFIGS["gemma2_sliding"]
     model_dir = str(tmp_path)
@@ -81,8 +91,19 @@ class _ReferenceBackend:
         from kvserve.kernels import paged_attention_ref, store_kv_cache_ref
 
         store_kv_cache_ref(k, v, k_cache, v_cache, meta.slot_mapping, meta.k_scale, meta.v_scale)
-        return paged_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q,
-                                   meta.max_seqlen_q, meta.max_seqlen_k, scale, meta.k_scale, meta.v_scale)
+        return paged_attention_ref(
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.cu_seqlens_q,
+            meta.max_seqlen_q,
+            meta.max_seqlen_k,
+            scale,
+            meta.k_scale,
+            meta.v_scale,
+        )
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8_e4m3", "fp8_e5m2"])

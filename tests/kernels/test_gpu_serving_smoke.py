@@ -1,5 +1,6 @@
 """runtime/bench/gpu_serving.py --cpu-smoke: every section of the GPU serving script at tiny sizes on CPU (graphs
 emulated, Triton interpreter), so the script a GPU session runs is known to work before device time is spent."""
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,13 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "runtime", "bench",
 def test_gpu_serving_script_cpu_smoke(tmp_path):
     pytest.importorskip("transformers")
     out = tmp_path / "results.json"
-    res = subprocess.run([sys.executable, SCRIPT, "--cpu-smoke", "--out", str(out)],
-                         env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=600)
+    res = subprocess.run(
+        [sys.executable, SCRIPT, "--cpu-smoke", "--out", str(out)],
+        env=dict(os.environ, TRITON_INTERPRET="1"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     data = json.loads(out.read_text())
     assert data["mode"] == "cpu-smoke"

@@ -11,8 +11,9 @@ ENV = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
 
 
 def _run(code: str, env=ENV) -> str:
-    res = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
-                         timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True, timeout=300
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     return res.stdout
 

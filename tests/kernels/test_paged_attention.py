@@ -28,15 +28,39 @@ HEADS = [(4, 4, 64), (8, 2, 128), (16, 2, 80), (8, 1, 96)]
 
 def _run(fn, b, **kw):
     out = torch.full_like(b.q, float("nan"))
-    res = fn(b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.cu_seqlens_q, b.max_seqlen_q,
-             b.max_seqlen_k, b.scale, b.k_scale, b.v_scale, out=out, **kw)
+    res = fn(
+        b.q,
+        b.k_cache,
+        b.v_cache,
+        b.block_tables,
+        b.seq_lens,
+        b.cu_seqlens_q,
+        b.max_seqlen_q,
+        b.max_seqlen_k,
+        b.scale,
+        b.k_scale,
+        b.v_scale,
+        out=out,
+        **kw,
+    )
     assert res is out
     return out
 
 
 def _check(out, b, dtype, seed, what):
-    ref = paged_attention_ref(b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.cu_seqlens_q,
-                              b.max_seqlen_q, b.max_seqlen_k, b.scale, b.k_scale, b.v_scale)
+    ref = paged_attention_ref(
+        b.q,
+        b.k_cache,
+        b.v_cache,
+        b.block_tables,
+        b.seq_lens,
+        b.cu_seqlens_q,
+        b.max_seqlen_q,
+        b.max_seqlen_k,
+        b.scale,
+        b.k_scale,
+        b.v_scale,
+    )
     n = int(b.cu_seqlens_q[-1])
     assert not torch.isnan(out[:n]).any(), f"{what}: unwritten/NaN outputs (seed={seed})"
     err = rel_err(out[:n], ref[:n])
@@ -61,8 +85,16 @@ def _mixed_lengths(gen, block_size):
 def test_mixed_batch(gen, seed, dtype, block_size, heads):
     num_heads, num_kv_heads, head_dim = heads
     q_lens, ctx = _mixed_lengths(gen, block_size)
-    b = make_paged_batch(q_lens, ctx, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                         block_size=block_size, dtype=dtype, generator=gen)
+    b = make_paged_batch(
+        q_lens,
+        ctx,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        generator=gen,
+    )
     _check(_run(paged_attention, b), b, dtype, seed, f"mixed q={q_lens} ctx={ctx}")
 
 
@@ -73,8 +105,16 @@ def test_decode_split_k_and_2d(gen, seed, dtype, heads):
     num_heads, num_kv_heads, head_dim = heads
     block_size = 16 if head_dim % 2 else 32
     ctx = [0, 15, 16, 31, int(torch.randint(100, 600, (1,), generator=gen))]
-    b = make_paged_batch([1] * len(ctx), ctx, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                         head_dim=head_dim, block_size=block_size, dtype=dtype, generator=gen)
+    b = make_paged_batch(
+        [1] * len(ctx),
+        ctx,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=dtype,
+        generator=gen,
+    )
     segments = 2 if dtype == torch.float32 else 8
     _check(_run(paged_attention, b, num_segments=segments), b, dtype, seed, f"split-K {segments} segments ctx={ctx}")
     _check(_run(paged_attention, b, num_segments=1), b, dtype, seed, f"2D decode ctx={ctx}")
@@ -82,8 +122,7 @@ def test_decode_split_k_and_2d(gen, seed, dtype, heads):
 
 def test_prefill_only_long_and_single_token(gen, seed):
     """One long prefill (several q-blocks and KV tiles), plus prompts of length 1 and 2 in the same batch."""
-    b = make_paged_batch([150, 1, 2], [0, 0, 0], num_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
-                         generator=gen)
+    b = make_paged_batch([150, 1, 2], [0, 0, 0], num_heads=8, num_kv_heads=2, head_dim=64, block_size=16, generator=gen)
     _check(_run(paged_attention, b), b, torch.float32, seed, "prefill")
 
 
@@ -92,11 +131,29 @@ def test_prefill_only_long_and_single_token(gen, seed):
 def test_fp8_cache(gen, seed, cache_dtype, dtype):
     """FP8 KV: the kernels dequantize exactly as the reference does, so fp32 queries still meet 1e-5."""
     q_lens, ctx = _mixed_lengths(gen, 16)
-    b = make_paged_batch(q_lens, ctx, num_heads=8, num_kv_heads=2, head_dim=64, block_size=16, dtype=dtype,
-                         cache_dtype=cache_dtype, generator=gen)
+    b = make_paged_batch(
+        q_lens,
+        ctx,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        dtype=dtype,
+        cache_dtype=cache_dtype,
+        generator=gen,
+    )
     _check(_run(paged_attention, b), b, dtype, seed, "fp8 mixed")
-    d = make_paged_batch([1] * 4, [3, 40, 200, 513], num_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
-                         dtype=dtype, cache_dtype=cache_dtype, generator=gen)
+    d = make_paged_batch(
+        [1] * 4,
+        [3, 40, 200, 513],
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        dtype=dtype,
+        cache_dtype=cache_dtype,
+        generator=gen,
+    )
     _check(_run(paged_attention, d, num_segments=4), d, dtype, seed, "fp8 split-K decode")
 
 
@@ -104,8 +161,18 @@ def test_fp8_cache(gen, seed, cache_dtype, dtype):
 def test_store_then_attend_runtime_step(gen, seed, cache_dtype):
     """The runtime's step: store the new K/V (padding rows slot -1) then attend over prefix + new tokens."""
     q_lens, ctx = _mixed_lengths(gen, 16)
-    b = make_paged_batch(q_lens, ctx, num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
-                         cache_dtype=cache_dtype, pad_tokens=3, prefilled_new=False, generator=gen)
+    b = make_paged_batch(
+        q_lens,
+        ctx,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        cache_dtype=cache_dtype,
+        pad_tokens=3,
+        prefilled_new=False,
+        generator=gen,
+    )
     assert (b.slot_mapping[-3:] == -1).all()
     store_kv_cache(b.k_new, b.v_new, b.k_cache, b.v_cache, b.slot_mapping, b.k_scale, b.v_scale)
     out = _run(paged_attention, b)
@@ -117,23 +184,42 @@ def test_store_then_attend_runtime_step(gen, seed, cache_dtype):
 
 def test_explicit_entry_points_and_tiles(gen, seed):
     """unified_attention with small q-blocks/tiles (many programs, tiles spanning blocks) and split-K directly."""
-    b = make_paged_batch([5, 33, 1], [20, 7, 64], num_heads=8, num_kv_heads=2, head_dim=64, block_size=16,
-                         generator=gen)
+    b = make_paged_batch(
+        [5, 33, 1], [20, 7, 64], num_heads=8, num_kv_heads=2, head_dim=64, block_size=16, generator=gen
+    )
     _check(_run(unified_attention, b, block_m=16, tile_n=16), b, torch.float32, seed, "unified bm16 tn16")
     _check(_run(unified_attention, b, block_m=128, tile_n=64), b, torch.float32, seed, "unified bm128 tn64")
-    d = make_paged_batch([1, 1], [250, 9], num_heads=4, num_kv_heads=4, head_dim=64, block_size=32,
-                         generator=gen)
+    d = make_paged_batch([1, 1], [250, 9], num_heads=4, num_kv_heads=4, head_dim=64, block_size=32, generator=gen)
     out = torch.full_like(d.q, float("nan"))
-    split_k_decode_attention(d.q, d.k_cache, d.v_cache, d.block_tables, d.seq_lens, d.cu_seqlens_q,
-                             d.max_seqlen_k, d.scale, out=out, num_segments=16, tile_n=16)
+    split_k_decode_attention(
+        d.q,
+        d.k_cache,
+        d.v_cache,
+        d.block_tables,
+        d.seq_lens,
+        d.cu_seqlens_q,
+        d.max_seqlen_k,
+        d.scale,
+        out=out,
+        num_segments=16,
+        tile_n=16,
+    )
     _check(out, d, torch.float32, seed, "split-K 16 segments tile 16")
 
 
 def test_int64_metadata_and_default_out(gen, seed):
-    b = make_paged_batch([3, 1], [10, 40], num_heads=4, num_kv_heads=1, head_dim=64, block_size=16,
-                         generator=gen)
-    out = paged_attention(b.q, b.k_cache, b.v_cache, b.block_tables.long(), b.seq_lens.long(),
-                          b.cu_seqlens_q.long(), b.max_seqlen_q, b.max_seqlen_k, None)
+    b = make_paged_batch([3, 1], [10, 40], num_heads=4, num_kv_heads=1, head_dim=64, block_size=16, generator=gen)
+    out = paged_attention(
+        b.q,
+        b.k_cache,
+        b.v_cache,
+        b.block_tables.long(),
+        b.seq_lens.long(),
+        b.cu_seqlens_q.long(),
+        b.max_seqlen_q,
+        b.max_seqlen_k,
+        None,
+    )
     _check(out, b, torch.float32, seed, "int64 metadata, default scale")
 
 
@@ -151,11 +237,13 @@ def test_choose_num_segments():
 @pytest.mark.parametrize("block_size", [1, 8, 64])
 def test_other_block_sizes(gen, seed, block_size):
     """The runtime allows block sizes 1..256: tiles look up a block per key, so any size works."""
-    b = make_paged_batch([1, 9, 1], [70, 30, 130], num_heads=4, num_kv_heads=2, head_dim=64,
-                         block_size=block_size, generator=gen)
+    b = make_paged_batch(
+        [1, 9, 1], [70, 30, 130], num_heads=4, num_kv_heads=2, head_dim=64, block_size=block_size, generator=gen
+    )
     _check(_run(paged_attention, b), b, torch.float32, seed, f"mixed bs={block_size}")
-    d = make_paged_batch([1, 1], [70, 130], num_heads=4, num_kv_heads=2, head_dim=64, block_size=block_size,
-                         generator=gen)
+    d = make_paged_batch(
+        [1, 1], [70, 130], num_heads=4, num_kv_heads=2, head_dim=64, block_size=block_size, generator=gen
+    )
     _check(_run(paged_attention, d, num_segments=4), d, torch.float32, seed, f"split-K bs={block_size}")
 
 
@@ -163,8 +251,9 @@ def test_other_block_sizes(gen, seed, block_size):
 def test_odd_and_large_gqa_groups(gen, seed, heads):
     """Group sizes that are not powers of two (padded rows masked) and larger than a 64-row q-block."""
     h, kvh, d = heads
-    b = make_paged_batch([1, 7, 1], [40, 20, 100], num_heads=h, num_kv_heads=kvh, head_dim=d, block_size=16,
-                         generator=gen)
+    b = make_paged_batch(
+        [1, 7, 1], [40, 20, 100], num_heads=h, num_kv_heads=kvh, head_dim=d, block_size=16, generator=gen
+    )
     _check(_run(paged_attention, b), b, torch.float32, seed, f"mixed {heads}")
     d = make_paged_batch([1, 1], [40, 300], num_heads=h, num_kv_heads=kvh, head_dim=d, block_size=16, generator=gen)
     _check(_run(paged_attention, d, num_segments=4), d, torch.float32, seed, f"split-K {heads}")

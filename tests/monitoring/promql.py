@@ -1,6 +1,7 @@
 """Helpers for the monitoring tests: the chart's monitoring objects rendered by the real helm, the dashboard's
 and rules' PromQL, the metric names an expression reads, and the Prometheus binaries (Debian's `prometheus`
 package; .ci/run installs it, tests skip with that reason when it is absent)."""
+
 from __future__ import annotations
 
 import json
@@ -15,20 +16,41 @@ from tests.operator.test_helm_chart import CHART, _find_helm, _run
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DASHBOARD = CHART / "dashboards" / "kvserve.json"
-MONITORING_ON = ("monitoring.podMonitor.enabled=true", "monitoring.serviceMonitor.enabled=true",
-                 "monitoring.prometheusRule.enabled=true", "monitoring.grafanaDashboard.enabled=true")
+MONITORING_ON = (
+    "monitoring.podMonitor.enabled=true",
+    "monitoring.serviceMonitor.enabled=true",
+    "monitoring.prometheusRule.enabled=true",
+    "monitoring.grafanaDashboard.enabled=true",
+)
 # Grafana's variables, replaced the way Grafana would before the query reaches Prometheus.
 GRAFANA_VARS = {"$__rate_interval": "1m", "$namespace": ".*", "$inferenceservice": ".*"}
 
-_KEYWORDS = {"and", "or", "unless", "bool", "offset", "by", "without", "on", "ignoring", "group_left",
-             "group_right", "inf", "nan", "Inf", "NaN"}
+_KEYWORDS = {
+    "and",
+    "or",
+    "unless",
+    "bool",
+    "offset",
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "inf",
+    "nan",
+    "Inf",
+    "NaN",
+}
 
 
 def binary(name: str) -> str:
     path = shutil.which(name)
     if path is None:
-        pytest.skip(f"`{name}` not found: install Debian's `prometheus` package (apt-get install prometheus; "
-                    ".ci/run does this in CI)")
+        pytest.skip(
+            f"`{name}` not found: install Debian's `prometheus` package (apt-get install prometheus; "
+            ".ci/run does this in CI)"
+        )
     return path
 
 
@@ -96,7 +118,7 @@ def metric_names(expr: str) -> set[str]:
     s = re.sub(r"(?<![\w:])\d+(\.\d+)?([eE][+-]?\d+)?", " ", s)
     names = set()
     for match in re.finditer(r"[a-zA-Z_:][a-zA-Z0-9_:]*", s):
-        if s[match.end():].lstrip().startswith("(") or match.group(0) in _KEYWORDS:
+        if s[match.end() :].lstrip().startswith("(") or match.group(0) in _KEYWORDS:
             continue
         names.add(match.group(0))
     return names

@@ -1,5 +1,6 @@
 """The chart's monitoring objects, rendered by the real helm: valid objects, rules that promtool accepts and
 whose unit tests fire and stay quiet, a runbook section per alert, and a dashboard whose every query parses."""
+
 from __future__ import annotations
 
 import json
@@ -13,11 +14,22 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from kvserve.operator import labels
-from kvserve.operator import render, spec as spec_mod
-from tests.monitoring.promql import (DASHBOARD, MONITORING_ON, ROOT, binary, dashboard, dashboard_targets,
-                                     metric_names, prometheus_rule_groups, render_chart, rule_exprs, substitute,
-                                     variable_selectors)
+from kvserve.operator import labels, render
+from kvserve.operator import spec as spec_mod
+from tests.monitoring.promql import (
+    DASHBOARD,
+    MONITORING_ON,
+    ROOT,
+    binary,
+    dashboard,
+    dashboard_targets,
+    metric_names,
+    prometheus_rule_groups,
+    render_chart,
+    rule_exprs,
+    substitute,
+    variable_selectors,
+)
 from tests.operator.test_helm_chart import CHART, K8S_VERSION, _find_helm, _run
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -56,8 +68,11 @@ def test_rendered_objects_are_valid(docs):
             # No upstream schema offline for Prometheus Operator CRDs: the fields their CRDs require.
             assert doc["apiVersion"] == "monitoring.coreos.com/v1"
             assert doc["metadata"]["labels"]["release"] == "kube-prometheus-stack"
-            assert {"PodMonitor": {"selector", "podMetricsEndpoints"}, "ServiceMonitor": {"selector", "endpoints"},
-                    "PrometheusRule": {"groups"}}[doc["kind"]] <= set(doc["spec"])
+            assert {
+                "PodMonitor": {"selector", "podMetricsEndpoints"},
+                "ServiceMonitor": {"selector", "endpoints"},
+                "PrometheusRule": {"groups"},
+            }[doc["kind"]] <= set(doc["spec"])
         elif doc["kind"] != "ScaledObject":
             kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
     groups = [g["name"] for g in _one(docs, "PrometheusRule")["spec"]["groups"]]
@@ -75,8 +90,9 @@ def test_podmonitor_selects_the_operators_engine_pods_and_labels_them(docs):
     assert endpoint["port"] in container_ports and endpoint["path"] == "/metrics"
     (relabel,) = endpoint["relabelings"]
     # Kubernetes SD turns the pod label serving.kvserve.dev/inferenceservice into this meta label.
-    assert relabel["sourceLabels"] == ["__meta_kubernetes_pod_label_"
-                                       + re.sub(r"[^a-zA-Z0-9_]", "_", labels.OWNER_LABEL)]
+    assert relabel["sourceLabels"] == [
+        "__meta_kubernetes_pod_label_" + re.sub(r"[^a-zA-Z0-9_]", "_", labels.OWNER_LABEL)
+    ]
     assert relabel["targetLabel"] == "inferenceservice" and pod_labels[labels.OWNER_LABEL] == "llama70b"
     assert pm["spec"]["namespaceSelector"] == {"any": True}
 
@@ -109,8 +125,12 @@ def test_dashboard_configmap_for_grafanas_sidecar(docs):
 
 
 def test_dashboard_json_is_generated():
-    result = subprocess.run([sys.executable, str(ROOT / "tools" / "grafana_dashboard.py"), "--check"],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "grafana_dashboard.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stderr
 
 
@@ -118,8 +138,9 @@ def test_promtool_checks_the_rendered_rules(docs, tmp_path):
     promtool = binary("promtool")
     rules = tmp_path / "rules.yaml"
     rules.write_text(yaml.safe_dump(prometheus_rule_groups(docs)))
-    check = subprocess.run([promtool, "check", "rules", "--lint-fatal", str(rules)], capture_output=True,
-                           text=True, timeout=60)
+    check = subprocess.run(
+        [promtool, "check", "rules", "--lint-fatal", str(rules)], capture_output=True, text=True, timeout=60
+    )
     assert check.returncode == 0, check.stdout + check.stderr
     assert "SUCCESS" in check.stdout
 
@@ -131,8 +152,9 @@ def test_every_alert_fires_and_stays_quiet_in_promtool_unit_tests(tmp_path):
     groups = prometheus_rule_groups(render_chart("monitoring.prometheusRule.enabled=true"))
     (tmp_path / "rules.yaml").write_text(yaml.safe_dump(groups))
     shutil.copy(HERE / "alerts_test.yaml", tmp_path / "alerts_test.yaml")
-    result = subprocess.run([promtool, "test", "rules", "alerts_test.yaml"], cwd=tmp_path, capture_output=True,
-                            text=True, timeout=240)
+    result = subprocess.run(
+        [promtool, "test", "rules", "alerts_test.yaml"], cwd=tmp_path, capture_output=True, text=True, timeout=240
+    )
     assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
     alerts = {r["alert"] for g in groups["groups"] for r in g["rules"] if "alert" in r}
     tests = yaml.safe_load((HERE / "alerts_test.yaml").read_text())["tests"]
@@ -158,25 +180,40 @@ def test_every_dashboard_query_parses(tmp_path):
     """promtool parses each query (Grafana variables substituted) as a recording rule's expression."""
     promtool = binary("promtool")
     exprs = [substitute(e) for _, e in dashboard_targets()] + [substitute(s) for _, s in variable_selectors()]
-    rules = {"groups": [{"name": "dashboard", "rules": [{"record": f"dashboard:query{i}", "expr": e}
-                                                       for i, e in enumerate(exprs)]}]}
+    rules = {
+        "groups": [
+            {"name": "dashboard", "rules": [{"record": f"dashboard:query{i}", "expr": e} for i, e in enumerate(exprs)]}
+        ]
+    }
     (tmp_path / "dashboard.yaml").write_text(yaml.safe_dump(rules))
-    result = subprocess.run([promtool, "check", "rules", str(tmp_path / "dashboard.yaml")], capture_output=True,
-                            text=True, timeout=60)
+    result = subprocess.run(
+        [promtool, "check", "rules", str(tmp_path / "dashboard.yaml")], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     # Control: the same check rejects a broken query, so a pass above means something.
-    (tmp_path / "broken.yaml").write_text(yaml.safe_dump(
-        {"groups": [{"name": "x", "rules": [{"record": "x:y", "expr": "sum by (le (rate(x[1m]))"}]}]}))
-    assert subprocess.run([promtool, "check", "rules", str(tmp_path / "broken.yaml")], capture_output=True,
-                          timeout=60).returncode != 0
+    (tmp_path / "broken.yaml").write_text(
+        yaml.safe_dump({"groups": [{"name": "x", "rules": [{"record": "x:y", "expr": "sum by (le (rate(x[1m]))"}]}]})
+    )
+    assert (
+        subprocess.run(
+            [promtool, "check", "rules", str(tmp_path / "broken.yaml")], capture_output=True, timeout=60
+        ).returncode
+        != 0
+    )
 
 
 def test_metric_name_extraction():
-    assert metric_names('histogram_quantile(0.99, sum by (le, namespace) (rate(a:b_bucket{x=~"$n",le="1.0"}[1m])))') \
-        == {"a:b_bucket"}
-    assert metric_names('max by (ns) (x_total) * on (ns) group_left(foo) y > 1e3 and on (ns) z offset 5m') \
-        == {"x_total", "y", "z"}
+    assert metric_names(
+        'histogram_quantile(0.99, sum by (le, namespace) (rate(a:b_bucket{x=~"$n",le="1.0"}[1m])))'
+    ) == {"a:b_bucket"}
+    assert metric_names("max by (ns) (x_total) * on (ns) group_left(foo) y > 1e3 and on (ns) z offset 5m") == {
+        "x_total",
+        "y",
+        "z",
+    }
     assert metric_names("up == 0 unless on (pod) (kvserve:draining == 1)") == {"up", "kvserve:draining"}
     assert all(metric_names(substitute(e)) for _, e in dashboard_targets())
-    assert all(metric_names(e) for _, e in rule_exprs(prometheus_rule_groups(
-        render_chart("monitoring.prometheusRule.enabled=true"))))
+    assert all(
+        metric_names(e)
+        for _, e in rule_exprs(prometheus_rule_groups(render_chart("monitoring.prometheusRule.enabled=true")))
+    )

@@ -11,6 +11,7 @@ Static scrape targets stand in for Kubernetes discovery: they carry the labels t
 Prometheus Operator would give (namespace, pod, inferenceservice), and the operator job uses honor_labels
 like the chart's ServiceMonitor.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -26,10 +27,22 @@ import httpx
 import pytest
 import yaml
 
-from kvserve.operator import metrics as operator_metrics, spec as spec_mod, status as status_mod
-from tests.monitoring.promql import (ROOT, binary, dashboard, exposed_sample_names, metric_names,
-                                     prometheus_rule_groups, recorded_names, render_chart, rule_exprs, substitute,
-                                     variable_selectors)
+from kvserve.operator import metrics as operator_metrics
+from kvserve.operator import spec as spec_mod
+from kvserve.operator import status as status_mod
+from tests.monitoring.promql import (
+    ROOT,
+    binary,
+    dashboard,
+    exposed_sample_names,
+    metric_names,
+    prometheus_rule_groups,
+    recorded_names,
+    render_chart,
+    rule_exprs,
+    substitute,
+    variable_selectors,
+)
 
 pytestmark = pytest.mark.timeout(300)
 NAMESPACE, NAME, POD = "ml", "llama70b", "llama70b-7d9f8c-x2x4q"
@@ -78,9 +91,29 @@ def serve(tmp_path_factory):
     exe = Path(sys.executable).with_name("kvserve")
     port = _free_port()
     log = tmp / "serve.log"
-    cmd = ["timeout", str(PROCESS_LIMIT_S), str(exe), "serve", str(model_dir), "--host", "127.0.0.1",
-           "--port", str(port), "--served-model-name", NAME, "--max-num-seqs", "2", "--max-model-len", "1024",
-           "--kv-cache-bytes", "32MiB", "--api-key", API_KEY, "--log-level", "warning"]
+    cmd = [
+        "timeout",
+        str(PROCESS_LIMIT_S),
+        str(exe),
+        "serve",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--served-model-name",
+        NAME,
+        "--max-num-seqs",
+        "2",
+        "--max-model-len",
+        "1024",
+        "--kv-cache-bytes",
+        "32MiB",
+        "--api-key",
+        API_KEY,
+        "--log-level",
+        "warning",
+    ]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ})
     try:
@@ -96,12 +129,22 @@ def operator_endpoint():
     """The operator's /metrics with one InferenceService recorded the way a reconcile records it."""
     operator_metrics.INFERENCE_SERVICES.clear()
     resolved = spec_mod.resolve(yaml.safe_load((ROOT / "examples" / "llama70b.yaml").read_text())["spec"])
-    deployment = {"metadata": {"generation": 1}, "status": {"replicas": 1, "readyReplicas": 1,
-                                                            "updatedReplicas": 1, "observedGeneration": 1}}
-    status = status_mod.compute_status(name=NAME, namespace=NAMESPACE, spec=resolved.spec, generation=1,
-                                       plan=resolved.plan, plan_reason=resolved.plan.reason,
-                                       plan_message=resolved.plan.message, deployment=deployment, previous=None,
-                                       now="2026-01-01T00:00:00Z")
+    deployment = {
+        "metadata": {"generation": 1},
+        "status": {"replicas": 1, "readyReplicas": 1, "updatedReplicas": 1, "observedGeneration": 1},
+    }
+    status = status_mod.compute_status(
+        name=NAME,
+        namespace=NAMESPACE,
+        spec=resolved.spec,
+        generation=1,
+        plan=resolved.plan,
+        plan_reason=resolved.plan.reason,
+        plan_message=resolved.plan.message,
+        deployment=deployment,
+        previous=None,
+        now="2026-01-01T00:00:00Z",
+    )
     with operator_metrics.timed_reconcile("change"):
         operator_metrics.record(NAMESPACE, NAME, spec=resolved.spec, plan=resolved.plan, status=status)
     with pytest.raises(RuntimeError), operator_metrics.timed_reconcile("resync"):
@@ -116,8 +159,11 @@ def operator_endpoint():
 
 
 def _completion(client: httpx.Client | httpx.AsyncClient, prompt: str, max_tokens: int):
-    return client.post("/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
-                       json={"model": NAME, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True})
+    return client.post(
+        "/v1/completions",
+        headers={"Authorization": f"Bearer {API_KEY}"},
+        json={"model": NAME, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True},
+    )
 
 
 def test_dashboard_and_rules_read_only_metrics_that_are_exported(serve, operator_endpoint):
@@ -130,9 +176,11 @@ def test_dashboard_and_rules_read_only_metrics_that_are_exported(serve, operator
     groups = prometheus_rule_groups(render_chart("monitoring.prometheusRule.enabled=true"))
     known = exported | operator_exported | {"up"}  # `up`: Prometheus's own per-target series
     problems = []
-    for where, expr in ([(f"panel {t}", substitute(e)) for t, e in _dashboard_targets()]
-                        + [(f"variable {v}", substitute(s)) for v, s in variable_selectors()]
-                        + [(f"rule {n}", e) for n, e in rule_exprs(groups)]):
+    for where, expr in (
+        [(f"panel {t}", substitute(e)) for t, e in _dashboard_targets()]
+        + [(f"variable {v}", substitute(s)) for v, s in variable_selectors()]
+        + [(f"rule {n}", e) for n, e in rule_exprs(groups)]
+    ):
         unknown = metric_names(expr) - known - recorded_names(groups)
         if unknown:
             problems.append(f"{where}: {sorted(unknown)}")
@@ -147,26 +195,49 @@ def _dashboard_targets() -> list[tuple[str, str]]:
 def prometheus(serve, operator_endpoint, tmp_path_factory):
     exe = binary("prometheus")
     tmp = tmp_path_factory.mktemp("prometheus")
-    docs = render_chart("monitoring.prometheusRule.enabled=true", "keda.enabled=true",
-                        f"keda.scaledObjects[0].name={NAME}", f"keda.scaledObjects[0].namespace={NAMESPACE}")
+    docs = render_chart(
+        "monitoring.prometheusRule.enabled=true",
+        "keda.enabled=true",
+        f"keda.scaledObjects[0].name={NAME}",
+        f"keda.scaledObjects[0].namespace={NAMESPACE}",
+    )
     (tmp / "rules.yaml").write_text(yaml.safe_dump(prometheus_rule_groups(docs)))
     config = {
         "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
         "rule_files": ["rules.yaml"],
         "scrape_configs": [
-            {"job_name": f"{NAMESPACE}/kvs-kvserve-engines", "static_configs": [{
-                "targets": [serve.removeprefix("http://")],
-                "labels": {"namespace": NAMESPACE, "pod": POD, "inferenceservice": NAME}}]},
-            {"job_name": "kvs-kvserve-metrics", "honor_labels": True, "static_configs": [{
-                "targets": [operator_endpoint.removeprefix("http://")],
-                "labels": {"namespace": "kvserve-system", "pod": "kvs-kvserve-operator-0"}}]},
+            {
+                "job_name": f"{NAMESPACE}/kvs-kvserve-engines",
+                "static_configs": [
+                    {
+                        "targets": [serve.removeprefix("http://")],
+                        "labels": {"namespace": NAMESPACE, "pod": POD, "inferenceservice": NAME},
+                    }
+                ],
+            },
+            {
+                "job_name": "kvs-kvserve-metrics",
+                "honor_labels": True,
+                "static_configs": [
+                    {
+                        "targets": [operator_endpoint.removeprefix("http://")],
+                        "labels": {"namespace": "kvserve-system", "pod": "kvs-kvserve-operator-0"},
+                    }
+                ],
+            },
         ],
     }
     (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
     port = _free_port()
     log = tmp / "prometheus.log"
-    cmd = ["timeout", str(PROCESS_LIMIT_S), exe, f"--config.file={tmp / 'prometheus.yml'}",
-           f"--storage.tsdb.path={tmp / 'data'}", f"--web.listen-address=127.0.0.1:{port}"]
+    cmd = [
+        "timeout",
+        str(PROCESS_LIMIT_S),
+        exe,
+        f"--config.file={tmp / 'prometheus.yml'}",
+        f"--storage.tsdb.path={tmp / 'data'}",
+        f"--web.listen-address=127.0.0.1:{port}",
+    ]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=tmp)
     try:
@@ -209,9 +280,12 @@ def test_adapter_and_keda_queries_return_the_queue_depth(prometheus, serve):
     series = httpx.get(prom + "/api/v1/series", params={"match[]": rule["seriesQuery"]}, timeout=10).json()["data"]
     assert [(s["namespace"], s["pod"]) for s in series] == [(NAMESPACE, POD)]
     # ... then its metricsQuery, expanded the way the adapter expands it for GET pods/*/vllm_num_requests_waiting.
-    adapter_query = (rule["metricsQuery"].replace("<<.Series>>", rule["name"]["matches"].strip("^$"))
-                     .replace("<<.LabelMatchers>>", f'namespace="{NAMESPACE}",pod=~"{POD}"')
-                     .replace("<<.GroupBy>>", "pod"))
+    adapter_query = (
+        rule["metricsQuery"]
+        .replace("<<.Series>>", rule["name"]["matches"].strip("^$"))
+        .replace("<<.LabelMatchers>>", f'namespace="{NAMESPACE}",pod=~"{POD}"')
+        .replace("<<.GroupBy>>", "pod")
+    )
 
     raw_query = f'vllm:num_requests_waiting{{namespace="{NAMESPACE}",pod="{POD}"}}'
 
@@ -221,27 +295,35 @@ def test_adapter_and_keda_queries_return_the_queue_depth(prometheus, serve):
         seen_in_metrics: list[float] = []
         seen_in_prometheus: list[tuple[float, ...]] = []
         started = time.monotonic()
-        async with httpx.AsyncClient(base_url=serve, timeout=120) as client, \
-                httpx.AsyncClient(timeout=10) as prom_client:
+        async with (
+            httpx.AsyncClient(base_url=serve, timeout=120) as client,
+            httpx.AsyncClient(timeout=10) as prom_client,
+        ):
             tasks: list[asyncio.Future] = []
             while True:
                 queue_seen = any(v[0] >= 1 for v in seen_in_prometheus)
                 if not queue_seen and time.monotonic() - started < 60 and len(tasks) < MAX_REQUESTS:
                     outstanding = sum(not t.done() for t in tasks)
-                    tasks += [asyncio.ensure_future(_completion(client, f"load {len(tasks) + i}", MAX_TOKENS))
-                              for i in range(NUM_REQUESTS - outstanding)]
+                    tasks += [
+                        asyncio.ensure_future(_completion(client, f"load {len(tasks) + i}", MAX_TOKENS))
+                        for i in range(NUM_REQUESTS - outstanding)
+                    ]
                 elif all(t.done() for t in tasks):
                     break
                 text = (await client.get("/metrics")).text
-                seen_in_metrics += [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                                    if line.startswith("vllm:num_requests_waiting{")]
+                seen_in_metrics += [
+                    float(line.rsplit(" ", 1)[1])
+                    for line in text.splitlines()
+                    if line.startswith("vllm:num_requests_waiting{")
+                ]
                 # Evaluate a few seconds in the past: a scrape's samples carry its start time but land when it
                 # ends, so at `now` one query can see a sample that the query before it did not.
                 at = time.time() - SETTLED_S
                 values = []
                 for query in (adapter_query, keda_query, raw_query):
-                    body = (await prom_client.get(prom + "/api/v1/query",
-                                                  params={"query": query, "time": f"{at:.3f}"})).json()
+                    body = (
+                        await prom_client.get(prom + "/api/v1/query", params={"query": query, "time": f"{at:.3f}"})
+                    ).json()
                     assert body["status"] == "success", body
                     values.append(_scalar(body["data"]["result"]))
                 if values[0] is not None:

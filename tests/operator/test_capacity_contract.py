@@ -6,46 +6,67 @@ resolved and rendered as the operator would, the model's config.json is written 
 weights), and the rendered pod args go through the runtime's own flag parsing (`kvserve serve`), config
 validation (EngineArgs -> EngineConfig) and KV sizing (worker/kv_sizing.py, what ModelRunner runs).
 """
+
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
-import pathlib
 
 import pytest
 
 from kvserve.cli import serve
-from kvserve.operator import catalog, planner, render, spec as spec_mod
+from kvserve.operator import catalog, planner, render
+from kvserve.operator import spec as spec_mod
 from kvserve.runtime import capacity
 from kvserve.runtime.config import build_engine_config
 from kvserve.runtime.engine_args import EngineArgs
 from kvserve.runtime.errors import InvalidParameter
 from kvserve.runtime.executor import kv_sizing
 
-MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-               "MixtralForCausalLM": "mixtral", "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe",
-               "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text"}
+MODEL_TYPES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",
+}
 DTYPES = ("bfloat16", "float16", "fp8")
 KV_DTYPES = ("auto", "fp8")
 
 
 def hf_config(shape: capacity.ModelShape) -> dict:
     """The config.json a checkpoint of this shape carries (the fields the runtime reads)."""
-    cfg = {"architectures": [shape.architecture], "model_type": MODEL_TYPES[shape.architecture],
-           "num_hidden_layers": shape.num_layers, "num_attention_heads": shape.num_attention_heads,
-           "num_key_value_heads": shape.num_kv_heads, "head_dim": shape.head_dim, "hidden_size": shape.hidden_size,
-           "intermediate_size": shape.intermediate_size, "vocab_size": shape.vocab_size,
-           "max_position_embeddings": shape.max_position_embeddings,
-           "tie_word_embeddings": shape.tie_word_embeddings, "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16",
-           "attention_bias": shape.attention_bias and shape.architecture != "Qwen2ForCausalLM"}
+    cfg = {
+        "architectures": [shape.architecture],
+        "model_type": MODEL_TYPES[shape.architecture],
+        "num_hidden_layers": shape.num_layers,
+        "num_attention_heads": shape.num_attention_heads,
+        "num_key_value_heads": shape.num_kv_heads,
+        "head_dim": shape.head_dim,
+        "hidden_size": shape.hidden_size,
+        "intermediate_size": shape.intermediate_size,
+        "vocab_size": shape.vocab_size,
+        "max_position_embeddings": shape.max_position_embeddings,
+        "tie_word_embeddings": shape.tie_word_embeddings,
+        "rms_norm_eps": 1e-5,
+        "torch_dtype": "bfloat16",
+        "attention_bias": shape.attention_bias and shape.architecture != "Qwen2ForCausalLM",
+    }
     if shape.architecture == "MistralForCausalLM":
         cfg["sliding_window"] = None  # v0.2/v0.3 (the catalog's shape); transformers' default would be 4096
     if shape.sliding_window:  # Gemma: which layers slide comes from transformers' rule for the model type
         cfg.update(sliding_window=shape.sliding_window, query_pre_attn_scalar=shape.head_dim)
     if shape.num_experts:
-        cfg.update(num_local_experts=shape.num_experts, num_experts=shape.num_experts,
-                   num_experts_per_tok=shape.experts_per_token, moe_intermediate_size=shape.intermediate_size)
+        cfg.update(
+            num_local_experts=shape.num_experts,
+            num_experts=shape.num_experts,
+            num_experts_per_tok=shape.experts_per_token,
+            moe_intermediate_size=shape.intermediate_size,
+        )
     return cfg
 
 
@@ -58,8 +79,9 @@ def cached_config_reads():
     import transformers
 
     original = transformers.AutoConfig.from_pretrained
-    cached = functools.lru_cache(maxsize=None)(lambda path, local_files_only: original(
-        path, local_files_only=local_files_only))
+    cached = functools.lru_cache(maxsize=None)(
+        lambda path, local_files_only: original(path, local_files_only=local_files_only)
+    )
     transformers.AutoConfig.from_pretrained = lambda path, local_files_only=False: cached(path, local_files_only)
     yield
     transformers.AutoConfig.from_pretrained = original
@@ -95,13 +117,21 @@ def runtime_config_from_pod(command: list[str], model_dir: str):
 
 def _spec(key: str, gpu: str, t: int, kv: str, dtype: str) -> dict:
     max_len = min(8192, catalog.MODELS[key].max_position_embeddings)
-    return {"model": {"name": key, "uri": "file:///models/x", "dtype": dtype},
-            "gpu": {"product": gpu, "tensorParallelSize": t},
-            "engine": {"kvCacheDtype": kv, "maxModelLen": max_len}}
+    return {
+        "model": {"name": key, "uri": "file:///models/x", "dtype": dtype},
+        "gpu": {"product": gpu, "tensorParallelSize": t},
+        "engine": {"kvCacheDtype": kv, "maxModelLen": max_len},
+    }
 
 
-COMBOS = [(key, gpu, t, kv, dtype) for key in sorted(catalog.MODELS) for gpu in sorted(catalog.GPUS)
-          for t in (1, 2, 4, 8) for kv in KV_DTYPES for dtype in DTYPES]
+COMBOS = [
+    (key, gpu, t, kv, dtype)
+    for key in sorted(catalog.MODELS)
+    for gpu in sorted(catalog.GPUS)
+    for t in (1, 2, 4, 8)
+    for kv in KV_DTYPES
+    for dtype in DTYPES
+]
 
 
 @pytest.mark.parametrize("key", sorted(catalog.MODELS))
@@ -115,9 +145,11 @@ def test_every_accepted_plan_is_served_with_exactly_the_planned_capacity(key, mo
             refused += 1
             with pytest.raises(InvalidParameter):
                 config = runtime_config_from_pod(
-                    ["kvserve", "serve", model_dirs[key], "-tp", str(t), "--dtype", dtype], model_dirs[key])
-                error = capacity.tp_shape_error(config.model.num_heads, config.model.num_kv_heads,
-                                                config.model.shape.intermediate_size, t)
+                    ["kvserve", "serve", model_dirs[key], "-tp", str(t), "--dtype", dtype], model_dirs[key]
+                )
+                error = capacity.tp_shape_error(
+                    config.model.num_heads, config.model.num_kv_heads, config.model.shape.intermediate_size, t
+                )
                 if error:
                     raise InvalidParameter("tensor_parallel_size", error)
             continue
@@ -133,20 +165,36 @@ def test_every_accepted_plan_is_served_with_exactly_the_planned_capacity(key, mo
         where = (key, gpu, t, kv, dtype)
         assert num_blocks == plan.num_blocks_per_gpu, where
         assert kv_sizing.layout(config).usable_tokens(num_blocks) == plan.kv_tokens, where
-        assert kv_sizing.layout(config).max_concurrency(num_blocks, config.model.max_model_len,
-                                                        config.scheduler.max_num_batched_tokens) == \
-            plan.max_concurrency, where
+        assert (
+            kv_sizing.layout(config).max_concurrency(
+                num_blocks, config.model.max_model_len, config.scheduler.max_num_batched_tokens
+            )
+            == plan.max_concurrency
+        ), where
         assert kv_sizing.layout(config).bytes_per_token_per_rank == plan.kv_bytes_per_token_per_gpu, where
         # The weights the runtime allocates per rank (from config.json) are what the planner charged.
-        assert capacity.weight_bytes_per_rank(config.model.shape, config.model.weight_dtype, t) == \
-            plan.weight_bytes_per_gpu, where
-        assert capacity.tp_shape_error(config.model.num_heads, config.model.num_kv_heads,
-                                       config.model.shape.intermediate_size, t) is None
+        assert (
+            capacity.weight_bytes_per_rank(config.model.shape, config.model.weight_dtype, t)
+            == plan.weight_bytes_per_gpu
+        ), where
+        assert (
+            capacity.tp_shape_error(
+                config.model.num_heads, config.model.num_kv_heads, config.model.shape.intermediate_size, t
+            )
+            is None
+        )
     assert accepted + refused > 0
 
 
-@pytest.mark.parametrize("key,t,kv,dtype", [("llama-3-8b", 1, "auto", "bfloat16"), ("llama-3-70b", 4, "fp8", "fp8"),
-                                             ("qwen2.5-7b", 4, "auto", "float16"), ("llama-2-7b", 2, "fp8", "bfloat16")])
+@pytest.mark.parametrize(
+    "key,t,kv,dtype",
+    [
+        ("llama-3-8b", 1, "auto", "bfloat16"),
+        ("llama-3-70b", 4, "fp8", "fp8"),
+        ("qwen2.5-7b", 4, "auto", "float16"),
+        ("llama-2-7b", 2, "fp8", "bfloat16"),
+    ],
+)
 def test_one_block_short_is_refused_by_both_with_the_same_reason(key, t, kv, dtype, model_dirs):
     m = catalog.MODELS[key]
     max_len = 4096
@@ -157,22 +205,43 @@ def test_one_block_short_is_refused_by_both_with_the_same_reason(key, t, kv, dty
     fixed = weights + overhead_mib * catalog.MiB
 
     def plan_for(num_blocks: int) -> planner.Plan:
-        return planner.plan(planner.PlanInput(
-            model=m, gpu_memory_bytes=fixed + layout.budget_for_blocks(num_blocks), tensor_parallel_size=t, dtype=dtype,
-            kv_cache_dtype=kv, max_model_len=max_len, gpu_memory_utilization=1.0, activation_reserve_bytes=0,
-            runtime_overhead_bytes=overhead_mib * catalog.MiB))
+        return planner.plan(
+            planner.PlanInput(
+                model=m,
+                gpu_memory_bytes=fixed + layout.budget_for_blocks(num_blocks),
+                tensor_parallel_size=t,
+                dtype=dtype,
+                kv_cache_dtype=kv,
+                max_model_len=max_len,
+                gpu_memory_utilization=1.0,
+                activation_reserve_bytes=0,
+                runtime_overhead_bytes=overhead_mib * catalog.MiB,
+            )
+        )
 
     exact = plan_for(exact_blocks)
     assert exact.fits and exact.max_concurrency == 1 and exact.kv_tokens == max_len
     short = plan_for(exact_blocks - 1)
     assert not short.fits and short.reason == "ContextDoesNotFit"
 
-    base = ["kvserve", "serve", model_dirs[key], "--dtype", dtype, "-tp", str(t), "--kv-cache-dtype", kv,
-            "--max-model-len", str(max_len)]
+    base = [
+        "kvserve",
+        "serve",
+        model_dirs[key],
+        "--dtype",
+        dtype,
+        "-tp",
+        str(t),
+        "--kv-cache-dtype",
+        kv,
+        "--max-model-len",
+        str(max_len),
+    ]
     ok = runtime_config_from_pod(base + ["--kv-cache-bytes", str(exact.kv_cache_bytes_per_gpu)], model_dirs[key])
     kv_sizing.check_one_sequence_fits(ok, kv_sizing.explicit_num_blocks(ok))
-    bad = runtime_config_from_pod(base + ["--kv-cache-bytes", str(layout.budget_for_blocks(exact_blocks - 1))],
-                                  model_dirs[key])
+    bad = runtime_config_from_pod(
+        base + ["--kv-cache-bytes", str(layout.budget_for_blocks(exact_blocks - 1))], model_dirs[key]
+    )
     with pytest.raises(kv_sizing.PlanRejected) as err:
         kv_sizing.check_one_sequence_fits(bad, kv_sizing.explicit_num_blocks(bad))
     assert str(err.value) == short.message  # the same sentence on both sides
@@ -180,8 +249,9 @@ def test_one_block_short_is_refused_by_both_with_the_same_reason(key, t, kv, dty
 
 def test_the_null_block_is_not_planned_as_capacity():
     # The issue's example: llama-3-70b on 4x A100-80GB used to promise every block (29,863 x 16 = 477,808).
-    r = spec_mod.resolve({"model": {"name": "llama-3-70b", "uri": "file:///m"},
-                          "gpu": {"product": "a100-80gb", "tensorParallelSize": 4}})
+    r = spec_mod.resolve(
+        {"model": {"name": "llama-3-70b", "uri": "file:///m"}, "gpu": {"product": "a100-80gb", "tensorParallelSize": 4}}
+    )
     assert r.plan.kv_tokens == (r.plan.num_blocks_per_gpu - 1) * 16
 
 
@@ -192,8 +262,13 @@ def test_engine_args_and_crd_agree():
         section, key = path.split(".")
         assert spec_mod.DEFAULTS[section][key] == default
     # Every engine setting the CRD exposes renders as a flag the runtime parses back to the same value.
-    resolved = spec_mod.resolve({"model": {"name": "llama-3-8b", "uri": "file:///m"}, "gpu": {"product": "h100"},
-                                 "engine": {"maxModelLen": 4096, "enablePrefixCaching": False}})
+    resolved = spec_mod.resolve(
+        {
+            "model": {"name": "llama-3-8b", "uri": "file:///m"},
+            "gpu": {"product": "h100"},
+            "engine": {"maxModelLen": 4096, "enablePrefixCaching": False},
+        }
+    )
     args = PARSER.parse_args(render.runtime_args(resolved, "x", "/m")[2:])
     for path, name in engine_args.crd_settings().items():
         section, key = path.split(".")
@@ -207,20 +282,31 @@ def test_runtime_weight_bytes_match_the_planner(tmp_path):
 
     from kvserve.runtime.config import load_model_config
     from kvserve.runtime.models import fp8
-    from kvserve.runtime.models.registry import model_class
     from kvserve.runtime.models.parallel_layers import ColumnParallelLinear, ParallelContext, RowParallelLinear
+    from kvserve.runtime.models.registry import model_class
 
     shapes = {
         "llama": capacity.ModelShape(2, 8, 2, 16, 128, 0, 512, 344, 1001),
-        "qwen2-tied": capacity.ModelShape(2, 4, 4, 32, 128, 0, 512, 256, 1000, architecture="Qwen2ForCausalLM",
-                                          attention_bias=True, tie_word_embeddings=True),
-        "llama-bias": capacity.ModelShape(2, 4, 1, 32, 128, 0, 512, 256, 999, attention_bias=True,
-                                          o_proj_bias=True),
+        "qwen2-tied": capacity.ModelShape(
+            2,
+            4,
+            4,
+            32,
+            128,
+            0,
+            512,
+            256,
+            1000,
+            architecture="Qwen2ForCausalLM",
+            attention_bias=True,
+            tie_word_embeddings=True,
+        ),
+        "llama-bias": capacity.ModelShape(2, 4, 1, 32, 128, 0, 512, 256, 999, attention_bias=True, o_proj_bias=True),
         # four norms per layer, tied; Gemma 3 adds q/k norms (model_type rule: layers 0, 2 slide / 0..4 of 6)
-        "gemma2": capacity.ModelShape(4, 4, 2, 32, 128, 0, 512, 256, 1000, **catalog._GEMMA2,
-                                      num_sliding_layers=2),
-        "gemma3": capacity.ModelShape(6, 4, 1, 64, 128, 0, 512, 256, 1000, **{**catalog._GEMMA3,
-                                      "sliding_window": 64}, num_sliding_layers=5),
+        "gemma2": capacity.ModelShape(4, 4, 2, 32, 128, 0, 512, 256, 1000, **catalog._GEMMA2, num_sliding_layers=2),
+        "gemma3": capacity.ModelShape(
+            6, 4, 1, 64, 128, 0, 512, 256, 1000, **{**catalog._GEMMA3, "sliding_window": 64}, num_sliding_layers=5
+        ),
     }
     for name, shape in shapes.items():
         d = tmp_path / name
@@ -239,7 +325,9 @@ def test_runtime_weight_bytes_match_the_planner(tmp_path):
                 with torch.device("meta"):
                     model = model.to(torch.bfloat16)
                     fp8.convert_linears(model.layers, (ColumnParallelLinear, RowParallelLinear))
-                allocated = sum(x.numel() * x.element_size() for x in (*model.parameters(), *model.buffers())
-                                if x is not getattr(model.rotary, "cos", None)
-                                and x is not getattr(model.rotary, "sin", None))
+                allocated = sum(
+                    x.numel() * x.element_size()
+                    for x in (*model.parameters(), *model.buffers())
+                    if x is not getattr(model.rotary, "cos", None) and x is not getattr(model.rotary, "sin", None)
+                )
                 assert allocated == capacity.weight_bytes_per_rank(shape, "fp8", t), (name, t, rank, "fp8")

@@ -1,4 +1,5 @@
 """`kvserve plan` and `kvserve render` through the real CLI dispatcher."""
+
 from __future__ import annotations
 
 import json
@@ -17,13 +18,24 @@ def test_plan_json_matches_the_planner(capsys):
     out = json.loads(capsys.readouterr().out)
     # `kvserve serve`'s defaults, not the operator's: the catalog's 8,192 positions, 2048 batched tokens (chunked
     # prefill); a catalog model has no config.json, so dtype auto plans the operator's bfloat16.
-    assert out.pop("engine") == {"dtype": "bfloat16", "max_model_len": 8192, "max_num_batched_tokens": 2048,
-                                 "max_num_seqs": 256, "block_size": 16, "kv_cache_dtype": "auto",
-                                 "enable_chunked_prefill": True, "tensor_parallel_size": 4,
-                                 "gpu_memory_utilization": 0.9}
-    expected = spec_mod.resolve({"model": {"name": "llama-3-70b", "uri": "file:///m"},
-                                 "gpu": {"product": "a100-80gb", "tensorParallelSize": 4},
-                                 "engine": {"maxNumBatchedTokens": 2048}}).plan.to_dict()
+    assert out.pop("engine") == {
+        "dtype": "bfloat16",
+        "max_model_len": 8192,
+        "max_num_batched_tokens": 2048,
+        "max_num_seqs": 256,
+        "block_size": 16,
+        "kv_cache_dtype": "auto",
+        "enable_chunked_prefill": True,
+        "tensor_parallel_size": 4,
+        "gpu_memory_utilization": 0.9,
+    }
+    expected = spec_mod.resolve(
+        {
+            "model": {"name": "llama-3-70b", "uri": "file:///m"},
+            "gpu": {"product": "a100-80gb", "tensorParallelSize": 4},
+            "engine": {"maxNumBatchedTokens": 2048},
+        }
+    ).plan.to_dict()
     assert rc == 0 and out == expected
     assert out["kv_bytes_per_token"] == 327_680 and out["fits"]
 
@@ -33,13 +45,43 @@ def test_plan_table_prints_the_seed_numbers(capsys):
     out = capsys.readouterr().out
     assert rc == 2  # llama-3-70b (not 3.1) has 8,192 positions: a 32k context is refused as `kvserve serve` does
     assert "error: max_model_len: max_model_len must be in [1, 8192]" in out
-    rc = main(["plan", "--model", "llama-3-70b", "--gpu", "a100-80gb", "-tp", "4", "--max-model-len", "8192",
-               "--gpu-memory-utilization", "0.92", "--activation-reserve-mib", "0", "--runtime-overhead-mib", "0"])
+    rc = main(
+        [
+            "plan",
+            "--model",
+            "llama-3-70b",
+            "--gpu",
+            "a100-80gb",
+            "-tp",
+            "4",
+            "--max-model-len",
+            "8192",
+            "--gpu-memory-utilization",
+            "0.92",
+            "--activation-reserve-mib",
+            "0",
+            "--runtime-overhead-mib",
+            "0",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0 and "327,680 B (320 KiB)" in out
     assert "engine: tensor-parallel-size 4, dtype bfloat16, max-model-len 8192," in out
-    rc = main(["plan", "--model", "llama-3.1-70b", "--gpu", "NVIDIA-A100-SXM4-80GB", "-tp", "4",
-               "--max-model-len", "32768", "--gpu-memory-utilization", "0.92"])
+    rc = main(
+        [
+            "plan",
+            "--model",
+            "llama-3.1-70b",
+            "--gpu",
+            "NVIDIA-A100-SXM4-80GB",
+            "-tp",
+            "4",
+            "--max-model-len",
+            "32768",
+            "--gpu-memory-utilization",
+            "0.92",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0
     assert "max concurrency at 32,768 tokens" in out and "fits                                 True" in out
@@ -56,8 +98,13 @@ def test_render_prints_the_operator_children(capsys, tmp_path):
     rc = main(["render", "-f", str(ROOT / "examples" / "llama70b.yaml")])
     docs = list(yaml.safe_load_all(capsys.readouterr().out))
     assert rc == 0
-    assert [d["kind"] for d in docs] == ["Deployment", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget",
-                                          "NetworkPolicy"]
+    assert [d["kind"] for d in docs] == [
+        "Deployment",
+        "Service",
+        "HorizontalPodAutoscaler",
+        "PodDisruptionBudget",
+        "NetworkPolicy",
+    ]
     bad = tmp_path / "bad.yaml"
     doc = yaml.safe_load((ROOT / "examples" / "llama70b.yaml").read_text())
     doc["spec"]["gpu"]["tensorParallelSize"] = 1

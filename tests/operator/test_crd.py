@@ -4,6 +4,7 @@ The API server's part (structural defaulting, OpenAPI validation, CEL rules) is 
 own openAPIV3Schema: jsonschema for the OpenAPI keywords (unknown fields rejected, as `kubectl apply` does),
 a top-down defaulting walk, and a deliberately tiny CEL translator for the rule forms the CRD uses.
 """
+
 from __future__ import annotations
 
 import copy
@@ -27,8 +28,11 @@ SCHEMA = VERSION["schema"]["openAPIV3Schema"]
 
 
 def to_json_schema(node: dict) -> dict:
-    out = {k: v for k, v in node.items() if not k.startswith("x-kubernetes-") and k not in ("properties", "items",
-                                                                                            "additionalProperties")}
+    out = {
+        k: v
+        for k, v in node.items()
+        if not k.startswith("x-kubernetes-") and k not in ("properties", "items", "additionalProperties")
+    }
     if "properties" in node:
         out["properties"] = {k: to_json_schema(v) for k, v in node["properties"].items()}
         if not node.get("x-kubernetes-preserve-unknown-fields") and node.get("additionalProperties") is None:
@@ -55,8 +59,10 @@ def apply_defaults(node: dict, value):
     return value
 
 
-_CEL_OK = re.compile(r"^(\s|\(|\)|'\w+' in self|self\['\w+'\]\.startswith\('[^']*'\)|self\['\w+'\]|or|and|not|<=|>=|<|>|==|!="
-                     r"|\d+)*$")
+_CEL_OK = re.compile(
+    r"^(\s|\(|\)|'\w+' in self|self\['\w+'\]\.startswith\('[^']*'\)|self\['\w+'\]|or|and|not|<=|>=|<|>|==|!="
+    r"|\d+)*$"
+)
 
 
 _CEL_ALL_NOT_PREFIX = re.compile(r"^self\.all\((\w+), !\1\.startsWith\('([^']*)'\)\)$")
@@ -107,8 +113,11 @@ def test_crd_shape():
     assert "isvc" not in names["shortNames"] and names["shortNames"]
     assert VERSION["name"] == spec_mod.VERSION and CRD["spec"]["group"] == spec_mod.GROUP
     scale = VERSION["subresources"]["scale"]
-    assert scale == {"specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
-                     "labelSelectorPath": ".status.selector"}
+    assert scale == {
+        "specReplicasPath": ".spec.replicas",
+        "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector",
+    }
     assert "status" in VERSION["subresources"]
     columns = {c["name"]: c["jsonPath"] for c in VERSION["additionalPrinterColumns"]}
     for col in ("Model", "GPU", "TP", "KV Tokens", "Max Seqs", "Replicas", "Ready", "Age"):
@@ -180,8 +189,10 @@ def test_every_crd_enum_value_is_accepted_by_the_runtime():
             assert spec_mod.resolve(spec).plan.reason != "InvalidEngineConfig", (path, value)
 
 
-@pytest.mark.parametrize("path,value", [("engine.blockSize", 12), ("engine.kvCacheDtype", "int8"),
-                                        ("model.dtype", "auto"), ("gpu.tensorParallelSize", 3)])
+@pytest.mark.parametrize(
+    "path,value",
+    [("engine.blockSize", 12), ("engine.kvCacheDtype", "int8"), ("model.dtype", "auto"), ("gpu.tensorParallelSize", 3)],
+)
 def test_the_operator_checks_the_enums_without_an_api_server(path, value):
     """`kvserve render` / `kvserve plan -f` on a file never meets the API server: spec.resolve refuses a
     value outside the CRD's enum and names the field."""
@@ -204,33 +215,40 @@ def test_examples_are_admitted_and_defaulted_like_the_operator_does(path):
     assert stored["spec"] == spec_mod.with_defaults(obj["spec"])
 
 
-MINIMAL = {"apiVersion": "serving.kvserve.dev/v1alpha1", "kind": "InferenceService", "metadata": {"name": "m"},
-           "spec": {"model": {"name": "llama-3-8b", "uri": "pvc://models/llama3"}, "gpu": {"product": "l4"}}}
+MINIMAL = {
+    "apiVersion": "serving.kvserve.dev/v1alpha1",
+    "kind": "InferenceService",
+    "metadata": {"name": "m"},
+    "spec": {"model": {"name": "llama-3-8b", "uri": "pvc://models/llama3"}, "gpu": {"product": "l4"}},
+}
 
 
-@pytest.mark.parametrize("mutate,expect", [
-    (lambda s: s["gpu"].update(tensorParallelSize=3), "is not one of"),
-    (lambda s: s.update(replicas=-1), "less than the minimum"),
-    (lambda s: s["engine"].update(gpuMemoryUtilization=1.5), "greater than the maximum"),
-    (lambda s: s["model"].update(uri="gs://bucket/model"), "does not match"),
-    (lambda s: s["model"].update(uri="hf://org/name/extra"), "does not match"),
-    (lambda s: s["model"].update(uri="s3://B/model"), "does not match"),
-    (lambda s: s["model"].update(revision="main"), "model.revision applies to hf://"),
-    (lambda s: s["model"].update(cache={"claimName": "c"}), "model.cache applies to hf://"),
-    (lambda s: s["model"].update(credentials={"secretRef": {"name": "s"}}), "model.credentials applies"),
-    (lambda s: s["model"].update(uri="hf://o/n", cache={"claimName": "c", "hostPath": "/d"}), "exactly one of"),
-    (lambda s: s["model"].update(uri="hf://o/n", cache={}), "exactly one of"),
-    (lambda s: s["model"].update(uri="hf://o/n", credentials={}), "'secretRef' is a required property"),
-    (lambda s: s["engine"].update(blockSize=12), "is not one of"),
-    (lambda s: s.update(replica=2), "Additional properties"),
-    (lambda s: s["model"].pop("name"), "model.name"),
-    (lambda s: s["gpu"].pop("product"), "gpu.memoryMiB"),
-    (lambda s: s["autoscaling"].update(minReplicas=5, maxReplicas=2), "minReplicas must be <="),
-    (lambda s: s["engine"].update(enableChunkedPrefill=False, maxModelLen=16384), "without chunked prefill"),
-    (lambda s: s["engine"].update(extraArgs=["--api-key=k"]), "must not carry --api-key"),
-    (lambda s: s.update(auth={"apiKeySecretRef": {"name": "s"}}), "'key' is a required property"),
-    (lambda s: s.update(networkPolicy={"from": [{"ipBlock": {}}]}), "'cidr' is a required property"),
-])
+@pytest.mark.parametrize(
+    "mutate,expect",
+    [
+        (lambda s: s["gpu"].update(tensorParallelSize=3), "is not one of"),
+        (lambda s: s.update(replicas=-1), "less than the minimum"),
+        (lambda s: s["engine"].update(gpuMemoryUtilization=1.5), "greater than the maximum"),
+        (lambda s: s["model"].update(uri="gs://bucket/model"), "does not match"),
+        (lambda s: s["model"].update(uri="hf://org/name/extra"), "does not match"),
+        (lambda s: s["model"].update(uri="s3://B/model"), "does not match"),
+        (lambda s: s["model"].update(revision="main"), "model.revision applies to hf://"),
+        (lambda s: s["model"].update(cache={"claimName": "c"}), "model.cache applies to hf://"),
+        (lambda s: s["model"].update(credentials={"secretRef": {"name": "s"}}), "model.credentials applies"),
+        (lambda s: s["model"].update(uri="hf://o/n", cache={"claimName": "c", "hostPath": "/d"}), "exactly one of"),
+        (lambda s: s["model"].update(uri="hf://o/n", cache={}), "exactly one of"),
+        (lambda s: s["model"].update(uri="hf://o/n", credentials={}), "'secretRef' is a required property"),
+        (lambda s: s["engine"].update(blockSize=12), "is not one of"),
+        (lambda s: s.update(replica=2), "Additional properties"),
+        (lambda s: s["model"].pop("name"), "model.name"),
+        (lambda s: s["gpu"].pop("product"), "gpu.memoryMiB"),
+        (lambda s: s["autoscaling"].update(minReplicas=5, maxReplicas=2), "minReplicas must be <="),
+        (lambda s: s["engine"].update(enableChunkedPrefill=False, maxModelLen=16384), "without chunked prefill"),
+        (lambda s: s["engine"].update(extraArgs=["--api-key=k"]), "must not carry --api-key"),
+        (lambda s: s.update(auth={"apiKeySecretRef": {"name": "s"}}), "'key' is a required property"),
+        (lambda s: s.update(networkPolicy={"from": [{"ipBlock": {}}]}), "'cidr' is a required property"),
+    ],
+)
 def test_invalid_specs_are_rejected(mutate, expect):
     obj = copy.deepcopy(MINIMAL)
     obj["spec"].update(engine={}, autoscaling={})
@@ -240,14 +258,20 @@ def test_invalid_specs_are_rejected(mutate, expect):
         admit(obj)
 
 
-@pytest.mark.parametrize("model", [
-    {"uri": "hf://Qwen/Qwen2.5-7B-Instruct"},  # no name, no shape: planned from config.json
-    {"uri": "hf://meta-llama/Meta-Llama-3-8B-Instruct@5f0b02c75b57c5855da9ae460ce51323ea669d8a",
-     "credentials": {"secretRef": {"name": "hf-token"}}, "cache": {"claimName": "model-cache"}},
-    {"uri": "hf://org/name", "revision": "v1.0", "cache": {"hostPath": "/var/lib/kvserve"}},
-    {"uri": "s3://models.example/llama/3-8b", "credentials": {"secretRef": {"name": "s3"}}},
-    {"name": "llama-3-8b", "uri": "s3://bucket"},
-])
+@pytest.mark.parametrize(
+    "model",
+    [
+        {"uri": "hf://Qwen/Qwen2.5-7B-Instruct"},  # no name, no shape: planned from config.json
+        {
+            "uri": "hf://meta-llama/Meta-Llama-3-8B-Instruct@5f0b02c75b57c5855da9ae460ce51323ea669d8a",
+            "credentials": {"secretRef": {"name": "hf-token"}},
+            "cache": {"claimName": "model-cache"},
+        },
+        {"uri": "hf://org/name", "revision": "v1.0", "cache": {"hostPath": "/var/lib/kvserve"}},
+        {"uri": "s3://models.example/llama/3-8b", "credentials": {"secretRef": {"name": "s3"}}},
+        {"name": "llama-3-8b", "uri": "s3://bucket"},
+    ],
+)
 def test_model_sources_are_admitted(model):
     obj = copy.deepcopy(MINIMAL)
     obj["spec"]["model"] = model
@@ -258,6 +282,10 @@ def test_defaults_fill_a_minimal_spec():
     stored = admit(copy.deepcopy(MINIMAL))
     assert stored["spec"]["engine"]["maxModelLen"] == 8192
     assert stored["spec"]["gpu"]["tensorParallelSize"] == 1
-    assert stored["spec"]["autoscaling"] == {"enabled": False, "minReplicas": 1, "maxReplicas": 4,
-                                             "targetQueueDepth": 5}
+    assert stored["spec"]["autoscaling"] == {
+        "enabled": False,
+        "minReplicas": 1,
+        "maxReplicas": 4,
+        "targetQueueDepth": 5,
+    }
     assert stored["spec"] == spec_mod.with_defaults(MINIMAL["spec"])

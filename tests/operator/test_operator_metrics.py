@@ -1,4 +1,5 @@
 """The operator's /metrics: plan and condition gauges per InferenceService, reconcile counters, over real HTTP."""
+
 from __future__ import annotations
 
 import pathlib
@@ -9,14 +10,19 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvserve.operator import metrics, spec as spec_mod, status as status_mod
+from kvserve.operator import metrics
+from kvserve.operator import spec as spec_mod
+from kvserve.operator import status as status_mod
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _samples(text: str) -> dict[tuple[str, tuple], float]:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
 
 
 def _value(samples: dict, name: str, **labels) -> float:
@@ -28,11 +34,22 @@ def _value(samples: dict, name: str, **labels) -> float:
 def _record(name: str, namespace: str, spec: dict, ready: int = 0) -> tuple:
     resolved = spec_mod.resolve(spec)
     plan = resolved.plan
-    deployment = {"metadata": {"generation": 1}, "status": {"replicas": ready, "readyReplicas": ready,
-                                                            "updatedReplicas": ready, "observedGeneration": 1}}
-    status = status_mod.compute_status(name=name, namespace=namespace, spec=resolved.spec, generation=1, plan=plan,
-                                       plan_reason=plan.reason, plan_message=plan.message, deployment=deployment,
-                                       previous=None, now="2026-01-01T00:00:00Z")
+    deployment = {
+        "metadata": {"generation": 1},
+        "status": {"replicas": ready, "readyReplicas": ready, "updatedReplicas": ready, "observedGeneration": 1},
+    }
+    status = status_mod.compute_status(
+        name=name,
+        namespace=namespace,
+        spec=resolved.spec,
+        generation=1,
+        plan=plan,
+        plan_reason=plan.reason,
+        plan_message=plan.message,
+        deployment=deployment,
+        previous=None,
+        now="2026-01-01T00:00:00Z",
+    )
     metrics.record(namespace, name, spec=resolved.spec, plan=plan, status=status)
     return plan, status
 
@@ -64,8 +81,7 @@ def test_plan_conditions_and_replicas_per_inferenceservice(served):
     assert _value(samples, "kvserve_inferenceservice_plan_kv_tokens", **key) == plan.kv_tokens
     assert _value(samples, "kvserve_inferenceservice_plan_max_concurrency", **key) == plan.max_concurrency
     assert _value(samples, "kvserve_inferenceservice_plan_num_blocks_per_gpu", **key) == plan.num_blocks_per_gpu
-    assert _value(samples, "kvserve_inferenceservice_plan_kv_cache_bytes_per_gpu", **key) == \
-        plan.kv_cache_bytes_per_gpu
+    assert _value(samples, "kvserve_inferenceservice_plan_kv_cache_bytes_per_gpu", **key) == plan.kv_cache_bytes_per_gpu
     assert _value(samples, "kvserve_inferenceservice_plan_block_size_tokens", **key) == 16
     assert _value(samples, "kvserve_inferenceservice_plan_fits", **key) == 1
     # spec.replicas (2 in the example) is what the HPA writes through /scale; one pod is ready.
@@ -100,9 +116,13 @@ def test_reconcile_counters_and_durations(served):
         with metrics.timed_reconcile("resync"):
             raise RuntimeError("API down")
     after = httpx.get(served, timeout=10).text
-    for name, labels in [("kvserve_operator_reconciles_total", {"trigger": "resync", "result": "success"}),
-                         ("kvserve_operator_reconciles_total", {"trigger": "resync", "result": "error"}),
-                         ("kvserve_operator_reconcile_errors_total", {"trigger": "resync", "error": "RuntimeError"})]:
+    for name, labels in [
+        ("kvserve_operator_reconciles_total", {"trigger": "resync", "result": "success"}),
+        ("kvserve_operator_reconciles_total", {"trigger": "resync", "result": "error"}),
+        ("kvserve_operator_reconcile_errors_total", {"trigger": "resync", "error": "RuntimeError"}),
+    ]:
         assert count(after, name, **labels) == count(before, name, **labels) + 1, (name, labels)
-    assert count(after, "kvserve_operator_reconcile_duration_seconds_count", trigger="resync") == \
-        count(before, "kvserve_operator_reconcile_duration_seconds_count", trigger="resync") + 2
+    assert (
+        count(after, "kvserve_operator_reconcile_duration_seconds_count", trigger="resync")
+        == count(before, "kvserve_operator_reconcile_duration_seconds_count", trigger="resync") + 2
+    )

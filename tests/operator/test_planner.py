@@ -1,4 +1,5 @@
 """Capacity planner: the seed's worked figures, the realistic figure, and every catalog entry."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -46,16 +47,28 @@ def test_seed_concurrency_when_everything_but_weights_is_kv():
     # The planner reproduces the seed's idealisation: all memory usable, no activations/overhead,
     # 140 GB of weights (70e9 parameters x 2 bytes) split over TP=4, 80 GB per GPU.
     seed_model = dataclasses.replace(L70, num_parameters=70_000_000_000, max_position_embeddings=32_768)
-    ideal = dict(model=seed_model, gpu_memory_bytes=80_000_000_000, tensor_parallel_size=4,
-                 gpu_memory_utilization=1.0, activation_reserve_bytes=0, runtime_overhead_bytes=0)
+    ideal = dict(
+        model=seed_model,
+        gpu_memory_bytes=80_000_000_000,
+        tensor_parallel_size=4,
+        gpu_memory_utilization=1.0,
+        activation_reserve_bytes=0,
+        runtime_overhead_bytes=0,
+    )
     assert planner.plan(planner.PlanInput(**ideal, max_model_len=32_000)).max_concurrency == 17
     assert planner.plan(planner.PlanInput(**ideal, max_model_len=32_768)).max_concurrency == 16
 
 
 def test_realistic_figure_utilization_092_with_overheads():
-    p = planner.plan(planner.PlanInput(model=dataclasses.replace(L70, max_position_embeddings=32_768),
-                                       gpu_memory_bytes=catalog.GPUS["a100-80gb"].memory_bytes,
-                                       tensor_parallel_size=4, gpu_memory_utilization=0.92, max_model_len=32_768))
+    p = planner.plan(
+        planner.PlanInput(
+            model=dataclasses.replace(L70, max_position_embeddings=32_768),
+            gpu_memory_bytes=catalog.GPUS["a100-80gb"].memory_bytes,
+            tensor_parallel_size=4,
+            gpu_memory_utilization=0.92,
+            max_model_len=32_768,
+        )
+    )
     budget = int(80 * GiB * 0.92)
     # 70.55e9 x 2 B / 4, plus the norms every rank holds whole (80 x 2 + 1 vectors of 8192, 2 B each x 3/4)
     weights = math.ceil(70_553_706_496 * 2 / 4) + (80 * 2 + 1) * 8192 * 2 * 3 // 4
@@ -66,7 +79,10 @@ def test_realistic_figure_utilization_092_with_overheads():
     per_gpu_block = 16 * 327_680 // 4
     blocks = (budget - weights - activations - overhead) // per_gpu_block
     assert (p.weight_bytes_per_gpu, p.activation_reserve_bytes, p.runtime_overhead_bytes) == (
-        weights, activations, overhead)
+        weights,
+        activations,
+        overhead,
+    )
     assert p.num_blocks_per_gpu == blocks
     assert p.kv_tokens == (blocks - 1) * 16  # block 0 is the runtime's null block
     assert p.kv_cache_bytes_per_gpu == blocks * per_gpu_block
@@ -77,8 +93,14 @@ def test_realistic_figure_utilization_092_with_overheads():
 
 
 def test_fp8_kv_cache_halves_bytes_per_token_and_doubles_tokens():
-    base = dict(model=L70, gpu_memory_bytes=80 * GiB, tensor_parallel_size=4, activation_reserve_bytes=0,
-                runtime_overhead_bytes=0, gpu_memory_utilization=0.9)
+    base = dict(
+        model=L70,
+        gpu_memory_bytes=80 * GiB,
+        tensor_parallel_size=4,
+        activation_reserve_bytes=0,
+        runtime_overhead_bytes=0,
+        gpu_memory_utilization=0.9,
+    )
     auto = planner.plan(planner.PlanInput(**base))
     fp8 = planner.plan(planner.PlanInput(**base, kv_cache_dtype="fp8"))
     assert fp8.kv_bytes_per_token * 2 == auto.kv_bytes_per_token == 327_680
@@ -98,16 +120,29 @@ def test_kv_heads_split_across_ranks_and_replicated_beyond():
     assert planner.kv_heads_per_rank(dataclasses.replace(q7, num_kv_heads=2), 4) == 1
 
 
-@pytest.mark.parametrize("reason,kwargs", [
-    ("WeightsDoNotFit", dict(model=L70, gpu_memory_bytes=catalog.GPUS["a100-80gb"].memory_bytes)),
-    ("ContextDoesNotFit", dict(model=dataclasses.replace(L70, max_position_embeddings=131_072),
-                               gpu_memory_bytes=catalog.GPUS["a100-80gb"].memory_bytes, tensor_parallel_size=2,
-                               max_model_len=131_072)),
-    ("InvalidTensorParallelSize", dict(model=catalog.MODELS["qwen2.5-7b"], gpu_memory_bytes=80 * GiB,
-                                       tensor_parallel_size=8)),
-    ("ContextExceedsModel", dict(model=L70, gpu_memory_bytes=80 * GiB, tensor_parallel_size=4,
-                                 max_model_len=16_384)),
-])
+@pytest.mark.parametrize(
+    "reason,kwargs",
+    [
+        ("WeightsDoNotFit", dict(model=L70, gpu_memory_bytes=catalog.GPUS["a100-80gb"].memory_bytes)),
+        (
+            "ContextDoesNotFit",
+            dict(
+                model=dataclasses.replace(L70, max_position_embeddings=131_072),
+                gpu_memory_bytes=catalog.GPUS["a100-80gb"].memory_bytes,
+                tensor_parallel_size=2,
+                max_model_len=131_072,
+            ),
+        ),
+        (
+            "InvalidTensorParallelSize",
+            dict(model=catalog.MODELS["qwen2.5-7b"], gpu_memory_bytes=80 * GiB, tensor_parallel_size=8),
+        ),
+        (
+            "ContextExceedsModel",
+            dict(model=L70, gpu_memory_bytes=80 * GiB, tensor_parallel_size=4, max_model_len=16_384),
+        ),
+    ],
+)
 def test_impossible_specs_say_why_with_numbers(reason, kwargs):
     p = planner.plan(planner.PlanInput(**kwargs))
     assert not p.fits and p.reason == reason
@@ -121,11 +156,24 @@ def test_impossible_specs_say_why_with_numbers(reason, kwargs):
 
 # Widely published per-token KV sizes (fp16/bf16): Llama-2-7B 512 KiB (MHA), Llama-3-8B 128 KiB (GQA 8),
 # Llama-3-70B 320 KiB, Llama-3.1-405B 504 KiB, Qwen2.5-7B 56 KiB (4 KV heads, 28 layers).
-KNOWN_KV_KIB = {"llama-2-7b": 512, "llama-3-8b": 128, "llama-3.1-8b": 128, "llama-3-70b": 320,
-                "llama-3.1-405b": 504, "qwen2.5-7b": 56, "mistral-7b": 128, "llama-2-13b": 800,
-                "qwen3-8b": 144, "gemma-2-9b": 336}
-NOMINAL_BILLIONS = {"mixtral-8x7b": 46.7, "qwen3-30b-a3b": 30.5, "qwen3-235b-a22b": 235,
-                    "gemma-2-2b": 2.6}  # Google counts the 256K-row embedding out of "2B"
+KNOWN_KV_KIB = {
+    "llama-2-7b": 512,
+    "llama-3-8b": 128,
+    "llama-3.1-8b": 128,
+    "llama-3-70b": 320,
+    "llama-3.1-405b": 504,
+    "qwen2.5-7b": 56,
+    "mistral-7b": 128,
+    "llama-2-13b": 800,
+    "qwen3-8b": 144,
+    "gemma-2-9b": 336,
+}
+NOMINAL_BILLIONS = {
+    "mixtral-8x7b": 46.7,
+    "qwen3-30b-a3b": 30.5,
+    "qwen3-235b-a22b": 235,
+    "gemma-2-2b": 2.6,
+}  # Google counts the 256K-row embedding out of "2B"
 # Qwen3 and Gemma size q/k/v from an explicit head_dim: heads x head_dim may differ from hidden_size.
 EXPLICIT_HEAD_DIM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 
@@ -143,8 +191,14 @@ def test_every_model_entry(key):
     # Every model fits somewhere: the smallest valid TP on B200s at 4k context.
     sizes = planner.valid_tensor_parallel_sizes(m)
     assert 1 in sizes
-    plans = [planner.plan(planner.PlanInput(model=m, gpu_memory_bytes=catalog.GPUS["b200"].memory_bytes,
-                                            tensor_parallel_size=t, max_model_len=4096)) for t in sizes]
+    plans = [
+        planner.plan(
+            planner.PlanInput(
+                model=m, gpu_memory_bytes=catalog.GPUS["b200"].memory_bytes, tensor_parallel_size=t, max_model_len=4096
+            )
+        )
+        for t in sizes
+    ]
     if capacity.unsupported_architecture_error(m):  # the planner refuses what the runtime cannot serve
         assert {p.reason for p in plans} == {"UnsupportedArchitecture"}
         return
@@ -157,16 +211,25 @@ def test_every_model_entry(key):
 @pytest.mark.parametrize("key", sorted(catalog.GPUS))
 def test_every_gpu_entry(key):
     gpu = catalog.GPUS[key]
-    nominal_gb = {"a10g": 24, "l4": 24, "l40s": 48, "a100-40gb": 40, "a100-80gb": 80, "h100-80gb": 80,
-                  "h200-141gb": 141, "b200": 192}[key]
+    nominal_gb = {
+        "a10g": 24,
+        "l4": 24,
+        "l40s": 48,
+        "a100-40gb": 40,
+        "a100-80gb": 80,
+        "h100-80gb": 80,
+        "h200-141gb": 141,
+        "b200": 192,
+    }[key]
     # nvidia-smi totals sit between the nominal size in GiB minus a reserve and the nominal GB.
     assert 0.9 * nominal_gb * 1e9 < gpu.memory_bytes <= nominal_gb * GiB
     assert catalog.lookup_gpu(key) == gpu
     assert catalog.lookup_gpu(gpu.product) == gpu  # GFD node label spelling
     assert catalog.gpu_key(gpu.product) == key
     # Llama-3-8B fits on every catalog GPU at 4k context.
-    p = planner.plan(planner.PlanInput(model=catalog.MODELS["llama-3-8b"], gpu_memory_bytes=gpu.memory_bytes,
-                                       max_model_len=4096))
+    p = planner.plan(
+        planner.PlanInput(model=catalog.MODELS["llama-3-8b"], gpu_memory_bytes=gpu.memory_bytes, max_model_len=4096)
+    )
     assert p.fits, p.message
     assert p.kv_cache_bytes_per_gpu <= p.memory_budget_bytes_per_gpu - p.weight_bytes_per_gpu
 
@@ -181,8 +244,11 @@ def test_memory_arithmetic_never_overcommits():
     for key, m in catalog.MODELS.items():
         for t in planner.valid_tensor_parallel_sizes(m):
             for gkey, gpu in catalog.GPUS.items():
-                p = planner.plan(planner.PlanInput(model=m, gpu_memory_bytes=gpu.memory_bytes,
-                                                   tensor_parallel_size=t, max_model_len=2048))
+                p = planner.plan(
+                    planner.PlanInput(
+                        model=m, gpu_memory_bytes=gpu.memory_bytes, tensor_parallel_size=t, max_model_len=2048
+                    )
+                )
                 used = p.weight_bytes_per_gpu + p.activation_reserve_bytes + p.runtime_overhead_bytes
                 assert p.kv_cache_bytes_per_gpu + (used if p.fits else 0) <= p.memory_budget_bytes_per_gpu
                 assert p.kv_cache_bytes_per_gpu % p.kv_bytes_per_block_per_gpu == 0

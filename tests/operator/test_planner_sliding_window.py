@@ -1,5 +1,6 @@
 """Sliding-window models are planned per KV cache group: global layers for the whole context, sliding layers
 for their window plus one step (what the runtime's KV manager keeps), next to the full-context charge."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -10,9 +11,23 @@ from kvserve.operator import catalog, planner
 from kvserve.runtime import capacity
 
 # Gemma-3-27B's text stack (not in the catalog: its checkpoint is multimodal): 62 layers, 10 global.
-GEMMA3_27B = capacity.ModelShape(62, 32, 16, 128, 5376, 27_000_000_000, 131072, 21504, 262144,
-                                 architecture="Gemma3ForCausalLM", tie_word_embeddings=True, qk_norm=True,
-                                 num_layer_norms=4, sliding_window=1024, num_sliding_layers=52)
+GEMMA3_27B = capacity.ModelShape(
+    62,
+    32,
+    16,
+    128,
+    5376,
+    27_000_000_000,
+    131072,
+    21504,
+    262144,
+    architecture="Gemma3ForCausalLM",
+    tie_word_embeddings=True,
+    qk_norm=True,
+    num_layer_norms=4,
+    sliding_window=1024,
+    num_sliding_layers=52,
+)
 
 
 def test_groups_follow_vllm_hybrid_layout():
@@ -20,8 +35,9 @@ def test_groups_follow_vllm_hybrid_layout():
     # group size 10 = the global layers: 1 full group + ceil(52 / 10) = 6 sliding groups (8 padding slots)
     assert [g.sliding_window for g in groups] == [0] + [1024] * 6
     assert [len(g.layers) for g in groups] == [10, 10, 10, 10, 10, 10, 2]
-    gemma2 = capacity.kv_cache_groups(capacity.layer_windows(
-        capacity.gemma_layer_types({"model_type": "gemma2", "num_hidden_layers": 6}), 4096))
+    gemma2 = capacity.kv_cache_groups(
+        capacity.layer_windows(capacity.gemma_layer_types({"model_type": "gemma2", "num_hidden_layers": 6}), 4096)
+    )
     assert gemma2 == (capacity.KVCacheGroup(0, (1, 3, 5)), capacity.KVCacheGroup(4096, (0, 2, 4)))
     gemma3 = capacity.gemma_layer_types({"model_type": "gemma3_text", "num_hidden_layers": 12})
     assert [i for i, t in enumerate(gemma3) if t == "full_attention"] == [5, 11]
@@ -43,8 +59,12 @@ def test_gemma3_27b_charge_matches_the_worked_example():
 
 
 def test_plan_reports_the_saving_next_to_the_full_context_charge():
-    inp = planner.PlanInput(model=catalog.MODELS["gemma-2-9b"], gpu_memory_bytes=catalog.GPUS["l40s"].memory_bytes,
-                            max_model_len=8192, max_num_batched_tokens=2048)
+    inp = planner.PlanInput(
+        model=catalog.MODELS["gemma-2-9b"],
+        gpu_memory_bytes=catalog.GPUS["l40s"].memory_bytes,
+        max_model_len=8192,
+        max_num_batched_tokens=2048,
+    )
     p = planner.plan(inp)
     assert p.fits and p.num_kv_cache_groups == 2 and p.sliding_window == 4096
     blocks = p.num_blocks_per_gpu - 1
@@ -66,7 +86,11 @@ def test_kvserve_plan_shows_the_sliding_window_saving(capsys):
     assert plan_cli.run(parser.parse_args(["--model", "gemma-3-1b", "--gpu", "l4", "--max-model-len", "32768"])) == 0
     table = capsys.readouterr().out
     assert "sliding window (KV cache groups)" in table and "512 tokens (7 groups)" in table
-    assert plan_cli.run(parser.parse_args(["--model", "gemma-3-1b", "--gpu", "l4", "--max-model-len", "32768",
-                                           "-o", "json"])) == 0
+    assert (
+        plan_cli.run(
+            parser.parse_args(["--model", "gemma-3-1b", "--gpu", "l4", "--max-model-len", "32768", "-o", "json"])
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert out["max_concurrency"] > 2 * out["max_concurrency_full_context"]

@@ -1,4 +1,5 @@
 """Pod diagnosis from the statuses kubelet and the scheduler write (shapes as in `kubectl get pod -o yaml`)."""
+
 from __future__ import annotations
 
 import pathlib
@@ -6,13 +7,16 @@ import pathlib
 import pytest
 import yaml
 
-from kvserve.operator import pod_health, spec as spec_mod, status as status_mod, transitions
+from kvserve.operator import pod_health, transitions
+from kvserve.operator import spec as spec_mod
+from kvserve.operator import status as status_mod
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def pod(name: str, *containers: dict, conditions: list | None = None, deleting: bool = False,
-        init: list | None = None) -> dict:
+def pod(
+    name: str, *containers: dict, conditions: list | None = None, deleting: bool = False, init: list | None = None
+) -> dict:
     meta = {"name": name, **({"deletionTimestamp": "2026-01-01T00:00:00Z"} if deleting else {})}
     status: dict = {"phase": "Pending" if conditions else "Running", "containerStatuses": list(containers)}
     if conditions:
@@ -23,17 +27,36 @@ def pod(name: str, *containers: dict, conditions: list | None = None, deleting: 
 
 
 def crashloop(exit_code=1, message="", reason="Error", restarts=3) -> dict:
-    return {"name": "kvserve", "ready": False, "restartCount": restarts, "image": "img",
-            "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 40s restarting failed container"}},
-            "lastState": {"terminated": {"exitCode": exit_code, "reason": reason, "message": message}}}
+    return {
+        "name": "kvserve",
+        "ready": False,
+        "restartCount": restarts,
+        "image": "img",
+        "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 40s restarting failed container"}},
+        "lastState": {"terminated": {"exitCode": exit_code, "reason": reason, "message": message}},
+    }
 
 
-UNSCHEDULABLE = [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
-                  "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu. preemption: 0/3 nodes are "
-                             "available: 3 No preemption victims found for incoming pod."}]
-IMAGE_PULL = {"name": "kvserve", "ready": False, "image": "ghcr.io/kvserve/kvserve-runtime:nope",
-              "state": {"waiting": {"reason": "ImagePullBackOff",
-                                    "message": 'Back-off pulling image "ghcr.io/kvserve/kvserve-runtime:nope"'}}}
+UNSCHEDULABLE = [
+    {
+        "type": "PodScheduled",
+        "status": "False",
+        "reason": "Unschedulable",
+        "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu. preemption: 0/3 nodes are "
+        "available: 3 No preemption victims found for incoming pod.",
+    }
+]
+IMAGE_PULL = {
+    "name": "kvserve",
+    "ready": False,
+    "image": "ghcr.io/kvserve/kvserve-runtime:nope",
+    "state": {
+        "waiting": {
+            "reason": "ImagePullBackOff",
+            "message": 'Back-off pulling image "ghcr.io/kvserve/kvserve-runtime:nope"',
+        }
+    },
+}
 
 
 def test_each_failure_kind_is_recognised_with_its_message():
@@ -52,8 +75,11 @@ def test_each_failure_kind_is_recognised_with_its_message():
     f = pod_health.diagnose([pod("p1", conditions=UNSCHEDULABLE)])
     assert f.reason == "Unschedulable" and "Insufficient nvidia.com/gpu" in f.message
 
-    missing = {"name": "kvserve", "ready": False, "state": {"waiting": {
-        "reason": "CreateContainerConfigError", "message": 'secret "llama-key" not found'}}}
+    missing = {
+        "name": "kvserve",
+        "ready": False,
+        "state": {"waiting": {"reason": "CreateContainerConfigError", "message": 'secret "llama-key" not found'}},
+    }
     f = pod_health.diagnose([pod("p1", missing)])
     assert f.reason == "CreateContainerConfigError" and 'secret "llama-key" not found' in f.message
 
@@ -63,8 +89,12 @@ def test_the_runtime_rejecting_its_plan_is_named_as_such():
     f = pod_health.diagnose([pod("p1", crashloop(message=line + "\n"))])
     assert f.reason == "RuntimeRejectedPlan" and line in f.message
     # Also while the container is between restarts as plain terminated (not yet CrashLoopBackOff).
-    terminated = {"name": "kvserve", "ready": False, "restartCount": 0,
-                  "state": {"terminated": {"exitCode": 2, "reason": "Error", "message": line}}}
+    terminated = {
+        "name": "kvserve",
+        "ready": False,
+        "restartCount": 0,
+        "state": {"terminated": {"exitCode": 2, "reason": "Error", "message": line}},
+    }
     assert pod_health.diagnose([pod("p1", terminated)]).reason == "RuntimeRejectedPlan"
 
 
@@ -94,7 +124,8 @@ def test_the_most_specific_failure_wins_and_ties_go_to_the_first_pod():
     assert pod_health.diagnose([pod("z", crashloop()), pod("y", crashloop())]).pod == "y"
     # An init container (e.g. a model download) failing counts the same.
     assert pod_health.diagnose([pod("p", init=[{**crashloop(), "name": "fetch"}])]).message.startswith(
-        "pod p container fetch")
+        "pod p container fetch"
+    )
     long = pod_health.diagnose([pod("p", crashloop(message="x" * 5000))])
     assert len(long.message) == pod_health.MAX_MESSAGE_CHARS
 
@@ -105,13 +136,28 @@ def _resolved():
 
 def _status(pod_failure=None, conflicts=(), previous=None, deployment=None):
     r = _resolved()
-    deployment = deployment if deployment is not None else {
-        "metadata": {"generation": 1}, "status": {"replicas": 1, "readyReplicas": 0, "updatedReplicas": 1,
-                                                  "observedGeneration": 1}}
-    return status_mod.compute_status(name="llama70b", namespace="ml", spec=r.spec, generation=1, plan=r.plan,
-                                     plan_reason=r.plan.reason, plan_message=r.plan.message, deployment=deployment,
-                                     previous=previous, now="2026-01-01T00:00:00Z", pod_failure=pod_failure,
-                                     conflicts=conflicts)
+    deployment = (
+        deployment
+        if deployment is not None
+        else {
+            "metadata": {"generation": 1},
+            "status": {"replicas": 1, "readyReplicas": 0, "updatedReplicas": 1, "observedGeneration": 1},
+        }
+    )
+    return status_mod.compute_status(
+        name="llama70b",
+        namespace="ml",
+        spec=r.spec,
+        generation=1,
+        plan=r.plan,
+        plan_reason=r.plan.reason,
+        plan_message=r.plan.message,
+        deployment=deployment,
+        previous=previous,
+        now="2026-01-01T00:00:00Z",
+        pod_failure=pod_failure,
+        conflicts=conflicts,
+    )
 
 
 def _cond(status, ctype):
@@ -129,8 +175,10 @@ def test_a_pod_failure_makes_the_service_degraded_and_not_ready():
 
 
 def test_a_child_conflict_reports_no_ready_and_no_url():
-    foreign = {"metadata": {"generation": 1}, "status": {"replicas": 1, "readyReplicas": 1, "updatedReplicas": 1,
-                                                         "observedGeneration": 1}}
+    foreign = {
+        "metadata": {"generation": 1},
+        "status": {"replicas": 1, "readyReplicas": 1, "updatedReplicas": 1, "observedGeneration": 1},
+    }
     s = _status(conflicts=("Deployment",), deployment=foreign)
     assert (_cond(s, "ChildConflict")["status"], _cond(s, "ChildConflict")["reason"]) == ("True", "ChildConflict")
     assert "Deployment" in _cond(s, "ChildConflict")["message"]

@@ -6,6 +6,7 @@ The controls and allowed values follow https://kubernetes.io/docs/concepts/secur
 written out below with the fields it reads; test_each_control_catches_its_violation shows every one of them
 can fail.
 """
+
 from __future__ import annotations
 
 import copy
@@ -14,25 +15,58 @@ import pathlib
 import pytest
 import yaml
 
-from kvserve.operator import render, spec as spec_mod
+from kvserve.operator import render
+from kvserve.operator import spec as spec_mod
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
-BASELINE_CAPABILITIES = {"AUDIT_WRITE", "CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "MKNOD",
-                         "NET_BIND_SERVICE", "SETFCAP", "SETGID", "SETPCAP", "SETUID", "SYS_CHROOT"}
-SAFE_SYSCTLS = {"kernel.shm_rmid_forced", "net.ipv4.ip_local_port_range", "net.ipv4.ip_unprivileged_port_start",
-                "net.ipv4.tcp_syncookies", "net.ipv4.ping_group_range", "net.ipv4.ip_local_reserved_ports",
-                "net.ipv4.tcp_keepalive_time", "net.ipv4.tcp_fin_timeout", "net.ipv4.tcp_keepalive_intvl",
-                "net.ipv4.tcp_keepalive_probes"}
+BASELINE_CAPABILITIES = {
+    "AUDIT_WRITE",
+    "CHOWN",
+    "DAC_OVERRIDE",
+    "FOWNER",
+    "FSETID",
+    "KILL",
+    "MKNOD",
+    "NET_BIND_SERVICE",
+    "SETFCAP",
+    "SETGID",
+    "SETPCAP",
+    "SETUID",
+    "SYS_CHROOT",
+}
+SAFE_SYSCTLS = {
+    "kernel.shm_rmid_forced",
+    "net.ipv4.ip_local_port_range",
+    "net.ipv4.ip_unprivileged_port_start",
+    "net.ipv4.tcp_syncookies",
+    "net.ipv4.ping_group_range",
+    "net.ipv4.ip_local_reserved_ports",
+    "net.ipv4.tcp_keepalive_time",
+    "net.ipv4.tcp_fin_timeout",
+    "net.ipv4.tcp_keepalive_intvl",
+    "net.ipv4.tcp_keepalive_probes",
+}
 SELINUX_TYPES = {"", "container_t", "container_init_t", "container_kvm_t", "container_engine_t"}
-RESTRICTED_VOLUME_SOURCES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
-                             "projected", "secret"}
+RESTRICTED_VOLUME_SOURCES = {
+    "configMap",
+    "csi",
+    "downwardAPI",
+    "emptyDir",
+    "ephemeral",
+    "persistentVolumeClaim",
+    "projected",
+    "secret",
+}
 SECCOMP_OK = {"RuntimeDefault", "Localhost"}
 
 
 def _containers(pod: dict) -> list[tuple[str, dict]]:
-    return [(f"{field}[{c.get('name')}]", c) for field in ("initContainers", "containers", "ephemeralContainers")
-            for c in pod.get(field) or []]
+    return [
+        (f"{field}[{c.get('name')}]", c)
+        for field in ("initContainers", "containers", "ephemeralContainers")
+        for c in pod.get(field) or []
+    ]
 
 
 def restricted_violations(pod: dict, annotations: dict | None = None) -> list[str]:
@@ -40,8 +74,9 @@ def restricted_violations(pod: dict, annotations: dict | None = None) -> list[st
     out: list[str] = []
     psc = pod.get("securityContext") or {}
     containers = _containers(pod)
-    contexts = [("spec.securityContext", psc)] + [(f"{n}.securityContext", c.get("securityContext") or {})
-                                                  for n, c in containers]
+    contexts = [("spec.securityContext", psc)] + [
+        (f"{n}.securityContext", c.get("securityContext") or {}) for n, c in containers
+    ]
     # --- baseline ---
     for where, sc in contexts:
         if (sc.get("windowsOptions") or {}).get("hostProcess"):
@@ -62,7 +97,8 @@ def restricted_violations(pod: dict, annotations: dict | None = None) -> list[st
             out.append(f"Sysctls: spec.securityContext.sysctls {sysctl.get('name')}")
     for key, value in (annotations or {}).items():
         if key.startswith("container.apparmor.security.beta.kubernetes.io/") and not (
-                value == "runtime/default" or value.startswith("localhost/")):
+            value == "runtime/default" or value.startswith("localhost/")
+        ):
             out.append(f"AppArmor: metadata.annotations[{key}]={value}")
     for name, c in containers:
         sc = c.get("securityContext") or {}
@@ -114,8 +150,13 @@ def pod_templates(objs: list[dict]) -> list[tuple[str, dict, dict]]:
             out.append((obj["metadata"]["name"], obj["spec"], obj["metadata"].get("annotations") or {}))
         template = (obj.get("spec") or {}).get("template")
         if template is not None:
-            out.append((f"{obj['kind']}/{obj['metadata']['name']}", template["spec"],
-                        (template.get("metadata") or {}).get("annotations") or {}))
+            out.append(
+                (
+                    f"{obj['kind']}/{obj['metadata']['name']}",
+                    template["spec"],
+                    (template.get("metadata") or {}).get("annotations") or {},
+                )
+            )
         job = ((obj.get("spec") or {}).get("jobTemplate") or {}).get("spec", {}).get("template")
         if job is not None:
             out.append((f"{obj['kind']}/{obj['metadata']['name']}", job["spec"], {}))
@@ -128,8 +169,12 @@ def _variants() -> list[tuple[str, dict]]:
         doc = yaml.safe_load(path.read_text())
         out.append((path.stem, doc))
         rich = copy.deepcopy(doc)
-        rich["spec"].update(auth={"apiKeySecretRef": {"name": "k", "key": "token"}}, serviceAccountName="sa",
-                            imagePullSecrets=[{"name": "pull"}], priorityClassName="high")
+        rich["spec"].update(
+            auth={"apiKeySecretRef": {"name": "k", "key": "token"}},
+            serviceAccountName="sa",
+            imagePullSecrets=[{"name": "pull"}],
+            priorityClassName="high",
+        )
         for key in ("revision", "credentials", "cache"):  # hf:// / s3:// settings: meaningless for file://
             rich["spec"]["model"].pop(key, None)
         rich["spec"]["model"]["uri"] = "file:///models/in-image"
@@ -143,8 +188,8 @@ def test_every_rendered_pod_meets_restricted(name, doc):
     objs = render.render(spec_mod.resolve(doc["spec"]), doc["metadata"]["name"], "ml")
     pods = pod_templates(objs)
     assert pods, "the render produced no pod at all"
-    for pod_name, pod, annotations in pods:
-        assert restricted_violations(pod, annotations) == [], pod_name
+    for pod_name, pod, pod_annotations in pods:
+        assert restricted_violations(pod, pod_annotations) == [], pod_name
 
 
 def _helm_chart_tests():
@@ -164,8 +209,8 @@ def test_chart_operator_pod_meets_restricted():
         docs = chart._template(chart._find_helm(), *sets)
         pods = pod_templates(docs)
         assert [n for n, _, _ in pods] == ["Deployment/kvs-kvserve"]
-        for pod_name, pod, annotations in pods:
-            assert restricted_violations(pod, annotations) == [], pod_name
+        for pod_name, pod, pod_annotations in pods:
+            assert restricted_violations(pod, pod_annotations) == [], pod_name
 
 
 MUTATIONS = [
@@ -189,8 +234,12 @@ MUTATIONS = [
     ("Running as Non-root", lambda p, c: p["securityContext"].pop("runAsNonRoot")),
     ("Running as Non-root", lambda p, c: c["securityContext"].update(runAsNonRoot=False)),
     ("Running as Non-root user", lambda p, c: c["securityContext"].update(runAsUser=0)),
-    ("Privilege Escalation", lambda p, c: p.setdefault("initContainers", []).append(
-        {"name": "init", "image": "x", "securityContext": {"capabilities": {"drop": ["ALL"]}}})),
+    (
+        "Privilege Escalation",
+        lambda p, c: p.setdefault("initContainers", []).append(
+            {"name": "init", "image": "x", "securityContext": {"capabilities": {"drop": ["ALL"]}}}
+        ),
+    ),
 ]
 
 

@@ -1,4 +1,5 @@
 """Pure renderer: golden YAML for the examples, upstream-schema validation, and the pod's invariants."""
+
 from __future__ import annotations
 
 import argparse
@@ -11,8 +12,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from kvserve.operator import labels
-from kvserve.operator import render, spec as spec_mod
+from kvserve.operator import labels, render
+from kvserve.operator import spec as spec_mod
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 GOLDEN = pathlib.Path(__file__).resolve().parent / "golden"
@@ -97,8 +98,11 @@ def test_llama70b_pod_is_sized_by_the_plan():
     pdb = by_kind["PodDisruptionBudget"]
     assert pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
     hpa = by_kind["HorizontalPodAutoscaler"]
-    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "serving.kvserve.dev/v1alpha1",
-                                             "kind": "InferenceService", "name": "llama70b"}
+    assert hpa["spec"]["scaleTargetRef"] == {
+        "apiVersion": "serving.kvserve.dev/v1alpha1",
+        "kind": "InferenceService",
+        "name": "llama70b",
+    }
     (metric,) = hpa["spec"]["metrics"]
     assert metric["type"] == "Pods" and metric["pods"]["metric"]["name"] == "vllm_num_requests_waiting"
     assert metric["pods"]["target"] == {"type": "AverageValue", "averageValue": "5"}
@@ -143,11 +147,22 @@ def test_impossible_spec_renders_nothing():
 
 
 def test_custom_model_shape_and_unknown_model():
-    shape = {"numLayers": 4, "numAttentionHeads": 8, "numKeyValueHeads": 2, "headDim": 64, "hiddenSize": 512,
-             "intermediateSize": 1024, "vocabSize": 32000, "numParameters": 50_000_000,
-             "maxPositionEmbeddings": 4096}
-    spec = {"model": {"name": "my-tiny", "shape": shape, "uri": "file:///models/tiny"}, "gpu": {"product": "l4"},
-            "engine": {"maxModelLen": 4096}}
+    shape = {
+        "numLayers": 4,
+        "numAttentionHeads": 8,
+        "numKeyValueHeads": 2,
+        "headDim": 64,
+        "hiddenSize": 512,
+        "intermediateSize": 1024,
+        "vocabSize": 32000,
+        "numParameters": 50_000_000,
+        "maxPositionEmbeddings": 4096,
+    }
+    spec = {
+        "model": {"name": "my-tiny", "shape": shape, "uri": "file:///models/tiny"},
+        "gpu": {"product": "l4"},
+        "engine": {"maxModelLen": 4096},
+    }
     resolved, objs = _render({"metadata": {"name": "tiny"}, "spec": spec})
     assert resolved.plan.kv_bytes_per_token == 2 * 4 * 2 * 64 * 2
     assert objs[0]["spec"]["template"]["spec"]["containers"][0]["command"][2] == "/models/tiny"
@@ -159,9 +174,13 @@ def test_custom_model_shape_and_unknown_model():
         spec_mod.resolve({"model": {"name": "llama-3-8b", "uri": "file:///m"}, "gpu": {"product": "tpu"}})
     assert err.value.reason == "UnknownGPU"
     # A memory override makes any GPU plannable; overrides of a catalog shape apply on top of it.
-    r = spec_mod.resolve({"model": {"name": "llama-3-8b", "uri": "file:///m", "shape": {"maxPositionEmbeddings": 65536}},
-                          "gpu": {"product": "tpu", "memoryMiB": 81920, "nodeSelectorProduct": "X"},
-                          "engine": {"maxModelLen": 65536}})
+    r = spec_mod.resolve(
+        {
+            "model": {"name": "llama-3-8b", "uri": "file:///m", "shape": {"maxPositionEmbeddings": 65536}},
+            "gpu": {"product": "tpu", "memoryMiB": 81920, "nodeSelectorProduct": "X"},
+            "engine": {"maxModelLen": 65536},
+        }
+    )
     assert r.plan.fits and r.model.max_position_embeddings == 65536 and r.gpu_product == "X"
 
 

@@ -1,5 +1,6 @@
 """spec.router: the rendered router objects (upstream-schema valid), their wiring to the engine, the status
 URL, the CRD field, and that an InferenceService without a router renders exactly as before."""
+
 from __future__ import annotations
 
 import argparse
@@ -9,8 +10,9 @@ import kubernetes_validate
 import yaml
 
 from kvserve.cli import router as router_cli
-from kvserve.operator import labels
-from kvserve.operator import render, render_router, spec as spec_mod, status as status_mod
+from kvserve.operator import labels, render, render_router
+from kvserve.operator import spec as spec_mod
+from kvserve.operator import status as status_mod
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 K8S_VERSION = "1.33"
@@ -31,12 +33,18 @@ def _render(doc: dict) -> tuple[spec_mod.Resolved, list[dict]]:
 def test_router_objects_validate_and_are_wired_to_the_engine():
     resolved, objs = _render(_doc(enabled=True, replicas=2, resources={"requests": {"cpu": "2"}}))
     kinds = [(o["kind"], o["metadata"]["name"]) for o in objs]
-    for key in [("Deployment", "llama70b-router"), ("Service", "llama70b-router"), ("ServiceAccount", "llama70b-router"),
-                ("Role", "llama70b-router"), ("RoleBinding", "llama70b-router"),
-                ("PodDisruptionBudget", "llama70b-router")]:
+    for key in [
+        ("Deployment", "llama70b-router"),
+        ("Service", "llama70b-router"),
+        ("ServiceAccount", "llama70b-router"),
+        ("Role", "llama70b-router"),
+        ("RoleBinding", "llama70b-router"),
+        ("PodDisruptionBudget", "llama70b-router"),
+    ]:
         assert key in kinds, key
     assert sorted(render_router.child_keys("llama70b", resolved.spec, {})) == sorted(
-        k for k in kinds if k[1] == "llama70b-router")
+        k for k in kinds if k[1] == "llama70b-router"
+    )
     for obj in objs:
         kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
     by = {(o["kind"], o["metadata"]["name"]): o for o in objs}
@@ -53,8 +61,11 @@ def test_router_objects_validate_and_are_wired_to_the_engine():
     assert router_labels[labels.OWNER_LABEL] == "llama70b"  # child events find their InferenceService
     # Its Role reads EndpointSlices and nothing else; the binding names its ServiceAccount.
     (rule,) = by[("Role", "llama70b-router")]["rules"]
-    assert rule == {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
-                    "verbs": ["get", "list", "watch"]}
+    assert rule == {
+        "apiGroups": ["discovery.k8s.io"],
+        "resources": ["endpointslices"],
+        "verbs": ["get", "list", "watch"],
+    }
     binding = by[("RoleBinding", "llama70b-router")]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "llama70b-router", "namespace": "prod"}]
     # The command parses with `kvserve router`, points at the engine Service and reads the model's tokenizer.
@@ -69,8 +80,9 @@ def test_router_objects_validate_and_are_wired_to_the_engine():
     assert args.block_size == resolved.spec["engine"]["blockSize"]
     assert args.default_capacity_tokens == resolved.plan.kv_tokens
     engine_mounts = by[("Deployment", "llama70b")]["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]
-    assert [m for m in container["volumeMounts"] if m["name"] == "model"] == \
-        [m for m in engine_mounts if m["name"] == "model"]
+    assert [m for m in container["volumeMounts"] if m["name"] == "model"] == [
+        m for m in engine_mounts if m["name"] == "model"
+    ]
 
 
 def test_status_url_points_at_the_router_and_disabled_renders_as_before():
@@ -79,8 +91,17 @@ def test_status_url_points_at_the_router_and_disabled_renders_as_before():
     assert off == plain and not any(o["metadata"]["name"].endswith("-router") for o in plain)
     assert render_router.child_keys("llama70b", plain_resolved.spec, {}) == []
     resolved, _ = _render(_doc(enabled=True))
-    common = dict(name="llama70b", namespace="prod", generation=1, plan=resolved.plan, plan_reason="Fits",
-                  plan_message="", deployment=None, previous=None, now="2026-01-01T00:00:00Z")
+    common = dict(
+        name="llama70b",
+        namespace="prod",
+        generation=1,
+        plan=resolved.plan,
+        plan_reason="Fits",
+        plan_message="",
+        deployment=None,
+        previous=None,
+        now="2026-01-01T00:00:00Z",
+    )
     with_router = status_mod.compute_status(spec=resolved.spec, **common)
     without = status_mod.compute_status(spec=plain_resolved.spec, **common)
     assert with_router["url"] == "http://llama70b-router.prod.svc.cluster.local:8000"

@@ -1,4 +1,5 @@
 """Pure status computation and the apply step's compare-before-write logic."""
+
 from __future__ import annotations
 
 import pathlib
@@ -7,8 +8,9 @@ import sys
 
 import yaml
 
-from kvserve.operator import labels
-from kvserve.operator import kube, spec as spec_mod, status as status_mod
+from kvserve.operator import kube, labels
+from kvserve.operator import spec as spec_mod
+from kvserve.operator import status as status_mod
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
@@ -21,9 +23,18 @@ def _resolved():
 
 def _status(resolved, deployment, previous=None, now=T0, generation=3):
     plan = resolved.plan
-    return status_mod.compute_status(name="llama70b", namespace="ml", spec=resolved.spec, generation=generation,
-                                     plan=plan, plan_reason=plan.reason, plan_message=plan.message,
-                                     deployment=deployment, previous=previous, now=now)
+    return status_mod.compute_status(
+        name="llama70b",
+        namespace="ml",
+        spec=resolved.spec,
+        generation=generation,
+        plan=plan,
+        plan_reason=plan.reason,
+        plan_message=plan.message,
+        deployment=deployment,
+        previous=previous,
+        now=now,
+    )
 
 
 def _conds(status):
@@ -31,17 +42,28 @@ def _conds(status):
 
 
 def _deployment(ready, updated, replicas=1, generation=2, observed=2, conditions=()):
-    return {"metadata": {"generation": generation},
-            "status": {"replicas": replicas, "readyReplicas": ready, "updatedReplicas": updated,
-                       "observedGeneration": observed, "conditions": list(conditions)}}
+    return {
+        "metadata": {"generation": generation},
+        "status": {
+            "replicas": replicas,
+            "readyReplicas": ready,
+            "updatedReplicas": updated,
+            "observedGeneration": observed,
+            "conditions": list(conditions),
+        },
+    }
 
 
 def test_status_lifecycle_and_stable_timestamps():
     r = _resolved()
     creating = _status(r, None)
-    assert _conds(creating) == {"Ready": ("False", "DeploymentMissing"), "CapacityPlanned": ("True", "Fits"),
-                                "Progressing": ("True", "Creating"), "Degraded": ("False", "AsExpected"),
-                                "ChildConflict": ("False", "NoConflict")}
+    assert _conds(creating) == {
+        "Ready": ("False", "DeploymentMissing"),
+        "CapacityPlanned": ("True", "Fits"),
+        "Progressing": ("True", "Creating"),
+        "Degraded": ("False", "AsExpected"),
+        "ChildConflict": ("False", "NoConflict"),
+    }
     assert creating["plan"]["kvTokens"] == r.plan.kv_tokens
     assert creating["plan"]["maxConcurrency"] == r.plan.max_concurrency
     assert creating["selector"] == labels.selector_string("llama70b")
@@ -66,8 +88,13 @@ def test_status_lifecycle_and_stable_timestamps():
 
 def test_status_degraded_on_progress_deadline():
     r = _resolved()
-    dead = _deployment(ready=0, updated=1, conditions=[
-        {"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded", "message": "timed out"}])
+    dead = _deployment(
+        ready=0,
+        updated=1,
+        conditions=[
+            {"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded", "message": "timed out"}
+        ],
+    )
     assert _conds(_status(r, dead))["Degraded"] == ("True", "ProgressDeadlineExceeded")
 
 
@@ -86,8 +113,14 @@ def test_status_when_the_spec_does_not_fit():
 
 def test_contains_ignores_server_defaults_but_not_edits():
     desired = {"spec": {"replicas": 2, "template": {"spec": {"containers": [{"name": "a", "args": ["x"]}]}}}}
-    live = {"metadata": {"uid": "u"}, "spec": {"replicas": 2, "progressDeadlineSeconds": 600, "template": {
-        "spec": {"containers": [{"name": "a", "args": ["x"], "imagePullPolicy": "Always"}]}}}}
+    live = {
+        "metadata": {"uid": "u"},
+        "spec": {
+            "replicas": 2,
+            "progressDeadlineSeconds": 600,
+            "template": {"spec": {"containers": [{"name": "a", "args": ["x"], "imagePullPolicy": "Always"}]}},
+        },
+    }
     assert kube.contains(live, desired)
     live["spec"]["replicas"] = 3
     assert not kube.contains(live, desired)
@@ -106,9 +139,16 @@ def test_status_patch_is_minimal_and_spares_kopf_keys():
 def test_owner_reference():
     owner = {"apiVersion": spec_mod.API_VERSION, "kind": spec_mod.KIND, "metadata": {"name": "n", "uid": "u1"}}
     obj = kube.adopt({"kind": "Service", "metadata": {"name": "n", "namespace": "d"}}, owner)
-    assert obj["metadata"]["ownerReferences"] == [{"apiVersion": spec_mod.API_VERSION, "kind": spec_mod.KIND,
-                                                   "name": "n", "uid": "u1", "controller": True,
-                                                   "blockOwnerDeletion": True}]
+    assert obj["metadata"]["ownerReferences"] == [
+        {
+            "apiVersion": spec_mod.API_VERSION,
+            "kind": spec_mod.KIND,
+            "name": "n",
+            "uid": "u1",
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+    ]
     assert kube.owned_by(obj, owner)
     assert not kube.owned_by(obj, {"metadata": {"uid": "u2"}})
 
@@ -117,11 +157,13 @@ def test_operator_modules_do_not_import_torch():
     """The operator image installs `.[operator]` only: no kvserve.operator module may pull torch in."""
     modules = sorted(p.stem for p in (ROOT / "operator").glob("*.py"))
     assert {"planner", "render", "spec", "status", "kube", "handlers", "catalog"} <= set(modules)
-    code = ("import sys\n"
-            f"for m in {modules!r}: __import__('kvserve.operator.' + m)\n"
-            "import kvserve.cli.plan, kvserve.cli.render, kvserve.cli.operator\n"
-            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'triton'))\n"
-            "print(bad); sys.exit(1 if bad else 0)\n")
+    code = (
+        "import sys\n"
+        f"for m in {modules!r}: __import__('kvserve.operator.' + m)\n"
+        "import kvserve.cli.plan, kvserve.cli.render, kvserve.cli.operator\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'triton'))\n"
+        "print(bad); sys.exit(1 if bad else 0)\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd="/")
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
@@ -129,6 +171,11 @@ def test_operator_modules_do_not_import_torch():
 def test_operator_folder_is_a_namespace_portion():
     # An operator/__init__.py would shadow the stdlib `operator` module (see DESIGN.md).
     assert not (ROOT / "operator" / "__init__.py").exists()
-    proc = subprocess.run([sys.executable, "-c", "import operator, collections; print(operator.__file__)"],
-                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-c", "import operator, collections; print(operator.__file__)"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0 and str(ROOT / "operator") not in proc.stdout

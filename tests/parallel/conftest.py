@@ -1,6 +1,7 @@
 """Tensor-parallel tests: random-weight models built here from a config (no hub), workers on gloo/CPU.
 
 Every test must leave no worker process behind; the autouse fixture below checks that after each test."""
+
 from __future__ import annotations
 
 import multiprocessing
@@ -12,8 +13,9 @@ import pytest
 @pytest.fixture(scope="session")
 def tp_model_factory(tmp_path_factory):
     """tp_model_factory(name) -> (model_dir, hf_model), built once per session."""
-    from kvserve.runtime.models.synthetic import make_random_model_dir
     from kvserve_testing import TEST_MODEL_CONFIGS
+
+    from kvserve.runtime.models.synthetic import make_random_model_dir
 
     cache: dict = {}
 

@@ -1,6 +1,7 @@
 """MoE weights per rank, in one process: a rank reads only its half of every expert from the safetensors
 file and places it where the fused expert tensors expect it; transformers 5's stacked expert tensors load to
 the same parameters; widths that cannot be split are refused naming the config field."""
+
 from __future__ import annotations
 
 import glob
@@ -29,8 +30,8 @@ class _RecordingSlice:
 def _empty_model(model_dir, rank, size):
     from kvserve.runtime.config import load_model_config
     from kvserve.runtime.models.attention_backends import get_attention_backend
-    from kvserve.runtime.models.registry import model_class
     from kvserve.runtime.models.parallel_layers import ParallelContext
+    from kvserve.runtime.models.registry import model_class
 
     mc = load_model_config(model_dir, max_model_len=64)
     with torch.device("meta"):
@@ -38,10 +39,13 @@ def _empty_model(model_dir, rank, size):
     return model.to_empty(device="cpu")
 
 
-@pytest.mark.parametrize("name, moe_prefix, names", [
-    ("mixtral_moe", "block_sparse_moe", ("w1", "w3", "w2")),
-    ("qwen3_moe", "mlp", ("gate_proj", "up_proj", "down_proj")),
-])
+@pytest.mark.parametrize(
+    "name, moe_prefix, names",
+    [
+        ("mixtral_moe", "block_sparse_moe", ("w1", "w3", "w2")),
+        ("qwen3_moe", "mlp", ("gate_proj", "up_proj", "down_proj")),
+    ],
+)
 def test_rank_reads_only_its_half_of_each_expert(tp_model_factory, name, moe_prefix, names):
     from safetensors import safe_open
 
@@ -60,8 +64,12 @@ def test_rank_reads_only_its_half_of_each_expert(tp_model_factory, name, moe_pre
                 gate, up, down = (f.get_tensor(f"model.layers.0.{moe_prefix}.experts.{e}.{n}.weight") for n in names)
                 torch.testing.assert_close(experts.gate_up_proj[e], torch.cat([gate[mine], up[mine]]), rtol=0, atol=0)
                 torch.testing.assert_close(experts.down_proj[e], down[:, mine], rtol=0, atol=0)
-            torch.testing.assert_close(model.layers[0].mlp.gate.weight,
-                                       f.get_tensor(f"model.layers.0.{moe_prefix}.gate.weight"), rtol=0, atol=0)
+            torch.testing.assert_close(
+                model.layers[0].mlp.gate.weight,
+                f.get_tensor(f"model.layers.0.{moe_prefix}.gate.weight"),
+                rtol=0,
+                atol=0,
+            )
         expert_reads = [r for r in reads if ".experts." in r[0]]
         assert len(expert_reads) == 3 * moe.num_experts * len(moe.sparse_layers)
         for read_name, got, full in expert_reads:  # half of the intermediate dim, nothing more
@@ -105,20 +113,25 @@ def test_split_widths_follow_the_sparse_layers(tp_model_factory):
     assert moe_shape(qwen.config).sparse_layers == {0}  # layer 1 is in mlp_only_layers
     assert split_widths(qwen.config) == {"intermediate_size": 96, "moe_intermediate_size": 32}
     assert split_widths_error({"intermediate_size": 96, "moe_intermediate_size": 32}, 4) is None
-    assert split_widths_error({"intermediate_size": 96, "moe_intermediate_size": 30}, 4) == \
-        "moe_intermediate_size=30 is not divisible by tensor_parallel_size=4"
+    assert (
+        split_widths_error({"intermediate_size": 96, "moe_intermediate_size": 30}, 4)
+        == "moe_intermediate_size=30 is not divisible by tensor_parallel_size=4"
+    )
 
 
 def test_llm_rejects_an_unsplittable_expert_width_before_starting_workers(tmp_path):
-    from kvserve.runtime import LLM
-    from kvserve.runtime.models.synthetic import make_random_model_dir
     from kvserve_testing import TEST_MODEL_CONFIGS
+
+    from kvserve.runtime import LLM
     from kvserve.runtime.errors import InvalidParameter
+    from kvserve.runtime.models.synthetic import make_random_model_dir
 
     arch, kwargs = TEST_MODEL_CONFIGS["qwen3_moe"]
-    make_random_model_dir(str(tmp_path), arch, **dict(kwargs, moe_intermediate_size=33, num_hidden_layers=1,
-                                                      mlp_only_layers=[]))
-    with pytest.raises(InvalidParameter, match="moe_intermediate_size=33 is not divisible by tensor_parallel_size=2") \
-            as err:
+    make_random_model_dir(
+        str(tmp_path), arch, **dict(kwargs, moe_intermediate_size=33, num_hidden_layers=1, mlp_only_layers=[])
+    )
+    with pytest.raises(
+        InvalidParameter, match="moe_intermediate_size=33 is not divisible by tensor_parallel_size=2"
+    ) as err:
         LLM(str(tmp_path), tensor_parallel_size=2, max_model_len=64)
     assert err.value.param == "tensor_parallel_size"

@@ -1,6 +1,7 @@
 """The per-rank split, checked in one process (no workers): head/vocab partitions, unsplittable shapes
 rejected before any process starts, and shard loading that reads only the rank's rows/columns from the
 safetensors file (through get_slice) and places them where the fused layers expect them."""
+
 from __future__ import annotations
 
 import glob
@@ -9,8 +10,8 @@ import os
 import pytest
 import torch
 
-from kvserve.runtime.models.sharding import shard_spec
 from kvserve.runtime.capacity import tp_shape_error
+from kvserve.runtime.models.sharding import shard_spec
 
 
 def test_kv_heads_follow_query_heads():
@@ -49,8 +50,9 @@ def test_llm_rejects_an_unsplittable_tp_size_before_starting_workers(tp_model_fa
     from kvserve.runtime.errors import InvalidParameter
 
     model_dir, _ = tp_model_factory("llama_gqa")  # 8 heads
-    with pytest.raises(InvalidParameter, match="num_attention_heads=8 is not divisible by tensor_parallel_size=3") \
-            as err:
+    with pytest.raises(
+        InvalidParameter, match="num_attention_heads=8 is not divisible by tensor_parallel_size=3"
+    ) as err:
         LLM(model_dir, tensor_parallel_size=3, max_model_len=64)
     assert err.value.param == "tensor_parallel_size"
 
@@ -108,26 +110,34 @@ def test_rank_loads_only_its_shard_into_the_fused_layout(tp_model_factory, name)
         attn = model.layers[0].self_attn
         qkv = attn.qkv_proj.weight
         q_rows = slice(s.q_head_start * hd, (s.q_head_start + s.num_heads) * hd)
-        torch.testing.assert_close(qkv[:attn.q_size], sd["model.layers.0.self_attn.q_proj.weight"][q_rows],
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(
+            qkv[: attn.q_size], sd["model.layers.0.self_attn.q_proj.weight"][q_rows], rtol=0, atol=0
+        )
         for j, proj in enumerate(("k_proj", "v_proj")):
-            want = torch.cat([sd[f"model.layers.0.self_attn.{proj}.weight"][h * hd:(h + 1) * hd]
-                              for h in s.kv_head_ids])
+            want = torch.cat(
+                [sd[f"model.layers.0.self_attn.{proj}.weight"][h * hd : (h + 1) * hd] for h in s.kv_head_ids]
+            )
             start = attn.q_size + j * attn.kv_size
-            torch.testing.assert_close(qkv[start:start + attn.kv_size], want, rtol=0, atol=0)
+            torch.testing.assert_close(qkv[start : start + attn.kv_size], want, rtol=0, atol=0)
         if attn.qkv_proj.bias is not None:
-            torch.testing.assert_close(attn.qkv_proj.bias[:attn.q_size],
-                                       sd["model.layers.0.self_attn.q_proj.bias"][q_rows], rtol=0, atol=0)
-        torch.testing.assert_close(attn.o_proj.weight, sd["model.layers.0.self_attn.o_proj.weight"][:, q_rows],
-                                   rtol=0, atol=0)
+            torch.testing.assert_close(
+                attn.qkv_proj.bias[: attn.q_size], sd["model.layers.0.self_attn.q_proj.bias"][q_rows], rtol=0, atol=0
+            )
+        torch.testing.assert_close(
+            attn.o_proj.weight, sd["model.layers.0.self_attn.o_proj.weight"][:, q_rows], rtol=0, atol=0
+        )
         inter = slice(s.intermediate_start, s.intermediate_start + s.intermediate_size)
         mlp = model.layers[1].mlp
-        torch.testing.assert_close(mlp.gate_up_proj.weight[s.intermediate_size:],
-                                   sd["model.layers.1.mlp.up_proj.weight"][inter], rtol=0, atol=0)
-        torch.testing.assert_close(mlp.down_proj.weight, sd["model.layers.1.mlp.down_proj.weight"][:, inter],
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(
+            mlp.gate_up_proj.weight[s.intermediate_size :],
+            sd["model.layers.1.mlp.up_proj.weight"][inter],
+            rtol=0,
+            atol=0,
+        )
+        torch.testing.assert_close(
+            mlp.down_proj.weight, sd["model.layers.1.mlp.down_proj.weight"][:, inter], rtol=0, atol=0
+        )
         vocab = slice(s.vocab_start, s.vocab_end)
-        torch.testing.assert_close(model.embed_tokens.weight, sd["model.embed_tokens.weight"][vocab],
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(model.embed_tokens.weight, sd["model.embed_tokens.weight"][vocab], rtol=0, atol=0)
         if model.lm_head is not None:
             torch.testing.assert_close(model.lm_head.weight, sd["lm_head.weight"][vocab], rtol=0, atol=0)

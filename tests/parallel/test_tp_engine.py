@@ -1,11 +1,12 @@
 """tensor_parallel_size=2 on CPU/gloo: token-exact with t=1, and each rank holds its share of the weights and
 KV cache (measured on the workers' tensors)."""
+
 from __future__ import annotations
 
 import pytest
+from kvserve_testing import random_prompts
 
 from kvserve.runtime import LLM, SamplingParams
-from kvserve_testing import random_prompts
 
 MAX_MODEL_LEN = 256
 # Small token budget: long prompts are chunked, so the ranks also agree across chunked prefill.
@@ -32,22 +33,28 @@ def _expected_rank_param_bytes(cfg, t: int, kv_heads_local: int) -> int:
     h, inter, vocab, layers = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_hidden_layers
     hd = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
     q_local = cfg.num_attention_heads // t
-    per_layer = (h * (q_local + 2 * kv_heads_local) * hd  # fused QKV, column-parallel
-                 + q_local * hd * h  # o_proj, row-parallel
-                 + h * 2 * inter // t + inter // t * h  # gate/up column-, down row-parallel
-                 + 2 * h)  # two RMSNorms, replicated
+    per_layer = (
+        h * (q_local + 2 * kv_heads_local) * hd  # fused QKV, column-parallel
+        + q_local * hd * h  # o_proj, row-parallel
+        + h * 2 * inter // t
+        + inter // t * h  # gate/up column-, down row-parallel
+        + 2 * h
+    )  # two RMSNorms, replicated
     heads = 1 if cfg.tie_word_embeddings else 2  # embedding (+ untied LM head), vocab-parallel
     return 4 * (layers * per_layer + heads * (-(-vocab // t)) * h + h)
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("name, kv_split", [
-    # 4 query heads, 1 KV head, tied embeddings: the KV head cannot be split 2 ways, so both ranks keep it
-    # (each rank's 2 query heads read it); the KV cache per rank is the replicated one-head share.
-    ("llama_tied_mqa", "replicated"),
-    # GQA 8 query / 2 KV heads: 4 query heads and 1 KV head per rank; the KV cache per rank is half.
-    ("llama_gqa", "split"),
-])
+@pytest.mark.parametrize(
+    "name, kv_split",
+    [
+        # 4 query heads, 1 KV head, tied embeddings: the KV head cannot be split 2 ways, so both ranks keep it
+        # (each rank's 2 query heads read it); the KV cache per rank is the replicated one-head share.
+        ("llama_tied_mqa", "replicated"),
+        # GQA 8 query / 2 KV heads: 4 query heads and 1 KV head per rank; the KV cache per rank is half.
+        ("llama_gqa", "split"),
+    ],
+)
 def test_tp2_matches_tp1_token_for_token_with_half_the_weights_per_rank(tp_model_factory, name, kv_split):
     model_dir, hf_model = tp_model_factory(name)
     cfg = hf_model.config
@@ -108,8 +115,14 @@ def test_tp2_swap_preemption_matches_unconstrained_tp1(tp_model_factory):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     with LLM(model_dir, max_model_len=128) as llm:
         ref = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    with LLM(model_dir, max_model_len=128, num_kv_blocks=14, preemption_mode="swap", swap_space_bytes=1 << 20,
-             tensor_parallel_size=2) as llm:
+    with LLM(
+        model_dir,
+        max_model_len=128,
+        num_kv_blocks=14,
+        preemption_mode="swap",
+        swap_space_bytes=1 << 20,
+        tensor_parallel_size=2,
+    ) as llm:
         out = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         stats = llm.engine.get_stats()
     assert out == ref

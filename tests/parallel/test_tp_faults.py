@@ -1,6 +1,7 @@
 """A tensor-parallel worker that dies or fails takes the engine to a clear error naming the rank -- never a
 hang -- and every worker is reaped: offline (LLM.generate raises), and in `kvserve serve` (/health turns
 503 engine_dead with a log line naming the rank, and the server exits 1)."""
+
 from __future__ import annotations
 
 import os
@@ -15,8 +16,7 @@ import httpx
 import pytest
 
 from kvserve.runtime import LLM, SamplingParams
-from kvserve.runtime.errors import WorkerDiedError
-from kvserve.runtime.errors import InvalidParameter
+from kvserve.runtime.errors import InvalidParameter, WorkerDiedError
 
 KW = dict(max_model_len=256, num_kv_blocks=128, max_num_seqs=8, tensor_parallel_size=2)
 
@@ -77,9 +77,27 @@ def test_serve_health_turns_unhealthy_when_a_worker_dies(tp_model_factory):
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvserve.cli", "serve", model_dir, "--host", "127.0.0.1", "--port", str(port),
-         "--tensor-parallel-size", "2", "--max-model-len", "256", "--kv-cache-bytes", "1MiB"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "kvserve.cli",
+            "serve",
+            model_dir,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--tensor-parallel-size",
+            "2",
+            "--max-model-len",
+            "256",
+            "--kv-cache-bytes",
+            "1MiB",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     log: list[str] = []
     threading.Thread(target=lambda: log.extend(proc.stdout), daemon=True).start()
     pids: list[int] = []
@@ -94,8 +112,11 @@ def test_serve_health_turns_unhealthy_when_a_worker_dies(tp_model_factory):
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
-        resp = httpx.post(base + "/v1/completions", json={"model": model_dir, "prompt": "w5 w6 w7", "max_tokens": 4,
-                                                          "temperature": 0}, timeout=30)
+        resp = httpx.post(
+            base + "/v1/completions",
+            json={"model": model_dir, "prompt": "w5 w6 w7", "max_tokens": 4, "temperature": 0},
+            timeout=30,
+        )
         assert resp.status_code == 200, resp.text
         assert resp.json()["usage"]["completion_tokens"] == 4
         match = re.search(r"started 2 gloo workers \(pids (\d+), (\d+)\)", "".join(log))

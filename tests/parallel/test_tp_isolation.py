@@ -1,6 +1,7 @@
 """Issue 9 on a tensor-parallel server (`kvserve serve -tp 2`, gloo on CPU): the three reproductions answer
 400 at once while an innocent request generates (it then equals its solo text) and no worker dies; a worker
 that does die fails the in-flight request with a 503 at once and the server exits 1 (Kubernetes restarts it)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -25,10 +26,29 @@ class TPServer:
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.model = model_dir
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvserve.cli", "serve", model_dir, "--host", "127.0.0.1", "--port", str(self.port),
-             "--tensor-parallel-size", "2", "--max-model-len", "512", "--kv-cache-bytes", "2MiB",
-             "--max-num-seqs", "4"],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            [
+                sys.executable,
+                "-m",
+                "kvserve.cli",
+                "serve",
+                model_dir,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--tensor-parallel-size",
+                "2",
+                "--max-model-len",
+                "512",
+                "--kv-cache-bytes",
+                "2MiB",
+                "--max-num-seqs",
+                "4",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         self.log: list[str] = []
         threading.Thread(target=lambda: self.log.extend(self.proc.stdout), daemon=True).start()
         deadline = time.monotonic() + 90
@@ -67,8 +87,7 @@ def test_tp2_reproductions_answer_400_then_a_dead_worker_ends_the_server(tp_mode
     model_dir, _ = tp_model_factory("llama_gqa")
     srv = TPServer(model_dir)
     try:
-        innocent = {"model": model_dir, "prompt": "w5 w6 w7", "max_tokens": 200, "temperature": 0,
-                    "ignore_eos": True}
+        innocent = {"model": model_dir, "prompt": "w5 w6 w7", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
         solo = httpx.post(srv.base_url + C, json=innocent, timeout=120).json()["choices"][0]["text"]
         text, results = asyncio.run(reproductions_next_to_innocent(srv.base_url, innocent))
         check_reproductions(results)

@@ -1,12 +1,12 @@
 """tensor_parallel_size=2 for the MoE families on CPU/gloo: greedy tokens equal transformers', and each rank
 holds exactly its share of the weights -- every expert, with half of each expert's intermediate dim."""
+
 from __future__ import annotations
 
 import pytest
+from kvserve_testing import hf_greedy, random_prompts
 
 from kvserve.runtime import LLM, SamplingParams
-from kvserve_testing import hf_greedy
-from kvserve_testing import random_prompts
 
 
 def expected_rank_param_elements(cfg, t: int) -> int:
@@ -40,8 +40,11 @@ def test_tp2_moe_matches_hf_with_experts_split_per_rank(tp_model_factory, name):
     prompts.append(prompts[0][:40] + [7, 8, 9])  # prefix-cache hit across the ranks
     expected = hf_greedy(hf_model, prompts, 16)
     with LLM(model_dir, tensor_parallel_size=2, max_model_len=128, max_num_batched_tokens=48, seed=0) as llm:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+            use_tqdm=False,
+        )
         info = llm.engine.runner.collect_rank_info()
         stats = llm.engine.get_stats()
     assert [o.outputs[0].token_ids for o in outs] == expected

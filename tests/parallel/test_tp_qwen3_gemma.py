@@ -1,13 +1,13 @@
 """tensor_parallel_size=2 for dense Qwen3 (q/k norms, head_dim 32 != hidden/heads), Gemma 2 (KV heads split)
 and Gemma 3 (one KV head, replicated on both ranks) on CPU/gloo: greedy tokens equal transformers', with a
 prefix-cache hit (through the sliding-window KV groups for Gemma). Qwen3-MoE: test_tp_moe.py."""
+
 from __future__ import annotations
 
 import pytest
+from kvserve_testing import hf_greedy, random_prompts
 
 from kvserve.runtime import LLM, SamplingParams
-from kvserve_testing import hf_greedy
-from kvserve_testing import random_prompts
 
 
 @pytest.mark.timeout(180)
@@ -18,8 +18,11 @@ def test_tp2_matches_hf(tp_model_factory, name):
     prompts.append(prompts[0][:40] + [7, 8, 9])  # prefix-cache hit across the ranks
     expected = hf_greedy(hf_model, prompts, 16)
     with LLM(model_dir, tensor_parallel_size=2, max_model_len=128, max_num_batched_tokens=48, seed=0) as llm:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+            use_tqdm=False,
+        )
         stats = llm.engine.get_stats()
         assert (llm.engine.kv_cache_manager.num_groups > 1) == name.startswith("gemma")
     assert [o.outputs[0].token_ids for o in outs] == expected

@@ -4,6 +4,7 @@ A fake replica speaks just enough of kvserve's API (/v1/completions streaming SS
 misbehaves on demand (`mode`), and records what reached it, so tests can see retries, disconnects and
 routing from both sides of the proxy.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -33,8 +34,11 @@ class Threaded:
     def __init__(self, app: Any, port: int | None = None):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    lifespan="on", timeout_graceful_shutdown=1))
+        self.server = uvicorn.Server(
+            uvicorn.Config(
+                app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on", timeout_graceful_shutdown=1
+            )
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 20
@@ -62,8 +66,7 @@ class FakeReplica(Threaded):
             if self.mode == "503":
                 return JSONResponse({"error": {"message": "draining"}}, status_code=503)
             if self.mode == "429":
-                return JSONResponse({"error": {"message": "queue full"}}, status_code=429,
-                                    headers={"Retry-After": "7"})
+                return JSONResponse({"error": {"message": "queue full"}}, status_code=429, headers={"Retry-After": "7"})
             mode = self.mode
 
             async def sse():
@@ -83,9 +86,11 @@ class FakeReplica(Threaded):
             return StreamingResponse(sse(), media_type="text/event-stream")
 
         async def metrics(request: Request) -> Response:
-            return PlainTextResponse("# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 0.0\n"
-                                     "# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc 0.1\n"
-                                     "# TYPE kvserve:kv_capacity_tokens gauge\nkvserve:kv_capacity_tokens 4096.0\n")
+            return PlainTextResponse(
+                "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 0.0\n"
+                "# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc 0.1\n"
+                "# TYPE kvserve:kv_capacity_tokens gauge\nkvserve:kv_capacity_tokens 4096.0\n"
+            )
 
         async def health(request: Request) -> Response:
             return JSONResponse({"status": "ok"}, status_code=200 if self.healthy else 503)
@@ -93,9 +98,15 @@ class FakeReplica(Threaded):
         async def models(request: Request) -> Response:
             return JSONResponse({"object": "list", "data": [{"id": "fake", "owned_by": self.name}]})
 
-        app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
-                                Route("/v1/chat/completions", completions, methods=["POST"]),
-                                Route("/metrics", metrics), Route("/health", health), Route("/v1/models", models)])
+        app = Starlette(
+            routes=[
+                Route("/v1/completions", completions, methods=["POST"]),
+                Route("/v1/chat/completions", completions, methods=["POST"]),
+                Route("/metrics", metrics),
+                Route("/health", health),
+                Route("/v1/models", models),
+            ]
+        )
         super().__init__(app)
 
 
@@ -165,8 +176,12 @@ class Harness:
 
     @staticmethod
     def completion(router: LiveRouter, prompt: str = "hello", stream: bool = True, **kwargs: Any) -> httpx.Response:
-        return httpx.post(router.url + "/v1/completions", json={"prompt": prompt, "stream": stream},
-                          timeout=kwargs.pop("timeout", 20), **kwargs)
+        return httpx.post(
+            router.url + "/v1/completions",
+            json={"prompt": prompt, "stream": stream},
+            timeout=kwargs.pop("timeout", 20),
+            **kwargs,
+        )
 
 
 @pytest.fixture()
@@ -192,8 +207,9 @@ class EngineReplica(Threaded):
 
         self.model_dir = model_dir
         engine = LLMEngine.from_kwargs(model=model_dir, **engine_kwargs)
-        app = build_app(ServerConfig(served_model_names=["stories"], model_dir=model_dir, log_interval_s=1.0),
-                        engine=engine)
+        app = build_app(
+            ServerConfig(served_model_names=["stories"], model_dir=model_dir, log_interval_s=1.0), engine=engine
+        )
         super().__init__(app)
         deadline = time.monotonic() + 60
         while httpx.get(self.url + "/health", timeout=2).status_code != 200:

@@ -1,4 +1,5 @@
 """`kvserve router` and `kvserve bench router` flags: registered, validated with a clear message."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,8 +16,19 @@ def test_router_needs_exactly_one_source_of_replicas(capsys):
 
 
 def test_router_flags_and_weights():
-    args = build_parser().parse_args(["router", "--backend", "http://a:1", "--backend", "http://b:1",
-                                      "--weight-prefill", "0", "--session-header", "x-session-id"])
+    args = build_parser().parse_args(
+        [
+            "router",
+            "--backend",
+            "http://a:1",
+            "--backend",
+            "http://b:1",
+            "--weight-prefill",
+            "0",
+            "--session-header",
+            "x-session-id",
+        ]
+    )
     assert args.backend == ["http://a:1", "http://b:1"] and args.weight_prefill == 0.0
     with pytest.raises(SystemExit):
         build_parser().parse_args(["router", "--backend", "http://a:1", "--weight-queue", "-1"])

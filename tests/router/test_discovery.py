@@ -1,5 +1,6 @@
 """EndpointSlice discovery: the pure slice -> endpoints mapping, and the watcher against kmock's Kubernetes
 emulator (list, then watch: a pod becoming ready, terminating, and its slice going away)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -14,10 +15,14 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _slice(name: str, service: str, endpoints: list[tuple[str, dict]], port: int = 8000) -> dict:
-    return {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "addressType": "IPv4",
-            "metadata": {"name": name, "namespace": "ns", "labels": {SERVICE_NAME_LABEL: service}},
-            "ports": [{"name": "http", "port": port, "protocol": "TCP"}, {"name": "metrics", "port": 9090}],
-            "endpoints": [{"addresses": [ip], "conditions": cond} for ip, cond in endpoints]}
+    return {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "addressType": "IPv4",
+        "metadata": {"name": name, "namespace": "ns", "labels": {SERVICE_NAME_LABEL: service}},
+        "ports": [{"name": "http", "port": port, "protocol": "TCP"}, {"name": "metrics", "port": 9090}],
+        "endpoints": [{"addresses": [ip], "conditions": cond} for ip, cond in endpoints],
+    }
 
 
 READY = {"ready": True, "serving": True, "terminating": False}
@@ -26,10 +31,15 @@ STARTING = {"ready": False, "serving": False, "terminating": False}
 
 
 def test_endpoints_from_slices():
-    slices = [_slice("s1", "svc", [("10.0.0.1", READY), ("10.0.0.2", TERMINATING), ("10.0.0.3", STARTING)]),
-              _slice("s2", "svc", [("10.0.0.4", {}), ("", READY)]),  # nil conditions = ready; empty IP skipped
-              {"metadata": {"name": "s3"}, "ports": [{"name": "http", "port": 8000}],
-               "endpoints": [{"addresses": ["fd00::5"], "conditions": READY}]}]
+    slices = [
+        _slice("s1", "svc", [("10.0.0.1", READY), ("10.0.0.2", TERMINATING), ("10.0.0.3", STARTING)]),
+        _slice("s2", "svc", [("10.0.0.4", {}), ("", READY)]),  # nil conditions = ready; empty IP skipped
+        {
+            "metadata": {"name": "s3"},
+            "ports": [{"name": "http", "port": 8000}],
+            "endpoints": [{"addresses": ["fd00::5"], "conditions": READY}],
+        },
+    ]
     ready, draining = endpoints_from_slices(slices, "http")
     assert ready == {"http://10.0.0.1:8000", "http://10.0.0.4:8000", "http://[fd00::5]:8000"}
     assert draining == {"http://10.0.0.2:8000"}
@@ -49,7 +59,8 @@ def emulator():
         box["stop"] = asyncio.Event()
         async with kmock.KubernetesEmulator() as handler, kmock.Server(handler) as server:
             handler.resources["discovery.k8s.io/v1/endpointslices"] = kmock.ResourceInfo(
-                kind="EndpointSlice", namespaced=True, verbs={"get", "list", "watch", "create", "patch", "delete"})
+                kind="EndpointSlice", namespaced=True, verbs={"get", "list", "watch", "create", "patch", "delete"}
+            )
             box["url"] = str(server.url)
             started.set()
             await box["stop"].wait()
@@ -91,8 +102,9 @@ def test_watcher_follows_endpointslices_in_kmock(emulator):
         # a second pod becomes ready (new slice), then the first starts terminating
         create(_slice("llama-def", "llama", [("10.0.0.2", READY)]))
         wait_for(({"http://10.0.0.1:8000", "http://10.0.0.2:8000"}, set()))
-        api.patch_namespaced_endpoint_slice("llama-abc", "ns", {"endpoints": [
-            {"addresses": ["10.0.0.1"], "conditions": TERMINATING}]})
+        api.patch_namespaced_endpoint_slice(
+            "llama-abc", "ns", {"endpoints": [{"addresses": ["10.0.0.1"], "conditions": TERMINATING}]}
+        )
         wait_for(({"http://10.0.0.2:8000"}, {"http://10.0.0.1:8000"}))
         api.delete_namespaced_endpoint_slice("llama-abc", "ns")
         wait_for(({"http://10.0.0.2:8000"}, set()))

@@ -1,5 +1,6 @@
 """The proxy against fake replicas over real sockets: streaming passthrough, retries before the first byte,
 ejection and re-probe, 429 passthrough, client disconnects, mid-stream failures, prefix affinity."""
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,7 @@ def test_sse_streams_through_unbuffered(fakes):
     router = fakes.router([a.url])
     arrivals = []
     start = time.perf_counter()
-    with httpx.stream("POST", router.url + "/v1/completions", json={"prompt": "x", "stream": True},
-                      timeout=20) as resp:
+    with httpx.stream("POST", router.url + "/v1/completions", json={"prompt": "x", "stream": True}, timeout=20) as resp:
         assert resp.status_code == 200 and resp.headers["x-kvserve-endpoint"] == a.url
         assert resp.headers["content-type"].startswith("text/event-stream")
         body = b""
@@ -91,8 +91,7 @@ def test_429_and_retry_after_pass_through_without_retry(fakes):
 def test_client_disconnect_mid_stream_aborts_upstream(fakes):
     (a,) = fakes("a", events=100, gap_s=0.1)
     router = fakes.router([a.url])
-    with httpx.stream("POST", router.url + "/v1/completions", json={"prompt": "x", "stream": True},
-                      timeout=20) as resp:
+    with httpx.stream("POST", router.url + "/v1/completions", json={"prompt": "x", "stream": True}, timeout=20) as resp:
         next(resp.iter_raw())
     deadline = time.monotonic() + 5
     while a.cancelled == 0 and time.monotonic() < deadline:
@@ -140,8 +139,9 @@ def test_a_growing_conversation_sticks_to_its_replica(fakes):
     assert all(len(urls) == 1 for urls in homes.values()), homes  # every turn found its history
     # Unrelated first turns tie and are spread at random (seeded).
     assert len({u for urls in homes.values() for u in urls}) >= 2
-    prefix_routed = sum(router.metric("kvserve_router:requests_total", replica=x.url, reason="prefix")
-                        for x in replicas)
+    prefix_routed = sum(
+        router.metric("kvserve_router:requests_total", replica=x.url, reason="prefix") for x in replicas
+    )
     assert prefix_routed == 18  # turns 2-4 of 6 conversations
     assert router.in_flight() == 0  # waits for the last release
     assert all(r.in_flight_prefill_tokens == 0 for r in router.router.replicas.replicas.values())

@@ -1,5 +1,6 @@
 """The router in front of two real kvserve replicas (stories260K): it tokenises exactly as the engine does,
 passes outputs through unchanged, and keeps a conversation on the replica that caches its history."""
+
 from __future__ import annotations
 
 import httpx
@@ -43,24 +44,29 @@ def test_conversations_through_the_router(stories_replicas, fakes):
     from kvserve.runtime.router.prompt import PromptTokenizer
 
     urls = [r.url for r in stories_replicas]
-    router = fakes.router(urls, tokenizer=PromptTokenizer(stories_replicas[0].model_dir), default_block_size=16,
-                          poll_interval_s=0.2)
+    router = fakes.router(
+        urls, tokenizer=PromptTokenizer(stories_replicas[0].model_dir), default_block_size=16, poll_interval_s=0.2
+    )
     hits_before = sum(_prefix_hits(u) for u in urls)
     homes: dict[int, set[str]] = {}
     for n in range(4):
         for t, messages in enumerate(_turns(n, 3)):
-            body = {"model": "stories", "messages": messages, "max_tokens": 8, "temperature": 0,
-                    "stream": t % 2 == 1}
+            body = {"model": "stories", "messages": messages, "max_tokens": 8, "temperature": 0, "stream": t % 2 == 1}
             via_router = httpx.post(router.url + "/v1/chat/completions", json=body, timeout=60)
             direct = httpx.post(urls[0] + "/v1/chat/completions", json=body, timeout=60)
             assert via_router.status_code == 200
             homes.setdefault(n, set()).add(via_router.headers["x-kvserve-endpoint"])
             if body["stream"]:
+
                 def text(resp):
                     import json
-                    return "".join(json.loads(line[6:])["choices"][0]["delta"].get("content", "")
-                                   for line in resp.text.splitlines()
-                                   if line.startswith("data: {") and json.loads(line[6:]).get("choices"))
+
+                    return "".join(
+                        json.loads(line[6:])["choices"][0]["delta"].get("content", "")
+                        for line in resp.text.splitlines()
+                        if line.startswith("data: {") and json.loads(line[6:]).get("choices")
+                    )
+
                 assert text(via_router) == text(direct)
             else:
                 assert via_router.json()["choices"] == direct.json()["choices"]

@@ -1,5 +1,6 @@
 """The pure routing core: block hashes shared with the engine, the per-replica LRU index, the scorers, the
 replica bookkeeping (ejection, draining, removal) and /metrics parsing."""
+
 from __future__ import annotations
 
 import random
@@ -68,8 +69,11 @@ def test_prefix_affinity_beats_a_small_load_difference_but_not_saturation():
     history = list(range(320))  # 20 blocks cached on A
     index = _conversation_index(history)
     features = RequestFeatures(hashes_for=HashCache(history + list(range(900, 950))), num_prompt_tokens=370)
-    views = [ReplicaView(A, in_flight=2, kv_usage=0.2), ReplicaView(B, in_flight=0, kv_usage=0.2),
-             ReplicaView(C, in_flight=1, kv_usage=0.2)]
+    views = [
+        ReplicaView(A, in_flight=2, kv_usage=0.2),
+        ReplicaView(B, in_flight=0, kv_usage=0.2),
+        ReplicaView(C, in_flight=1, kv_usage=0.2),
+    ]
     decision = _rank(features, views, index)
     assert decision.urls[0] == A and decision.reason == "prefix"
     assert decision.ranked[0].matched_blocks == 20 and decision.ranked[0].total_blocks == 23
@@ -89,7 +93,10 @@ def test_prefill_work_spreads_a_shared_prefix_but_keeps_a_conversation_home():
     idle_b = ReplicaView(B, in_flight=0, kv_usage=0.2)
     decision = _rank(features, [busy_a, idle_b], index)
     assert decision.urls[0] == B and decision.reason == "load"
-    assert {s.url: s.uncached_tokens for s in decision.ranked} == {A: 600 - 31 * 16, B: 600}  # 31 full blocks of 16 cached on A
+    assert {s.url: s.uncached_tokens for s in decision.ranked} == {
+        A: 600 - 31 * 16,
+        B: 600,
+    }  # 31 full blocks of 16 cached on A
     # A whole conversation's history (1000 tokens) cached on A outweighs A's two running requests.
     history = list(range(1000))
     index = _conversation_index(history)
@@ -101,8 +108,10 @@ def test_prefill_work_spreads_a_shared_prefix_but_keeps_a_conversation_home():
 def test_load_decides_without_a_cached_prefix_and_reported_load_counts():
     index = PrefixIndex()
     features = RequestFeatures(hashes_for=HashCache(list(range(64))))
-    views = [ReplicaView(A, in_flight=0, waiting=5, running=3, kv_usage=0.5),
-             ReplicaView(B, in_flight=1, waiting=0, running=1, kv_usage=0.5)]
+    views = [
+        ReplicaView(A, in_flight=0, waiting=5, running=3, kv_usage=0.5),
+        ReplicaView(B, in_flight=1, waiting=0, running=1, kv_usage=0.5),
+    ]
     decision = _rank(features, views, index)
     assert decision.urls == [B, A] and decision.reason == "load"
     assert decision.ranked[1].load == 8  # waiting + running from /metrics beats the router's own count

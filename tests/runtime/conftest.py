@@ -1,4 +1,5 @@
 """Shared fixtures: small random-weight models (built here from a config, no hub) and HF references."""
+
 from __future__ import annotations
 
 import os
@@ -7,11 +8,13 @@ import pytest
 
 SHARED_STORIES = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "models", "stories260K")
 
+
 @pytest.fixture(scope="session")
 def model_factory(tmp_path_factory):
     """model_factory(name) -> (model_dir, hf_model); built once per session."""
-    from kvserve.runtime.models.synthetic import make_random_model_dir
     from kvserve_testing import TEST_MODEL_CONFIGS
+
+    from kvserve.runtime.models.synthetic import make_random_model_dir
 
     cache: dict = {}
 

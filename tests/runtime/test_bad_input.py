@@ -1,4 +1,5 @@
 """Bad input raises a clear error naming the field, before any work starts; the engine keeps working."""
+
 from __future__ import annotations
 
 import json
@@ -17,13 +18,24 @@ def llm(model_factory):
     return LLM(model_dir, max_model_len=64, num_kv_blocks=32, block_size=16)
 
 
-@pytest.mark.parametrize("kwargs,field", [
-    (dict(max_tokens=0), "max_tokens"), (dict(max_tokens=-3), "max_tokens"), (dict(top_p=0.0), "top_p"),
-    (dict(top_p=1.5), "top_p"), (dict(temperature=-1), "temperature"), (dict(n=0), "n"),
-    (dict(top_k=-5), "top_k"), (dict(min_p=2), "min_p"), (dict(presence_penalty=3), "presence_penalty"),
-    (dict(repetition_penalty=0), "repetition_penalty"), (dict(logprobs=100), "logprobs"),
-    (dict(stop=[""]), "stop"), (dict(min_tokens=5, max_tokens=2), "min_tokens"),
-])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=-3), "max_tokens"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(temperature=-1), "temperature"),
+        (dict(n=0), "n"),
+        (dict(top_k=-5), "top_k"),
+        (dict(min_p=2), "min_p"),
+        (dict(presence_penalty=3), "presence_penalty"),
+        (dict(repetition_penalty=0), "repetition_penalty"),
+        (dict(logprobs=100), "logprobs"),
+        (dict(stop=[""]), "stop"),
+        (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+    ],
+)
 def test_invalid_sampling_params(kwargs, field):
     with pytest.raises(InvalidParameter) as info:
         SamplingParams(**kwargs)
@@ -48,8 +60,11 @@ def test_bad_prompts(llm, prompt):
 
 
 def test_max_model_len_caps_generation(llm):
-    out = llm.generate([{"prompt_token_ids": list(range(3, 60))}],
-                       SamplingParams(temperature=0, max_tokens=None, ignore_eos=True), use_tqdm=False)[0]
+    out = llm.generate(
+        [{"prompt_token_ids": list(range(3, 60))}],
+        SamplingParams(temperature=0, max_tokens=None, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
     assert len(out.outputs[0].token_ids) == 64 - 57 + 1 - 1 and out.outputs[0].finish_reason == "length"
 
 
@@ -64,7 +79,9 @@ def _copy_with_config(model_factory, dest, edit) -> str:
 
 
 def test_unknown_architecture(tmp_path, model_factory):
-    bad = _copy_with_config(model_factory, tmp_path / "bad", lambda cfg: cfg.update(architectures=["GPTNeoXForCausalLM"]))
+    bad = _copy_with_config(
+        model_factory, tmp_path / "bad", lambda cfg: cfg.update(architectures=["GPTNeoXForCausalLM"])
+    )
     with pytest.raises(InvalidParameter, match="unsupported architecture") as info:
         LLM(bad)
     assert info.value.param == "model"

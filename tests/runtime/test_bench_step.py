@@ -1,5 +1,6 @@
 """`kvserve bench step` runs end to end on the tiny pretrained model and measures only pure-decode steps
 (what it reports is checked for consistency, never against a time: timings live in the benchmark)."""
+
 from __future__ import annotations
 
 from kvserve.cli.main import build_parser

@@ -1,4 +1,5 @@
 """--cuda-graphs / --cuda-graph-sizes validation (config.py, cuda_graph_settings.py) and --load-format dummy."""
+
 from __future__ import annotations
 
 import json
@@ -8,10 +9,10 @@ import shutil
 import pytest
 import torch
 
-from kvserve.runtime.config import make_engine_config
-from kvserve.runtime.errors import InvalidParameter
 from kvserve.runtime import cuda_graph_settings
+from kvserve.runtime.config import make_engine_config
 from kvserve.runtime.cuda_graph_settings import default_capture_sizes
+from kvserve.runtime.errors import InvalidParameter
 
 
 def _error(model_dir, **kw) -> InvalidParameter:
@@ -33,15 +34,19 @@ def test_cuda_graphs_need_cuda(model_factory):
     assert "cuda_graphs" in str(err) and "CUDA device" in str(err)
 
 
-@pytest.mark.parametrize("name,kw,words", [
-    ("llama_gqa", dict(attention_backend="torch"), "attention_backend 'triton'"),
-    ("llama_gqa", dict(attention_backend="triton", tensor_parallel_size=2), "tensor_parallel_size 1"),
-    ("gemma2_sliding", dict(attention_backend="triton"), "sliding-window"),
-    ("mixtral_moe", dict(attention_backend="triton"), "mixture-of-experts"),
-    ("llama_gqa", dict(attention_backend="triton", cuda_graph_sizes="1,2,999", max_num_seqs=64), "max_num_seqs"),
-    ("llama_gqa", dict(attention_backend="triton", cuda_graph_sizes="1,x"), "positive integers"),
-    ("llama_gqa", dict(attention_backend="triton", cuda_graph_sizes="0,4"), "positive integers"),
-], ids=["torch-backend", "tp2", "sliding-window", "moe", "size-above-max-num-seqs", "not-int", "zero"])
+@pytest.mark.parametrize(
+    "name,kw,words",
+    [
+        ("llama_gqa", dict(attention_backend="torch"), "attention_backend 'triton'"),
+        ("llama_gqa", dict(attention_backend="triton", tensor_parallel_size=2), "tensor_parallel_size 1"),
+        ("gemma2_sliding", dict(attention_backend="triton"), "sliding-window"),
+        ("mixtral_moe", dict(attention_backend="triton"), "mixture-of-experts"),
+        ("llama_gqa", dict(attention_backend="triton", cuda_graph_sizes="1,2,999", max_num_seqs=64), "max_num_seqs"),
+        ("llama_gqa", dict(attention_backend="triton", cuda_graph_sizes="1,x"), "positive integers"),
+        ("llama_gqa", dict(attention_backend="triton", cuda_graph_sizes="0,4"), "positive integers"),
+    ],
+    ids=["torch-backend", "tp2", "sliding-window", "moe", "size-above-max-num-seqs", "not-int", "zero"],
+)
 def test_unsupported_settings_name_the_field(model_factory, monkeypatch, name, kw, words):
     monkeypatch.setattr(cuda_graph_settings, "EMULATE_ON_CPU", True)  # past the device check, to the one under test
     model_dir, _ = model_factory(name)
@@ -58,11 +63,18 @@ def test_sizes_without_the_flag(model_factory):
 def test_sizes_parsed_sorted_unique(model_factory, monkeypatch):
     monkeypatch.setattr(cuda_graph_settings, "EMULATE_ON_CPU", True)
     model_dir, _ = model_factory("llama_gqa")
-    config = make_engine_config(model_dir, device="cpu", max_model_len=64, attention_backend="triton",
-                                cuda_graphs=True, cuda_graph_sizes="8, 2,2,1")
+    config = make_engine_config(
+        model_dir,
+        device="cpu",
+        max_model_len=64,
+        attention_backend="triton",
+        cuda_graphs=True,
+        cuda_graph_sizes="8, 2,2,1",
+    )
     assert config.cuda_graph_sizes == (1, 2, 8)
-    config = make_engine_config(model_dir, device="cpu", max_model_len=64, attention_backend="triton",
-                                cuda_graphs=True, max_num_seqs=16)
+    config = make_engine_config(
+        model_dir, device="cpu", max_model_len=64, attention_backend="triton", cuda_graphs=True, max_num_seqs=16
+    )
     assert config.cuda_graph_sizes == (1, 2, 4, 8, 16)
     assert make_engine_config(model_dir, device="cpu", max_model_len=64).cuda_graph_sizes == ()
 
@@ -92,8 +104,9 @@ def _config_only_dir(model_dir, tmp_path):
     return str(out)
 
 
-@pytest.mark.parametrize("name,dtype", [("llama_gqa", "auto"), ("llama_gqa", "fp8"), ("gemma2_sliding", "auto"),
-                                        ("qwen3_moe", "auto")])
+@pytest.mark.parametrize(
+    "name,dtype", [("llama_gqa", "auto"), ("llama_gqa", "fp8"), ("gemma2_sliding", "auto"), ("qwen3_moe", "auto")]
+)
 def test_dummy_weights_need_no_checkpoint(model_factory, tmp_path, name, dtype):
     from kvserve.runtime import LLM, SamplingParams
 
@@ -113,12 +126,14 @@ def test_dummy_weights_need_no_checkpoint(model_factory, tmp_path, name, dtype):
     if dtype == "fp8":
         scales = [b for n, b in model.named_buffers() if n.endswith("weight_scale")]
         assert scales and all(bool((s == 0.02).all()) for s in scales)
-    out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=4,
-                                                                         ignore_eos=True), use_tqdm=False)
+    out = llm.generate(
+        [{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False
+    )
     assert len(out[0].outputs[0].token_ids) == 4
     # Dummy weights are reproducible: the same seed gives the same tokens.
     again = LLM(shape_only, max_model_len=64, num_kv_blocks=16, device="cpu", load_format="dummy", dtype=dtype)
-    out2 = again.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=4,
-                                                                            ignore_eos=True), use_tqdm=False)
+    out2 = again.generate(
+        [{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False
+    )
     assert out2[0].outputs[0].token_ids == out[0].outputs[0].token_ids
     assert json.load(open(os.path.join(shape_only, "config.json")))  # untouched

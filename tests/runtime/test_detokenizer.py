@@ -1,6 +1,7 @@
 """Incremental detokenisation gives exactly the text of a full decode, token by token, on three kinds of
 tokenizer: sentencepiece-style BPE with byte fallback (stories260K), byte-level BPE (the demo model) and
 word-level (the synthetic test models)."""
+
 from __future__ import annotations
 
 import os
@@ -24,8 +25,10 @@ def tokenizers(tmp_path_factory):
 
     word_dir = str(tmp_path_factory.mktemp("wordtok"))
     write_word_tokenizer(word_dir, 300)
-    toks = {"word-level": AutoTokenizer.from_pretrained(word_dir),
-            "byte-level BPE": AutoTokenizer.from_pretrained(ensure_demo_model(tmp_path_factory.mktemp("demo")))}
+    toks = {
+        "word-level": AutoTokenizer.from_pretrained(word_dir),
+        "byte-level BPE": AutoTokenizer.from_pretrained(ensure_demo_model(tmp_path_factory.mktemp("demo"))),
+    }
     if os.path.isfile(os.path.join(STORIES, "tokenizer.json")):
         toks["sentencepiece BPE"] = AutoTokenizer.from_pretrained(STORIES)
     return toks
@@ -55,10 +58,10 @@ def test_incremental_equals_full_decode(tokenizers, skip_special, with_byte_toke
                 last = i == len(ids) - 1
                 proc.process(state, 0, EngineCoreOutput("r#0", [token], None, "length" if last else None))
                 released = state.samples[0].text
-                full = tok.decode(ids[:i + 1], skip_special_tokens=skip_special)
+                full = tok.decode(ids[: i + 1], skip_special_tokens=skip_special)
                 # While running, the released text is a prefix of the full decode (an incomplete UTF-8
                 # character may still be held back).
-                assert last or with_byte_tokens or full.startswith(released), (name, ids[:i + 1], released, full)
+                assert last or with_byte_tokens or full.startswith(released), (name, ids[: i + 1], released, full)
             assert state.samples[0].text == tok.decode(ids, skip_special_tokens=skip_special), (name, ids)
 
 

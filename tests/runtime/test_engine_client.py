@@ -1,5 +1,6 @@
 """Every engine AsyncEngine can drive implements the EngineClient seam (runtime/engine/client.py) with the
 protocol's exact signatures, so AsyncEngine never has to probe an engine with getattr."""
+
 from __future__ import annotations
 
 import inspect
@@ -11,8 +12,7 @@ from kvserve.runtime.engine.client import EngineClient
 from kvserve.runtime.engine.core_client import CoreClient
 from kvserve.runtime.engine.llm_engine import LLMEngine
 
-METHODS = sorted(name for name, value in vars(EngineClient).items()
-                 if callable(value) and not name.startswith("_"))
+METHODS = sorted(name for name, value in vars(EngineClient).items() if callable(value) and not name.startswith("_"))
 ATTRIBUTES = sorted(EngineClient.__annotations__)
 
 

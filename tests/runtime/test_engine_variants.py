@@ -1,14 +1,14 @@
 """The same greedy tokens under every scheduling/caching variant: prefix caching on/off, block sizes,
 tiny chunk budgets, and a KV pool small enough to force preemption."""
+
 from __future__ import annotations
 
 import random
 
 import pytest
+from kvserve_testing import check_logprobs_close, hf_greedy
 
 from kvserve.runtime import LLM, SamplingParams
-from kvserve_testing import check_logprobs_close
-from kvserve_testing import hf_greedy
 
 MAX_NEW = 20
 
@@ -25,20 +25,27 @@ def workload(model_factory):
 
 def run(model_dir, prompts, **kwargs):
     llm = LLM(model_dir, max_model_len=256, **kwargs)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True),
+        use_tqdm=False,
+    )
     return [o.outputs[0].token_ids for o in outs], llm.engine
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(enable_prefix_caching=True, block_size=16),
-    dict(enable_prefix_caching=False, block_size=16),
-    dict(block_size=8),
-    dict(block_size=32),
-    dict(max_num_batched_tokens=32, block_size=16),
-    dict(max_num_batched_tokens=32, block_size=8, long_prefill_token_threshold=16),
-    dict(enable_chunked_prefill=False, max_num_batched_tokens=256),
-], ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(enable_prefix_caching=True, block_size=16),
+        dict(enable_prefix_caching=False, block_size=16),
+        dict(block_size=8),
+        dict(block_size=32),
+        dict(max_num_batched_tokens=32, block_size=16),
+        dict(max_num_batched_tokens=32, block_size=8, long_prefill_token_threshold=16),
+        dict(enable_chunked_prefill=False, max_num_batched_tokens=256),
+    ],
+    ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()),
+)
 def test_variants_match_hf(workload, kwargs):
     model_dir, prompts, expected = workload
     got, engine = run(model_dir, prompts, num_kv_blocks=256, **kwargs)
@@ -66,8 +73,14 @@ def test_prefix_hits_in_second_batch(workload):
 def test_preemption_keeps_greedy_output(workload, prefix_caching):
     model_dir, prompts, expected = workload
     # 17 usable blocks of 16 tokens: one 256-token sequence fits, twenty concurrent ones do not.
-    got, engine = run(model_dir, prompts, num_kv_blocks=18, block_size=16, enable_prefix_caching=prefix_caching,
-                      max_num_batched_tokens=64)
+    got, engine = run(
+        model_dir,
+        prompts,
+        num_kv_blocks=18,
+        block_size=16,
+        enable_prefix_caching=prefix_caching,
+        max_num_batched_tokens=64,
+    )
     assert engine.scheduler.num_preemptions > 0
     assert got == expected
     assert engine.kv_cache_manager.num_free_blocks == 17
@@ -75,10 +88,18 @@ def test_preemption_keeps_greedy_output(workload, prefix_caching):
 
 def test_swap_preemption_matches_recompute_and_unconstrained(workload):
     model_dir, prompts, expected = workload
-    recompute, _ = run(model_dir, prompts, num_kv_blocks=18, block_size=16, max_num_batched_tokens=64,
-                       preemption_mode="recompute")
-    swap, engine = run(model_dir, prompts, num_kv_blocks=18, block_size=16, max_num_batched_tokens=64,
-                       preemption_mode="swap", swap_space_bytes=64 * 16 * 256)
+    recompute, _ = run(
+        model_dir, prompts, num_kv_blocks=18, block_size=16, max_num_batched_tokens=64, preemption_mode="recompute"
+    )
+    swap, engine = run(
+        model_dir,
+        prompts,
+        num_kv_blocks=18,
+        block_size=16,
+        max_num_batched_tokens=64,
+        preemption_mode="swap",
+        swap_space_bytes=64 * 16 * 256,
+    )
     stats = engine.get_stats()
     assert stats.num_swap_outs > 0 and stats.num_swap_ins == stats.num_swap_outs
     assert stats.num_swapped_in_blocks == stats.num_swapped_out_blocks > 0
@@ -89,8 +110,15 @@ def test_swap_preemption_matches_recompute_and_unconstrained(workload):
 
 def test_swap_space_too_small_falls_back_to_recompute(workload):
     model_dir, prompts, expected = workload
-    got, engine = run(model_dir, prompts, num_kv_blocks=18, block_size=16, max_num_batched_tokens=64,
-                      preemption_mode="swap", swap_space_bytes=1 * 16 * 256)  # one host block
+    got, engine = run(
+        model_dir,
+        prompts,
+        num_kv_blocks=18,
+        block_size=16,
+        max_num_batched_tokens=64,
+        preemption_mode="swap",
+        swap_space_bytes=1 * 16 * 256,
+    )  # one host block
     stats = engine.get_stats()
     assert stats.num_preemptions > 0 and stats.num_swap_outs == 0
     assert got == expected
@@ -110,7 +138,8 @@ def test_fp8_kv_cache_on_torch_backend(workload, kv_cache_dtype, top_n, min_same
     ref = LLM(model_dir, max_model_len=256, kv_cache_bytes=budget).generate(prompts, params, use_tqdm=False)
     llm = LLM(model_dir, max_model_len=256, kv_cache_bytes=budget, kv_cache_dtype=kv_cache_dtype)
     got = llm.generate(prompts, params, use_tqdm=False)
-    assert llm.engine.runner.kv.dtype == {"fp8_e4m3": torch.float8_e4m3fn,
-                                          "fp8_e5m2": torch.float8_e5m2}[kv_cache_dtype]
+    assert (
+        llm.engine.runner.kv.dtype == {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[kv_cache_dtype]
+    )
     assert llm.engine.config.cache.num_blocks == 4 * 256  # 1 byte per element instead of 4: 4x the blocks
     assert check_logprobs_close(ref, got) >= min_same_first

@@ -4,14 +4,15 @@ Checked: weights really held in 1 byte per linear parameter (+ fp32 row scales) 
 planner charges (capacity.weight_bytes_per_rank); greedy output close to the bfloat16 model by vLLM's
 logprobs-close rule; both matmul paths (dequantise-on-the-fly, and torch._scaled_mm W8A8, which torch also
 runs on CPU) agree with the 16-bit matmul within FP8's rounding."""
+
 from __future__ import annotations
 
 import pytest
 import torch
+from kvserve_testing import check_logprobs_close
 
 from kvserve.runtime import LLM, SamplingParams, capacity
 from kvserve.runtime.models import fp8
-from kvserve_testing import check_logprobs_close
 
 MAX_NEW = 16
 
@@ -26,7 +27,7 @@ def test_quantize_rows_error_is_within_fp8_rounding():
     q, scale = fp8.quantize_rows(w)
     assert q.dtype == torch.float8_e4m3fn and scale.shape == (64,)
     rel = ((q.float() * scale[:, None]) - w).abs() / w.abs().amax(dim=1, keepdim=True)
-    assert rel.max() <= 2 ** -4  # e4m3: 3 mantissa bits, half an ulp at the top of the range
+    assert rel.max() <= 2**-4  # e4m3: 3 mantissa bits, half an ulp at the top of the range
 
 
 @pytest.mark.parametrize("path", ["dequant", "scaled_mm"])
@@ -65,8 +66,16 @@ def test_fp8_weights_are_one_byte_and_what_the_planner_charges(llama):
     assert _weight_bytes(bf16.engine.runner.model) - _weight_bytes(model) == linear * 2 - (linear + 4 * channels)
 
 
-PROMPTS = ["Once upon a time", "The little dog", "Lily and Tom went to the park.", "One day, a big bear",
-           "She was very happy because", "The sun was hot and", "Tim had a red ball.", "Mom said"]
+PROMPTS = [
+    "Once upon a time",
+    "The little dog",
+    "Lily and Tom went to the park.",
+    "One day, a big bear",
+    "She was very happy because",
+    "The sun was hot and",
+    "Tim had a red ball.",
+    "Mom said",
+]
 
 
 def test_fp8_greedy_output_is_close_to_bfloat16(stories_dir):
@@ -75,7 +84,9 @@ def test_fp8_greedy_output_is_close_to_bfloat16(stories_dir):
     the other's top-N, and the comparison stops there."""
     params = SamplingParams(temperature=0, max_tokens=MAX_NEW * 2, ignore_eos=True, logprobs=5)
     ref = LLM(stories_dir, dtype="bfloat16", max_model_len=256, kv_cache_bytes=1 << 22).generate(
-        PROMPTS, params, use_tqdm=False)
+        PROMPTS, params, use_tqdm=False
+    )
     got = LLM(stories_dir, dtype="fp8", max_model_len=256, kv_cache_bytes=1 << 22).generate(
-        PROMPTS, params, use_tqdm=False)
+        PROMPTS, params, use_tqdm=False
+    )
     assert check_logprobs_close(ref, got) >= 7

@@ -2,14 +2,15 @@
 preemption, while the engine frees the sliding layers' out-of-window blocks (test_fidelity_hf.py covers the
 plain run). Prompts run past the windows (12 and 20 tokens) and the shared prefix is longer than both, so
 prefix hits go through the sliding groups' window rule."""
+
 from __future__ import annotations
 
 import random
 
 import pytest
+from kvserve_testing import hf_greedy
 
 from kvserve.runtime import LLM, SamplingParams
-from kvserve_testing import hf_greedy
 
 MAX_NEW = 16
 
@@ -37,8 +38,11 @@ def _generate(model_dir, prompts, **kwargs):
         return result
 
     kv.allocate_slots = recording_allocate
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True),
+        use_tqdm=False,
+    )
     return [o.outputs[0].token_ids for o in outs], llm.engine, peak["sliding"]
 
 
@@ -50,8 +54,9 @@ def _window_blocks(engine, block_size: int, max_num_batched_tokens: int) -> int:
 
 def test_prefix_caching_and_chunked_prefill(workload):
     name, model_dir, prompts, expected = workload
-    got, engine, peak = _generate(model_dir, prompts, num_kv_blocks=400, block_size=8, max_num_batched_tokens=24,
-                                  enable_prefix_caching=True)
+    got, engine, peak = _generate(
+        model_dir, prompts, num_kv_blocks=400, block_size=8, max_num_batched_tokens=24, enable_prefix_caching=True
+    )
     assert got == expected, name
     assert engine.kv_cache_manager.num_groups > 1
     assert engine.get_stats().prefix_cache_hits >= 7 * 40  # the 7 prompts after the first reuse 5 blocks

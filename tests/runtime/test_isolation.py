@@ -2,14 +2,14 @@
 a request-specific failure inside a step fails that request alone (its blocks freed, the others' outputs
 unchanged); a step failure no request explains fails that step's requests retryably; too many in a row,
 or a dead worker, make the engine dead. And the offline API refuses a bad prompt among 100 up front."""
+
 from __future__ import annotations
 
 import pytest
 
 from kvserve.runtime import LLM, SamplingParams
-from kvserve.runtime.errors import STEP_FAILED, EngineDeadError
+from kvserve.runtime.errors import STEP_FAILED, EngineDeadError, InvalidParameter
 from kvserve.runtime.sampling_params import INT64_MAX
-from kvserve.runtime.errors import InvalidParameter
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [17, 18]]
@@ -18,8 +18,9 @@ PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [17, 18]]
 @pytest.fixture(scope="module")
 def llm(model_factory):
     model_dir, _ = model_factory("llama_gqa")
-    return LLM(model_dir, max_model_len=64, num_kv_blocks=64, block_size=16, max_num_seqs=4,
-               max_consecutive_step_failures=2)
+    return LLM(
+        model_dir, max_model_len=64, num_kv_blocks=64, block_size=16, max_num_seqs=4, max_consecutive_step_failures=2
+    )
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +72,7 @@ def test_request_specific_failure_fails_that_request_alone(llm, solo, breakage):
                 if sample is bad_sample:
                     raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
                 return real(sample, skip, final)
+
             engine.output_processor._detokenize = broken
 
     try:
@@ -101,8 +103,13 @@ def test_failed_forward_fails_its_step_retryably_and_poisons_no_cache(llm, model
 
     engine.runner.execute = execute
     try:
-        final = _run(engine, {f"r{i}": (p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-                              for i, p in enumerate(long_prompts)})
+        final = _run(
+            engine,
+            {
+                f"r{i}": (p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+                for i, p in enumerate(long_prompts)
+            },
+        )
     finally:
         del engine.runner.execute
     assert all(out.error == STEP_FAILED for out in final.values()), final  # all three were in step 1
@@ -155,8 +162,10 @@ def test_bad_prompt_among_100_fails_before_any_work_naming_its_index(llm):
         assert info.value.param == field
         assert not engine.has_unfinished_requests() and engine.generation_tokens == before
     # per-prompt params: the 42nd asks for an out-of-vocabulary stop token, another for n > max_num_seqs
-    for index, params, field in ((42, SamplingParams(stop_token_ids=[10**6]), "stop_token_ids"),
-                                 (7, SamplingParams(n=5), "n")):
+    for index, params, field in (
+        (42, SamplingParams(stop_token_ids=[10**6]), "stop_token_ids"),
+        (7, SamplingParams(n=5), "n"),
+    ):
         params_list = [GREEDY] * 100
         params_list[index] = params
         with pytest.raises(InvalidParameter, match=rf"^prompts\[{index}\]: ") as info:
@@ -166,13 +175,26 @@ def test_bad_prompt_among_100_fails_before_any_work_naming_its_index(llm):
     assert len(llm.generate(prompts[:3], GREEDY, use_tqdm=False)) == 3  # and the engine still works
 
 
-@pytest.mark.parametrize("kwargs,field", [
-    (dict(seed=2**63), "seed"), (dict(seed=-(2**63) - 1), "seed"), (dict(seed=INT64_MAX, n=2), "seed"),
-    (dict(seed=1.5), "seed"), (dict(n=True), "n"), (dict(n=65), "n"), (dict(temperature=float("nan")), "temperature"),
-    (dict(top_p=float("inf")), "top_p"), (dict(max_tokens=True), "max_tokens"), (dict(stop=["x" * 1025]), "stop"),
-    (dict(stop=["ok", "\udc80"]), "stop"), (dict(stop=7), "stop"), (dict(stop_token_ids=list(range(1025))), "stop_token_ids"),
-    (dict(stop_token_ids=5), "stop_token_ids"), (dict(ignore_eos="yes"), "ignore_eos"),
-])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        (dict(seed=2**63), "seed"),
+        (dict(seed=-(2**63) - 1), "seed"),
+        (dict(seed=INT64_MAX, n=2), "seed"),
+        (dict(seed=1.5), "seed"),
+        (dict(n=True), "n"),
+        (dict(n=65), "n"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(top_p=float("inf")), "top_p"),
+        (dict(max_tokens=True), "max_tokens"),
+        (dict(stop=["x" * 1025]), "stop"),
+        (dict(stop=["ok", "\udc80"]), "stop"),
+        (dict(stop=7), "stop"),
+        (dict(stop_token_ids=list(range(1025))), "stop_token_ids"),
+        (dict(stop_token_ids=5), "stop_token_ids"),
+        (dict(ignore_eos="yes"), "ignore_eos"),
+    ],
+)
 def test_sampling_params_bounds(kwargs, field):
     with pytest.raises(InvalidParameter) as info:
         SamplingParams(**kwargs)
@@ -193,11 +215,20 @@ def test_tiny_top_p_keeps_the_most_likely_token():
     assert tokens == [2] and not failed
 
 
-@pytest.mark.parametrize("ids,kwargs,field", [
-    ([], {}, "prompt"), ([5] * 65, {}, "prompt"), ([5, 512], {}, "prompt"), ([5, -1], {}, "prompt"),
-    ([5, True], {}, "prompt"), ([5], dict(stop_token_ids=[512]), "stop_token_ids"), ([5], dict(n=5), "n"),
-    ([5] * 60, dict(max_tokens=5), "max_tokens"), ([5] * 60, dict(max_tokens=None, min_tokens=5), "min_tokens"),
-])
+@pytest.mark.parametrize(
+    "ids,kwargs,field",
+    [
+        ([], {}, "prompt"),
+        ([5] * 65, {}, "prompt"),
+        ([5, 512], {}, "prompt"),
+        ([5, -1], {}, "prompt"),
+        ([5, True], {}, "prompt"),
+        ([5], dict(stop_token_ids=[512]), "stop_token_ids"),
+        ([5], dict(n=5), "n"),
+        ([5] * 60, dict(max_tokens=5), "max_tokens"),
+        ([5] * 60, dict(max_tokens=None, min_tokens=5), "min_tokens"),
+    ],
+)
 def test_verify_request_names_the_field(ids, kwargs, field):
     from kvserve.runtime.sampling_params import RequestLimits, verify_request
 

@@ -1,4 +1,5 @@
 """KV cache manager and block pool at block level: exact block ids, ref counts, eviction order."""
+
 from __future__ import annotations
 
 import pytest
@@ -106,8 +107,9 @@ def test_eviction_pops_lru_and_drops_hash():
     c = make_request("c", [9] * 8)  # takes 3 then 2 (the tail-most cached block is evicted first)
     admit(kv, c)
     assert kv.get_block_ids("c") == [3, 2]
-    assert [b.block_id for b in kv.pool.cached_blocks.values()] == [1] + [b.block_id for b in
-                                                                          kv.req_to_blocks["c"] if b.block_hash]
+    assert [b.block_id for b in kv.pool.cached_blocks.values()] == [1] + [
+        b.block_id for b in kv.req_to_blocks["c"] if b.block_hash
+    ]
 
 
 def test_allocate_returns_none_without_side_effects():

@@ -1,5 +1,6 @@
 """`kvserve:kv_capacity_tokens` is the capacity module's usable tokens, KV cache groups included: a
 sliding-window model's groups share one pool, so the gauge must agree with the plan's kvTokens for it too."""
+
 from __future__ import annotations
 
 from prometheus_client import generate_latest

@@ -1,16 +1,17 @@
 """The pod verifies its plan: on CUDA a planned --kv-cache-bytes is checked against the profiled weights +
 activations (pure arithmetic here, fed with the numbers torch.cuda would report), and a rejection becomes a
 one-line termination message with the prefix the operator recognises."""
+
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
 
-from kvserve.runtime.server.termination import PLAN_REJECTED_PREFIX, STARTUP_FAILED_PREFIX, termination_message
 from kvserve.runtime.executor import kv_sizing
+from kvserve.runtime.server.termination import PLAN_REJECTED_PREFIX, STARTUP_FAILED_PREFIX, termination_message
 
-GiB = 2 ** 30
+GiB = 2**30
 
 
 @dataclasses.dataclass

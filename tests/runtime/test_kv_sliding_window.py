@@ -1,5 +1,6 @@
 """Sliding-window KV cache groups at block level: out-of-window blocks are freed while decoding, a prefix
 hit needs only the window's blocks, hashes survive the freeing, and the scheduler drives it end to end."""
+
 from __future__ import annotations
 
 from kvserve.runtime.core import sliding_window

@@ -1,13 +1,14 @@
 """Mixtral, Qwen3 and Qwen3-MoE stay token-exact with transformers under prefix caching with chunked prefill
 and under preemption (test_fidelity_hf.py covers the plain run of the same models)."""
+
 from __future__ import annotations
 
 import random
 
 import pytest
+from kvserve_testing import hf_greedy
 
 from kvserve.runtime import LLM, SamplingParams
-from kvserve_testing import hf_greedy
 
 MAX_NEW = 16
 
@@ -24,8 +25,11 @@ def workload(model_factory, request):
 
 def _generate(model_dir, prompts, **kwargs):
     llm = LLM(model_dir, max_model_len=256, seed=0, **kwargs)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True),
+        use_tqdm=False,
+    )
     return [o.outputs[0].token_ids for o in outs], llm.engine
 
 
@@ -33,8 +37,9 @@ def test_prefix_caching_and_chunked_prefill(workload):
     name, model_dir, prompts, expected = workload
     # 24-token budget with 8-token blocks: prompts are split into chunks that start mid-block, and the
     # expert routing of a chunk's tokens must not depend on which other tokens share its step.
-    got, engine = _generate(model_dir, prompts, num_kv_blocks=256, block_size=8, max_num_batched_tokens=24,
-                            enable_prefix_caching=True)
+    got, engine = _generate(
+        model_dir, prompts, num_kv_blocks=256, block_size=8, max_num_batched_tokens=24, enable_prefix_caching=True
+    )
     assert got == expected, name
     assert engine.get_stats().prefix_cache_hits >= 7 * 40  # the 7 prompts after the first reuse 5 blocks
 

@@ -3,6 +3,7 @@ the MoE and Qwen3 families, at full size (the model built on the meta device: re
 bfloat16 and fp8, for t = 1, 2, 4, 8; an fp8 MoE model really holds 1-byte experts, and they compute what
 the 16-bit experts do within FP8's rounding. (Greedy closeness to bfloat16 is not asserted on these
 random-weight models: their logits are too flat, as tests/runtime/test_fp8_weights.py notes for Llama.)"""
+
 from __future__ import annotations
 
 import json
@@ -18,27 +19,76 @@ from kvserve.runtime.models.parallel_layers import ParallelContext
 
 # Published shapes (size fields of the public config.json files).
 SHAPES = {
-    "mixtral-8x7b": dict(architectures=["MixtralForCausalLM"], model_type="mixtral", hidden_size=4096,
-                         intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                         num_local_experts=8, num_experts_per_tok=2, vocab_size=32000, rms_norm_eps=1e-5,
-                         max_position_embeddings=32768, tie_word_embeddings=False),
-    "qwen3-30b-a3b": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
-                          intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
-                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
-                          num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
-                          vocab_size=151936, rms_norm_eps=1e-6, max_position_embeddings=40960,
-                          tie_word_embeddings=False),
+    "mixtral-8x7b": dict(
+        architectures=["MixtralForCausalLM"],
+        model_type="mixtral",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        vocab_size=32000,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=32768,
+        tie_word_embeddings=False,
+    ),
+    "qwen3-30b-a3b": dict(
+        architectures=["Qwen3MoeForCausalLM"],
+        model_type="qwen3_moe",
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        vocab_size=151936,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=40960,
+        tie_word_embeddings=False,
+    ),
     # A Qwen3-MoE shape whose some layers keep a dense MLP of another width (mlp_only_layers, decoder_sparse_step).
-    "qwen3-moe-dense-layers": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=512,
-                                   intermediate_size=1536, moe_intermediate_size=256, num_hidden_layers=6,
-                                   num_attention_heads=8, num_key_value_heads=4, head_dim=64, num_experts=8,
-                                   num_experts_per_tok=2, norm_topk_prob=False, decoder_sparse_step=2,
-                                   mlp_only_layers=[3], vocab_size=1000, rms_norm_eps=1e-6,
-                                   max_position_embeddings=4096, tie_word_embeddings=False),
-    "qwen3-0.6b": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", hidden_size=1024,
-                       intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                       head_dim=128, vocab_size=151936, rms_norm_eps=1e-6, max_position_embeddings=40960,
-                       tie_word_embeddings=True),
+    "qwen3-moe-dense-layers": dict(
+        architectures=["Qwen3MoeForCausalLM"],
+        model_type="qwen3_moe",
+        hidden_size=512,
+        intermediate_size=1536,
+        moe_intermediate_size=256,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+        decoder_sparse_step=2,
+        mlp_only_layers=[3],
+        vocab_size=1000,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    ),
+    "qwen3-0.6b": dict(
+        architectures=["Qwen3ForCausalLM"],
+        model_type="qwen3",
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=40960,
+        tie_word_embeddings=True,
+    ),
 }
 
 
@@ -85,6 +135,9 @@ def test_fp8_moe_model_holds_one_byte_experts(model_factory):
     assert experts.gate_up_proj.dtype == experts.down_proj.dtype == torch.float8_e4m3fn
     assert model.layers[0].mlp.gate.weight.dtype == torch.bfloat16  # the router stays 16-bit
     assert weight_bytes(model) == capacity.weight_bytes_per_rank(llm.engine.config.model.shape, "fp8", 1)
-    out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(temperature=0, max_tokens=4,
-                                                                            ignore_eos=True), use_tqdm=False)
+    out = llm.generate(
+        [{"prompt_token_ids": [5, 6, 7, 8]}],
+        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+        use_tqdm=False,
+    )
     assert len(out[0].outputs[0].token_ids) == 4

@@ -1,6 +1,7 @@
 """n > 1 fanned out in front (engine/parent_request.py): the core sees n one-sequence requests that share the
 prompt's full KV blocks through prefix caching -- the same physical blocks, ref-counted -- and compute only
 what prefix caching recomputes. Block level with fake requests first, then the real engine."""
+
 from __future__ import annotations
 
 import pytest
@@ -25,8 +26,12 @@ def fan_out(s: Scheduler, request_id: str, prompt: list[int], params: SamplingPa
 
 
 def make(budget=64, caching=True, num_blocks=40, max_num_seqs=8, threshold=0) -> Scheduler:
-    cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=128,
-                          long_prefill_token_threshold=threshold)
+    cfg = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        max_model_len=128,
+        long_prefill_token_threshold=threshold,
+    )
     return Scheduler(cfg, KVCacheManager(num_blocks, BS, enable_caching=caching))
 
 
@@ -42,7 +47,10 @@ def test_children_have_their_own_ids_params_and_seeds():
     parent = ParentRequest("r", SamplingParams(n=3, seed=10, temperature=1.0))
     assert parent.child_ids == ["r#0", "r#1", "r#2"] == [child_request_id("r", i) for i in range(3)]
     assert [(c.index, c.params.n, c.params.seed, c.counts_prompt_tokens) for c in parent.children] == [
-        (0, 1, 10, True), (1, 1, 11, False), (2, 1, 12, False)]
+        (0, 1, 10, True),
+        (1, 1, 11, False),
+        (2, 1, 12, False),
+    ]
     unseeded = ParentRequest("u", SamplingParams(n=2)).children
     assert [c.params.seed for c in unseeded] == [None, None]
     single = SamplingParams(seed=4)
@@ -60,7 +68,10 @@ def test_children_share_the_prompts_full_blocks_in_the_first_step():
     # child 0 computes the prompt; its siblings, admitted in the same step, hit its 2 full blocks (cached as
     # they were allocated) and compute only the partial last block. All three sample in this step.
     assert [(x.req_id, x.start_position, len(x.token_ids), x.sample) for x in out.scheduled] == [
-        ("p#0", 0, 10, True), ("p#1", 8, 2, True), ("p#2", 8, 2, True)]
+        ("p#0", 0, 10, True),
+        ("p#1", 8, 2, True),
+        ("p#2", 8, 2, True),
+    ]
     tables = [s.kv.req_to_blocks[rid] for rid in ids]
     assert [[b.block_id for b in t] for t in tables] == [[1, 2, 3], [1, 2, 4], [1, 2, 5]]
     assert all(t[0] is tables[0][0] and t[1] is tables[0][1] for t in tables)  # the same physical blocks
@@ -78,14 +89,18 @@ def test_a_chunked_prompt_is_computed_once_and_the_siblings_join_when_it_is_done
     prompt = list(range(100, 130))  # 30 tokens: 7 full blocks + 2
     ids = fan_out(s, "p", prompt, SamplingParams(n=3, max_tokens=2, ignore_eos=True))
     computed: dict[str, int] = {}
-    steps = [[(x.req_id, x.start_position, len(x.token_ids)) for x in run_step(s, computed).scheduled]
-             for _ in range(4)]
+    steps = [
+        [(x.req_id, x.start_position, len(x.token_ids)) for x in run_step(s, computed).scheduled] for _ in range(4)
+    ]
     out = s.schedule()  # step 5, looked at before its results finish p#0 and p#1
     steps.append([(x.req_id, x.start_position, len(x.token_ids)) for x in out.scheduled])
     assert steps == [
-        [("p#0", 0, 8)], [("p#0", 8, 8)], [("p#0", 16, 8)],  # child 0's chunks take the whole budget
+        [("p#0", 0, 8)],
+        [("p#0", 8, 8)],
+        [("p#0", 16, 8)],  # child 0's chunks take the whole budget
         [("p#0", 24, 6), ("p#1", 28, 2)],  # child 0 finishes its prompt; p#1 hits all 7 full blocks
-        [("p#0", 30, 1), ("p#1", 30, 1), ("p#2", 28, 2)]]
+        [("p#0", 30, 1), ("p#1", 30, 1), ("p#2", 28, 2)],
+    ]
     shared = s.kv.req_to_blocks["p#0"][:7]
     for rid in ids:
         assert all(a is b for a, b in zip(s.kv.req_to_blocks[rid][:7], shared))  # the same physical blocks
@@ -137,8 +152,9 @@ def test_children_take_one_seat_each_and_a_later_request_queues_behind_them():
 @pytest.fixture(scope="module")
 def llm(model_factory):
     model_dir, _ = model_factory("llama_gqa")
-    return LLM(model_dir, max_model_len=64, num_kv_blocks=64, block_size=16, max_num_seqs=4,
-               max_consecutive_step_failures=2)
+    return LLM(
+        model_dir, max_model_len=64, num_kv_blocks=64, block_size=16, max_num_seqs=4, max_consecutive_step_failures=2
+    )
 
 
 def _finish(engine) -> dict:
@@ -154,8 +170,11 @@ def test_the_engines_children_share_prompt_blocks_and_count_the_prompt_once(llm)
     engine = llm.engine
     prompt = [60 + i for i in range(37)]  # 2 full 16-token blocks + 5 tokens, never seen by this engine
     before = engine.get_stats()
-    engine.add_request("p", {"prompt_token_ids": prompt},
-                       SamplingParams(n=3, temperature=1.0, seed=9, max_tokens=6, ignore_eos=True, logprobs=1))
+    engine.add_request(
+        "p",
+        {"prompt_token_ids": prompt},
+        SamplingParams(n=3, temperature=1.0, seed=9, max_tokens=6, ignore_eos=True, logprobs=1),
+    )
     first = engine.step()
     tables = [engine.kv_cache_manager.req_to_blocks[f"p#{i}"] for i in range(3)]
     assert all(t[:2] == tables[0][:2] and t[0] is tables[0][0] and t[1] is tables[0][1] for t in tables)
@@ -169,12 +188,15 @@ def test_the_engines_children_share_prompt_blocks_and_count_the_prompt_once(llm)
     assert stats.generation_tokens - before.generation_tokens == 18
     assert [c.index for c in final.outputs] == [0, 1, 2]
     assert all(c.finish_reason == "length" and len(c.logprobs) == 6 for c in final.outputs)
-    assert final.outputs[0].cumulative_logprob == pytest.approx(sum(lp[t].logprob for lp, t in
-                                                                    zip(final.outputs[0].logprobs,
-                                                                        final.outputs[0].token_ids)))
+    assert final.outputs[0].cumulative_logprob == pytest.approx(
+        sum(lp[t].logprob for lp, t in zip(final.outputs[0].logprobs, final.outputs[0].token_ids))
+    )
     # choice i is the single request seeded seed + i
-    alone = llm.generate([{"prompt_token_ids": prompt}],
-                         SamplingParams(temperature=1.0, seed=11, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    alone = llm.generate(
+        [{"prompt_token_ids": prompt}],
+        SamplingParams(temperature=1.0, seed=11, max_tokens=6, ignore_eos=True),
+        use_tqdm=False,
+    )
     assert alone[0].outputs[0].token_ids == final.outputs[2].token_ids
     assert stats.num_free_blocks == stats.num_total_blocks
 
@@ -194,18 +216,25 @@ def test_a_stop_string_finishes_one_choice_only(llm):
     engine = llm.engine
     greedy = SamplingParams(n=2, temperature=0, max_tokens=16, ignore_eos=True)
     text = llm.generate([{"prompt_token_ids": [9, 10, 11]}], greedy, use_tqdm=False)[0].outputs[0].text
-    stop = next(text[i:i + 2] for i in range(3, len(text) - 2) if text[i:i + 2].strip() and "\ufffd" not in text[i:i + 2])
+    stop = next(
+        text[i : i + 2] for i in range(3, len(text) - 2) if text[i : i + 2].strip() and "\ufffd" not in text[i : i + 2]
+    )
     seeded = SamplingParams(n=2, temperature=0, max_tokens=16, ignore_eos=True, stop=[stop])
     out = llm.generate([{"prompt_token_ids": [9, 10, 11]}], seeded, use_tqdm=False)[0]
-    assert [(c.text, c.finish_reason, c.stop_reason) for c in out.outputs] == [(text[:text.index(stop)], "stop", stop)] * 2
+    assert [(c.text, c.finish_reason, c.stop_reason) for c in out.outputs] == [
+        (text[: text.index(stop)], "stop", stop)
+    ] * 2
     stats = engine.get_stats()
     assert stats.num_free_blocks == stats.num_total_blocks and not engine.scheduler.requests
 
 
 def test_one_failed_child_fails_the_request_and_frees_its_siblings(llm):
     engine = llm.engine
-    engine.add_request("bad", {"prompt_token_ids": [9, 10, 11]},
-                       SamplingParams(n=3, temperature=0.8, seed=1, max_tokens=12, ignore_eos=True))
+    engine.add_request(
+        "bad",
+        {"prompt_token_ids": [9, 10, 11]},
+        SamplingParams(n=3, temperature=0.8, seed=1, max_tokens=12, ignore_eos=True),
+    )
     engine.add_request("ok", {"prompt_token_ids": [5, 6, 7, 8]}, SamplingParams(temperature=0, max_tokens=12))
     engine.scheduler.requests["bad#1"].sampling_params.seed = 2**70  # the generator cannot take it
     final = _finish(engine)
@@ -240,8 +269,9 @@ def test_a_failed_first_step_leaves_no_poisoned_prompt_blocks(llm, model_factory
     again = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
     model_dir, _ = model_factory("llama_gqa")
     reference = LLM(model_dir, max_model_len=64, num_kv_blocks=64, block_size=16, max_num_seqs=4)
-    expected = reference.generate([{"prompt_token_ids": prompt}],
-                                  SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
+    expected = reference.generate(
+        [{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False
+    )[0]
     assert [c.token_ids for c in again.outputs] == [expected.outputs[0].token_ids] * 2
 
 

@@ -1,4 +1,5 @@
 """The runner's argmax shortcut applies only where sample() would do nothing but argmax, and then agrees."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,9 +21,17 @@ def test_plain_greedy_agrees_with_sample():
     assert tokens == logits.argmax(dim=-1).tolist() and logprobs == [None] * 6 and failed == {}
 
 
-@pytest.mark.parametrize("params", [dict(temperature=0.7), dict(temperature=0, repetition_penalty=1.2),
-                                    dict(temperature=0, frequency_penalty=0.5), dict(temperature=0, presence_penalty=1),
-                                    dict(temperature=0, min_tokens=3), dict(temperature=0, logprobs=0)])
+@pytest.mark.parametrize(
+    "params",
+    [
+        dict(temperature=0.7),
+        dict(temperature=0, repetition_penalty=1.2),
+        dict(temperature=0, frequency_penalty=0.5),
+        dict(temperature=0, presence_penalty=1),
+        dict(temperature=0, min_tokens=3),
+        dict(temperature=0, logprobs=0),
+    ],
+)
 def test_anything_that_changes_the_outcome_is_not_plain(params):
     assert not is_plain_greedy(state(**params))
 

@@ -7,6 +7,7 @@ engine setting a plan depends on (cli/plan.py's PLAN_SETTINGS) is compared field
 per token the plan charges is compared with the served engine's own KV layout, so a default resolved
 differently on either side (max_model_len, dtype auto, the batch budget, block size, KV dtype) fails here.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -73,14 +74,31 @@ CASES = [
     ("llama_gqa", "bfloat16", {}, ["--kv-cache-dtype", "fp8"]),
     ("llama_gqa", "bfloat16", {}, ["--dtype", "fp8", "--kv-cache-dtype", "fp8_e5m2"]),
     ("llama_gqa", "float32", {}, ["--dtype", "bf16"]),  # an alias resolves to the same canonical dtype
-    ("llama_gqa", "float32", {}, ["--max-model-len", "512", "--block-size", "32", "--max-num-seqs", "64",
-                                  "--max-num-batched-tokens", "1024", "-tp", "2", "--gpu-memory-utilization",
-                                  "0.8"]),
+    (
+        "llama_gqa",
+        "float32",
+        {},
+        [
+            "--max-model-len",
+            "512",
+            "--block-size",
+            "32",
+            "--max-num-seqs",
+            "64",
+            "--max-num-batched-tokens",
+            "1024",
+            "-tp",
+            "2",
+            "--gpu-memory-utilization",
+            "0.8",
+        ],
+    ),
 ]
 
 
-@pytest.mark.parametrize("key,dtype,overrides,flags", CASES,
-                         ids=[f"{c[0]}-{c[1]}-{'_'.join(c[3]) or 'defaults'}" for c in CASES])
+@pytest.mark.parametrize(
+    "key,dtype,overrides,flags", CASES, ids=[f"{c[0]}-{c[1]}-{'_'.join(c[3]) or 'defaults'}" for c in CASES]
+)
 def test_plan_and_serve_agree_on_every_setting(tmp_path, capsys, key, dtype, overrides, flags):
     model_dir = _model_dir(tmp_path, key, dtype, **overrides)
     served = _served(model_dir, flags)
@@ -99,27 +117,36 @@ def test_the_defaults_are_the_models_own(tmp_path, capsys):
     model_dir = _model_dir(tmp_path, "llama_gqa", "float32")
     rc, plan = _planned(model_dir, [], capsys)
     assert rc == 0
-    assert (plan["engine"]["max_model_len"], plan["engine"]["max_num_batched_tokens"], plan["engine"]["dtype"]) == \
-        (1024, 2048, "float32")
+    assert (plan["engine"]["max_model_len"], plan["engine"]["max_num_batched_tokens"], plan["engine"]["dtype"]) == (
+        1024,
+        2048,
+        "float32",
+    )
     assert plan["kv_bytes_per_token"] == 2 * 2 * 2 * 8 * 4  # K+V x 2 layers x 2 KV heads x head_dim 8 x fp32
 
 
-@pytest.mark.parametrize("key,overrides,expected", [
-    ("mistral", {"max_position_embeddings": 8192, "sliding_window": 512}, 512),  # kept inside the window
-    ("gemma2_sliding", {}, 1024),  # sliding-window layers implemented: the full 1024 positions
-    ("qwen2_qkv_bias", {"use_sliding_window": False, "sliding_window": 64}, 1024),
-])
+@pytest.mark.parametrize(
+    "key,overrides,expected",
+    [
+        ("mistral", {"max_position_embeddings": 8192, "sliding_window": 512}, 512),  # kept inside the window
+        ("gemma2_sliding", {}, 1024),  # sliding-window layers implemented: the full 1024 positions
+        ("qwen2_qkv_bias", {"use_sliding_window": False, "sliding_window": 64}, 1024),
+    ],
+)
 def test_the_context_default_follows_the_sliding_window_rule(tmp_path, capsys, key, overrides, expected):
     model_dir = _model_dir(tmp_path, key, "bfloat16", **overrides)
     rc, plan = _planned(model_dir, [], capsys)
     assert rc == 0 and plan["engine"]["max_model_len"] == expected == _served(model_dir, []).model.max_model_len
 
 
-@pytest.mark.parametrize("flags,field", [
-    (["--max-model-len", "5000"], "max_model_len"),  # beyond the model's 1024 positions
-    (["--no-enable-chunked-prefill", "--max-num-batched-tokens", "512"], "max_num_batched_tokens"),
-    (["--dtype", "int4"], "dtype"),
-])
+@pytest.mark.parametrize(
+    "flags,field",
+    [
+        (["--max-model-len", "5000"], "max_model_len"),  # beyond the model's 1024 positions
+        (["--no-enable-chunked-prefill", "--max-num-batched-tokens", "512"], "max_num_batched_tokens"),
+        (["--dtype", "int4"], "dtype"),
+    ],
+)
 def test_plan_refuses_what_serve_refuses_with_the_same_message(tmp_path, capsys, flags, field):
     model_dir = _model_dir(tmp_path, "llama_gqa", "float32")
     with pytest.raises(InvalidParameter) as info:
@@ -140,6 +167,7 @@ def test_plan_refuses_a_config_serve_refuses(tmp_path, capsys):
 
 def test_plan_flags_are_serves(tmp_path):
     """Same flag, type, default, choices and help for every setting `kvserve plan` takes."""
+
     def actions(add):
         parser = argparse.ArgumentParser()
         add(parser)
@@ -148,5 +176,10 @@ def test_plan_flags_are_serves(tmp_path):
     serve, plan = actions(serve_cli.add_arguments), actions(plan_cli.add_arguments)
     for name in plan_cli.PLAN_SETTINGS:
         s, p = serve[name], plan[name]
-        assert (p.option_strings, p.type, p.default, p.choices, p.help) == \
-            (s.option_strings, s.type, s.default, s.choices, s.help), name
+        assert (p.option_strings, p.type, p.default, p.choices, p.help) == (
+            s.option_strings,
+            s.type,
+            s.default,
+            s.choices,
+            s.help,
+        ), name

@@ -1,5 +1,6 @@
 """The runner's persistent block tables against a plain dict of lists, under random diffs from the
 scheduler's SentBlockTables (appends, in-place replacements, resets, finishes, growth past the initial rows)."""
+
 from __future__ import annotations
 
 import random
@@ -45,7 +46,7 @@ def test_rows_follow_random_diffs(seed):
         for other, ids in truth.items():
             assert tables.block_ids(other) == ids == [b.block_id for b in live[other]], f"step {step}"
             row = tables.row_of[other]
-            assert not tables.table[row, len(ids):].any()  # beyond the table: the null block
+            assert not tables.table[row, len(ids) :].any()  # beyond the table: the null block
     assert tables.table.shape[0] >= len(live)
 
 

@@ -1,4 +1,5 @@
 """Sampling controls, n > 1, stop conditions, logprobs, and the real pretrained tiny model."""
+
 from __future__ import annotations
 
 import math
@@ -26,8 +27,11 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
     params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=123, max_tokens=16, ignore_eos=True)
     alone = gen(llm, params).outputs[0].token_ids
     other = {"prompt_token_ids": [5, 6, 7, 8]}
-    mixed = llm.generate([other, PROMPT, other], [SamplingParams(temperature=1.0, max_tokens=16), params,
-                                                  SamplingParams(temperature=0.5, max_tokens=9)], use_tqdm=False)
+    mixed = llm.generate(
+        [other, PROMPT, other],
+        [SamplingParams(temperature=1.0, max_tokens=16), params, SamplingParams(temperature=0.5, max_tokens=9)],
+        use_tqdm=False,
+    )
     assert mixed[1].outputs[0].token_ids == alone
     different = gen(llm, SamplingParams(temperature=1.0, seed=124, max_tokens=16, ignore_eos=True)).outputs[0]
     assert different.token_ids != alone
@@ -54,8 +58,10 @@ def test_n_samples_share_prompt_blocks_and_differ(llm):
 def test_n_greedy_samples_identical(llm):
     out = gen(llm, SamplingParams(n=2, temperature=0, max_tokens=8, ignore_eos=True))
     assert out.outputs[0].token_ids == out.outputs[1].token_ids
-    assert out.outputs[0].token_ids == gen(llm, SamplingParams(temperature=0, max_tokens=8,
-                                                                ignore_eos=True)).outputs[0].token_ids
+    assert (
+        out.outputs[0].token_ids
+        == gen(llm, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)).outputs[0].token_ids
+    )
 
 
 def test_stop_token_ids_and_max_tokens(llm):
@@ -63,7 +69,7 @@ def test_stop_token_ids_and_max_tokens(llm):
     stop_id = ref.token_ids[5]
     first = ref.token_ids.index(stop_id)
     out = gen(llm, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[stop_id])).outputs[0]
-    assert out.token_ids == ref.token_ids[:first + 1]
+    assert out.token_ids == ref.token_ids[: first + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_id
     assert ref.finish_reason == "length"
 
@@ -71,8 +77,9 @@ def test_stop_token_ids_and_max_tokens(llm):
 def test_min_tokens_masks_stop_ids(llm):
     ref = gen(llm, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)).outputs[0]
     stop_id = ref.token_ids[0]
-    out = gen(llm, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[stop_id],
-                                  min_tokens=4)).outputs[0]
+    out = gen(
+        llm, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[stop_id], min_tokens=4)
+    ).outputs[0]
     assert stop_id not in out.token_ids[:4] and len(out.token_ids) >= 4
 
 
@@ -82,10 +89,11 @@ def test_stop_string_excluded_from_text(llm):
     stop = words[4]
     out = gen(llm, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop, "zzz-never"])).outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
-    assert out.text == ref.text[:ref.text.index(stop)]
-    kept = gen(llm, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=stop,
-                                   include_stop_str_in_output=True)).outputs[0]
-    assert kept.text == ref.text[:ref.text.index(stop) + len(stop)]
+    assert out.text == ref.text[: ref.text.index(stop)]
+    kept = gen(
+        llm, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=stop, include_stop_str_in_output=True)
+    ).outputs[0]
+    assert kept.text == ref.text[: ref.text.index(stop) + len(stop)]
 
 
 def test_logprobs_match_model_log_softmax(llm, model_factory):
@@ -136,8 +144,10 @@ def test_penalties_flip_greedy_choice():
 def test_min_p_and_top_p_restrict_support(llm):
     greedy = gen(llm, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)).outputs[0].token_ids
     # min_p=1 keeps only the argmax token; a tiny top_p too.
-    for params in (SamplingParams(temperature=1.5, min_p=1.0, seed=3, max_tokens=6, ignore_eos=True),
-                   SamplingParams(temperature=1.5, top_p=1e-6, seed=3, max_tokens=6, ignore_eos=True)):
+    for params in (
+        SamplingParams(temperature=1.5, min_p=1.0, seed=3, max_tokens=6, ignore_eos=True),
+        SamplingParams(temperature=1.5, top_p=1e-6, seed=3, max_tokens=6, ignore_eos=True),
+    ):
         assert gen(llm, params).outputs[0].token_ids == greedy
 
 
@@ -151,7 +161,7 @@ def test_stories260k_matches_transformers(stories_dir):
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=60), use_tqdm=False)
     for prompt, out in zip(prompts, outs):
         ids = tok(prompt, return_tensors="pt").input_ids
-        ref = model.generate(ids, max_new_tokens=60, do_sample=False)[0, ids.shape[1]:].tolist()
+        ref = model.generate(ids, max_new_tokens=60, do_sample=False)[0, ids.shape[1] :].tolist()
         got = out.outputs[0].token_ids
         # transformers stops after EOS; so does kvserve (finish_reason "stop").
         assert got == ref, prompt

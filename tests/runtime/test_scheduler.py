@@ -1,4 +1,5 @@
 """Scheduler with fake requests and a fake runner: budgets, chunking, preemption, finish."""
+
 from __future__ import annotations
 
 from kvserve.runtime.core.kv_cache_manager import KVCacheManager
@@ -12,15 +13,23 @@ BS = 4
 
 def make_scheduler(num_blocks=20, max_num_seqs=8, budget=16, chunked=True, max_model_len=64):
     kv = KVCacheManager(num_blocks, BS)
-    cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len,
-                          enable_chunked_prefill=chunked)
+    cfg = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=chunked,
+    )
     return Scheduler(cfg, kv)
 
 
 def req(rid, n_prompt, max_tokens=4, **kw):
     base = 100 * ord(rid[0])  # distinct prompts per request letter: no accidental prefix hits
-    return Request(rid, list(range(base, base + n_prompt)), SamplingParams(max_tokens=max_tokens, **kw),
-                   eos_token_ids=frozenset({2}))
+    return Request(
+        rid,
+        list(range(base, base + n_prompt)),
+        SamplingParams(max_tokens=max_tokens, **kw),
+        eos_token_ids=frozenset({2}),
+    )
 
 
 def fake_run(sched_out, token=7):
@@ -135,8 +144,9 @@ def test_abort_waiting_and_running():
 
 def test_swap_preemption_moves_blocks_to_host_and_back_first():
     kv = KVCacheManager(7, BS, num_host_blocks=8)
-    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64,
-                                  preemption_mode="swap"), kv)
+    s = Scheduler(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64, preemption_mode="swap"), kv
+    )
     s.add_request(req("a", 8, max_tokens=8))
     s.add_request(req("b", 8, max_tokens=8))
     for _ in range(5):

@@ -5,6 +5,7 @@ allocate_slots shortcut) switched off: every step's output
 (ids, tokens, positions, table diffs, samples, swaps) and the KV state (each request's block ids,
 ref counts, the free queue's order) must be identical. A fake runner applies the diffs the way the model
 runner does; its tables must equal the KV manager's for every scheduled request, every step."""
+
 from __future__ import annotations
 
 import random
@@ -38,11 +39,13 @@ class FakeRunnerTables:
             self.tables[s.req_id] = diff.apply(self.tables.get(s.req_id, []))
 
 
-def make(num_blocks: int, max_num_seqs: int, budget: int, mode: str, caching: bool, fast: bool,
-         num_host_blocks: int) -> Scheduler:
+def make(
+    num_blocks: int, max_num_seqs: int, budget: int, mode: str, caching: bool, fast: bool, num_host_blocks: int
+) -> Scheduler:
     kv = KVCacheManager(num_blocks, BS, caching, num_host_blocks=num_host_blocks if mode == "swap" else 0)
-    cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=64,
-                          preemption_mode=mode)
+    cfg = SchedulerConfig(
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=64, preemption_mode=mode
+    )
     s = Scheduler(cfg, kv)
     if not fast:  # the reference: the scheduler's general path and the KV manager's general allocate_slots
         s._schedule_decodes = lambda scheduled, scheduled_reqs: 0
@@ -55,26 +58,40 @@ def make_requests(rng: random.Random, num: int) -> list[list[Request]]:
     shared = [rng.randrange(3, 50) for _ in range(12)]  # some prompts share prefixes (prefix-cache hits)
     reqs = []
     for i in range(num):
-        prompt = (shared[:rng.randrange(0, 12)] if rng.random() < 0.5 else []) + \
-                 [rng.randrange(3, 50) for _ in range(rng.randrange(1, 14))]
+        prompt = (shared[: rng.randrange(0, 12)] if rng.random() < 0.5 else []) + [
+            rng.randrange(3, 50) for _ in range(rng.randrange(1, 14))
+        ]
         n = rng.choice([1, 1, 1, 2, 3])
         params = SamplingParams(max_tokens=rng.randrange(1, 20), n=n)
-        reqs.append([Request(child.request_id, prompt, child.params, frozenset({EOS}))
-                     for child in ParentRequest(f"q{i}", params).children])
+        reqs.append(
+            [
+                Request(child.request_id, prompt, child.params, frozenset({EOS}))
+                for child in ParentRequest(f"q{i}", params).children
+            ]
+        )
     return reqs
 
 
 def state_of(s: Scheduler):
     kv = s.kv
-    return ({rid: [(b.block_id, b.ref_cnt) for b in blocks] for rid, blocks in kv.req_to_blocks.items()},
-            kv.pool.free_queue.block_ids(), [r.request_id for r in s.running], [r.request_id for r in s.waiting],
-            [r.request_id for r in s.swapped])
+    return (
+        {rid: [(b.block_id, b.ref_cnt) for b in blocks] for rid, blocks in kv.req_to_blocks.items()},
+        kv.pool.free_queue.block_ids(),
+        [r.request_id for r in s.running],
+        [r.request_id for r in s.waiting],
+        [r.request_id for r in s.swapped],
+    )
 
 
 def out_of(out):
-    return ([(x.req_id, x.token_ids, x.start_position, x.block_table, x.sample) for x in out.scheduled],
-            [n.req_id for n in out.new_requests], out.finished_req_ids, out.swap_out, out.swap_in,
-            out.num_preempted)
+    return (
+        [(x.req_id, x.token_ids, x.start_position, x.block_table, x.sample) for x in out.scheduled],
+        [n.req_id for n in out.new_requests],
+        out.finished_req_ids,
+        out.swap_out,
+        out.swap_in,
+        out.num_preempted,
+    )
 
 
 SEEDS = range(16)
@@ -99,8 +116,14 @@ def run_lockstep(seed: int) -> tuple[Scheduler, int]:
     in how many steps two children of one request held a common block."""
     rng = random.Random(seed)
     mode = rng.choice(["recompute", "swap"])
-    config = dict(num_blocks=rng.randrange(14, 28), max_num_seqs=rng.randrange(2, 10), budget=rng.randrange(8, 40),
-                  mode=mode, caching=rng.random() < 0.7, num_host_blocks=rng.randrange(4, 30))
+    config = dict(
+        num_blocks=rng.randrange(14, 28),
+        max_num_seqs=rng.randrange(2, 10),
+        budget=rng.randrange(8, 40),
+        mode=mode,
+        caching=rng.random() < 0.7,
+        num_host_blocks=rng.randrange(4, 30),
+    )
     fast, slow = make(fast=True, **config), make(fast=False, **config)
     workload = make_requests(rng, 14)
     pending = list(workload)
@@ -123,12 +146,18 @@ def run_lockstep(seed: int) -> tuple[Scheduler, int]:
         num_fast_decodes += sum(len(x.token_ids) == 1 for x in out_fast.scheduled)
         num_shared += _siblings_share_a_block(fast)
         # The same sampled token for both (EOS now and then); a rare failed sample gets no token.
-        tokens = {rid: (EOS if rng.random() < 0.05 else rng.randrange(3, 50))
-                  for x in out_fast.scheduled if x.sample for rid in [x.req_id] if rng.random() > 0.01}
+        tokens = {
+            rid: (EOS if rng.random() < 0.05 else rng.randrange(3, 50))
+            for x in out_fast.scheduled
+            if x.sample
+            for rid in [x.req_id]
+            if rng.random() > 0.01
+        }
         res_fast = fast.update_from_output(out_fast, ModelRunnerOutput(dict(tokens)))
         res_slow = slow.update_from_output(out_slow, ModelRunnerOutput(dict(tokens)))
-        assert [(o.req_id, o.new_token_ids, o.finish_reason) for o in res_fast] == \
-               [(o.req_id, o.new_token_ids, o.finish_reason) for o in res_slow]
+        assert [(o.req_id, o.new_token_ids, o.finish_reason) for o in res_fast] == [
+            (o.req_id, o.new_token_ids, o.finish_reason) for o in res_slow
+        ]
         for rid in sorted({x.req_id for x in out_fast.scheduled if x.sample} - tokens.keys()):
             abort(fast, slow, rid)  # what the engine does with a request whose sampling failed
         if not pending and not fast.has_unfinished_requests():
@@ -162,6 +191,7 @@ def test_diff_appends_then_replaces_then_resets():
     class B:
         def __init__(self, i):
             self.block_id = i
+
     b = [B(i) for i in range(8)]
     sent, runner = SentBlockTables(), []
     d = sent.diff("a", [b[1], b[2]])

@@ -1,6 +1,7 @@
 """Grammar-constrained decoding (runtime/structured_output): outputs always parse and validate against their
 JSON schema / regex / choice, greedy and sampled, n > 1, under chunked prefill and preemption, and with
 hundreds of generated schemas; bad specs are refused naming the field before any work starts."""
+
 from __future__ import annotations
 
 import json
@@ -9,16 +10,23 @@ import re
 
 import jsonschema
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvserve.runtime import LLM, SamplingParams
 from kvserve.runtime.errors import InvalidParameter
 from kvserve.runtime.structured_output import StructuredOutputSpec
 
-PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "mood"],
-          "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0,
-                                                                             "maximum": 120},
-                         "mood": {"enum": ["happy", "sad"]}}}
+PERSON = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name", "age", "mood"],
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "mood": {"enum": ["happy", "sad"]},
+    },
+}
 PROMPTS = ["Once upon a time", "Tom said", "The little dog", "Lily was"]
 
 
@@ -36,10 +44,14 @@ def _texts(outs):
 
 
 def test_json_schema_greedy_and_sampled_n2(llm):
-    greedy = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=64, structured_outputs=spec("json", PERSON)),
-                          use_tqdm=False)
-    sampled = llm.generate(PROMPTS, SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=64,
-                                                   structured_outputs=spec("json", PERSON)), use_tqdm=False)
+    greedy = llm.generate(
+        PROMPTS, SamplingParams(temperature=0, max_tokens=64, structured_outputs=spec("json", PERSON)), use_tqdm=False
+    )
+    sampled = llm.generate(
+        PROMPTS,
+        SamplingParams(temperature=1.0, seed=3, n=2, max_tokens=64, structured_outputs=spec("json", PERSON)),
+        use_tqdm=False,
+    )
     for out in greedy + sampled:
         for c in out.outputs:
             assert c.finish_reason == "stop", c.text
@@ -47,16 +59,30 @@ def test_json_schema_greedy_and_sampled_n2(llm):
 
 
 def test_regex_choice_and_json_object(llm):
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.8, seed=1, max_tokens=32,
-                                                structured_outputs=spec("regex", r"[A-Z][a-z]{1,8} (is|was) [0-9]{1,2}")),
-                        use_tqdm=False)
+    outs = llm.generate(
+        PROMPTS,
+        SamplingParams(
+            temperature=0.8,
+            seed=1,
+            max_tokens=32,
+            structured_outputs=spec("regex", r"[A-Z][a-z]{1,8} (is|was) [0-9]{1,2}"),
+        ),
+        use_tqdm=False,
+    )
     assert all(re.fullmatch(r"[A-Z][a-z]{1,8} (is|was) [0-9]{1,2}", t) for t in _texts(outs)), _texts(outs)
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=1.0, seed=2, max_tokens=8,
-                                                structured_outputs=spec("choice", ["happy", "sad", "very angry"])),
-                        use_tqdm=False)
+    outs = llm.generate(
+        PROMPTS,
+        SamplingParams(
+            temperature=1.0, seed=2, max_tokens=8, structured_outputs=spec("choice", ["happy", "sad", "very angry"])
+        ),
+        use_tqdm=False,
+    )
     assert set(_texts(outs)) <= {"happy", "sad", "very angry"}
-    outs = llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=96, structured_outputs=spec("json_object")),
-                        use_tqdm=False)
+    outs = llm.generate(
+        PROMPTS[:2],
+        SamplingParams(temperature=0, max_tokens=96, structured_outputs=spec("json_object")),
+        use_tqdm=False,
+    )
     for o in outs:
         if o.outputs[0].finish_reason == "stop":
             assert isinstance(json.loads(o.outputs[0].text), dict)
@@ -79,9 +105,16 @@ def test_same_output_under_chunked_prefill_and_preemption(stories_dir):
 
 def test_bad_specs_are_refused_before_any_work(llm):
     with pytest.raises(InvalidParameter) as err:
-        llm.generate(PROMPTS, [SamplingParams(structured_outputs=spec("regex", "a")),
-                               SamplingParams(structured_outputs=spec("regex", "([a-z")), SamplingParams(),
-                               SamplingParams()], use_tqdm=False)
+        llm.generate(
+            PROMPTS,
+            [
+                SamplingParams(structured_outputs=spec("regex", "a")),
+                SamplingParams(structured_outputs=spec("regex", "([a-z")),
+                SamplingParams(),
+                SamplingParams(),
+            ],
+            use_tqdm=False,
+        )
     assert err.value.param == "structured_outputs" and "prompts[1]" in str(err.value)
     assert not llm.engine.has_unfinished_requests()
     with pytest.raises(InvalidParameter):
@@ -115,33 +148,51 @@ def test_compiled_grammar_crosses_process_boundaries(llm):
 
 # -- hundreds of generated schemas ------------------------------------------------------------------------
 _leaf = st.one_of(
-    st.builds(lambda lo, span: {"type": "integer", "minimum": lo, "maximum": lo + span},
-              st.integers(-50, 50), st.integers(0, 100)),
+    st.builds(
+        lambda lo, span: {"type": "integer", "minimum": lo, "maximum": lo + span},
+        st.integers(-50, 50),
+        st.integers(0, 100),
+    ),
     st.just({"type": "boolean"}),
     st.builds(lambda n: {"type": "string", "maxLength": n}, st.integers(0, 6)),
-    st.builds(lambda xs: {"enum": xs}, st.lists(st.sampled_from(["a", "b", "cat", "dog", 1, 2, True, None]),
-                                               min_size=1, max_size=4, unique=True)),
+    st.builds(
+        lambda xs: {"enum": xs},
+        st.lists(st.sampled_from(["a", "b", "cat", "dog", 1, 2, True, None]), min_size=1, max_size=4, unique=True),
+    ),
 )
-_names = st.lists(st.sampled_from(["id", "name", "tags", "ok", "n", "color", "x"]), min_size=1, max_size=3,
-                  unique=True)
+_names = st.lists(st.sampled_from(["id", "name", "tags", "ok", "n", "color", "x"]), min_size=1, max_size=3, unique=True)
 
 
 def _object(children):
-    return st.builds(lambda names, data: {"type": "object", "additionalProperties": False,
-                                          "required": names, "properties": dict(zip(names, data))},
-                     _names, st.lists(children, min_size=3, max_size=3))
+    return st.builds(
+        lambda names, data: {
+            "type": "object",
+            "additionalProperties": False,
+            "required": names,
+            "properties": dict(zip(names, data)),
+        },
+        _names,
+        st.lists(children, min_size=3, max_size=3),
+    )
 
 
-_schema = st.recursive(_leaf, lambda inner: st.one_of(
-    _object(inner), st.builds(lambda item, n: {"type": "array", "items": item, "maxItems": n}, inner,
-                              st.integers(0, 2))), max_leaves=5)
+_schema = st.recursive(
+    _leaf,
+    lambda inner: st.one_of(
+        _object(inner),
+        st.builds(lambda item, n: {"type": "array", "items": item, "maxItems": n}, inner, st.integers(0, 2)),
+    ),
+    max_leaves=5,
+)
 
 
 @settings(max_examples=3, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(schemas=st.lists(_object(_schema), min_size=60, max_size=60))
 def test_generated_schemas_always_parse_and_validate(llm, schemas):
-    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=400, structured_outputs=spec("json", s))
-              for i, s in enumerate(schemas)]
+    params = [
+        SamplingParams(temperature=1.0, seed=i, max_tokens=400, structured_outputs=spec("json", s))
+        for i, s in enumerate(schemas)
+    ]
     outs = llm.generate(["Once upon a time"] * len(schemas), params, use_tqdm=False)
     for schema, out in zip(schemas, outs):
         c = out.outputs[0]

@@ -1,5 +1,6 @@
 """Live servers for the server tests: uvicorn on 127.0.0.1 (free port) in a background thread, serving the
 demo model (built once per session into a temp dir) or ../shared/models/stories260K."""
+
 from __future__ import annotations
 
 import socket
@@ -15,7 +16,9 @@ if not STORIES_DIR.is_dir():
     STORIES_DIR = Path("/work/shared/models/stories260K")
 
 # Small KV budget: the tests want preemption and a fast start, not capacity.
-DEMO_ENGINE_KWARGS = dict(kv_cache_bytes=32 << 20, max_model_len=2048, max_num_seqs=64, max_num_batched_tokens=1024, seed=0)
+DEMO_ENGINE_KWARGS = dict(
+    kv_cache_bytes=32 << 20, max_model_len=2048, max_num_seqs=64, max_num_batched_tokens=1024, seed=0
+)
 
 
 def free_port() -> int:
@@ -42,8 +45,16 @@ class LiveServer:
         self.state = self.app.state.kvserve
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning",
-                                                    lifespan="on", timeout_graceful_shutdown=5))
+        self.server = uvicorn.Server(
+            uvicorn.Config(
+                self.app,
+                host="127.0.0.1",
+                port=self.port,
+                log_level="warning",
+                lifespan="on",
+                timeout_graceful_shutdown=5,
+            )
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 60
@@ -63,14 +74,24 @@ class LiveServer:
     def openai(self, **kwargs):
         import openai
 
-        return openai.OpenAI(base_url=self.base_url + "/v1", api_key=kwargs.pop("api_key", "unused"), max_retries=0,
-                             timeout=kwargs.pop("timeout", 60), **kwargs)
+        return openai.OpenAI(
+            base_url=self.base_url + "/v1",
+            api_key=kwargs.pop("api_key", "unused"),
+            max_retries=0,
+            timeout=kwargs.pop("timeout", 60),
+            **kwargs,
+        )
 
     def async_openai(self, **kwargs):
         import openai
 
-        return openai.AsyncOpenAI(base_url=self.base_url + "/v1", api_key=kwargs.pop("api_key", "unused"),
-                                  max_retries=0, timeout=kwargs.pop("timeout", 120), **kwargs)
+        return openai.AsyncOpenAI(
+            base_url=self.base_url + "/v1",
+            api_key=kwargs.pop("api_key", "unused"),
+            max_retries=0,
+            timeout=kwargs.pop("timeout", 120),
+            **kwargs,
+        )
 
     def wait_idle(self, timeout_s: float = 20.0):
         """Wait until the engine has nothing in flight; returns its latest stats."""
@@ -78,12 +99,19 @@ class LiveServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             stats = engine.stats
-            if (engine.num_in_flight == 0 and stats is not None and stats.num_requests_running == 0
-                    and stats.num_requests_waiting == 0 and engine._ops.empty()):
+            if (
+                engine.num_in_flight == 0
+                and stats is not None
+                and stats.num_requests_running == 0
+                and stats.num_requests_waiting == 0
+                and engine._ops.empty()
+            ):
                 time.sleep(0.2)  # one more engine-loop turn refreshes the stats after the last abort
                 return engine.stats
             time.sleep(0.05)
-        raise AssertionError(f"engine not idle after {timeout_s}s: in_flight={engine.num_in_flight} stats={engine.stats}")
+        raise AssertionError(
+            f"engine not idle after {timeout_s}s: in_flight={engine.num_in_flight} stats={engine.stats}"
+        )
 
     def stop(self) -> None:
         self.server.should_exit = True
@@ -156,8 +184,9 @@ def _live_descendants(root_pid: int | None = None) -> list[tuple[int, str]]:
             todo.append((pid, cmdline))
             # A process forked by the forkserver (an engine core) keeps the server's command line: only the
             # server itself, whose parent is not one, is a helper.
-            helper = ("multiprocessing.resource_tracker" in cmdline or
-                      ("multiprocessing.forkserver" in cmdline and "multiprocessing.forkserver" not in parent_cmdline))
+            helper = "multiprocessing.resource_tracker" in cmdline or (
+                "multiprocessing.forkserver" in cmdline and "multiprocessing.forkserver" not in parent_cmdline
+            )
             if not helper:
                 found.append((pid, cmdline))
     return found
@@ -175,6 +204,7 @@ def no_orphan_processes():
 
     def left_by_module() -> list[tuple[int, str]]:
         return [(pid, cmdline) for pid, cmdline in _live_descendants() if pid not in before]
+
     while (left := left_by_module()) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not left, f"processes left running after the module: {left}"

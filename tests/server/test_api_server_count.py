@@ -10,6 +10,7 @@ port in front of one engine core.
 - SIGKILL of the core: 503 engine_dead from the servers, /health 503, exit 1; SIGKILL of one API server:
   the group stops with exit 1. No process is left (conftest's no_orphan_processes).
 """
+
 from __future__ import annotations
 
 import json
@@ -66,8 +67,11 @@ def logged_pid(group: ServeProcess, pattern: str) -> int:
 
 def complete(base_url: str, prompt: str, max_tokens: int = 12) -> tuple[str, str]:
     """(answering server index, text) of a greedy completion on a fresh connection."""
-    resp = httpx.post(base_url + "/v1/completions", timeout=60,
-                      json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+    resp = httpx.post(
+        base_url + "/v1/completions",
+        timeout=60,
+        json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
+    )
     assert resp.status_code == 200, resp.text
     return resp.headers.get("x-kvserve-api-server", "-"), resp.json()["choices"][0]["text"]
 
@@ -125,8 +129,12 @@ def test_metrics_are_the_group_sums_from_either_server(group, server):
             time.sleep(0.05)
         assert {f.result()[0] for f in futures} == {"0", "1"}
     assert waiting_seen > 0
-    expected = {"vllm:request_success_total": sent, "vllm:generation_tokens_total": sent * max_tokens,
-                "vllm:request_generation_tokens_sum": sent * max_tokens, "vllm:e2e_request_latency_seconds_count": sent}
+    expected = {
+        "vllm:request_success_total": sent,
+        "vllm:generation_tokens_total": sent * max_tokens,
+        "vllm:request_generation_tokens_sum": sent * max_tokens,
+        "vllm:e2e_request_latency_seconds_count": sent,
+    }
     scraped_by: set[str] = set()
     deadline = time.monotonic() + 20
     while True:  # the core's counters reach server 0 with the core's next stats (at most ~0.5 s when idle)
@@ -139,14 +147,16 @@ def test_metrics_are_the_group_sums_from_either_server(group, server):
             break
         time.sleep(0.05)
     assert scraped_by == {"0", "1"}, (got, after)
-    assert after["vllm:prompt_tokens_total"] - before.get("vllm:prompt_tokens_total", 0) == \
-        after["vllm:request_prompt_tokens_sum"] - before.get("vllm:request_prompt_tokens_sum", 0)
+    assert after["vllm:prompt_tokens_total"] - before.get("vllm:prompt_tokens_total", 0) == after[
+        "vllm:request_prompt_tokens_sum"
+    ] - before.get("vllm:request_prompt_tokens_sum", 0)
     assert after["kvserve:healthy"] == 1 and after["kvserve:engine_alive"] == 1
     assert after["kvserve:num_kv_blocks_free"] == after["kvserve:num_kv_blocks_total"] > 0
     # The same series families as one server (a labelled family with no series yet, e.g.
     # kvserve:http_requests_rejected, is exposed empty by one process and not at all in multiprocess mode).
-    assert {name for name, samples in scrape(group.base_url).items() if samples} == \
-        {name for name, samples in scrape(server.base_url).items() if samples}
+    assert {name for name, samples in scrape(group.base_url).items() if samples} == {
+        name for name, samples in scrape(server.base_url).items() if samples
+    }
 
 
 def _stream(base_url: str, started: threading.Event, result: dict, max_tokens: int) -> None:
@@ -236,13 +246,31 @@ def test_a_core_that_cannot_start_fails_the_group_with_the_plan_rejection(cache_
     import sys
 
     from kvserve.runtime.server.termination import PLAN_REJECTED_PREFIX
-
     from tests.server.conftest import free_port
 
     env = {**os.environ, "KVSERVE_CACHE_DIR": cache_dir, "KVSERVE_TERMINATION_LOG": str(tmp_path / "termination")}
-    proc = subprocess.run([sys.executable, "-m", "kvserve.cli", "serve", "--host", "127.0.0.1", "--port",
-                           str(free_port()), "--max-model-len", "2048", "--kv-cache-bytes", "1KiB",
-                           "--api-server-count", "2"], env=env, capture_output=True, text=True, timeout=150)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvserve.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(free_port()),
+            "--max-model-len",
+            "2048",
+            "--kv-cache-bytes",
+            "1KiB",
+            "--api-server-count",
+            "2",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
     log = proc.stdout + proc.stderr
     assert proc.returncode == 1, log
     message = (tmp_path / "termination").read_text()

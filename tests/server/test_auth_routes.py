@@ -1,6 +1,7 @@
 """The API key guards every OpenAI route and nothing that probes or scrapers need (issue 15): checked over all
 routes the app registers, so a route added later without check_auth() fails here. Also: `kvserve serve`
 takes the key from KVSERVE_API_KEY, which is how operator-managed pods receive it (a secretKeyRef env)."""
+
 from __future__ import annotations
 
 import argparse

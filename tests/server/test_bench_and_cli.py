@@ -1,5 +1,6 @@
 """`kvserve bench serve` runs end to end against a live server (tiny workloads), and the serve CLI parses
 its vLLM-style flags."""
+
 from __future__ import annotations
 
 import argparse
@@ -8,24 +9,43 @@ import json
 import pytest
 
 from kvserve.cli import bench_serve, serve
+from kvserve.cli.main import build_parser
 from kvserve.runtime.bench import serve as bench_serve_impl
 from kvserve.runtime.bench import serve_client
-from kvserve.cli.main import build_parser
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def test_serve_flags_parse():
-    args = build_parser().parse_args(["serve", "/models/x", "--port", "9000", "--served-model-name", "a", "b",
-                                      "--no-enable-prefix-caching", "--kv-cache-bytes", "512MiB", "--max-queue-len",
-                                      "8", "--drain-timeout", "5", "--api-key", "k"])
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "/models/x",
+            "--port",
+            "9000",
+            "--served-model-name",
+            "a",
+            "b",
+            "--no-enable-prefix-caching",
+            "--kv-cache-bytes",
+            "512MiB",
+            "--max-queue-len",
+            "8",
+            "--drain-timeout",
+            "5",
+            "--api-key",
+            "k",
+        ]
+    )
     assert args.model_dir == "/models/x" and args.port == 9000 and args.served_model_name == ["a", "b"]
     assert args.enable_prefix_caching is False and args.enable_chunked_prefill is True
     assert args.kv_cache_bytes == 512 << 20 and args.max_queue_len == 8 and args.drain_timeout == 5.0
     assert build_parser().parse_args(["serve"]).model_dir is None
     defaults = build_parser().parse_args(["serve"])
     assert defaults.max_request_body_bytes == 32 << 20 and defaults.max_consecutive_step_failures == 3
-    limits = build_parser().parse_args(["serve", "--max-request-body-bytes", "1MiB", "--max-consecutive-step-failures", "5"])
+    limits = build_parser().parse_args(
+        ["serve", "--max-request-body-bytes", "1MiB", "--max-consecutive-step-failures", "5"]
+    )
     assert limits.max_request_body_bytes == 1 << 20 and limits.max_consecutive_step_failures == 5
     assert serve.parse_bytes("1G") == 1 << 30 and serve.parse_bytes("1048576") == 1 << 20
     with pytest.raises(argparse.ArgumentTypeError):
@@ -41,12 +61,45 @@ def test_serve_rejects_missing_model_dir(tmp_path, capsys):
 @pytest.mark.parametrize("workload", ["random", "shared-prefix", "long-prompt"])
 def test_bench_serve_workloads(server, tmp_path, workload):
     out, plot = tmp_path / "r.json", tmp_path / "r.png"
-    args = build_parser().parse_args([
-        "bench", "serve", "--base-url", server.base_url, "--workload", workload, "--num-prompts", "6",
-        "--request-rate", "20", "--input-len", "32", "--output-len", "6", "--range-ratio", "0.5",
-        "--prefix-len", "64", "--suffix-len", "8", "--num-streams", "3", "--stream-output-len", "12",
-        "--num-long-prompts", "1", "--long-prompt-len", "256", "--goodput", "ttft:5000", "tpot:1000",
-        "--result-json", str(out), "--plot", str(plot)])
+    args = build_parser().parse_args(
+        [
+            "bench",
+            "serve",
+            "--base-url",
+            server.base_url,
+            "--workload",
+            workload,
+            "--num-prompts",
+            "6",
+            "--request-rate",
+            "20",
+            "--input-len",
+            "32",
+            "--output-len",
+            "6",
+            "--range-ratio",
+            "0.5",
+            "--prefix-len",
+            "64",
+            "--suffix-len",
+            "8",
+            "--num-streams",
+            "3",
+            "--stream-output-len",
+            "12",
+            "--num-long-prompts",
+            "1",
+            "--long-prompt-len",
+            "256",
+            "--goodput",
+            "ttft:5000",
+            "tpot:1000",
+            "--result-json",
+            str(out),
+            "--plot",
+            str(plot),
+        ]
+    )
     assert bench_serve.run(args) == 0
     result = json.loads(out.read_text())
     metrics = result["metrics"]

@@ -7,6 +7,7 @@ failures surface on the API-server side.
 - a client that disconnects mid-stream aborts its request in the core, whose blocks are freed;
 - a script that builds a multi-process engine at module level without a `__main__` guard gets one clear error.
 """
+
 from __future__ import annotations
 
 import os
@@ -56,8 +57,9 @@ def test_killing_the_core_answers_every_request_with_an_error_and_exits_1(tmp_pa
         results, threads = [], []
         for _ in range(2):  # running
             started, result = threading.Event(), {}
-            t = threading.Thread(target=stream_completion, args=(serve.base_url, 100_000 // 100, started, result),
-                                 daemon=True)
+            t = threading.Thread(
+                target=stream_completion, args=(serve.base_url, 100_000 // 100, started, result), daemon=True
+            )
             t.start()
             assert started.wait(30)
             threads.append(t)
@@ -65,9 +67,11 @@ def test_killing_the_core_answers_every_request_with_an_error_and_exits_1(tmp_pa
         queued: dict = {}
 
         def post_queued() -> None:
-            resp = httpx.post(serve.base_url + "/v1/completions", json={"prompt": "queued", "max_tokens": 5},
-                              timeout=30)
+            resp = httpx.post(
+                serve.base_url + "/v1/completions", json={"prompt": "queued", "max_tokens": 5}, timeout=30
+            )
             queued.update(status=resp.status_code, body=resp.json())
+
         q = threading.Thread(target=post_queued, daemon=True)
         q.start()
         time.sleep(0.3)  # it waits behind the two running streams (max_num_seqs=2)
@@ -84,7 +88,7 @@ def test_killing_the_core_answers_every_request_with_an_error_and_exits_1(tmp_pa
         for t in threads + [q]:
             t.join(15)
         assert serve.proc.wait(15) == 1, "".join(serve.log)
-        assert 503 in health and 200 not in health[health.index(503):], health
+        assert 503 in health and 200 not in health[health.index(503) :], health
         for result in results:  # the SSE streams end with an error event, not a normal finish
             assert result.get("finish") != "length", result
         assert queued["status"] == 503 and "engine is dead" in queued["body"]["error"]["message"], queued
@@ -111,8 +115,13 @@ def mp_server(demo_model_dir):
 
 
 def test_client_disconnect_aborts_in_the_core_and_frees_its_blocks(mp_server):
-    body = {"model": mp_server.model, "prompt": "a long story " * 40, "max_tokens": 1500, "ignore_eos": True,
-            "stream": True}
+    body = {
+        "model": mp_server.model,
+        "prompt": "a long story " * 40,
+        "max_tokens": 1500,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with httpx.stream("POST", mp_server.base_url + "/v1/completions", json=body, timeout=30) as resp:
         chunks = 0
         for line in resp.iter_lines():
@@ -130,14 +139,16 @@ def test_client_disconnect_aborts_in_the_core_and_frees_its_blocks(mp_server):
 def test_stop_strings_are_cut_in_the_api_server_and_the_core_stops(mp_server):
     """Stop strings are found by the API server; the core learns it (abort as stopped) and frees the sample."""
     client = mp_server.openai()
-    first = client.completions.create(model=mp_server.model, prompt="once", max_tokens=40, temperature=0,
-                                      extra_body={"ignore_eos": True})
+    first = client.completions.create(
+        model=mp_server.model, prompt="once", max_tokens=40, temperature=0, extra_body={"ignore_eos": True}
+    )
     text = first.choices[0].text
     stop = text[10:13]
     assert len(stop) == 3 and stop.strip(), text
-    cut = client.completions.create(model=mp_server.model, prompt="once", max_tokens=40, temperature=0,
-                                    stop=[stop], extra_body={"ignore_eos": True})
-    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].text == text[:text.index(stop)]
+    cut = client.completions.create(
+        model=mp_server.model, prompt="once", max_tokens=40, temperature=0, stop=[stop], extra_body={"ignore_eos": True}
+    )
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].text == text[: text.index(stop)]
     stats = mp_server.wait_idle()
     assert stats.num_requests_running == 0 and stats.num_free_blocks == stats.num_total_blocks
 
@@ -152,8 +163,7 @@ print("generated", llm.generate(["hi"], use_tqdm=False)[0].outputs[0].text)
 def test_an_unguarded_script_gets_one_clear_error(tmp_path, demo_model_dir):
     script = tmp_path / "unguarded.py"
     script.write_text(textwrap.dedent(UNGUARDED.format(model=demo_model_dir)))
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=150,
-                          cwd=tmp_path)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=150, cwd=tmp_path)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out
     assert out.count('if __name__ == "__main__":') == 1, out

@@ -1,6 +1,7 @@
 """SIGTERM on a real `kvserve serve` subprocess (no MODEL_DIR: the demo model): in-flight requests complete,
 new ones get 503, /health turns 503, and the process exits 0. With a short --drain-timeout, the requests
 still running are aborted (finish_reason "abort") and the exit is still 0."""
+
 from __future__ import annotations
 
 import json
@@ -26,9 +27,26 @@ class ServeProcess:
         self.base_url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "KVSERVE_CACHE_DIR": cache_dir}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvserve.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-             "--kv-cache-bytes", "32MiB", "--max-model-len", "2048", *extra],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            [
+                sys.executable,
+                "-m",
+                "kvserve.cli",
+                "serve",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--kv-cache-bytes",
+                "32MiB",
+                "--max-model-len",
+                "2048",
+                *extra,
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         self.log: list[str] = []
         threading.Thread(target=lambda: self.log.extend(self.proc.stdout), daemon=True).start()
         deadline = time.monotonic() + 90
@@ -50,8 +68,13 @@ class ServeProcess:
 
 
 def stream_completion(base_url: str, max_tokens: int, started: threading.Event, result: dict) -> None:
-    body = {"prompt": "Keep talking", "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "prompt": "Keep talking",
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     text, finish, usage = "", None, None
     with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=60) as resp:
         result["status"] = resp.status_code

@@ -1,5 +1,6 @@
 """Hostile and malformed input: every request gets a 4xx OpenAI-style error naming the problem, and the
 engine keeps serving everyone else. Also API keys (401), unknown models (404) and backpressure (429)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -174,11 +175,15 @@ def test_api_key(demo_model_dir):
 
 def test_queue_full_gets_429_with_retry_after(demo_model_dir):
     # One running sequence at a time, at most 2 waiting: the rest of a burst of 12 must be told to back off.
-    srv = LiveServer(make_engine(demo_model_dir, kv_cache_bytes=8 << 20, max_model_len=1024, max_num_seqs=1), max_queue_len=2)
+    srv = LiveServer(
+        make_engine(demo_model_dir, kv_cache_bytes=8 << 20, max_model_len=1024, max_num_seqs=1), max_queue_len=2
+    )
     try:
+
         async def one(client: httpx.AsyncClient, i: int) -> httpx.Response:
-            return await client.post("/v1/completions", json={"prompt": f"burst {i}", "max_tokens": 24,
-                                                             "ignore_eos": True, "temperature": 0})
+            return await client.post(
+                "/v1/completions", json={"prompt": f"burst {i}", "max_tokens": 24, "ignore_eos": True, "temperature": 0}
+            )
 
         async def burst() -> list[httpx.Response]:
             async with httpx.AsyncClient(base_url=srv.base_url, timeout=60) as client:
@@ -197,8 +202,10 @@ def test_queue_full_gets_429_with_retry_after(demo_model_dir):
         srv.wait_idle()
         ok = srv.openai().completions.create(model=srv.model, prompt="after", max_tokens=2)  # served again
         assert ok.usage.completion_tokens == 2
-        assert 'kvserve:http_requests_rejected_total{engine="0",model_name="test-model",reason="queue_full"}' \
+        assert (
+            'kvserve:http_requests_rejected_total{engine="0",model_name="test-model",reason="queue_full"}'
             in httpx.get(srv.base_url + "/metrics").text
+        )
     finally:
         srv.stop()
 
@@ -228,8 +235,10 @@ def test_engine_loop_survives_a_failing_step(demo_model_dir):
         stats = srv.wait_idle()
         assert stats.num_free_blocks == stats.num_total_blocks
         assert httpx.get(srv.base_url + "/health").status_code == 200
-        assert 'kvserve:engine_step_failures_total{engine="0",model_name="test-model"} 1.0' in \
-            httpx.get(srv.base_url + "/metrics").text
+        assert (
+            'kvserve:engine_step_failures_total{engine="0",model_name="test-model"} 1.0'
+            in httpx.get(srv.base_url + "/metrics").text
+        )
     finally:
         srv.stop()
 

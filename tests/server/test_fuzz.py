@@ -9,6 +9,7 @@ Profiles (KVSERVE_FUZZ_PROFILE): `ci` (default; derandomized, so CI runs the sam
 about a minute) and `long` (random, thousands of examples; run by hand, result in docs/serving.md):
     KVSERVE_FUZZ_PROFILE=long .venv/bin/python -m pytest -q -s tests/server/test_fuzz.py
 """
+
 from __future__ import annotations
 
 import json
@@ -34,18 +35,56 @@ ANSWER_BOUND_S = 60.0  # a valid request generates at most max_model_len=192 tok
 CANARY = {"prompt": "The canary sings", "max_tokens": 48, "temperature": 0, "ignore_eos": True}
 
 # -- values --------------------------------------------------------------------------------------------
-EXTREME_INTS = st.sampled_from([0, 1, -1, 2, 7, 255, 256, 511, 512, 2**31, -(2**31), 2**53 + 1, 2**63 - 1, 2**63,
-                                -(2**63), -(2**63) - 1, 2**64, 10**30, 1180591620717411303424])
-EXTREME_FLOATS = st.sampled_from([0.0, -0.0, 1e-320, 0.5, 1.0, 1.5, 2.0, 2.0000001, -2.0, 3.0, 1e308, -1e308,
-                                  math.inf, -math.inf, math.nan])
-WEIRD_TEXT = st.sampled_from(["", " ", "\x00", "\ud800", "a\udfffb", "<s>", "</s>", "<unk>", "\n" * 50,
-                              "😀" * 10, "a" * 5000, "lighthouse " * 3000, "\u202e\u200b"])
+EXTREME_INTS = st.sampled_from(
+    [
+        0,
+        1,
+        -1,
+        2,
+        7,
+        255,
+        256,
+        511,
+        512,
+        2**31,
+        -(2**31),
+        2**53 + 1,
+        2**63 - 1,
+        2**63,
+        -(2**63),
+        -(2**63) - 1,
+        2**64,
+        10**30,
+        1180591620717411303424,
+    ]
+)
+EXTREME_FLOATS = st.sampled_from(
+    [0.0, -0.0, 1e-320, 0.5, 1.0, 1.5, 2.0, 2.0000001, -2.0, 3.0, 1e308, -1e308, math.inf, -math.inf, math.nan]
+)
+WEIRD_TEXT = st.sampled_from(
+    [
+        "",
+        " ",
+        "\x00",
+        "\ud800",
+        "a\udfffb",
+        "<s>",
+        "</s>",
+        "<unk>",
+        "\n" * 50,
+        "😀" * 10,
+        "a" * 5000,
+        "lighthouse " * 3000,
+        "\u202e\u200b",
+    ]
+)
 TEXT = st.text(max_size=40) | WEIRD_TEXT
 INTS = st.integers(-5, 600) | EXTREME_INTS
 FLOATS = st.floats(-3, 3) | EXTREME_FLOATS
 SCALARS = st.none() | st.booleans() | INTS | FLOATS | TEXT
-ANY = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(TEXT, inner, max_size=3),
-                   max_leaves=8)
+ANY = st.recursive(
+    SCALARS, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(TEXT, inner, max_size=3), max_leaves=8
+)
 TOKEN_LISTS = st.lists(st.integers(0, 600) | EXTREME_INTS, max_size=12) | st.sampled_from([[5] * 3000, [], [[1, 2]]])
 
 
@@ -76,19 +115,27 @@ SAMPLING_FIELDS = {
 }
 COMPLETION_FIELDS = {
     **SAMPLING_FIELDS,
-    "prompt": (st.text(min_size=1, max_size=30) | st.lists(st.integers(0, 511), min_size=1, max_size=12)
-               | st.lists(st.text(min_size=1, max_size=10), min_size=1, max_size=3),
-               TEXT | TOKEN_LISTS | st.lists(TEXT | TOKEN_LISTS, min_size=1, max_size=3)),
+    "prompt": (
+        st.text(min_size=1, max_size=30)
+        | st.lists(st.integers(0, 511), min_size=1, max_size=12)
+        | st.lists(st.text(min_size=1, max_size=10), min_size=1, max_size=3),
+        TEXT | TOKEN_LISTS | st.lists(TEXT | TOKEN_LISTS, min_size=1, max_size=3),
+    ),
     "logprobs": (st.integers(0, 5), EXTREME_INTS),
     "echo": (st.booleans(), SCALARS),
     "suffix": (st.just(""), TEXT),
 }
-_VALID_MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),
-                                        "content": st.text(max_size=30)})
-_EDGE_MESSAGE = st.fixed_dictionaries({
-    "role": st.sampled_from(["system", "user", "assistant", "tool", "developer", "wizard"]) | SCALARS,
-    "content": TEXT | st.lists(st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]), "text": TEXT}),
-                               max_size=2) | SCALARS})
+_VALID_MESSAGE = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "user", "assistant"]), "content": st.text(max_size=30)}
+)
+_EDGE_MESSAGE = st.fixed_dictionaries(
+    {
+        "role": st.sampled_from(["system", "user", "assistant", "tool", "developer", "wizard"]) | SCALARS,
+        "content": TEXT
+        | st.lists(st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]), "text": TEXT}), max_size=2)
+        | SCALARS,
+    }
+)
 CHAT_FIELDS = {
     **SAMPLING_FIELDS,
     "messages": (st.lists(_VALID_MESSAGE, min_size=1, max_size=4), st.lists(_EDGE_MESSAGE, max_size=4)),
@@ -104,6 +151,7 @@ CHAT_FIELDS = {
 def bodies(fields: dict, required: str) -> st.SearchStrategy:
     """Three kinds of bodies: every field valid (they run, next to the canary); fields valid or at their
     edges; fields valid, at their edges, or anything at all -- plus raw bytes that are not even JSON."""
+
     def body(pick) -> st.SearchStrategy:
         others = {k: pick(v) for k, v in fields.items() if k != required}
         return st.fixed_dictionaries({required: pick(fields[required])}, optional=others).map(lambda d: ("json", d))
@@ -193,8 +241,14 @@ def _check_health(srv: LiveServer, canary: Canary) -> None:
     assert canary.thread.is_alive()
 
 
-FUZZ_SETTINGS = settings(max_examples=EXAMPLES, derandomize=PROFILE == "ci", database=None, deadline=None,
-                         print_blob=True, suppress_health_check=list(HealthCheck))
+FUZZ_SETTINGS = settings(
+    max_examples=EXAMPLES,
+    derandomize=PROFILE == "ci",
+    database=None,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=list(HealthCheck),
+)
 
 
 def test_fuzz_completions(fuzz_server):
@@ -225,11 +279,14 @@ def test_canary_unharmed_and_every_block_free(fuzz_server):
     srv, canary, _ = fuzz_server
     canary.stop()
     assert not canary.errors, canary.errors
-    assert len(canary.texts) >= 5 and all(t == canary.solo for t in canary.texts), \
+    assert len(canary.texts) >= 5 and all(t == canary.solo for t in canary.texts), (
         f"{sum(t != canary.solo for t in canary.texts)} of {len(canary.texts)} canary runs differ from the solo run"
+    )
     stats = srv.wait_idle()
     assert stats.num_free_blocks == stats.num_total_blocks
     assert srv.state.engine.num_step_failures == 0 and srv.state.engine.is_running
-    print(f"\nfuzz profile {PROFILE}: {EXAMPLES} examples per endpoint, statuses {dict(sorted(STATUSES.items()))}, "
-          f"{len(canary.texts)} canary runs, all equal to the solo run; every KV block free")
+    print(
+        f"\nfuzz profile {PROFILE}: {EXAMPLES} examples per endpoint, statuses {dict(sorted(STATUSES.items()))}, "
+        f"{len(canary.texts)} canary runs, all equal to the solo run; every KV block free"
+    )
     assert STATUSES.get(200, 0) >= EXAMPLES // 20 and sum(n for s, n in STATUSES.items() if s >= 400) >= EXAMPLES // 2

@@ -1,5 +1,6 @@
 """The series the alert rules read for failures: `kvserve:healthy` follows /health, and requests the engine
 could not finish count as vllm:request_success_total{finished_reason="error"} (vLLM's finish reason)."""
+
 from __future__ import annotations
 
 import httpx
@@ -52,6 +53,7 @@ def test_dead_engine_turns_healthy_to_zero_and_fails_its_requests_as_errors(demo
     engine = make_engine(demo_model_dir, in_process=True, kv_cache_bytes=8 << 20, max_model_len=1024)
     srv = LiveServer(engine)
     try:
+
         def dead_step():
             raise WorkerDiedError("rank 1 (pid 4242) exited with SIGKILL", rank=1)
 

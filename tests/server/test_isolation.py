@@ -2,6 +2,7 @@
 the three reproductions answer 400 at once while an innocent greedy completion runs (which then equals
 its solo text); a dying engine answers every in-flight and queued request with a 503 at once; slow
 readers hold one output, not one per step; oversized bodies get 413 and large bodies do not stall /health."""
+
 from __future__ import annotations
 
 import asyncio
@@ -52,7 +53,7 @@ async def reproductions_next_to_innocent(base_url: str, innocent_body: dict) -> 
             async for line in resp.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                choice = json.loads(line[len("data: "):])["choices"][0]
+                choice = json.loads(line[len("data: ") :])["choices"][0]
                 text.append(choice["text"])
                 if task is None and "".join(text):
                     task = asyncio.ensure_future(reproductions())
@@ -85,24 +86,27 @@ def test_reproductions_answer_400_and_innocent_request_is_unharmed(demo_model_di
 
 
 def _sse_events(text: str) -> list:
-    return [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+    return [line[len("data: ") :] for line in text.splitlines() if line.startswith("data: ")]
 
 
 def test_dead_engine_answers_in_flight_and_queued_requests_at_once(demo_model_dir):
     engine = make_engine(demo_model_dir, in_process=True, max_num_seqs=1, max_consecutive_step_failures=2)
     srv = LiveServer(engine)
     try:
+
         async def scenario() -> tuple[httpx.Response, list[httpx.Response], float]:
             async with httpx.AsyncClient(base_url=srv.base_url, timeout=60) as client:
                 stream = asyncio.ensure_future(client.post(C, json={**INNOCENT, "stream": True}))
                 await asyncio.sleep(0.5)  # the stream is generating; the next two wait (max_num_seqs=1)
-                queued = [asyncio.ensure_future(client.post(C, json={**INNOCENT, "prompt": f"queued {i}"}))
-                          for i in range(2)]
+                queued = [
+                    asyncio.ensure_future(client.post(C, json={**INNOCENT, "prompt": f"queued {i}"})) for i in range(2)
+                ]
                 await asyncio.sleep(0.3)
                 assert srv.state.engine.num_waiting >= 2
 
                 def broken(sched):
                     raise RuntimeError("injected: device lost")
+
                 engine.runner.execute = broken
                 start = time.monotonic()
                 responses = await asyncio.gather(stream, *queued)
@@ -168,6 +172,7 @@ def test_body_size_limit_is_413(demo_model_dir):
         def chunks():  # no Content-Length: the limit holds while reading
             for _ in range(100):
                 yield b" " * 1024
+
         resp = httpx.post(srv.base_url + C, content=chunks(), headers={"content-type": "application/json"})
         assert resp.status_code == 413
         assert httpx.post(srv.base_url + C, json={"prompt": "x", "max_tokens": 2}).status_code == 200
@@ -184,6 +189,7 @@ def test_health_stays_fast_while_4_clients_post_1mib_bodies(demo_model_dir):
     text_body = json.dumps({"prompt": "lighthouse " * 95_000, "max_tokens": 2}).encode()
     assert all(1_000_000 <= len(b) <= 1_100_000 for b in (ids_body, text_body))
     try:
+
         async def scenario() -> tuple[list[float], list[int]]:
             stop = time.monotonic() + 6
             codes: list[int] = []
@@ -211,8 +217,10 @@ def test_health_stays_fast_while_4_clients_post_1mib_bodies(demo_model_dir):
         latencies, codes = asyncio.run(scenario())
         latencies.sort()
         p50, p99, worst = statistics.median(latencies), latencies[int(len(latencies) * 0.99)], latencies[-1]
-        print(f"\n/health latency with 4 clients posting 1 MiB bodies ({len(codes)} bodies, {len(latencies)} probes): "
-              f"p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms, max {worst * 1000:.1f} ms")
+        print(
+            f"\n/health latency with 4 clients posting 1 MiB bodies ({len(codes)} bodies, {len(latencies)} probes): "
+            f"p50 {p50 * 1000:.1f} ms, p99 {p99 * 1000:.1f} ms, max {worst * 1000:.1f} ms"
+        )
         assert codes and set(codes) == {400}
         assert worst < 1.0, f"/health took {worst:.2f} s"
     finally:

@@ -1,5 +1,6 @@
 """/metrics under saturation, and 100+ concurrent streams with 20% dropped mid-stream: every KV block is
 free again afterwards and the streams that stayed got exactly the offline engine's text."""
+
 from __future__ import annotations
 
 import asyncio
@@ -33,20 +34,35 @@ def value(families: dict, family: str, sample: str | None = None, **labels) -> f
 
 
 def buckets(families: dict, family: str) -> list[float]:
-    return sorted(float(dict(lbls)["le"]) for (name, lbls) in families[family] if name.endswith("_bucket")
-                  and dict(lbls)["le"] != "+Inf")
+    return sorted(
+        float(dict(lbls)["le"])
+        for (name, lbls) in families[family]
+        if name.endswith("_bucket") and dict(lbls)["le"] != "+Inf"
+    )
 
 
 def test_metrics_names_buckets_and_saturation(demo_model_dir):
     srv = LiveServer(make_engine(demo_model_dir, max_num_seqs=2), served_model_names=["sat-model"])
     try:
         families = scrape(srv.base_url)
-        for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                     "vllm:prompt_tokens", "vllm:generation_tokens", "vllm:num_preemptions",
-                     "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:request_success",
-                     "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
-                     "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds",
-                     "vllm:request_prompt_tokens", "vllm:request_generation_tokens", "vllm:cache_config_info"):
+        for name in (
+            "vllm:num_requests_running",
+            "vllm:num_requests_waiting",
+            "vllm:kv_cache_usage_perc",
+            "vllm:prompt_tokens",
+            "vllm:generation_tokens",
+            "vllm:num_preemptions",
+            "vllm:prefix_cache_queries",
+            "vllm:prefix_cache_hits",
+            "vllm:request_success",
+            "vllm:time_to_first_token_seconds",
+            "vllm:inter_token_latency_seconds",
+            "vllm:e2e_request_latency_seconds",
+            "vllm:request_queue_time_seconds",
+            "vllm:request_prompt_tokens",
+            "vllm:request_generation_tokens",
+            "vllm:cache_config_info",
+        ):
             assert name in families, name
         assert buckets(families, "vllm:time_to_first_token_seconds") == TTFT_BUCKETS
         assert buckets(families, "vllm:inter_token_latency_seconds") == ITL_BUCKETS
@@ -56,9 +72,15 @@ def test_metrics_names_buckets_and_saturation(demo_model_dir):
         # Saturate: 2 running seats, 10 requests -> a queue forms; watch it through /metrics.
         async def load() -> tuple[list[float], list]:
             async with httpx.AsyncClient(base_url=srv.base_url, timeout=120) as client:
-                tasks = [asyncio.ensure_future(client.post("/v1/completions", json={
-                    "prompt": f"saturate {i}", "max_tokens": 48, "ignore_eos": True, "temperature": 0}))
-                    for i in range(10)]
+                tasks = [
+                    asyncio.ensure_future(
+                        client.post(
+                            "/v1/completions",
+                            json={"prompt": f"saturate {i}", "max_tokens": 48, "ignore_eos": True, "temperature": 0},
+                        )
+                    )
+                    for i in range(10)
+                ]
                 waiting_seen = []
                 while not all(t.done() for t in tasks):
                     f = scrape(srv.base_url)
@@ -89,13 +111,20 @@ def test_100_streams_20_percent_dropped_frees_every_block(server, offline_llm):
     num_streams, drop_every = 110, 5  # 22 dropped
     prompts = [f"Stream number {i % 11} walks to the harbour" for i in range(num_streams)]
     max_tokens = 24
-    expected = {p: o.outputs[0].text for p, o in zip(
-        sorted(set(prompts)), offline_llm.generate(sorted(set(prompts)), SamplingParams(temperature=0, max_tokens=max_tokens),
-                                                 use_tqdm=False))}
+    expected = {
+        p: o.outputs[0].text
+        for p, o in zip(
+            sorted(set(prompts)),
+            offline_llm.generate(
+                sorted(set(prompts)), SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False
+            ),
+        )
+    }
 
     async def one(client, i: int):
-        stream = await client.completions.create(model=server.model, prompt=prompts[i], max_tokens=max_tokens,
-                                                 temperature=0, stream=True)
+        stream = await client.completions.create(
+            model=server.model, prompt=prompts[i], max_tokens=max_tokens, temperature=0, stream=True
+        )
         text, chunks = "", 0
         async for chunk in stream:
             chunks += 1
@@ -126,12 +155,15 @@ def test_100_streams_20_percent_dropped_frees_every_block(server, offline_llm):
     assert value(families, "vllm:kv_cache_usage_perc") == 0
     assert value(families, "kvserve:num_kv_blocks_free") == value(families, "kvserve:num_kv_blocks_total")
     # the kept streams all finished; the dropped ones were (almost always) aborted before finishing
-    finished = sum(value(f, "vllm:request_success", "vllm:request_success_total", finished_reason=r)
-                   - value(before, "vllm:request_success", "vllm:request_success_total", finished_reason=r)
-                   if any(dict(lbl).get("finished_reason") == r for (_, lbl) in before["vllm:request_success"])
-                   else value(f, "vllm:request_success", "vllm:request_success_total", finished_reason=r)
-                   for f in [families] for r in ("length", "stop")
-                   if any(dict(lbl).get("finished_reason") == r for (_, lbl) in families["vllm:request_success"]))
+    finished = sum(
+        value(f, "vllm:request_success", "vllm:request_success_total", finished_reason=r)
+        - value(before, "vllm:request_success", "vllm:request_success_total", finished_reason=r)
+        if any(dict(lbl).get("finished_reason") == r for (_, lbl) in before["vllm:request_success"])
+        else value(f, "vllm:request_success", "vllm:request_success_total", finished_reason=r)
+        for f in [families]
+        for r in ("length", "stop")
+        if any(dict(lbl).get("finished_reason") == r for (_, lbl) in families["vllm:request_success"])
+    )
     assert num_streams - len(dropped) <= finished < num_streams
 
 
@@ -140,8 +172,11 @@ def test_non_streaming_client_timeout_aborts_request(server):
     server.wait_idle()
     generated_before = engine.stats.generation_tokens
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.base_url + "/v1/completions", timeout=0.3,
-                   json={"prompt": "long", "max_tokens": 1500, "ignore_eos": True})
+        httpx.post(
+            server.base_url + "/v1/completions",
+            timeout=0.3,
+            json={"prompt": "long", "max_tokens": 1500, "ignore_eos": True},
+        )
     # 1500 tokens take several seconds to generate; the abort must land well before that
     deadline = time.monotonic() + 2
     while engine.num_in_flight and time.monotonic() < deadline:

@@ -1,5 +1,6 @@
 """The official openai client against a live server: completions and chat, streaming or not, n=2, stop
 strings, logprobs, usage. Greedy texts must equal the offline engine's for the same request."""
+
 from __future__ import annotations
 
 import httpx
@@ -44,8 +45,14 @@ def test_completion_matches_offline(server, offline_llm, prompt):
 
 def test_streaming_completion_matches_offline(server, offline_llm):
     prompt = PROMPTS[0]
-    stream = server.openai().completions.create(model=server.model, prompt=prompt, max_tokens=32, temperature=0,
-                                                stream=True, stream_options={"include_usage": True})
+    stream = server.openai().completions.create(
+        model=server.model,
+        prompt=prompt,
+        max_tokens=32,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     expected = offline_text(offline_llm, prompt, temperature=0, max_tokens=32)
@@ -68,8 +75,14 @@ def test_chat_matches_offline_streaming_and_not(server, offline_llm):
     assert resp.usage.prompt_tokens == len(prompt_ids)
     assert resp.usage.completion_tokens == len(expected.outputs[0].token_ids)
 
-    stream = client.chat.completions.create(model=server.model, messages=messages, max_tokens=20, temperature=0,
-                                            stream=True, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model=server.model,
+        messages=messages,
+        max_tokens=20,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -79,15 +92,17 @@ def test_chat_matches_offline_streaming_and_not(server, offline_llm):
 
 def test_n2_with_seed_matches_offline(server, offline_llm):
     prompt = PROMPTS[1]
-    resp = server.openai().completions.create(model=server.model, prompt=prompt, max_tokens=16, temperature=1.0,
-                                              n=2, seed=1234)
+    resp = server.openai().completions.create(
+        model=server.model, prompt=prompt, max_tokens=16, temperature=1.0, n=2, seed=1234
+    )
     expected = offline_text(offline_llm, prompt, temperature=1.0, max_tokens=16, n=2, seed=1234)
     assert [c.index for c in resp.choices] == [0, 1]
     assert [c.text for c in resp.choices] == [o.text for o in expected.outputs]
     assert resp.usage.completion_tokens == sum(len(o.token_ids) for o in expected.outputs)
     # streaming n=2: both choices arrive, interleaved by index
-    stream = server.openai().completions.create(model=server.model, prompt=prompt, max_tokens=16, temperature=1.0,
-                                                n=2, seed=1234, stream=True)
+    stream = server.openai().completions.create(
+        model=server.model, prompt=prompt, max_tokens=16, temperature=1.0, n=2, seed=1234, stream=True
+    )
     texts = {0: "", 1: ""}
     for chunk in stream:
         for c in chunk.choices:
@@ -96,30 +111,35 @@ def test_n2_with_seed_matches_offline(server, offline_llm):
 
 
 def test_chat_n2(server):
-    resp = server.openai().chat.completions.create(model=server.model, messages=[{"role": "user", "content": "hi"}],
-                                                   max_tokens=8, n=2, temperature=0.9, seed=7)
+    resp = server.openai().chat.completions.create(
+        model=server.model, messages=[{"role": "user", "content": "hi"}], max_tokens=8, n=2, temperature=0.9, seed=7
+    )
     assert sorted(c.index for c in resp.choices) == [0, 1]
 
 
 def test_stop_string_truncates_like_offline(server, offline_llm):
     prompt = PROMPTS[2]
     full = offline_text(offline_llm, prompt, temperature=0, max_tokens=32).outputs[0].text
-    stop = next(full[i:i + 2] for i in range(4, len(full) - 2) if full[i:i + 2].strip() and "\ufffd" not in full[i:i + 2])
+    stop = next(
+        full[i : i + 2] for i in range(4, len(full) - 2) if full[i : i + 2].strip() and "\ufffd" not in full[i : i + 2]
+    )
     expected = offline_text(offline_llm, prompt, temperature=0, max_tokens=32, stop=[stop])
     client = server.openai()
     resp = client.completions.create(model=server.model, prompt=prompt, max_tokens=32, temperature=0, stop=[stop])
-    assert resp.choices[0].text == expected.outputs[0].text == full[:full.index(stop)]
+    assert resp.choices[0].text == expected.outputs[0].text == full[: full.index(stop)]
     assert resp.choices[0].finish_reason == "stop"
     assert resp.choices[0].model_extra["stop_reason"] == stop
-    stream = client.completions.create(model=server.model, prompt=prompt, max_tokens=32, temperature=0, stop=stop,
-                                       stream=True)
+    stream = client.completions.create(
+        model=server.model, prompt=prompt, max_tokens=32, temperature=0, stop=stop, stream=True
+    )
     assert "".join(c.choices[0].text for c in stream if c.choices) == expected.outputs[0].text
 
 
 def test_completion_logprobs(server, offline_llm):
     prompt = PROMPTS[0]
-    resp = server.openai().completions.create(model=server.model, prompt=prompt, max_tokens=8, temperature=0,
-                                              logprobs=3)
+    resp = server.openai().completions.create(
+        model=server.model, prompt=prompt, max_tokens=8, temperature=0, logprobs=3
+    )
     lp = resp.choices[0].logprobs
     expected = offline_text(offline_llm, prompt, temperature=0, max_tokens=8, logprobs=3).outputs[0]
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(expected.token_ids) == 8
@@ -134,8 +154,14 @@ def test_completion_logprobs(server, offline_llm):
 
 def test_chat_logprobs_streaming_and_not(server):
     client = server.openai()
-    kwargs = dict(model=server.model, messages=[{"role": "user", "content": "Why is the sky blue?"}], max_tokens=6,
-                  temperature=0, logprobs=True, top_logprobs=2)
+    kwargs = dict(
+        model=server.model,
+        messages=[{"role": "user", "content": "Why is the sky blue?"}],
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     resp = client.chat.completions.create(**kwargs)
     content = resp.choices[0].logprobs.content
     assert len(content) == resp.usage.completion_tokens == 6
@@ -143,8 +169,12 @@ def test_chat_logprobs_streaming_and_not(server):
         assert len(item.top_logprobs) == 2
         assert item.logprob <= 0 and item.top_logprobs[0].logprob >= item.top_logprobs[1].logprob
         assert item.top_logprobs[0].token == item.token  # greedy picks the top one
-    streamed = [lp for chunk in client.chat.completions.create(**kwargs, stream=True) if chunk.choices
-                and chunk.choices[0].logprobs for lp in chunk.choices[0].logprobs.content]
+    streamed = [
+        lp
+        for chunk in client.chat.completions.create(**kwargs, stream=True)
+        if chunk.choices and chunk.choices[0].logprobs
+        for lp in chunk.choices[0].logprobs.content
+    ]
     assert [x.token for x in streamed] == [x.token for x in content]
     assert [x.logprob for x in streamed] == pytest.approx([x.logprob for x in content], abs=1e-3)
 
@@ -152,14 +182,31 @@ def test_chat_logprobs_streaming_and_not(server):
 def test_extra_sampling_params_and_token_prompts(server, offline_llm):
     ids = offline_llm.tokenizer.encode(PROMPTS[0])
     client = server.openai()
-    resp = client.completions.create(model=server.model, prompt=ids, max_tokens=12, temperature=0.8, seed=3,
-                                     presence_penalty=0.5, frequency_penalty=0.5,
-                                     extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.2,
-                                                 "ignore_eos": True, "min_tokens": 12})
+    resp = client.completions.create(
+        model=server.model,
+        prompt=ids,
+        max_tokens=12,
+        temperature=0.8,
+        seed=3,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.2, "ignore_eos": True, "min_tokens": 12},
+    )
     assert resp.usage.completion_tokens == 12 and resp.usage.prompt_tokens == len(ids)
-    expected = offline_text(offline_llm, ids, temperature=0.8, seed=3, max_tokens=12, presence_penalty=0.5,
-                            frequency_penalty=0.5, top_k=20, min_p=0.05, repetition_penalty=1.2, ignore_eos=True,
-                            min_tokens=12)
+    expected = offline_text(
+        offline_llm,
+        ids,
+        temperature=0.8,
+        seed=3,
+        max_tokens=12,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        top_k=20,
+        min_p=0.05,
+        repetition_penalty=1.2,
+        ignore_eos=True,
+        min_tokens=12,
+    )
     assert resp.choices[0].text == expected.outputs[0].text
     # a batch of prompts: choices indexed prompt-major
     batch = client.completions.create(model=server.model, prompt=PROMPTS[:2], max_tokens=5, temperature=0)
@@ -168,8 +215,9 @@ def test_extra_sampling_params_and_token_prompts(server, offline_llm):
 
 
 def test_echo(server, offline_llm):
-    resp = server.openai().completions.create(model=server.model, prompt=PROMPTS[0], max_tokens=4, temperature=0,
-                                              echo=True)
+    resp = server.openai().completions.create(
+        model=server.model, prompt=PROMPTS[0], max_tokens=4, temperature=0, echo=True
+    )
     assert resp.choices[0].text.startswith(PROMPTS[0])
 
 

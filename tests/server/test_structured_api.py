@@ -2,6 +2,7 @@
 response_format json_object / json_schema (and the client's `parse()` helper), vLLM's structured_outputs
 and guided_* extensions, tools with tool_choice required / named / none / auto, streamed tool-call deltas,
 and 400s naming the field for what cannot be served."""
+
 from __future__ import annotations
 
 import json
@@ -15,21 +16,42 @@ from tests.server.conftest import STORIES_DIR, LiveServer, make_engine
 
 pytestmark = pytest.mark.skipif(not STORIES_DIR.is_dir(), reason=f"{STORIES_DIR} is absent")
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city",
-    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
-                   "properties": {"city": {"type": "string", "maxLength": 12},
-                                  "unit": {"enum": ["celsius", "fahrenheit"]}}}}}
-TIME = {"type": "function", "function": {
-    "name": "get_time", "parameters": {"type": "object", "additionalProperties": False, "required": ["zone"],
-                                       "properties": {"zone": {"type": "string", "maxLength": 6}}}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["city", "unit"],
+            "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["zone"],
+            "properties": {"zone": {"type": "string", "maxLength": 6}},
+        },
+    },
+}
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
 def srv():
-    server = LiveServer(make_engine(str(STORIES_DIR), kv_cache_bytes=8 << 20, max_num_seqs=16, max_model_len=512),
-                        served_model_names=["stories260K"], model_dir=str(STORIES_DIR), tool_call_parser="hermes")
+    server = LiveServer(
+        make_engine(str(STORIES_DIR), kv_cache_bytes=8 << 20, max_num_seqs=16, max_model_len=512),
+        served_model_names=["stories260K"],
+        model_dir=str(STORIES_DIR),
+        tool_call_parser="hermes",
+    )
     yield server
     server.stop()
 
@@ -42,11 +64,19 @@ def test_response_format_json_schema_and_parse_helper(srv):
         name: str = pydantic.Field(max_length=10)
         legs: int = pydantic.Field(ge=0, le=8)
 
-    parsed = client.chat.completions.parse(model="stories260K", messages=MESSAGES, response_format=Pet,
-                                           max_tokens=80, temperature=0)
+    parsed = client.chat.completions.parse(
+        model="stories260K", messages=MESSAGES, response_format=Pet, max_tokens=80, temperature=0
+    )
     assert isinstance(parsed.choices[0].message.parsed, Pet)
-    resp = client.chat.completions.create(model="stories260K", messages=MESSAGES, max_tokens=80, temperature=0.7,
-                                          seed=1, n=2, response_format={"type": "json_object"})
+    resp = client.chat.completions.create(
+        model="stories260K",
+        messages=MESSAGES,
+        max_tokens=80,
+        temperature=0.7,
+        seed=1,
+        n=2,
+        response_format={"type": "json_object"},
+    )
     for choice in resp.choices:
         if choice.finish_reason == "stop":
             assert isinstance(json.loads(choice.message.content), dict)
@@ -55,24 +85,53 @@ def test_response_format_json_schema_and_parse_helper(srv):
 
 def test_vllm_extensions_on_completions(srv):
     client = srv.openai()
-    schema = {"type": "object", "required": ["n"], "additionalProperties": False,
-              "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 9}}}
-    out = client.completions.create(model="stories260K", prompt="Once upon a time", max_tokens=20, temperature=0,
-                                    extra_body={"structured_outputs": {"json": schema}})
+    schema = {
+        "type": "object",
+        "required": ["n"],
+        "additionalProperties": False,
+        "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 9}},
+    }
+    out = client.completions.create(
+        model="stories260K",
+        prompt="Once upon a time",
+        max_tokens=20,
+        temperature=0,
+        extra_body={"structured_outputs": {"json": schema}},
+    )
     jsonschema.validate(json.loads(out.choices[0].text), schema)
-    out = client.completions.create(model="stories260K", prompt="The cat was", max_tokens=8, temperature=1.0,
-                                    extra_body={"guided_choice": ["big", "small"]}, n=3, seed=4)
+    out = client.completions.create(
+        model="stories260K",
+        prompt="The cat was",
+        max_tokens=8,
+        temperature=1.0,
+        extra_body={"guided_choice": ["big", "small"]},
+        n=3,
+        seed=4,
+    )
     assert {c.text for c in out.choices} <= {"big", "small"}
-    out = client.completions.create(model="stories260K", prompt="The cat was", max_tokens=8, temperature=0,
-                                    extra_body={"guided_regex": "[0-9]{3}"}, stream=True)
+    out = client.completions.create(
+        model="stories260K",
+        prompt="The cat was",
+        max_tokens=8,
+        temperature=0,
+        extra_body={"guided_regex": "[0-9]{3}"},
+        stream=True,
+    )
     assert len("".join(c.choices[0].text for c in out if c.choices)) == 3
 
 
 def test_tool_choice_required_and_named(srv):
     client = srv.openai()
-    resp = client.chat.completions.create(model="stories260K", messages=MESSAGES, tools=[WEATHER, TIME],
-                                          tool_choice="required", max_tokens=120, temperature=0.8, seed=2,
-                                          parallel_tool_calls=False)
+    resp = client.chat.completions.create(
+        model="stories260K",
+        messages=MESSAGES,
+        tools=[WEATHER, TIME],
+        tool_choice="required",
+        max_tokens=120,
+        temperature=0.8,
+        seed=2,
+        parallel_tool_calls=False,
+    )
     choice = resp.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     (call,) = choice.message.tool_calls
@@ -80,26 +139,41 @@ def test_tool_choice_required_and_named(srv):
     jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
     assert call.id.startswith("call_") and call.type == "function"
 
-    resp = client.chat.completions.create(model="stories260K", messages=MESSAGES, tools=[WEATHER, TIME],
-                                          tool_choice={"type": "function", "function": {"name": "get_time"}},
-                                          max_tokens=60, temperature=0)
+    resp = client.chat.completions.create(
+        model="stories260K",
+        messages=MESSAGES,
+        tools=[WEATHER, TIME],
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        max_tokens=60,
+        temperature=0,
+    )
     (call,) = resp.choices[0].message.tool_calls
     assert call.function.name == "get_time"
     jsonschema.validate(json.loads(call.function.arguments), TIME["function"]["parameters"])
 
     # The history may carry the call and the tool's answer.
-    follow = MESSAGES + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
-                         {"role": "tool", "tool_call_id": call.id, "content": "12:00"}]
-    resp = client.chat.completions.create(model="stories260K", messages=follow, tools=[WEATHER, TIME],
-                                          tool_choice="none", max_tokens=8, temperature=0)
+    follow = MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "12:00"},
+    ]
+    resp = client.chat.completions.create(
+        model="stories260K", messages=follow, tools=[WEATHER, TIME], tool_choice="none", max_tokens=8, temperature=0
+    )
     assert resp.choices[0].message.tool_calls is None and resp.choices[0].message.content
 
 
 def test_streamed_tool_calls_accumulate_like_openai(srv):
     client = srv.openai()
-    stream = client.chat.completions.create(model="stories260K", messages=MESSAGES, tools=[WEATHER],
-                                            tool_choice="required", max_tokens=120, temperature=0, stream=True,
-                                            parallel_tool_calls=False)
+    stream = client.chat.completions.create(
+        model="stories260K",
+        messages=MESSAGES,
+        tools=[WEATHER],
+        tool_choice="required",
+        max_tokens=120,
+        temperature=0,
+        stream=True,
+        parallel_tool_calls=False,
+    )
     calls: dict[int, dict] = {}
     finish = None
     for chunk in stream:
@@ -114,40 +188,53 @@ def test_streamed_tool_calls_accumulate_like_openai(srv):
     jsonschema.validate(json.loads(calls[0]["arguments"]), WEATHER["function"]["parameters"])
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
-     "response_format.json_schema.schema"),
-    ({"response_format": {"type": "yaml"}}, "response_format.type"),
-    ({"structured_outputs": {"regex": "([a-z"}}, "structured_outputs.regex"),
-    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "missing"}}}, "tool_choice"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
-    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools.0"),
-    ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+            "response_format.json_schema.schema",
+        ),
+        ({"response_format": {"type": "yaml"}}, "response_format.type"),
+        ({"structured_outputs": {"regex": "([a-z"}}, "structured_outputs.regex"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "missing"}}}, "tool_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        (
+            {"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "response_format",
+        ),
+        ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools.0"),
+        ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
+    ],
+)
 def test_unservable_requests_get_400_naming_the_field(srv, body, param):
     client = srv.openai()
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model="stories260K", messages=MESSAGES, max_tokens=8,
-                                       extra_body=body)
+        client.chat.completions.create(model="stories260K", messages=MESSAGES, max_tokens=8, extra_body=body)
     assert err.value.status_code == 400 and err.value.body["param"] == param, err.value.body
 
 
 def test_auto_tool_choice_needs_a_parser():
-    server = LiveServer(make_engine(str(STORIES_DIR), kv_cache_bytes=4 << 20, max_num_seqs=4, max_model_len=256),
-                        served_model_names=["stories260K"], model_dir=str(STORIES_DIR))
+    server = LiveServer(
+        make_engine(str(STORIES_DIR), kv_cache_bytes=4 << 20, max_num_seqs=4, max_model_len=256),
+        served_model_names=["stories260K"],
+        model_dir=str(STORIES_DIR),
+    )
     try:
         with pytest.raises(openai.BadRequestError) as err:
-            server.openai().chat.completions.create(model="stories260K", messages=MESSAGES, tools=[WEATHER],
-                                                    max_tokens=8)
+            server.openai().chat.completions.create(
+                model="stories260K", messages=MESSAGES, tools=[WEATHER], max_tokens=8
+            )
         assert err.value.body["param"] == "tool_choice" and "--tool-call-parser" in err.value.body["message"]
     finally:
         server.stop()
 
 
-HERMES_REGEX = (r'Sure\. <tool_call>\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)", '
-                r'"unit": "celsius"\}\}</tool_call>')
+HERMES_REGEX = (
+    r'Sure\. <tool_call>\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)", '
+    r'"unit": "celsius"\}\}</tool_call>'
+)
 
 
 def test_auto_tool_choice_parses_hermes_calls_plain_and_streamed(srv):
@@ -155,8 +242,14 @@ def test_auto_tool_choice_parses_hermes_calls_plain_and_streamed(srv):
     regex makes it write one in the Hermes format; the parser then has to find it (and, streamed, hold the
     tag back from the content)."""
     client = srv.openai()
-    kwargs = dict(model="stories260K", messages=MESSAGES, tools=[WEATHER], max_tokens=240, temperature=0,
-                  extra_body={"guided_regex": HERMES_REGEX})
+    kwargs = dict(
+        model="stories260K",
+        messages=MESSAGES,
+        tools=[WEATHER],
+        max_tokens=240,
+        temperature=0,
+        extra_body={"guided_regex": HERMES_REGEX},
+    )
     msg = client.chat.completions.create(**kwargs).choices[0]
     assert msg.finish_reason == "tool_calls" and msg.message.content == "Sure."
     assert msg.message.tool_calls[0].function.name == "get_weather"
@@ -174,15 +267,19 @@ def test_tool_parsers():
     from kvserve.runtime.server.tool_parsers import HermesParser, Llama3JsonParser
 
     hermes = HermesParser()
-    text = 'Let me check.\n<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n' \
-           '<tool_call>{"name": "b", "arguments": {}}</tool_call>'
+    text = (
+        'Let me check.\n<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n'
+        '<tool_call>{"name": "b", "arguments": {}}</tool_call>'
+    )
     assert hermes.parse(text) == ("Let me check.", [("a", {"x": 1}), ("b", {})])
     assert hermes.parse("no calls here") == ("no calls here", [])
     assert hermes.parse("<tool_call>{broken</tool_call>") == ("<tool_call>{broken</tool_call>", [])
     assert hermes.content_prefix_len("Hello <tool") == len("Hello ")  # a possible tag start is held back
     assert hermes.content_prefix_len("Hello <b>") == len("Hello <b>")
     llama = Llama3JsonParser()
-    assert llama.parse('<|python_tag|>{"name": "a", "parameters": {"q": "x"}}; {"name": "b", "parameters": {}}') == \
-        (None, [("a", {"q": "x"}), ("b", {})])
+    assert llama.parse('<|python_tag|>{"name": "a", "parameters": {"q": "x"}}; {"name": "b", "parameters": {}}') == (
+        None,
+        [("a", {"q": "x"}), ("b", {})],
+    )
     assert llama.parse("The answer is 4.") == ("The answer is 4.", [])
     assert llama.content_prefix_len('{"na') == 0 and llama.content_prefix_len("Hi") == 2

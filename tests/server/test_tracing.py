@@ -1,5 +1,6 @@
 """OpenTelemetry request spans through the real HTTP server: the SDK's in-memory exporter for the span shape,
 and a local OTLP/HTTP receiver on 127.0.0.1 for the real exporter path."""
+
 from __future__ import annotations
 
 import http.server
@@ -32,16 +33,19 @@ def _in_memory_tracer(model: str) -> tuple[RequestTracer, InMemorySpanExporter]:
 
 def test_one_trace_per_request_with_vllm_attributes_and_phase_spans(demo_model_dir):
     tracer, exporter = _in_memory_tracer("traced-model")
-    srv = LiveServer(make_engine(demo_model_dir, max_num_seqs=1), served_model_names=["traced-model"],
-                     request_tracer=tracer)
+    srv = LiveServer(
+        make_engine(demo_model_dir, max_num_seqs=1), served_model_names=["traced-model"], request_tracer=tracer
+    )
     try:
         headers = {"traceparent": f"00-{TRACE_ID}-{PARENT_SPAN_ID}-01"}
         body = {"prompt": "hello", "max_tokens": 12, "ignore_eos": True, "temperature": 0.5, "top_p": 0.9}
         response = httpx.post(srv.base_url + "/v1/completions", json=body, headers=headers, timeout=60)
         assert response.status_code == 200, response.text
         # Untraced caller: a fresh trace (no parent), still one per request.
-        assert httpx.post(srv.base_url + "/v1/completions", json={"prompt": "x", "max_tokens": 3},
-                          timeout=60).status_code == 200
+        assert (
+            httpx.post(srv.base_url + "/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=60).status_code
+            == 200
+        )
         srv.wait_idle()
     finally:
         srv.stop()
@@ -72,8 +76,7 @@ def test_one_trace_per_request_with_vllm_attributes_and_phase_spans(demo_model_d
     assert bounds[0][0] == root.start_time and bounds[-1][1] == root.end_time
     assert all(start <= end for start, end in bounds)
     assert bounds[0][1] == bounds[1][0] and bounds[1][1] == bounds[2][0]
-    assert (bounds[2][1] - bounds[2][0]) / 1e9 == pytest.approx(attrs[a.GEN_AI_LATENCY_TIME_IN_MODEL_DECODE],
-                                                                abs=1e-6)
+    assert (bounds[2][1] - bounds[2][0]) / 1e9 == pytest.approx(attrs[a.GEN_AI_LATENCY_TIME_IN_MODEL_DECODE], abs=1e-6)
 
 
 class _BrokenTracer:
@@ -88,7 +91,9 @@ def test_a_failing_tracer_never_costs_a_request(demo_model_dir):
     srv = LiveServer(make_engine(demo_model_dir), request_tracer=_BrokenTracer())
     try:
         for _ in range(2):
-            r = httpx.post(srv.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4, "ignore_eos": True}, timeout=60)
+            r = httpx.post(
+                srv.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4, "ignore_eos": True}, timeout=60
+            )
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
         assert httpx.get(srv.base_url + "/health", timeout=5).status_code == 200
     finally:
@@ -122,14 +127,21 @@ def test_otlp_http_exporter_delivers_spans_to_a_local_receiver(demo_model_dir, m
         tracer = build_otlp_tracer(f"http://127.0.0.1:{httpd.server_port}/v1/traces", "otlp-model")
         srv = LiveServer(make_engine(demo_model_dir), served_model_names=["otlp-model"], request_tracer=tracer)
         try:
-            r = httpx.post(srv.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 5, "ignore_eos": True}, timeout=60)
+            r = httpx.post(
+                srv.base_url + "/v1/completions", json={"prompt": "hi", "max_tokens": 5, "ignore_eos": True}, timeout=60
+            )
             assert r.status_code == 200
         finally:
             srv.stop()  # AsyncEngine.shutdown flushes the batch processor
     finally:
         httpd.shutdown()
-    spans = [(rs.resource, span) for req in received for rs in req.resource_spans
-             for ss in rs.scope_spans for span in ss.spans]
+    spans = [
+        (rs.resource, span)
+        for req in received
+        for rs in req.resource_spans
+        for ss in rs.scope_spans
+        for span in ss.spans
+    ]
     assert sorted(span.name for _, span in spans) == sorted([SPAN_NAME, *PHASES])
     resource, root = next((res, s) for res, s in spans if s.name == SPAN_NAME)
     assert {kv.key: kv.value.string_value for kv in resource.attributes}["service.name"] == "kvserve-test"

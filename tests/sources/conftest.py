@@ -1,5 +1,6 @@
 """Fixtures: the pretrained tiny model as a private repo on a local hub server (127.0.0.1), and the environment
 the downloader reads (HF_ENDPOINT, no telemetry) pointed at it."""
+
 from __future__ import annotations
 
 import os

@@ -3,6 +3,7 @@ kvserve's downloader call (revision, tree, HEAD/GET resolve with Range), private
 with the hub's error codes, and fault switches (stall or drop a file's body after N bytes, ignore Range).
 Never sends X-Xet-* headers or xetHash, so every client stays on plain HTTP.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -47,7 +48,7 @@ class Repo:
 @dataclass
 class Faults:
     stall_after: dict[str, int] = field(default_factory=dict)  # path -> bytes sent before the body stalls (once)
-    drop_after: dict[str, int] = field(default_factory=dict)   # path -> bytes sent before the socket closes (once)
+    drop_after: dict[str, int] = field(default_factory=dict)  # path -> bytes sent before the socket closes (once)
     ignore_range: bool = False
     release: threading.Event = field(default_factory=threading.Event)
 
@@ -101,8 +102,9 @@ class HubServer:
                     self.wfile.write(body)
 
             def _json(self, status: int, obj, headers: dict | None = None, head: bool = False) -> None:
-                self._send(status, json.dumps(obj).encode(), {"Content-Type": "application/json", **(headers or {})},
-                           head)
+                self._send(
+                    status, json.dumps(obj).encode(), {"Content-Type": "application/json", **(headers or {})}, head
+                )
 
             def _error(self, status: int, code: str, head: bool, extra: dict | None = None) -> None:
                 self._json(status, {"error": code}, {"X-Error-Code": code, **(extra or {})}, head)
@@ -111,9 +113,14 @@ class HubServer:
                 raw_path, _, _query = self.path.partition("?")
                 parts = [urllib.parse.unquote(p) for p in raw_path.split("/")[1:]]
                 with server._lock:
-                    server.log.append({"method": self.command, "path": raw_path,
-                                       "range": self.headers.get("Range"),
-                                       "authorization": self.headers.get("Authorization")})
+                    server.log.append(
+                        {
+                            "method": self.command,
+                            "path": raw_path,
+                            "range": self.headers.get("Range"),
+                            "authorization": self.headers.get("Authorization"),
+                        }
+                    )
                 if parts[:2] == ["api", "agent-harnesses"]:
                     return self._json(200, {}, head=head)
                 if parts[:2] == ["api", "models"] and len(parts) >= 4:
@@ -145,8 +152,15 @@ class HubServer:
                 if not rest or rest[0] == "revision":
                     commit = self._commit(repo, rest[1] if len(rest) > 1 else repo.branch, head)
                     if commit:
-                        self._json(200, {"id": repo.repo_id, "sha": commit,
-                                         "siblings": [{"rfilename": p} for p in sorted(repo.files)]}, head=head)
+                        self._json(
+                            200,
+                            {
+                                "id": repo.repo_id,
+                                "sha": commit,
+                                "siblings": [{"rfilename": p} for p in sorted(repo.files)],
+                            },
+                            head=head,
+                        )
                     return
                 if rest[0] == "tree" and len(rest) >= 2:
                     if self._commit(repo, rest[1], head):
@@ -154,8 +168,11 @@ class HubServer:
                         for path, data in sorted(repo.files.items()):
                             entry = {"type": "file", "path": path, "oid": git_blob_sha1(data), "size": len(data)}
                             if path.endswith(LFS_SUFFIXES):
-                                entry["lfs"] = {"oid": hashlib.sha256(data).hexdigest(), "size": len(data),
-                                                "pointerSize": 134}
+                                entry["lfs"] = {
+                                    "oid": hashlib.sha256(data).hexdigest(),
+                                    "size": len(data),
+                                    "pointerSize": 134,
+                                }
                             entries.append(entry)
                         self._json(200, entries, head=head)
                     return
@@ -174,8 +191,12 @@ class HubServer:
                 data = repo.files[path]
                 lfs = path.endswith(LFS_SUFFIXES)
                 etag = hashlib.sha256(data).hexdigest() if lfs else git_blob_sha1(data)
-                headers = {"X-Repo-Commit": commit, "ETag": f'"{etag}"', "Accept-Ranges": "bytes",
-                           "Content-Type": "application/octet-stream"}
+                headers = {
+                    "X-Repo-Commit": commit,
+                    "ETag": f'"{etag}"',
+                    "Accept-Ranges": "bytes",
+                    "Content-Type": "application/octet-stream",
+                }
                 if lfs:
                     headers.update({"X-Linked-Etag": f'"{etag}"', "X-Linked-Size": str(len(data))})
                 start, status = 0, 200
@@ -185,7 +206,7 @@ class HubServer:
                     start = int(first)
                     end = int(last) if last else len(data) - 1
                     headers["Content-Range"] = f"bytes {start}-{end}/{len(data)}"
-                    data, status = data[start:end + 1], 206
+                    data, status = data[start : end + 1], 206
                 if head:
                     return self._send(status, data, headers, head=True)
                 stall = server.faults.stall_after.pop(path, None)

@@ -1,14 +1,13 @@
 """hf:// downloads against a local hub server on 127.0.0.1 speaking huggingface_hub's protocol (revision, tree,
 resolve with Range), serving ../shared/models/stories260K as a private repo."""
+
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -32,7 +31,8 @@ def test_download_is_byte_identical_verified_and_fetched_once(hub, stories_dir, 
     assert sorted(p.name for p in dest.iterdir()) == sorted([*serving_files(stories_dir), download.MARKER])
     repo = hub.repos[REPO_ID]
     assert result.commit == repo.commit and result.fetched_bytes == result.num_bytes == sum(
-        len(b) for b in serving_files(stories_dir).values())
+        len(b) for b in serving_files(stories_dir).values()
+    )
     marker = download.read_marker(dest)
     assert marker["source"] == f"{URI}@main" and marker["commit"] == repo.commit
     assert set(marker["files"]) == set(serving_files(stories_dir))
@@ -69,8 +69,17 @@ def test_a_download_killed_half_way_resumes_with_range_and_is_byte_identical(hub
     hub.faults.stall_after["model.safetensors"] = cut
     dest = tmp_path / "models" / "stories"
     part = dest.parent / download.STAGING_DIR / dest.name / "model.safetensors.part"
-    cmd = [sys.executable, "-m", "kvserve.cli", "download", URI, "--dest", str(dest), "--termination-log",
-           str(tmp_path / "log")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvserve.cli",
+        "download",
+        URI,
+        "--dest",
+        str(dest),
+        "--termination-log",
+        str(tmp_path / "log"),
+    ]
     proc = subprocess.Popen(cmd, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 60
@@ -105,7 +114,8 @@ def test_a_damaged_staged_file_is_detected_by_its_sha256_and_fetched_again(hub, 
     dest.rename(staging)
     (staging / download.MARKER).unlink()
     (staging / ".kvserve-source.json").write_text(
-        f'{{"source": "{URI}@main", "commit": "{hub.repos[REPO_ID].commit}"}}')
+        f'{{"source": "{URI}@main", "commit": "{hub.repos[REPO_ID].commit}"}}'
+    )
     damaged = bytearray((staging / "model.safetensors").read_bytes())
     damaged[100] ^= 0xFF
     (staging / "model.safetensors").write_bytes(bytes(damaged))

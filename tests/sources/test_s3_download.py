@@ -1,5 +1,6 @@
 """s3:// downloads with real boto3 against moto's S3 server (a separate process on 127.0.0.1), reached the way
 S3-compatible stores are: AWS_ENDPOINT_URL."""
+
 from __future__ import annotations
 
 import socket
@@ -23,8 +24,11 @@ def moto_url():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 30
@@ -47,9 +51,14 @@ def s3(moto_url, stories_dir, monkeypatch):
     """A bucket holding the tiny model under llama/stories260K/, a sibling prefix that a string match would
     also take, a directory marker and a nested folder; the environment an init container would get."""
     urllib.request.urlopen(urllib.request.Request(moto_url + "/moto-api/reset", method="POST"), timeout=5)
-    for key, value in {"AWS_ENDPOINT_URL": moto_url, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
-                       "AWS_DEFAULT_REGION": "us-east-1", "AWS_REQUEST_CHECKSUM_CALCULATION": "when_required",
-                       "AWS_RESPONSE_CHECKSUM_VALIDATION": "when_required"}.items():
+    for key, value in {
+        "AWS_ENDPOINT_URL": moto_url,
+        "AWS_ACCESS_KEY_ID": "test",
+        "AWS_SECRET_ACCESS_KEY": "test",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_REQUEST_CHECKSUM_CALCULATION": "when_required",
+        "AWS_RESPONSE_CHECKSUM_VALIDATION": "when_required",
+    }.items():
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("AWS_PROFILE", raising=False)
     client = boto3.client("s3")
@@ -72,8 +81,11 @@ def test_download_from_s3_is_byte_identical_and_stays_inside_the_prefix(s3, stor
     by_path = {f.path: f for f in listing}
     # The object uploaded with a SHA256 checksum is verified against it; all are size-checked.
     import hashlib
-    assert by_path["model.safetensors"].sha256 == hashlib.sha256(
-        (stories_dir / "model.safetensors").read_bytes()).hexdigest()
+
+    assert (
+        by_path["model.safetensors"].sha256
+        == hashlib.sha256((stories_dir / "model.safetensors").read_bytes()).hexdigest()
+    )
     assert all(f.etag for f in listing)
     assert result.fetched_bytes == result.num_bytes
 

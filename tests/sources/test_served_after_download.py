@@ -1,5 +1,6 @@
 """The downloaded folder is the model: `kvserve serve` on it (a subprocess, as in the pod) gives the same greedy
 text as the engine on the original folder."""
+
 from __future__ import annotations
 
 import signal
@@ -29,13 +30,35 @@ def test_kvserve_serve_on_the_downloaded_folder_matches_the_original(hub, storie
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = open(tmp_path / "serve.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "serve", str(dest), "--host", "127.0.0.1",
-                             "--port", str(port), "--max-model-len", "512", "--kv-cache-bytes", str(8 << 20),
-                             "--served-model-name", "stories"], env=subprocess_env(), stdout=log,
-                            stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvserve.cli",
+            "serve",
+            str(dest),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--max-model-len",
+            "512",
+            "--kv-cache-bytes",
+            str(8 << 20),
+            "--served-model-name",
+            "stories",
+        ],
+        env=subprocess_env(),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
-        expected = [o.outputs[0].text for o in LLM(str(stories_dir), max_model_len=512, kv_cache_bytes=8 << 20)
-                    .generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)]
+        expected = [
+            o.outputs[0].text
+            for o in LLM(str(stories_dir), max_model_len=512, kv_cache_bytes=8 << 20).generate(
+                PROMPTS, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False
+            )
+        ]
         base = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 120
         while True:
@@ -47,9 +70,14 @@ def test_kvserve_serve_on_the_downloaded_folder_matches_the_original(hub, storie
                 pass
             assert time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
             time.sleep(0.2)
-        got = [httpx.post(base + "/v1/completions", timeout=60, json={
-            "model": "stories", "prompt": p, "max_tokens": 24, "temperature": 0}).json()["choices"][0]["text"]
-            for p in PROMPTS]
+        got = [
+            httpx.post(
+                base + "/v1/completions",
+                timeout=60,
+                json={"model": "stories", "prompt": p, "max_tokens": 24, "temperature": 0},
+            ).json()["choices"][0]["text"]
+            for p in PROMPTS
+        ]
         assert got == expected and all(len(t) > 10 for t in got)
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -107,8 +107,10 @@ def _config_only_dir(model_dir, tmp_path):
 @pytest.mark.parametrize(
     "name,dtype", [("llama_gqa", "auto"), ("llama_gqa", "fp8"), ("gemma2_sliding", "auto"), ("qwen3_moe", "auto")]
 )
-def test_dummy_weights_need_no_checkpoint(model_factory, tmp_path, name, dtype):
+def test_dummy_weights_need_no_checkpoint(model_factory, tmp_path, name, dtype, monkeypatch):
     from kvserve.runtime import LLM, SamplingParams
+
+    monkeypatch.setenv("KVSERVE_CPU_LINEAR", "aten")  # keep the plain weights readable (models/cpu_linear.py)
 
     model_dir, _ = model_factory(name)
     shape_only = _config_only_dir(model_dir, tmp_path)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from .kv_dtypes import is_fp8 as _is_fp8
+
 
 def _scale_value(scale) -> float:
     if scale is None:
@@ -23,10 +25,6 @@ def _scale_value(scale) -> float:
     if isinstance(scale, torch.Tensor):
         return float(scale.reshape(-1)[0].item())
     return float(scale)
-
-
-def _is_fp8(dtype: torch.dtype) -> bool:
-    return dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def quantize_to_cache(x: torch.Tensor, cache_dtype: torch.dtype, scale=None) -> torch.Tensor:

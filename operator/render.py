@@ -10,6 +10,7 @@ import math
 from typing import Any
 
 from kvserve.operator import pod_resources, render_model, render_router, render_security
+from kvserve.operator import spec as spec_mod
 from kvserve.operator.labels import engine_labels, engine_selector
 from kvserve.operator.render_model import MODEL_MOUNT, model_source  # noqa: F401 - re-exported
 from kvserve.operator.spec import API_VERSION, KIND, Resolved
@@ -66,9 +67,9 @@ def runtime_args(resolved: Resolved, name: str, model_dir: str) -> list[str]:
         "--served-model-name",
         served_model_name(spec, name),
         *engine_args.cli_args(engine_settings(resolved)),
-        # Leave the kubelet 10 s after the drain before it sends SIGKILL.
+        # The grace period covers the preStop sleep, then the drain, then 10 s before the kubelet's SIGKILL.
         "--drain-timeout",
-        str(max(1, spec["terminationGracePeriodSeconds"] - 10)),
+        str(spec_mod.drain_timeout_seconds(spec)),
     ]
     return args + [str(a) for a in engine.get("extraArgs", [])]
 
@@ -133,6 +134,14 @@ def deployment(resolved: Resolved, name: str, namespace: str) -> dict:
         "readinessProbe": _probe("http", 5, 3),
         # /health answers 503 while draining; 6 x 20 s outlasts the drain so liveness never kills a draining pod.
         "livenessProbe": _probe("http", 20, 6),
+        # Keep serving while the endpoint removal propagates (kube-proxy, gateways): SIGTERM, and with it the
+        # drain's 503s, comes only after this sleep. The kubelet's own sleep action (Kubernetes >= 1.30; the
+        # chart needs 1.31): no binary in the image, no exec.
+        **(
+            {"lifecycle": {"preStop": {"sleep": {"seconds": spec["drain"]["preStopSeconds"]}}}}
+            if spec["drain"]["preStopSeconds"] > 0
+            else {}
+        ),
         "securityContext": {
             "allowPrivilegeEscalation": False,
             "readOnlyRootFilesystem": True,

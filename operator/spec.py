@@ -48,6 +48,7 @@ DEFAULTS: dict[str, Any] = {
     "shmSize": "16Gi",
     "startupTimeoutSeconds": 3600,
     "terminationGracePeriodSeconds": 120,
+    "drain": {"preStopSeconds": 5},
     "podDisruptionBudget": {"enabled": True, "maxUnavailable": 1},
     "router": {"enabled": False, "replicas": 1},
     "networkPolicy": {"enabled": True, "allowSameNamespace": True},
@@ -215,6 +216,26 @@ def check_enums(spec: dict) -> None:
             )
 
 
+KILL_MARGIN_SECONDS = 10  # left to the kubelet after the drain, before its SIGKILL
+
+
+def drain_timeout_seconds(spec: dict) -> int:
+    """The pod's --drain-timeout: the grace period (which starts with the preStop sleep) less the preStop sleep
+    and KILL_MARGIN_SECONDS. Raises SpecError when less than 1 s of drain would be left."""
+    grace, pre_stop = spec["terminationGracePeriodSeconds"], spec["drain"]["preStopSeconds"]
+    drain = grace - pre_stop - KILL_MARGIN_SECONDS
+    if drain < 1:
+        raise SpecError(
+            "InvalidDrain",
+            f"spec.drain.preStopSeconds ({pre_stop}) + {KILL_MARGIN_SECONDS} s for the "
+            f"kubelet + at least 1 s of drain must fit in "
+            f"spec.terminationGracePeriodSeconds ({grace}): lower "
+            f"spec.drain.preStopSeconds to at most {grace - KILL_MARGIN_SECONDS - 1} "
+            "or raise terminationGracePeriodSeconds",
+        )
+    return drain
+
+
 def resolve(spec: dict, model_config: dict | None = None) -> Resolved:
     """Defaults + catalogs + planner. Raises SpecError for an unknown model/GPU, a bad model source, an engine
     setting outside the CRD's enum or an API key in extraArgs. `model_config`: the model's config.json, for
@@ -222,6 +243,7 @@ def resolve(spec: dict, model_config: dict | None = None) -> Resolved:
     spec = with_defaults(spec)
     check_enums(spec)
     check_no_api_key_in_args(spec)
+    drain_timeout_seconds(spec)
     source = model_source(spec["model"])
     model = model_shape(spec["model"], model_config)
     gpu_spec, engine = spec["gpu"], spec["engine"]

@@ -281,11 +281,13 @@ class CoreClient:
 
 
 def _core_mp_context():
-    """forkserver, with the core's imports (torch, the model code) preloaded in the server: each core then
-    starts in about the time of a fork plus the model load instead of a fresh interpreter importing torch (~5 s
-    on a busy CPU), which matters to tests and restarts. Like spawn, and unlike fork, a child does not inherit
-    this process's threads and locks. KVSERVE_CORE_START_METHOD=spawn restores a plain spawn."""
-    method = os.environ.get("KVSERVE_CORE_START_METHOD", "forkserver")
+    """spawn: the core is this process's own child, so its exit status is read from the core (waitpid), and
+    nothing between the two can die of a signal meant for the server. A forkserver (faster starts: the core's
+    imports preloaded) does not ignore SIGTERM: a SIGTERM to the process group (systemd's
+    KillMode=control-group, `timeout`, supervisord's killasgroup) killed it mid-drain and the core's status,
+    read through it, became 255 (issue 29). KVSERVE_CORE_START_METHOD=forkserver still selects it, for runs
+    that are never stopped by a group signal (tests); api_server_group.py uses spawn for the same reason."""
+    method = os.environ.get("KVSERVE_CORE_START_METHOD", "spawn")
     ctx = multiprocessing.get_context(method)
     if method == "forkserver":
         ctx.set_forkserver_preload(

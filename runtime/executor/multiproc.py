@@ -292,10 +292,7 @@ def _stop_workers(procs: list, conns: list, tmpdir: str, grace_s: float = 5.0) -
     for proc in procs:
         try:
             if proc.is_alive():
-                proc.terminate()  # blocked in a collective whose peer died: SIGTERM ends it
-                proc.join(2.0)
-            if proc.is_alive():
-                proc.kill()
+                proc.kill()  # blocked in a collective whose peer died (workers ignore SIGTERM: tp_worker.py)
                 proc.join(2.0)
         except Exception:  # noqa: BLE001
             pass

@@ -79,9 +79,11 @@ def worker_main(
     collective_timeout_s: float,
 ) -> None:
     _watch_parent(parent_pid)
-    # Ctrl-C reaches the whole foreground process group: the engine decides when workers stop (a server
-    # drains first), so a worker must not die of the SIGINT meant for it.
+    # Ctrl-C reaches the whole foreground process group, and so does a SIGTERM to the group (systemd, `timeout`,
+    # killasgroup): the engine decides when workers stop (a server drains first), so a worker must not die of
+    # a signal meant for the server. The engine stops a stuck worker with SIGKILL (multiproc.py).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s [tp rank {rank}] %(name)s: %(message)s")
     try:
         import torch

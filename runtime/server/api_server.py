@@ -2,7 +2,9 @@
 
 On the first SIGTERM (or SIGINT): /health turns 503 (readiness fails, the Service stops routing here), new
 requests get 503 with `Connection: close`, in-flight requests run to completion for up to `drain_timeout_s`
-(then they are aborted with finish_reason "abort"), and the process exits 0. A second signal exits at once.
+(then they are aborted with finish_reason "abort"), and the process exits 0. A second signal finishes fast:
+the requests in flight are aborted at once (each still answered, finish_reason "abort") and the exit is 0; a
+third exits at once.
 
 When the engine dies (a tensor-parallel worker died, or too many engine steps failed in a row), /health
 turns 503 and every in-flight and queued request is answered with a 503 error at once; once those answers
@@ -48,8 +50,12 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Runs in the main thread, which is also the event loop's thread; do not re-raise the signal later.
         self._signals += 1
+        if self._signals == 2 and self._loop is not None:
+            logger.warning("second signal %s: finishing fast (aborting what is in flight)", signal.Signals(sig).name)
+            self._loop.call_soon_threadsafe(self._finish_fast)
+            return
         if self._signals > 1 or self._loop is None:
-            logger.warning("second signal %s: exiting now", signal.Signals(sig).name)
+            logger.warning("signal %s again: exiting now", signal.Signals(sig).name)
             self.should_exit = True
             self.force_exit = True
             return
@@ -74,6 +80,14 @@ class DrainingServer(uvicorn.Server):
         await asyncio.sleep(0.2)  # let the last error bodies / SSE events flush
         logger.error("engine dead: exiting with status 1 so the pod is restarted")
         self.should_exit = True
+
+    def _finish_fast(self) -> None:
+        """The second signal: every request in flight is answered now (finish_reason "abort", its stream
+        closed properly), then the drain ends as usual and the exit is still 0."""
+        self._start_drain()
+        engine = self.state.engine
+        if engine is not None and engine.num_in_flight:
+            engine.abort_all()
 
     def _start_drain(self) -> None:
         if self._drain_task is None:

@@ -213,3 +213,39 @@ def test_rendered_flags_parse_with_the_runtime_cli():
         assert args.max_model_len == 8192 and args.port == 8000
         assert args.enable_chunked_prefill == ("--no-enable-chunked-prefill" not in cmd)
         assert args.kv_cache_dtype == ("fp8" if d is doc else "auto")
+
+
+def _engine_container(objs: list[dict]) -> dict:
+    deployment = next(o for o in objs if o["kind"] == "Deployment" and "router" not in o["metadata"]["name"])
+    return deployment["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_pre_stop_sleep_and_drain_fit_in_the_grace_period():
+    doc = _load(ROOT / "examples" / "llama70b.yaml")
+    resolved, objs = _render(doc)
+    c = _engine_container(objs)
+    grace = resolved.spec["terminationGracePeriodSeconds"]
+    assert c["lifecycle"] == {"preStop": {"sleep": {"seconds": 5}}}  # the default
+    assert int(_flag(c["command"], "--drain-timeout")) == grace - 5 - spec_mod.KILL_MARGIN_SECONDS
+    doc["spec"]["drain"] = {"preStopSeconds": 20}
+    doc["spec"]["terminationGracePeriodSeconds"] = 60
+    _, objs = _render(doc)
+    c = _engine_container(objs)
+    assert c["lifecycle"]["preStop"]["sleep"]["seconds"] == 20 and _flag(c["command"], "--drain-timeout") == "30"
+    doc["spec"]["drain"] = {"preStopSeconds": 0}  # off: no lifecycle at all, the drain gets it all
+    _, objs = _render(doc)
+    c = _engine_container(objs)
+    assert "lifecycle" not in c and _flag(c["command"], "--drain-timeout") == "50"
+
+
+@pytest.mark.parametrize("grace,pre_stop", [(15, 5), (60, 50), (60, 120)])
+def test_a_pre_stop_that_leaves_no_drain_is_refused_naming_the_field(grace, pre_stop):
+    doc = _load(ROOT / "examples" / "llama70b.yaml")
+    doc["spec"]["terminationGracePeriodSeconds"] = grace
+    doc["spec"]["drain"] = {"preStopSeconds": pre_stop}
+    with pytest.raises(spec_mod.SpecError) as info:
+        spec_mod.resolve(doc["spec"])
+    assert info.value.reason == "InvalidDrain"
+    assert "spec.drain.preStopSeconds" in info.value.message and "terminationGracePeriodSeconds" in info.value.message
+    doc["spec"]["drain"] = {"preStopSeconds": grace - spec_mod.KILL_MARGIN_SECONDS - 1}  # the largest that fits
+    assert spec_mod.resolve(doc["spec"]).spec["drain"]["preStopSeconds"] == grace - 11

@@ -53,6 +53,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds to finish in-flight requests after SIGTERM before aborting them",
     )
     parser.add_argument(
+        "--drain-accept-seconds",
+        type=float,
+        default=0.0,
+        help="after SIGTERM keep accepting new requests this long while /health answers 503, for load "
+        "balancers that take the endpoint out late and have no preStop hook; the drain timeout starts after "
+        "it (default 0: Kubernetes pods get a preStop sleep from the operator instead)",
+    )
+    parser.add_argument(
         "--otlp-traces-endpoint",
         default=None,
         help="export one OpenTelemetry trace per request (llm_request with queued/prefill/decode "
@@ -113,6 +121,9 @@ def run(args: argparse.Namespace) -> int:
     if args.drain_timeout < 0:
         print("kvserve serve: --drain-timeout must be >= 0", file=sys.stderr)
         return 2
+    if args.drain_accept_seconds < 0:
+        print("kvserve serve: --drain-accept-seconds must be >= 0", file=sys.stderr)
+        return 2
     if args.api_server_count > 1 and args.inprocess_engine:
         print(
             "kvserve serve: --inprocess-engine runs the engine inside the one API server; it cannot be "
@@ -141,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
         max_queue_len=args.max_queue_len,
         tool_call_parser=args.tool_call_parser,
         drain_timeout_s=args.drain_timeout,
+        drain_accept_s=args.drain_accept_seconds,
         random_weights=random_weights,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         max_request_body_bytes=args.max_request_body_bytes,

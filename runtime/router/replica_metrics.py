@@ -21,6 +21,7 @@ class ReplicaMetrics:
     capacity_tokens: int | None = None
     prefix_cache_queries: float = 0.0  # tokens looked up (cumulative)
     prefix_cache_hits: float = 0.0  # tokens found (cumulative)
+    draining: bool = False  # kvserve:draining 1: the replica got a stop signal (it may still accept a while)
 
 
 def _label_int(labels: dict[str, str], key: str) -> int | None:
@@ -57,4 +58,5 @@ def parse_metrics(text: str) -> ReplicaMetrics:
         capacity_tokens=int(capacity) if capacity else None,
         prefix_cache_queries=values.get("vllm:prefix_cache_queries_total", 0.0),
         prefix_cache_hits=values.get("vllm:prefix_cache_hits_total", 0.0),
+        draining=values.get("kvserve:draining", 0.0) > 0,
     )

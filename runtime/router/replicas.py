@@ -127,8 +127,10 @@ class ReplicaSet:
 
     def routable(self, now: float) -> list[Replica]:
         """Healthy, non-draining replicas; if every one is ejected, all non-draining ones (fail open: a
-        wrong ejection must not turn into a full outage)."""
-        live = [r for r in self.replicas.values() if not r.draining]
+        wrong ejection must not turn into a full outage). Draining: the EndpointSlice says terminating, or
+        the replica's last scrape said `kvserve:draining 1` (a stop signal came: the router stops sending
+        first, while the replica still accepts through its preStop sleep or --drain-accept-seconds)."""
+        live = [r for r in self.replicas.values() if not (r.draining or (r.metrics is not None and r.metrics.draining))]
         healthy = [r for r in live if r.ejected_until is None]
         return healthy or live
 

@@ -1,8 +1,10 @@
 """Run the app under uvicorn with a Kubernetes-friendly SIGTERM drain.
 
-On the first SIGTERM (or SIGINT): /health turns 503 (readiness fails, the Service stops routing here), new
-requests get 503 with `Connection: close`, in-flight requests run to completion for up to `drain_timeout_s`
-(then they are aborted with finish_reason "abort"), and the process exits 0. A second signal finishes fast:
+On the first SIGTERM (or SIGINT): /health turns 503 (readiness fails, the Service stops routing here); for
+`drain_accept_s` (--drain-accept-seconds, default 0) new requests are still accepted, so a load balancer that
+notices the stop late (no preStop hook) sends nothing into a 503; then new requests get 503 with
+`Connection: close`, in-flight requests run to completion for up to `drain_timeout_s` (then they are aborted
+with finish_reason "abort"), and the process exits 0. A second signal finishes fast: the accept window ends,
 the requests in flight are aborted at once (each still answered, finish_reason "abort") and the exit is 0; a
 third exits at once.
 
@@ -34,21 +36,40 @@ logger = logging.getLogger("kvserve.server")
 DEAD_EXIT_GRACE_S = 5.0  # after the engine died: time for the error responses to reach their clients
 
 
+# In an API-server group the launcher forwards the first stop signal as SIGTERM and a second one as this, so a
+# server that also got the SIGTERM itself (a cgroup stop reaches every process) does not count it twice.
+FINISH_FAST_SIGNAL = signal.SIGUSR1
+
+
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, state: ServerState):
+    def __init__(self, config: uvicorn.Config, state: ServerState, *, group_member: bool = False):
         super().__init__(config)
         self.state = state
+        self.group_member = group_member  # stop signals: SIGTERM/SIGINT drain (any number), SIGUSR1 finishes fast
         self.exit_code = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task | None = None
         self._signals = 0
+        self._accept_over: asyncio.Event | None = None  # set when the accept window ends (early: second signal)
 
     async def serve(self, sockets: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
+        if self.group_member:
+            self._loop.add_signal_handler(FINISH_FAST_SIGNAL, self._finish_fast_from_launcher)
         await super().serve(sockets)
+
+    def _finish_fast_from_launcher(self) -> None:
+        logger.warning("the launcher got a second signal: finishing fast (aborting what is in flight)")
+        self._signals = max(self._signals, 2)
+        self._finish_fast()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Runs in the main thread, which is also the event loop's thread; do not re-raise the signal later.
+        if self.group_member and self._loop is not None:
+            if self._drain_task is None:
+                logger.info("%s received: draining", signal.Signals(sig).name)
+                self._loop.call_soon_threadsafe(self._start_drain)
+            return  # the launcher and a cgroup stop may both send it: only the launcher's SIGUSR1 escalates
         self._signals += 1
         if self._signals == 2 and self._loop is not None:
             logger.warning("second signal %s: finishing fast (aborting what is in flight)", signal.Signals(sig).name)
@@ -85,6 +106,9 @@ class DrainingServer(uvicorn.Server):
         """The second signal: every request in flight is answered now (finish_reason "abort", its stream
         closed properly), then the drain ends as usual and the exit is still 0."""
         self._start_drain()
+        if self._accept_over is not None:
+            self._accept_over.set()
+        self.state.draining = True  # nothing new from now on, even inside the accept window
         engine = self.state.engine
         if engine is not None and engine.num_in_flight:
             engine.abort_all()
@@ -95,9 +119,18 @@ class DrainingServer(uvicorn.Server):
 
     async def drain(self) -> None:
         state = self.state
-        state.draining = True
+        state.stopping = True  # /health 503 from now on
         if state.metrics is not None:
             state.metrics.draining.set(1)
+        accept_s = state.config.drain_accept_s
+        if accept_s > 0 and not state.draining:
+            logger.info("stopping: /health is 503; still accepting new requests for %.0f s", accept_s)
+            self._accept_over = asyncio.Event()
+            try:
+                await asyncio.wait_for(self._accept_over.wait(), accept_s)
+            except asyncio.TimeoutError:
+                pass
+        state.draining = True
         engine = state.engine
         timeout = state.config.drain_timeout_s
         in_flight = engine.num_in_flight if engine is not None else 0
@@ -136,11 +169,11 @@ def run_server(
         port=port,
         log_level=log_level,
         lifespan="on",
-        timeout_graceful_shutdown=max(5, int(config.drain_timeout_s)),
+        timeout_graceful_shutdown=max(5, int(config.drain_timeout_s)),  # counted after drain() returns
         timeout_keep_alive=5,
         **(uvicorn_kwargs or {}),
     )
-    server = DrainingServer(uv_config, state)
+    server = DrainingServer(uv_config, state, group_member=config.api_server_count > 1)
     state.on_fatal = server.fatal
     state.on_engine_dead = server.engine_dead
     server.run(sockets=sockets)

@@ -19,9 +19,11 @@ Layout (this process is the launcher and only supervises):
 - Request ids: every server makes uuid4 ids (`cmpl-<32 hex>`), unique across servers in practice; the core
   refuses an id already in use (that request alone fails).
 - SIGTERM / SIGINT to the launcher: forwarded once to every API server (each drains as a single server
-  does: /health 503, in-flight requests finish, exit 0); then the core gets SHUTDOWN; exit 0. API servers
-  run in their own process group, so a terminal's Ctrl-C reaches them only through the launcher (twice
-  would cut the drain short).
+  does: /health 503, in-flight requests finish, exit 0); then the core gets SHUTDOWN; exit 0. A second
+  signal is forwarded as SIGUSR1 (finish fast: abort in flight, still answer it), a third kills the servers.
+  API servers run in their own process group, so a terminal's Ctrl-C reaches them only through the launcher;
+  a cgroup stop (systemd KillMode=control-group) reaches them directly as well, so in a group a server
+  counts any number of SIGTERM/SIGINT as one: only the launcher escalates.
 - Core death: every API server sees it (pidfd), answers 503 engine_dead, exits 1; the launcher exits 1.
 - An API server dies (or exits unasked): the group is broken; the others get SIGTERM (they drain: their
   in-flight requests finish, bounded by --drain-timeout), the core is stopped, the launcher exits 1.
@@ -146,7 +148,7 @@ def run_api_server_group(
             logger.info("API server %d: pid %d", i, proc.pid)
         for sock in listeners:
             sock.close()  # the servers hold them now; a dead server's socket must not keep taking connections
-        exit_code = _supervise(core, servers, control, server_config.drain_timeout_s)
+        exit_code = _supervise(core, servers, control, server_config.drain_accept_s + server_config.drain_timeout_s)
         _report_startup_failure(status)
         return exit_code
     finally:
@@ -202,17 +204,18 @@ def _api_server_main(
 def _supervise(core, servers: list, control, drain_timeout_s: float) -> int:
     """Wait until every API server has exited; returns the group's exit status."""
     from kvserve.runtime.child_process import describe_exit
+    from kvserve.runtime.server.api_server import FINISH_FAST_SIGNAL
 
     state = {"signals": 0, "stopping": False}
     failed = False
     deadline: float | None = None
     live = list(servers)
 
-    def stop_servers() -> None:
+    def stop_servers(sig: int = signal.SIGTERM) -> None:
         nonlocal deadline
         for proc in live:
             if proc.is_alive():
-                os.kill(proc.pid, signal.SIGTERM)
+                os.kill(proc.pid, sig)
         if deadline is None:
             deadline = time.monotonic() + drain_timeout_s + STOP_GRACE_S
 
@@ -225,7 +228,14 @@ def _supervise(core, servers: list, control, drain_timeout_s: float) -> int:
             len(live),
         )
         state["stopping"] = True
-        stop_servers()
+        if state["signals"] == 1:
+            stop_servers()  # each drains; one that also got the signal itself counts it once
+        elif state["signals"] == 2:
+            stop_servers(FINISH_FAST_SIGNAL)  # finish fast: abort in flight, still answer it
+        else:
+            for proc in live:
+                if proc.is_alive():
+                    proc.kill()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)

@@ -93,7 +93,7 @@ def build_app(config: ServerConfig, *, engine: Any = None, engine_factory: Calla
             return JSONResponse({"status": "ok"})
         status = (
             "draining"
-            if state.draining
+            if state.stopping or state.draining
             else "failed"
             if state.load_error is not None
             else "loading"

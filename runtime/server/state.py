@@ -28,6 +28,10 @@ class ServerConfig:
     api_key: str | None = None
     max_queue_len: int | None = None  # 429 when this many requests already wait
     drain_timeout_s: float = 30.0
+    # --drain-accept-seconds: after the first SIGTERM keep accepting new requests this long while /health
+    # answers 503, so a load balancer without a preStop hook (plain Docker, systemd, Nomad) has time to take
+    # the endpoint out before new requests would get 503. The drain (drain_timeout_s) starts after it.
+    drain_accept_s: float = 0.0
     random_weights: bool = False
     max_request_body_bytes: int = 32 * 1024 * 1024  # larger bodies get 413 (--max-request-body-bytes)
     retry_after_s: int = 1
@@ -52,7 +56,8 @@ class ServerState:
     limits: Any = None  # the engine's sampling_params.RequestLimits: what a request is validated against
     max_token_chars: int = 64
     chat_template: str | None = None
-    draining: bool = False
+    stopping: bool = False  # a stop signal came: /health is 503; new requests are still accepted until draining
+    draining: bool = False  # new requests get 503; in-flight ones finish
     load_error: BaseException | None = None
     created: int = field(default_factory=lambda: int(time.time()))
     on_fatal: Callable[[BaseException], None] | None = None  # loading failed: exit non-zero
@@ -73,7 +78,7 @@ class ServerState:
 
     @property
     def ready(self) -> bool:
-        return self.engine is not None and self.engine.is_running and not self.draining
+        return self.engine is not None and self.engine.is_running and not (self.stopping or self.draining)
 
     def attach_engine(self, llm_engine: Any) -> None:
         """Wire up a loaded LLMEngine: tokenizer copy for the HTTP side, metrics, the async loop."""

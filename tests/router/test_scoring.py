@@ -222,3 +222,15 @@ def test_ejection_backoff_probe_readmit_drain_and_removal():
     rs.index.record(B, [b"y"], 10)
     added, removed = rs.set_endpoints({A})
     assert removed == {B} and B not in rs.replicas and rs.index.size(B) == 0
+
+
+def test_a_replica_that_reports_draining_takes_nothing_new_until_it_reports_otherwise():
+    """A stop signal shows in the replica's /metrics (kvserve:draining 1) before the replica refuses anything
+    (preStop sleep, --drain-accept-seconds): the router stops sending there first, with static backends too."""
+    rs = ReplicaSet()
+    rs.set_endpoints({A, B})
+    assert parse_metrics("kvserve:draining 0\n").draining is False
+    rs.observe_metrics(B, parse_metrics("# TYPE kvserve:draining gauge\nkvserve:draining 1\n"), now=1.0)
+    assert [r.url for r in rs.routable(1.0)] == [A]
+    rs.observe_metrics(B, parse_metrics("kvserve:draining 0\n"), now=2.0)  # restarted at the same URL
+    assert {r.url for r in rs.routable(2.0)} == {A, B}

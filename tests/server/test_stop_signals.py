@@ -3,15 +3,16 @@ so it is a process group of its own, as under systemd, `timeout` or supervisord'
 streaming completion in flight, then a stop:
 
 - SIGTERM to the main process, SIGTERM to the whole process group (every helper process gets it too: the
-  engine core, tensor-parallel workers, multiprocessing's forkserver / resource tracker), SIGINT to the group
-  (Ctrl-C in a terminal): the stream completes whole (200, finish_reason "length", every token) and the
-  server exits 0;
+  engine core, tensor-parallel workers, multiprocessing's forkserver / resource tracker), SIGTERM to every
+  process of the server's tree one by one, children first (a cgroup stop: systemd's
+  KillMode=control-group), SIGINT to the group (Ctrl-C in a terminal): the stream completes whole (200,
+  finish_reason "length", every token) and the server exits 0;
 - a second SIGTERM to the group during the drain ("finish fast"): the stream is still answered (200, a
   final chunk with a finish_reason and [DONE], no error event) and the server exits 0.
 
-TP=2 (gloo on CPU) and --api-server-count 2 run for the group SIGTERM only, to keep the matrix near a minute
-on 2 busy cores. Only 127.0.0.1; every wait is bounded; the server is SIGKILLed (as a group) if it outlives
-the test.
+TP=2 (gloo on CPU) runs for the group SIGTERM only, --api-server-count 2 for the group and cgroup
+SIGTERM, to keep the matrix near a minute on 2 busy cores. Only 127.0.0.1; every wait is bounded; the
+server is SIGKILLed (as a group) if it outlives the test.
 """
 
 from __future__ import annotations
@@ -19,8 +20,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server.conftest import free_port
+from tests.server.serve_process import GroupServer
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -38,65 +37,6 @@ MAX_TOKENS = 600  # a few seconds of decoding on the demo model on a busy CPU: i
 @pytest.fixture(scope="module")
 def cache_dir(demo_model_dir) -> str:
     return str(Path(demo_model_dir).parent)  # the demo model (random weights) is already built there
-
-
-class GroupServer:
-    """`kvserve serve` (the demo model) as the leader of its own process group."""
-
-    def __init__(self, cache_dir: str, *extra: str):
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "kvserve.cli",
-                "serve",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                "--kv-cache-bytes",
-                "32MiB",
-                "--max-model-len",
-                "2048",
-                "--drain-timeout",
-                "60",
-                *extra,
-            ],
-            env={**os.environ, "KVSERVE_CACHE_DIR": cache_dir},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        self.pgid = self.proc.pid  # start_new_session: the server leads its own group
-        self.log: list[str] = []
-        threading.Thread(target=lambda: self.log.extend(self.proc.stdout), daemon=True).start()
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                self.kill()
-                raise AssertionError("server exited early:\n" + "".join(self.log))
-            try:
-                if httpx.get(self.base_url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        self.kill()
-        raise AssertionError("server never became healthy:\n" + "".join(self.log))
-
-    def kill(self) -> None:
-        """SIGKILL the whole group (the server and anything it left), then reap the server."""
-        try:
-            os.killpg(self.pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            pass
 
 
 def stream(base_url: str, started: threading.Event, result: dict) -> None:
@@ -129,9 +69,37 @@ def stream(base_url: str, started: threading.Event, result: dict) -> None:
     result.update(finish=finish, usage=usage, done=done, errors=errors)
 
 
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (children's children too), from /proc: what a cgroup holds when nothing
+    left it (a helper that called setsid() is still in the cgroup, though no longer in the process group)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
 def send(server: GroupServer, target: str, sig: signal.Signals) -> None:
     if target == "process":
         os.kill(server.proc.pid, sig)
+    elif target == "cgroup":
+        # systemd's KillMode=control-group, `docker stop` of an init-less container's processes, a pod's
+        # cgroup: the signal reaches every process at once, in no order; children first here, the worst case.
+        for pid in [*reversed(descendants(server.proc.pid)), server.proc.pid]:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
     else:
         os.killpg(server.pgid, sig)
 
@@ -142,9 +110,14 @@ def send(server: GroupServer, target: str, sig: signal.Signals) -> None:
         pytest.param("process", signal.SIGTERM, False, (), id="sigterm-process"),
         pytest.param("group", signal.SIGTERM, False, (), id="sigterm-group"),
         pytest.param("group", signal.SIGINT, False, (), id="sigint-group"),
+        pytest.param("cgroup", signal.SIGTERM, False, (), id="sigterm-cgroup"),
         pytest.param("group", signal.SIGTERM, True, (), id="sigterm-group-twice"),
         pytest.param("group", signal.SIGTERM, False, ("--tensor-parallel-size", "2"), id="sigterm-group-tp2"),
         pytest.param("group", signal.SIGTERM, False, ("--api-server-count", "2"), id="sigterm-group-2-api-servers"),
+        pytest.param("cgroup", signal.SIGTERM, False, ("--api-server-count", "2"), id="sigterm-cgroup-2-api-servers"),
+        pytest.param(
+            "cgroup", signal.SIGTERM, True, ("--api-server-count", "2"), id="sigterm-cgroup-twice-2-api-servers"
+        ),
     ],
 )
 def test_stop_drains_in_flight_and_exits_0(cache_dir, target, sig, second, extra):
@@ -153,7 +126,7 @@ def test_stop_drains_in_flight_and_exits_0(cache_dir, target, sig, second, extra
         started, result = threading.Event(), {}
         thread = threading.Thread(target=stream, args=(server.base_url, started, result), daemon=True)
         thread.start()
-        assert started.wait(30), "the stream never started:\n" + "".join(server.log)
+        assert started.wait(60), "the stream never started:\n" + "".join(server.log)
         time.sleep(0.2)  # a few tokens in
         send(server, target, sig)
         if second:

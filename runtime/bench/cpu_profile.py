@@ -26,6 +26,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, nargs=2, default=(32, 160))
     ap.add_argument("--attention-backend", default=None)
     ap.add_argument("--top", type=int, default=10)
+    ap.add_argument("--shapes", action="store_true", help="group the table by input shapes too")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="kvserve-prof-") as d:
         make_random_model_dir(d, "LlamaForCausalLM", seed=0, **DEFAULT_SHAPE)
@@ -47,7 +48,9 @@ def main() -> None:
         )
         reqs = [{"prompt_token_ids": p} for p in wl.prompts]
         params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in wl.output_lens]
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=args.shapes
+        ) as prof:
             t0 = time.perf_counter()
             llm.generate(reqs, params, use_tqdm=False)
             wall = time.perf_counter() - t0
@@ -55,7 +58,9 @@ def main() -> None:
             f"{wl.num_output_tokens} output tokens in {wall:.1f} s under the profiler "
             f"({wl.num_output_tokens / wall:.0f} tok/s; the profiler adds overhead)"
         )
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
+        print(
+            prof.key_averages(group_by_input_shape=args.shapes).table(sort_by="self_cpu_time_total", row_limit=args.top)
+        )
         llm.shutdown()
 
 

@@ -16,7 +16,8 @@ from typing import Any
 from kvserve.runtime.errors import InvalidParameter
 
 DEFAULT_MAX_NUMBER_DIGITS = 9  # up to 999,999,999: enough for counts/ids, short enough to always close
-# Keywords xgrammar's JSON-schema converter ignores (checked against its converter): refusing beats looser output.
+# Keywords we believe xgrammar's JSON-schema converter ignores (`not` verified; the rest not yet checked one by one
+# against its converter, so some may be refused needlessly): refusing beats a silently looser grammar.
 UNSUPPORTED_KEYWORDS = (
     "not",
     "if",

@@ -60,14 +60,21 @@ class CompiledConstraint:
 class GrammarCompiler:
     """Compiles StructuredOutputSpecs for one model (tokenizer + vocab size + stop token ids)."""
 
-    def __init__(self, tokenizer: Any, model_dir: str, vocab_size: int, stop_token_ids: tuple[int, ...]):
+    def __init__(
+        self,
+        tokenizer: Any,
+        model_dir: str,
+        vocab_size: int,
+        stop_token_ids: tuple[int, ...],
+        max_number_digits: int = DEFAULT_MAX_NUMBER_DIGITS,
+    ):
         import xgrammar as xgr
 
         self.model_key = (model_dir, int(vocab_size), tuple(sorted(stop_token_ids)))
         self.compiler = xgr.GrammarCompiler(tokenizer_info(self.model_key, tokenizer), max_threads=1)
         self._cache: OrderedDict[str, CompiledConstraint] = OrderedDict()
         self._lock = threading.Lock()
-        self.max_number_digits = DEFAULT_MAX_NUMBER_DIGITS
+        self.max_number_digits = max_number_digits
 
     def compile(self, spec: StructuredOutputSpec) -> CompiledConstraint:
         """Raises InvalidParameter naming the request field when the schema/regex/grammar is invalid."""

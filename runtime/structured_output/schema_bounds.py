@@ -16,8 +16,9 @@ from typing import Any
 from kvserve.runtime.errors import InvalidParameter
 
 DEFAULT_MAX_NUMBER_DIGITS = 9  # up to 999,999,999: enough for counts/ids, short enough to always close
-# Keywords we believe xgrammar's JSON-schema converter ignores (`not` verified; the rest not yet checked one by one
-# against its converter, so some may be refused needlessly): refusing beats a silently looser grammar.
+# Keywords xgrammar's JSON-schema converter (0.1.x) ignores: each was checked by compiling a schema with and without
+# it (the grammar comes out the same, or for `not` an equivalent one; `contains` only lifts minItems to 1). Refusing
+# beats a silently looser grammar. It does express multipleOf, min/maxProperties, exclusive bounds and format.
 UNSUPPORTED_KEYWORDS = (
     "not",
     "if",
@@ -30,7 +31,6 @@ UNSUPPORTED_KEYWORDS = (
     "unevaluatedItems",
     "contains",
     "propertyNames",
-    "multipleOf",
 )
 # Regex constructs xgrammar's regex converter lacks: lookaround and backreferences.
 _UNSUPPORTED_PATTERN = re.compile(r"\(\?<=|\(\?<!|\(\?=|\(\?!|\\[1-9]")
@@ -54,6 +54,10 @@ def _walk(node: Any, field: str, where: str, digits: int) -> None:
             raise InvalidParameter(
                 field, f"{field}: the JSON-schema keyword {keyword!r} (at {where}) is not supported by the grammar"
             )
+    if node.get("uniqueItems") is True:  # ignored by the grammar too; uniqueItems: false constrains nothing
+        raise InvalidParameter(
+            field, f"{field}: the JSON-schema keyword 'uniqueItems' (at {where}) is not supported by the grammar"
+        )
     pattern = node.get("pattern")
     if isinstance(pattern, str) and _UNSUPPORTED_PATTERN.search(pattern):
         raise InvalidParameter(

@@ -49,6 +49,7 @@ def test_prepare_schema_bounds_only_unbounded_numbers():
         ({"type": "object", "properties": {"a": {"not": {"type": "string"}}}}, "'not'"),
         ({"type": "string", "pattern": "(?<=a)b"}, "'pattern'"),
         ({"type": "object", "if": {"required": ["a"]}, "then": {}}, "'if'"),
+        ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "'uniqueItems'"),
     ],
 )
 def test_unsupported_keywords_are_refused_by_name(stories_dir, schema, keyword):
@@ -65,6 +66,19 @@ def _llm(stories_dir):
     if "llm" not in _LLM:
         _LLM["llm"] = LLM(stories_dir, max_model_len=512)
     return _LLM["llm"]
+
+
+def test_keywords_the_grammar_expresses_are_kept():
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 3}, "u": {"uniqueItems": False}}}
+    assert prepare_schema(schema, "f", 3)["properties"]["n"]["multipleOf"] == 3
+
+
+def test_the_digit_bound_is_an_engine_setting(stories_dir):
+    from kvserve.runtime.config import build_engine_config
+    from kvserve.runtime.engine_args import EngineArgs
+
+    config = build_engine_config(EngineArgs.from_kwargs(stories_dir, structured_output_max_number_digits=3))
+    assert config.structured_output_max_number_digits == 3
 
 
 def test_sixteen_sampled_requests_finish_with_stop_and_valid_json(stories_dir):

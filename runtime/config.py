@@ -62,6 +62,7 @@ class EngineConfig:
     attention_backend: str = "torch"
     device: str = "cpu"
     seed: int = 0
+    structured_output_max_number_digits: int = 9  # unbounded JSON-schema numbers (structured_output/schema_bounds)
     # The engine is declared dead (every request answered with an error, the server exits non-zero) after
     # this many steps in a row fail in a way no single request explains (see engine/errors.py).
     max_consecutive_step_failures: int = 3
@@ -217,6 +218,7 @@ def build_engine_config(args) -> EngineConfig:
         attention_backend=attention_backend,
         device=device,
         seed=a.seed,
+        structured_output_max_number_digits=a.structured_output_max_number_digits,
         max_consecutive_step_failures=a.max_consecutive_step_failures,
         load_format=a.load_format,
         cuda_graph_sizes=cuda_graph_sizes,

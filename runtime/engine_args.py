@@ -149,6 +149,12 @@ class EngineArgs:
         crd="engine.kvCacheDtype",
     )
     seed: int = _setting(0, "random seed for sampling without a per-request seed", type=int)
+    structured_output_max_number_digits: int = _setting(
+        9,
+        "JSON-schema outputs: an integer/number without minimum/maximum may have at most this many integer "
+        "digits, so a sampled number always ends",
+        type=positive_int,
+    )
     preemption_mode: str = _setting(
         "recompute",
         "when the KV cache is full: drop the victim's KV and recompute, or swap it to host RAM",

@@ -110,7 +110,13 @@ class LLMEngine:
             from kvserve.runtime.structured_output.compiler import GrammarCompiler
 
             m = self.config.model
-            self._grammar_compiler = GrammarCompiler(self.tokenizer, m.model_dir, m.vocab_size, m.eos_token_ids)
+            self._grammar_compiler = GrammarCompiler(
+                self.tokenizer,
+                m.model_dir,
+                m.vocab_size,
+                m.eos_token_ids,
+                self.config.structured_output_max_number_digits,
+            )
         return self._grammar_compiler
 
     def compile_constraint(self, params: SamplingParams) -> SamplingParams:

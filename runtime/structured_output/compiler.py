@@ -14,6 +14,7 @@ from collections import OrderedDict
 from typing import Any
 
 from kvserve.runtime.errors import InvalidParameter
+from kvserve.runtime.structured_output.schema_bounds import DEFAULT_MAX_NUMBER_DIGITS, prepare_schema
 from kvserve.runtime.structured_output.spec import StructuredOutputSpec
 
 CACHE_ENTRIES = 512
@@ -59,13 +60,21 @@ class CompiledConstraint:
 class GrammarCompiler:
     """Compiles StructuredOutputSpecs for one model (tokenizer + vocab size + stop token ids)."""
 
-    def __init__(self, tokenizer: Any, model_dir: str, vocab_size: int, stop_token_ids: tuple[int, ...]):
+    def __init__(
+        self,
+        tokenizer: Any,
+        model_dir: str,
+        vocab_size: int,
+        stop_token_ids: tuple[int, ...],
+        max_number_digits: int = DEFAULT_MAX_NUMBER_DIGITS,
+    ):
         import xgrammar as xgr
 
         self.model_key = (model_dir, int(vocab_size), tuple(sorted(stop_token_ids)))
         self.compiler = xgr.GrammarCompiler(tokenizer_info(self.model_key, tokenizer), max_threads=1)
         self._cache: OrderedDict[str, CompiledConstraint] = OrderedDict()
         self._lock = threading.Lock()
+        self.max_number_digits = max_number_digits
 
     def compile(self, spec: StructuredOutputSpec) -> CompiledConstraint:
         """Raises InvalidParameter naming the request field when the schema/regex/grammar is invalid."""
@@ -93,7 +102,9 @@ class GrammarCompiler:
         if spec.kind == "json_object":  # OpenAI's JSON mode: an object (the builtin JSON grammar allows any value)
             return c.compile_json_schema('{"type": "object"}', any_whitespace=False)
         if spec.kind == "json":
-            return c.compile_json_schema(spec.value, any_whitespace=False, strict_mode=True)
+            # Unbounded numbers get a digit bound and keywords xgrammar would drop are 400s (schema_bounds.py).
+            schema = prepare_schema(json.loads(spec.value), spec.field, self.max_number_digits)
+            return c.compile_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
         if spec.kind == "regex":
             return c.compile_regex(spec.value)
         if spec.kind == "choice":

@@ -65,3 +65,18 @@ def test_kv_per_stage_is_its_own_layers_and_the_smallest_stage_decides():
     assert heavy == 1
     _, heavy = kv_tokens_per_rank(shape, "bfloat16", "auto", 8, 2, gpu, (73, 53))
     assert heavy == 0
+
+
+def test_plan_for_405b_chooses_pp_x_tp_instead_of_refusing():
+    from kvserve.operator.catalog import GiB
+    from kvserve.operator.planner import PlanInput, plan, plan_multinode
+
+    inp = PlanInput(MODELS["llama-3.1-405b"], 80 * GiB, tensor_parallel_size=8, max_model_len=8192)
+    assert not plan(inp).fits
+    chosen, why = plan_multinode(inp, gpus_per_node=8)
+    assert chosen.fits, chosen.message
+    assert (chosen.tensor_parallel_size, chosen.pipeline_parallel_size) == (8, 2)
+    assert "PP 2" in why and "pipeline stages" in chosen.message
+    # An 8B model still fits one node and keeps PP 1.
+    small, _ = plan_multinode(PlanInput(MODELS["llama-3.1-8b"], 80 * GiB, max_model_len=8192), 8)
+    assert small.fits and small.pipeline_parallel_size == 1

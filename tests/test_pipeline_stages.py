@@ -80,3 +80,21 @@ def test_plan_for_405b_chooses_pp_x_tp_instead_of_refusing():
     # An 8B model still fits one node and keeps PP 1.
     small, _ = plan_multinode(PlanInput(MODELS["llama-3.1-8b"], 80 * GiB, max_model_len=8192), 8)
     assert small.fits and small.pipeline_parallel_size == 1
+
+
+def test_kvserve_plan_cli_answers_405b_with_a_pp_x_tp_layout(capsys):
+    import argparse
+    import json
+
+    from kvserve.cli import plan as plan_cli
+
+    parser = argparse.ArgumentParser()
+    plan_cli.add_arguments(parser)
+    args = parser.parse_args(
+        ["--model", "llama-3.1-405b", "--gpu", "h100-80gb", "--tensor-parallel-size", "8", "--max-model-len", "8192"]
+        + ["-o", "json"]
+    )
+    assert plan_cli.run(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] and out["pipeline_parallel_size"] == 2 and out["tensor_parallel_size"] == 8
+    assert "fewest stages that fit" in out["layout_reason"]

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 
 from kvserve.operator.catalog import GiB, ModelShape
-from kvserve.runtime import capacity, engine_args, pipeline_stages
+from kvserve.runtime import capacity, engine_args
 
 FIXED_RESERVE_BYTES = 1 * GiB  # CUDA graphs, NCCL buffers, allocator fragmentation
 RUNTIME_OVERHEAD_TP1_BYTES = int(0.15 * GiB)
@@ -125,15 +125,12 @@ def plan(inp: PlanInput) -> Plan:
     if pp > 1 and t >= 1:
         # Conservative: the heaviest stage's weights and the stage with most layers' KV (with the balanced
         # split these are the first/last stages, within one layer), so every stage fits what is planned.
-        ranges = pipeline_stages.stage_layer_ranges(m.num_layers, pp)
+        ranges = capacity.stage_layer_ranges(m.num_layers, pp)
         weight_bytes_per_gpu = max(
-            pipeline_stages.stage_weight_bytes_per_rank(m, inp.dtype, t, r, s == 0, s == pp - 1)
-            for s, r in enumerate(ranges)
+            capacity.stage_weight_bytes_per_rank(m, inp.dtype, t, r, s == 0, s == pp - 1) for s, r in enumerate(ranges)
         )
         widest = max(ranges, key=len)
-        layout = capacity.kv_layout(
-            pipeline_stages.stage_shape(m, widest), inp.dtype, inp.kv_cache_dtype, inp.block_size, t
-        )
+        layout = capacity.kv_layout(capacity.stage_shape(m, widest), inp.dtype, inp.kv_cache_dtype, inp.block_size, t)
     budget = int(inp.gpu_memory_bytes * inp.gpu_memory_utilization)
     activation = inp.activation_reserve_bytes
     if activation is None:

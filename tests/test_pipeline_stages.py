@@ -1,4 +1,4 @@
-"""Pipeline-parallel stage layout and per-stage capacity (issue 28), pure arithmetic."""
+"""Pipeline-parallel stage layout and per-stage capacity in runtime.capacity (issue 28), pure arithmetic."""
 
 import dataclasses
 
@@ -6,7 +6,7 @@ import pytest
 
 from kvserve.operator.catalog import MODELS
 from kvserve.runtime import capacity
-from kvserve.runtime.pipeline_stages import (
+from kvserve.runtime.capacity import (
     kv_tokens_per_rank,
     stage_kv_bytes_per_token_per_rank,
     stage_layer_ranges,

@@ -51,6 +51,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-mib", type=int, help="override the GPU's memory")
     parser.add_argument("--activation-reserve-mib", type=int, help="override the estimated activation reserve")
     parser.add_argument("--runtime-overhead-mib", type=int, help="override the non-torch overhead")
+    parser.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=8,
+        help="when --tensor-parallel-size >= this does not fit one node: plan TP = this x the fewest "
+        "pipeline stages (nodes) that fit",
+    )
     parser.add_argument("-o", "--output", choices=["table", "json"], default="table")
 
 
@@ -252,7 +259,17 @@ def run(args: argparse.Namespace) -> int:
     except InvalidParameter as exc:
         print(f"error: {exc.param}: {exc}")
         return 2
-    plan = resolved.plan.to_dict()
+    chosen = resolved.plan
+    why = ""
+    # Only when a whole node (TP = GPUs per node) does not fit: a smaller TP's refusal stays a refusal.
+    pin = resolved.plan_input
+    if not chosen.fits and pin is not None and pin.tensor_parallel_size >= args.gpus_per_node:
+        from kvserve.operator.planner import plan_multinode
+
+        chosen, why = plan_multinode(pin, args.gpus_per_node)
+    plan = chosen.to_dict()
+    if why:
+        plan["layout_reason"] = why
     if args.output == "json":
         # "engine": the settings the plan assumed, named as EngineArgs (and `kvserve serve`'s flags) name them.
         out = {**plan, "engine": settings.__dict__}
@@ -261,4 +278,6 @@ def run(args: argparse.Namespace) -> int:
         print(
             (shape_line(resolved.model) + "\n" if config else "") + settings_line(settings) + "\n" + format_table(plan)
         )
+        if why:
+            print(f"layout: TP {chosen.tensor_parallel_size} x PP {chosen.pipeline_parallel_size}: {why}")
     return 0 if plan["fits"] else 1

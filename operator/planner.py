@@ -20,7 +20,7 @@ both numbers can be set per InferenceService (engine.activationReserveMiB, engin
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from kvserve.operator.catalog import GiB, ModelShape
 from kvserve.runtime import capacity, engine_args
@@ -46,6 +46,7 @@ class PlanInput:
     max_num_seqs: int = _DEFAULTS["engine.maxNumSeqs"]
     activation_reserve_bytes: int | None = None  # None: `activation_reserve_bytes()` estimate
     runtime_overhead_bytes: int | None = None  # None: llm-d's non-torch constant for the TP size
+    pipeline_parallel_size: int = 1  # issue 28: stages of layers; world = TP x PP GPUs per replica
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,7 @@ class Plan:
     # Sliding-window models: 0 / what charging every layer for the full context would allow instead.
     sliding_window: int = 0
     num_kv_cache_groups: int = 1
+    pipeline_parallel_size: int = 1
     kv_bytes_per_block_per_gpu: int = 0  # one block id: block_size tokens of one group's layers
     max_concurrency_full_context: int = 0
     max_model_len_fit_full_context: int = 0
@@ -118,6 +120,17 @@ def plan(inp: PlanInput) -> Plan:
     layout = capacity.kv_layout(m, inp.dtype, inp.kv_cache_dtype, inp.block_size, t)
     weight_bytes = capacity.weight_bytes_per_rank(m, inp.dtype, 1)
     weight_bytes_per_gpu = capacity.weight_bytes_per_rank(m, inp.dtype, t) if t >= 1 else weight_bytes
+    pp = inp.pipeline_parallel_size
+    whole_model_layout = layout
+    if pp > 1 and t >= 1:
+        # Conservative: the heaviest stage's weights and the stage with most layers' KV (with the balanced
+        # split these are the first/last stages, within one layer), so every stage fits what is planned.
+        ranges = capacity.stage_layer_ranges(m.num_layers, pp)
+        weight_bytes_per_gpu = max(
+            capacity.stage_weight_bytes_per_rank(m, inp.dtype, t, r, s == 0, s == pp - 1) for s, r in enumerate(ranges)
+        )
+        widest = max(ranges, key=len)
+        layout = capacity.kv_layout(capacity.stage_shape(m, widest), inp.dtype, inp.kv_cache_dtype, inp.block_size, t)
     budget = int(inp.gpu_memory_bytes * inp.gpu_memory_utilization)
     activation = inp.activation_reserve_bytes
     if activation is None:
@@ -151,7 +164,7 @@ def plan(inp: PlanInput) -> Plan:
         max_model_len_fit_full_context=full.longest_sequence(full_blocks, limit),
     )
     common = dict(
-        kv_bytes_per_token=layout.bytes_per_token,
+        kv_bytes_per_token=whole_model_layout.bytes_per_token,
         kv_bytes_per_token_per_gpu=layout.bytes_per_token_per_rank,
         weight_bytes=weight_bytes,
         weight_bytes_per_gpu=weight_bytes_per_gpu,
@@ -167,6 +180,7 @@ def plan(inp: PlanInput) -> Plan:
         max_model_len=inp.max_model_len,
         block_size=inp.block_size,
         tensor_parallel_size=t,
+        pipeline_parallel_size=pp,
         **sliding,
     )
 
@@ -190,7 +204,8 @@ def plan(inp: PlanInput) -> Plan:
             "WeightsDoNotFit",
             f"weights {_gb(weight_bytes_per_gpu)} + activations {_gb(activation)} + overhead "
             f"{_gb(overhead)} = {_gb(fixed)} per GPU exceed the {_gb(budget)} budget "
-            f"({inp.gpu_memory_utilization:g} x {_gb(inp.gpu_memory_bytes)}) at tensorParallelSize {t}",
+            f"({inp.gpu_memory_utilization:g} x {_gb(inp.gpu_memory_bytes)}) at tensorParallelSize {t}"
+            + (f" x pipelineParallelSize {pp}" if pp > 1 else ""),
             **common,
         )
     context_error = capacity.one_sequence_error(num_blocks, inp.max_model_len, layout, "kv_cache_bytes", step)
@@ -207,9 +222,34 @@ def plan(inp: PlanInput) -> Plan:
         "Fits",
         f"{kv_tokens} KV tokens per replica ({num_blocks} blocks of {inp.block_size} per GPU incl. the null "
         f"block, {_gb(layout.budget_for_blocks(num_blocks))}); {max_concurrency} concurrent "
-        f"{inp.max_model_len}-token sequences{saving}",
+        f"{inp.max_model_len}-token sequences{saving}"
+        + (f"; {pp} pipeline stages x TP {t} = {pp * t} GPUs, the fullest stage decides" if pp > 1 else ""),
         **common,
     )
+
+
+def plan_multinode(inp: PlanInput, gpus_per_node: int, max_nodes: int = 8) -> tuple[Plan, str]:
+    """Issue 28: the plan at the given TP first; when it does not fit one node, TP = gpus_per_node (NVLink
+    within a node) and the fewest pipeline stages (one node each) that fit. Returns (plan, why)."""
+    first = plan(inp)
+    if first.fits or first.reason not in ("WeightsDoNotFit", "ContextDoesNotFit"):
+        return first, f"fits at tensorParallelSize {inp.tensor_parallel_size} on one node"
+    t = gpus_per_node
+    if tensor_parallel_error(inp.model, t):
+        return first, f"does not fit one node and tensorParallelSize {t} is invalid for this model"
+    tried = []
+    for pp in range(1, max_nodes + 1):
+        if pp > inp.model.num_layers:
+            break
+        candidate = plan(replace(inp, tensor_parallel_size=t, pipeline_parallel_size=pp))
+        if candidate.fits:
+            return candidate, (
+                f"does not fit {gpus_per_node} GPUs of one node ({first.reason}); chose TP {t} within a node "
+                f"(all-reduce over NVLink) x PP {pp} across {pp} nodes (activations only cross nodes), the "
+                f"fewest stages that fit" + (f" (PP {', '.join(tried)} did not)" if tried else "")
+            )
+        tried.append(str(pp))
+    return first, f"does not fit {max_nodes} nodes of {gpus_per_node} GPUs"
 
 
 def _gb(num_bytes: int) -> str:

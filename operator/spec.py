@@ -86,6 +86,7 @@ class Resolved:
     gpu_memory_bytes: int
     gpu_product: str | None  # node-selector value; None when the spec names no known product
     plan: planner.Plan
+    plan_input: planner.PlanInput | None = None  # what `plan` was computed from (kvserve plan's multi-node retry)
 
 
 _SHAPE_FIELDS = {
@@ -260,22 +261,21 @@ def resolve(spec: dict, model_config: dict | None = None) -> Resolved:
         )
     product = gpu_spec.get("nodeSelectorProduct") or (gpu.product if gpu else gpu_spec.get("product"))
     mib = catalog.MiB
-    plan = planner.plan(
-        planner.PlanInput(
-            model=model,
-            gpu_memory_bytes=memory_bytes,
-            tensor_parallel_size=gpu_spec["tensorParallelSize"],
-            dtype=spec["model"]["dtype"],
-            kv_cache_dtype=engine["kvCacheDtype"],
-            max_model_len=engine["maxModelLen"],
-            block_size=engine["blockSize"],
-            gpu_memory_utilization=engine["gpuMemoryUtilization"],
-            max_num_batched_tokens=engine["maxNumBatchedTokens"],
-            max_num_seqs=engine["maxNumSeqs"],
-            activation_reserve_bytes=engine["activationReserveMiB"] * mib if "activationReserveMiB" in engine else None,
-            runtime_overhead_bytes=engine["runtimeOverheadMiB"] * mib if "runtimeOverheadMiB" in engine else None,
-        )
+    plan_input = planner.PlanInput(
+        model=model,
+        gpu_memory_bytes=memory_bytes,
+        tensor_parallel_size=gpu_spec["tensorParallelSize"],
+        dtype=spec["model"]["dtype"],
+        kv_cache_dtype=engine["kvCacheDtype"],
+        max_model_len=engine["maxModelLen"],
+        block_size=engine["blockSize"],
+        gpu_memory_utilization=engine["gpuMemoryUtilization"],
+        max_num_batched_tokens=engine["maxNumBatchedTokens"],
+        max_num_seqs=engine["maxNumSeqs"],
+        activation_reserve_bytes=engine["activationReserveMiB"] * mib if "activationReserveMiB" in engine else None,
+        runtime_overhead_bytes=engine["runtimeOverheadMiB"] * mib if "runtimeOverheadMiB" in engine else None,
     )
+    plan = planner.plan(plan_input)
     if plan.fits and not engine["enableChunkedPrefill"] and engine["maxNumBatchedTokens"] < engine["maxModelLen"]:
         plan = planner.Plan(
             **{
@@ -288,5 +288,11 @@ def resolve(spec: dict, model_config: dict | None = None) -> Resolved:
             }
         )
     return Resolved(
-        spec=spec, source=source, model=model, gpu_memory_bytes=memory_bytes, gpu_product=product, plan=plan
+        spec=spec,
+        source=source,
+        model=model,
+        gpu_memory_bytes=memory_bytes,
+        gpu_product=product,
+        plan=plan,
+        plan_input=plan_input,
     )

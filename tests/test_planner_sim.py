@@ -3,6 +3,7 @@
 import random
 
 import pytest
+
 from kvserve.runtime.planner.simulator import EngineShape, LengthSpec, Workload, load_trace, percentile, simulate
 from kvserve.runtime.planner.step_time import StepSample, StepTimeModel, fit
 

@@ -59,6 +59,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "pipeline stages (nodes) that fit",
     )
     parser.add_argument("-o", "--output", choices=["table", "json"], default="table")
+    parser.add_argument("--json", dest="output", action="store_const", const="json", help="same as -o json")
+    # Prediction (runtime/planner): simulate one replica under a workload with a calibrated step-time model.
+    parser.add_argument("--calibration", metavar="FILE", help="`kvserve calibrate` JSON: predict latency/throughput")
+    load = parser.add_mutually_exclusive_group()
+    load.add_argument("--concurrency", type=int, help="closed loop: clients each with one request in flight")
+    load.add_argument("--request-rate", type=float, help="open loop: Poisson arrivals, requests/s")
+    load.add_argument("--trace", metavar="JSONL", help="requests {arrival_s, prompt_len, output_len} per line")
+    parser.add_argument("--prompt-len", default="512", help="prompt tokens: N or LO:HI (uniform)")
+    parser.add_argument("--output-len", default="128", help="output tokens: N or LO:HI (uniform)")
+    parser.add_argument("--num-requests", type=int, default=1000, help="requests to simulate")
+    parser.add_argument("--prefix-len", type=int, default=0, help="tokens every prompt shares (prefix cache)")
+    parser.add_argument("--seed", type=int, default=0)
 
 
 def load_model_config(where: str) -> dict:
@@ -176,8 +188,39 @@ def format_table(plan: dict) -> str:
                 f"longest {plan['max_model_len_fit_full_context']:,} tokens",
             ),
         ]
+    if "prediction" in plan:
+        rows += prediction_rows(plan["prediction"])
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows) + f"\n{plan['message']}"
+
+
+def prediction_rows(p: dict) -> list[tuple[str, str]]:
+    ms = lambda s: f"{s * 1e3:.1f} ms"  # noqa: E731
+    return [
+        ("predicted (simulated, one replica)", f"{p['num_requests']} requests, calibration {p['calibration_device']}"),
+        ("  throughput", f"{p['output_tokens_per_s']:.1f} output tok/s, {p['requests_per_s']:.2f} req/s"),
+        ("  TTFT p50/p90/p99", " / ".join(ms(p["ttft_s"][q]) for q in ("p50", "p90", "p99"))),
+        ("  TPOT p50/p99", " / ".join(ms(p["tpot_s"][q]) for q in ("p50", "p99"))),
+        ("  KV peak usage, preemptions", f"{p['kv_peak_usage']:.0%}, {p['num_preemptions']}"),
+    ]
+
+
+def _predict(args: argparse.Namespace, plan: dict, settings: dict) -> dict:
+    from kvserve.runtime.planner import predict, simulator
+
+    if not (args.concurrency or args.request_rate or args.trace):
+        raise ValueError("--calibration needs a workload: --concurrency N, --request-rate R or --trace FILE")
+    workload = simulator.Workload(
+        prompt_len=simulator.LengthSpec.parse(args.prompt_len, "--prompt-len"),
+        output_len=simulator.LengthSpec.parse(args.output_len, "--output-len"),
+        num_requests=args.num_requests,
+        request_rate=args.request_rate,
+        concurrency=args.concurrency,
+        prefix_len=args.prefix_len,
+        trace=simulator.load_trace(args.trace) if args.trace else (),
+        seed=args.seed,
+    )
+    return predict.predict(plan, settings, predict.load_calibration(args.calibration), workload)
 
 
 def list_catalog() -> str:
@@ -270,6 +313,12 @@ def run(args: argparse.Namespace) -> int:
     plan = chosen.to_dict()
     if why:
         plan["layout_reason"] = why
+    if args.calibration:
+        try:
+            plan["prediction"] = _predict(args, plan, settings.__dict__)
+        except (ValueError, RuntimeError) as exc:
+            print(f"error: {exc}")
+            return 2
     if args.output == "json":
         # "engine": the settings the plan assumed, named as EngineArgs (and `kvserve serve`'s flags) name them.
         out = {**plan, "engine": settings.__dict__}

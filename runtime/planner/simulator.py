@@ -1,0 +1,214 @@
+"""Discrete-event simulation of one replica: the real Scheduler and KVCacheManager (runtime/core, unchanged)
+step on a simulated clock; each step advances it by the step-time model's prediction. Sampled tokens are
+dummies and requests stop on max_tokens only (ignore_eos), so output lengths are exactly the workload's.
+
+Arrivals: Poisson at request_rate (req/s), or closed loop with `concurrency` clients (each sends its next
+request when the previous one finishes). Prefix sharing: the first prefix_len tokens of every prompt are
+identical, so the prefix cache sees hits as the real engine would.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import random
+from dataclasses import dataclass, field
+
+from kvserve.runtime.core.kv_cache_manager import KVCacheManager
+from kvserve.runtime.core.outputs import ModelRunnerOutput
+from kvserve.runtime.core.scheduler import Scheduler, SchedulerConfig
+from kvserve.runtime.planner.step_time import StepTimeModel
+from kvserve.runtime.request import Request
+from kvserve.runtime.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class LengthSpec:
+    """A fixed length (lo == hi) or uniform on [lo, hi]. Parsed from "N" or "LO:HI"."""
+
+    lo: int
+    hi: int
+
+    @classmethod
+    def parse(cls, text: str | int, name: str) -> LengthSpec:
+        s = str(text)
+        try:
+            lo, hi = (int(p) for p in s.split(":", 1)) if ":" in s else (int(s), int(s))
+        except ValueError:
+            raise ValueError(f"{name}: expected N or LO:HI, got {s!r}") from None
+        if lo < 1 or hi < lo:
+            raise ValueError(f"{name}: need 1 <= LO <= HI, got {s!r}")
+        return cls(lo, hi)
+
+    def draw(self, rng: random.Random) -> int:
+        return self.lo if self.lo == self.hi else rng.randint(self.lo, self.hi)
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompt_len: LengthSpec = LengthSpec(512, 512)
+    output_len: LengthSpec = LengthSpec(128, 128)
+    num_requests: int = 1000
+    request_rate: float | None = None  # req/s, Poisson; None = closed loop
+    concurrency: int | None = None
+    prefix_len: int = 0  # tokens shared by every prompt
+    trace: tuple[tuple[float, int, int], ...] = ()  # (arrival s, prompt len, output len); overrides the above
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.trace and (self.request_rate is None) == (self.concurrency is None):
+            raise ValueError("workload: give exactly one of request_rate or concurrency (or a trace)")
+        if self.request_rate is not None and self.request_rate <= 0:
+            raise ValueError(f"request_rate must be > 0, got {self.request_rate}")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
+
+
+def load_trace(path: str) -> tuple[tuple[float, int, int], ...]:
+    """JSONL, one request a line: {"arrival_s": float, "prompt_len": int, "output_len": int}."""
+    out = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    d = json.loads(line)
+                    out.append((float(d["arrival_s"]), int(d["prompt_len"]), int(d["output_len"])))
+                except (ValueError, KeyError, TypeError) as e:
+                    raise ValueError(f"{path}:{n}: bad trace line ({e})") from None
+    return tuple(sorted(out))
+
+
+@dataclass(frozen=True)
+class EngineShape:
+    """What the replica's scheduler is configured with (the same fields the engine passes)."""
+
+    num_blocks: int
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 4096
+    enable_prefix_caching: bool = True
+
+
+@dataclass
+class SimResult:
+    num_requests: int
+    duration_s: float
+    output_tokens_per_s: float
+    requests_per_s: float
+    ttft_s: dict = field(default_factory=dict)  # p50/p90/p99
+    tpot_s: dict = field(default_factory=dict)  # p50/p99
+    kv_peak_usage: float = 0.0
+    num_preemptions: int = 0
+    num_steps: int = 0
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]); 0.0 for no values."""
+    if not values:
+        return 0.0
+    s = sorted(values)
+    k = max(0, min(len(s) - 1, int(round(q / 100.0 * (len(s) - 1)))))
+    return s[k]
+
+
+def simulate(workload: Workload, shape: EngineShape, step_model: StepTimeModel) -> SimResult:
+    rng = random.Random(workload.seed)
+    kv = KVCacheManager(shape.num_blocks, shape.block_size, enable_caching=shape.enable_prefix_caching)
+    sched = Scheduler(
+        SchedulerConfig(
+            max_num_seqs=shape.max_num_seqs,
+            max_num_batched_tokens=shape.max_num_batched_tokens,
+            max_model_len=shape.max_model_len,
+        ),
+        kv,
+    )
+    shared = [rng.randrange(1, 30000) for _ in range(workload.prefix_len)]
+    seq = 0
+
+    def make(arrival: float, plen: int, olen: int) -> tuple[float, Request]:
+        nonlocal seq
+        seq += 1
+        plen = min(plen, shape.max_model_len - 1)
+        tail = [rng.randrange(1, 30000) for _ in range(max(0, plen - len(shared)))]
+        prompt = (shared + tail)[:plen]
+        req = Request(f"r{seq}", prompt, SamplingParams(max_tokens=olen, ignore_eos=True), arrival_time=arrival)
+        return arrival, req
+
+    pending: list[tuple[float, int, Request]] = []  # (arrival, tiebreak, request) heap
+    if workload.trace:
+        for t, p, o in workload.trace:
+            a, r = make(t, p, o)
+            heapq.heappush(pending, (a, seq, r))
+        total = len(workload.trace)
+    elif workload.request_rate is not None:
+        t = 0.0
+        for _ in range(workload.num_requests):
+            t += rng.expovariate(workload.request_rate)
+            a, r = make(t, workload.prompt_len.draw(rng), workload.output_len.draw(rng))
+            heapq.heappush(pending, (a, seq, r))
+        total = workload.num_requests
+    else:
+        total = workload.num_requests
+        for _ in range(min(workload.concurrency, total)):
+            a, r = make(0.0, workload.prompt_len.draw(rng), workload.output_len.draw(rng))
+            heapq.heappush(pending, (a, seq, r))
+
+    now = 0.0
+    first_token: dict[str, float] = {}
+    arrival: dict[str, float] = {}
+    num_out: dict[str, int] = {}
+    ttft, tpot = [], []
+    finished = peak = 0
+    steps = 0
+    total_out = 0
+    while finished < total:
+        while pending and pending[0][0] <= now:
+            a, _, r = heapq.heappop(pending)
+            arrival[r.request_id] = a
+            sched.add_request(r)
+        out = sched.schedule()
+        if out.is_empty:
+            if not pending:
+                raise RuntimeError("simulation stalled: a request cannot be scheduled (KV pool too small?)")
+            now = max(now, pending[0][0])
+            continue
+        num_tokens = 0
+        context = 0
+        for s in out.scheduled:
+            n = len(s.token_ids)
+            num_tokens += n
+            context += s.start_position + n
+        now += step_model.step_seconds(num_tokens, context)
+        steps += 1
+        peak = max(peak, kv.usage)
+        sampled = {s.req_id: 1 for s in out.scheduled if s.sample}
+        for o in sched.update_from_output(out, ModelRunnerOutput(sampled_token_ids=sampled)):
+            rid = o.req_id
+            total_out += len(o.new_token_ids)
+            num_out[rid] = num_out.get(rid, 0) + len(o.new_token_ids)
+            if rid not in first_token:
+                first_token[rid] = now
+                ttft.append(now - arrival[rid])
+            if o.finish_reason is not None:
+                finished += 1
+                if num_out[rid] > 1:
+                    tpot.append((now - first_token[rid]) / (num_out[rid] - 1))
+                if workload.concurrency is not None and seq < total:
+                    a, r = make(now, workload.prompt_len.draw(rng), workload.output_len.draw(rng))
+                    heapq.heappush(pending, (a, seq, r))
+    duration = max(now, 1e-9)
+    return SimResult(
+        num_requests=total,
+        duration_s=duration,
+        output_tokens_per_s=total_out / duration,
+        requests_per_s=total / duration,
+        ttft_s={"p50": percentile(ttft, 50), "p90": percentile(ttft, 90), "p99": percentile(ttft, 99)},
+        tpot_s={"p50": percentile(tpot, 50), "p99": percentile(tpot, 99)},
+        kv_peak_usage=peak,
+        num_preemptions=sched.num_preemptions,
+        num_steps=steps,
+    )

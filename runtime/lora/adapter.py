@@ -82,7 +82,9 @@ def load_peft_adapter(name: str, path: str, max_rank: int, model_modules: set[st
             raise LoraLoadError(f"adapter {name!r}: layer {k[0]} {k[1]} has lora_A or lora_B missing")
         a, b = ab["A"], ab["B"]
         if a.shape[0] != rank or b.shape[1] != rank:
-            raise LoraLoadError(f"adapter {name!r}: layer {k[0]} {k[1]} shapes {tuple(a.shape)}/{tuple(b.shape)} != r={rank}")
+            raise LoraLoadError(
+                f"adapter {name!r}: layer {k[0]} {k[1]} shapes {tuple(a.shape)}/{tuple(b.shape)} != r={rank}"
+            )
         weights[k] = (a, b)
     if not weights:
         raise LoraLoadError(f"adapter {name!r}: adapter_model.safetensors holds no lora_A/lora_B weights")

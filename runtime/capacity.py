@@ -560,3 +560,18 @@ def one_sequence_error(
         f"{needed} blocks ({layout.budget_for_blocks(needed + NULL_BLOCKS)} bytes with the null block); "
         f"raise the KV budget or set max_model_len <= {longest}"
     )
+
+
+def lora_slot_bytes_per_rank(
+    shape: ModelShape, max_loras: int, max_lora_rank: int, dtype: str, tp_size: int = 1
+) -> int:
+    """Device bytes of --max-loras adapter slots, each padded to --max-lora-rank over all seven target
+    modules (q/k/v/o/gate/up/down) of every layer, in the weight dtype (runtime/lora/batched.LoraSlots).
+    Column-parallel targets shard B's rows, row-parallel ones A's columns; the other factor is whole."""
+    if max_loras <= 0:
+        return 0
+    h, i = shape.hidden_size, shape.intermediate_size // tp_size
+    q = shape.num_attention_heads // tp_size * shape.head_dim
+    kv = kv_heads_per_rank(shape.num_kv_heads, tp_size) * shape.head_dim
+    per_layer = (h + q) + 2 * (h + kv) + (q + h) + 2 * (h + i) + (i + h)  # in + out of each target
+    return max_loras * max_lora_rank * per_layer * shape.num_layers * dtype_bytes(weight_dtype(dtype))

@@ -115,3 +115,19 @@ def test_loader_errors(adapters, tmp_path):
         load_peft_adapter("bad", str(bad), max_rank=8)
     with pytest.raises(LoraLoadError, match="missing"):
         load_peft_adapter("none", str(tmp_path / "nope"), max_rank=8)
+
+
+def test_slot_bytes_match_allocated_slots():
+    from kvserve.runtime.capacity import lora_slot_bytes_per_rank, shape_from_hf_config
+    from kvserve.runtime.lora.batched import LoraSlots
+
+    model = _tiny_llama()
+    shape = shape_from_hf_config(model.config.to_dict())
+    allocated = 0
+    for layer in model.model.layers:
+        for n in TARGETS:
+            w = getattr(layer.self_attn if n in ("q_proj", "k_proj", "v_proj", "o_proj") else layer.mlp, n).weight
+            s = LoraSlots(3, 8, w.shape[1], w.shape[0], torch.float32)
+            allocated += s.a.numel() * 4 + s.b.numel() * 4
+    assert lora_slot_bytes_per_rank(shape, 3, 8, "float32") == allocated
+    assert lora_slot_bytes_per_rank(shape, 0, 8, "float32") == 0

@@ -647,3 +647,18 @@ def kv_tokens_per_rank(
             best = (tokens, s)
     assert best is not None
     return best
+
+
+def lora_slot_bytes_per_rank(
+    shape: ModelShape, max_loras: int, max_lora_rank: int, dtype: str, tp_size: int = 1
+) -> int:
+    """Device bytes of --max-loras adapter slots, each padded to --max-lora-rank over all seven target
+    modules (q/k/v/o/gate/up/down) of every layer, in the weight dtype (runtime/lora/batched.LoraSlots).
+    Column-parallel targets shard B's rows, row-parallel ones A's columns; the other factor is whole."""
+    if max_loras <= 0:
+        return 0
+    h, i = shape.hidden_size, shape.intermediate_size // tp_size
+    q = shape.num_attention_heads // tp_size * shape.head_dim
+    kv = kv_heads_per_rank(shape.num_kv_heads, tp_size) * shape.head_dim
+    per_layer = (h + q) + 2 * (h + kv) + (q + h) + 2 * (h + i) + (i + h)  # in + out of each target
+    return max_loras * max_lora_rank * per_layer * shape.num_layers * dtype_bytes(weight_dtype(dtype))

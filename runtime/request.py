@@ -40,6 +40,8 @@ class Request:
         eos_token_ids: frozenset[int] = frozenset(),
         arrival_time: float | None = None,
         max_tokens: int | None = None,
+        lora_name: str | None = None,
+        lora_identity: str | None = None,
     ):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -55,6 +57,10 @@ class Request:
         self.block_hashes: list[bytes] = []  # chained hashes of this request's full blocks (kept across preemption)
         self.num_prefix_cache_hit_tokens = 0
         self.first_scheduled_time: float | None = None
+        # LoRA (issue 24): the adapter's name (the scheduler caps distinct names per step) and its loaded
+        # content identity (the prefix-cache key; lora/adapter.py LoraAdapter.identity). None = base model.
+        self.lora_name = lora_name
+        self.lora_identity = lora_identity
 
     @property
     def num_prompt_tokens(self) -> int:

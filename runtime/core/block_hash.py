@@ -22,13 +22,24 @@ def hash_block_tokens(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
     return digest.digest()
 
 
-def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_size: int) -> list[bytes]:
+def root_hash(lora_identity: str | None = None) -> bytes:
+    """The chain's seed. A LoRA request seeds it with the loaded adapter's content identity (not its name),
+    so the same prompt under two adapters -- or under an adapter reloaded with new weights under the same
+    name -- never shares KV blocks, while requests under one loaded adapter do."""
+    if not lora_identity:
+        return NONE_HASH
+    return hashlib.blake2b(NONE_HASH + b"/lora/" + lora_identity.encode(), digest_size=16).digest()
+
+
+def extend_block_hashes(
+    hashes: list[bytes], token_ids: Sequence[int], block_size: int, root: bytes = NONE_HASH
+) -> list[bytes]:
     """Append to `hashes` (the chain of the first len(hashes) full blocks of `token_ids`) the hashes of every
-    further full block, in place; returns `hashes`."""
+    further full block, in place; returns `hashes`. `root` seeds the chain (see root_hash)."""
     while (len(hashes) + 1) * block_size <= len(token_ids):
         i = len(hashes)
         hashes.append(
-            hash_block_tokens(hashes[-1] if hashes else NONE_HASH, token_ids[i * block_size : (i + 1) * block_size])
+            hash_block_tokens(hashes[-1] if hashes else root, token_ids[i * block_size : (i + 1) * block_size])
         )
     return hashes
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvserve.runtime.core import sliding_window
-from kvserve.runtime.core.block_hash import extend_block_hashes
+from kvserve.runtime.core.block_hash import extend_block_hashes, root_hash
 from kvserve.runtime.core.block_pool import BlockPool, KVCacheBlock
 from kvserve.runtime.request import Request
 
@@ -259,7 +259,9 @@ class KVCacheManager:
 
     # -- hashing ---------------------------------------------------------------------------------------
     def _update_block_hashes(self, request: Request) -> None:
-        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
+        extend_block_hashes(
+            request.block_hashes, request.all_token_ids, self.block_size, root_hash(request.lora_identity)
+        )
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         bs, rid = self.block_size, request.request_id

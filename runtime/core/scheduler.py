@@ -41,6 +41,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0  # > 0: cap on one request's tokens per step
     preemption_mode: str = "recompute"  # or "swap": copy the victim's KV to host RAM and back
+    max_loras: int = 0  # > 0 (--enable-lora): at most this many distinct adapters among running requests
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -168,10 +169,22 @@ class Scheduler:
 
         # Admit waiting requests only if nobody was preempted (they would just evict each other) and
         # nothing is still swapped out.
-        while not num_preempted and not self.swapped and self.waiting and budget > 0:
-            request = self.waiting[0]
+        idx = 0
+        lora_blocked = False  # an earlier adapter request waits for a slot: later ones queue behind it
+        active_loras = {r.lora_name for r in self.running if r.lora_name} if cfg.max_loras else set()
+        while not num_preempted and not self.swapped and idx < len(self.waiting) and budget > 0:
+            request = self.waiting[idx]
             if len(self.running) >= cfg.max_num_seqs:
                 break
+            if cfg.max_loras and request.lora_name is not None:
+                # At most max_loras distinct adapters run at once. A request for a non-resident adapter
+                # waits, and so do adapter requests behind it (FCFS among adapters: a busy resident adapter
+                # cannot starve it, the running set drains); base-model requests pass.
+                full = request.lora_name not in active_loras and len(active_loras) >= cfg.max_loras
+                if full or lora_blocked:
+                    lora_blocked = True
+                    idx += 1
+                    continue
             hit_blocks, num_hit_tokens = ([], 0)
             if request.num_computed_tokens == 0:
                 hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
@@ -181,7 +194,9 @@ class Scheduler:
             num_new = self._cap(num_remaining, budget)
             if self.kv.allocate_slots(request, num_new, hit_blocks) is None:
                 break
-            self.waiting.popleft()
+            del self.waiting[idx]
+            if request.lora_name is not None:
+                active_loras.add(request.lora_name)
             request.num_computed_tokens = num_hit_tokens
             if request.status == RequestStatus.WAITING:
                 request.num_prefix_cache_hit_tokens = num_hit_tokens

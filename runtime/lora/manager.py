@@ -1,0 +1,83 @@
+"""Device slots for resident adapters plus an LRU of host-memory adapters (--max-loras / --max-cpu-loras),
+and forward hooks that add the batched delta after each base linear (additive: the base layers and their
+CPU fast path are untouched)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+from torch import nn
+
+from kvserve.runtime.lora.adapter import LoraAdapter
+from kvserve.runtime.lora.batched import LoraSlots, lora_delta
+
+
+class LoraManager:
+    def __init__(self, modules: dict[tuple[int, str], nn.Linear], max_loras: int, max_rank: int, max_cpu_loras: int):
+        self.max_loras, self.max_rank, self.max_cpu_loras = max_loras, max_rank, max(max_cpu_loras, max_loras)
+        self.cpu: OrderedDict[str, LoraAdapter] = OrderedDict()  # name -> adapter, LRU order
+        self.slot_of: OrderedDict[str, int] = OrderedDict()  # resident name -> device slot, LRU order
+        self.token_slots: torch.Tensor | None = None  # set per forward: [tokens] slot index, -1 = base
+        self.slots: dict[tuple[int, str], LoraSlots] = {}
+        for key, mod in modules.items():
+            w = mod.weight
+            self.slots[key] = LoraSlots(max_loras, max_rank, w.shape[1], w.shape[0], w.dtype, w.device)
+            mod.register_forward_hook(self._hook(key))
+
+    def _hook(self, key):
+        def hook(module, args, output):
+            if self.token_slots is None:
+                return output
+            x = args[0]
+            d = lora_delta(x.reshape(-1, x.shape[-1]), self.token_slots, self.slots[key])
+            return output if d is None else output + d.reshape(output.shape)
+
+        return hook
+
+    def add(self, adapter: LoraAdapter) -> None:
+        """Keep in host memory (LRU evicts the oldest non-resident one past --max-cpu-loras)."""
+        if adapter.name in self.slot_of:  # reload under the same name: refresh the device copy
+            self._write(self.slot_of[adapter.name], adapter)
+        self.cpu[adapter.name] = adapter
+        self.cpu.move_to_end(adapter.name)
+        while len(self.cpu) > self.max_cpu_loras:
+            victim = next((n for n in self.cpu if n not in self.slot_of), None)
+            if victim is None:
+                break
+            del self.cpu[victim]
+
+    def remove(self, name: str) -> None:
+        slot = self.slot_of.pop(name, None)
+        if slot is not None:
+            for s in self.slots.values():
+                s.clear(slot)
+        self.cpu.pop(name, None)
+
+    def activate(self, name: str, pinned: set[str] = frozenset()) -> int:
+        """Slot for `name`, loading it into a free or least-recently-used slot not in `pinned` (the
+        adapters the current step uses). The scheduler guarantees at most max_loras per step."""
+        if name in self.slot_of:
+            self.slot_of.move_to_end(name)
+            self.cpu.move_to_end(name)
+            return self.slot_of[name]
+        used = set(self.slot_of.values())
+        free = [i for i in range(self.max_loras) if i not in used]
+        if free:
+            slot = free[0]
+        else:
+            victim = next((n for n in self.slot_of if n not in pinned), None)
+            if victim is None:
+                raise RuntimeError("more distinct adapters in one step than --max-loras")
+            slot = self.slot_of.pop(victim)
+        self._write(slot, self.cpu[name])
+        self.slot_of[name] = slot
+        return slot
+
+    def _write(self, slot: int, adapter: LoraAdapter) -> None:
+        for key, s in self.slots.items():
+            ab = adapter.weights.get(key)
+            if ab is None:
+                s.clear(slot)
+            else:
+                s.set(slot, ab[0], ab[1], adapter.scaling)

@@ -102,6 +102,10 @@ def build_app(config: ServerConfig, *, engine: Any = None, engine_factory: Calla
         )
         return JSONResponse({"status": status}, status_code=503)
 
+    # /ready is the readiness probe's name for the same answer as /health (200 only while requests are
+    # served); /health keeps its name for existing probes. Liveness should use a TCP probe (docs/serving.md).
+    app.add_api_route("/ready", health, methods=["GET"])
+
     @app.get("/metrics")
     async def metrics() -> Response:
         body = state.metrics.render() if state.metrics is not None else b""
@@ -110,6 +114,9 @@ def build_app(config: ServerConfig, *, engine: Any = None, engine_factory: Calla
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
         serving.check_auth(request)
+        # Honest readiness (issue 26): a client or gateway probing /v1/models must not see 200 while the
+        # model loads (its next request would get 503); every API route answers the same OpenAI-style 503.
+        serving.check_ready()
         data = []
         for name in config.served_model_names:
             entry = {

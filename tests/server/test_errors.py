@@ -277,12 +277,22 @@ def test_health_503_while_loading(demo_model_dir):
         assert resp.status_code == 503 and resp.json()["status"] == "loading"
         busy = httpx.post(base + "/v1/completions", json={"prompt": "x"})
         assert busy.status_code == 503 and busy.json()["error"]["code"] == "service_unavailable"
+        # Every API route is honest while loading (issue 26): /v1/models too, not a 200 that invites traffic.
+        for route_resp in (
+            httpx.get(base + "/v1/models"),
+            httpx.post(base + "/tokenize", json={"prompt": "x"}),
+            httpx.get(base + "/ready"),
+        ):
+            assert route_resp.status_code == 503, route_resp.request.url
+        assert httpx.get(base + "/v1/models").json()["error"]["code"] == "service_unavailable"
         release.set()
         deadline = time.monotonic() + 30
         while httpx.get(base + "/health").status_code != 200:
             assert time.monotonic() < deadline
             time.sleep(0.05)
         assert httpx.post(base + "/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+        assert httpx.get(base + "/v1/models").status_code == 200
+        assert httpx.get(base + "/ready").json() == {"status": "ok"}
     finally:
         release.set()
         server.should_exit = True

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 
 MAIN_GUARD_EXIT_CODE = 87
 
@@ -53,3 +54,19 @@ def describe_exit(code: int | None) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exit code {code}"
+
+
+def start_with_signals_blocked(proc, signals) -> None:
+    """proc.start() with `signals` blocked in the child from its first instruction: the signal mask survives
+    fork and exec, so a stop signal that reaches the child while it is still importing (a cgroup stop reaches
+    every process at once) stays pending until the child installs its handler and unblocks it, instead of
+    killing it with the default action halfway through start-up (CPython protects its resource tracker the same
+    way, bpo-33613). The tracker is started first: starting it unblocks SIGINT/SIGTERM again in this thread."""
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        proc.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)

@@ -72,6 +72,7 @@ def run_engine_core(
     outputs): an API server still starting may miss them, and the launcher writes the termination message."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, signal.SIGTERM))  # a group launcher blocks them
     _watch_parent(parent_pid)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s")
     logging.getLogger("kvserve").setLevel(log_level)

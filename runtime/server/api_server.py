@@ -20,6 +20,7 @@ overrides it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import time
@@ -39,6 +40,11 @@ DEAD_EXIT_GRACE_S = 5.0  # after the engine died: time for the error responses t
 # In an API-server group the launcher forwards the first stop signal as SIGTERM and a second one as this, so a
 # server that also got the SIGTERM itself (a cgroup stop reaches every process) does not count it twice.
 FINISH_FAST_SIGNAL = signal.SIGUSR1
+# A group member is spawned with these blocked (child_process.start_with_signals_blocked): one that
+# arrives while the server is still importing or loading waits, pending, until the drain handlers are in place,
+# instead of killing the process with the default action; they are blocked again once serving is over, so a late
+# cgroup stop cannot kill a server that is already exiting 0.
+GROUP_STOP_SIGNALS = frozenset({signal.SIGTERM, signal.SIGINT, FINISH_FAST_SIGNAL})
 
 
 class DrainingServer(uvicorn.Server):
@@ -57,6 +63,18 @@ class DrainingServer(uvicorn.Server):
         if self.group_member:
             self._loop.add_signal_handler(FINISH_FAST_SIGNAL, self._finish_fast_from_launcher)
         await super().serve(sockets)
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        with super().capture_signals():
+            if not self.group_member:
+                yield
+                return
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, GROUP_STOP_SIGNALS)  # a pending stop is handled now
+            try:
+                yield
+            finally:
+                signal.pthread_sigmask(signal.SIG_BLOCK, GROUP_STOP_SIGNALS)
 
     def _finish_fast_from_launcher(self) -> None:
         logger.warning("the launcher got a second signal: finishing fast (aborting what is in flight)")

@@ -77,9 +77,11 @@ def run_api_server_group(
 ) -> int:
     import zmq
 
+    from kvserve.runtime.child_process import start_with_signals_blocked
     from kvserve.runtime.config import build_engine_config
     from kvserve.runtime.engine.attached_core_client import CoreAttachment
     from kvserve.runtime.engine.core_process import run_engine_core
+    from kvserve.runtime.server.api_server import GROUP_STOP_SIGNALS
     from kvserve.runtime.server.termination import write_termination_message
     from kvserve.runtime.tokenizer import load_tokenizer
 
@@ -123,7 +125,7 @@ def run_api_server_group(
             f"ipc://{group_dir}/status",
         ),
     )
-    core.start()
+    start_with_signals_blocked(core, (signal.SIGTERM, signal.SIGINT))  # the core ignores both once it runs
     logger.info("engine core process %d started; starting %d API servers on http://%s:%d", core.pid, count, host, port)
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # before any API server imports prometheus_client
     servers = []
@@ -143,7 +145,7 @@ def run_api_server_group(
                     log_level,
                 ),
             )
-            proc.start()
+            start_with_signals_blocked(proc, GROUP_STOP_SIGNALS)  # drain handlers unblock them (api_server.py)
             servers.append(proc)
             logger.info("API server %d: pid %d", i, proc.pid)
         for sock in listeners:

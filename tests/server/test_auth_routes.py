@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 from kvserve.runtime.server.app import build_app
 from kvserve.runtime.server.state import ServerConfig
 
-OPEN = {"/health", "/metrics"}
+OPEN = {"/health", "/ready", "/metrics"}
 FASTAPI_DOCS = {"/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
 
 
@@ -33,6 +33,7 @@ def test_every_api_route_needs_the_key_and_probes_do_not():
             assert ok.status_code != 401, path  # past auth (503 loading, or 4xx on the empty body)
         assert client.get("/metrics").status_code == 200
         assert client.get("/health").status_code == 503  # loading, but answered without a key
+        assert client.get("/ready").status_code == 503
 
 
 def test_serve_reads_the_key_from_the_environment(monkeypatch, tmp_path):

@@ -145,3 +145,22 @@ def test_stop_drains_in_flight_and_exits_0(cache_dir, target, sig, second, extra
         assert code == 0, log
     finally:
         server.kill()
+
+
+def test_cgroup_stop_while_api_servers_start_exits_0(cache_dir):
+    """A cgroup stop that reaches the API servers while they are still importing (before uvicorn's handlers
+    exist) waits, pending, for the drain handlers: nobody is killed by the signal and the group exits 0."""
+    server = GroupServer(cache_dir, "--api-server-count", "2", wait=False)
+    try:
+        deadline = time.monotonic() + 60
+        while not any("API server 1: pid" in line for line in server.log):
+            assert time.monotonic() < deadline and server.proc.poll() is None, "".join(server.log)
+            time.sleep(0.02)
+        time.sleep(0.3)  # the servers are spawned and importing: the default action would kill them now
+        send(server, "cgroup", signal.SIGTERM)
+        code = server.proc.wait(90)
+        log = "".join(server.log)
+        assert "killed by" not in log, log
+        assert code == 0, log
+    finally:
+        server.kill()

@@ -242,13 +242,11 @@ def list_catalog() -> str:
 def plan_file(path: str, output: str) -> int:
     """Each InferenceService in the file, resolved by the operator's own code; JSON carries status.plan's
     fields (camelCase) beside the CapacityPlanned verdict."""
-    import yaml
-
+    from kvserve.cli import manifests
     from kvserve.operator import spec as spec_mod
     from kvserve.operator.status import plan_status
 
-    with open(path) as f:
-        docs = [d for d in yaml.safe_load_all(f) if d and d.get("kind", spec_mod.KIND) == spec_mod.KIND]
+    docs = [d for d in manifests.load_documents(path) if d and d.get("kind", spec_mod.KIND) == spec_mod.KIND]
     results, rc = [], 0
     for doc in docs:
         name = (doc.get("metadata") or {}).get("name", "")

@@ -10,6 +10,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import traceback
+
+from kvserve.cli.errors import CLIError
 
 # "group sub" names become nested subcommands (`kvserve bench throughput`).
 COMMANDS: dict[str, str] = {
@@ -29,6 +32,10 @@ COMMANDS: dict[str, str] = {
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description="kvserve: paged-attention LLM serving")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    parser.add_argument(
+        "--debug", action="store_true", help="on an error, print the Python traceback (default: one line)"
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     groups: dict[str, argparse._SubParsersAction] = {}
     for name, module_name in COMMANDS.items():
@@ -51,9 +58,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("kvserve")
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
+def _one_line(exc: BaseException) -> str:
+    """An exception as one line: OSError as "PATH: reason", anything else as its text with newlines folded."""
+    if isinstance(exc, OSError) and exc.filename is not None:
+        return f"{exc.filename}: {exc.strerror or exc}"
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if isinstance(exc, CLIError) else f"{type(exc).__name__}: {text}"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args._run(args) or 0)
+    command = " ".join(w for w in (args.command, getattr(args, "subcommand", None)) if w)
+    try:
+        return int(args._run(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # noqa: BLE001 - every error a user can cause ends here as one line
+        if args.debug:
+            traceback.print_exc()
+        hint = "" if args.debug else " (--debug shows the traceback)"
+        hint = hint if not isinstance(exc, CLIError | OSError) else ""
+        print(f"kvserve {command}: error: {_one_line(exc)}{hint}", file=sys.stderr)
+        return exc.exit_code if isinstance(exc, CLIError) else 1
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from kvserve.runtime import engine_args
 
@@ -242,13 +243,11 @@ def list_catalog() -> str:
 def plan_file(path: str, output: str) -> int:
     """Each InferenceService in the file, resolved by the operator's own code; JSON carries status.plan's
     fields (camelCase) beside the CapacityPlanned verdict."""
-    import yaml
-
+    from kvserve.cli import manifests
     from kvserve.operator import spec as spec_mod
     from kvserve.operator.status import plan_status
 
-    with open(path) as f:
-        docs = [d for d in yaml.safe_load_all(f) if d and d.get("kind", spec_mod.KIND) == spec_mod.KIND]
+    docs = [d for d in manifests.load_documents(path) if d and d.get("kind", spec_mod.KIND) == spec_mod.KIND]
     results, rc = [], 0
     for doc in docs:
         name = (doc.get("metadata") or {}).get("name", "")
@@ -277,6 +276,50 @@ def plan_file(path: str, output: str) -> int:
             print(f"== {r['name']}")
             print(format_table(r["_table"]) if "_table" in r else f"error: {r['message']}")
     return rc
+
+
+def _gb(num_bytes: int) -> str:
+    return f"{num_bytes / 1e9:.2f} GB"
+
+
+def fitting_tensor_parallel_size(args, settings, shape, config) -> int | None:
+    """The smallest larger --tensor-parallel-size (one node: <= --gpus-per-node) whose plan fits, else None."""
+    import dataclasses
+
+    from kvserve.operator import planner
+    from kvserve.operator import spec as spec_mod
+
+    for tp in planner.valid_tensor_parallel_sizes(shape, limit=args.gpus_per_node):
+        if tp <= settings.tensor_parallel_size:
+            continue
+        wider = dataclasses.replace(settings, tensor_parallel_size=tp)
+        if spec_mod.resolve(_spec(args, wider), model_config=config).plan.fits:
+            return tp
+    return None
+
+
+def does_not_fit_line(args, plan: dict, settings, shape, config) -> str:
+    """Why the plan does not fit, by how much, and the --tensor-parallel-size that would (CLI flag names)."""
+    model = args.model or args.model_config
+    tp = settings.tensor_parallel_size
+    needed = plan["weight_bytes_per_gpu"] + plan["activation_reserve_bytes"] + plan["runtime_overhead_bytes"]
+    budget = plan["memory_budget_bytes_per_gpu"]
+    where = f"{model} does not fit {args.gpu} at --tensor-parallel-size {tp}"
+    if needed > budget:
+        why = (
+            f"weights + activations + overhead need {_gb(needed)} per GPU, {_gb(needed - budget)} over the "
+            f"{_gb(budget)} budget (--gpu-memory-utilization {settings.gpu_memory_utilization:g})"
+        )
+    else:
+        why = f"{plan['reason']}: {plan['message']}"
+    wider = fitting_tensor_parallel_size(args, settings, shape, config)
+    if wider is not None:
+        hint = f"; --tensor-parallel-size {wider} would fit"
+    else:
+        hint = f"; no --tensor-parallel-size up to --gpus-per-node {args.gpus_per_node} fits"
+        if plan["reason"] != "WeightsDoNotFit":
+            hint += " (try a smaller --max-model-len)"
+    return f"{where}: {why}{hint}"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -319,6 +362,11 @@ def run(args: argparse.Namespace) -> int:
         except (ValueError, RuntimeError) as exc:
             print(f"error: {exc}")
             return 2
+    if not plan["fits"]:
+        # One line in `kvserve serve`'s flag names (the plan's own message speaks the CRD's spec.* names).
+        print(f"error: {does_not_fit_line(args, plan, settings, resolved.model, config)}", file=sys.stderr)
+        if args.output != "json":
+            return 1
     if args.output == "json":
         # "engine": the settings the plan assumed, named as EngineArgs (and `kvserve serve`'s flags) name them.
         out = {**plan, "engine": settings.__dict__}

@@ -43,8 +43,14 @@ def render_documents(docs: list[dict], default_namespace: str) -> tuple[list[dic
 def run(args: argparse.Namespace) -> int:
     import yaml
 
-    text = sys.stdin.read() if args.filename == "-" else open(args.filename, encoding="utf-8").read()
-    objs, errors = render_documents(list(yaml.safe_load_all(text)), args.namespace)
+    from kvserve.cli import manifests
+    from kvserve.operator import spec as spec_mod
+
+    docs = manifests.load_documents(args.filename)
+    for doc in docs:
+        if isinstance(doc, dict) and doc.get("kind") == spec_mod.KIND:
+            manifests.check_known_fields(doc, args.filename)
+    objs, errors = render_documents(docs, args.namespace)
     if args.output == "json":
         print(json.dumps({"apiVersion": "v1", "kind": "List", "items": objs}, indent=2))
     else:

@@ -82,11 +82,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Raises CLIError when host:port cannot be bound, before minutes of model loading and so that the error
+    says "port in use" (uvicorn binds only after the engine factory ran, and reported it as a load failure).
+    SO_REUSEADDR as uvicorn sets it: a port left in TIME_WAIT is free, one with a listener is not."""
+    import errno
+    import socket
+
+    from kvserve.cli.errors import CLIError
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise CLIError(f"--port {port}: address {host}:{port} is already in use (pick another --port)") from exc
+            raise CLIError(f"--host {host} --port {port}: cannot bind: {exc.strerror or exc}") from exc
+
+
 def run(args: argparse.Namespace) -> int:
     import logging
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("kvserve.serve")
+    if args.model_dir is not None and not os.path.isfile(os.path.join(args.model_dir, "config.json")):
+        print(f"kvserve serve: MODEL_DIR {args.model_dir!r} is not a model directory (no config.json)", file=sys.stderr)
+        return 2
+    check_port_free(args.host, args.port)
 
     from kvserve.runtime.demo_model import DEMO_MODEL_ID, ensure_demo_model, is_demo_model_dir
     from kvserve.runtime.server.api_server import run_server
@@ -103,9 +127,6 @@ def run(args: argparse.Namespace) -> int:
         )
     else:
         model_dir = args.model_dir
-        if not os.path.isfile(os.path.join(model_dir, "config.json")):
-            print(f"kvserve serve: MODEL_DIR {model_dir!r} is not a model directory (no config.json)", file=sys.stderr)
-            return 2
         served = args.served_model_name or [model_dir]
     random_weights = is_demo_model_dir(model_dir)
     if args.otlp_traces_endpoint:

@@ -54,6 +54,26 @@ class CacheConfig:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    modules: tuple[tuple[str, str], ...]  # (adapter name, PEFT directory), loaded at start-up
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 1
+
+
+def parse_lora_modules(value) -> tuple[tuple[str, str], ...]:
+    """ "a=/p/a,b=/p/b" or {"a": "/p/a"} -> ((name, path), ...); InvalidParameter naming lora_modules."""
+    if not value:
+        return ()
+    items = value.items() if isinstance(value, dict) else [part.partition("=")[::2] for part in str(value).split(",")]
+    out = tuple((str(n).strip(), str(p).strip()) for n, p in items)
+    names = [n for n, _ in out]
+    if any(not n or not p for n, p in out) or len(set(names)) != len(names):
+        raise InvalidParameter("lora_modules", f"lora_modules must be distinct name=path pairs, got {value!r}")
+    return out
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
@@ -69,6 +89,7 @@ class EngineConfig:
     load_format: str = "auto"  # "dummy": random weights from config.json (models/loader.py)
     # Decode batch sizes captured as CUDA graphs (worker/cuda_graphs.py); empty: every step runs eagerly.
     cuda_graph_sizes: tuple[int, ...] = ()
+    lora: LoraConfig | None = None  # --enable-lora (runtime/lora/)
 
 
 def read_config_json(model_dir: str) -> dict:
@@ -194,6 +215,7 @@ def build_engine_config(args) -> EngineConfig:
             enable_chunked_prefill=a.enable_chunked_prefill,
             long_prefill_token_threshold=a.long_prefill_token_threshold,
             preemption_mode=a.preemption_mode,
+            max_loras=a.max_loras if a.enable_lora else 0,
         )
     except ValueError as exc:
         field_name = str(exc).split(" ", 1)[0].replace("with", "max_num_batched_tokens")
@@ -201,6 +223,18 @@ def build_engine_config(args) -> EngineConfig:
     if a.load_format not in ("auto", "dummy"):
         raise InvalidParameter("load_format", f"load_format must be 'auto' or 'dummy', got {a.load_format!r}")
     cuda_graph_sizes = cuda_graph_settings.capture_sizes(a, model_config, device, attention_backend)
+    lora = None
+    if a.enable_lora:
+        if a.tensor_parallel_size != 1:  # the adapter slots are not sharded yet
+            raise InvalidParameter("enable_lora", "enable_lora needs tensor_parallel_size 1")
+        lora = LoraConfig(
+            parse_lora_modules(a.lora_modules),
+            a.max_loras,
+            a.max_lora_rank,
+            max(a.max_cpu_loras or a.max_loras, a.max_loras),
+        )
+    elif a.lora_modules:
+        raise InvalidParameter("lora_modules", "lora_modules needs enable_lora")
     cache = CacheConfig(
         block_size=a.block_size,
         enable_prefix_caching=a.enable_prefix_caching,
@@ -222,6 +256,7 @@ def build_engine_config(args) -> EngineConfig:
         max_consecutive_step_failures=a.max_consecutive_step_failures,
         load_format=a.load_format,
         cuda_graph_sizes=cuda_graph_sizes,
+        lora=lora,
     )
 
 

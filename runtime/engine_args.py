@@ -208,6 +208,21 @@ class EngineArgs:
         type=str,
     )
 
+    enable_lora: bool = _setting(
+        False, "serve LoRA adapters (--lora-modules) next to the base model, mixed in one batch (docs/lora.md)"
+    )
+    lora_modules: str | None = _setting(
+        None,
+        "with --enable-lora: comma-separated name=path of PEFT adapter directories; a request selects one by "
+        "name (the OpenAI `model` field, or LLM.generate(lora_request=name))",
+        type=str,
+    )
+    max_loras: int = _setting(1, "with --enable-lora: adapters resident on the device at once", type=positive_int)
+    max_lora_rank: int = _setting(16, "with --enable-lora: the largest adapter rank accepted", type=positive_int)
+    max_cpu_loras: int | None = _setting(
+        None, "with --enable-lora: adapters kept in host memory (default: max_loras)", type=positive_int
+    )
+
     api_server_count: int = _setting(
         1,
         "`kvserve serve` only: run this many API-server processes (HTTP, tokenisation, detokenisation, "

@@ -51,6 +51,8 @@ class SamplingParams:
     # grammar the edge attaches before the request reaches the engine (LLM.generate / the HTTP handler).
     structured_outputs: Any = None
     compiled_constraint: Any = field(default=None, compare=False, repr=False)
+    # --enable-lora: the adapter (a --lora-modules name) this request runs with; None: the base model.
+    lora_name: str | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -16,6 +16,7 @@ class NewRequestData:
     req_id: str
     sampling_params: SamplingParams
     prompt_token_ids: list[int]
+    lora_name: str | None = None  # --enable-lora: the adapter this request's tokens run with
 
 
 @dataclass(slots=True)  # one per scheduled request per step: slots make it cheaper to build and pickle

@@ -211,7 +211,9 @@ class Scheduler:
             if request.request_id not in self._seen_by_runner:
                 self._seen_by_runner.add(request.request_id)
                 new_requests.append(
-                    NewRequestData(request.request_id, request.sampling_params, request.prompt_token_ids)
+                    NewRequestData(
+                        request.request_id, request.sampling_params, request.prompt_token_ids, request.lora_name
+                    )
                 )
         finished, self._finished_since_last_step = self._finished_since_last_step, []
         swap_out, swap_in = self.kv.take_swaps()

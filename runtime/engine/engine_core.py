@@ -90,6 +90,7 @@ class EngineCore:
                 "sampling_params", f"sampling_params must be a SamplingParams, got {type(params).__name__}"
             )
         verify_request(prompt_token_ids, params, self.limits)
+        self._lora(params.lora_name)
 
     def add_request(
         self,
@@ -114,7 +115,28 @@ class EngineCore:
                 "(the front fans n > 1 out: engine/parent_request.py)",
             )
         self._requests[request_id] = _CoreRequest(len(prompt_token_ids) if count_prompt_tokens else 0)
-        self.scheduler.add_request(Request(request_id, prompt_token_ids, params, self.eos_token_ids, arrival_time))
+        lora_name, lora_identity = self._lora(params.lora_name)
+        self.scheduler.add_request(
+            Request(
+                request_id,
+                prompt_token_ids,
+                params,
+                self.eos_token_ids,
+                arrival_time,
+                lora_name=lora_name,
+                lora_identity=lora_identity,
+            )
+        )
+
+    def _lora(self, name: str | None) -> tuple[str | None, str | None]:
+        """(adapter name, content identity) for a request's lora_name; InvalidParameter for an unknown one."""
+        if name is None:
+            return None, None
+        manager = getattr(self.runner, "lora", None)
+        adapter = manager.cpu.get(name) if manager is not None else None
+        if adapter is None:
+            raise InvalidParameter("model", f"the model {name!r} does not exist (no such LoRA adapter)")
+        return name, adapter.identity
 
     def abort_request(self, request_id: str) -> None:
         if self._requests.pop(request_id, None) is not None:

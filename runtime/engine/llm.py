@@ -39,13 +39,16 @@ class LLM:
         prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: str | None | Sequence[str | None] = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; returns one RequestOutput per prompt, in input order. All prompts and
         their sampling params are validated before any work starts, so a bad one raises InvalidParameter
         (naming the field and the prompt's index, `prompts[i]: ...`) without leaving half a batch behind.
         A request that fails inside the engine (a server-side error specific to it) fails alone: its
         RequestOutput has finish_reason "error" and `error` set, the other prompts complete normally.
-        A dead engine raises (EngineDeadError, or WorkerDiedError naming the rank)."""
+        A dead engine raises (EngineDeadError, or WorkerDiedError naming the rank).
+        lora_request: a --lora-modules adapter name for every prompt, or one per prompt (None: the base
+        model); it sets each SamplingParams' lora_name."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -59,6 +62,13 @@ class LLM:
                 raise InvalidParameter(
                     "sampling_params", f"got {len(params_list)} sampling_params for {len(prompts)} prompts"
                 )
+        if lora_request is not None:
+            names = [lora_request] * len(prompts) if isinstance(lora_request, str) else list(lora_request)
+            if len(names) != len(prompts):
+                raise InvalidParameter("lora_request", f"got {len(names)} lora_request for {len(prompts)} prompts")
+            from dataclasses import replace
+
+            params_list = [p if n is None else replace(p, lora_name=n) for p, n in zip(params_list, names)]
         tokenized = []
         compiled: dict[int, SamplingParams] = {}  # one compile per distinct params object
         for i, (prompt, params) in enumerate(zip(prompts, params_list)):

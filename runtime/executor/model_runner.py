@@ -48,6 +48,13 @@ class ModelRunner:
         self.model = load_model(
             config.model, self.attention, config.device, self.parallel, load_format=config.load_format
         )
+        self.lora = None  # --enable-lora: a LoraManager whose hooks add each token's adapter delta
+        self.lora_names: dict[str, str] = {}  # req id -> adapter, for requests that use one
+        if config.lora is not None:  # before packing: the hooks read the unpacked module shapes
+            from kvserve.runtime.lora import engine_hooks
+
+            dtype = getattr(torch, config.model.dtype)
+            self.lora = engine_hooks.build_manager(self.model, config.lora, dtype, self.device)
         if self.device.type == "cpu":  # oneDNN with prepacked weights (models/cpu_linear.py)
             pack_linears(self.model, (ColumnParallelLinear, RowParallelLinear))
         self.num_kv_heads = self.model.shard.num_kv_heads  # on this rank
@@ -160,6 +167,7 @@ class ModelRunner:
         for rid in sched.finished_req_ids:
             self.states.pop(rid, None)
             self.plain_greedy.discard(rid)
+            self.lora_names.pop(rid, None)
             self.block_tables.remove(rid)
             for tables in self.group_block_tables:
                 tables.remove(rid)
@@ -168,6 +176,8 @@ class ModelRunner:
                 new.sampling_params, new.prompt_token_ids, self.config.model.eos_token_ids, self.device, self.generator
             )
             self.states[new.req_id] = state
+            if new.lora_name is not None:
+                self.lora_names[new.req_id] = new.lora_name
             if is_plain_greedy(state):
                 self.plain_greedy.add(new.req_id)
         if sched.swap_out or sched.swap_in:
@@ -201,6 +211,13 @@ class ModelRunner:
         slots = tables[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
         width = int(self.block_tables.num_blocks[rows_np].max())
         graphs = self.decode_graphs
+        if self.lora is not None:
+            from kvserve.runtime.lora.engine_hooks import token_slots
+
+            names = [self.lora_names.get(s.req_id) for s in sched.scheduled]
+            self.lora.token_slots = token_slots(self.lora, names, qlens_np, dev)
+            if self.lora.token_slots is not None:  # the captured graphs hold no adapter delta
+                graphs = None
         if graphs is not None and num_tokens == len(rows) and graphs.can_run(num_tokens):
             # (a graph-capable config has one KV cache group: config.py checks it)
             hidden = graphs.run(input_ids, positions, slots, starts_np + 1, tables[rows_np, :width])

@@ -14,7 +14,19 @@ from kvserve.runtime.lora.batched import LoraSlots, lora_delta
 
 
 class LoraManager:
-    def __init__(self, modules: dict[tuple[int, str], nn.Linear], max_loras: int, max_rank: int, max_cpu_loras: int):
+    def __init__(
+        self,
+        modules: dict[tuple[int, str], nn.Linear],
+        max_loras: int,
+        max_rank: int,
+        max_cpu_loras: int,
+        fused: list[tuple[nn.Module, int, list[tuple[str, int, int]]]] = (),
+        dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
+    ):
+        """modules: (layer, target) -> a base linear of that one target (HF layout). fused: (module, layer,
+        [(target, in_features, out_features), ...]) for a fused projection (kvserve's qkv_proj / gate_up_proj):
+        its delta is the per-target deltas concatenated in the fused output order."""
         self.max_loras, self.max_rank, self.max_cpu_loras = max_loras, max_rank, max(max_cpu_loras, max_loras)
         self.cpu: OrderedDict[str, LoraAdapter] = OrderedDict()  # name -> adapter, LRU order
         self.slot_of: OrderedDict[str, int] = OrderedDict()  # resident name -> device slot, LRU order
@@ -24,6 +36,10 @@ class LoraManager:
             w = mod.weight
             self.slots[key] = LoraSlots(max_loras, max_rank, w.shape[1], w.shape[0], w.dtype, w.device)
             mod.register_forward_hook(self._hook(key))
+        for mod, layer, parts in fused:
+            for target, fan_in, fan_out in parts:
+                self.slots[(layer, target)] = LoraSlots(max_loras, max_rank, fan_in, fan_out, dtype, device)
+            mod.register_forward_hook(self._fused_hook([(layer, t, o) for t, _, o in parts]))
 
     def _hook(self, key):
         def hook(module, args, output):
@@ -32,6 +48,19 @@ class LoraManager:
             x = args[0]
             d = lora_delta(x.reshape(-1, x.shape[-1]), self.token_slots, self.slots[key])
             return output if d is None else output + d.reshape(output.shape)
+
+        return hook
+
+    def _fused_hook(self, parts: list[tuple[int, str, int]]):
+        def hook(module, args, output):
+            if self.token_slots is None:
+                return output
+            x = args[0].reshape(-1, args[0].shape[-1])
+            deltas = [lora_delta(x, self.token_slots, self.slots[(layer, t)]) for layer, t, _ in parts]
+            if all(d is None for d in deltas):
+                return output
+            full = [x.new_zeros(x.shape[0], o) if d is None else d for d, (_, _, o) in zip(deltas, parts)]
+            return output + torch.cat(full, dim=-1).reshape(output.shape)
 
         return hook
 

@@ -18,6 +18,7 @@ from kvserve.cli.errors import CLIError
 COMMANDS: dict[str, str] = {
     "serve": "kvserve.cli.serve",
     "plan": "kvserve.cli.plan",
+    "calibrate": "kvserve.cli.calibrate",
     "download": "kvserve.cli.download",
     "render": "kvserve.cli.render",
     "operator": "kvserve.cli.operator",

@@ -44,6 +44,11 @@ def build_app(config: ServerConfig, *, engine: Any = None, engine_factory: Calla
                     loaded = await asyncio.get_running_loop().run_in_executor(None, engine_factory)
                     owned.append(loaded)
                     state.attach_engine(loaded)
+                except asyncio.CancelledError:
+                    # A stop (SIGTERM) while the model was still loading: nothing was accepted, so nothing is
+                    # lost; the server exits 0 like any finished drain, not as a failed start-up.
+                    logger.info("stopped while the model was loading")
+                    raise
                 except BaseException as exc:
                     state.load_error = exc
                     logger.exception("model loading failed")

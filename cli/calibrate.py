@@ -1,0 +1,51 @@
+"""`kvserve calibrate MODEL`: measure this machine's step-time model for `kvserve plan --calibration`."""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "measure a step-time model (overhead, per token, per context token) for kvserve plan --calibration"
+
+
+def _ints(text: str, name: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise SystemExit(f"error: {name}: expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise SystemExit(f"error: {name}: every value must be >= 1, got {text!r}")
+    return values
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=None, help="local HF model dir (default: the built-in demo model)")
+    parser.add_argument("--dtype", default=None, help="weights/activation dtype (default: the model's)")
+    parser.add_argument("--device", default=None, help="e.g. cuda (default: the engine's default)")
+    parser.add_argument("--out", default="calibration.json", help="where to write the calibration JSON")
+    parser.add_argument("--max-seconds", type=float, default=180.0, help="stop measuring new grid points after this")
+    parser.add_argument("--prompt-lens", default="32,256,1024", help="grid: prompt tokens, comma-separated")
+    parser.add_argument("--batch-sizes", default="1,8,32", help="grid: requests decoding together, comma-separated")
+    parser.add_argument("--decode-steps", type=int, default=16, help="output tokens per request at each grid point")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvserve.runtime.bench import calibrate
+
+    if args.decode_steps < 1:
+        raise SystemExit("error: --decode-steps: must be >= 1")
+    grid = calibrate.Grid(
+        prompt_lens=_ints(args.prompt_lens, "--prompt-lens"),
+        batch_sizes=_ints(args.batch_sizes, "--batch-sizes"),
+        decode_steps=args.decode_steps,
+    )
+    engine_kwargs = {k: v for k, v in (("dtype", args.dtype), ("device", args.device)) if v}
+    cal = calibrate.calibrate(args.model, grid, max_seconds=args.max_seconds, seed=args.seed, **engine_kwargs)
+    calibrate.write(cal, args.out)
+    m, r = cal["step_time_model"], cal["fit"]
+    print(
+        f"wrote {args.out}: {cal['device']}, overhead {m['overhead_s'] * 1e3:.3f} ms, "
+        f"{m['per_token_s'] * 1e6:.3f} us/token, {m['per_context_token_s'] * 1e9:.3f} ns/context token; "
+        f"{r['num_samples']} steps, mean |rel err| {r['mean_abs_rel_error']:.1%}"
+    )
+    return 0

@@ -1,0 +1,176 @@
+"""`kvserve calibrate`: measure a step-time model (runtime/planner/step_time) on this machine's engine.
+
+It drives the real `LLMEngine` over a small grid of (prompt tokens, decode batch): each grid point adds
+`batch` requests with random token-id prompts (greedy, ignore_eos, `decode_steps` output tokens) and steps
+the engine until they finish. Every step is timed whole (`engine.step()`, the time the planner simulates)
+and recorded with what the scheduler gave it: the tokens computed and the context tokens attended, the two
+variables of the linear model. Prefill steps give large token counts, decode steps at growing contexts give
+the attention term. The fit and its residuals go to a JSON file `kvserve plan --calibration` reads.
+Engine-driving code lives here (torch), not in runtime/planner (torch-free contract).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass
+
+from kvserve.runtime.planner.predict import CALIBRATION_VERSION
+from kvserve.runtime.planner.step_time import StepSample, fit
+
+
+@dataclass(frozen=True)
+class Grid:
+    prompt_lens: tuple[int, ...] = (32, 256, 1024)
+    batch_sizes: tuple[int, ...] = (1, 8, 32)
+    decode_steps: int = 16
+    warmup_steps: int = 3  # steps of a first, unrecorded run (allocator, thread pools)
+
+
+def cpu_model_name() -> str:
+    """The CPU's model name from /proc/cpuinfo ("unknown" where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def device_name(engine) -> str:
+    runner_device = engine.runner.device
+    if runner_device.type == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name(runner_device)
+    return cpu_model_name()
+
+
+def _progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _record_schedule(engine) -> list:
+    """Wrap scheduler.schedule on the instance; the last SchedulerOutput lands in box[0]."""
+    box = [None]
+    schedule = engine.scheduler.schedule
+
+    def recorded():
+        box[0] = schedule()
+        return box[0]
+
+    engine.scheduler.schedule = recorded
+    return box
+
+
+def _run_point(engine, box, prompt_len: int, batch: int, decode_steps: int, rng, tag: str) -> list[StepSample]:
+    from kvserve.runtime.sampling_params import SamplingParams
+
+    vocab = engine.config.model.vocab_size
+    params = SamplingParams(temperature=0, max_tokens=decode_steps, ignore_eos=True)
+    for i in range(batch):
+        prompt = [rng.randrange(3, vocab) for _ in range(prompt_len)]
+        engine.add_request(f"cal-{tag}-{i}", {"prompt_token_ids": prompt}, params)
+    samples = []
+    while engine.has_unfinished_requests():
+        box[0] = None
+        t = time.perf_counter()
+        engine.step()
+        seconds = time.perf_counter() - t
+        out = box[0]
+        if out is None or not out.scheduled:
+            continue
+        num_tokens = sum(len(s.token_ids) for s in out.scheduled)
+        context = sum(s.start_position + len(s.token_ids) for s in out.scheduled)
+        samples.append(StepSample(num_tokens, context, seconds))
+    return samples
+
+
+def calibrate(
+    model_dir: str | None = None,
+    grid: Grid = Grid(),
+    max_seconds: float = 180.0,
+    seed: int = 0,
+    **engine_kwargs,
+) -> dict:
+    """Measure and fit; returns the calibration dict (version, device, model, coefficients, residuals)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from kvserve.runtime.engine.llm_engine import LLMEngine
+
+    if model_dir is None:
+        from kvserve.runtime.demo_model import ensure_demo_model
+
+        model_dir = str(ensure_demo_model())
+    max_prompt, max_batch = max(grid.prompt_lens), max(grid.batch_sizes)
+    max_model_len = max_prompt + grid.decode_steps + 1
+    kwargs = dict(
+        max_model_len=max_model_len,
+        max_num_seqs=max_batch,
+        max_num_batched_tokens=max(2048, max_prompt),
+        enable_prefix_caching=False,  # random prompts anyway; keep every prefill a real prefill
+    )
+    kwargs.update(engine_kwargs)
+    engine = LLMEngine.from_kwargs(model_dir, **kwargs)
+    box = _record_schedule(engine)
+    rng = random.Random(seed)
+    start = time.perf_counter()
+    _run_point(engine, box, min(grid.prompt_lens), 1, grid.warmup_steps, rng, "warmup")
+    samples: list[StepSample] = []
+    points = [(p, b) for p in grid.prompt_lens for b in grid.batch_sizes]
+    for n, (prompt_len, batch) in enumerate(points, 1):
+        if time.perf_counter() - start > max_seconds:
+            _progress(f"calibrate: --max-seconds {max_seconds:g} reached after {n - 1}/{len(points)} grid points")
+            break
+        # Each point twice, the first unrecorded: a shape's first step pays one-time costs (oneDNN primitive
+        # creation, allocator growth; 10-15x a warm step on CPU) that a long-running server does not.
+        _run_point(engine, box, prompt_len, batch, grid.decode_steps, rng, f"{n}-warm")
+        got = _run_point(engine, box, prompt_len, batch, grid.decode_steps, rng, f"{n}")
+        samples += got
+        _progress(
+            f"calibrate: [{n}/{len(points)}] prompt {prompt_len} x batch {batch}: {len(got)} steps, "
+            f"median {1e3 * sorted(s.seconds for s in got)[len(got) // 2]:.2f} ms"
+        )
+    cfg = engine.config
+    device = device_name(engine)
+    engine.shutdown()
+    model, residuals = fit(samples)
+    try:
+        kvserve_version = version("kvserve")
+    except PackageNotFoundError:
+        kvserve_version = "unknown"
+    return {
+        "version": CALIBRATION_VERSION,
+        "device": device,
+        "engine_device": cfg.device,
+        "model": {
+            "dir": model_dir,
+            "architecture": cfg.model.architecture,
+            "num_layers": cfg.model.num_layers,
+            "num_heads": cfg.model.num_heads,
+            "num_kv_heads": cfg.model.num_kv_heads,
+            "head_dim": cfg.model.head_dim,
+            "hidden_size": cfg.model.hidden_size,
+            "vocab_size": cfg.model.vocab_size,
+        },
+        "dtype": cfg.model.dtype,
+        "kvserve_version": kvserve_version,
+        "grid": {
+            "prompt_lens": list(grid.prompt_lens),
+            "batch_sizes": list(grid.batch_sizes),
+            "decode_steps": grid.decode_steps,
+        },
+        "step_time_model": model.to_dict(),
+        "fit": residuals,
+        "measured_seconds": round(time.perf_counter() - start, 3),
+    }
+
+
+def write(calibration: dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(calibration, f, indent=2)
+        f.write("\n")

@@ -1,0 +1,86 @@
+"""`kvserve calibrate` on a tiny random model: the file loads as a calibration, and the simulator with that
+calibration predicts the real engine's offline throughput on a closed-loop workload within 2x."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+
+from kvserve.cli.main import build_parser
+from kvserve.runtime.bench.calibrate import Grid, calibrate, write
+from kvserve.runtime.planner.predict import load_calibration
+from kvserve.runtime.planner.simulator import EngineShape, LengthSpec, Workload, simulate
+from kvserve.runtime.planner.step_time import StepTimeModel
+
+ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=256, block_size=16, num_kv_blocks=64)
+
+
+@pytest.fixture(scope="module")
+def tiny(model_factory):
+    return model_factory("llama_gqa")[0]
+
+
+@pytest.fixture(scope="module")
+def calibration(tiny, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("cal") / "cal.json")
+    grid = Grid(prompt_lens=(16, 96), batch_sizes=(1, 8), decode_steps=8, warmup_steps=2)
+    write(calibrate(tiny, grid, max_seconds=30, seed=0), path)
+    return path
+
+
+def test_calibration_file_loads(calibration):
+    cal = load_calibration(calibration)
+    assert cal["version"] == 1 and cal["device"] and cal["dtype"] == "float32"
+    assert cal["model"]["num_layers"] == 2 and cal["fit"]["num_samples"] >= 3
+    m = StepTimeModel.from_dict(cal["step_time_model"])
+    assert m.step_seconds(1, 1) > 0  # a step costs something: the overhead term was fitted, not clamped away
+
+
+def test_simulated_throughput_within_2x_of_engine(tiny, calibration):
+    from kvserve.runtime.engine.llm_engine import LLMEngine
+    from kvserve.runtime.sampling_params import SamplingParams
+
+    concurrency, num_requests, prompt_len, output_len = 4, 16, 48, 12
+    engine = LLMEngine.from_kwargs(tiny, max_model_len=128, **ENGINE)
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    sent = 0
+
+    def send():
+        nonlocal sent
+        engine.add_request(f"r{sent}", {"prompt_token_ids": [rng.randrange(3, 512) for _ in range(prompt_len)]}, params)
+        sent += 1
+
+    for _ in range(concurrency):
+        send()
+    out_tokens, done = 0, 0
+    t0 = time.perf_counter()
+    while done < num_requests:  # closed loop: a finished request is replaced by the next one
+        for o in engine.step():
+            if o.finished:
+                done += 1
+                out_tokens += len(o.outputs[0].token_ids)
+                if sent < num_requests:
+                    send()
+    measured = out_tokens / (time.perf_counter() - t0)
+    engine.shutdown()
+    assert out_tokens == num_requests * output_len
+
+    workload = Workload(
+        LengthSpec(prompt_len, prompt_len),
+        LengthSpec(output_len, output_len),
+        num_requests,
+        concurrency=concurrency,
+        seed=0,
+    )
+    shape = EngineShape(num_blocks=64, block_size=16, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=128)
+    predicted = simulate(workload, shape, StepTimeModel.from_dict(load_calibration(calibration)["step_time_model"]))
+    ratio = predicted.output_tokens_per_s / measured
+    assert 0.5 <= ratio <= 2.0, f"predicted {predicted.output_tokens_per_s:.0f} vs measured {measured:.0f} tok/s"
+
+
+def test_cli_is_registered():
+    args = build_parser().parse_args(["calibrate", "/m", "--dtype", "float32", "--out", "c.json", "--max-seconds", "5"])
+    assert args.model == "/m" and args.out == "c.json" and args.max_seconds == 5

@@ -34,12 +34,15 @@ logger = logging.getLogger("kvserve.runner")
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, parallel: ParallelContext | None = None):
-        """parallel: this process's tensor-parallel rank (kvserve.runtime.models.parallel_layers); the model is then
-        this
-        rank's shard and the KV cache holds only its KV heads -- kv_cache_bytes is a per-rank budget."""
+        """parallel: this process's tensor-parallel rank (kvserve.runtime.models.parallel_layers); the model is
+        then this rank's shard and the KV cache holds only its KV heads -- kv_cache_bytes is a per-rank budget."""
         self.config = config
         self.parallel = parallel or SINGLE
         self.device = torch.device(config.device)
+        if self.device.type == "cpu":  # before the model loads: its tensors reuse freed heap memory too
+            from kvserve.runtime.executor.cpu_malloc import tune_for_cpu_steps
+
+            tune_for_cpu_steps()
         self.block_size = config.cache.block_size
         torch.manual_seed(config.seed)
         self.generator = torch.Generator(device=self.device)

@@ -192,7 +192,7 @@ def step_piece(mode: str, smoke: bool, model_dir: str, size: int) -> dict:
 def step_bench(smoke: bool, deadline: float) -> dict:
     shape, dtype = (TINY, "float32") if smoke else (LLAMA3_8B, "bfloat16")
     model_dir = _shape_dir(shape, dtype)
-    sizes = (2, 4) if smoke else (64, 256, 512)
+    sizes = (2,) if smoke else (64, 256, 512)  # smoke: one size (each is a child per mode)
     out = {"model": "tiny" if smoke else "Llama-3-8B shape, random bf16 weights", "batch_sizes": list(sizes)}
     for mode in ("eager", "graphs"):
         out[mode] = [

@@ -29,7 +29,7 @@ def test_gpu_serving_script_cpu_smoke(tmp_path):
     graphs = data["graphs"]
     assert graphs["ok"] and graphs["identical_sequences"] == "5/5" and graphs["graphs"]["replays"] > 0, graphs
     step = data["step"]
-    assert [r["num_decodes"] for r in step["graphs"]] == [2, 4] and all(r["model_ms"] > 0 for r in step["graphs"])
+    assert [r["num_decodes"] for r in step["graphs"]] == [2] and all(r["model_ms"] > 0 for r in step["graphs"])
     served = data["served"]["eager"]
     assert served["returncode"] == 0 and served["served_over_offline"] > 0, served
     assert "identical sequences 5/5" in res.stdout and "served vs offline (eager)" in res.stdout

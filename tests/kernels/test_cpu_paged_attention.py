@@ -115,11 +115,14 @@ def test_paged_attention_op_strided_q_and_fp16(gen):
     assert rel_err(out, dense_causal_attention(b)) <= TOL[torch.float16]
 
 
+@pytest.mark.parametrize("sdpa_above", [None, 48], ids=["default-split", "sdpa-above-48"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("heads", [(12, 4, 64), (8, 8, 128)], ids=lambda h: f"h{h[0]}kv{h[1]}d{h[2]}")
-def test_backend_matches_torch_backend(heads, dtype, seed, gen):
+def test_backend_matches_torch_backend(heads, dtype, sdpa_above, seed, gen):
     """The whole backend (store + paged op + SDPA for long prefills), padding slots included, against the torch
-    backend on identical caches: same outputs within tolerance, identical caches afterwards."""
+    backend on identical caches: same outputs within tolerance, identical caches afterwards. With the default
+    split every prefill here (<= 130 tokens) runs in the paged kernel; with sdpa_above=48 the 60-130-token
+    ones (fresh and over a cached prefix) take the SDPA branches."""
     num_heads, num_kv_heads, head_dim = heads
     q_lens, ctx = _lengths(gen, 16)
     b = make_paged_batch(
@@ -138,13 +141,29 @@ def test_backend_matches_torch_backend(heads, dtype, seed, gen):
     meta = _meta(b)
     assert meta.has_padding_slots
     kc1, vc1, kc2, vc2 = b.k_cache.clone(), b.v_cache.clone(), b.k_cache.clone(), b.v_cache.clone()
-    out_cpu = CpuAttentionBackend().forward(b.q, b.k_new, b.v_new, kc1, vc1, meta, b.scale)
+    backend = CpuAttentionBackend()
+    if sdpa_above is not None:
+        backend.PAGED_MAX_Q_FP32 = backend.PAGED_MAX_Q_BF16_DPBF16 = backend.PAGED_MAX_Q_OTHER = sdpa_above
+    assert (meta.max_seqlen_q > backend.paged_max_q(dtype, head_dim)) == (sdpa_above is not None)
+    out_cpu = backend.forward(b.q, b.k_new, b.v_new, kc1, vc1, meta, b.scale)
     out_ref = TorchAttentionBackend().forward(b.q, b.k_new, b.v_new, kc2, vc2, meta, b.scale)
     assert torch.equal(kc1, kc2) and torch.equal(vc1, vc2), "store_kv wrote different caches"
     n = int(b.cu_seqlens_q[-1])
     err = rel_err(out_cpu[:n], out_ref[:n])
     assert err <= TOL[dtype], f"rel err {err:.3g} vs torch backend (seed={seed})"
     assert rel_err(out_cpu[:n], dense_causal_attention(b)[:n]) <= TOL[dtype], seed
+
+
+def test_paged_kernel_limit_per_dtype(monkeypatch):
+    """Where the paged kernel hands long prefills to SDPA: the measured crossovers (attention_cpu docstring)."""
+    backend = CpuAttentionBackend()
+    assert backend.paged_max_q(torch.float32, 64) == 512
+    assert backend.paged_max_q(torch.float16, 64) == 48
+    backend._has_dpbf16 = True
+    assert backend.paged_max_q(torch.bfloat16, 64) == 1024
+    assert backend.paged_max_q(torch.bfloat16, 80) == 48  # head_dim not a multiple of 32: no dpbf16 path
+    backend._has_dpbf16 = False
+    assert backend.paged_max_q(torch.bfloat16, 64) == 48
 
 
 def test_store_kv_skips_padding_slots(gen):

@@ -517,6 +517,9 @@ class Server:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=self.env,
+            # `python -m` puts the working directory first on sys.path: from a kvserve checkout, its `kernels/`
+            # folder would shadow the PyPI `kernels` package that transformers probes for in the peer's venv.
+            cwd=os.path.dirname(os.path.abspath(self.log_path)),
             preexec_fn=_pinned(self.cpus),
             start_new_session=True,
         )

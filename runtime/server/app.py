@@ -141,6 +141,18 @@ def build_app(config: ServerConfig, *, engine: Any = None, engine_factory: Calla
                     "path; its output is gibberish"
                 )
             data.append(entry)
+        for name, path in state.lora_modules.items():  # as vLLM lists them: the base model is the parent
+            data.append(
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": state.created,
+                    "owned_by": "kvserve",
+                    "root": path,
+                    "parent": config.served_model_names[0],
+                    "max_model_len": state.max_model_len or None,
+                }
+            )
         return JSONResponse({"object": "list", "data": data})
 
     @app.post("/v1/completions")

@@ -116,16 +116,21 @@ class OpenAIServing:
             )
         return state.engine
 
-    def check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter the request's `model` names (None: the base model); 404 for an unknown name."""
         names = self.state.config.served_model_names
-        if model is not None and model not in names:
-            raise APIError(
-                404,
-                f"The model '{model}' does not exist. Available: {', '.join(names)}.",
-                type="invalid_request_error",
-                param="model",
-                code="model_not_found",
-            )
+        if model is None or model in names:
+            return None
+        if model in self.state.lora_modules:
+            return model
+        available = [*names, *self.state.lora_modules]
+        raise APIError(
+            404,
+            f"The model '{model}' does not exist. Available: {', '.join(available)}.",
+            type="invalid_request_error",
+            param="model",
+            code="model_not_found",
+        )
 
     def check_queue(self, engine: AsyncEngine) -> None:
         limit = self.state.config.max_queue_len
@@ -219,6 +224,7 @@ class OpenAIServing:
         prompt_ids: list[int],
         prompt_param: str = "prompt",
         structured: Any = None,
+        lora_name: str | None = None,
     ) -> SamplingParams:
         """The request's SamplingParams, checked against this engine exactly as the engine (and the offline
         LLM) checks them (sampling_params.verify_request): a 400 naming the field, before the engine sees it."""
@@ -247,6 +253,7 @@ class OpenAIServing:
             skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
             structured_outputs=structured,
+            lora_name=lora_name,
         )
         try:
             params = SamplingParams(**kwargs)
@@ -405,7 +412,7 @@ class OpenAIServing:
         self.check_auth(request)
         engine = self.check_ready()
         body: CompletionRequest = await self.parse(request, CompletionRequest)
-        self.check_model(body.model)
+        lora_name = self.check_model(body.model)
         if body.suffix:
             raise bad_request("suffix is not supported.", param="suffix")
         if body.max_tokens is not None and body.max_tokens < 1:
@@ -436,7 +443,13 @@ class OpenAIServing:
         spec = structured.output_spec(body)
         params = [
             self.sampling_params(
-                body, body.max_tokens, body.logprobs, ids, "prompt" if len(prompt_ids) == 1 else f"prompt.{i}", spec
+                body,
+                body.max_tokens,
+                body.logprobs,
+                ids,
+                "prompt" if len(prompt_ids) == 1 else f"prompt.{i}",
+                spec,
+                lora_name,
             )
             for i, ids in enumerate(prompt_ids)
         ]
@@ -582,7 +595,7 @@ class OpenAIServing:
         self.check_auth(request)
         engine = self.check_ready()
         body: ChatCompletionRequest = await self.parse(request, ChatCompletionRequest)
-        self.check_model(body.model)
+        lora_name = self.check_model(body.model)
         tools = structured.tool_plan(body, self.state.config.tool_call_parser)
         spec = structured.output_spec(body)
         if spec is not None and tools.constrained:
@@ -605,7 +618,9 @@ class OpenAIServing:
         if not ids:
             raise bad_request("messages rendered to an empty prompt.", param="messages")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = await self.compile_grammar(self.sampling_params(body, max_tokens, logprobs, ids, "messages", spec))
+        params = await self.compile_grammar(
+            self.sampling_params(body, max_tokens, logprobs, ids, "messages", spec, lora_name)
+        )
         prepared = _Prepared(f"chatcmpl-{uuid.uuid4().hex}", [text], [ids], [params], body.n)
         streams = await self.add_all(engine, prepared, request)
         created = int(time.time())

@@ -59,6 +59,7 @@ class ServerState:
     stopping: bool = False  # a stop signal came: /health is 503; new requests are still accepted until draining
     draining: bool = False  # new requests get 503; in-flight ones finish
     load_error: BaseException | None = None
+    lora_modules: dict = field(default_factory=dict)  # --enable-lora: adapter name -> its directory
     created: int = field(default_factory=lambda: int(time.time()))
     on_fatal: Callable[[BaseException], None] | None = None  # loading failed: exit non-zero
     on_engine_dead: Callable[[BaseException], None] | None = None  # every request answered; exit non-zero
@@ -93,6 +94,8 @@ class ServerState:
             self.tokenizer, model_config, llm_engine.config.structured_output_max_number_digits
         )
         self.limits = llm_engine.limits
+        lora = getattr(llm_engine.config, "lora", None)
+        self.lora_modules = dict(lora.modules) if lora is not None else {}
         vocab = self.tokenizer.get_vocab()
         self.max_token_chars = max((len(t) for t in vocab), default=64) or 64
         self.chat_template = chat_template(self.tokenizer)

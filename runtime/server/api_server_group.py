@@ -131,7 +131,7 @@ def run_api_server_group(
     servers = []
     try:
         for i, sock in enumerate(listeners):
-            config = dataclasses.replace(server_config, api_server_index=i, api_server_count=count)
+            config = dataclasses.replace(server_config, api_server_index=i, api_server_count=count, group_dir=group_dir)
             proc = spawn.Process(
                 target=_api_server_main,
                 name=f"kvserve-api-server-{i}",

@@ -94,7 +94,7 @@ def build_app(config: ServerConfig, *, engine: Any = None, engine_factory: Calla
 
     @app.get("/health")
     async def health() -> Response:
-        if state.ready:
+        if state.ready and state.group_ready:
             return JSONResponse({"status": "ok"})
         status = (
             "draining"
@@ -102,7 +102,7 @@ def build_app(config: ServerConfig, *, engine: Any = None, engine_factory: Calla
             else "failed"
             if state.load_error is not None
             else "loading"
-            if state.engine is None
+            if state.engine is None or state.ready  # ready here, another API server of the group is not yet
             else "engine_dead"
         )
         return JSONResponse({"status": status}, status_code=503)

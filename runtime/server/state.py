@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import gc
 import logging
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -43,6 +44,10 @@ class ServerConfig:
     # (runtime/server/api_server_group.py): group-wide metrics, and an x-kvserve-api-server response header.
     api_server_index: int = 0
     api_server_count: int = 1
+    # The group launcher's directory: each server marks itself ready there and /health is 200 only once every
+    # server of the group is ready (one port, kernel-balanced: a probe answered by a ready server must not
+    # send traffic to one that is still attaching to the core).
+    group_dir: str | None = None
 
 
 @dataclass
@@ -59,6 +64,7 @@ class ServerState:
     stopping: bool = False  # a stop signal came: /health is 503; new requests are still accepted until draining
     draining: bool = False  # new requests get 503; in-flight ones finish
     load_error: BaseException | None = None
+    _group_ready: bool = False
     lora_modules: dict = field(default_factory=dict)  # --enable-lora: adapter name -> its directory
     created: int = field(default_factory=lambda: int(time.time()))
     on_fatal: Callable[[BaseException], None] | None = None  # loading failed: exit non-zero
@@ -80,6 +86,15 @@ class ServerState:
     @property
     def ready(self) -> bool:
         return self.engine is not None and self.engine.is_running and not (self.stopping or self.draining)
+
+    @property
+    def group_ready(self) -> bool:
+        """True once every API server of the group marked itself ready (always, outside a group)."""
+        if self._group_ready or self.config.group_dir is None:
+            return True
+        markers = (_ready_marker(self.config.group_dir, i) for i in range(self.config.api_server_count))
+        self._group_ready = all(os.path.exists(m) for m in markers)  # cached: servers do not un-ready
+        return self._group_ready
 
     def attach_engine(self, llm_engine: Any) -> None:
         """Wire up a loaded LLMEngine: tokenizer copy for the HTTP side, metrics, the async loop."""
@@ -134,6 +149,8 @@ class ServerState:
         )
         self.engine.start()
         _freeze_startup_heap()
+        if self.config.group_dir is not None:
+            open(_ready_marker(self.config.group_dir, self.config.api_server_index), "w").close()
         logger.info(
             "ready: model=%s max_model_len=%d kv_blocks=%s%s",
             self.config.served_model_names[0],
@@ -145,6 +162,10 @@ class ServerState:
     def _engine_died(self, exc: BaseException) -> None:
         if self.on_engine_dead is not None:
             self.on_engine_dead(exc)
+
+
+def _ready_marker(group_dir: str, index: int) -> str:
+    return os.path.join(group_dir, f"ready-{index}")
 
 
 def _freeze_startup_heap() -> None:

@@ -124,6 +124,7 @@ class ServerMetrics:
         max_model_len: int,
         cache_info: dict[str, Any] | None = None,
         num_kv_cache_groups: int = 1,
+        max_loras: int | None = None,
     ):
         self.registry = registry = CollectorRegistry(auto_describe=True)
         labels = ["model_name", "engine"]
@@ -227,6 +228,20 @@ class ServerMetrics:
                 multiprocess_mode=DEFAULT_GAUGE_MULTIPROCESS_MODE,
             ).labels(**info).set(1)
 
+        # --enable-lora: vLLM's vllm:lora_requests_info exactly (no model_name/engine labels): one series per
+        # (running, waiting) combination, its value the time it was last current; readers such as the
+        # Gateway API Inference Extension's endpoint picker take the series with the newest value.
+        self.lora_info = None
+        self._max_loras = str(max_loras) if max_loras else None
+        if max_loras:
+            self.lora_info = Gauge(
+                "vllm:lora_requests_info",
+                "Running stats on lora requests.",
+                ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                registry=registry,
+                multiprocess_mode=DEFAULT_GAUGE_MULTIPROCESS_MODE,
+            )
+
         # kvserve-specific extras
         # What the pod really holds: usable blocks (null block excluded) x block size -- equal to the
         # operator's status.plan.kvTokens when the pod runs its rendered args (issue 16's contract).
@@ -270,6 +285,13 @@ class ServerMetrics:
         self.kv_cache_usage_perc.set(stats.kv_cache_usage)
         self.num_kv_blocks_free.set(getattr(stats, "num_free_blocks", 0))
         self.num_kv_blocks_total.set(getattr(stats, "num_total_blocks", 0))
+        running_loras = getattr(stats, "running_lora_adapters", None)
+        if self.lora_info is not None and running_loras is not None:
+            self.lora_info.labels(
+                max_lora=self._max_loras,
+                waiting_lora_adapters=",".join(stats.waiting_lora_adapters),
+                running_lora_adapters=",".join(running_loras),
+            ).set_to_current_time()
         iteration_tokens = 0
         for name in (
             "prompt_tokens",

@@ -73,3 +73,6 @@ class EngineStats:
     num_swapped_in_blocks: int = 0
     num_free_host_blocks: int = 0
     num_total_host_blocks: int = 0
+    # --enable-lora: adapter names with requests running / waiting (None: LoRA off)
+    running_lora_adapters: tuple[str, ...] | None = None
+    waiting_lora_adapters: tuple[str, ...] | None = None

@@ -166,3 +166,27 @@ def check_logprobs_close(ref_outputs, got_outputs) -> int:
                 assert rt in g.logprobs[i] and gt in r.logprobs[i], f"token {i}: {rt} vs {gt}"
                 break
     return same_first
+
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_peft_adapter(hf_model, out_dir, r: int, alpha: int, seed: int, rslora: bool = False):
+    """A random PEFT LoRA adapter on a copy of `hf_model` (all seven targets, B clearly non-zero so the adapter
+    changes the tokens), saved to out_dir; returns the peft model (eval mode) for reference outputs."""
+    import copy
+
+    import peft
+    import torch
+
+    torch.manual_seed(seed)
+    cfg = peft.LoraConfig(
+        r=r, lora_alpha=alpha, target_modules=LORA_TARGETS, use_rslora=rslora, init_lora_weights=False
+    )
+    model = peft.get_peft_model(copy.deepcopy(hf_model), cfg)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)
+    model.save_pretrained(str(out_dir))
+    return model.eval()

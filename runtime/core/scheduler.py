@@ -116,6 +116,12 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    def lora_adapters(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(running, waiting) adapter names, each sorted and distinct (vllm:lora_requests_info's labels)."""
+        running = sorted({r.lora_name for r in self.running if r.lora_name is not None})
+        queued = [*self.waiting, *self.swapped]
+        return tuple(running), tuple(sorted({r.lora_name for r in queued if r.lora_name is not None}))
+
     # -- one step --------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         cfg = self.config

@@ -242,6 +242,9 @@ class EngineCore:
 
     def get_stats(self) -> EngineStats:
         kv = self.kv_cache_manager
+        running_loras = waiting_loras = None
+        if self.scheduler.config.max_loras:
+            running_loras, waiting_loras = self.scheduler.lora_adapters()
         return EngineStats(
             num_requests_running=self.scheduler.num_running,
             num_requests_waiting=self.scheduler.num_waiting,
@@ -259,4 +262,6 @@ class EngineCore:
             num_swapped_in_blocks=kv.num_swapped_in_blocks,
             num_free_host_blocks=kv.num_free_host_blocks,
             num_total_host_blocks=kv.num_host_blocks,
+            running_lora_adapters=running_loras,
+            waiting_lora_adapters=waiting_loras,
         )

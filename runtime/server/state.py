@@ -111,6 +111,7 @@ class ServerState:
         self.limits = llm_engine.limits
         lora = getattr(llm_engine.config, "lora", None)
         self.lora_modules = dict(lora.modules) if lora is not None else {}
+        max_loras = lora.max_loras if lora is not None else None
         vocab = self.tokenizer.get_vocab()
         self.max_token_chars = max((len(t) for t in vocab), default=64) or 64
         self.chat_template = chat_template(self.tokenizer)
@@ -133,9 +134,12 @@ class ServerState:
                 self.max_model_len,
                 cache_info,
                 num_groups,
+                max_loras,
             )
         else:
-            self.metrics = ServerMetrics(self.config.served_model_names[0], self.max_model_len, cache_info, num_groups)
+            self.metrics = ServerMetrics(
+                self.config.served_model_names[0], self.max_model_len, cache_info, num_groups, max_loras
+            )
         self.metrics.track_health(lambda: self.ready)
         tracer = self.config.request_tracer
         if tracer is None and self.config.otlp_traces_endpoint:

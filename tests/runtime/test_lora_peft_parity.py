@@ -136,26 +136,17 @@ def test_slot_bytes_match_allocated_slots():
 def test_engine_mixed_batch_matches_peft(model_factory, tmp_path):
     """The real engine: LLM(enable_lora, lora_modules) runs base + two adapters in one generate() call, on
     kvserve's own model (fused qkv_proj / gate_up_proj), token-identical to HF + peft per row."""
-    import copy
 
     from kvserve.runtime import LLM, SamplingParams
     from kvserve.runtime.errors import InvalidParameter
 
     model_dir, hf_model = model_factory("llama_gqa")
 
-    def make(name, r, alpha, rslora, seed):
-        torch.manual_seed(seed)
-        cfg = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=TARGETS, use_rslora=rslora, init_lora_weights=False)
-        model = peft.get_peft_model(copy.deepcopy(hf_model), cfg)
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if "lora_B" in n:
-                    p.normal_(0, 0.5)
-        model.save_pretrained(tmp_path / name)
-        return model.eval(), str(tmp_path / name)
+    from kvserve_testing import make_peft_adapter
 
-    peft_a1, path_a1 = make("a1", r=8, alpha=16, rslora=False, seed=1)
-    peft_a2, path_a2 = make("a2", r=4, alpha=8, rslora=True, seed=2)
+    path_a1, path_a2 = str(tmp_path / "a1"), str(tmp_path / "a2")
+    peft_a1 = make_peft_adapter(hf_model, path_a1, r=8, alpha=16, seed=1)
+    peft_a2 = make_peft_adapter(hf_model, path_a2, r=4, alpha=8, seed=2, rslora=True)
     prompts = [[5, 17, 33, 2, 8], [9, 40, 3, 77], [1, 2, 3, 4, 5, 6], [5, 17, 33, 2, 8]]
     names = ["a1", None, "a2", None]  # the 4th: a1's prompt on the base model (prefix cache keyed by adapter)
     steps = 6

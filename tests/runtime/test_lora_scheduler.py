@@ -75,3 +75,13 @@ def test_no_cap_without_lora():
     for i in range(5):
         s.add_request(_req(f"r{i}", f"L{i}"))
     assert len(_step(s).scheduled) == 5
+
+
+def test_running_and_waiting_adapter_names_for_the_metric():
+    """vllm:lora_requests_info's labels come from here: distinct sorted names, swapped counted as waiting."""
+    s = _sched(max_loras=2)
+    for rid, lora in [("b1", "B"), ("a1", "A"), ("base", None), ("b2", "B"), ("c1", "C")]:
+        s.add_request(_req(rid, lora))
+    assert s.lora_adapters() == ((), ("A", "B", "C"))
+    _step(s)  # two adapter slots: A and B run (with the base request), C waits
+    assert s.lora_adapters() == (("A", "B"), ("C",))

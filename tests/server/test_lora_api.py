@@ -5,41 +5,29 @@ its own process, as `kvserve serve` runs it), /v1/models lists adapters with `pa
 
 from __future__ import annotations
 
-import copy
-
 import httpx
 import pytest
-import torch
 
 peft = pytest.importorskip("peft")
 
 from tests.server.conftest import LiveServer  # noqa: E402
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ENGINE = dict(max_model_len=64, num_kv_blocks=64, block_size=16, enable_lora=True, max_loras=2, max_lora_rank=8)
 PROMPT = [5, 17, 33, 2, 8, 11]
 
 
 @pytest.fixture(scope="module")
 def lora_setup(tmp_path_factory):
-    from kvserve_testing import TEST_MODEL_CONFIGS
+    from kvserve_testing import TEST_MODEL_CONFIGS, make_peft_adapter
 
     from kvserve.runtime.models.synthetic import make_random_model_dir
 
     root = tmp_path_factory.mktemp("lora-api")
     arch, kwargs = TEST_MODEL_CONFIGS["llama_gqa"]
     hf_model = make_random_model_dir(str(root / "base"), arch, seed=1234, dtype="float32", **kwargs)
-    modules = {}
-    for name, seed in (("a1", 1), ("a2", 2)):
-        torch.manual_seed(seed)
-        cfg = peft.LoraConfig(r=8, lora_alpha=16, target_modules=TARGETS, init_lora_weights=False)
-        model = peft.get_peft_model(copy.deepcopy(hf_model), cfg)
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if "lora_B" in n:
-                    p.normal_(0, 0.5)
-        model.save_pretrained(root / name)
-        modules[name] = str(root / name)
+    modules = {name: str(root / name) for name in ("a1", "a2")}
+    for seed, path in enumerate(modules.values(), 1):
+        make_peft_adapter(hf_model, path, r=8, alpha=16, seed=seed)
     lora_modules = ",".join(f"{n}={p}" for n, p in modules.items())
     return str(root / "base"), lora_modules, modules
 
@@ -96,3 +84,22 @@ def test_models_lists_adapters_with_parent_and_unknown_is_404(lora_setup, lora_s
     assert resp.status_code == 404
     err = resp.json()["error"]
     assert err["param"] == "model" and err["code"] == "model_not_found" and "a1" in err["message"]
+
+
+def test_lora_requests_info_as_vllm_exports_it(lora_server):
+    """vllm:lora_requests_info: labels max_lora / running_lora_adapters / waiting_lora_adapters only, value the
+    time the combination was last current; a request for a1 shows a series with a1 running, the idle engine
+    one with none."""
+    import re
+    import time
+
+    body = {"model": "a1", "prompt": PROMPT, "max_tokens": 20, "temperature": 0, "ignore_eos": True}
+    before = time.time()
+    assert httpx.post(lora_server.base_url + "/v1/completions", json=body, timeout=60).status_code == 200
+    lora_server.wait_idle()
+    text = httpx.get(lora_server.base_url + "/metrics", timeout=10).text
+    series = dict(re.findall(r"^(vllm:lora_requests_info\{[^}]*\}) (\S+)$", text, flags=re.MULTILINE))
+    running = 'vllm:lora_requests_info{max_lora="2",running_lora_adapters="a1",waiting_lora_adapters=""}'
+    idle = 'vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""}'
+    assert running in series and idle in series, series
+    assert float(series[running]) >= before - 1 and float(series[idle]) >= float(series[running])

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from kvserve.cli.errors import CLIError
+
 HELP = "measure a step-time model (overhead, per token, per context token) for kvserve plan --calibration"
 
 
@@ -11,9 +13,9 @@ def _ints(text: str, name: str) -> tuple[int, ...]:
     try:
         values = tuple(int(v) for v in text.split(","))
     except ValueError:
-        raise SystemExit(f"error: {name}: expected comma-separated integers, got {text!r}") from None
+        raise CLIError(f"{name}: expected comma-separated integers, got {text!r}") from None
     if not values or min(values) < 1:
-        raise SystemExit(f"error: {name}: every value must be >= 1, got {text!r}")
+        raise CLIError(f"{name}: every value must be >= 1, got {text!r}")
     return values
 
 
@@ -33,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.runtime.bench import calibrate
 
     if args.decode_steps < 1:
-        raise SystemExit("error: --decode-steps: must be >= 1")
+        raise CLIError("--decode-steps: must be >= 1")
     grid = calibrate.Grid(
         prompt_lens=_ints(args.prompt_lens, "--prompt-lens"),
         batch_sizes=_ints(args.batch_sizes, "--batch-sizes"),

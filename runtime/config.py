@@ -82,7 +82,7 @@ class EngineConfig:
     attention_backend: str = "torch"
     device: str = "cpu"
     seed: int = 0
-    structured_output_max_number_digits: int = 9  # unbounded JSON-schema numbers (structured_output/schema_bounds)
+    structured_output_max_number_digits: int = engine_args.default("structured_output_max_number_digits")
     # The engine is declared dead (every request answered with an error, the server exits non-zero) after
     # this many steps in a row fail in a way no single request explains (see engine/errors.py).
     max_consecutive_step_failures: int = 3

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 
 from kvserve.runtime.planner.predict import CALIBRATION_VERSION
-from kvserve.runtime.planner.step_time import StepSample, fit
+from kvserve.runtime.planner.step_time import StepSample, fit, step_work
 
 
 @dataclass(frozen=True)
@@ -29,25 +29,16 @@ class Grid:
     warmup_steps: int = 3  # steps of a first, unrecorded run (allocator, thread pools)
 
 
-def cpu_model_name() -> str:
-    """The CPU's model name from /proc/cpuinfo ("unknown" where there is none)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
-
-
 def device_name(engine) -> str:
+    """The GPU's name, or the CPU's model name (peer.machine_info reads it from /proc/cpuinfo)."""
     runner_device = engine.runner.device
     if runner_device.type == "cuda":
         import torch
 
         return torch.cuda.get_device_name(runner_device)
-    return cpu_model_name()
+    from kvserve.runtime.bench.peer import machine_info
+
+    return machine_info().get("cpu_model") or "unknown"
 
 
 def _progress(msg: str) -> None:
@@ -84,9 +75,7 @@ def _run_point(engine, box, prompt_len: int, batch: int, decode_steps: int, rng,
         out = box[0]
         if out is None or not out.scheduled:
             continue
-        num_tokens = sum(len(s.token_ids) for s in out.scheduled)
-        context = sum(s.start_position + len(s.token_ids) for s in out.scheduled)
-        samples.append(StepSample(num_tokens, context, seconds))
+        samples.append(StepSample(*step_work(out.scheduled), seconds))
     return samples
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 
+from kvserve.runtime.planner.simulator import percentile  # one definition for measured and predicted percentiles
+
 
 # ---- requests ---------------------------------------------------------------------------------------------
 class Request:
@@ -302,16 +304,6 @@ def summarize(outs: list[dict], duration_s: float, slos: dict[str, float], perce
         for p in pcts:
             summary[f"p{p:g}_{name}_ms"] = percentile(ms, p)
     return summary
-
-
-def percentile(sorted_values: list[float], p: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default)."""
-    if not sorted_values:
-        return 0.0
-    k = (len(sorted_values) - 1) * p / 100.0
-    lo = int(k)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (k - lo)
 
 
 # ---- on/off comparisons ---------------------------------------------------------------------------------------

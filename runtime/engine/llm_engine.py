@@ -109,14 +109,7 @@ class LLMEngine:
         if self._grammar_compiler is None:
             from kvserve.runtime.structured_output.compiler import GrammarCompiler
 
-            m = self.config.model
-            self._grammar_compiler = GrammarCompiler(
-                self.tokenizer,
-                m.model_dir,
-                m.vocab_size,
-                m.eos_token_ids,
-                self.config.structured_output_max_number_digits,
-            )
+            self._grammar_compiler = GrammarCompiler.for_engine(self.tokenizer, self.config)
         return self._grammar_compiler
 
     def compile_constraint(self, params: SamplingParams) -> SamplingParams:

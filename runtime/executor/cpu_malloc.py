@@ -4,9 +4,10 @@ A CPU step allocates and frees the same large tensors every time (activations, l
 scratch: hundreds of KiB to tens of MiB each). glibc serves a block above its mmap threshold (128 KiB,
 raised dynamically only up to 32 MiB) with a fresh mmap and unmaps it on free, so every step pays the page
 faults of touching new pages again, and trims the heap top back to the kernel above 128 KiB free. Measured
-on the 2-core EPYC (offline bf16, 48 requests, the 125M peer-benchmark model): ~235k minor faults and
-1.6-1.8 s of system time per run by default, ~1k faults and 0.1 s with the thresholds below, +20-30%
-output tok/s (docs/performance.md). vLLM gets the same effect by preloading tcmalloc in its CPU images.
+on the 2-core EPYC (offline bf16, the 125M peer-benchmark model): ~235k minor faults and 1.6-1.8 s of
+system time per 48-request run by default, ~1k faults and 0.1 s with the thresholds below; `kvserve bench
+peer --engines kvserve` on a quiet machine, 404 -> 465 output tok/s (+15%, docs/performance.md). vLLM gets
+the same effect by preloading tcmalloc in its CPU images.
 
 So on Linux/glibc the CPU model runner raises the mmap threshold to 1 GiB (blocks below it come from the
 heap and are reused) and the trim threshold to 2 GiB (freed memory stays mapped): the process keeps its

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from kvserve.runtime.core.kv_cache_manager import KVCacheManager
 from kvserve.runtime.core.outputs import ModelRunnerOutput
 from kvserve.runtime.core.scheduler import Scheduler, SchedulerConfig
-from kvserve.runtime.planner.step_time import StepTimeModel
+from kvserve.runtime.planner.step_time import StepTimeModel, step_work
 from kvserve.runtime.request import Request
 from kvserve.runtime.sampling_params import SamplingParams
 
@@ -107,12 +107,15 @@ class SimResult:
 
 
 def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (q in [0, 100]); 0.0 for no values."""
+    """The q-th percentile (q in [0, 100]), linear between closest ranks (numpy's default); 0.0 for no values.
+    The one definition for predictions and measurements: `kvserve bench serve` reports with this one too."""
     if not values:
         return 0.0
     s = sorted(values)
-    k = max(0, min(len(s) - 1, int(round(q / 100.0 * (len(s) - 1)))))
-    return s[k]
+    k = (len(s) - 1) * q / 100.0
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 def simulate(workload: Workload, shape: EngineShape, step_model: StepTimeModel) -> SimResult:
@@ -176,13 +179,7 @@ def simulate(workload: Workload, shape: EngineShape, step_model: StepTimeModel) 
                 raise RuntimeError("simulation stalled: a request cannot be scheduled (KV pool too small?)")
             now = max(now, pending[0][0])
             continue
-        num_tokens = 0
-        context = 0
-        for s in out.scheduled:
-            n = len(s.token_ids)
-            num_tokens += n
-            context += s.start_position + n
-        now += step_model.step_seconds(num_tokens, context)
+        now += step_model.step_seconds(*step_work(out.scheduled))
         steps += 1
         peak = max(peak, kv.usage)
         sampled = {s.req_id: 1 for s in out.scheduled if s.sample}

@@ -20,6 +20,17 @@ class StepSample:
     seconds: float
 
 
+def step_work(scheduled) -> tuple[int, int]:
+    """(num_tokens, context_tokens) of one step's scheduled requests (SchedulerOutput.scheduled): the two
+    variables of the model, counted the same way when calibrating on the engine and when simulating."""
+    num_tokens = context_tokens = 0
+    for s in scheduled:
+        n = len(s.token_ids)
+        num_tokens += n
+        context_tokens += s.start_position + n
+    return num_tokens, context_tokens
+
+
 @dataclass(frozen=True)
 class StepTimeModel:
     overhead_s: float

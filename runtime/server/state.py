@@ -105,9 +105,7 @@ class ServerState:
         except Exception:  # pragma: no cover - tokenizers that cannot be copied: share, guarded by one thread
             self.tokenizer = llm_engine.tokenizer
         self.vocab_size = len(self.tokenizer)
-        self.grammar_compiler = _GrammarCompilerFactory(
-            self.tokenizer, model_config, llm_engine.config.structured_output_max_number_digits
-        )
+        self.grammar_compiler = _GrammarCompilerFactory(self.tokenizer, llm_engine.config)
         self.limits = llm_engine.limits
         lora = getattr(llm_engine.config, "lora", None)
         self.lora_modules = dict(lora.modules) if lora is not None else {}
@@ -186,16 +184,12 @@ def _freeze_startup_heap() -> None:
 class _GrammarCompilerFactory:
     """Builds the xgrammar compiler on first use (most servers never see a structured request)."""
 
-    def __init__(self, tokenizer: Any, model_config: Any, max_number_digits: int):
-        self.tokenizer, self.model_config, self._compiler = tokenizer, model_config, None
-        self.max_number_digits = max_number_digits
+    def __init__(self, tokenizer: Any, engine_config: Any):
+        self.tokenizer, self.engine_config, self._compiler = tokenizer, engine_config, None
 
     def compile(self, spec: Any) -> Any:
         if self._compiler is None:
             from kvserve.runtime.structured_output.compiler import GrammarCompiler
 
-            m = self.model_config
-            self._compiler = GrammarCompiler(
-                self.tokenizer, m.model_dir, m.vocab_size, m.eos_token_ids, self.max_number_digits
-            )
+            self._compiler = GrammarCompiler.for_engine(self.tokenizer, self.engine_config)
         return self._compiler.compile(spec)

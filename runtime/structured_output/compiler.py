@@ -76,6 +76,13 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self.max_number_digits = max_number_digits
 
+    @classmethod
+    def for_engine(cls, tokenizer: Any, config: Any) -> GrammarCompiler:
+        """The compiler for an engine's model and settings (EngineConfig): the offline engine's and the API
+        server's are built the same way."""
+        m = config.model
+        return cls(tokenizer, m.model_dir, m.vocab_size, m.eos_token_ids, config.structured_output_max_number_digits)
+
     def compile(self, spec: StructuredOutputSpec) -> CompiledConstraint:
         """Raises InvalidParameter naming the request field when the schema/regex/grammar is invalid."""
         with self._lock:

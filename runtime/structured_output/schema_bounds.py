@@ -13,9 +13,12 @@ import copy
 import re
 from typing import Any
 
+from kvserve.runtime import engine_args
 from kvserve.runtime.errors import InvalidParameter
 
-DEFAULT_MAX_NUMBER_DIGITS = 9  # up to 999,999,999: enough for counts/ids, short enough to always close
+# --structured-output-max-number-digits (engine_args, its one home; 9: up to 999,999,999, enough for counts and
+# ids, short enough to always close)
+DEFAULT_MAX_NUMBER_DIGITS = engine_args.default("structured_output_max_number_digits")
 # Keywords xgrammar's JSON-schema converter (0.1.x) ignores: each was checked by compiling a schema with and without
 # it (the grammar comes out the same, or for `not` an equivalent one; `contains` only lifts minItems to 1). Refusing
 # beats a silently looser grammar. It does express multipleOf, min/maxProperties, exclusive bounds and format.

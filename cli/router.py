@@ -18,6 +18,20 @@ def _non_negative(text: str) -> float:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     where = parser.add_argument_group("replicas (one of)")
     where.add_argument(
@@ -97,6 +111,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=600.0,
         help="longest silence from a replica, in seconds (a non-streamed completion is one)",
     )
+    hold = parser.add_argument_group("scale from zero: requests held while no replica is ready")
+    hold.add_argument(
+        "--max-held-requests",
+        type=_non_negative_int,
+        default=0,
+        metavar="N",
+        help='hold up to N requests per model (the body\'s "model") while no replica is ready, and forward '
+        "them in order once one is; past N a 503 with Retry-After. 0 (default): answer 503 at once",
+    )
+    hold.add_argument(
+        "--hold-timeout",
+        type=_positive_float,
+        default=60.0,
+        metavar="SECONDS",
+        help="longest a request is held (default 60); then a 503 with Retry-After",
+    )
+    hold.add_argument(
+        "--hold-retry-after",
+        type=_positive_int,
+        default=10,
+        metavar="SECONDS",
+        help="Retry-After of those 503s (default 10)",
+    )
     parser.add_argument(
         "--log-level",
         default="info",
@@ -171,6 +208,9 @@ def run(args: argparse.Namespace) -> int:
         read_timeout_s=args.read_timeout,
         max_attempts=args.max_attempts,
         session_header=args.session_header,
+        max_held_requests=args.max_held_requests,
+        hold_timeout_s=args.hold_timeout,
+        hold_retry_after_s=args.hold_retry_after,
     )
     app = build_app(Router(config, tokenizer, found))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)

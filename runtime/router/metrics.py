@@ -8,6 +8,8 @@ from kvserve.runtime.metrics import TTFT_BUCKETS
 
 DECISION_BUCKETS = [0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25]
 RATIO_BUCKETS = [0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0]
+# A cold start is image pull + weight load + warm-up: seconds for a small model, minutes for a 70B one.
+HOLD_BUCKETS = [0.1, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600]
 
 
 class RouterMetrics:
@@ -69,6 +71,24 @@ class RouterMetrics:
             "kvserve_router:prefix_index_blocks", "Block hashes in the replica's prefix index.", ["replica"], registry=r
         )
         self.replicas = Gauge("kvserve_router:replicas", "Known replicas by state.", ["state"], registry=r)
+        # Scale from zero (--max-held-requests): the demand KEDA scales a model at zero replicas on.
+        self.held = Gauge(
+            "kvserve_router:held_requests",
+            "Requests held now because no replica is ready (all models).",
+            registry=r,
+        )
+        self.hold_outcomes = Counter(
+            "kvserve_router:hold_outcomes",
+            "Held requests by how their hold ended: forwarded, hold_timeout, queue_full, too_many_models, client_gone.",
+            ["outcome"],
+            registry=r,
+        )
+        self.hold_seconds = Histogram(
+            "kvserve_router:hold_seconds",
+            "Time a request was held before it was forwarded.",
+            buckets=HOLD_BUCKETS,
+            registry=r,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -25,6 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvserve.runtime.metrics import CONTENT_TYPE
+from kvserve.runtime.router.hold import HeldRequests, HoldRejected
 from kvserve.runtime.router.metrics import RouterMetrics
 from kvserve.runtime.router.replica_metrics import parse_metrics
 from kvserve.runtime.router.replicas import ReplicaSet
@@ -67,6 +68,11 @@ class RouterConfig:
     session_header: str | None = None  # e.g. x-session-id: sticky routing for requests carrying it
     max_request_body_bytes: int = 32 * 1024 * 1024
     seed: int | None = None
+    # Scale from zero: while no replica is ready, hold up to this many requests per model (0: answer 503 at
+    # once), each for at most hold_timeout_s, then 503 with Retry-After: hold_retry_after_s.
+    max_held_requests: int = 0
+    hold_timeout_s: float = 60.0
+    hold_retry_after_s: int = 10
 
 
 class _Retryable(Exception):
@@ -99,6 +105,11 @@ class Router:
             eject_max_s=config.eject_max_s,
         )
         self.metrics = RouterMetrics()
+        self.held = (
+            HeldRequests(config.max_held_requests, config.hold_timeout_s, on_change=self.metrics.held.set)
+            if config.max_held_requests > 0
+            else None
+        )
         self.rng = random.Random(config.seed)
         self.client: httpx.AsyncClient | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -141,6 +152,13 @@ class Router:
                 except KeyError:
                     pass
         self._update_replica_gauges()
+        self._release_held()
+
+    def _release_held(self) -> None:
+        """Forward the held requests, oldest first, once a replica is ready (called after every change that
+        can make one ready: discovery, a successful re-probe, a scrape round)."""
+        if self.held is not None and len(self.held) and self.replicas.ready():
+            logger.info("a replica is ready: forwarding %d held requests", self.held.release())
 
     def _update_replica_gauges(self) -> None:
         states = {"routable": 0, "ejected": 0, "draining": 0}
@@ -162,9 +180,10 @@ class Router:
     async def poll_once(self) -> None:
         now = time.monotonic()
         scrape = [r.url for r in self.replicas.replicas.values() if r.ejected_until is None]
-        probe = self.replicas.due_for_probe(now)
+        probe = self.replicas.due_for_probe(now, eager=self.held is not None and len(self.held) > 0)
         await asyncio.gather(*(self._scrape(url) for url in scrape), *(self._probe(url) for url in probe))
         self._update_replica_gauges()
+        self._release_held()
 
     async def _scrape(self, url: str) -> None:
         try:
@@ -186,6 +205,7 @@ class Router:
         if healthy:
             self.replicas.readmit(url)
             await self._scrape(url)  # without fresh metrics it would score as saturated until the next round
+            self._release_held()
         else:
             self.replicas.probe_failed(url, time.monotonic())
 
@@ -232,13 +252,70 @@ class Router:
         except ValueError as exc:
             return error_response(400, f"request body is not valid JSON: {exc}", type="invalid_request_error")
         session_key = request.headers.get(self.config.session_header) if self.config.session_header else None
-        decision, hashes = await self.decide(path, payload, session_key)
-        if not decision.ranked:
-            self.metrics.failed.labels("no_replicas").inc()
-            return error_response(503, "no replicas available", type="server_error")
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
         headers["accept-encoding"] = "identity"
+        model = payload.get("model") if isinstance(payload, dict) else None
+        model = model if isinstance(model, str) else ""
+        deadline = time.monotonic() + self.config.hold_timeout_s
+        while True:
+            if self.held is not None and not self.replicas.ready():
+                refused = await self._hold(request, model, deadline)
+                if refused is not None:
+                    return refused
+            decision, hashes = await self.decide(path, payload, session_key)
+            if decision.ranked:
+                response, last_error = await self._dispatch(request, path, body, headers, decision, hashes, session_key)
+                if response is not None:
+                    return response
+            elif self.held is None:
+                self.metrics.failed.labels("no_replicas").inc()
+                return error_response(503, "no replicas available", type="server_error")
+            if self.held is None:
+                self.metrics.failed.labels("all_attempts_failed").inc()
+                return error_response(502, f"no replica could take the request ({last_error})", type="server_error")
+            # Holding: every replica tried failed before answering (each is ejected now), so nothing reached
+            # the client: wait for a ready replica again, within the same deadline.
+
+    async def _hold(self, request: Request, model: str, deadline: float) -> Response | None:
+        """Hold the request until a replica is ready (None) or answer it: 503 + Retry-After when the hold is
+        full or timed out, 499 when the client left."""
+        try:
+            waited = await _race_disconnect(
+                request, self.held.wait(model, deadline, ready=lambda: bool(self.replicas.ready()))
+            )
+        except _ClientGone:
+            self.metrics.hold_outcomes.labels("client_gone").inc()
+            self.metrics.client_disconnects.inc()
+            return Response(status_code=499)
+        except HoldRejected as exc:
+            self.metrics.hold_outcomes.labels(exc.reason).inc()
+            self.metrics.failed.labels(exc.reason).inc()
+            return error_response(
+                503,
+                exc.message,
+                type="server_error",
+                code=exc.reason,
+                headers={"Retry-After": str(self.config.hold_retry_after_s)},
+            )
+        if waited > 0:
+            self.metrics.hold_outcomes.labels("forwarded").inc()
+            self.metrics.hold_seconds.observe(waited)
+        return None
+
+    async def _dispatch(
+        self,
+        request: Request,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        decision: Decision,
+        hashes: HashCache | None,
+        session_key: str | None,
+    ) -> tuple[Response | None, str]:
+        """Try the ranked replicas (at most max_attempts); (response, "") once one answers, (None, last error)
+        when every attempt failed before any byte reached the client."""
         last_error = "no attempt made"
+        attempts = min(self.config.max_attempts, len(decision.ranked))
         for attempt, score in enumerate(decision.ranked[: self.config.max_attempts]):
             replica = self.replicas.replicas.get(score.url)
             if replica is None:  # removed by discovery while we were deciding
@@ -251,13 +328,15 @@ class Router:
             self.metrics.requests.labels(url, decision.reason if attempt == 0 else "retry").inc()
             lease = _Lease(self, url, score.uncached_tokens)
             upstream = self.client.build_request("POST", url + path, content=body, headers=headers)
-            last = attempt + 1 >= min(self.config.max_attempts, len(decision.ranked))
+            # The last replica's 503 (draining, loading) goes to the client, unless requests are held: then
+            # the replica is ejected and the request waits for a ready one.
+            last = attempt + 1 >= attempts and self.held is None
             try:
                 resp, first_chunk, chunks = await _race_disconnect(request, self._open(upstream, url, last))
             except _ClientGone:
                 await lease.release()
                 self.metrics.client_disconnects.inc()
-                return Response(status_code=499)
+                return Response(status_code=499), ""
             except _Retryable as exc:
                 await lease.release()
                 self._eject(url, exc.cause, exc)
@@ -267,21 +346,24 @@ class Router:
             except httpx.TimeoutException as exc:  # the replica may be working on it: never run it twice
                 await lease.release()
                 self.metrics.failed.labels("upstream_timeout").inc()
-                return error_response(504, f"replica {url} timed out: {type(exc).__name__}", type="server_error")
+                return (
+                    error_response(504, f"replica {url} timed out: {type(exc).__name__}", type="server_error"),
+                    "",
+                )
             self.replicas.served(url)
             self.replicas.sessions.put(session_key, url)
             self.metrics.responses.labels(url, str(resp.status_code)).inc()
             out_headers = {k: v for k, v in resp.headers.items() if k.lower() not in HOP_HEADERS}
             out_headers[ENDPOINT_HEADER] = url
             is_sse = resp.headers.get("content-type", "").startswith("text/event-stream")
-            return _LeasedStreamingResponse(
+            response = _LeasedStreamingResponse(
                 _relay(self, url, resp, first_chunk, chunks, is_sse),
                 lease,
                 status_code=resp.status_code,
                 headers=out_headers,
             )
-        self.metrics.failed.labels("all_attempts_failed").inc()
-        return error_response(502, f"no replica could take the request ({last_error})", type="server_error")
+            return response, ""
+        return None, last_error
 
     async def _open(
         self, upstream: httpx.Request, url: str, last: bool
@@ -449,11 +531,15 @@ def build_app(router: Router) -> FastAPI:
         replicas = router.replicas.replicas.values()
         routable = sum(1 for r in replicas if r.ejected_until is None and not r.draining)
         body = {
-            "status": "ok" if routable else "no_replicas",
+            "status": "ok" if routable else "holding" if router.held is not None else "no_replicas",
             "replicas": len(router.replicas.replicas),
             "routable": routable,
         }
-        return JSONResponse(body, status_code=200 if routable else 503)
+        if router.held is not None:
+            body["held"] = len(router.held)
+        # A holding router is ready with no replica at all: at zero replicas it must take (and hold) the
+        # requests whose count scales the model up.
+        return JSONResponse(body, status_code=200 if routable or router.held is not None else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:

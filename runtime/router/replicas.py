@@ -89,8 +89,13 @@ class ReplicaSet:
         logger.warning("ejected %s for %.1fs: %s", url, backoff, cause)
         return backoff
 
-    def due_for_probe(self, now: float) -> list[str]:
-        return [r.url for r in self.replicas.values() if r.ejected_until is not None and now >= r.ejected_until]
+    def due_for_probe(self, now: float, eager: bool = False) -> list[str]:
+        """Ejected replicas whose back-off is over; with `eager` (requests are held waiting for a replica)
+        every ejected one, so a replica that finished loading is found within one poll, not after a back-off
+        of up to eject_max_s."""
+        return [
+            r.url for r in self.replicas.values() if r.ejected_until is not None and (eager or now >= r.ejected_until)
+        ]
 
     def probe_failed(self, url: str, now: float) -> None:
         replica = self.replicas.get(url)
@@ -130,9 +135,16 @@ class ReplicaSet:
         wrong ejection must not turn into a full outage). Draining: the EndpointSlice says terminating, or
         the replica's last scrape said `kvserve:draining 1` (a stop signal came: the router stops sending
         first, while the replica still accepts through its preStop sleep or --drain-accept-seconds)."""
-        live = [r for r in self.replicas.values() if not (r.draining or (r.metrics is not None and r.metrics.draining))]
+        live = self._live()
         healthy = [r for r in live if r.ejected_until is None]
         return healthy or live
+
+    def ready(self) -> list[Replica]:
+        """Healthy, non-draining replicas, without routable()'s fail-open: what held requests wait for."""
+        return [r for r in self._live() if r.ejected_until is None]
+
+    def _live(self) -> list[Replica]:
+        return [r for r in self.replicas.values() if not (r.draining or (r.metrics is not None and r.metrics.draining))]
 
     def view(self, replica: Replica, now: float) -> ReplicaView:
         fresh = (

@@ -54,7 +54,7 @@ class Threaded:
 class FakeReplica(Threaded):
     """mode: ok | 503 | 429 | break (one event, then a dropped connection) | hang (never sends a body byte)."""
 
-    def __init__(self, name: str, events: int = 3, gap_s: float = 0.0):
+    def __init__(self, name: str, events: int = 3, gap_s: float = 0.0, port: int | None = None):
         self.name, self.mode, self.events, self.gap_s = name, "ok", events, gap_s
         self.received: list[dict] = []
         self.cancelled = 0
@@ -107,7 +107,7 @@ class FakeReplica(Threaded):
                 Route("/v1/models", models),
             ]
         )
-        super().__init__(app)
+        super().__init__(app, port)
 
 
 class WordTokenizer:
@@ -165,6 +165,12 @@ class Harness:
         self.made.extend(out)
         return out
 
+    def later(self, name: str, port: int, **kwargs: Any) -> FakeReplica:
+        """A fake replica on a port the router already knows (it was not listening until now)."""
+        replica = FakeReplica(name, port=port, **kwargs)
+        self.made.append(replica)
+        return replica
+
     def router(self, backends: list[str], **kwargs: Any) -> LiveRouter:
         r = LiveRouter(backends, **kwargs)
         self.made.append(r)
@@ -200,7 +206,7 @@ if not STORIES_DIR.is_dir():
 class EngineReplica(Threaded):
     """A real `kvserve serve` app (build_app with a loaded engine) on a free port."""
 
-    def __init__(self, model_dir: str, **engine_kwargs: Any):
+    def __init__(self, model_dir: str, port: int | None = None, **engine_kwargs: Any):
         from kvserve.runtime.engine.llm_engine import LLMEngine
         from kvserve.runtime.server.app import build_app
         from kvserve.runtime.server.state import ServerConfig
@@ -210,7 +216,7 @@ class EngineReplica(Threaded):
         app = build_app(
             ServerConfig(served_model_names=["stories"], model_dir=model_dir, log_interval_s=1.0), engine=engine
         )
-        super().__init__(app)
+        super().__init__(app, port)
         deadline = time.monotonic() + 60
         while httpx.get(self.url + "/health", timeout=2).status_code != 200:
             assert time.monotonic() < deadline, "replica did not become healthy"

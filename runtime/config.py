@@ -12,6 +12,7 @@ from kvserve.runtime import capacity, cuda_graph_settings, engine_args
 from kvserve.runtime.capacity import SUPPORTED_ARCHITECTURES
 from kvserve.runtime.core.scheduler import SchedulerConfig
 from kvserve.runtime.errors import InvalidParameter
+from kvserve.runtime.spec_decode.config import SpeculativeConfig, parse_speculative_config
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,7 @@ class EngineConfig:
     # Decode batch sizes captured as CUDA graphs (worker/cuda_graphs.py); empty: every step runs eagerly.
     cuda_graph_sizes: tuple[int, ...] = ()
     lora: LoraConfig | None = None  # --enable-lora (runtime/lora/)
+    speculative: SpeculativeConfig | None = None  # --speculative-config (runtime/spec_decode/)
 
 
 def read_config_json(model_dir: str) -> dict:
@@ -257,6 +259,7 @@ def build_engine_config(args) -> EngineConfig:
         load_format=a.load_format,
         cuda_graph_sizes=cuda_graph_sizes,
         lora=lora,
+        speculative=parse_speculative_config(a.speculative_config),
     )
 
 

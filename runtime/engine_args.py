@@ -223,6 +223,12 @@ class EngineArgs:
         None, "with --enable-lora: adapters kept in host memory (default: max_loras)", type=positive_int
     )
 
+    speculative_config: Any = _setting(
+        None,
+        'speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4} or {"method": "suffix"}; "disable_by_batch_size": N stops drafting '
+        "above N running requests (docs/performance.md, Speculative decoding)",
+    )
     api_server_count: int = _setting(
         1,
         "`kvserve serve` only: run this many API-server processes (HTTP, tokenisation, detokenisation, "

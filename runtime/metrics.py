@@ -156,6 +156,17 @@ class ServerMetrics:
         self.prefix_cache_hits = counter(
             "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
         )
+        # Speculative decoding (--speculative-config), vLLM's names (spec_decode/metrics.py): acceptance rate =
+        # accepted / draft tokens, mean acceptance length = 1 + accepted / drafts.
+        self.spec_num_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.spec_num_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.spec_num_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.")
+        self._spec_per_pos = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            [*labels, "position"],
+            registry=registry,
+        )
         # Swap preemption (vLLM V1 has no swapping, hence kvserve: names)
         self.num_swap_outs = counter("kvserve:num_swap_outs", "Requests preempted by swapping their KV to host memory.")
         self.num_swap_ins = counter("kvserve:num_swap_ins", "Swapped-out requests brought back to device memory.")
@@ -241,6 +252,15 @@ class ServerMetrics:
                 registry=registry,
                 multiprocess_mode=DEFAULT_GAUGE_MULTIPROCESS_MODE,
             )
+        # Per adapter: requests accepted (vLLM has no per-adapter counter; lora_requests_info drops counts).
+        self.lora_requests = None
+        if max_loras:
+            self.lora_requests = Counter(
+                "kvserve:lora_requests",
+                "Requests accepted per LoRA adapter (one per prompt, as vllm:request_success counts).",
+                labels + ["lora_name"],
+                registry=registry,
+            )
 
         # kvserve-specific extras
         # What the pod really holds: usable blocks (null block excluded) x block size -- equal to the
@@ -301,6 +321,9 @@ class ServerMetrics:
             "prefix_cache_hits",
             "num_swap_outs",
             "num_swap_ins",
+            "spec_num_drafts",
+            "spec_num_draft_tokens",
+            "spec_num_accepted_tokens",
         ):
             value = getattr(stats, name, None)
             if value is None:
@@ -313,6 +336,16 @@ class ServerMetrics:
                     iteration_tokens += delta
         if iteration_tokens:
             self.iteration_tokens.observe(iteration_tokens)
+        for position, value in enumerate(getattr(stats, "spec_accepted_per_pos", ())):
+            key = f"spec_accepted_pos_{position}"
+            delta = value - self._last_counters.get(key, 0)
+            self._last_counters[key] = value
+            if delta > 0:
+                self._spec_per_pos.labels(position=str(position), **self._label_values).inc(delta)
+
+    def observe_lora_request(self, lora_name: str) -> None:
+        if self.lora_requests is not None:
+            self.lora_requests.labels(lora_name=lora_name, **self._label_values).inc()
 
     def observe_request_start(self, n: int, max_tokens: int | None) -> None:
         self.request_params_n.observe(n)

@@ -76,3 +76,9 @@ class EngineStats:
     # --enable-lora: adapter names with requests running / waiting (None: LoRA off)
     running_lora_adapters: tuple[str, ...] | None = None
     waiting_lora_adapters: tuple[str, ...] | None = None
+    # --speculative-config (cumulative): decodes that carried drafts, drafted / accepted tokens, and
+    # acceptances per draft position (vllm:spec_decode_* counters)
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()

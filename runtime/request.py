@@ -61,6 +61,9 @@ class Request:
         # content identity (the prefix-cache key; lora/adapter.py LoraAdapter.identity). None = base model.
         self.lora_name = lora_name
         self.lora_identity = lora_identity
+        # Speculative decoding (spec_decode/): draft tokens for this step, set by the proposer before the
+        # scheduler runs. Never part of all_token_ids (so never hashed or prefix-cached) until accepted.
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_prompt_tokens(self) -> int:

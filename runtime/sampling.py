@@ -162,6 +162,12 @@ def _apply_penalties_and_min_tokens(row: torch.Tensor, state: RequestSamplingSta
 
 
 def _sample_row(row: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    return int(torch.multinomial(sampling_probs(row, params), 1, generator=generator).item())
+
+
+def sampling_probs(row: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a non-greedy request samples from: temperature -> min_p -> top-k -> top-p (unnormalised
+    after the filters; multinomial and the speculative verifier normalise)."""
     probs = torch.softmax(row / params.temperature, dim=-1)
     if params.min_p > 0:
         probs = torch.where(probs < params.min_p * probs.max(), 0.0, probs)
@@ -176,4 +182,4 @@ def _sample_row(row: torch.Tensor, params: SamplingParams, generator: torch.Gene
         drop[0] = False  # explicitly: a top_p below float32's smallest value compares as 0 (found by fuzzing)
         sorted_probs[drop] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+    return probs

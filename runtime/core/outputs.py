@@ -34,6 +34,9 @@ class ScheduledRequest:
     # Sliding-window models: the same diffs for KV cache groups 1.. (a block that left the window becomes the
     # null block 0: a `replaced` entry).
     group_block_tables: tuple[BlockTableDiff, ...] = ()
+    # Speculative decoding: the last num_spec_tokens of token_ids are drafts; the runner verifies them (one
+    # logits row per draft plus one) and returns the accepted ones plus the token after them.
+    num_spec_tokens: int = 0
 
 
 @dataclass
@@ -71,6 +74,9 @@ class ModelRunnerOutput:
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     # Requests whose own sampling failed this step -> what failed; they got no token (the engine fails them).
     failed: dict[str, str] = field(default_factory=dict)
+    # Speculative decoding: for requests scheduled with drafts, the tokens this step produced (the accepted
+    # drafts, then the target's own next token: 1 .. num_spec_tokens + 1 of them), instead of sampled_token_ids.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass

@@ -72,6 +72,12 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swap_outs = 0  # requests
         self.num_swap_ins = 0
+        # Speculative decoding (cumulative; vllm:spec_decode_* metrics): requests-steps that carried drafts,
+        # drafted tokens, accepted ones, and acceptances per draft position.
+        self.spec_num_drafts = 0
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
+        self.spec_accepted_per_pos: list[int] = []
 
     # -- admission / removal ---------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -242,7 +248,7 @@ class Scheduler:
         group_diffs = self._group_diffs if kv.num_groups > 1 else None
         for i, request in enumerate(self.running):
             start = request.num_computed_tokens
-            if request.num_tokens - start != 1:
+            if request.num_tokens - start != 1 or request.spec_token_ids:  # drafts: the general loop
                 return i
             # None leaves the KV manager unchanged, so the general loop's retry (which preempts) sees the
             # same state this call did.
@@ -269,20 +275,27 @@ class Scheduler:
         return min(num_tokens, budget)
 
     def _num_tokens_to_schedule(self, request: Request, budget: int) -> int:
-        return self._cap(request.num_tokens - request.num_computed_tokens, budget)
+        # A decode with drafts (spec_decode/) computes its last token and the drafts: 1 + k tokens.
+        return self._cap(request.num_tokens - request.num_computed_tokens + len(request.spec_token_ids), budget)
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
         if request.first_scheduled_time is None:
             request.first_scheduled_time = time.monotonic()
         rid = request.request_id
+        num_real = min(num_new, request.num_tokens - start)
+        token_ids = request.all_token_ids[start : start + num_real]
+        num_spec = num_new - num_real  # drafts that fit the budget (the rest are dropped this step)
+        if num_spec:
+            token_ids += request.spec_token_ids[:num_spec]
         return ScheduledRequest(
             rid,
-            request.all_token_ids[start : start + num_new],
+            token_ids,
             start,
             self._sent_tables.diff(rid, self.kv.req_to_blocks.get(rid, ())),
-            start + num_new == request.num_tokens,
+            start + num_real == request.num_tokens,
             group_block_tables=self._group_diffs(rid),
+            num_spec_tokens=num_spec,
         )
 
     def _group_diffs(self, rid: str) -> tuple:
@@ -301,6 +314,7 @@ class Scheduler:
             tables.forget(rid)
 
     def _preempt(self, request: Request) -> None:
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._forget_tables(request.request_id)  # it comes back with other blocks: send them whole
@@ -328,6 +342,11 @@ class Scheduler:
             request = requests.get(sched.req_id)
             if request is None or request.status != running:
                 continue  # finished or preempted meanwhile
+            if sched.num_spec_tokens:
+                out = self._update_speculative(request, sched, runner_output)
+                if out is not None:
+                    outputs.append(out)
+                continue
             request.num_computed_tokens += len(sched.token_ids)
             if not sched.sample:
                 continue
@@ -345,6 +364,42 @@ class Scheduler:
                 out.finish_reason, out.stop_reason = status.finish_reason, request.stop_reason
             outputs.append(out)
         return outputs
+
+    def _update_speculative(
+        self, request: Request, sched: ScheduledRequest, runner_output: ModelRunnerOutput
+    ) -> EngineCoreOutput | None:
+        """A decode that carried drafts: keep the accepted ones and the token after them. The rejected drafts'
+        KV slots are simply recomputed over later (num_computed_tokens stops before them); their blocks stay
+        allocated to the request, and no block holding a draft was cached (drafts are not in all_token_ids)."""
+        num_spec = sched.num_spec_tokens
+        request.spec_token_ids = []
+        tokens = runner_output.spec_token_ids.get(request.request_id)
+        if not tokens:  # its verification failed (runner_output.failed): the engine finishes it
+            request.num_computed_tokens += len(sched.token_ids) - num_spec
+            return None
+        num_accepted = len(tokens) - 1
+        request.num_computed_tokens += len(sched.token_ids) - num_spec + num_accepted
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += num_spec
+        self.spec_num_accepted_tokens += num_accepted
+        per_pos = self.spec_accepted_per_pos
+        if len(per_pos) < num_spec:
+            per_pos.extend([0] * (num_spec - len(per_pos)))
+        for i in range(num_accepted):
+            per_pos[i] += 1
+        new_tokens, status = [], None
+        for token_id in tokens:
+            request.append_token(token_id)
+            new_tokens.append(token_id)
+            status = self._check_stop(request, token_id)
+            if status is not None:
+                break
+        out = EngineCoreOutput(request.request_id, new_tokens, None)
+        if status is not None:
+            self.running.remove(request)
+            self._finish(request, status)
+            out.finish_reason, out.stop_reason = status.finish_reason, request.stop_reason
+        return out
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params

@@ -63,6 +63,11 @@ class EngineCore:
             group_windows=kv_sizing.layout(config).group_windows,
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
+        self.proposer = None  # --speculative-config: drafts for the running requests before each schedule
+        if config.speculative is not None:
+            from kvserve.runtime.spec_decode.proposer import Proposer
+
+            self.proposer = Proposer(config.speculative, config.model.max_model_len)
         self.eos_token_ids = frozenset(config.model.eos_token_ids)
         vocab = (
             config.model.vocab_size
@@ -178,6 +183,8 @@ class EngineCore:
         scheduled_ids: list[str] | None = None  # None until the scheduler has picked this step's requests
         first_scheduled: list[tuple[str, float]] = []
         try:
+            if self.proposer is not None:
+                self.proposer.propose(self.scheduler.running)
             sched_out = self.scheduler.schedule()
             scheduled_ids = [s.req_id for s in sched_out.scheduled]
             now = time.monotonic()
@@ -264,4 +271,8 @@ class EngineCore:
             num_total_host_blocks=kv.num_host_blocks,
             running_lora_adapters=running_loras,
             waiting_lora_adapters=waiting_loras,
+            spec_num_drafts=self.scheduler.spec_num_drafts,
+            spec_num_draft_tokens=self.scheduler.spec_num_draft_tokens,
+            spec_num_accepted_tokens=self.scheduler.spec_num_accepted_tokens,
+            spec_accepted_per_pos=tuple(self.scheduler.spec_accepted_per_pos),
         )

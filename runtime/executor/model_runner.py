@@ -190,6 +190,7 @@ class ModelRunner:
 
         input_ids: list[int] = []
         rows, query_lens, starts, logits_rows, req_ids = [], [], [], [], []
+        drafted: list[tuple[str, list[int], int]] = []  # speculative decoding: (req id, drafts, first logits row)
         apply = self.block_tables.apply
         for s in sched.scheduled:
             rows.append(apply(s.req_id, s.block_table))
@@ -197,8 +198,13 @@ class ModelRunner:
             query_lens.append(len(s.token_ids))
             starts.append(s.start_position)
             if s.sample:
-                logits_rows.append(len(input_ids) - 1)
-                req_ids.append(s.req_id)
+                if s.num_spec_tokens:  # a logits row per draft and one after the last
+                    k = s.num_spec_tokens
+                    drafted.append((s.req_id, s.token_ids[-k:], len(logits_rows)))
+                    logits_rows.extend(range(len(input_ids) - k - 1, len(input_ids)))
+                else:
+                    logits_rows.append(len(input_ids) - 1)
+                    req_ids.append(s.req_id)
 
         dev = self.device
         rows_np, qlens_np, starts_np = np.array(rows), np.array(query_lens), np.array(starts)
@@ -242,6 +248,26 @@ class ModelRunner:
         rows_to_sample = hidden if len(logits_rows) == num_tokens else hidden[torch.tensor(logits_rows, device=dev)]
         logits = self.model.compute_logits(rows_to_sample)
         if logits is None:  # tensor-parallel rank > 0: rank 0 gathered the logits and samples
+            return ModelRunnerOutput({})
+        states = self.states
+        if drafted:
+            from kvserve.runtime.spec_decode.verify import verify
+
+            spec_tokens, spec_failed = verify(logits, drafted, states)
+            out = self._sample(logits[self._undrafted_rows(drafted, len(logits_rows))], req_ids)
+            out.spec_token_ids, out.failed = spec_tokens, {**out.failed, **spec_failed}
+            return out
+        return self._sample(logits, req_ids)
+
+    def _undrafted_rows(self, drafted: list[tuple[str, list[int], int]], num_rows: int) -> torch.Tensor:
+        """The logits rows of the requests that decode one token (every row outside the drafted ranges)."""
+        keep = np.ones(num_rows, dtype=bool)
+        for _, drafts, first in drafted:
+            keep[first : first + len(drafts) + 1] = False
+        return torch.from_numpy(np.flatnonzero(keep)).to(self.device)
+
+    def _sample(self, logits: torch.Tensor, req_ids: list[str]) -> ModelRunnerOutput:
+        if not req_ids:
             return ModelRunnerOutput({})
         states = self.states
         if self.plain_greedy.issuperset(req_ids):  # what sample() would do for these, minus its passes

@@ -74,6 +74,30 @@ def parse_lora_modules(value) -> tuple[tuple[str, str], ...]:
     return out
 
 
+# Architectures whose model class has the Llama layout a pipeline stage is cut from (models/pipeline_stage.py);
+# Gemma's sandwich norms and per-layer KV cache groups are not staged yet.
+PIPELINE_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+)
+PP_LAYER_PARTITION_ENV = "KVSERVE_PP_LAYER_PARTITION"  # vLLM's VLLM_PP_LAYER_PARTITION: "16,15,..."
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is spread over worker processes beyond tensor parallelism: pipeline_parallel_size stages,
+    each of EngineConfig.tensor_parallel_size ranks (world = TP x PP; global rank = stage * TP + TP rank, as
+    in vLLM). stage_layers: the decoder layers of each stage (capacity.stage_layer_ranges: balanced by
+    count, earlier stages taking the remainder, unless --pipeline-layer-split gives the counts)."""
+
+    pipeline_parallel_size: int = 1
+    stage_layers: tuple[range, ...] = ()  # one range per stage; () with pipeline_parallel_size 1
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
@@ -91,7 +115,17 @@ class EngineConfig:
     # Decode batch sizes captured as CUDA graphs (worker/cuda_graphs.py); empty: every step runs eagerly.
     cuda_graph_sizes: tuple[int, ...] = ()
     lora: LoraConfig | None = None  # --enable-lora (runtime/lora/)
+    parallel: ParallelConfig = ParallelConfig()  # pipeline stages (tensor_parallel_size above is per stage)
     speculative: SpeculativeConfig | None = None  # --speculative-config (runtime/spec_decode/)
+
+    @property
+    def pipeline_parallel_size(self) -> int:
+        return self.parallel.pipeline_parallel_size
+
+    @property
+    def world_size(self) -> int:
+        """Worker processes (ranks) the model runs in; 1: in the engine process itself."""
+        return self.tensor_parallel_size * self.parallel.pipeline_parallel_size
 
 
 def read_config_json(model_dir: str) -> dict:
@@ -237,6 +271,7 @@ def build_engine_config(args) -> EngineConfig:
         )
     elif a.lora_modules:
         raise InvalidParameter("lora_modules", "lora_modules needs enable_lora")
+    parallel = build_parallel_config(a, model_config, bool(cuda_graph_sizes))
     cache = CacheConfig(
         block_size=a.block_size,
         enable_prefix_caching=a.enable_prefix_caching,
@@ -259,8 +294,54 @@ def build_engine_config(args) -> EngineConfig:
         load_format=a.load_format,
         cuda_graph_sizes=cuda_graph_sizes,
         lora=lora,
+        parallel=parallel,
         speculative=parse_speculative_config(a.speculative_config),
     )
+
+
+def build_parallel_config(a, model_config: ModelConfig, cuda_graphs: bool) -> ParallelConfig:
+    """--pipeline-parallel-size / --pipeline-layer-split (or $KVSERVE_PP_LAYER_PARTITION), validated before any
+    worker starts; errors name the field."""
+    pp = a.pipeline_parallel_size
+    if not isinstance(pp, int) or pp < 1:
+        raise InvalidParameter("pipeline_parallel_size", f"pipeline_parallel_size must be an integer >= 1, got {pp!r}")
+    if pp == 1:
+        if a.pipeline_layer_split is not None:
+            raise InvalidParameter("pipeline_layer_split", "pipeline_layer_split needs pipeline_parallel_size > 1")
+        return ParallelConfig()  # $KVSERVE_PP_LAYER_PARTITION only matters to a pipelined engine
+    if model_config.architecture not in PIPELINE_ARCHITECTURES:
+        raise InvalidParameter(
+            "pipeline_parallel_size",
+            f"pipeline_parallel_size > 1 does not support {model_config.architecture} yet "
+            f"(supported: {', '.join(PIPELINE_ARCHITECTURES)})",
+        )
+    if len(capacity.shape_kv_cache_groups(model_config.shape)) > 1:
+        raise InvalidParameter(
+            "pipeline_parallel_size", "pipeline_parallel_size > 1 does not support sliding-window KV cache groups yet"
+        )
+    if a.enable_lora:
+        raise InvalidParameter("enable_lora", "enable_lora needs pipeline_parallel_size 1")
+    if cuda_graphs:
+        raise InvalidParameter("cuda_graphs", "cuda_graphs needs pipeline_parallel_size 1")
+    if getattr(a, "speculative_config", None):  # as in vLLM: drafts and verification run on one stage
+        raise InvalidParameter("speculative_config", "speculative_config needs pipeline_parallel_size 1")
+    split_text = a.pipeline_layer_split
+    if split_text is None:
+        split_text = os.environ.get(PP_LAYER_PARTITION_ENV) or None
+    split: tuple[int, ...] = ()
+    if split_text is not None:
+        text = split_text if isinstance(split_text, str) else ",".join(map(str, split_text))
+        try:
+            split = tuple(engine_args.positive_int_list(text))
+        except ValueError as exc:
+            raise InvalidParameter("pipeline_layer_split", f"pipeline_layer_split: {exc}") from None
+    try:
+        ranges = capacity.stage_layer_ranges(model_config.num_layers, pp, split)
+    except ValueError as exc:
+        message = str(exc)
+        name = "pipeline_layer_split" if message.startswith("pipeline_layer_split") else "pipeline_parallel_size"
+        raise InvalidParameter(name, message) from None
+    return ParallelConfig(pipeline_parallel_size=pp, stage_layers=ranges)
 
 
 _DEFAULT_CPU: list[str] = []  # the choice, made once per process

@@ -180,6 +180,19 @@ class EngineArgs:
         aliases=("-tp",),
         crd_choices=(1, 2, 4, 8),
     )  # the operator: a pod's GPUs on one node
+    pipeline_parallel_size: int = _setting(
+        1,
+        "split the decoder layers over this many pipeline stages, each of --tensor-parallel-size worker "
+        "processes (world = TP x PP); activations pass between stages (docs/multinode.md)",
+        type=positive_int,
+        aliases=("-pp",),
+    )
+    pipeline_layer_split: str | None = _setting(
+        None,
+        "with --pipeline-parallel-size: comma-separated decoder-layer counts per stage, e.g. 31,32,32,31 "
+        "(default: balanced by count, earlier stages taking the remainder; also $KVSERVE_PP_LAYER_PARTITION)",
+        type=str,
+    )
     device: str | None = _setting(None, "cpu or cuda (default: cuda when available)", hidden=True)
     max_consecutive_step_failures: int = _setting(
         3,

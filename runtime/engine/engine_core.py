@@ -48,7 +48,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig, tokenizer_vocab_size: int | None = None):
         from kvserve.runtime.executor.model_runner import ModelRunner
 
-        if config.tensor_parallel_size > 1:  # one worker process per rank; this process only schedules
+        if config.world_size > 1:  # one worker process per rank (TP x PP); this process only schedules
             from kvserve.runtime.executor.multiproc import MultiprocExecutor
 
             self.runner = MultiprocExecutor(config)

@@ -71,13 +71,21 @@ class MultiprocExecutor:
             raise InvalidParameter(
                 "tensor_parallel_size", f"tensor_parallel_size={t} does not fit {m.model_dir}: {error}"
             )
+        from kvserve.runtime.executor import pipeline
+
+        world = config.world_size  # TP ranks x pipeline stages
         cuda = config.device.startswith("cuda")
-        if cuda and torch.cuda.device_count() < t:
+        if cuda and torch.cuda.device_count() < world:
+            field = "pipeline_parallel_size" if config.pipeline_parallel_size > 1 else "tensor_parallel_size"
             raise InvalidParameter(
-                "tensor_parallel_size", f"tensor_parallel_size={t} needs {t} GPUs, {torch.cuda.device_count()} visible"
+                field,
+                f"tensor_parallel_size={t} x pipeline_parallel_size={config.pipeline_parallel_size} needs "
+                f"{world} GPUs, {torch.cuda.device_count()} visible",
             )
         self.config = config
-        self.size = t
+        self.size = world
+        self.output_rank = pipeline.output_rank(config)  # the last stage's TP rank 0 samples
+        self._kind = "pipeline-parallel" if config.pipeline_parallel_size > 1 else "tensor-parallel"
         self.step_timeout_s = step_timeout_s
         self.dead: WorkerDiedError | None = None
         backend = "nccl" if cuda else "gloo"
@@ -94,7 +102,7 @@ class MultiprocExecutor:
         exit_if_bootstrapping()  # an unguarded script re-imported in a child: one clear error in the parent
 
         log_level = logging.getLogger("kvserve").getEffectiveLevel()
-        for rank in range(t):
+        for rank in range(world):
             parent_conn, child_conn = ctx.Pipe(duplex=True)
             proc = ctx.Process(
                 target=worker_main,
@@ -103,7 +111,7 @@ class MultiprocExecutor:
                 args=(
                     config,
                     rank,
-                    t,
+                    world,
                     backend,
                     init_method,
                     child_conn,
@@ -117,8 +125,9 @@ class MultiprocExecutor:
             self.procs.append(proc)
             self.conns.append(parent_conn)
         logger.info(
-            "tensor parallel: started %d %s workers (pids %s), loading shards",
-            t,
+            "%s: started %d %s workers (pids %s), loading shards",
+            self._kind,
+            world,
             backend,
             ", ".join(str(p.pid) for p in self.procs),
         )
@@ -126,14 +135,17 @@ class MultiprocExecutor:
         self.rank_info: list[dict] = self._gather(startup_timeout_s, starting=True)
         info = self.rank_info[0]
         self.num_blocks: int = info["num_blocks"]
-        self.kv_cache_bytes: int = info["kv_cache_bytes"]  # per rank
+        # Per rank; pipeline stages differ (their own layers' KV): the largest one, what a device must hold.
+        self.kv_cache_bytes: int = max(i["kv_cache_bytes"] for i in self.rank_info)
         self.num_host_blocks: int = info.get("num_host_blocks", 0)
         logger.info(
-            "tensor parallel: %d ranks ready in %.1f s; per rank: %s",
-            t,
+            "%s: %d ranks ready in %.1f s; per rank: %s",
+            self._kind,
+            world,
             time.monotonic() - started,
             "; ".join(
-                f"rank {i['rank']} {i['param_bytes'] / 2**20:.1f} MiB weights, {i['num_heads']} "
+                f"rank {i['rank']} (stage {i['stage']}, layers {i['layers'][0]}-{i['layers'][1] - 1}) "
+                f"{i['param_bytes'] / 2**20:.1f} MiB weights, {i['num_heads']} "
                 f"q heads, KV heads {i['kv_head_ids']}, {i['kv_cache_bytes'] / 2**20:.1f} MiB KV"
                 for i in self.rank_info
             ),
@@ -141,7 +153,7 @@ class MultiprocExecutor:
 
     # -- engine-side API ----------------------------------------------------------------------------------
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        return self._call("execute", sched)[0]
+        return self._call("execute", sched)[self.output_rank]
 
     def collect_rank_info(self) -> list[dict]:
         """Measured per-rank parameter / KV bytes (a round trip to every worker)."""
@@ -154,7 +166,7 @@ class MultiprocExecutor:
         for rank, proc in enumerate(self.procs):
             if not proc.is_alive():
                 raise self._fail(
-                    rank, f"tensor-parallel worker rank {rank} (pid {proc.pid}) died ({describe_exit(proc.exitcode)})"
+                    rank, f"{self._kind} worker rank {rank} (pid {proc.pid}) died ({describe_exit(proc.exitcode)})"
                 )
 
     def shutdown(self) -> None:
@@ -179,7 +191,7 @@ class MultiprocExecutor:
                 self.procs[rank].join(1.0)
                 raise self._fail(
                     rank,
-                    f"tensor-parallel worker rank {rank} (pid {self.procs[rank].pid}) is not "
+                    f"{self._kind} worker rank {rank} (pid {self.procs[rank].pid}) is not "
                     f"reachable ({describe_exit(self.procs[rank].exitcode)})",
                 ) from exc
         return self._gather(self.step_timeout_s)
@@ -196,7 +208,7 @@ class MultiprocExecutor:
                 late = sorted(pending.values())
                 raise self._fail(
                     late[0],
-                    f"tensor-parallel worker rank(s) {late} did not answer within "
+                    f"{self._kind} worker rank(s) {late} did not answer within "
                     f"{timeout_s:.0f} s (pids {[self.procs[r].pid for r in late]})",
                 )
             ready = wait(list(pending) + list(sentinels), timeout=remaining)
@@ -211,26 +223,26 @@ class MultiprocExecutor:
                         self._raise_if_main_guard_exit(rank, starting)
                         raise self._fail(
                             rank,
-                            f"tensor-parallel worker rank {rank} (pid {self.procs[rank].pid}) "
+                            f"{self._kind} worker rank {rank} (pid {self.procs[rank].pid}) "
                             f"died ({describe_exit(self.procs[rank].exitcode)})",
                         ) from None
                     if reply[0] == "error":
                         _, summary, tb, param, message = reply
                         where = "while starting" if starting else "during a step"
-                        logger.error("tensor-parallel worker rank %d failed %s:\n%s", rank, where, tb)
+                        logger.error("%s worker rank %d failed %s:\n%s", self._kind, rank, where, tb)
                         if starting and param is not None:  # e.g. the KV budget cannot hold max_model_len
-                            self._fail(rank, f"tensor-parallel worker rank {rank} failed while starting: {summary}")
+                            self._fail(rank, f"{self._kind} worker rank {rank} failed while starting: {summary}")
                             raise InvalidParameter(param, message)
                         killed = self._killed_peer(rank)
                         if killed is not None:  # rank's error is the symptom (a collective lost its peer)
                             proc = self.procs[killed]
                             raise self._fail(
                                 killed,
-                                f"tensor-parallel worker rank {killed} (pid {proc.pid}) died "
+                                f"{self._kind} worker rank {killed} (pid {proc.pid}) died "
                                 f"({describe_exit(proc.exitcode)}); rank {rank} then failed: "
                                 f"{summary.splitlines()[0][:200]}",
                             )
-                        raise self._fail(rank, f"tensor-parallel worker rank {rank} failed {where}: {summary}")
+                        raise self._fail(rank, f"{self._kind} worker rank {rank} failed {where}: {summary}")
                     replies[rank] = reply[1]
                     del pending[obj]
                 elif obj in sentinels:
@@ -242,7 +254,7 @@ class MultiprocExecutor:
                     self._raise_if_main_guard_exit(rank, starting)
                     raise self._fail(
                         rank,
-                        f"tensor-parallel worker rank {rank} (pid {proc.pid}) died ({describe_exit(proc.exitcode)})",
+                        f"{self._kind} worker rank {rank} (pid {proc.pid}) died ({describe_exit(proc.exitcode)})",
                     )
         return [replies[r] for r in range(len(self.conns))]
 
@@ -269,7 +281,7 @@ class MultiprocExecutor:
         """Record the fatal error, stop every worker, and return the error for the caller to raise."""
         if self.dead is None:
             self.dead = WorkerDiedError(
-                message + "; the engine is stopped (all tensor-parallel workers were shut down)", rank
+                message + f"; the engine is stopped (all {self._kind} workers were shut down)", rank
             )
             logger.error("%s", self.dead)
         self._finalizer()

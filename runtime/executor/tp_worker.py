@@ -33,15 +33,20 @@ def _watch_parent(parent_pid: int, interval_s: float = 1.0) -> None:
     threading.Thread(target=watch, name="kvserve-parent-watch", daemon=True).start()
 
 
-def rank_info(runner) -> dict:
-    """What a rank holds: parameter and KV-cache bytes are measured on the tensors themselves."""
+def rank_info(runner, rank: int | None = None) -> dict:
+    """What a rank holds: parameter and KV-cache bytes are measured on the tensors themselves. rank: the
+    global rank (the tensor-parallel rank within a pipeline stage is model.parallel.rank)."""
     model = runner.model
+    stage = model.parallel.stage
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     kv = {t.data_ptr(): t for pair in runner.kv_caches for t in pair}  # views of one tensor; count each once
     kv_tensor_bytes = sum(t.numel() * t.element_size() for t in kv.values())
     return dict(
         pid=os.getpid(),
-        rank=model.parallel.rank,
+        rank=model.parallel.rank if rank is None else rank,
+        tp_rank=model.parallel.rank,
+        stage=stage.index if stage is not None else 0,
+        layers=[stage.layers.start, stage.layers.stop] if stage is not None else [0, runner.config.model.num_layers],
         param_bytes=param_bytes,
         kv_tensor_bytes=kv_tensor_bytes,
         kv_cache_bytes=runner.kv_cache_bytes,
@@ -89,8 +94,8 @@ def worker_main(
         import torch
         import torch.distributed as dist
 
+        from kvserve.runtime.executor import pipeline
         from kvserve.runtime.executor.model_runner import ModelRunner
-        from kvserve.runtime.models.parallel_layers import ParallelContext
 
         if config.device.startswith("cuda"):
             torch.cuda.set_device(rank)
@@ -105,17 +110,21 @@ def worker_main(
             world_size=size,
             timeout=timedelta(seconds=collective_timeout_s),
         )
-        runner = ModelRunner(config, parallel=ParallelContext(rank, size))
-        conn.send_bytes(pickle.dumps(("ok", rank_info(runner)), pickle.HIGHEST_PROTOCOL))
+        parallel = pipeline.parallel_context(config, rank)  # TP rank (within its stage) and pipeline stage
+        if parallel.stage is not None:  # this stage's layers only: KV sizing and allocation count just them
+            config = pipeline.stage_engine_config(config, parallel.stage.layers)
+        samples = rank == pipeline.output_rank(config)
+        runner = ModelRunner(config, parallel=parallel)
+        conn.send_bytes(pickle.dumps(("ok", rank_info(runner, rank)), pickle.HIGHEST_PROTOCOL))
         while True:
             method, args = pickle.loads(conn.recv_bytes())
             if method == "shutdown":
                 break
             if method == "execute":
                 out = runner.execute(*args)
-                reply = out if rank == 0 else None
+                reply = out if samples else None
             elif method == "info":
-                reply = rank_info(runner)
+                reply = rank_info(runner, rank)
             else:
                 raise ValueError(f"unknown executor method {method!r}")
             conn.send_bytes(pickle.dumps(("ok", reply), pickle.HIGHEST_PROTOCOL))

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from kvserve.runtime.config import ModelConfig
-from kvserve.runtime.models import fp8
+from kvserve.runtime.models import fp8, pipeline_stage
 from kvserve.runtime.models.llama import LlamaForCausalLM
 from kvserve.runtime.models.moe import convert_experts_to_fp8
 from kvserve.runtime.models.parallel_layers import SINGLE, ColumnParallelLinear, ParallelContext, RowParallelLinear
@@ -73,17 +73,26 @@ def load_model(
     no checkpoint read (init_dummy_weights)."""
     # Built on the meta device, then allocated once in the target dtype and filled from the checkpoint;
     # the rotary tables carry no checkpoint values, so they are recomputed.
-    model = build_meta_model(model_config, attention_backend, parallel).to_empty(device=device)
+    stage = parallel.stage  # pipeline parallelism: only this stage's layers are allocated and read
+    model = build_meta_model(model_config, attention_backend, parallel)
+    if stage is not None:
+        pipeline_stage.prune_to_stage(model, stage)
+    model = model.to_empty(device=device)
     model.rotary.build(device)
     if load_format == "dummy":
         init_dummy_weights(model, seed=parallel.rank)
     else:
-        model.load_weights(
-            iter_safetensors(model_config.model_dir, show_progress=parallel.rank == 0, lazy=parallel.size > 1)
+        weights = iter_safetensors(
+            model_config.model_dir, show_progress=parallel.rank == 0, lazy=parallel.size > 1 or stage is not None
         )
+        if stage is not None:
+            weights = ((name, src) for name, src in weights if pipeline_stage.owns_weight(name, model, stage))
+        model.load_weights(weights)
     model.eval()
     num_params = sum(p.numel() for p in model.parameters())
     rank = f" (tensor-parallel rank {parallel.rank}/{parallel.size})" if parallel.size > 1 else ""
+    if stage is not None:
+        rank += f" (pipeline stage {stage.index}/{stage.size}: layers {stage.layers.start}-{stage.layers.stop - 1})"
     logger.info(
         "loaded %s from %s%s: %.1fM parameters%s, %.1f MiB of weights (%s), %s",
         model_config.architecture,
@@ -95,6 +104,8 @@ def load_model(
         model_config.weight_dtype,
         device,
     )
+    if stage is not None:
+        return pipeline_stage.PipelineStageModel(model, stage, getattr(torch, model_config.dtype))
     return model
 
 

@@ -26,6 +26,9 @@ class ParallelContext:
     rank: int = 0
     size: int = 1
     group: Any = None  # torch.distributed ProcessGroup (the default group when None and size > 1)
+    # Pipeline parallelism: this rank's stage (models/pipeline_stage.PipelineStage), None without it. The
+    # tensor-parallel group is then the stage's ranks (group), not the whole world.
+    stage: Any = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
@@ -42,18 +45,20 @@ class ParallelContext:
 
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
-        dist.gather(x, parts, dst=0, group=self.group)
+        dist.gather(x, parts, group_dst=0, group=self.group)  # the group's rank 0 (a stage's first rank)
         return torch.cat(parts, dim=-1) if self.rank == 0 else None
 
     def all_reduce_min(self, value: int) -> int:
-        if self.size == 1:
+        """The minimum over every rank of the world: tensor-parallel ranks and pipeline stages share one
+        scheduler, hence one block count."""
+        if self.size == 1 and self.stage is None:
             return value
         import torch.distributed as dist
 
         t = torch.tensor([value], dtype=torch.int64)
-        if dist.get_backend(self.group) == "nccl":
+        if dist.get_backend() == "nccl":
             t = t.cuda()
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return int(t.item())
 
 

@@ -79,6 +79,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run the engine core in the server process (a thread beside uvicorn), as before the "
         "engine-core process existed; for comparisons and debugging (default: its own process)",
     )
+    parser.add_argument(
+        "--headless",
+        action="store_true",
+        help="with --nnodes and --node-rank > 0: run only this node's worker processes, which join the leader "
+        "(node rank 0: API server and scheduler) at --master-addr; exit non-zero as soon as one of them dies",
+    )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -102,6 +108,21 @@ def check_port_free(host: str, port: int) -> None:
             raise CLIError(f"--host {host} --port {port}: cannot bind: {exc.strerror or exc}") from exc
 
 
+def run_headless(args: argparse.Namespace, model_dir: str | None) -> int:
+    """`kvserve serve --headless --nnodes N --node-rank k`: this node's ranks only (runtime/executor/multinode.py)."""
+    from kvserve.cli.errors import CLIError
+    from kvserve.runtime.config import build_engine_config
+    from kvserve.runtime.demo_model import ensure_demo_model
+    from kvserve.runtime.executor.multinode import run_headless as run_node
+
+    if not args.headless:
+        raise CLIError(f"--node-rank {args.node_rank}: only node rank 0 serves the API; add --headless on this node")
+    if args.nnodes < 2 or args.node_rank == 0:
+        raise CLIError("--headless needs --nnodes >= 2 and --node-rank >= 1 (node rank 0 runs the API server)")
+    config = build_engine_config(EngineArgs.from_cli_args(model_dir or str(ensure_demo_model()), args))
+    return run_node(config)
+
+
 def run(args: argparse.Namespace) -> int:
     import logging
 
@@ -110,6 +131,8 @@ def run(args: argparse.Namespace) -> int:
     if args.model_dir is not None and not os.path.isfile(os.path.join(args.model_dir, "config.json")):
         print(f"kvserve serve: MODEL_DIR {args.model_dir!r} is not a model directory (no config.json)", file=sys.stderr)
         return 2
+    if args.headless or args.node_rank != 0:
+        return run_headless(args, model_dir=args.model_dir)
     check_port_free(args.host, args.port)
 
     from kvserve.runtime.demo_model import DEMO_MODEL_ID, ensure_demo_model, is_demo_model_dir

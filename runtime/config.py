@@ -96,6 +96,12 @@ class ParallelConfig:
 
     pipeline_parallel_size: int = 1
     stage_layers: tuple[range, ...] = ()  # one range per stage; () with pipeline_parallel_size 1
+    # Multi-node (no Ray): the world's ranks split evenly over nnodes nodes, node k running ranks
+    # [k * world / nnodes, (k + 1) * world / nnodes); the leader (node 0) schedules (executor/multinode.py).
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29501
 
 
 @dataclass(frozen=True)
@@ -305,10 +311,11 @@ def build_parallel_config(a, model_config: ModelConfig, cuda_graphs: bool) -> Pa
     pp = a.pipeline_parallel_size
     if not isinstance(pp, int) or pp < 1:
         raise InvalidParameter("pipeline_parallel_size", f"pipeline_parallel_size must be an integer >= 1, got {pp!r}")
+    nodes = _node_settings(a, a.tensor_parallel_size * pp)
     if pp == 1:
         if a.pipeline_layer_split is not None:
             raise InvalidParameter("pipeline_layer_split", "pipeline_layer_split needs pipeline_parallel_size > 1")
-        return ParallelConfig()  # $KVSERVE_PP_LAYER_PARTITION only matters to a pipelined engine
+        return ParallelConfig(**nodes)  # $KVSERVE_PP_LAYER_PARTITION only matters to a pipelined engine
     if model_config.architecture not in PIPELINE_ARCHITECTURES:
         raise InvalidParameter(
             "pipeline_parallel_size",
@@ -341,7 +348,25 @@ def build_parallel_config(a, model_config: ModelConfig, cuda_graphs: bool) -> Pa
         message = str(exc)
         name = "pipeline_layer_split" if message.startswith("pipeline_layer_split") else "pipeline_parallel_size"
         raise InvalidParameter(name, message) from None
-    return ParallelConfig(pipeline_parallel_size=pp, stage_layers=ranges)
+    return ParallelConfig(pipeline_parallel_size=pp, stage_layers=ranges, **nodes)
+
+
+def _node_settings(a, world: int) -> dict:
+    """--nnodes / --node-rank / --master-addr / --master-port, checked against the world size."""
+    nnodes, node_rank = a.nnodes, a.node_rank
+    if not isinstance(nnodes, int) or nnodes < 1:
+        raise InvalidParameter("nnodes", f"nnodes must be an integer >= 1, got {nnodes!r}")
+    if not isinstance(node_rank, int) or not 0 <= node_rank < nnodes:
+        raise InvalidParameter("node_rank", f"node_rank must be in [0, nnodes={nnodes}), got {node_rank!r}")
+    if nnodes > 1 and (world < nnodes or world % nnodes):
+        raise InvalidParameter(
+            "nnodes",
+            f"nnodes={nnodes} must divide the world of tensor_parallel_size x pipeline_parallel_size = {world} "
+            f"ranks (each node runs the same number of them)",
+        )
+    if not isinstance(a.master_port, int) or not 1 <= a.master_port < 65535:
+        raise InvalidParameter("master_port", f"master_port must be in [1, 65534], got {a.master_port!r}")
+    return dict(nnodes=nnodes, node_rank=node_rank, master_addr=str(a.master_addr), master_port=a.master_port)
 
 
 _DEFAULT_CPU: list[str] = []  # the choice, made once per process

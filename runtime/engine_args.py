@@ -193,6 +193,22 @@ class EngineArgs:
         "(default: balanced by count, earlier stages taking the remainder; also $KVSERVE_PP_LAYER_PARTITION)",
         type=str,
     )
+    nnodes: int = _setting(
+        1,
+        "nodes the TP x PP ranks are spread over (without Ray): node rank 0 runs the API server and the scheduler, "
+        "the others `kvserve serve --headless` with the same model and flags (docs/multinode.md)",
+        type=positive_int,
+    )
+    node_rank: int = _setting(0, "with --nnodes: this node's index (0: the leader)", type=int)
+    master_addr: str = _setting(
+        "127.0.0.1", "with --nnodes: the leader's address every node can reach (LWS_LEADER_ADDRESS)", type=str
+    )
+    master_port: int = _setting(
+        29501,
+        "with --nnodes: the leader's torch.distributed rendezvous port; the leader's executor also listens "
+        "on master_port + 1 for the other nodes' workers",
+        type=int,
+    )
     device: str | None = _setting(None, "cpu or cuda (default: cuda when available)", hidden=True)
     max_consecutive_step_failures: int = _setting(
         3,

@@ -91,6 +91,15 @@ class MultiprocExecutor:
         backend = "nccl" if cuda else "gloo"
         self._tmpdir = tempfile.mkdtemp(prefix="kvserve-tp-")
         init_method = "file://" + os.path.join(self._tmpdir, "rendezvous")
+        nnodes = config.parallel.nnodes
+        listener = None
+        if nnodes > 1:  # the other nodes' ranks connect back (executor/multinode.py); this node runs ranks 0..
+            from kvserve.runtime.executor import multinode
+
+            if config.parallel.node_rank != 0:
+                raise InvalidParameter("node_rank", "only node rank 0 runs the engine; the others run --headless")
+            init_method = multinode.init_method(config)
+            listener = multinode.RankListener(config)
         ctx = mp.get_context("spawn")
         self.procs, self.conns = [], []
         # Registered before the first start so that whatever happens next, the workers are reaped on
@@ -102,7 +111,7 @@ class MultiprocExecutor:
         exit_if_bootstrapping()  # an unguarded script re-imported in a child: one clear error in the parent
 
         log_level = logging.getLogger("kvserve").getEffectiveLevel()
-        for rank in range(world):
+        for rank in range(world // nnodes):
             parent_conn, child_conn = ctx.Pipe(duplex=True)
             proc = ctx.Process(
                 target=worker_main,
@@ -132,12 +141,23 @@ class MultiprocExecutor:
             ", ".join(str(p.pid) for p in self.procs),
         )
         started = time.monotonic()
+        if listener is not None:
+            try:
+                remote = listener.accept_all(started + startup_timeout_s, list(self.procs))
+            except (TimeoutError, RuntimeError) as exc:
+                raise self._fail(len(self.procs), f"multi-node start-up failed: {exc}") from None
+            finally:
+                listener.close()
+            for rank in sorted(remote):  # ranks of nodes 1.. follow this node's, in rank order
+                self.procs.append(remote[rank])
+                self.conns.append(remote[rank].conn)
         self.rank_info: list[dict] = self._gather(startup_timeout_s, starting=True)
         info = self.rank_info[0]
         self.num_blocks: int = info["num_blocks"]
         # Per rank; pipeline stages differ (their own layers' KV): the largest one, what a device must hold.
         self.kv_cache_bytes: int = max(i["kv_cache_bytes"] for i in self.rank_info)
-        self.num_host_blocks: int = info.get("num_host_blocks", 0)
+        # Swap space is a per-rank byte budget too: a stage with more layers buys fewer host blocks.
+        self.num_host_blocks: int = min(i.get("num_host_blocks", 0) for i in self.rank_info)
         logger.info(
             "%s: %d ranks ready in %.1f s; per rank: %s",
             self._kind,
@@ -165,9 +185,7 @@ class MultiprocExecutor:
             raise self.dead
         for rank, proc in enumerate(self.procs):
             if not proc.is_alive():
-                raise self._fail(
-                    rank, f"{self._kind} worker rank {rank} (pid {proc.pid}) died ({describe_exit(proc.exitcode)})"
-                )
+                raise self._fail(rank, f"{self._kind} worker rank {rank} (pid {proc.pid}) died ({self._exit(rank)})")
 
     def shutdown(self) -> None:
         """Stop every worker (idempotent); the executor is unusable afterwards."""
@@ -192,7 +210,7 @@ class MultiprocExecutor:
                 raise self._fail(
                     rank,
                     f"{self._kind} worker rank {rank} (pid {self.procs[rank].pid}) is not "
-                    f"reachable ({describe_exit(self.procs[rank].exitcode)})",
+                    f"reachable ({self._exit(rank)})",
                 ) from exc
         return self._gather(self.step_timeout_s)
 
@@ -211,7 +229,8 @@ class MultiprocExecutor:
                     f"{self._kind} worker rank(s) {late} did not answer within "
                     f"{timeout_s:.0f} s (pids {[self.procs[r].pid for r in late]})",
                 )
-            ready = wait(list(pending) + list(sentinels), timeout=remaining)
+            # A rank on another node has no process sentinel: its connection is both (listed once).
+            ready = wait(list(pending) + [s for s in sentinels if s not in pending], timeout=remaining)
             # Read pipes before looking at exits: a worker that failed sent its error before exiting.
             for obj in sorted(ready, key=lambda o: not hasattr(o, "recv_bytes")):
                 if obj in pending:
@@ -223,8 +242,7 @@ class MultiprocExecutor:
                         self._raise_if_main_guard_exit(rank, starting)
                         raise self._fail(
                             rank,
-                            f"{self._kind} worker rank {rank} (pid {self.procs[rank].pid}) "
-                            f"died ({describe_exit(self.procs[rank].exitcode)})",
+                            f"{self._kind} worker rank {rank} (pid {self.procs[rank].pid}) died ({self._exit(rank)})",
                         ) from None
                     if reply[0] == "error":
                         _, summary, tb, param, message = reply
@@ -239,7 +257,7 @@ class MultiprocExecutor:
                             raise self._fail(
                                 killed,
                                 f"{self._kind} worker rank {killed} (pid {proc.pid}) died "
-                                f"({describe_exit(proc.exitcode)}); rank {rank} then failed: "
+                                f"({self._exit(killed)}); rank {rank} then failed: "
                                 f"{summary.splitlines()[0][:200]}",
                             )
                         raise self._fail(rank, f"{self._kind} worker rank {rank} failed {where}: {summary}")
@@ -254,7 +272,7 @@ class MultiprocExecutor:
                     self._raise_if_main_guard_exit(rank, starting)
                     raise self._fail(
                         rank,
-                        f"{self._kind} worker rank {rank} (pid {proc.pid}) died ({describe_exit(proc.exitcode)})",
+                        f"{self._kind} worker rank {rank} (pid {proc.pid}) died ({self._exit(rank)})",
                     )
         return [replies[r] for r in range(len(self.conns))]
 
@@ -276,6 +294,11 @@ class MultiprocExecutor:
             if time.monotonic() >= deadline:
                 return None
             time.sleep(0.02)
+
+    def _exit(self, rank: int) -> str:
+        proc = self.procs[rank]
+        describe = getattr(proc, "describe", None)  # a rank on another node (multinode.RemoteRank)
+        return describe() if describe is not None else describe_exit(proc.exitcode)
 
     def _fail(self, rank: int, message: str) -> WorkerDiedError:
         """Record the fatal error, stop every worker, and return the error for the caller to raise."""

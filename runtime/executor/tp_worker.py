@@ -82,7 +82,10 @@ def worker_main(
     parent_pid: int,
     log_level: int,
     collective_timeout_s: float,
+    eof_exit_code: int = 0,
 ) -> None:
+    """eof_exit_code: the exit code when the engine's side of `conn` closes without a shutdown (a rank on a
+    headless node then exits non-zero so its node fails the group: executor/multinode.py)."""
     _watch_parent(parent_pid)
     # Ctrl-C reaches the whole foreground process group, and so does a SIGTERM to the group (systemd, `timeout`,
     # killasgroup): the engine decides when workers stop (a server drains first), so a worker must not die of
@@ -98,11 +101,12 @@ def worker_main(
         from kvserve.runtime.executor.model_runner import ModelRunner
 
         if config.device.startswith("cuda"):
-            torch.cuda.set_device(rank)
-            config = replace(config, device=f"cuda:{rank}")
+            local = rank % (size // config.parallel.nnodes)  # this node's GPUs: one per local rank
+            torch.cuda.set_device(local)
+            config = replace(config, device=f"cuda:{local}")
         else:
             # The ranks share the host's cores: one rank per core slice instead of t ranks fighting over all.
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // (size // config.parallel.nnodes)))
         dist.init_process_group(
             backend,
             init_method=init_method,
@@ -129,7 +133,7 @@ def worker_main(
                 raise ValueError(f"unknown executor method {method!r}")
             conn.send_bytes(pickle.dumps(("ok", reply), pickle.HIGHEST_PROTOCOL))
     except (EOFError, BrokenPipeError, ConnectionResetError):  # the engine went away: nothing to report to
-        os._exit(0)
+        os._exit(eof_exit_code)
     except BaseException as exc:  # noqa: BLE001 -- report anything, then die: the group is out of step
         logger.error("tensor-parallel rank %d failed: %r", rank, exc)
         try:

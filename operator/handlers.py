@@ -258,5 +258,7 @@ for _group, _version, _plural in [
     ("rbac.authorization.k8s.io", "v1", "roles"),
     ("rbac.authorization.k8s.io", "v1", "rolebindings"),
     ("networking.k8s.io", "v1", "networkpolicies"),
+    ("keda.sh", "v1alpha1", "scaledobjects"),
+    ("inference.networking.k8s.io", "v1", "inferencepools"),
 ]:
     kopf.on.event(_group, _version, _plural, labels=CHILD_LABELS, id=f"child-{_plural}")(_on_child_event)

@@ -27,6 +27,9 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles"),
     "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
     "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
+    # From optional CRDs (KEDA, Gateway API Inference Extension): a cluster without them answers 404.
+    "ScaledObject": ("/apis/keda.sh/v1alpha1", "scaledobjects"),
+    "InferencePool": ("/apis/inference.networking.k8s.io/v1", "inferencepools"),
     KIND: (f"/apis/{API_VERSION}", PLURAL),
     # Read only: pod statuses for failure reasons, the API-key Secret for its rotation digest.
     "Pod": ("/api/v1", "pods"),
@@ -35,7 +38,16 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "Lease": ("/apis/coordination.k8s.io/v1", "leases"),
     "Event": ("/api/v1", "events"),
 }
-CHILD_KINDS = ("Deployment", "Service", "HorizontalPodAutoscaler", "PodDisruptionBudget", "NetworkPolicy")
+CHILD_KINDS = (
+    "Deployment",
+    "Service",
+    "HorizontalPodAutoscaler",
+    "PodDisruptionBudget",
+    "NetworkPolicy",
+    "ScaledObject",
+    "InferencePool",
+)
+OPTIONAL_CRD = {"ScaledObject": "KEDA (keda.sh)", "InferencePool": "the Gateway API Inference Extension CRDs"}
 
 
 class KubeError(RuntimeError):
@@ -179,7 +191,12 @@ def apply(obj: dict, live: dict | None) -> str:
     """Create or merge-patch `obj`; returns 'created', 'patched' or 'unchanged'."""
     kind, meta = obj["kind"], obj["metadata"]
     if live is None:
-        request("POST", path(kind, meta["namespace"]), obj)
+        if request("POST", path(kind, meta["namespace"]), obj) is None:  # 404: the kind is not served here
+            raise KubeError(
+                404,
+                f"cannot create {kind} {meta['namespace']}/{meta['name']}: {obj['apiVersion']} is not served "
+                f"by this cluster; install {OPTIONAL_CRD.get(kind, 'its CRD')}",
+            )
         log.info("created %s %s/%s", kind, meta["namespace"], meta["name"])
         return "created"
     if contains(live, obj):

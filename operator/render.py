@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from kvserve.operator import pod_resources, render_model, render_router, render_security
+from kvserve.operator import pod_resources, render_model, render_router, render_scaling, render_security
 from kvserve.operator import spec as spec_mod
 from kvserve.operator.labels import engine_labels, engine_selector
 from kvserve.operator.render_model import MODEL_MOUNT, model_source  # noqa: F401 - re-exported
@@ -264,7 +264,8 @@ def render(resolved: Resolved, name: str, namespace: str) -> list[dict]:
     if not resolved.plan.fits:
         return []
     objs = [deployment(resolved, name, namespace), service(resolved, name, namespace)]
-    if resolved.spec["autoscaling"]["enabled"]:
+    scale_to_zero = spec_mod.scales_to_zero(resolved.spec)
+    if resolved.spec["autoscaling"]["enabled"] and not scale_to_zero:
         objs.append(autoscaler(resolved, name, namespace))
     if resolved.spec["podDisruptionBudget"]["enabled"]:
         objs.append(disruption_budget(resolved, name, namespace))
@@ -272,4 +273,11 @@ def render(resolved: Resolved, name: str, namespace: str) -> list[dict]:
     objs += render_router.render(resolved, name, namespace, tuple(router_source), router_inits)
     if resolved.spec["networkPolicy"]["enabled"]:
         objs.append(render_security.network_policy(resolved, name, namespace))
+    # Kinds from optional CRDs last: if the cluster lacks KEDA or GIE, everything else is applied first.
+    if scale_to_zero:  # KEDA owns the HPA then (keda-hpa-<name>): no second one on the same target
+        behavior = resolved.spec["autoscaling"].get("behavior") or DEFAULT_BEHAVIOR
+        objs.append(render_scaling.scaled_object(resolved, name, namespace, behavior))
+    pool = render_scaling.inference_pool(resolved, name, namespace)
+    if pool is not None:
+        objs.append(pool)
     return objs

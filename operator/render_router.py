@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvserve.operator.labels import router_labels, router_selector
-from kvserve.operator.spec import Resolved
+from kvserve.operator.spec import Resolved, scales_to_zero
 
 SUFFIX = "-router"
 # Kinds only the router has (its Deployment, Service and PDB share kinds with the engine's children).
@@ -67,6 +67,25 @@ def router_args(resolved: Resolved, name: str, namespace: str, model_dir: str) -
         str(spec["engine"]["blockSize"]),
         "--default-capacity-tokens",
         str(max(1, resolved.plan.kv_tokens)),
+        *hold_args(spec),
+    ]
+
+
+DEFAULT_MAX_HELD_REQUESTS = 256
+DEFAULT_HOLD_TIMEOUT_SECONDS = 600  # a GPU cold start: node, image pull, weight load; the OpenAI SDK waits 600 s
+
+
+def hold_args(spec: dict) -> list[str]:
+    """Scale from zero: the router holds requests while no replica is ready (and is ready itself at zero
+    replicas, so the Service takes them). Only with autoscaling.minReplicas 0, where that is the design."""
+    if not scales_to_zero(spec):
+        return []
+    router = spec["router"]
+    return [
+        "--max-held-requests",
+        str(router.get("maxHeldRequests", DEFAULT_MAX_HELD_REQUESTS)),
+        "--hold-timeout",
+        str(router.get("holdTimeoutSeconds", DEFAULT_HOLD_TIMEOUT_SECONDS)),
     ]
 
 

@@ -217,6 +217,60 @@ def check_enums(spec: dict) -> None:
             )
 
 
+def scales_to_zero(spec: dict) -> bool:
+    auto = spec.get("autoscaling") or {}
+    return bool(auto.get("enabled")) and auto.get("minReplicas", 1) == 0
+
+
+def check_scale_to_zero(spec: dict) -> None:
+    """minReplicas 0 works only through the router: at zero replicas something must accept the requests,
+    hold them and export their count, which is what scales the model up (the CRD refuses it too, with CEL)."""
+    if scales_to_zero(spec) and not (spec.get("router") or {}).get("enabled"):
+        raise SpecError(
+            "ScaleToZeroNeedsRouter",
+            "spec.autoscaling.minReplicas 0 (scale from zero) needs spec.router.enabled: true: with no "
+            "replica up, the router holds the requests and its held count is what KEDA scales the model "
+            "up on; enable the router or set spec.autoscaling.minReplicas >= 1",
+        )
+
+
+GATEWAY_FIELDS = {"inferencePool": {"endpointPickerRef"}}
+ENDPOINT_PICKER_FIELDS = {"group", "kind", "name", "port", "failureMode"}
+
+
+def check_gateway(spec: dict) -> None:
+    """Unknown spec.gateway fields are an error, named by path (the API server prunes them with a warning,
+    or refuses them under kubectl's strict validation; `kvserve render` and a cluster without the CRD's
+    schema get the same answer here)."""
+    gateway = spec.get("gateway")
+    if gateway is None:
+        return
+    if not isinstance(gateway, dict):
+        raise SpecError("InvalidGateway", "spec.gateway must be an object")
+    paths = [f"spec.gateway.{k}" for k in gateway if k not in GATEWAY_FIELDS]
+    pool = gateway.get("inferencePool")
+    if isinstance(pool, dict):
+        paths += [f"spec.gateway.inferencePool.{k}" for k in pool if k not in GATEWAY_FIELDS["inferencePool"]]
+        ref = pool.get("endpointPickerRef")
+        if not isinstance(ref, dict) or not ref.get("name"):
+            raise SpecError(
+                "InvalidGateway",
+                "spec.gateway.inferencePool.endpointPickerRef.name is required (the endpoint picker's Service)",
+            )
+        paths += [f"spec.gateway.inferencePool.endpointPickerRef.{k}" for k in ref if k not in ENDPOINT_PICKER_FIELDS]
+        if ref.get("kind", "Service") == "Service" and not isinstance((ref.get("port") or {}).get("number"), int):
+            raise SpecError(
+                "InvalidGateway",
+                "spec.gateway.inferencePool.endpointPickerRef.port.number is required for a Service endpoint picker",
+            )
+    elif pool is not None:
+        raise SpecError("InvalidGateway", "spec.gateway.inferencePool must be an object")
+    if paths:
+        raise SpecError(
+            "InvalidGateway", f"unknown field {paths[0]} (spec.gateway knows: inferencePool.endpointPickerRef)"
+        )
+
+
 KILL_MARGIN_SECONDS = 10  # left to the kubelet after the drain, before its SIGKILL
 
 
@@ -244,6 +298,8 @@ def resolve(spec: dict, model_config: dict | None = None) -> Resolved:
     spec = with_defaults(spec)
     check_enums(spec)
     check_no_api_key_in_args(spec)
+    check_scale_to_zero(spec)
+    check_gateway(spec)
     drain_timeout_seconds(spec)
     source = model_source(spec["model"])
     model = model_shape(spec["model"], model_config)

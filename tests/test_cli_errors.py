@@ -45,7 +45,7 @@ def test_render_yaml_syntax_error_names_file_and_line(capsys, tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("section", "field"), [(None, "gateway"), ("engine", "maxNumSeqz")], ids=["top-level", "nested"]
+    ("section", "field"), [(None, "gatway"), ("engine", "maxNumSeqz")], ids=["top-level", "nested"]
 )
 def test_render_unknown_spec_field_is_named(capsys, tmp_path, section, field):
     doc = yaml.safe_load(EXAMPLE.read_text())

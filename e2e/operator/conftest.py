@@ -38,6 +38,11 @@ ROUTER_CHILDREN = {
     "Role": "rbac.authorization.k8s.io/v1/roles",
     "RoleBinding": "rbac.authorization.k8s.io/v1/rolebindings",
 }
+# Kinds from optional CRDs (KEDA, GIE) the operator renders for scale from zero and spec.gateway.
+SCALING_CHILDREN = {
+    "ScaledObject": "keda.sh/v1alpha1/scaledobjects",
+    "InferencePool": "inference.networking.k8s.io/v1/inferencepools",
+}
 # Read (pods, secrets) or used (leases) by the operator, written by the tests in the kubelet's/user's place.
 OTHERS = {"Pod": "v1/pods", "Secret": "v1/secrets", "Lease": "coordination.k8s.io/v1/leases"}
 _ALL_VERBS = {"get", "list", "watch", "create", "patch", "update", "delete"}
@@ -55,6 +60,7 @@ class Emulator:
 
     CR = CR
     CHILDREN = CHILDREN
+    SCALING_CHILDREN = SCALING_CHILDREN
     OTHERS = OTHERS
 
     def __init__(self, handler: kmock.KubernetesEmulator, url: str, loop: asyncio.AbstractEventLoop):
@@ -124,7 +130,7 @@ def emulator() -> Iterator[Emulator]:
                 subresources={"status", "scale"},
                 shortnames={"kvs"},
             )
-            for kind, resource in {**CHILDREN, **ROUTER_CHILDREN, **OTHERS}.items():
+            for kind, resource in {**CHILDREN, **ROUTER_CHILDREN, **SCALING_CHILDREN, **OTHERS}.items():
                 handler.resources[resource] = info(kind=kind, namespaced=True, verbs=_ALL_VERBS)
             box["handler"], box["url"] = handler, str(server.url)
             started.set()

@@ -60,8 +60,8 @@ def apply_defaults(node: dict, value):
 
 
 _CEL_OK = re.compile(
-    r"^(\s|\(|\)|'\w+' in self|self\['\w+'\]\.startswith\('[^']*'\)|self\['\w+'\]|or|and|not|<=|>=|<|>|==|!="
-    r"|\d+)*$"
+    r"^(\s|\(|\)|'\w+' in self|self\['\w+'\]\.startswith\('[^']*'\)|(self(\['\w+'\])+)|or|and|not|<=|>=|<|>|==|!="
+    r"|\d+|'\w+')*$"
 )
 
 
@@ -73,7 +73,9 @@ def cel(rule: str, obj: dict) -> bool:
     if prefix_rule:
         return all(not str(item).startswith(prefix_rule.group(2)) for item in obj)
     py = re.sub(r"has\(self\.(\w+)\)", r"('\1' in self)", rule)
-    py = re.sub(r"self\.(\w+)", r"self['\1']", py).replace("||", " or ").replace("&&", " and ")
+    while re.search(r"self(\['\w+'\])*\.(?!startsWith)\w+", py):  # self.a.b -> self['a']['b']
+        py = re.sub(r"(self(?:\['\w+'\])*)\.(?!startsWith)(\w+)", r"\1['\2']", py)
+    py = py.replace("||", " or ").replace("&&", " and ")
     py = re.sub(r"!(?!=)", " not ", py).replace("'].startsWith(", "'].startswith(")
     assert _CEL_OK.match(py), f"the test's CEL translator does not cover {rule!r}"
     return bool(eval(py, {"__builtins__": {}}, {"self": obj}))  # noqa: S307 - whitelisted above

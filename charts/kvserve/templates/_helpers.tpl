@@ -67,6 +67,14 @@ One definition for both scopes: a ClusterRole (all namespaces) or a Role per ope
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
   verbs: [get, list, watch, create, patch, delete]
+# spec.autoscaling.minReplicas 0: a KEDA ScaledObject instead of the HPA; spec.gateway.inferencePool: a GIE
+# InferencePool. Both from optional CRDs (RBAC may name resources a cluster does not serve).
+- apiGroups: [keda.sh]
+  resources: [scaledobjects]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [inference.networking.k8s.io]
+  resources: [inferencepools]
+  verbs: [get, list, watch, create, patch, delete]
 # spec.router: the router's ServiceAccount, Role and RoleBinding. RBAC lets the operator grant only what
 # it holds itself, hence read access to EndpointSlices (the router's Role).
 - apiGroups: [""]

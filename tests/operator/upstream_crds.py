@@ -1,0 +1,101 @@
+"""Validate rendered custom resources (KEDA ScaledObject, GIE InferencePool) against their upstream CRDs,
+vendored in tests/operator/data/upstream_crds/ (source, commit and version in the README there).
+
+What the API server would check: the OpenAPI v3 schema (types, enums, required, min/max, patterns, unknown
+fields rejected as under `kubectl apply`'s strict field validation) with jsonschema, and the CRDs' CEL rules.
+The CEL rules are few; each one is re-stated here in Python, keyed by its exact text, and a rule this table
+does not know fails the validation, so a newly vendored schema cannot pass with a rule silently skipped.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any, Callable
+
+import jsonschema
+import yaml
+
+DATA = pathlib.Path(__file__).resolve().parent / "data" / "upstream_crds"
+FILES = {
+    ("keda.sh/v1alpha1", "ScaledObject"): "keda.sh_scaledobjects.yaml",
+    ("inference.networking.k8s.io/v1", "InferencePool"): "inference.networking.k8s.io_inferencepools.yaml",
+}
+
+
+def _keda_min_le_max(o: dict) -> bool:
+    return "minReplicaCount" not in o or o["minReplicaCount"] <= o.get("maxReplicaCount", 100)
+
+
+CEL: dict[str, Callable[[Any], bool]] = {
+    # KEDA ScaledObject spec.
+    "!has(self.minReplicaCount) || self.minReplicaCount <= (has(self.maxReplicaCount) ? self.maxReplicaCount "
+    ": 100)": _keda_min_le_max,
+    # GIE InferencePool spec.endpointPickerRef and spec.targetPorts.
+    "self.kind != 'Service' || has(self.port)": lambda o: o.get("kind", "Service") != "Service" or "port" in o,
+    "self.all(p1, self.exists_one(p2, p1.number==p2.number))": lambda ports: all(
+        sum(1 for q in ports if q["number"] == p["number"]) == 1 for p in ports
+    ),
+}
+
+
+def _json_schema(node: dict) -> dict:
+    out = {
+        k: v
+        for k, v in node.items()
+        if not k.startswith("x-kubernetes-") and k not in ("properties", "items", "additionalProperties")
+    }
+    if "properties" in node:
+        out["properties"] = {k: _json_schema(v) for k, v in node["properties"].items()}
+        if not node.get("x-kubernetes-preserve-unknown-fields") and node.get("additionalProperties") is None:
+            out["additionalProperties"] = False
+    elif node.get("type") == "object" and not node.get("x-kubernetes-preserve-unknown-fields"):
+        if "additionalProperties" not in node:
+            out["additionalProperties"] = False  # a structural object without properties holds nothing
+    if "items" in node:
+        out["items"] = _json_schema(node["items"])
+    if isinstance(node.get("additionalProperties"), dict):
+        out["additionalProperties"] = _json_schema(node["additionalProperties"])
+    if node.get("x-kubernetes-int-or-string"):
+        out["type"] = ["integer", "string"]
+        out.pop("anyOf", None)
+    return out
+
+
+def _cel_errors(node: dict, value: Any, where: str) -> list[str]:
+    errors = []
+    for rule in node.get("x-kubernetes-validations", []):
+        check = CEL.get(" ".join(rule["rule"].split()))
+        if check is None:
+            errors.append(f"{where}: CEL rule not re-stated in tests/operator/upstream_crds.py: {rule['rule']!r}")
+        elif not check(value):
+            errors.append(f"{where}: {rule['message']}")
+    if isinstance(value, dict):
+        for key, sub in (node.get("properties") or {}).items():
+            if key in value:
+                errors += _cel_errors(sub, value[key], f"{where}.{key}")
+    elif isinstance(value, list) and "items" in node:
+        for i, item in enumerate(value):
+            errors += _cel_errors(node["items"], item, f"{where}[{i}]")
+    return errors
+
+
+def schema(api_version: str, kind: str) -> dict:
+    crd = yaml.safe_load((DATA / FILES[(api_version, kind)]).read_text())
+    version = api_version.split("/")[1]
+    (served,) = [v for v in crd["spec"]["versions"] if v["name"] == version]
+    assert served["served"], f"{kind} {version} is not served upstream"
+    return served["schema"]["openAPIV3Schema"]
+
+
+def validate(obj: dict) -> None:
+    """Raises jsonschema.ValidationError or ValueError (CEL) like the API server would refuse the object."""
+    node = schema(obj["apiVersion"], obj["kind"])
+    body = {k: v for k, v in obj.items() if k != "metadata"}  # metadata is the API server's ObjectMeta
+    jsonschema.validate(body, _json_schema({**node, "properties": {**node["properties"], "metadata": {}}}))
+    errors = _cel_errors(node, obj, obj["kind"])
+    if errors:
+        raise ValueError("; ".join(errors))
+
+
+def is_upstream_custom(obj: dict) -> bool:
+    return (obj["apiVersion"], obj["kind"]) in FILES

@@ -68,6 +68,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: tracing off; needs the `tracing` extra)",
     )
     parser.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="with --enable-lora: serve /v1/load_lora_adapter and /v1/unload_lora_adapter (as vLLM does with "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, which kvserve also accepts); anyone who can reach the API can "
+        "then load adapters from this host's filesystem (docs/lora.md)",
+    )
+    parser.add_argument(
         "--max-request-body-bytes",
         type=parse_bytes,
         default=32 << 20,
@@ -200,6 +207,7 @@ def run(args: argparse.Namespace) -> int:
         random_weights=random_weights,
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         max_request_body_bytes=args.max_request_body_bytes,
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
     )
     log.info(
         "serving %s as %s on http://%s:%d (loading the model; /health is 503 until ready)",

@@ -14,14 +14,17 @@ died), which AsyncEngine turns into errors for every request, /health 503 and ex
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import multiprocessing
 import os
 import pickle
 import shutil
 import tempfile
+import threading
 import time
 import weakref
+from concurrent.futures import Future
 
 from kvserve.runtime.child_process import describe_exit, exit_if_bootstrapping, raise_if_main_guard_exit
 from kvserve.runtime.config import EngineConfig
@@ -32,6 +35,7 @@ from kvserve.runtime.engine.core_messages import (
     EngineCoreRequest,
     MessageCodec,
     MessageType,
+    UtilityCall,
     failure_exception,
 )
 from kvserve.runtime.engine.llm_engine import LLMEngine
@@ -95,6 +99,9 @@ class CoreClient:
         self._output.setsockopt(zmq.RCVHWM, 0)
         self._output.bind(output_address)
         self._codec = MessageCodec()
+        self._send_lock = threading.Lock()  # call_utility sends from the event loop's side too
+        self._calls: dict[int, Future] = {}  # UTILITY calls awaiting their UTILITY_RESULT
+        self._call_ids = itertools.count(1)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -119,6 +126,9 @@ class CoreClient:
         self.num_step_failures = 0
         self.dead_error: BaseException | None = None
         self._grammar_compiler = None
+        lora = self.config.lora
+        # --enable-lora: this server's view of the served adapters, kept current by the core's LORA_ADAPTERS
+        self.lora_adapters: dict[str, str] = dict(lora.modules) if lora is not None else {}
         logger.info("engine core process %d ready", self.core_pid)
 
     @classmethod
@@ -187,7 +197,26 @@ class CoreClient:
             self._send(MessageType.ABORT, EngineCoreAbort(child_ids))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.tracker.states)
+        return bool(self.tracker.states) or bool(self._calls)  # a pending call: keep reading the core's answers
+
+    def call_utility(self, method: str, args: list) -> Future:
+        """Send a UTILITY call (thread-safe); the Future gets the core's UtilityResult once the engine thread
+        reads it (the caller wakes that thread), or the dead error if the core dies first."""
+        future: Future = Future()
+        call_id = next(self._call_ids)
+        self._calls[call_id] = future
+        if self.dead_error is not None:
+            self._calls.pop(call_id, None)
+            future.set_exception(self.dead_error)
+            return future
+        self._send(MessageType.UTILITY, UtilityCall(call_id, self.client_index, method, args))
+        return future
+
+    def _fail_calls(self, exc: BaseException) -> None:
+        for call_id in list(self._calls):
+            future = self._calls.pop(call_id, None)
+            if future is not None and not future.done():
+                future.set_exception(exc)
 
     def notify(self) -> None:
         """Wake a step() waiting for outputs (called from any thread): there is a request or abort to send."""
@@ -224,9 +253,16 @@ class CoreClient:
             kind, body = self._codec.decode(frame.buffer)
             if kind is MessageType.OUTPUTS:
                 outputs += self._apply(body)
+            elif kind is MessageType.LORA_ADAPTERS:
+                self.lora_adapters = dict(body.adapters)
+            elif kind is MessageType.UTILITY_RESULT:
+                future = self._calls.pop(body.call_id, None)
+                if future is not None and not future.done():
+                    future.set_result(body)
             elif kind is MessageType.DEAD:
                 self.dead_error = failure_exception(body, EngineDeadError)
                 logger.error("the engine core reported a fatal error: %s", body.text)
+                self._fail_calls(self.dead_error)
                 raise self.dead_error
 
     def _apply(self, core: EngineCoreOutputs) -> list[RequestOutput]:
@@ -246,13 +282,15 @@ class CoreClient:
             "retry on another replica"
         )
         logger.error("%s", self.dead_error)
+        self._fail_calls(self.dead_error)
         raise self.dead_error
 
     def _describe_core_exit(self) -> str:
         return describe_exit(self.proc.exitcode)
 
     def _send(self, kind: MessageType, body) -> None:
-        self._input.send(self._codec.encode(kind, body), copy=False)
+        with self._send_lock:  # one encoder and one socket, used from two threads (call_utility)
+            self._input.send(self._codec.encode(kind, body), copy=False)
 
     def get_stats(self) -> EngineStats | None:
         """The core's latest stats, with the waiting count raised to the requests of this server the core has

@@ -31,11 +31,14 @@ class MessageType(bytes, enum.Enum):
     ADD = b"\x00"
     ABORT = b"\x01"
     SHUTDOWN = b"\x02"
+    UTILITY = b"\x03"  # a call answered by UTILITY_RESULT (e.g. load a LoRA adapter: runtime/lora/remote.py)
     # core -> API server
     READY = b"\x10"
     OUTPUTS = b"\x11"
     DEAD = b"\x12"  # the core is dead (soft failure); carries the reason
     STARTUP_FAILED = b"\x13"
+    UTILITY_RESULT = b"\x14"  # to the API server that made the call
+    LORA_ADAPTERS = b"\x15"  # to every API server, whenever the served adapters change
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -123,6 +126,32 @@ class CoreFailure(msgspec.Struct, array_like=True, gc=False):
     text: str
 
 
+class UtilityCall(msgspec.Struct, array_like=True, gc=False):
+    """API server -> core: run `method` (a name the core's utility table knows) with JSON-like args."""
+
+    call_id: int
+    client_index: int
+    method: str
+    args: list[Any]
+
+
+class UtilityResult(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """status 0: done, `value` the result; else the HTTP status to answer with, the field at fault and a code."""
+
+    call_id: int
+    status: int = 0
+    message: str = ""
+    param: str | None = None
+    code: str | None = None
+    value: Any = None
+
+
+class LoraAdapters(msgspec.Struct, array_like=True, gc=False):
+    """The adapters the core serves now (name, directory), sent to every API server after a change."""
+
+    adapters: list[tuple[str, str]]
+
+
 _BODY_TYPES = {
     MessageType.ADD: EngineCoreRequest,
     MessageType.ABORT: EngineCoreAbort,
@@ -130,6 +159,9 @@ _BODY_TYPES = {
     MessageType.READY: CoreReady,
     MessageType.DEAD: CoreFailure,
     MessageType.STARTUP_FAILED: CoreFailure,
+    MessageType.UTILITY: UtilityCall,
+    MessageType.UTILITY_RESULT: UtilityResult,
+    MessageType.LORA_ADAPTERS: LoraAdapters,
 }
 
 

@@ -184,11 +184,15 @@ def core_cpu_threads(config) -> int | None:
 def _busy_loop(core, inp, outs: list, codec: MessageCodec) -> int:
     import zmq
 
+    from kvserve.runtime.lora.core_utilities import CoreUtilities
+
     owners: dict[str, int] = {}  # request id -> API-server index
     num_clients = len(outs)
+    utilities = CoreUtilities(core)  # UTILITY calls (LoRA load/unload) run beside this loop, not in it
     while True:
+        utilities.send_finished(outs, codec)
         busy = core.has_unfinished_requests()
-        if not busy and not inp.poll(IDLE_POLL_MS):
+        if not busy and not inp.poll(utilities.poll_ms(IDLE_POLL_MS)):
             core.check_health()  # a tensor-parallel worker that died while idle: DEAD now, not at the next request
             continue
         handled = False
@@ -219,8 +223,11 @@ def _busy_loop(core, inp, outs: list, codec: MessageCodec) -> int:
                 for request_id in body.request_ids:
                     core.abort_request(request_id)
                     owners.pop(request_id, None)
+            elif kind is MessageType.UTILITY:
+                utilities.submit(body)
             elif kind is MessageType.SHUTDOWN:
                 logger.info("engine core: shutdown requested")
+                utilities.shutdown()
                 return 0
         if core.has_unfinished_requests():
             step = core.step()

@@ -14,6 +14,7 @@ failed steps in a row make the core dead (`dead_error`, raised by every later ca
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -42,6 +43,7 @@ logger = logging.getLogger("kvserve.engine")
 class _CoreRequest:
     num_prompt_tokens: int  # to add to prompt_tokens with the request's first output (then 0)
     scheduled: bool = False
+    lora_name: str | None = None  # the adapter it runs with (an unloaded adapter stays until its last request)
 
 
 class EngineCore:
@@ -63,6 +65,15 @@ class EngineCore:
             group_windows=kv_sizing.layout(config).group_windows,
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
+        self.lora_registry = None  # --enable-lora: the served adapters, loadable at run time (lora/registry.py)
+        self._model_lock = contextlib.nullcontext()  # held while a step runs the model
+        if getattr(self.runner, "lora", None) is not None:
+            from kvserve.runtime.lora.registry import LoraRegistry
+
+            self.lora_registry = LoraRegistry(
+                self.runner.lora, config.lora.max_lora_rank, config.lora.modules, self._lora_requests
+            )
+            self._model_lock = self.lora_registry.lock
         self.proposer = None  # --speculative-config: drafts for the running requests before each schedule
         if config.speculative is not None:
             from kvserve.runtime.spec_decode.proposer import Proposer
@@ -119,8 +130,8 @@ class EngineCore:
                 f"the engine core runs one sequence per request, got n={params.n} "
                 "(the front fans n > 1 out: engine/parent_request.py)",
             )
-        self._requests[request_id] = _CoreRequest(len(prompt_token_ids) if count_prompt_tokens else 0)
         lora_name, lora_identity = self._lora(params.lora_name)
+        self._requests[request_id] = _CoreRequest(len(prompt_token_ids) if count_prompt_tokens else 0, False, lora_name)
         self.scheduler.add_request(
             Request(
                 request_id,
@@ -137,21 +148,28 @@ class EngineCore:
         """(adapter name, content identity) for a request's lora_name; InvalidParameter for an unknown one."""
         if name is None:
             return None, None
-        manager = getattr(self.runner, "lora", None)
-        adapter = manager.cpu.get(name) if manager is not None else None
-        if adapter is None:
+        identity = self.lora_registry.identity(name) if self.lora_registry is not None else None
+        if identity is None:
             raise InvalidParameter("model", f"the model {name!r} does not exist (no such LoRA adapter)")
-        return name, adapter.identity
+        return name, identity
+
+    def _lora_requests(self, name: str) -> int:
+        """Unfinished requests using adapter `name` (list(): a load thread may ask while this thread adds)."""
+        return sum(1 for r in list(self._requests.values()) if r.lora_name == name)
 
     def abort_request(self, request_id: str) -> None:
         if self._requests.pop(request_id, None) is not None:
             self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ABORTED)
+            if self.lora_registry is not None:
+                self.lora_registry.reap()
 
     def finish_stopped(self, request_ids: list[str]) -> None:
         """The front found a stop string in these requests: finish them (blocks freed) as stopped."""
         live = [rid for rid in request_ids if self._requests.pop(rid, None) is not None]
         if live:
             self.scheduler.finish_requests(live, RequestStatus.FINISHED_STOPPED)
+            if self.lora_registry is not None:
+                self.lora_registry.reap()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
@@ -193,7 +211,8 @@ class EngineCore:
                 if entry is not None and not entry.scheduled:
                     entry.scheduled = True
                     first_scheduled.append((scheduled.req_id, now))
-            runner_out = self.runner.execute(sched_out)
+            with self._model_lock:  # a LoRA load registers between steps, never inside one
+                runner_out = self.runner.execute(sched_out)
             core_outputs = self.scheduler.update_from_output(sched_out, runner_out)
         except WorkerDiedError as exc:  # the ranks cannot be brought back in step: fatal
             self.dead_error = exc
@@ -219,6 +238,8 @@ class EngineCore:
             if out.finish_reason is not None:
                 del requests[out.req_id]
         failures = [self.fail_request(rid, error) for rid, error in failed.items() if rid in requests]
+        if self.lora_registry is not None:
+            self.lora_registry.reap()
         return EngineCoreOutputs(deltas, failures, first_scheduled, None, self.num_step_failures)
 
     def fail_request(self, request_id: str, error: RequestError) -> RequestFailure:

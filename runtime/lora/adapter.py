@@ -60,7 +60,11 @@ def load_peft_adapter(name: str, path: str, max_rank: int, model_modules: set[st
     for t in targets:
         short = t.split(".")[-1]
         if short not in SUPPORTED_TARGETS or (model_modules is not None and short not in model_modules):
-            raise LoraLoadError(f"adapter {name!r}: target module {t!r} is not in this model {SUPPORTED_TARGETS}")
+            known = sorted(model_modules) if model_modules is not None else list(SUPPORTED_TARGETS)
+            raise LoraLoadError(
+                f"adapter {name!r}: target module {t!r} (adapter_config.json target_modules) is not in this "
+                f"model {known}"
+            )
     try:
         from safetensors.torch import load_file
 

@@ -29,7 +29,9 @@ def build_manager(model, lora: LoraConfig, dtype: torch.dtype, device: torch.dev
     max_cpu = max(lora.max_cpu_loras, len(lora.modules))
     manager = LoraManager(single, lora.max_loras, lora.max_lora_rank, max_cpu, fused=fused, dtype=dtype, device=device)
     for name, path in lora.modules:
-        manager.add(load_peft_adapter(name, path, lora.max_lora_rank))
+        adapter = load_peft_adapter(name, path, lora.max_lora_rank, manager.targets)
+        manager.check(adapter)
+        manager.add(adapter)
     return manager
 
 

@@ -9,7 +9,7 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
-from kvserve.runtime.lora.adapter import LoraAdapter
+from kvserve.runtime.lora.adapter import LoraAdapter, LoraLoadError
 from kvserve.runtime.lora.batched import LoraSlots, lora_delta
 
 
@@ -63,6 +63,21 @@ class LoraManager:
             return output + torch.cat(full, dim=-1).reshape(output.shape)
 
         return hook
+
+    @property
+    def targets(self) -> set[str]:
+        """The target modules this model has slots for (a sparse MoE block's experts have none)."""
+        return {target for _, target in self.slots}
+
+    def check(self, adapter: LoraAdapter) -> None:
+        """LoraLoadError naming the first adapter weight this model has no module for (a layer index past
+        the model's layers, or a target the layer lacks): such a weight would otherwise be silently ignored."""
+        for layer, target in sorted(adapter.weights):
+            if (layer, target) not in self.slots:
+                raise LoraLoadError(
+                    f"adapter {adapter.name!r}: layer {layer} {target}: this model has no such module "
+                    f"({len({k[0] for k in self.slots})} layers, targets {sorted(self.targets)})"
+                )
 
     def add(self, adapter: LoraAdapter) -> None:
         """Keep in host memory (LRU evicts the oldest non-resident one past --max-cpu-loras)."""

@@ -1,5 +1,5 @@
 """The FastAPI app: OpenAI-compatible completions and chat completions (streaming or not), /v1/models,
-/health, /metrics, /tokenize, /detokenize.
+/health, /metrics, /tokenize, /detokenize, and vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter.
 
 Routes and wiring; the handling itself is OpenAIServing in serving.py.
 
@@ -19,6 +19,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvserve.runtime.lora import http as lora_http
+from kvserve.runtime.lora import remote as lora_remote
+from kvserve.runtime.lora.errors import LoraRequestError
 from kvserve.runtime.metrics import CONTENT_TYPE
 from kvserve.runtime.server.errors import APIError, error_response
 from kvserve.runtime.server.serving import OpenAIServing
@@ -141,7 +144,13 @@ def build_app(config: ServerConfig, *, engine: Any = None, engine_factory: Calla
                     "path; its output is gibberish"
                 )
             data.append(entry)
-        for name, path in state.lora_modules.items():  # as vLLM lists them: the base model is the parent
+        adapters = {}
+        if state.lora_enabled:  # the engine core's registry: adapters loaded through any API server of a group
+            try:
+                adapters = await lora_remote.call(state, "list_lora_adapters")
+            except LoraRequestError:
+                adapters = lora_remote.served_adapters(state)
+        for name, path in adapters.items():  # as vLLM lists them: the base model is the parent
             data.append(
                 {
                     "id": name,
@@ -154,6 +163,8 @@ def build_app(config: ServerConfig, *, engine: Any = None, engine_factory: Calla
                 }
             )
         return JSONResponse({"object": "list", "data": data})
+
+    lora_http.add_routes(app, state, serving)  # /v1/load_lora_adapter, /v1/unload_lora_adapter
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

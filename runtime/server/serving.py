@@ -21,6 +21,7 @@ from pydantic import ValidationError
 
 from kvserve.runtime.engine.async_engine import AsyncEngine, RequestStream
 from kvserve.runtime.errors import InvalidParameter, RequestFailedError
+from kvserve.runtime.lora import remote as lora_remote
 from kvserve.runtime.sampling_params import SamplingParams, verify_request
 from kvserve.runtime.server import structured
 from kvserve.runtime.server.errors import APIError, bad_request, engine_error, find_invalid_text, from_validation_error
@@ -116,14 +117,15 @@ class OpenAIServing:
             )
         return state.engine
 
-    def check_model(self, model: str | None) -> str | None:
-        """The LoRA adapter the request's `model` names (None: the base model); 404 for an unknown name."""
+    async def check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter the request's `model` names (None: the base model); 404 for an unknown name (one
+        the engine core does not serve either: it may have been loaded through another API server)."""
         names = self.state.config.served_model_names
         if model is None or model in names:
             return None
-        if model in self.state.lora_modules:
+        if self.state.lora_enabled and await lora_remote.resolve(self.state, model):
             return model
-        available = [*names, *self.state.lora_modules]
+        available = [*names, *lora_remote.served_adapters(self.state)]
         raise APIError(
             404,
             f"The model '{model}' does not exist. Available: {', '.join(available)}.",
@@ -283,6 +285,8 @@ class OpenAIServing:
             for i, (ids, params) in enumerate(zip(prepared.prompt_ids, prepared.params)):
                 sub_id = prepared.request_id if len(prepared.prompt_ids) == 1 else f"{prepared.request_id}-{i}"
                 streams.append(await engine.add_request(sub_id, ids, params, trace_headers=headers))
+                if params.lora_name is not None and self.state.metrics is not None:
+                    self.state.metrics.observe_lora_request(params.lora_name)
         except BaseException as exc:
             for stream in streams:
                 stream.abort()
@@ -412,7 +416,7 @@ class OpenAIServing:
         self.check_auth(request)
         engine = self.check_ready()
         body: CompletionRequest = await self.parse(request, CompletionRequest)
-        lora_name = self.check_model(body.model)
+        lora_name = await self.check_model(body.model)
         if body.suffix:
             raise bad_request("suffix is not supported.", param="suffix")
         if body.max_tokens is not None and body.max_tokens < 1:
@@ -595,7 +599,7 @@ class OpenAIServing:
         self.check_auth(request)
         engine = self.check_ready()
         body: ChatCompletionRequest = await self.parse(request, ChatCompletionRequest)
-        lora_name = self.check_model(body.model)
+        lora_name = await self.check_model(body.model)
         tools = structured.tool_plan(body, self.state.config.tool_call_parser)
         spec = structured.output_spec(body)
         if spec is not None and tools.constrained:
@@ -730,7 +734,7 @@ class OpenAIServing:
         self.check_auth(request)
         self.check_ready()
         body: TokenizeRequest = await self.parse(request, TokenizeRequest)
-        self.check_model(body.model)
+        await self.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("Give exactly one of prompt or messages.", param="prompt")
         if body.messages is not None:
@@ -746,7 +750,7 @@ class OpenAIServing:
         self.check_auth(request)
         self.check_ready()
         body: DetokenizeRequest = await self.parse(request, DetokenizeRequest)
-        self.check_model(body.model)
+        await self.check_model(body.model)
         self.check_token_ids(body.tokens, "tokens")
         text = await self._run_tokenizer(self.state.tokenizer.decode, body.tokens)
         return JSONResponse({"prompt": text})

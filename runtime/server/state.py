@@ -48,6 +48,9 @@ class ServerConfig:
     # server of the group is ready (one port, kernel-balanced: a probe answered by a ready server must not
     # send traffic to one that is still attaching to the core).
     group_dir: str | None = None
+    # /v1/load_lora_adapter and /v1/unload_lora_adapter (--allow-runtime-lora-updating, or vLLM's
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING=True): off by default, as in vLLM.
+    allow_runtime_lora_updating: bool = False
 
 
 @dataclass
@@ -65,7 +68,8 @@ class ServerState:
     draining: bool = False  # new requests get 503; in-flight ones finish
     load_error: BaseException | None = None
     _group_ready: bool = False
-    lora_modules: dict = field(default_factory=dict)  # --enable-lora: adapter name -> its directory
+    lora_modules: dict = field(default_factory=dict)  # --enable-lora: the start-up adapters (name -> directory)
+    lora_enabled: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     on_fatal: Callable[[BaseException], None] | None = None  # loading failed: exit non-zero
     on_engine_dead: Callable[[BaseException], None] | None = None  # every request answered; exit non-zero
@@ -109,6 +113,7 @@ class ServerState:
         self.limits = llm_engine.limits
         lora = getattr(llm_engine.config, "lora", None)
         self.lora_modules = dict(lora.modules) if lora is not None else {}
+        self.lora_enabled = lora is not None
         max_loras = lora.max_loras if lora is not None else None
         vocab = self.tokenizer.get_vocab()
         self.max_token_chars = max((len(t) for t in vocab), default=64) or 64

@@ -103,3 +103,26 @@ def test_lora_requests_info_as_vllm_exports_it(lora_server):
     idle = 'vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""}'
     assert running in series and idle in series, series
     assert float(series[running]) >= before - 1 and float(series[idle]) >= float(series[running])
+
+
+def test_runtime_loading_is_off_unless_enabled(lora_setup, lora_server, monkeypatch):
+    """/v1/load_lora_adapter: 404 naming both switches while off; vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING
+    turns it on (kvserve serve --allow-runtime-lora-updating too, tests/server/test_lora_runtime_api.py)."""
+    _, _, modules = lora_setup
+    body = {"lora_name": "again", "lora_path": modules["a1"]}
+    monkeypatch.delenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", raising=False)
+    resp = httpx.post(lora_server.base_url + "/v1/load_lora_adapter", json=body, timeout=10)
+    assert resp.status_code == 404
+    message = resp.json()["error"]["message"]
+    assert "--allow-runtime-lora-updating" in message and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" in message
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
+    full = httpx.post(lora_server.base_url + "/v1/load_lora_adapter", json=body, timeout=60)
+    assert full.status_code == 400 and full.json()["error"]["code"] == "too_many_lora_adapters"  # --max-cpu-loras 2
+    for path, payload in [
+        ("/v1/unload_lora_adapter", {"lora_name": "a2"}),
+        ("/v1/load_lora_adapter", body),
+        ("/v1/unload_lora_adapter", {"lora_name": "again"}),
+        ("/v1/load_lora_adapter", {"lora_name": "a2", "lora_path": modules["a2"]}),
+    ]:
+        resp = httpx.post(lora_server.base_url + path, json=payload, timeout=60)
+        assert resp.status_code == 200, (path, resp.text)

@@ -3,9 +3,9 @@
 
 The engine core runs them on a utility thread beside its step loop (runtime/lora/core_utilities.py). This
 is the API server's side: `call` goes through the CoreClient (the core in its own process) or, with
-`--inprocess-engine`, straight to the in-process core's registry on a pool thread. `served_adapters` is this server's view; a
-name it does not know is checked with the core before a 404 (`resolve`), so an adapter loaded through
-another API server of the group is accepted at once.
+`--inprocess-engine`, straight to the in-process core's registry on a pool thread. `served_adapters` is
+this server's view; a name it does not know is checked with the core before a 404 (`resolve`), so an
+adapter loaded through another API server of the group is accepted at once.
 """
 
 from __future__ import annotations

@@ -1,0 +1,34 @@
+"""Speculative decoding with tensor_parallel_size=2 (gloo/CPU): rank 0 verifies the drafts on the gathered
+logits; greedy output equals plain TP=1 decoding token for token, and drafts are accepted."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from kvserve.runtime import LLM, SamplingParams
+
+STORIES = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "models", "stories260K")
+
+
+@pytest.mark.timeout(180)
+def test_tp2_ngram_is_token_identical_to_plain_decoding():
+    if not os.path.isfile(os.path.join(STORIES, "model.safetensors")):
+        pytest.skip("the pretrained tiny model is not present (../shared is absent on this machine)")
+    prompts = [
+        "Once upon a time, there was a little girl named Lily. She loved to play with her ball. One day, Lily",
+        "Tom had a red ball. Tom had a red ball. Tom had a",
+    ]
+    params = SamplingParams(temperature=0, max_tokens=48)
+    common = dict(max_model_len=256, max_num_batched_tokens=32, seed=0)
+    plain = [o.outputs[0].token_ids for o in LLM(STORIES, **common).generate(prompts, params, use_tqdm=False)]
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    llm = LLM(STORIES, tensor_parallel_size=2, speculative_config=spec, **common)
+    try:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        stats = llm.engine.get_stats()
+    finally:
+        llm.engine.shutdown()
+    assert got == plain
+    assert stats.spec_num_accepted_tokens > 0

@@ -28,6 +28,7 @@ COMMANDS: dict[str, str] = {
     "bench step": "kvserve.cli.bench_step",
     "bench router": "kvserve.cli.bench_router",
     "bench peer": "kvserve.cli.bench_peer",
+    "bench spec": "kvserve.cli.bench_spec",
 }
 
 

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from kvserve.runtime.engine.client import PromptInput
 from kvserve.runtime.engine.llm_engine import LLMEngine
 from kvserve.runtime.errors import InvalidParameter
 from kvserve.runtime.outputs import RequestOutput
 from kvserve.runtime.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvserve.runtime.engine.beam_search import BeamSearchOutput, BeamSearchParams
 
 
 class LLM:
@@ -33,6 +37,52 @@ class LLM:
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    def beam_search(
+        self, prompts: PromptInput | Sequence[PromptInput], params: "BeamSearchParams", use_tqdm: bool = False
+    ) -> list["BeamSearchOutput"]:
+        """Beam search (vLLM's LLM.beam_search): per prompt, the best params.num_return_sequences (default:
+        beam width) beams, best first, selected and scored as HF transformers' generate(num_beams=...) does
+        (engine/beam_search.py). Every step runs one 1-token request per live beam of every prompt in one
+        batch; the beams' shared prefixes are prefix-cache hits."""
+        from dataclasses import replace
+
+        from kvserve.runtime.engine.beam_search import BeamSearch, to_output, top_logprobs
+
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        max_model_len = self.engine.config.model.max_model_len
+        eos = frozenset(self.engine.config.model.eos_token_ids)
+        ids_list, searches = [], []
+        for i, prompt in enumerate(prompts):
+            try:
+                _, ids = self.engine.tokenize_prompt(prompt)
+                self.engine.verify(ids, SamplingParams(max_tokens=1))
+            except InvalidParameter as exc:
+                raise InvalidParameter(exc.param, f"prompts[{i}]: {exc}") from None
+            # The context bounds the search like any request's max_tokens.
+            room = max(1, min(params.max_tokens, max_model_len - len(ids)))
+            ids_list.append(ids)
+            searches.append(BeamSearch(replace(params, max_tokens=room), eos))
+        while True:
+            batch = [(search, ids + seq) for search, ids in zip(searches, ids_list) for seq in search.pending()]
+            if not batch:
+                break
+            step_params = [
+                SamplingParams(max_tokens=1, temperature=0, logprobs=search.num_candidates, ignore_eos=True)
+                for search, _ in batch
+            ]
+            outs = self.generate([{"prompt_token_ids": ids} for _, ids in batch], step_params, use_tqdm=use_tqdm)
+            tops: dict[int, list] = {}
+            for (search, _), out, step in zip(batch, outs, step_params):
+                if out.error is not None:
+                    raise RuntimeError(f"beam search step failed: {out.error}")
+                tops.setdefault(id(search), []).append(top_logprobs(out.outputs[0].logprobs[0], step.logprobs))
+            for search in searches:
+                if id(search) in tops:
+                    search.advance(tops[id(search)])
+        decode = lambda tokens: self.tokenizer.decode(tokens, skip_special_tokens=True)  # noqa: E731
+        return [to_output(ids, search, decode) for ids, search in zip(ids_list, searches)]
 
     def generate(
         self,

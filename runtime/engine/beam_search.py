@@ -161,6 +161,30 @@ class BeamSearchOutput:
     sequences: list[BeamSearchSequence]
 
 
+def pending_batch(searches: list[BeamSearch], prompt_ids: list[list[int]]) -> list[tuple[BeamSearch, list[int]]]:
+    """This step's engine requests: (search, prompt + beam tokens) for every live beam of every search."""
+    return [(search, ids + seq) for search, ids in zip(searches, prompt_ids) for seq in search.pending()]
+
+
+def advance_all(batch: list[tuple[BeamSearch, list[int]]], tops: list[list[tuple[int, float]]]) -> None:
+    """Feed each search the top logprobs of its beams (tops[i] answers batch[i])."""
+    grouped: dict[int, tuple[BeamSearch, list]] = {}
+    for (search, _), top in zip(batch, tops):
+        grouped.setdefault(id(search), (search, []))[1].append(top)
+    for search, beam_tops in grouped.values():
+        search.advance(beam_tops)
+
+
+async def run_async(searches: list[BeamSearch], prompt_ids: list[list[int]], next_token_logprobs) -> None:
+    """Drive the searches to the end; next_token_logprobs(ids, num) -> [(token, logprob)] best first, one
+    1-token engine request (the OpenAI server's path: every beam of a step is in flight at once)."""
+    import asyncio
+
+    while batch := pending_batch(searches, prompt_ids):
+        tops = await asyncio.gather(*(next_token_logprobs(ids, search.num_candidates) for search, ids in batch))
+        advance_all(batch, list(tops))
+
+
 def top_logprobs(logprobs: dict, num: int) -> list[tuple[int, float]]:
     """A 1-token request's logprobs entry ({token: Logprob}) -> [(token, logprob)], best first."""
     return sorted(((tid, lp.logprob) for tid, lp in logprobs.items()), key=lambda t: -t[1])[:num]

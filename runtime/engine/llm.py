@@ -47,7 +47,13 @@ class LLM:
         batch; the beams' shared prefixes are prefix-cache hits."""
         from dataclasses import replace
 
-        from kvserve.runtime.engine.beam_search import BeamSearch, to_output, top_logprobs
+        from kvserve.runtime.engine.beam_search import (
+            BeamSearch,
+            advance_all,
+            pending_batch,
+            to_output,
+            top_logprobs,
+        )
 
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -64,23 +70,16 @@ class LLM:
             room = max(1, min(params.max_tokens, max_model_len - len(ids)))
             ids_list.append(ids)
             searches.append(BeamSearch(replace(params, max_tokens=room), eos))
-        while True:
-            batch = [(search, ids + seq) for search, ids in zip(searches, ids_list) for seq in search.pending()]
-            if not batch:
-                break
+        while batch := pending_batch(searches, ids_list):
             step_params = [
                 SamplingParams(max_tokens=1, temperature=0, logprobs=search.num_candidates, ignore_eos=True)
                 for search, _ in batch
             ]
             outs = self.generate([{"prompt_token_ids": ids} for _, ids in batch], step_params, use_tqdm=use_tqdm)
-            tops: dict[int, list] = {}
-            for (search, _), out, step in zip(batch, outs, step_params):
+            for out in outs:
                 if out.error is not None:
                     raise RuntimeError(f"beam search step failed: {out.error}")
-                tops.setdefault(id(search), []).append(top_logprobs(out.outputs[0].logprobs[0], step.logprobs))
-            for search in searches:
-                if id(search) in tops:
-                    search.advance(tops[id(search)])
+            advance_all(batch, [top_logprobs(o.outputs[0].logprobs[0], p.logprobs) for o, p in zip(outs, step_params)])
         decode = lambda tokens: self.tokenizer.decode(tokens, skip_special_tokens=True)  # noqa: E731
         return [to_output(ids, search, decode) for ids, search in zip(ids_list, searches)]
 

@@ -64,6 +64,10 @@ class _SamplingFields(_Base):
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
+    # Beam search (vLLM's extra fields; `n` is the beam width; early_stopping as HF: true, false, "never")
+    use_beam_search: StrictBool = False
+    length_penalty: float = 1.0
+    early_stopping: StrictBool | Literal["never"] = False
     # Structured outputs (runtime/server/structured.py validates the contents and names the field)
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
@@ -73,7 +77,14 @@ class _SamplingFields(_Base):
     guided_grammar: StrictStr | None = None
 
     @field_validator(
-        "temperature", "top_p", "presence_penalty", "frequency_penalty", "min_p", "repetition_penalty", mode="before"
+        "temperature",
+        "top_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "min_p",
+        "repetition_penalty",
+        "length_penalty",
+        mode="before",
     )
     @classmethod
     def _number_not_string(cls, value: Any) -> Any:

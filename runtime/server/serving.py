@@ -23,7 +23,7 @@ from kvserve.runtime.engine.async_engine import AsyncEngine, RequestStream
 from kvserve.runtime.errors import InvalidParameter, RequestFailedError
 from kvserve.runtime.lora import remote as lora_remote
 from kvserve.runtime.sampling_params import SamplingParams, verify_request
-from kvserve.runtime.server import structured
+from kvserve.runtime.server import beam, structured
 from kvserve.runtime.server.errors import APIError, bad_request, engine_error, find_invalid_text, from_validation_error
 from kvserve.runtime.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from kvserve.runtime.tracing import trace_headers
@@ -445,6 +445,12 @@ class OpenAIServing:
                 raise bad_request(f"{param} must not be empty.", param=param)
             prompt_ids.append(ids)
         spec = structured.output_spec(body)
+        if body.use_beam_search:
+            beam.check(body, body.logprobs, spec is not None)
+            model = self.state.config.served_model_names[0] if body.model is None else body.model
+            return await beam.completion_response(
+                self, engine, request, body, prompt_texts, prompt_ids, lora_name, model, int(time.time())
+            )
         params = [
             self.sampling_params(
                 body,
@@ -622,6 +628,12 @@ class OpenAIServing:
         if not ids:
             raise bad_request("messages rendered to an empty prompt.", param="messages")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        if body.use_beam_search:
+            beam.check(body, logprobs, spec is not None)
+            model = self.state.config.served_model_names[0] if body.model is None else body.model
+            return await beam.chat_response(
+                self, engine, request, body, ids, max_tokens, lora_name, model, int(time.time())
+            )
         params = await self.compile_grammar(
             self.sampling_params(body, max_tokens, logprobs, ids, "messages", spec, lora_name)
         )

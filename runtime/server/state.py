@@ -60,6 +60,7 @@ class ServerState:
     tokenizer: Any = None
     metrics: ServerMetrics | None = None
     max_model_len: int = 0
+    eos_token_ids: frozenset = frozenset()
     vocab_size: int = 0
     limits: Any = None  # the engine's sampling_params.RequestLimits: what a request is validated against
     max_token_chars: int = 64
@@ -104,6 +105,7 @@ class ServerState:
         """Wire up a loaded LLMEngine: tokenizer copy for the HTTP side, metrics, the async loop."""
         model_config = llm_engine.config.model
         self.max_model_len = int(model_config.max_model_len)
+        self.eos_token_ids = frozenset(model_config.eos_token_ids)  # beam search ends hypotheses on these
         try:
             self.tokenizer = copy.deepcopy(llm_engine.tokenizer)  # the engine thread keeps its own
         except Exception:  # pragma: no cover - tokenizers that cannot be copied: share, guarded by one thread

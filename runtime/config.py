@@ -267,8 +267,6 @@ def build_engine_config(args) -> EngineConfig:
     cuda_graph_sizes = cuda_graph_settings.capture_sizes(a, model_config, device, attention_backend)
     lora = None
     if a.enable_lora:
-        if a.tensor_parallel_size != 1:  # the adapter slots are not sharded yet
-            raise InvalidParameter("enable_lora", "enable_lora needs tensor_parallel_size 1")
         lora = LoraConfig(
             parse_lora_modules(a.lora_modules),
             a.max_loras,

@@ -158,6 +158,13 @@ class MultiprocExecutor:
         self.kv_cache_bytes: int = max(i["kv_cache_bytes"] for i in self.rank_info)
         # Swap space is a per-rank byte budget too: a stage with more layers buys fewer host blocks.
         self.num_host_blocks: int = min(i.get("num_host_blocks", 0) for i in self.rank_info)
+        # --enable-lora: every rank's adapters, managed by the engine core's registry (lora/executor_calls.py)
+        self.lora = None
+        if config.lora is not None:
+            from kvserve.runtime.lora.executor_calls import WorkerLoraManagers
+
+            executor = weakref.ref(self)  # no cycle: the finalizer still runs when the executor is dropped
+            self.lora = WorkerLoraManagers(lambda *args: executor()._call("lora", *args))
         logger.info(
             "%s: %d ranks ready in %.1f s; per rank: %s",
             self._kind,

@@ -129,6 +129,10 @@ def worker_main(
                 reply = out if samples else None
             elif method == "info":
                 reply = rank_info(runner, rank)
+            elif method == "lora":  # the engine core's LoRA registry (lora/executor_calls.py)
+                from kvserve.runtime.lora.executor_calls import handle
+
+                reply = handle(runner, *args)
             else:
                 raise ValueError(f"unknown executor method {method!r}")
             conn.send_bytes(pickle.dumps(("ok", reply), pickle.HIGHEST_PROTOCOL))

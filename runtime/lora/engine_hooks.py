@@ -1,6 +1,7 @@
 """--enable-lora in the model runner: a LoraManager over kvserve's own model modules (fused qkv_proj and
-gate_up_proj take the concatenated q/k/v and gate/up deltas, o_proj and down_proj their own), the adapters of
---lora-modules loaded at start-up, and the per-token slot ids of one step."""
+gate_up_proj take the concatenated q/k/v and gate/up deltas, o_proj and down_proj their own, before their
+all-reduce), the adapters of --lora-modules loaded at start-up (every tensor-parallel rank reads them and
+keeps its share: lora/tp_shard.py), and the per-token slot ids of one step."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import numpy as np
 import torch
 
 from kvserve.runtime.config import LoraConfig
+from kvserve.runtime.lora import tp_shard
 from kvserve.runtime.lora.adapter import load_peft_adapter
 from kvserve.runtime.lora.manager import LoraManager
 
@@ -27,7 +29,18 @@ def build_manager(model, lora: LoraConfig, dtype: torch.dtype, device: torch.dev
             single[(i, "down_proj")] = mlp.down_proj
     # Start-up adapters are never evicted from host memory: nothing could load them again.
     max_cpu = max(lora.max_cpu_loras, len(lora.modules))
-    manager = LoraManager(single, lora.max_loras, lora.max_lora_rank, max_cpu, fused=fused, dtype=dtype, device=device)
+    keys = [*single, *((layer, t) for _, layer, parts in fused for t, _, _ in parts)]
+    manager = LoraManager(
+        single,
+        lora.max_loras,
+        lora.max_lora_rank,
+        max_cpu,
+        fused=fused,
+        dtype=dtype,
+        device=device,
+        shard=tp_shard.shard_fn(model),  # tensor-parallel: this rank's share of each adapter
+        full_shapes=tp_shard.full_shapes(model, keys),
+    )
     for name, path in lora.modules:
         adapter = load_peft_adapter(name, path, lora.max_lora_rank, manager.targets)
         manager.check(adapter)

@@ -1,10 +1,17 @@
 """Device slots for resident adapters plus an LRU of host-memory adapters (--max-loras / --max-cpu-loras),
 and forward hooks that add the batched delta after each base linear (additive: the base layers and their
-CPU fast path are untouched)."""
+CPU fast path are untouched). A row-parallel layer (kvserve's o_proj / down_proj) takes its delta through
+`lora_delta` instead, before its all-reduce (models/parallel_layers.RowParallelLinear).
+
+Under tensor parallelism each rank's manager keeps only its share of every adapter (`shard`: lora/tp_shard.py);
+adapters are checked against the model's full (unsharded) shapes, so every rank accepts or refuses the same
+adapter."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import replace
+from typing import Callable
 
 import torch
 from torch import nn
@@ -12,22 +19,51 @@ from torch import nn
 from kvserve.runtime.lora.adapter import LoraAdapter, LoraLoadError
 from kvserve.runtime.lora.batched import LoraSlots, lora_delta
 
+Key = tuple[int, str]  # (layer index, HF target module name)
+Shard = Callable[[Key, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def check_adapter(adapter: LoraAdapter, shapes: dict[Key, tuple[int, int]]) -> None:
+    """LoraLoadError naming the first adapter weight this model has no module for (a layer index past the
+    model's layers, or a target the layer lacks: such a weight would otherwise be silently ignored), or whose
+    A [r, in] / B [out, r] do not fit the module's full (in, out) features."""
+    targets = sorted({t for _, t in shapes})
+    for key in sorted(adapter.weights):
+        layer, target = key
+        if key not in shapes:
+            raise LoraLoadError(
+                f"adapter {adapter.name!r}: layer {layer} {target}: this model has no such module "
+                f"({len({k[0] for k in shapes})} layers, targets {targets})"
+            )
+        a, b = adapter.weights[key]
+        fan_in, fan_out = shapes[key]
+        if a.shape[1] != fan_in or b.shape[0] != fan_out:
+            raise LoraLoadError(
+                f"adapter {adapter.name!r}: layer {layer} {target}: lora_A {tuple(a.shape)} / lora_B "
+                f"{tuple(b.shape)} do not fit the model's {target} ({fan_in} in, {fan_out} out features)"
+            )
+
 
 class LoraManager:
     def __init__(
         self,
-        modules: dict[tuple[int, str], nn.Linear],
+        modules: dict[Key, nn.Linear],
         max_loras: int,
         max_rank: int,
         max_cpu_loras: int,
         fused: list[tuple[nn.Module, int, list[tuple[str, int, int]]]] = (),
         dtype: torch.dtype | None = None,
         device: torch.device | None = None,
+        shard: Shard | None = None,
+        full_shapes: dict[Key, tuple[int, int]] | None = None,
     ):
-        """modules: (layer, target) -> a base linear of that one target (HF layout). fused: (module, layer,
-        [(target, in_features, out_features), ...]) for a fused projection (kvserve's qkv_proj / gate_up_proj):
-        its delta is the per-target deltas concatenated in the fused output order."""
+        """modules: (layer, target) -> a base linear of that one target (HF layout), or a RowParallelLinear.
+        fused: (module, layer, [(target, in_features, out_features), ...]) for a fused projection (kvserve's
+        qkv_proj / gate_up_proj): its delta is the per-target deltas concatenated in the fused output order.
+        Features are this rank's; shard(key, A, B) -> this rank's (A, B) (None: whole), full_shapes the
+        model's unsharded (in, out) per key (None: the local ones)."""
         self.max_loras, self.max_rank, self.max_cpu_loras = max_loras, max_rank, max(max_cpu_loras, max_loras)
+        self.shard = shard
         self.cpu: OrderedDict[str, LoraAdapter] = OrderedDict()  # name -> adapter, LRU order
         self.slot_of: OrderedDict[str, int] = OrderedDict()  # resident name -> device slot, LRU order
         self.token_slots: torch.Tensor | None = None  # set per forward: [tokens] slot index, -1 = base
@@ -35,11 +71,24 @@ class LoraManager:
         for key, mod in modules.items():
             w = mod.weight
             self.slots[key] = LoraSlots(max_loras, max_rank, w.shape[1], w.shape[0], w.dtype, w.device)
-            mod.register_forward_hook(self._hook(key))
+            if hasattr(mod, "lora_delta"):  # row-parallel: the delta joins the partial sums before the reduce
+                mod.lora_delta = self._delta(key)
+            else:
+                mod.register_forward_hook(self._hook(key))
         for mod, layer, parts in fused:
             for target, fan_in, fan_out in parts:
                 self.slots[(layer, target)] = LoraSlots(max_loras, max_rank, fan_in, fan_out, dtype, device)
             mod.register_forward_hook(self._fused_hook([(layer, t, o) for t, _, o in parts]))
+        local = {k: (s.a.shape[2], s.b.shape[1]) for k, s in self.slots.items()}
+        self.full_shapes: dict[Key, tuple[int, int]] = dict(full_shapes) if full_shapes is not None else local
+
+    def _delta(self, key):
+        def delta(x: torch.Tensor) -> torch.Tensor | None:
+            if self.token_slots is None:
+                return None
+            return lora_delta(x.reshape(-1, x.shape[-1]), self.token_slots, self.slots[key])
+
+        return delta
 
     def _hook(self, key):
         def hook(module, args, output):
@@ -70,17 +119,13 @@ class LoraManager:
         return {target for _, target in self.slots}
 
     def check(self, adapter: LoraAdapter) -> None:
-        """LoraLoadError naming the first adapter weight this model has no module for (a layer index past
-        the model's layers, or a target the layer lacks): such a weight would otherwise be silently ignored."""
-        for layer, target in sorted(adapter.weights):
-            if (layer, target) not in self.slots:
-                raise LoraLoadError(
-                    f"adapter {adapter.name!r}: layer {layer} {target}: this model has no such module "
-                    f"({len({k[0] for k in self.slots})} layers, targets {sorted(self.targets)})"
-                )
+        check_adapter(adapter, self.full_shapes)
 
     def add(self, adapter: LoraAdapter) -> None:
-        """Keep in host memory (LRU evicts the oldest non-resident one past --max-cpu-loras)."""
+        """Keep (this rank's share, under tensor parallelism) in host memory (LRU evicts the oldest
+        non-resident one past --max-cpu-loras). The adapter must have passed check()."""
+        if self.shard is not None:
+            adapter = replace(adapter, weights={k: self.shard(k, a, b) for k, (a, b) in adapter.weights.items()})
         if adapter.name in self.slot_of:  # reload under the same name: refresh the device copy
             self._write(self.slot_of[adapter.name], adapter)
         self.cpu[adapter.name] = adapter

@@ -90,6 +90,10 @@ class RowParallelLinear(nn.Module):
         self.parallel = parallel
         self.weight = nn.Parameter(torch.empty(out_features, in_features_local))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        # --enable-lora (runtime/lora/manager.py): x -> this rank's partial adapter product [tokens, out] or
+        # None. Added before the all-reduce, so the reduce that completes x W^T also sums the adapter's
+        # partial products B (A_r x_r) (A split by input columns like W, B whole, scaling folded in once).
+        self.lora_delta = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         matmul = (
@@ -97,9 +101,15 @@ class RowParallelLinear(nn.Module):
             if self.weight.dtype == FP8_DTYPE
             else (lambda x_, b: linear(x_, self, b))
         )
-        if self.parallel.size == 1:
-            return matmul(x, self.bias)
-        y = self.parallel.all_reduce(matmul(x, None))
+        single = self.parallel.size == 1
+        y = matmul(x, self.bias if single else None)
+        if self.lora_delta is not None:
+            d = self.lora_delta(x)
+            if d is not None:
+                y = y + d.reshape(y.shape)
+        if single:
+            return y
+        y = self.parallel.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
 

@@ -77,6 +77,7 @@ class ModelRunnerOutput:
     # Speculative decoding: for requests scheduled with drafts, the tokens this step produced (the accepted
     # drafts, then the target's own next token: 1 .. num_spec_tokens + 1 of them), instead of sampled_token_ids.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    spec_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # theirs, if asked for
 
 
 @dataclass

@@ -394,7 +394,8 @@ class Scheduler:
             status = self._check_stop(request, token_id)
             if status is not None:
                 break
-        out = EngineCoreOutput(request.request_id, new_tokens, None)
+        logprobs = runner_output.spec_logprobs.get(request.request_id)
+        out = EngineCoreOutput(request.request_id, new_tokens, logprobs[: len(new_tokens)] if logprobs else None)
         if status is not None:
             self.running.remove(request)
             self._finish(request, status)

@@ -253,7 +253,8 @@ class ModelRunner:
         if drafted:
             from kvserve.runtime.spec_decode.verify import verify
 
-            spec_tokens, spec_failed = verify(logits, drafted, states)
+            spec_logprobs: dict = {}
+            spec_tokens, spec_failed = verify(logits, drafted, states, spec_logprobs)
             out = self._sample(logits[self._undrafted_rows(drafted, len(logits_rows))], req_ids)
             out.spec_token_ids, out.failed = spec_tokens, {**out.failed, **spec_failed}
             return out
@@ -272,6 +273,7 @@ class ModelRunner:
         states = self.states
         if self.plain_greedy.issuperset(req_ids):  # what sample() would do for these, minus its passes
             tokens = logits.argmax(dim=-1).tolist()
+            out.spec_logprobs = spec_logprobs
             for rid, token in zip(req_ids, tokens):
                 states[rid].output_token_ids.append(token)
             return ModelRunnerOutput(dict(zip(req_ids, tokens)))

@@ -2,10 +2,9 @@
 Pure Python: the engine core calls it, the scheduler schedules the drafts as extra tokens of a decode, and
 the model runner verifies them (spec_decode/verify.py).
 
-A request gets drafts only when verifying them cannot change its output distribution or its extras: plain
-greedy or temperature/top-k/top-p/min-p sampling; not with penalties (their counts move within the drafted
-tokens), min_tokens still masking, a grammar, or logprobs (each of those needs per-position state the
-verifier does not keep yet). Such requests simply decode one token per step beside drafted ones.
+Every request may draft: plain ones are verified in one batched pass, requests with penalties, min_tokens,
+a grammar (structured outputs) or logprobs one position at a time through the sampler (spec_decode/verify.py),
+so their output distribution and extras are unchanged.
 """
 
 from __future__ import annotations
@@ -14,16 +13,6 @@ from kvserve.runtime.request import Request
 from kvserve.runtime.spec_decode.config import SpeculativeConfig
 from kvserve.runtime.spec_decode.ngram import NgramIndex
 from kvserve.runtime.spec_decode.suffix import Corpus, SharedOutputs, propose_from
-
-
-def can_draft(request: Request) -> bool:
-    p = request.sampling_params
-    return (
-        not p.uses_penalties
-        and p.logprobs is None
-        and p.structured_outputs is None
-        and request.num_output_tokens >= p.min_tokens
-    )
 
 
 class _SuffixState:
@@ -46,7 +35,7 @@ class Proposer:
         self.enabled = len(running) <= cfg.disable_by_batch_size
         for request in running:
             request.spec_token_ids = []
-            if not self.enabled or request.num_tokens - request.num_computed_tokens != 1 or not can_draft(request):
+            if not self.enabled or request.num_tokens - request.num_computed_tokens != 1:
                 continue
             # Room for k drafts plus the token after them, within the context and the request's max_tokens.
             k = min(cfg.num_speculative_tokens, self.max_model_len - request.num_tokens - 1)

@@ -4,6 +4,8 @@ acceptance counters move; temperature sampling with drafts still completes."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from kvserve.runtime.engine.llm import LLM
@@ -25,7 +27,7 @@ def test_greedy_is_token_identical_under_chunking_caching_and_preemption(model_f
     shared = [5, 9, 14, 3, 7, 22, 5, 9, 14, 3, 7, 22, 5, 9]  # repeats itself: the proposers find matches
     prompts = [shared + [i, 30 + i] * 3 for i in range(6)] + [[40, 41, 42, 40, 41] * 9]
     params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True) for _ in prompts]
-    params[2] = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, repetition_penalty=1.2)  # no drafts
+    params[2] = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, repetition_penalty=1.2)  # sequential
     # 16-token budget: prompts are chunked and drafts trimmed; 24 blocks of 8: the 7 requests preempt.
     kw = dict(block_size=8, num_kv_blocks=24, max_num_batched_tokens=16, max_num_seqs=8, max_model_len=128)
     plain, _ = run(model_dir, prompts, params, None, **kw)
@@ -57,3 +59,35 @@ def test_sampling_with_drafts_completes_and_the_load_switch_turns_drafting_off(s
     assert all(len(o) == 30 for o in outs) and stats.spec_num_drafts > 0
     _, off = run(stories_dir, prompts, params, {**NGRAM, "disable_by_batch_size": 3})  # 4 running > 3
     assert off.spec_num_drafts == 0
+
+
+def test_penalties_logprobs_min_tokens_and_grammars_draft_and_stay_identical(stories_dir):
+    """Requests whose processing depends on the tokens before it in the step are verified position by position
+    through the sampler: tokens, logprobs and the grammar's output equal plain decoding's."""
+    from kvserve.runtime.structured_output.spec import StructuredOutputSpec
+
+    prompt = "Tom had a red ball. Tom had a red ball. Tom had a"
+    regex = StructuredOutputSpec.from_request(
+        "regex", r" (red|big) ball\. Tom had a (red|big) ball\.( Tom had a [a-z]+ ball\.)*", "regex"
+    )
+    variants = [
+        SamplingParams(temperature=0, max_tokens=50, repetition_penalty=1.3),
+        SamplingParams(temperature=0, max_tokens=50, logprobs=3),
+        SamplingParams(temperature=0, max_tokens=50, min_tokens=45),
+        SamplingParams(temperature=0, max_tokens=60, structured_outputs=regex),
+    ]
+    results = {}
+    for spec in (None, NGRAM):
+        llm = LLM(stories_dir, max_model_len=256, seed=0, speculative_config=spec)
+        outs = llm.generate([prompt] * len(variants), variants, use_tqdm=False)
+        results[spec is None] = (outs, llm.engine.get_stats())
+    (plain, _), (got, stats) = results[True], results[False]
+    for p_out, g_out in zip(plain, got):
+        assert g_out.outputs[0].token_ids == p_out.outputs[0].token_ids
+        assert g_out.outputs[0].text == p_out.outputs[0].text
+    lp_plain, lp_got = plain[1].outputs[0].logprobs, got[1].outputs[0].logprobs
+    assert len(lp_got) == len(lp_plain)
+    for a, b in zip(lp_plain, lp_got):
+        assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+    assert re.match(r"\s*(red|big) ball\. Tom had a (red|big) ball\.", got[3].outputs[0].text)  # the grammar held
+    assert stats.spec_num_accepted_tokens > 0

@@ -168,19 +168,20 @@ def test_the_budget_trims_drafts_and_preemption_drops_them():
     assert r.spec_token_ids == []
 
 
-def test_proposer_respects_limits_eligibility_and_the_load_switch():
+def test_proposer_respects_limits_and_the_load_switch():
     cfg = parse_speculative_config(
         {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "disable_by_batch_size": 2}
     )
     proposer = Proposer(cfg, max_model_len=64)
     s, _ = make()
     a = req("a", [50, 7, 8, 50, 7], max_tokens=3)  # + the prefill's 50: the 1-gram (50) continues with 7
-    b = req("b", [50, 7, 8, 50, 7], repetition_penalty=1.1)  # penalties move within drafts: never drafted
+    b = req("b", [50, 7, 8, 50, 7], repetition_penalty=1.1)  # drafts too (verified position by position)
     s.add_request(a)
     prefill(s, b)  # one step prefills both
     proposer.propose(s.running)
     assert a.spec_token_ids == [7]  # max_tokens 3, 1 produced: room for 1 draft + the token after it
-    assert b.spec_token_ids == []
+    # b: 50 7 8 50 7 | 50 -> (50) last seen at 3, continued 7 50, then that period again: k = 4 drafts.
+    assert b.spec_token_ids == [7, 50, 7, 50]
     c = req("c", [50, 7, 8, 50, 7])
     prefill(s, c)
     proposer.propose(s.running)  # 3 running > disable_by_batch_size 2: nobody drafts

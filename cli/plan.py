@@ -26,6 +26,10 @@ PLAN_SETTINGS = (
     "kv_cache_dtype",
 )
 
+# --enable-lora's slot settings: the adapter slots come off the KV budget (runtime/capacity.py). Not in the
+# CRD yet (the operator's spec.adapters will carry them), so they apply on top of the operator's resolution.
+LORA_SETTINGS = ("enable_lora", "max_loras", "max_lora_rank")
+
 HELP = "Capacity plan: KV bytes/token, blocks, KV tokens and max concurrency for a model on a GPU"
 
 
@@ -49,6 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # `kvserve serve`'s flags, from EngineArgs. For a catalog model (no config.json) --dtype auto plans the
     # operator's default (model.dtype in the CRD) and --max-model-len defaults to the catalog's positions.
     engine_args.EngineArgs.add_cli_args(parser, only=PLAN_SETTINGS)
+    engine_args.EngineArgs.add_cli_args(parser, only=LORA_SETTINGS)
     parser.add_argument("--gpu-memory-mib", type=int, help="override the GPU's memory")
     parser.add_argument("--activation-reserve-mib", type=int, help="override the estimated activation reserve")
     parser.add_argument("--runtime-overhead-mib", type=int, help="override the non-torch overhead")
@@ -171,6 +176,11 @@ def format_table(plan: dict) -> str:
         ("budget per GPU (x utilization)", gb(plan["memory_budget_bytes_per_gpu"])),
         ("activation reserve per GPU", gb(plan["activation_reserve_bytes"])),
         ("runtime overhead per GPU", gb(plan["runtime_overhead_bytes"])),
+        *(
+            (("LoRA adapter slots per GPU", gb(plan["lora_slot_bytes_per_gpu"])),)
+            if plan.get("lora_slot_bytes_per_gpu")
+            else ()
+        ),
         ("KV cache per GPU (--kv-cache-bytes)", gb(plan["kv_cache_bytes_per_gpu"])),
         ("blocks per GPU", f"{plan['num_blocks_per_gpu']:,} x {plan['block_size']} tokens"),
         ("KV tokens per replica", f"{plan['kv_tokens']:,}"),
@@ -282,6 +292,21 @@ def _gb(num_bytes: int) -> str:
     return f"{num_bytes / 1e9:.2f} GB"
 
 
+def with_lora_slots(args: argparse.Namespace, resolved):
+    """(plan, plan input) of the operator's resolution, with --enable-lora's adapter slots taken off the KV
+    budget (--max-loras x --max-lora-rank; the server this command line starts allocates exactly these)."""
+    import dataclasses
+
+    from kvserve.operator import planner
+
+    pin = resolved.plan_input
+    # The operator's own verdict on the engine settings (InvalidEngineConfig) stays as it is.
+    if not getattr(args, "enable_lora", False) or pin is None or resolved.plan.reason == "InvalidEngineConfig":
+        return resolved.plan, pin
+    pin = dataclasses.replace(pin, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
+    return planner.plan(pin), pin
+
+
 def fitting_tensor_parallel_size(args, settings, shape, config) -> int | None:
     """The smallest larger --tensor-parallel-size (one node: <= --gpus-per-node) whose plan fits, else None."""
     import dataclasses
@@ -293,7 +318,7 @@ def fitting_tensor_parallel_size(args, settings, shape, config) -> int | None:
         if tp <= settings.tensor_parallel_size:
             continue
         wider = dataclasses.replace(settings, tensor_parallel_size=tp)
-        if spec_mod.resolve(_spec(args, wider), model_config=config).plan.fits:
+        if with_lora_slots(args, spec_mod.resolve(_spec(args, wider), model_config=config))[0].fits:
             return tp
     return None
 
@@ -302,12 +327,18 @@ def does_not_fit_line(args, plan: dict, settings, shape, config) -> str:
     """Why the plan does not fit, by how much, and the --tensor-parallel-size that would (CLI flag names)."""
     model = args.model or args.model_config
     tp = settings.tensor_parallel_size
-    needed = plan["weight_bytes_per_gpu"] + plan["activation_reserve_bytes"] + plan["runtime_overhead_bytes"]
+    needed = (
+        plan["weight_bytes_per_gpu"]
+        + plan["activation_reserve_bytes"]
+        + plan["runtime_overhead_bytes"]
+        + plan.get("lora_slot_bytes_per_gpu", 0)
+    )
     budget = plan["memory_budget_bytes_per_gpu"]
     where = f"{model} does not fit {args.gpu} at --tensor-parallel-size {tp}"
     if needed > budget:
+        parts = "weights + activations + overhead" + (" + LoRA slots" if plan.get("lora_slot_bytes_per_gpu") else "")
         why = (
-            f"weights + activations + overhead need {_gb(needed)} per GPU, {_gb(needed - budget)} over the "
+            f"{parts} need {_gb(needed)} per GPU, {_gb(needed - budget)} over the "
             f"{_gb(budget)} budget (--gpu-memory-utilization {settings.gpu_memory_utilization:g})"
         )
     else:
@@ -349,7 +380,12 @@ def run(args: argparse.Namespace) -> int:
     why = ""
     # Only when a whole node (TP = GPUs per node) does not fit: a smaller TP's refusal stays a refusal.
     pin = resolved.plan_input
-    if not chosen.fits and pin is not None and pin.tensor_parallel_size >= args.gpus_per_node:
+    lora = getattr(args, "enable_lora", False)
+    if lora and pin is not None and pin.pipeline_parallel_size > 1:
+        print("error: enable_lora: enable_lora needs pipeline_parallel_size 1")
+        return 2
+    chosen, pin = with_lora_slots(args, resolved)
+    if not chosen.fits and not lora and pin is not None and pin.tensor_parallel_size >= args.gpus_per_node:
         from kvserve.operator.planner import plan_multinode
 
         chosen, why = plan_multinode(pin, args.gpus_per_node)

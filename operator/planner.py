@@ -3,7 +3,8 @@
 Per GPU rank with tensor parallelism t (the same budget the runtime enforces with `--kv-cache-bytes`):
 
     budget   = gpu_memory * gpu_memory_utilization
-    kv_cache = budget - weights / t - activation_reserve - runtime_overhead     (floored to whole blocks)
+    kv_cache = budget - weights / t - activation_reserve - runtime_overhead - lora_slots
+                                                                                (floored to whole blocks)
 
 KV heads are split across ranks (replicated when t > kv_heads), so one token costs
 `2 * layers * kv_heads_per_rank * head_dim * kv_dtype_bytes` on each rank and every rank holds the same tokens.
@@ -47,6 +48,9 @@ class PlanInput:
     activation_reserve_bytes: int | None = None  # None: `activation_reserve_bytes()` estimate
     runtime_overhead_bytes: int | None = None  # None: llm-d's non-torch constant for the TP size
     pipeline_parallel_size: int = 1  # issue 28: stages of layers; world = TP x PP GPUs per replica
+    # --enable-lora: adapter slots resident on each GPU (0: LoRA off) and their padded rank (issue 24)
+    max_loras: int = 0
+    max_lora_rank: int = 16
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,7 @@ class Plan:
     kv_bytes_per_block_per_gpu: int = 0  # one block id: block_size tokens of one group's layers
     max_concurrency_full_context: int = 0
     max_model_len_fit_full_context: int = 0
+    lora_slot_bytes_per_gpu: int = 0  # --max-loras adapter slots (capacity.lora_slot_bytes_per_rank)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -144,7 +149,8 @@ def plan(inp: PlanInput) -> Plan:
     overhead = inp.runtime_overhead_bytes
     if overhead is None:
         overhead = RUNTIME_OVERHEAD_TP1_BYTES if t == 1 else RUNTIME_OVERHEAD_TP_BYTES
-    free_bytes = budget - weight_bytes_per_gpu - activation - overhead
+    lora_slots = capacity.lora_slot_bytes_per_rank(m, inp.max_loras, inp.max_lora_rank, inp.dtype, max(t, 1))
+    free_bytes = budget - weight_bytes_per_gpu - activation - overhead - lora_slots
     num_blocks = layout.blocks_for_budget(max(free_bytes, 0))
     kv_tokens = layout.usable_tokens(num_blocks)
     step = inp.max_num_batched_tokens
@@ -181,6 +187,7 @@ def plan(inp: PlanInput) -> Plan:
         block_size=inp.block_size,
         tensor_parallel_size=t,
         pipeline_parallel_size=pp,
+        lora_slot_bytes_per_gpu=lora_slots,
         **sliding,
     )
 
@@ -198,12 +205,14 @@ def plan(inp: PlanInput) -> Plan:
             **common,
         )
     if free_bytes <= 0:
-        fixed = weight_bytes_per_gpu + activation + overhead
+        fixed = weight_bytes_per_gpu + activation + overhead + lora_slots
         return Plan(
             False,
             "WeightsDoNotFit",
             f"weights {_gb(weight_bytes_per_gpu)} + activations {_gb(activation)} + overhead "
-            f"{_gb(overhead)} = {_gb(fixed)} per GPU exceed the {_gb(budget)} budget "
+            f"{_gb(overhead)}"
+            + (f" + LoRA slots {_gb(lora_slots)}" if lora_slots else "")
+            + f" = {_gb(fixed)} per GPU exceed the {_gb(budget)} budget "
             f"({inp.gpu_memory_utilization:g} x {_gb(inp.gpu_memory_bytes)}) at tensorParallelSize {t}"
             + (f" x pipelineParallelSize {pp}" if pp > 1 else ""),
             **common,

@@ -652,13 +652,22 @@ def kv_tokens_per_rank(
 def lora_slot_bytes_per_rank(
     shape: ModelShape, max_loras: int, max_lora_rank: int, dtype: str, tp_size: int = 1
 ) -> int:
-    """Device bytes of --max-loras adapter slots, each padded to --max-lora-rank over all seven target
-    modules (q/k/v/o/gate/up/down) of every layer, in the weight dtype (runtime/lora/batched.LoraSlots).
-    Column-parallel targets shard B's rows, row-parallel ones A's columns; the other factor is whole."""
+    """Device bytes of --max-loras adapter slots on one rank (runtime/lora/batched.LoraSlots), what the
+    planner takes off the KV budget: each slot padded to --max-lora-rank, A [rank, in] + B [out, rank] of
+    every target module (q/k/v/o/gate/up/down; a sparse MoE layer's experts take no adapter, so only dense
+    MLP layers have gate/up/down slots). Column-parallel targets shard B's rows, row-parallel ones A's
+    columns; the other factor is whole (runtime/lora/tp_shard.py). The slots are in the activation dtype
+    (bf16 under --dtype fp8: the batched delta runs in the activation dtype), which is --dtype otherwise."""
     if max_loras <= 0:
         return 0
-    h, i = shape.hidden_size, shape.intermediate_size // tp_size
+    h = shape.hidden_size
     q = shape.num_attention_heads // tp_size * shape.head_dim
     kv = kv_heads_per_rank(shape.num_kv_heads, tp_size) * shape.head_dim
-    per_layer = (h + q) + 2 * (h + kv) + (q + h) + 2 * (h + i) + (i + h)  # in + out of each target
-    return max_loras * max_lora_rank * per_layer * shape.num_layers * dtype_bytes(weight_dtype(dtype))
+    attention = (h + q) + 2 * (h + kv) + (q + h)  # in + out of q, k, v, o
+    if shape.num_experts:
+        mlp_layers, inter = shape.num_dense_layers, shape.dense_intermediate_size // tp_size
+    else:
+        mlp_layers, inter = shape.num_layers, shape.intermediate_size // tp_size
+    mlp = 2 * (h + inter) + (inter + h)  # gate, up, down
+    per_rank = attention * shape.num_layers + mlp * mlp_layers
+    return max_loras * max_lora_rank * per_rank * dtype_bytes(activation_dtype(dtype))

@@ -33,6 +33,23 @@ def layout(config: EngineConfig) -> capacity.KVLayout:
     return config.model.kv_layout(config.cache.kv_cache_dtype, config.cache.block_size, config.tensor_parallel_size)
 
 
+def lora_slot_bytes(config: EngineConfig) -> int:
+    """Device bytes of --enable-lora's adapter slots on one rank (capacity.lora_slot_bytes_per_rank, the
+    formula the planner takes off the KV budget). The model runner allocates them with the model, before the
+    KV cache is sized, on every device: a profiled budget's peak already holds them, and an explicit
+    --kv-cache-bytes from a plan had them taken off by the planner, so neither subtracts them again."""
+    lora = config.lora
+    if lora is None:
+        return 0
+    return capacity.lora_slot_bytes_per_rank(
+        config.model.shape,
+        lora.max_loras,
+        lora.max_lora_rank,
+        config.model.weight_dtype or config.model.dtype,
+        config.tensor_parallel_size,
+    )
+
+
 def explicit_num_blocks(config: EngineConfig) -> int | None:
     """Blocks per rank from an explicit budget, or None when the device must be profiled."""
     cache = config.cache
@@ -74,10 +91,11 @@ def profiled_num_blocks(config: EngineConfig, memory: DeviceMemory) -> int:
     )
     num_blocks = max(0, available // layout(config).bytes_per_block)
     logger.info(
-        "KV sizing: total %.2f GiB x %.2f - peak %.2f GiB - other %.2f GiB -> %d blocks",
+        "KV sizing: total %.2f GiB x %.2f - peak %.2f GiB (of which LoRA slots %.2f GiB) - other %.2f GiB -> %d blocks",
         memory.total_bytes / 2**30,
         config.cache.gpu_memory_utilization,
         memory.peak_bytes / 2**30,
+        lora_slot_bytes(config) / 2**30,
         memory.non_torch_bytes / 2**30,
         num_blocks,
     )

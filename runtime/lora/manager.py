@@ -70,7 +70,9 @@ class LoraManager:
         self.slots: dict[tuple[int, str], LoraSlots] = {}
         for key, mod in modules.items():
             w = mod.weight
-            self.slots[key] = LoraSlots(max_loras, max_rank, w.shape[1], w.shape[0], w.dtype, w.device)
+            # The activation dtype when given (under --dtype fp8 the weight is fp8; the delta is not)
+            slot_dtype, slot_device = dtype or w.dtype, device or w.device
+            self.slots[key] = LoraSlots(max_loras, max_rank, w.shape[1], w.shape[0], slot_dtype, slot_device)
             if hasattr(mod, "lora_delta"):  # row-parallel: the delta joins the partial sums before the reduce
                 mod.lora_delta = self._delta(key)
             else:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 peft = pytest.importorskip("peft")
 
+from kvserve.runtime import capacity  # noqa: E402
 from kvserve.runtime.config import LoraConfig, load_model_config  # noqa: E402
 from kvserve.runtime.models.attention_backends import get_attention_backend  # noqa: E402
 from kvserve.runtime.models.loader import load_model  # noqa: E402
@@ -53,6 +54,9 @@ def test_every_rank_computes_its_share_of_the_merged_model(dirs, t):
         merged = load_model(load_model_config(merged_dir, "float32"), backend, "cpu", parallel)
         manager = build_manager(base, LoraConfig((("a", adapter_dir),), 1, 4, 1), torch.float32, torch.device("cpu"))
         manager.token_slots = torch.full((5,), manager.activate("a"), dtype=torch.long)
+        # The slot memory this rank allocated is what the planner takes off its KV budget
+        allocated = sum(x.numel() * x.element_size() for s in manager.slots.values() for x in (s.a, s.b))
+        assert allocated == capacity.lora_slot_bytes_per_rank(base.config.shape, 1, 4, "float32", t)
         with torch.no_grad():
             for i, (ours, ref) in enumerate(zip(base.layers, merged.layers)):
                 for name in ("self_attn.qkv_proj", "mlp.gate_up_proj", "self_attn.o_proj", "mlp.down_proj"):

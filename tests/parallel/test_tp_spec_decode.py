@@ -13,7 +13,7 @@ STORIES = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "m
 
 
 @pytest.mark.timeout(180)
-def test_tp2_ngram_is_token_identical_to_plain_decoding():
+def test_tp2_ngram_and_suffix_are_token_identical_to_plain_decoding():
     if not os.path.isfile(os.path.join(STORIES, "model.safetensors")):
         pytest.skip("the pretrained tiny model is not present (../shared is absent on this machine)")
     prompts = [
@@ -23,12 +23,13 @@ def test_tp2_ngram_is_token_identical_to_plain_decoding():
     params = SamplingParams(temperature=0, max_tokens=48)
     common = dict(max_model_len=256, max_num_batched_tokens=32, seed=0)
     plain = [o.outputs[0].token_ids for o in LLM(STORIES, **common).generate(prompts, params, use_tqdm=False)]
-    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-    llm = LLM(STORIES, tensor_parallel_size=2, speculative_config=spec, **common)
-    try:
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        stats = llm.engine.get_stats()
-    finally:
-        llm.engine.shutdown()
-    assert got == plain
-    assert stats.spec_num_accepted_tokens > 0
+    ngram = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    for spec in (ngram, {"method": "suffix", "num_speculative_tokens": 6}):
+        llm = LLM(STORIES, tensor_parallel_size=2, speculative_config=spec, **common)
+        try:
+            got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            stats = llm.engine.get_stats()
+        finally:
+            llm.engine.shutdown()
+        assert got == plain, spec["method"]
+        assert stats.spec_num_accepted_tokens > 0

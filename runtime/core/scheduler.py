@@ -9,6 +9,14 @@ keep their hashes, so its recompute is mostly prefix-cache hits) and it goes bac
 A request is one sequence. n > 1 samples of a prompt arrive as n requests (engine/parent_request.py), queued
 back to back: the first computes the prompt and caches its full blocks as it allocates them, and a sibling
 admitted in the same step or later takes them as prefix-cache hits (nothing here knows they are siblings).
+
+Micro-batches (pipeline parallelism, `micro_batches` > 1): the engine launches a batch and schedules the next
+one before the first's tokens are back (engine/batch_queue.py), so that every stage has work. A request in a
+batch still in flight is skipped by schedule() -- its num_computed_tokens only moves when that batch's output
+is applied -- and cannot be preempted meanwhile (the blocks the in-flight batch writes stay its own). Each
+batch takes at most ceil(active requests / micro_batches) sequences, so that the active requests are spread
+over as many batches as there are stages instead of all landing in the first one. Block-table diffs stay
+consistent: every rank applies the batches' diffs in launch order, the order they were computed in here.
 """
 
 from __future__ import annotations
@@ -58,8 +66,16 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, micro_batches: int = 1):
+        if micro_batches < 1:
+            raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
         self.config = config
+        self.micro_batches = micro_batches  # batches the engine keeps in flight (the pipeline's stage count)
+        self._in_flight: set[str] = set()  # ids of requests in batches launched but not yet applied
+        # Set for one schedule() call while batches are in flight (micro-batches): running requests hidden
+        # from it (they still count towards max_num_seqs) and the batch's sequence cap.
+        self._held: list[Request] = []
+        self._batch_seq_limit = config.max_num_seqs
         self.kv = kv_cache_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -130,7 +146,49 @@ class Scheduler:
 
     # -- one step --------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        if self.micro_batches > 1:
+            return self._schedule_micro_batch()
+        return self._schedule()
+
+    def _schedule_micro_batch(self) -> SchedulerOutput:
+        """One micro-batch: schedule() over the running requests not in flight, at most
+        ceil(active / micro_batches) sequences; its requests are then in flight until update_from_output."""
+        everyone, in_flight = self.running, self._in_flight
+        num_active = min(len(everyone) + len(self.waiting) + len(self.swapped), self.config.max_num_seqs)
+        self._batch_seq_limit = max(1, -(-num_active // self.micro_batches))
+        if in_flight:
+            self._held = [r for r in everyone if r.request_id in in_flight]
+            self.running = [r for r in everyone if r.request_id not in in_flight]
+        visible = set(map(id, self.running))
+        try:
+            out = self._schedule()
+        finally:
+            if self._held:
+                # Back in admission order: the held ones where they were, what this batch admitted at the end.
+                kept = set(map(id, self.running))
+                admitted = [r for r in self.running if id(r) not in visible]
+                self.running = [r for r in everyone if id(r) in kept or r.request_id in in_flight] + admitted
+                self._held = []
+            self._batch_seq_limit = self.config.max_num_seqs
+        in_flight.update(s.req_id for s in out.scheduled)
+        return out
+
+    def release_in_flight(self, scheduler_output: SchedulerOutput) -> None:
+        """The batch's output is in (or the batch failed): its requests may be scheduled again."""
+        self._in_flight.difference_update(s.req_id for s in scheduler_output.scheduled)
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests in batches launched but not yet applied (0 without micro-batches)."""
+        return len(self._in_flight)
+
+    def requeue_finished(self, request_ids: list[str]) -> None:
+        """An output that scheduled nothing was not launched: its finished ids go with the next batch."""
+        self._finished_since_last_step[:0] = request_ids
+
+    def _schedule(self) -> SchedulerOutput:
         cfg = self.config
+        num_held, limit = len(self._held), self._batch_seq_limit
         budget = cfg.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         scheduled_reqs: list[Request] = []
@@ -140,7 +198,7 @@ class Scheduler:
         if budget >= len(self.running):
             i = self._schedule_decodes(scheduled, scheduled_reqs)
             budget -= i
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(scheduled) < limit:
             request = self.running[i]
             num_new = self._num_tokens_to_schedule(request, budget)
             if num_new == 0:
@@ -163,7 +221,7 @@ class Scheduler:
         # Swapped-out requests come back before anything new is admitted.
         while not num_preempted and self.swapped and budget > 0:
             request = self.swapped[0]
-            if len(self.running) >= cfg.max_num_seqs:
+            if len(self.running) + num_held >= cfg.max_num_seqs or len(scheduled) >= limit:
                 break
             num_new = self._num_tokens_to_schedule(request, budget)
             if not self.kv.can_swap_in(request, num_new):
@@ -183,10 +241,10 @@ class Scheduler:
         # nothing is still swapped out.
         idx = 0
         lora_blocked = False  # an earlier adapter request waits for a slot: later ones queue behind it
-        active_loras = {r.lora_name for r in self.running if r.lora_name} if cfg.max_loras else set()
+        active_loras = {r.lora_name for r in (*self.running, *self._held) if r.lora_name} if cfg.max_loras else set()
         while not num_preempted and not self.swapped and idx < len(self.waiting) and budget > 0:
             request = self.waiting[idx]
-            if len(self.running) >= cfg.max_num_seqs:
+            if len(self.running) + num_held >= cfg.max_num_seqs or len(scheduled) >= limit:
                 break
             if cfg.max_loras and request.lora_name is not None:
                 # At most max_loras distinct adapters run at once. A request for a non-resident adapter
@@ -246,7 +304,10 @@ class Scheduler:
         kv, tables = self.kv, self._sent_tables
         req_to_blocks = kv.req_to_blocks
         group_diffs = self._group_diffs if kv.num_groups > 1 else None
-        for i, request in enumerate(self.running):
+        running = self.running
+        if self._batch_seq_limit < len(running):  # a micro-batch's cap (never without micro-batches)
+            running = running[: self._batch_seq_limit]
+        for i, request in enumerate(running):
             start = request.num_computed_tokens
             if request.num_tokens - start != 1 or request.spec_token_ids:  # drafts: the general loop
                 return i
@@ -266,7 +327,7 @@ class Scheduler:
                     group_diffs(rid) if group_diffs else (),
                 )
             )
-        return len(self.running)
+        return len(running)
 
     def _cap(self, num_tokens: int, budget: int) -> int:
         threshold = self.config.long_prefill_token_threshold
@@ -334,6 +395,8 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
+        if self._in_flight:
+            self.release_in_flight(scheduler_output)
         # Hoisted lookups: this loop runs once per scheduled request per step (a hot path at 256+ decodes).
         requests, running = self.requests, RequestStatus.RUNNING
         sampled, all_logprobs = runner_output.sampled_token_ids, runner_output.logprobs

@@ -48,8 +48,10 @@ class _CoreRequest:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, tokenizer_vocab_size: int | None = None):
+        from kvserve.runtime.engine.batch_queue import BatchQueue, batches_in_flight
         from kvserve.runtime.executor.model_runner import ModelRunner
 
+        num_batches = batches_in_flight(config.pipeline_parallel_size)  # checked before any worker starts
         if config.world_size > 1:  # one worker process per rank (TP x PP); this process only schedules
             from kvserve.runtime.executor.multiproc import MultiprocExecutor
 
@@ -64,7 +66,9 @@ class EngineCore:
             num_host_blocks=self.runner.num_host_blocks,
             group_windows=kv_sizing.layout(config).group_windows,
         )
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, micro_batches=num_batches)
+        # Pipeline parallelism: step() keeps num_batches micro-batches in flight (engine/batch_queue.py).
+        self.batch_queue = BatchQueue(self, num_batches) if num_batches > 1 else None
         self.lora_registry = None  # --enable-lora: the served adapters, loadable at run time (lora/registry.py)
         self._model_lock = contextlib.nullcontext()  # held while a step runs the model
         if getattr(self.runner, "lora", None) is not None:
@@ -172,7 +176,8 @@ class EngineCore:
                 self.lora_registry.reap()
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests)
+        # A batch still in flight (its requests since aborted, say) is collected by the next steps.
+        return bool(self._requests) or (self.batch_queue is not None and bool(self.batch_queue.batches))
 
     def is_unfinished(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -196,6 +201,8 @@ class EngineCore:
 
     # -- one step ---------------------------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
+        if self.batch_queue is not None:  # pipeline parallelism: micro-batches in flight
+            return self.batch_queue.step()
         if self.dead_error is not None:
             raise self.dead_error
         scheduled_ids: list[str] | None = None  # None until the scheduler has picked this step's requests

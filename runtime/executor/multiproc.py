@@ -20,6 +20,11 @@ cache. `kv_cache_bytes` / `gpu_memory_utilization` are budgets **per rank** (per
 them: a KV block on one rank holds only that rank's KV heads, so the same byte budget holds ~t times more
 blocks than with t=1 (fewer when KV heads are replicated, see sharding.py). All ranks use the minimum block
 count any rank found.
+
+Pipeline parallelism keeps several batches in flight (engine/batch_queue.py): `submit` sends a batch to every
+rank and returns at once, `collect` waits for that batch's replies. Each rank answers its calls in order, so
+the replies on every pipe arrive oldest batch first; stage 0 reads batch n+1 from its pipe as soon as it has
+handed batch n's hidden states on, and works on it while stage 1 still runs batch n.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import shutil
 import tempfile
 import time
 import weakref
+from collections import deque
 from multiprocessing.connection import wait
 
 from kvserve.runtime.capacity import tp_shape_error
@@ -51,7 +57,7 @@ DEFAULT_STEP_TIMEOUT_S = float(os.environ.get("KVSERVE_TP_STEP_TIMEOUT_S", 600))
 
 class MultiprocExecutor:
     """Drop-in for ModelRunner on the engine side: execute(), num_blocks, kv_cache_bytes, num_host_blocks;
-    plus check_health() and shutdown()."""
+    plus check_health() and shutdown(), and submit() / collect() for batches in flight."""
 
     def __init__(
         self,
@@ -88,6 +94,9 @@ class MultiprocExecutor:
         self._kind = "pipeline-parallel" if config.pipeline_parallel_size > 1 else "tensor-parallel"
         self.step_timeout_s = step_timeout_s
         self.dead: WorkerDiedError | None = None
+        self._num_submitted = 0  # batches sent (their handles are 1, 2, ...)
+        self._in_flight: deque[int] = deque()  # handles of batches whose replies are not read yet, oldest first
+        self._collected: dict[int, ModelRunnerOutput] = {}  # replies read ahead of their collect()
         backend = "nccl" if cuda else "gloo"
         self._tmpdir = tempfile.mkdtemp(prefix="kvserve-tp-")
         init_method = "file://" + os.path.join(self._tmpdir, "rendezvous")
@@ -180,7 +189,37 @@ class MultiprocExecutor:
 
     # -- engine-side API ----------------------------------------------------------------------------------
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        return self._call("execute", sched)[self.output_rank]
+        return self.collect(self.submit(sched))
+
+    def submit(self, sched: SchedulerOutput) -> int:
+        """Send a batch to every rank without waiting for it; returns the handle collect() takes."""
+        self._send("execute", (sched,))
+        self._num_submitted += 1
+        self._in_flight.append(self._num_submitted)
+        return self._num_submitted
+
+    def collect(self, handle: int) -> ModelRunnerOutput:
+        """The sampling rank's output of a submitted batch (older batches' replies are read first and kept)."""
+        while handle not in self._collected:
+            if not self._in_flight:
+                raise ValueError(f"batch {handle} was never submitted or was collected already")
+            oldest = self._in_flight.popleft()
+            self._collected[oldest] = self._gather(self.step_timeout_s)[self.output_rank]
+        return self._collected.pop(handle)
+
+    def is_done(self, handle: int) -> bool:
+        """Whether collect(handle) would not wait: every rank's reply to it is readable (no I/O beyond a poll)."""
+        if handle in self._collected:
+            return True
+        return bool(self._in_flight) and self._in_flight[0] == handle and all(c.poll() for c in self.conns)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def execute_intervals(self) -> list[list[tuple[float, float]]]:
+        """Per rank, (start, end) time.monotonic() of its latest executes (up to 1024), oldest first."""
+        return self._call("execute_intervals")
 
     def collect_rank_info(self) -> list[dict]:
         """Measured per-rank parameter / KV bytes (a round trip to every worker)."""
@@ -191,6 +230,8 @@ class MultiprocExecutor:
         if self.dead is not None:
             raise self.dead
         for rank, proc in enumerate(self.procs):
+            if self._in_flight and hasattr(proc, "describe"):
+                continue  # a remote rank's is_alive() reads its pipe, where a batch's reply is due: collect() sees EOF
             if not proc.is_alive():
                 raise self._fail(rank, f"{self._kind} worker rank {rank} (pid {proc.pid}) died ({self._exit(rank)})")
 
@@ -206,6 +247,15 @@ class MultiprocExecutor:
 
     # -- plumbing ---------------------------------------------------------------------------------------
     def _call(self, method: str, *args) -> list:
+        """Every rank's reply to one call. Batches still in flight are read first (their replies come before
+        this call's on every pipe) and kept for their collect()."""
+        while self._in_flight:
+            oldest = self._in_flight.popleft()
+            self._collected[oldest] = self._gather(self.step_timeout_s)[self.output_rank]
+        self._send(method, args)
+        return self._gather(self.step_timeout_s)
+
+    def _send(self, method: str, args: tuple) -> None:
         if self.dead is not None:
             raise self.dead
         data = pickle.dumps((method, args), pickle.HIGHEST_PROTOCOL)  # pickled once for all ranks
@@ -219,7 +269,6 @@ class MultiprocExecutor:
                     f"{self._kind} worker rank {rank} (pid {self.procs[rank].pid}) is not "
                     f"reachable ({self._exit(rank)})",
                 ) from exc
-        return self._gather(self.step_timeout_s)
 
     def _gather(self, timeout_s: float, starting: bool = False) -> list:
         """One reply from every rank; any death, error or timeout is fatal (raised as WorkerDiedError)."""

@@ -6,6 +6,11 @@ Protocol (pickled tuples over a multiprocessing Pipe): engine -> worker `(method
 None), or `("error", summary, traceback, param, message)` once, after which the worker exits with code 1. A worker
 exits by itself when the engine process goes away (EOF on the pipe, or its parent pid changes while it is
 blocked in a collective), so a killed engine leaves no orphans.
+
+A thread reads the pipe into an inbox while the rank computes (`_Inbox`): with pipeline parallelism the engine
+sends batch n+1 while this rank still runs batch n (engine/batch_queue.py), and a batch larger than the pipe's
+buffer must not block the engine's send until the rank's reply -- which the engine, still sending, would not
+read -- gets through.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import signal
 import threading
 import time
 import traceback
+from collections import deque
 from dataclasses import replace
 from datetime import timedelta
 
@@ -31,6 +37,29 @@ def _watch_parent(parent_pid: int, interval_s: float = 1.0) -> None:
                 os._exit(3)
 
     threading.Thread(target=watch, name="kvserve-parent-watch", daemon=True).start()
+
+
+class _Inbox:
+    """The engine's messages, read off the pipe by a thread as they arrive (raw bytes, in order)."""
+
+    def __init__(self, conn):
+        import queue
+
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._read, args=(conn,), name="kvserve-worker-inbox", daemon=True).start()
+
+    def _read(self, conn) -> None:
+        try:
+            while True:
+                self._queue.put(conn.recv_bytes())
+        except (EOFError, OSError) as exc:  # the engine went away (or closed the pipe on shutdown)
+            self._queue.put(exc)
+
+    def recv_bytes(self) -> bytes:
+        item = self._queue.get()
+        if isinstance(item, BaseException):
+            raise EOFError from item
+        return item
 
 
 def rank_info(runner, rank: int | None = None) -> dict:
@@ -120,13 +149,21 @@ def worker_main(
         samples = rank == pipeline.output_rank(config)
         runner = ModelRunner(config, parallel=parallel)
         conn.send_bytes(pickle.dumps(("ok", rank_info(runner, rank)), pickle.HIGHEST_PROTOCOL))
+        inbox = _Inbox(conn)
+        # (start, end) time.monotonic() of the latest executes: one clock for the host's ranks, so a test or an
+        # operator can see whether pipeline stages overlap (MultiprocExecutor.execute_intervals).
+        intervals: deque[tuple[float, float]] = deque(maxlen=1024)
         while True:
-            method, args = pickle.loads(conn.recv_bytes())
+            method, args = pickle.loads(inbox.recv_bytes())
             if method == "shutdown":
                 break
             if method == "execute":
+                started = time.monotonic()
                 out = runner.execute(*args)
+                intervals.append((started, time.monotonic()))
                 reply = out if samples else None
+            elif method == "execute_intervals":
+                reply = list(intervals)
             elif method == "info":
                 reply = rank_info(runner, rank)
             elif method == "lora":  # the engine core's LoRA registry (lora/executor_calls.py)

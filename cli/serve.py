@@ -132,7 +132,12 @@ def run_headless(args: argparse.Namespace, model_dir: str | None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     import logging
+    import time
 
+    from kvserve.runtime.startup_phases import timed
+
+    started_monotonic = time.monotonic()  # the "total" start-up phase runs from here to ready
+    phases: dict[str, float] = {}  # start-up phases timed here (runtime/startup_phases.py)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("kvserve.serve")
     if args.model_dir is not None and not os.path.isfile(os.path.join(args.model_dir, "config.json")):
@@ -147,7 +152,8 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.runtime.server.state import ServerConfig
 
     if args.model_dir is None:
-        model_dir = str(ensure_demo_model())
+        with timed(phases, "model_resolve"):
+            model_dir = str(ensure_demo_model())
         served = args.served_model_name or [DEMO_MODEL_ID]
         log.warning(
             "no MODEL_DIR given: serving the built-in demo model %r from %s. Its weights are RANDOM: "
@@ -156,7 +162,8 @@ def run(args: argparse.Namespace) -> int:
             model_dir,
         )
     else:
-        model_dir = args.model_dir
+        model_dir = args.model_dir  # checked above; downloads (hf://, s3://) are `kvserve download`'s job
+        phases["model_resolve"] = time.monotonic() - started_monotonic
         served = args.served_model_name or [model_dir]
     random_weights = is_demo_model_dir(model_dir)
     if args.otlp_traces_endpoint:
@@ -188,13 +195,15 @@ def run(args: argparse.Namespace) -> int:
     def load_engine():
         from kvserve.runtime.config import build_engine_config
 
+        with timed(phases, "engine_config"):
+            engine_config = build_engine_config(engine_args)
         if args.inprocess_engine:
             from kvserve.runtime.engine.llm_engine import LLMEngine
 
-            return LLMEngine(build_engine_config(engine_args))
+            return LLMEngine(engine_config)
         from kvserve.runtime.engine.core_client import CoreClient  # scheduler + model in their own process
 
-        return CoreClient(build_engine_config(engine_args))
+        return CoreClient(engine_config)
 
     config = ServerConfig(
         served_model_names=served,
@@ -208,6 +217,8 @@ def run(args: argparse.Namespace) -> int:
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         max_request_body_bytes=args.max_request_body_bytes,
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+        startup_phases_s=phases,  # the same dict: load_engine adds engine_config before the server reads it
+        started_monotonic=started_monotonic,
     )
     log.info(
         "serving %s as %s on http://%s:%d (loading the model; /health is 503 until ready)",

@@ -36,6 +36,7 @@ from kvserve.operator import (
 )
 from kvserve.operator import spec as spec_mod
 from kvserve.operator import status as status_mod
+from kvserve.operator.pod_startup import last_replica_startup
 
 log = logging.getLogger("kvserve.operator")
 G, V, P = spec_mod.GROUP, spec_mod.VERSION, spec_mod.PLURAL
@@ -137,6 +138,10 @@ def reconcile(namespace: str, name: str) -> dict[str, str]:
             conflicts=conflicts,
             model_ready=_model_ready(spec, pods, failure),
         )
+        # Time to ready of the newest ready pod (kept while none is ready, e.g. scaled to zero): pod_startup.py
+        startup = last_replica_startup(pods) or previous.get("lastReplicaStartup")
+        if startup:
+            new_status["lastReplicaStartup"] = startup
         metrics.record(namespace, name, spec=spec, plan=plan, status=new_status)
         if kube.patch_status(namespace, name, previous, new_status):
             actions["status"] = "patched"

@@ -293,6 +293,14 @@ class ServerMetrics:
         )
         self.engine_alive = gauge("kvserve:engine_alive", "1 while the engine can serve, 0 once it is dead.")
         self.engine_alive.set(1)
+        # Seconds each start-up phase took (runtime/startup_phases.py), set once when the server is ready.
+        self._startup_phase = Gauge(
+            "kvserve:startup_phase_seconds",
+            "Seconds each start-up phase took (phase=total: from the command's start to ready).",
+            [*labels, "phase"],
+            registry=registry,
+            multiprocess_mode=DEFAULT_GAUGE_MULTIPROCESS_MODE,
+        )
         self._last_counters: dict[str, float] = {}
 
     # ---- engine-side updates -------------------------------------------------------------------------
@@ -342,6 +350,10 @@ class ServerMetrics:
             self._last_counters[key] = value
             if delta > 0:
                 self._spec_per_pos.labels(position=str(position), **self._label_values).inc(delta)
+
+    def set_startup_phases(self, phases: dict[str, float]) -> None:
+        for phase, seconds in phases.items():
+            self._startup_phase.labels(phase=phase, **self._label_values).set(seconds)
 
     def observe_lora_request(self, lora_name: str) -> None:
         if self.lora_requests is not None:

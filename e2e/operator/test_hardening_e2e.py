@@ -159,14 +159,20 @@ def test_pod_failures_become_degraded_within_a_resync_with_one_event_each(emulat
             pod["metadata"]["name"],
             {
                 "status": {
+                    "startTime": "2026-01-01T10:00:05Z",
+                    "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": "2026-01-01T10:03:05Z"}],
                     "containerStatuses": [
                         {"name": "kvserve", "ready": True, "restartCount": 4, "state": {"running": {}}}
-                    ]
+                    ],
                 }
             },
         )
         emulator.wait_for(lambda: _condition(emulator, "Degraded").get("status") == "False", what="recovered")
         assert _cr(emulator)["status"]["url"]
+        # The kubelet's Ready transition time: the last replica's time to ready (operator/pod_startup.py).
+        emulator.wait_for(lambda: "lastReplicaStartup" in _cr(emulator)["status"], what="lastReplicaStartup")
+        startup = _cr(emulator)["status"]["lastReplicaStartup"]
+        assert startup["pod"] == pod["metadata"]["name"] and startup["startupSeconds"] == 180, startup
     assert runner.exception is None and "Traceback" not in runner.output, runner.output[-3000:]
 
 

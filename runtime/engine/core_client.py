@@ -78,6 +78,7 @@ class CoreClient:
                 logging.getLogger("kvserve").getEffectiveLevel(),
                 len(self.tokenizer),
             ),
+            kwargs={"spawned_monotonic": time.monotonic()},
         )
         self.proc.start()
         self._finalizer = weakref.finalize(
@@ -123,6 +124,7 @@ class CoreClient:
         self.limits = pickle.loads(ready.limits)
         self.tracker = RequestTracker(self.tokenizer)
         self.stats: EngineStats = ready.stats
+        self.startup_phases: dict[str, float] = dict(ready.startup_phases)  # the core process's, in seconds
         self.num_step_failures = 0
         self.dead_error: BaseException | None = None
         self._grammar_compiler = None

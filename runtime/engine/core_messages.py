@@ -116,6 +116,9 @@ class CoreReady(msgspec.Struct, array_like=True, gc=False):
     limits: bytes  # pickled RequestLimits: what a request is validated against
     pid: int
     stats: EngineStats  # the gauges before the first step
+    # Seconds per start-up phase in the core process (runtime/startup_phases.py): process start, the model
+    # runner's phases (tensor/pipeline parallel: rank 0's).
+    startup_phases: dict[str, float] = {}
 
 
 class CoreFailure(msgspec.Struct, array_like=True, gc=False):

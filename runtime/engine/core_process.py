@@ -66,10 +66,14 @@ def run_engine_core(
     log_level: int,
     tokenizer_vocab_size: int,
     status_address: str | None = None,
+    spawned_monotonic: float | None = None,
 ) -> None:
     """Process entry point (spawned by core_client.CoreClient or the multi-API-server launcher).
     status_address: the launcher's socket, which gets READY / STARTUP_FAILED / DEAD too (never per-step
-    outputs): an API server still starting may miss them, and the launcher writes the termination message."""
+    outputs): an API server still starting may miss them, and the launcher writes the termination message.
+    spawned_monotonic: time.monotonic() in the parent just before it started this process (one clock for
+    every process of a host), for the engine_process_start phase."""
+    entered_monotonic = time.monotonic()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, signal.SIGTERM))  # a group launcher blocks them
@@ -123,7 +127,8 @@ def run_engine_core(
             return
         m, c = core.config.model, core.config.cache
         logger.info(
-            "engine core ready (pid %d): %s, max_model_len=%d, %d KV blocks x %d tokens (%.1f MiB), device=%s",
+            "engine core ready (pid %d): %s, max_model_len=%d, %d KV blocks (+1 reserved null block) x %d tokens "
+            "(%.1f MiB), device=%s",
             os.getpid(),
             m.architecture,
             m.max_model_len,
@@ -132,12 +137,11 @@ def run_engine_core(
             core.runner.kv_cache_bytes / 2**20,
             core.config.device,
         )
-        send_all(
-            codec.encode(
-                MessageType.READY,
-                CoreReady(pickle.dumps(core.config), pickle.dumps(core.limits), os.getpid(), core.get_stats()),
-            )
-        )
+        phases = dict(getattr(core.runner, "startup_phases", {}))
+        if spawned_monotonic is not None:
+            phases["engine_process_start"] = max(0.0, entered_monotonic - spawned_monotonic)
+        ready = CoreReady(pickle.dumps(core.config), pickle.dumps(core.limits), os.getpid(), core.get_stats(), phases)
+        send_all(codec.encode(MessageType.READY, ready))
         exit_code = _busy_loop(core, inp, outs, codec)
     except BaseException as exc:  # a dead worker, too many failed steps, or a bug here: tell every client
         logger.exception("engine core died")

@@ -39,8 +39,8 @@ class LLMEngine:
         self._grammar_compiler = None
         m, c = self.config.model, self.config.cache
         logger.info(
-            "engine ready: %s, max_model_len=%d, %d KV blocks x %d tokens (%.1f MiB), prefix caching %s, "
-            "chunked prefill %s, attention=%s, device=%s",
+            "engine ready: %s, max_model_len=%d, %d KV blocks (+1 reserved null block) x %d tokens (%.1f MiB), "
+            "prefix caching %s, chunked prefill %s, attention=%s, device=%s",
             m.architecture,
             m.max_model_len,
             c.num_blocks - 1,

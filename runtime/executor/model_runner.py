@@ -28,6 +28,7 @@ from kvserve.runtime.models.cpu_linear import pack_linears
 from kvserve.runtime.models.loader import load_model
 from kvserve.runtime.models.parallel_layers import SINGLE, ColumnParallelLinear, ParallelContext, RowParallelLinear
 from kvserve.runtime.sampling import RequestSamplingState, is_plain_greedy, sample
+from kvserve.runtime.startup_phases import timed
 
 logger = logging.getLogger("kvserve.runner")
 
@@ -44,28 +45,37 @@ class ModelRunner:
 
             tune_for_cpu_steps()
         self.block_size = config.cache.block_size
+        # Seconds per start-up phase (runtime/startup_phases.py), exported by the API server once ready.
+        self.startup_phases: dict[str, float] = {}
+        phases = self.startup_phases
         torch.manual_seed(config.seed)
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
-        self.attention = get_attention_backend(config.attention_backend)
-        self.model = load_model(
-            config.model, self.attention, config.device, self.parallel, load_format=config.load_format
-        )
-        self.lora = None  # --enable-lora: a LoraManager whose hooks add each token's adapter delta
-        self.lora_names: dict[str, str] = {}  # req id -> adapter, for requests that use one
-        if config.lora is not None:  # before packing: the hooks read the unpacked module shapes
-            from kvserve.runtime.lora import engine_hooks
+        with timed(phases, "kernel_load"):
+            self.attention = get_attention_backend(config.attention_backend)
+        with timed(phases, "weight_load"):
+            self.model = load_model(
+                config.model, self.attention, config.device, self.parallel, load_format=config.load_format
+            )
+            self.lora = None  # --enable-lora: a LoraManager whose hooks add each token's adapter delta
+            self.lora_names: dict[str, str] = {}  # req id -> adapter, for requests that use one
+            if config.lora is not None:  # before packing: the hooks read the unpacked module shapes
+                from kvserve.runtime.lora import engine_hooks
 
-            dtype = getattr(torch, config.model.dtype)
-            self.lora = engine_hooks.build_manager(self.model, config.lora, dtype, self.device)
-        if self.device.type == "cpu":  # oneDNN with prepacked weights (models/cpu_linear.py)
-            pack_linears(self.model, (ColumnParallelLinear, RowParallelLinear))
+                dtype = getattr(torch, config.model.dtype)
+                self.lora = engine_hooks.build_manager(self.model, config.lora, dtype, self.device)
+            if self.device.type == "cpu":  # oneDNN with prepacked weights (models/cpu_linear.py)
+                pack_linears(self.model, (ColumnParallelLinear, RowParallelLinear))
+            self._sync_for_timing()
         self.num_kv_heads = self.model.shard.num_kv_heads  # on this rank
-        self.num_blocks = self.parallel.all_reduce_min(self.determine_num_blocks())  # ranks agree
+        with timed(phases, "memory_profile"):
+            self.num_blocks = self.parallel.all_reduce_min(self.determine_num_blocks())  # ranks agree
         self._check_one_sequence_fits(self.num_blocks)
-        self.kv_caches = self._allocate_kv_cache(self.num_blocks)
-        self.num_host_blocks = config.cache.swap_space_bytes // self.kv_bytes_per_block()
-        self.host_kv = self._allocate_host_kv_cache(self.num_host_blocks) if self.num_host_blocks else None
+        with timed(phases, "kv_cache_allocate"):
+            self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+            self.num_host_blocks = config.cache.swap_space_bytes // self.kv_bytes_per_block()
+            self.host_kv = self._allocate_host_kv_cache(self.num_host_blocks) if self.num_host_blocks else None
+            self._sync_for_timing()
         self.states: dict[str, RequestSamplingState] = {}
         self.plain_greedy: set[str] = set()  # requests whose sampling is a bare argmax (sampling.is_plain_greedy)
         self.block_tables = BlockTables(
@@ -74,15 +84,21 @@ class ModelRunner:
         self.group_block_tables: list[BlockTables] = []  # KV cache groups 1.. (kv_groups.py), made on first use
         self.decode_graphs: DecodeGraphs | None = None
         if config.cuda_graph_sizes:  # after the KV cache: the graphs capture its tensors
-            self.decode_graphs = DecodeGraphs(
-                self.model,
-                self.kv_caches,
-                self.device,
-                config.cuda_graph_sizes,
-                config.model.max_model_len,
-                self.block_tables.table.shape[1],
-            )
-            self.decode_graphs.capture()
+            with timed(phases, "cuda_graph_capture"):
+                self.decode_graphs = DecodeGraphs(
+                    self.model,
+                    self.kv_caches,
+                    self.device,
+                    config.cuda_graph_sizes,
+                    config.model.max_model_len,
+                    self.block_tables.table.shape[1],
+                )
+                self.decode_graphs.capture()
+
+    def _sync_for_timing(self) -> None:
+        """CUDA copies and fills are asynchronous: wait for them, so a phase's time is its own."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # -- KV cache sizing --------------------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
@@ -191,6 +207,7 @@ class ModelRunner:
         input_ids: list[int] = []
         rows, query_lens, starts, logits_rows, req_ids = [], [], [], [], []
         drafted: list[tuple[str, list[int], int]] = []  # speculative decoding: (req id, drafts, first logits row)
+        draft_probs: dict = {}  # draft_model: req id -> q rows of its sampled drafts (spec_decode/draft_model.py)
         apply = self.block_tables.apply
         for s in sched.scheduled:
             rows.append(apply(s.req_id, s.block_table))
@@ -201,6 +218,8 @@ class ModelRunner:
                 if s.num_spec_tokens:  # a logits row per draft and one after the last
                     k = s.num_spec_tokens
                     drafted.append((s.req_id, s.token_ids[-k:], len(logits_rows)))
+                    if s.spec_draft_probs is not None:
+                        draft_probs[s.req_id] = s.spec_draft_probs
                     logits_rows.extend(range(len(input_ids) - k - 1, len(input_ids)))
                 else:
                     logits_rows.append(len(input_ids) - 1)
@@ -254,9 +273,10 @@ class ModelRunner:
             from kvserve.runtime.spec_decode.verify import verify
 
             spec_logprobs: dict = {}
-            spec_tokens, spec_failed = verify(logits, drafted, states, spec_logprobs)
+            spec_tokens, spec_failed = verify(logits, drafted, states, spec_logprobs, draft_probs=draft_probs)
             out = self._sample(logits[self._undrafted_rows(drafted, len(logits_rows))], req_ids)
             out.spec_token_ids, out.failed = spec_tokens, {**out.failed, **spec_failed}
+            out.spec_logprobs = spec_logprobs
             return out
         return self._sample(logits, req_ids)
 
@@ -273,7 +293,6 @@ class ModelRunner:
         states = self.states
         if self.plain_greedy.issuperset(req_ids):  # what sample() would do for these, minus its passes
             tokens = logits.argmax(dim=-1).tolist()
-            out.spec_logprobs = spec_logprobs
             for rid, token in zip(req_ids, tokens):
                 states[rid].output_token_ids.append(token)
             return ModelRunnerOutput(dict(zip(req_ids, tokens)))

@@ -167,6 +167,7 @@ class MultiprocExecutor:
         self.kv_cache_bytes: int = max(i["kv_cache_bytes"] for i in self.rank_info)
         # Swap space is a per-rank byte budget too: a stage with more layers buys fewer host blocks.
         self.num_host_blocks: int = min(i.get("num_host_blocks", 0) for i in self.rank_info)
+        self.startup_phases: dict[str, float] = dict(info.get("startup_phases", {}))  # rank 0's, in seconds
         # --enable-lora: every rank's adapters, managed by the engine core's registry (lora/executor_calls.py)
         self.lora = None
         if config.lora is not None:

@@ -85,6 +85,7 @@ def rank_info(runner, rank: int | None = None) -> dict:
         num_heads=model.shard.num_heads,
         num_host_blocks=getattr(runner, "num_host_blocks", 0),
         max_rss_bytes=_max_rss_bytes(),
+        startup_phases=dict(getattr(runner, "startup_phases", {})),  # seconds (runtime/startup_phases.py)
         cuda_allocated_bytes=_cuda_allocated_bytes(runner),
     )
 
@@ -136,18 +137,23 @@ def worker_main(
         else:
             # The ranks share the host's cores: one rank per core slice instead of t ranks fighting over all.
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // (size // config.parallel.nnodes)))
-        dist.init_process_group(
-            backend,
-            init_method=init_method,
-            rank=rank,
-            world_size=size,
-            timeout=timedelta(seconds=collective_timeout_s),
-        )
+        from kvserve.runtime.startup_phases import timed
+
+        init_phases: dict[str, float] = {}
+        with timed(init_phases, "distributed_init"):  # the rendezvous waits for every rank to start
+            dist.init_process_group(
+                backend,
+                init_method=init_method,
+                rank=rank,
+                world_size=size,
+                timeout=timedelta(seconds=collective_timeout_s),
+            )
         parallel = pipeline.parallel_context(config, rank)  # TP rank (within its stage) and pipeline stage
         if parallel.stage is not None:  # this stage's layers only: KV sizing and allocation count just them
             config = pipeline.stage_engine_config(config, parallel.stage.layers)
         samples = rank == pipeline.output_rank(config)
         runner = ModelRunner(config, parallel=parallel)
+        runner.startup_phases.update(init_phases)
         conn.send_bytes(pickle.dumps(("ok", rank_info(runner, rank)), pickle.HIGHEST_PROTOCOL))
         inbox = _Inbox(conn)
         # (start, end) time.monotonic() of the latest executes: one clock for the host's ranks, so a test or an

@@ -124,6 +124,7 @@ def run_api_server_group(
             vocab_size,
             f"ipc://{group_dir}/status",
         ),
+        kwargs={"spawned_monotonic": time.monotonic()},  # the engine_process_start phase (startup_phases.py)
     )
     start_with_signals_blocked(core, (signal.SIGTERM, signal.SIGINT))  # the core ignores both once it runs
     logger.info("engine core process %d started; starting %d API servers on http://%s:%d", core.pid, count, host, port)

@@ -16,6 +16,7 @@ from typing import Any, Callable
 from kvserve.runtime.engine.async_engine import AsyncEngine
 from kvserve.runtime.executor import kv_sizing
 from kvserve.runtime.metrics import ServerMetrics
+from kvserve.runtime.startup_phases import describe as describe_phases
 from kvserve.runtime.tokenizer import chat_template
 from kvserve.runtime.tracing import build_otlp_tracer
 
@@ -51,6 +52,10 @@ class ServerConfig:
     # /v1/load_lora_adapter and /v1/unload_lora_adapter (--allow-runtime-lora-updating, or vLLM's
     # VLLM_ALLOW_RUNTIME_LORA_UPDATING=True): off by default, as in vLLM.
     allow_runtime_lora_updating: bool = False
+    # Start-up phases timed before the engine started (`kvserve serve`: model_resolve, engine_config), in
+    # seconds, and when the command started (time.monotonic()): the "total" phase runs from there to ready.
+    startup_phases_s: dict[str, float] = field(default_factory=dict)
+    started_monotonic: float | None = None
 
 
 @dataclass
@@ -72,6 +77,8 @@ class ServerState:
     lora_modules: dict = field(default_factory=dict)  # --enable-lora: the start-up adapters (name -> directory)
     lora_enabled: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    created_monotonic: float = field(default_factory=time.monotonic)
+    startup_phases: dict[str, float] = field(default_factory=dict)  # seconds per phase, set once ready
     on_fatal: Callable[[BaseException], None] | None = None  # loading failed: exit non-zero
     on_engine_dead: Callable[[BaseException], None] | None = None  # every request answered; exit non-zero
     # One worker: HF tokenizers mutate internal state on encode, so never use one from two threads at once.
@@ -160,13 +167,29 @@ class ServerState:
         _freeze_startup_heap()
         if self.config.group_dir is not None:
             open(_ready_marker(self.config.group_dir, self.config.api_server_index), "w").close()
+        num_blocks = cache_info.get("num_blocks")
         logger.info(
-            "ready: model=%s max_model_len=%d kv_blocks=%s%s",
+            "ready: model=%s max_model_len=%d kv_blocks=%s%s%s",
             self.config.served_model_names[0],
             self.max_model_len,
-            cache_info.get("num_blocks"),
+            num_blocks,
+            "" if num_blocks is None else f" ({num_blocks - 1} usable + 1 reserved null block)",
             " (RANDOM WEIGHTS: output is gibberish)" if self.config.random_weights else "",
         )
+        self._export_startup_phases(llm_engine)
+
+    def _export_startup_phases(self, llm_engine: Any) -> None:
+        """kvserve:startup_phase_seconds and one log line: the phases timed before the engine (ServerConfig),
+        the engine's own (the core process's through CoreReady, or the in-process runner's), and the total."""
+        engine_phases = getattr(llm_engine, "startup_phases", None)  # CoreClient: what the core process sent
+        if engine_phases is None:  # in-process LLMEngine: its model runner (or rank 0 of its executor)
+            engine_phases = getattr(getattr(llm_engine, "runner", None), "startup_phases", None)
+        phases = {**self.config.startup_phases_s, **(engine_phases or {})}
+        started = self.config.started_monotonic
+        phases["total"] = time.monotonic() - (self.created_monotonic if started is None else started)
+        self.startup_phases = phases
+        self.metrics.set_startup_phases(phases)
+        logger.info("start-up phases: %s", describe_phases(phases))
 
     def _engine_died(self, exc: BaseException) -> None:
         if self.on_engine_dead is not None:

@@ -74,6 +74,7 @@ def test_tp2_matches_tp1_token_for_token_with_half_the_weights_per_rank(tp_model
         tokens, logprobs = _run(llm2, prompts, params)
         info = llm2.engine.runner.collect_rank_info()
         stats = llm2.engine.get_stats()
+        startup_phases = llm2.engine.runner.startup_phases  # rank 0's (runtime/startup_phases.py)
 
     assert tokens == ref_tokens
     # logprobs come from rank 0's gathered logits: same top tokens, values equal up to fp32 reduction order
@@ -84,6 +85,11 @@ def test_tp2_matches_tp1_token_for_token_with_half_the_weights_per_rank(tp_model
     assert stats.prefix_cache_hits > 0
 
     assert [i["rank"] for i in info] == [0, 1] and info[0]["pid"] != info[1]["pid"]
+    assert (
+        {"distributed_init", "weight_load", "kv_cache_allocate"}
+        <= set(startup_phases)
+        == set(info[0]["startup_phases"])
+    )
     kv_local = 1
     if kv_split == "replicated":
         assert [i["kv_head_ids"] for i in info] == [[0], [0]]

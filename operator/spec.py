@@ -10,6 +10,8 @@ CRD's enums are tested against); shape/range validation is the CRD schema's job.
 from __future__ import annotations
 
 import copy
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +25,26 @@ API_VERSION = f"{GROUP}/{VERSION}"
 KIND = "InferenceService"
 PLURAL = "inferenceservices"
 
-DEFAULT_IMAGE = "ghcr.io/kvserve/kvserve-runtime:0.1.0"
+DEFAULT_IMAGE = "ghcr.io/kvserve/kvserve-runtime:0.1.0"  # the chart's appVersion (tests/operator/test_chart_values.py)
+# The runtime image, pull policy and pull secrets of pods whose InferenceService names none are the operator's
+# defaults, not the CRD's: the chart sets them per installation (values runtime.image.*, runtime.imagePullSecrets;
+# the tag defaults to its appVersion), so the API server must not stamp one fixed image into every object.
+RUNTIME_IMAGE_ENV = "KVSERVE_RUNTIME_IMAGE"
+RUNTIME_PULL_POLICY_ENV = "KVSERVE_RUNTIME_IMAGE_PULL_POLICY"
+RUNTIME_PULL_SECRETS_ENV = "KVSERVE_RUNTIME_IMAGE_PULL_SECRETS"  # comma-separated Secret names
+OPERATOR_DEFAULTED = ("image", "imagePullPolicy", "imagePullSecrets")
+
+
+def runtime_image_defaults(environ: Mapping[str, str]) -> dict[str, Any]:
+    """spec.image / imagePullPolicy / imagePullSecrets defaults from the operator's environment."""
+    out: dict[str, Any] = {
+        "image": environ.get(RUNTIME_IMAGE_ENV) or DEFAULT_IMAGE,
+        "imagePullPolicy": environ.get(RUNTIME_PULL_POLICY_ENV) or "IfNotPresent",
+    }
+    names = [n.strip() for n in (environ.get(RUNTIME_PULL_SECRETS_ENV) or "").split(",") if n.strip()]
+    if names:
+        out["imagePullSecrets"] = [{"name": n} for n in names]
+    return out
 
 
 def _engine_defaults() -> dict[str, dict[str, Any]]:
@@ -42,8 +63,7 @@ DEFAULTS: dict[str, Any] = {
     "engine": {**_ENGINE["engine"]},
     "replicas": 1,
     "autoscaling": {"enabled": False, "minReplicas": 1, "maxReplicas": 4, "targetQueueDepth": 5},
-    "image": DEFAULT_IMAGE,
-    "imagePullPolicy": "IfNotPresent",
+    **runtime_image_defaults(os.environ),
     "port": 8000,
     "shmSize": "16Gi",
     "startupTimeoutSeconds": 3600,

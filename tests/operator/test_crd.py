@@ -149,8 +149,15 @@ def _flatten(d: dict, prefix: tuple = ()) -> dict:
     return out
 
 
+def _crd_defaulted(spec: dict) -> dict:
+    """spec without the defaults only the operator applies (the runtime image: spec.OPERATOR_DEFAULTED)."""
+    return {k: v for k, v in spec.items() if k not in spec_mod.OPERATOR_DEFAULTED}
+
+
 def test_python_defaults_equal_crd_defaults():
-    assert _flatten(spec_mod.DEFAULTS) == _leaf_defaults(SCHEMA["properties"]["spec"])
+    assert _flatten(_crd_defaulted(spec_mod.DEFAULTS)) == _leaf_defaults(SCHEMA["properties"]["spec"])
+    spec_props = SCHEMA["properties"]["spec"]["properties"]
+    assert not any("default" in spec_props[key] for key in spec_mod.OPERATOR_DEFAULTED)  # the chart decides
 
 
 def _spec_property(path: str) -> dict:
@@ -214,7 +221,9 @@ def test_the_operator_checks_the_enums_without_an_api_server(path, value):
 def test_examples_are_admitted_and_defaulted_like_the_operator_does(path):
     obj = yaml.safe_load(path.read_text())
     stored = admit(obj)
-    assert stored["spec"] == spec_mod.with_defaults(obj["spec"])
+    assert stored["spec"] == _crd_defaulted(spec_mod.with_defaults(obj["spec"])) | {
+        k: obj["spec"][k] for k in spec_mod.OPERATOR_DEFAULTED if k in obj["spec"]
+    }
 
 
 MINIMAL = {
@@ -290,4 +299,5 @@ def test_defaults_fill_a_minimal_spec():
         "maxReplicas": 4,
         "targetQueueDepth": 5,
     }
-    assert stored["spec"] == spec_mod.with_defaults(MINIMAL["spec"])
+    assert stored["spec"] == _crd_defaulted(spec_mod.with_defaults(MINIMAL["spec"]))
+    assert "image" not in stored["spec"]  # the operator's default (the chart's runtime.image) applies

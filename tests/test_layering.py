@@ -14,16 +14,18 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-FOLDERS = ("runtime", "kernels", "operator", "cli")
+# kvserve.<name> -> its folder, as pyproject's package-dir maps them (kernels live in kvkernels/: a top-level
+# `kernels/` would shadow the PyPI `kernels` package that transformers imports).
+FOLDERS = {"runtime": "runtime", "kernels": "kvkernels", "operator": "operator", "cli": "cli"}
 
 
 def _stage(tmp_path: pathlib.Path) -> pathlib.Path:
     pkg = tmp_path / "kvserve"
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
-    for folder in FOLDERS:
-        shutil.copytree(ROOT / folder, pkg / folder, ignore=shutil.ignore_patterns("__pycache__"))
-        (pkg / folder / "__init__.py").touch()
+    for name, folder in FOLDERS.items():
+        shutil.copytree(ROOT / folder, pkg / name, ignore=shutil.ignore_patterns("__pycache__"))
+        (pkg / name / "__init__.py").touch()
     return pkg
 
 

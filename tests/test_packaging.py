@@ -46,3 +46,21 @@ def test_scheduling_layer_imports_without_torch():
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_no_code_folder_shadows_an_installed_package():
+    # `python -m pytest`, `python -c` and `python -m kvserve...` from a checkout put the repo root first on
+    # sys.path, so a folder there named like an installed distribution's module wins over it. transformers
+    # 5.25 requires the PyPI `kernels` package and imports it; a top-level `kernels/` broke every
+    # `import peft` from the repo root (CI, stop 33). Our kernels therefore live in kvkernels/.
+    from importlib.metadata import packages_distributions
+
+    installed = packages_distributions()
+    for folder in _pyproject()["package-dir"].values():
+        if os.path.exists(os.path.join(ROOT, folder, "__init__.py")):
+            assert folder not in installed, f"{folder}/ shadows {installed[folder]}'s top-level module"
+
+
+def test_transformers_imports_from_the_repo_root():
+    code = "import transformers.modeling_utils, transformers.integrations.hub_kernels"
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=300)

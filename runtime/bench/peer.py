@@ -517,8 +517,8 @@ class Server:
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env=self.env,
-            # `python -m` puts the working directory first on sys.path: from a kvserve checkout, its `kernels/`
-            # folder would shadow the PyPI `kernels` package that transformers probes for in the peer's venv.
+            # `python -m` puts the working directory first on sys.path: run from the log folder so no folder of
+            # a kvserve checkout can shadow a package of the peer's venv.
             cwd=os.path.dirname(os.path.abspath(self.log_path)),
             preexec_fn=_pinned(self.cpus),
             start_new_session=True,

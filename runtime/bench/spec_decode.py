@@ -86,7 +86,6 @@ def main(
     **engine_kwargs,
 ) -> list[Measurement]:
     from kvserve.runtime import LLM
-
     from kvserve.runtime.spec_decode.config import parse_speculative_config
 
     spec = spec or DEFAULT_SPEC

@@ -1,6 +1,6 @@
-"""The compiled kvserve CPU ops (sources in ``kernels/cpu/``), built on first use and cached.
+"""The compiled kvserve CPU ops (sources in ``kvkernels/cpu/``), built on first use and cached.
 
-:func:`load` builds ``kernels/cpu/*.cpp`` with ``torch.utils.cpp_extension.load`` as one lean shared library
+:func:`load` builds ``kvkernels/cpu/*.cpp`` with ``torch.utils.cpp_extension.load`` as one lean shared library
 (ATen + ``torch/library.h``, ``TORCH_LIBRARY``; no pybind, ``is_python_module=False``), flags
 ``-O3 -march=native -fopenmp -ffp-contract=off``. The library name carries an ISA tag plus a hash of the CPU's
 feature flags, because torch's build cache key covers sources and flags but not the CPU ``-march=native``

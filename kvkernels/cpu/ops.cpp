@@ -1,5 +1,5 @@
 // Registers the kvserve CPU ops as torch.ops.kvserve_cpu.* (schema + CPU kernels). The extension is a plain
-// shared library loaded with torch.ops.load_library semantics (no pybind), see kernels/cpu_ops.py.
+// shared library loaded with torch.ops.load_library semantics (no pybind), see kvkernels/cpu_ops.py.
 #include "ops.h"
 
 #include <torch/library.h>

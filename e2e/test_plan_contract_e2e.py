@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import pathlib
 import re
 import subprocess
 import sys
@@ -17,6 +16,7 @@ import time
 
 import httpx
 import pytest
+from kvserve_testing import STORIES_DIR
 
 from kvserve.operator import render
 from kvserve.operator import spec as spec_mod
@@ -24,7 +24,7 @@ from kvserve.runtime import capacity
 from kvserve.runtime.server.termination import PLAN_REJECTED_PREFIX
 from tests.server.conftest import free_port
 
-STORIES = pathlib.Path(__file__).resolve().parents[2] / "shared" / "models" / "stories260K"
+STORIES = STORIES_DIR
 pytestmark = pytest.mark.timeout(180)
 
 SHAPE_KEYS = {
@@ -83,8 +83,6 @@ def start(cmd: list[str], env: dict) -> tuple[subprocess.Popen, list[str]]:
 
 @pytest.fixture
 def resolved():
-    if not (STORIES / "model.safetensors").is_file():
-        pytest.skip(f"the pretrained tiny model is not present at {STORIES}")
     r = spec_mod.resolve(stories_spec())
     assert r.plan.fits, r.plan.message
     assert r.plan.kv_cache_bytes_per_gpu < 8 * 2**20  # a budget of a few MiB

@@ -4,7 +4,11 @@ small random-weight model configs the parity tests build, random prompts, and th
 
 from __future__ import annotations
 
+import pathlib
 import random
+
+# The tiny pretrained model (Karpathy's stories260K, MIT) that ships in the repository: real text, 1 MB.
+STORIES_DIR = pathlib.Path(__file__).resolve().parents[1] / "examples" / "models" / "stories260K"
 
 _COMMON = dict(
     vocab_size=512,

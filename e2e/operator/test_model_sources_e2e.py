@@ -13,6 +13,7 @@ import time
 
 import pytest
 from kopf.testing import KopfRunner
+from kvserve_testing import STORIES_DIR
 
 from kvserve.operator import labels
 from kvserve.operator import spec as spec_mod
@@ -20,12 +21,11 @@ from kvserve.runtime.sources import uri as source_uri
 from tests.sources.hub_server import HubServer, Repo
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-STORIES = ROOT.parent / "shared" / "models" / "stories260K"
+STORIES = STORIES_DIR
 NS, NAME, REPO_ID, TOKEN = "default", "stories", "kvserve-test/stories260K", "hf_good"
 RESYNC_S = float(os.environ["KVSERVE_RESYNC_SECONDS"])
 pytestmark = [
     pytest.mark.timeout(120),
-    pytest.mark.skipif(not (STORIES / "config.json").is_file(), reason=f"{STORIES} is absent"),
 ]
 
 

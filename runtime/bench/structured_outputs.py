@@ -4,7 +4,7 @@ Runs the same 64-request greedy batch twice on one engine -- free text, then eve
 schema -- and times, inside the sampler, the bitmask fill + apply for the constrained rows and the matcher
 advance (what structured outputs add to a step). Prints ms per step for each and the share of the step.
 
-    .venv/bin/python runtime/bench/structured_outputs.py [MODEL_DIR]      (default ../shared/models/stories260K)
+    .venv/bin/python runtime/bench/structured_outputs.py [MODEL_DIR]      (default examples/models/stories260K)
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ SCHEMA = {
 
 
 def main() -> None:
-    model = sys.argv[1] if len(sys.argv) > 1 else "../shared/models/stories260K"
+    model = sys.argv[1] if len(sys.argv) > 1 else "examples/models/stories260K"
     llm = LLM(model, max_model_len=512, max_num_seqs=64)
     prompts = [f"Story {i}: Once upon a time" for i in range(64)]
     timings = {"mask": 0.0, "accept": 0.0, "steps": 0}

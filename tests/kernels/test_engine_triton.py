@@ -4,16 +4,17 @@ hits, mixed decode+prefill steps and an fp8 KV cache. Kept tiny: the interpreter
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 
 pytest.importorskip("transformers")
 
+from kvserve_testing import STORIES_DIR  # noqa: E402
+
 from kvserve.runtime import LLM, SamplingParams  # noqa: E402
 
-STORIES = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "models", "stories260K"))
+STORIES = str(STORIES_DIR)
 MAX_NEW = 6
 
 
@@ -120,7 +121,5 @@ def test_triton_fp8_kv_cache(random_model, kv_cache_dtype):
 
 
 def test_triton_backend_stories260k():
-    if not os.path.isfile(os.path.join(STORIES, "model.safetensors")):
-        pytest.skip(f"the pretrained tiny model is not present at {STORIES} (../shared is absent on this machine)")
     prompts = _prompts(5, 512)[1:3]  # 33 and 50 tokens: crosses blocks, prefix hit on the second
     assert _generate(STORIES, prompts, "triton") == _generate(STORIES, prompts, "torch")

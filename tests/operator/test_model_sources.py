@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import copy
 import json
-import pathlib
 
 import kubernetes_validate
 import pytest
+from kvserve_testing import STORIES_DIR
 
 from kvserve.cli import download as cli_download
 from kvserve.operator import pod_health, render, transitions
@@ -18,7 +18,7 @@ from kvserve.operator import status as status_mod
 from kvserve.runtime import capacity
 from kvserve.runtime.sources import uri as source_uri
 
-STORIES_CONFIG = pathlib.Path(__file__).resolve().parents[3] / "shared" / "models" / "stories260K" / "config.json"
+STORIES_CONFIG = STORIES_DIR / "config.json"
 BASE = {"model": {"name": "llama-3-8b", "uri": "hf://meta-llama/Meta-Llama-3-8B-Instruct"}, "gpu": {"product": "l4"}}
 LLAMA_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -173,7 +173,6 @@ def test_download_failed_posts_one_event_and_downloading_none():
     assert [w for w in transitions.warnings(failed, failed) if w[0] == "DownloadFailed"] == []
 
 
-@pytest.mark.skipif(not STORIES_CONFIG.is_file(), reason="../shared is absent")
 def test_plan_cli_from_a_config_file(capsys):
     from kvserve.cli.main import main
 

@@ -12,12 +12,12 @@ import json
 import socket
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import uvicorn
+from kvserve_testing import STORIES_DIR  # examples/models/stories260K
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -198,11 +198,6 @@ def fakes():
         server.stop()
 
 
-STORIES_DIR = Path(__file__).resolve().parents[3] / "shared" / "models" / "stories260K"
-if not STORIES_DIR.is_dir():
-    STORIES_DIR = Path("/work/shared/models/stories260K")
-
-
 class EngineReplica(Threaded):
     """A real `kvserve serve` app (build_app with a loaded engine) on a free port."""
 
@@ -225,8 +220,6 @@ class EngineReplica(Threaded):
 
 @pytest.fixture(scope="module")
 def stories_replicas():
-    if not (STORIES_DIR / "config.json").is_file():
-        pytest.skip("../shared/models/stories260K is not available")
     replicas = [EngineReplica(str(STORIES_DIR), kv_cache_bytes=8 << 20, max_num_seqs=16, seed=0) for _ in range(2)]
     yield replicas
     for r in replicas:

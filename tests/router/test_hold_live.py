@@ -75,8 +75,6 @@ REQUESTS = [
 
 
 def test_router_holds_requests_until_a_replica_starts_then_answers_them_all():
-    if not (STORIES_DIR / "config.json").is_file():
-        pytest.skip("stories260K is not available")
     replica_port, router_port = free_port(), free_port()
     replica_url, router_url = f"http://127.0.0.1:{replica_port}", f"http://127.0.0.1:{router_port}"
     router = _Process(

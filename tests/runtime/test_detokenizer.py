@@ -4,16 +4,16 @@ word-level (the synthetic test models)."""
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
+from kvserve_testing import STORIES_DIR
 
 from kvserve.runtime.core.outputs import EngineCoreOutput
 from kvserve.runtime.engine.output_processor import OutputProcessor, RequestState
 from kvserve.runtime.sampling_params import SamplingParams
 
-STORIES = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "models", "stories260K")
+STORIES = str(STORIES_DIR)
 
 
 @pytest.fixture(scope="module")
@@ -29,8 +29,7 @@ def tokenizers(tmp_path_factory):
         "word-level": AutoTokenizer.from_pretrained(word_dir),
         "byte-level BPE": AutoTokenizer.from_pretrained(ensure_demo_model(tmp_path_factory.mktemp("demo"))),
     }
-    if os.path.isfile(os.path.join(STORIES, "tokenizer.json")):
-        toks["sentencepiece BPE"] = AutoTokenizer.from_pretrained(STORIES)
+    toks["sentencepiece BPE"] = AutoTokenizer.from_pretrained(STORIES)
     return toks
 
 

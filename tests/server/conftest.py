@@ -1,19 +1,15 @@
 """Live servers for the server tests: uvicorn on 127.0.0.1 (free port) in a background thread, serving the
-demo model (built once per session into a temp dir) or ../shared/models/stories260K."""
+demo model (built once per session into a temp dir) or examples/models/stories260K."""
 
 from __future__ import annotations
 
 import socket
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
-
-STORIES_DIR = Path(__file__).resolve().parents[3] / "shared" / "models" / "stories260K"
-if not STORIES_DIR.is_dir():
-    STORIES_DIR = Path("/work/shared/models/stories260K")
+from kvserve_testing import STORIES_DIR  # noqa: F401  (the server tests import it from here)
 
 # Small KV budget: the tests want preemption and a fast start, not capacity.
 DEMO_ENGINE_KWARGS = dict(

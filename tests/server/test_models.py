@@ -1,4 +1,4 @@
-"""The demo model builds deterministically and offline in HF format; serving ../shared/models/stories260K
+"""The demo model builds deterministically and offline in HF format; serving examples/models/stories260K
 returns TinyStories text equal to the offline engine's."""
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ def test_demo_model_is_deterministic_and_hf_loadable(demo_model_dir, tmp_path):
     assert DEMO_MODEL_ID == "kvserve-demo-random-weights"
 
 
-@pytest.mark.skipif(not STORIES_DIR.is_dir(), reason=f"{STORIES_DIR} is absent (the shared tiny pretrained model)")
 def test_serving_stories260k_returns_tinystories_text():
     from kvserve.runtime import LLM
 

@@ -14,8 +14,6 @@ import pytest
 
 from tests.server.conftest import STORIES_DIR, LiveServer, make_engine
 
-pytestmark = pytest.mark.skipif(not STORIES_DIR.is_dir(), reason=f"{STORIES_DIR} is absent")
-
 WEATHER = {
     "type": "function",
     "function": {

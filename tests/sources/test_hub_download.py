@@ -1,5 +1,5 @@
 """hf:// downloads against a local hub server on 127.0.0.1 speaking huggingface_hub's protocol (revision, tree,
-resolve with Range), serving ../shared/models/stories260K as a private repo."""
+resolve with Range), serving examples/models/stories260K as a private repo."""
 
 from __future__ import annotations
 

@@ -37,6 +37,9 @@ class ScheduledRequest:
     # Speculative decoding: the last num_spec_tokens of token_ids are drafts; the runner verifies them (one
     # logits row per draft plus one) and returns the accepted ones plus the token after them.
     num_spec_tokens: int = 0
+    # draft_model, sampled requests: the draft's distribution q at each draft ([num_spec_tokens, vocab] float32
+    # numpy rows), for min(1, p/q) acceptance (spec_decode/verify.py); None: drafts with a one-hot q.
+    spec_draft_probs: object = None
 
 
 @dataclass

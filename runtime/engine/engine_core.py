@@ -80,9 +80,16 @@ class EngineCore:
             self._model_lock = self.lora_registry.lock
         self.proposer = None  # --speculative-config: drafts for the running requests before each schedule
         if config.speculative is not None:
-            from kvserve.runtime.spec_decode.proposer import Proposer
+            if config.speculative.method == "draft_model":  # a draft model here, beside the target's executor
+                from kvserve.runtime.spec_decode.draft_model import DraftModelProposer
 
-            self.proposer = Proposer(config.speculative, config.model.max_model_len)
+                self.proposer = DraftModelProposer(config, self.runner.num_blocks)
+            else:
+                from kvserve.runtime.spec_decode.proposer import Proposer
+
+                self.proposer = Proposer(config.speculative, config.model.max_model_len)
+        # draft_model: hands the verifier q of sampled drafts, on the scheduled requests
+        self._attach_draft_probs = getattr(self.proposer, "attach_draft_probs", None)
         self.eos_token_ids = frozenset(config.model.eos_token_ids)
         vocab = (
             config.model.vocab_size
@@ -211,6 +218,8 @@ class EngineCore:
             if self.proposer is not None:
                 self.proposer.propose(self.scheduler.running)
             sched_out = self.scheduler.schedule()
+            if self._attach_draft_probs is not None:
+                self._attach_draft_probs(sched_out)
             scheduled_ids = [s.req_id for s in sched_out.scheduled]
             now = time.monotonic()
             for scheduled in sched_out.scheduled:

@@ -8,6 +8,11 @@ Sampling (arXiv 2211.17192, Leviathan et al.): n-gram and suffix drafts are dete
 distribution q is one-hot at the draft d. Accept d with probability min(1, p(d)/q(d)) = p(d); on rejection
 sample from the residual normalise(max(p - q, 0)) = p with d removed; after all accepted, sample the bonus
 from p at the next position. Each emitted token is then distributed exactly as p (the test checks it).
+
+A draft model's sampled drafts come with their q (ScheduledRequest.spec_draft_probs): acceptance is then
+min(1, p(d)/q(d)) and the residual max(p - q, 0), which accepts more than the one-hot rule for the same
+drafts. (The one-hot rule, and the sequential "sample from p and compare" path, stay exact for a draft drawn
+from any q independently of the verifier's randomness -- they only accept less.)
 """
 
 from __future__ import annotations
@@ -27,10 +32,12 @@ def verify(
     drafted: list[tuple[str, list[int], int]],
     states: dict[str, RequestSamplingState],
     logprobs_out: dict[str, list[TokenLogprobs]] | None = None,
+    draft_probs: dict | None = None,
 ) -> tuple[dict[str, list[int]], dict[str, str]]:
     """logits: [rows, vocab]; drafted: (request id, its drafts, index of its first row) with len(drafts) + 1
     rows each. Returns (tokens per request, {request id: what failed}); logprobs_out receives the emitted
-    tokens' logprobs of requests that asked for them."""
+    tokens' logprobs of requests that asked for them. draft_probs: request id -> its draft's q rows
+    ([len(drafts), vocab], a draft model's sampled drafts); the other drafts are one-hot."""
     out: dict[str, list[int]] = {}
     failed: dict[str, str] = {}
     sequential = [d for d in drafted if _needs_sequential(states[d[0]])]
@@ -72,7 +79,10 @@ def verify(
         if state.params.greedy:
             continue
         try:
-            out[rid] = accept_sampled(logits[first : first + len(drafts) + 1], drafts, state)
+            q = (draft_probs or {}).get(rid)
+            if q is not None:
+                q = torch.as_tensor(q, device=logits.device)
+            out[rid] = accept_sampled(logits[first : first + len(drafts) + 1], drafts, state, q)
         except Exception:  # noqa: BLE001 -- one request's failure must not fail the batch
             logger.exception("verifying drafts failed for one request; failing it alone")
             failed[rid] = "verifying speculative tokens"
@@ -102,12 +112,21 @@ def accept_greedy(drafts: list[int], targets: list[int]) -> list[int]:
     return tokens
 
 
-def accept_sampled(rows: torch.Tensor, drafts: list[int], state: RequestSamplingState) -> list[int]:
+def accept_sampled(
+    rows: torch.Tensor, drafts: list[int], state: RequestSamplingState, draft_probs: torch.Tensor | None = None
+) -> list[int]:
+    """draft_probs: q at each draft's position ([len(drafts), vocab], normalised), None for one-hot drafts."""
     params, generator = state.params, state.generator
     tokens = []
     for i, draft in enumerate(drafts):
         probs = sampling_probs(rows[i], params)
         probs = probs / probs.sum()
+        if draft_probs is not None:
+            token = _accept_with_q(probs, draft_probs[i].to(probs.dtype), draft, generator)
+            tokens.append(token)
+            if token != draft:
+                return tokens
+            continue
         if torch.rand((), generator=generator, device=probs.device).item() < probs[draft].item():
             tokens.append(draft)
             continue
@@ -120,3 +139,15 @@ def accept_sampled(rows: torch.Tensor, drafts: list[int], state: RequestSampling
     bonus = sampling_probs(rows[len(drafts)], params)
     tokens.append(int(torch.multinomial(bonus, 1, generator=generator).item()))
     return tokens
+
+
+def _accept_with_q(p: torch.Tensor, q: torch.Tensor, draft: int, generator: torch.Generator | None) -> int:
+    """One position with a draft d ~ q: keep d with probability min(1, p(d)/q(d)), else draw from the residual
+    normalise(max(p - q, 0)); the result is distributed as p (Leviathan et al., Theorem 1)."""
+    u = torch.rand((), generator=generator, device=p.device).item()
+    if u * q[draft].item() < p[draft].item():  # u < p/q without dividing (q(d) > 0: d was drawn from q)
+        return draft
+    residual = (p - q).clamp_(min=0.0)
+    if not residual.sum() > 0:  # p == q up to rounding: rejection had probability ~0, keep the draft
+        return draft
+    return int(torch.multinomial(residual, 1, generator=generator).item())

@@ -3,19 +3,16 @@ logits; greedy output equals plain TP=1 decoding token for token, and drafts are
 
 from __future__ import annotations
 
-import os
-
 import pytest
+from kvserve_testing import STORIES_DIR
 
 from kvserve.runtime import LLM, SamplingParams
 
-STORIES = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "models", "stories260K")
+STORIES = str(STORIES_DIR)
 
 
 @pytest.mark.timeout(180)
 def test_tp2_ngram_and_suffix_are_token_identical_to_plain_decoding():
-    if not os.path.isfile(os.path.join(STORIES, "model.safetensors")):
-        pytest.skip("the pretrained tiny model is not present (../shared is absent on this machine)")
     prompts = [
         "Once upon a time, there was a little girl named Lily. She loved to play with her ball. One day, Lily",
         "Tom had a red ball. Tom had a red ball. Tom had a",

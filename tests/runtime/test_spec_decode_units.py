@@ -34,7 +34,7 @@ def test_config_follows_vllm_defaults():
     "value, words",
     [
         ("{not json", "not valid JSON"),
-        ('{"method": "eagle", "num_speculative_tokens": 2}', "draft models and EAGLE"),
+        ('{"method": "eagle", "num_speculative_tokens": 2}', "EAGLE is not supported yet"),
         ('{"method": "ngram"}', "num_speculative_tokens is required"),
         ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be an integer >= 1"),
         ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}', "<="),

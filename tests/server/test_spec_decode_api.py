@@ -4,15 +4,14 @@ spec-decode counters, parsed as Prometheus text."""
 
 from __future__ import annotations
 
-import os
-
 import httpx
 import pytest
+from kvserve_testing import STORIES_DIR
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server.conftest import LiveServer
 
-STORIES = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "models", "stories260K")
+STORIES = str(STORIES_DIR)
 ENGINE = dict(max_model_len=256, kv_cache_bytes=8 << 20, seed=0)
 SPEC = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}'
 PROMPTS = ["Tom had a red ball. Tom had a red ball. Tom had a", "Once upon a time, there was a girl named Lily. Lily"]
@@ -20,8 +19,6 @@ PROMPTS = ["Tom had a red ball. Tom had a red ball. Tom had a", "Once upon a tim
 
 @pytest.fixture(scope="module")
 def spec_server():
-    if not os.path.isfile(os.path.join(STORIES, "model.safetensors")):
-        pytest.skip("the pretrained tiny model is not present (../shared is absent on this machine)")
     from kvserve.runtime.engine.core_client import CoreClient
 
     srv = LiveServer(CoreClient.from_kwargs(STORIES, speculative_config=SPEC, **ENGINE), model_dir=STORIES)

@@ -17,6 +17,7 @@ import asyncio
 import datetime
 import logging
 import os
+import secrets
 import threading
 from typing import Any
 
@@ -30,6 +31,7 @@ from kvserve.operator import (
     model_configs,
     pod_health,
     render,
+    render_multinode,
     render_router,
     render_security,
     transitions,
@@ -86,8 +88,14 @@ def reconcile(namespace: str, name: str) -> dict[str, str]:
             spec = spec_mod.with_defaults(parent.get("spec") or {})
 
         desired = _with_api_key_digest(desired, spec, namespace)
+        previous = parent.get("status") or {}
+        layout = resolved.layout if resolved is not None else None
+        multinode = layout is not None and layout.multinode
         # Children are keyed by (kind, name): the router's Deployment/Service/PDB share kinds with the engine's.
-        keys = [(kind, name) for kind in kube.CHILD_KINDS] + render_router.child_keys(name, spec, parent.get("status"))
+        keys = [(kind, name) for kind in kube.CHILD_KINDS] + render_router.child_keys(name, spec, previous)
+        lws_key = ("LeaderWorkerSet", render_multinode.lws_name(name))
+        if multinode or previous.get("parallelism"):  # a LeaderWorkerSet is wanted, or was (to prune it)
+            keys += [lws_key, ("Secret", render_multinode.authkey_secret_name(name))]
         live = {key: kube.get(key[0], namespace, key[1]) for key in keys}
         # Someone else's object under one of our names: adopt nothing, write nothing (a half-built service is
         # worse), and report ChildConflict instead of computing status from an object that is not ours.
@@ -104,25 +112,41 @@ def reconcile(namespace: str, name: str) -> dict[str, str]:
                 ", ".join(conflicts),
             )
             desired = []
+        missing_crds: list[str] = []
         for obj in desired:
             key = (obj["kind"], obj["metadata"]["name"])
             action = _label(key, name)
-            actions[action] = kube.apply(kube.adopt(obj, parent), live.get(key))
+            try:
+                actions[action] = _apply_child(kube.adopt(obj, parent), live.get(key))
+            except kube.MissingCRDError as exc:  # e.g. LeaderWorkerSet not installed: say so in the status
+                log.warning("%s/%s: %s", namespace, name, exc.message)
+                missing_crds.append(exc.message)
+                actions[action] = "missing-crd"
+                continue
             if actions[action] != "unchanged":
                 live[key] = kube.get(key[0], namespace, key[1])
         if plan is not None and plan.fits and not conflicts:
             # Children the spec no longer asks for (the HPA after autoscaling is switched off, ...).
             wanted = {(obj["kind"], obj["metadata"]["name"]) for obj in desired}
             for key, current in live.items():
+                if key[0] == "Secret":  # the authkey Secret: create only (no delete on Secrets); GC'd with the CR
+                    continue
                 if key not in wanted and current is not None and kube.owned_by(current, parent):
                     kube.delete(key[0], namespace, key[1])
                     live[key] = None
                     actions[_label(key, name)] = "deleted"
         # else: an impossible spec creates nothing and leaves a previously working Deployment serving.
 
-        previous = parent.get("status") or {}
-        pods = kube.list_labelled("Pod", namespace, {labels.OWNER_LABEL: name}) if live[("Deployment", name)] else []
+        fits = plan is not None and plan.fits
+        # The workload the status reads: what the plan renders; with a spec that does not fit, what still serves.
+        use_lws = multinode if fits else live.get(lws_key) is not None
+        workload = live.get(lws_key) if use_lws else live[("Deployment", name)]
+        pods = kube.list_labelled("Pod", namespace, {labels.OWNER_LABEL: name}) if workload else []
         failure = pod_health.diagnose(pods)
+        if multinode and fits:
+            parallelism = layout.to_status()
+        else:  # a multi-pod layout that still serves (a spec that does not fit changes nothing) keeps its entry
+            parallelism = previous.get("parallelism") if use_lws else None
         new_status = status_mod.compute_status(
             name=name,
             namespace=namespace,
@@ -131,12 +155,15 @@ def reconcile(namespace: str, name: str) -> dict[str, str]:
             plan=plan,
             plan_reason=reason,
             plan_message=message,
-            deployment=live[("Deployment", name)],
+            deployment=workload,
             previous=previous,
             now=_now(),
             pod_failure=failure,
             conflicts=conflicts,
             model_ready=_model_ready(spec, pods, failure),
+            workload_kind="LeaderWorkerSet" if use_lws else "Deployment",
+            parallelism=parallelism,
+            missing_crds=tuple(missing_crds),
         )
         # Time to ready of the newest ready pod (kept while none is ready, e.g. scaled to zero): pod_startup.py
         startup = last_replica_startup(pods) or previous.get("lastReplicaStartup")
@@ -153,6 +180,16 @@ def reconcile(namespace: str, name: str) -> dict[str, str]:
             except kube.KubeError as exc:  # an Event is best effort; the condition carries the same text
                 log.warning("could not post the %s Event for %s/%s: %s", event_reason, namespace, name, exc)
     return actions
+
+
+def _apply_child(obj: dict, live: dict | None) -> str:
+    """kube.apply, except for the group authkey Secret: created once with a random key and never rewritten
+    (the operator may create Secrets but not patch or delete them)."""
+    if obj["kind"] == "Secret":
+        if live is not None:
+            return "unchanged"
+        return kube.apply(render_multinode.with_generated_key(obj, secrets.token_urlsafe(32)), None)
+    return kube.apply(obj, live)
 
 
 def _model_ready(spec: dict, pods: list[dict], failure: pod_health.PodFailure | None) -> tuple[bool, str, str]:
@@ -265,5 +302,6 @@ for _group, _version, _plural in [
     ("networking.k8s.io", "v1", "networkpolicies"),
     ("keda.sh", "v1alpha1", "scaledobjects"),
     ("inference.networking.k8s.io", "v1", "inferencepools"),
+    ("leaderworkerset.x-k8s.io", "v1", "leaderworkersets"),
 ]:
     kopf.on.event(_group, _version, _plural, labels=CHILD_LABELS, id=f"child-{_plural}")(_on_child_event)

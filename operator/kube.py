@@ -30,6 +30,8 @@ RESOURCES: dict[str, tuple[str, str]] = {
     # From optional CRDs (KEDA, Gateway API Inference Extension): a cluster without them answers 404.
     "ScaledObject": ("/apis/keda.sh/v1alpha1", "scaledobjects"),
     "InferencePool": ("/apis/inference.networking.k8s.io/v1", "inferencepools"),
+    # Replicas of several pods (operator/render_multinode.py), from github.com/kubernetes-sigs/lws.
+    "LeaderWorkerSet": ("/apis/leaderworkerset.x-k8s.io/v1", "leaderworkersets"),
     KIND: (f"/apis/{API_VERSION}", PLURAL),
     # Read only: pod statuses for failure reasons, the API-key Secret for its rotation digest.
     "Pod": ("/api/v1", "pods"),
@@ -47,13 +49,31 @@ CHILD_KINDS = (
     "ScaledObject",
     "InferencePool",
 )
-OPTIONAL_CRD = {"ScaledObject": "KEDA (keda.sh)", "InferencePool": "the Gateway API Inference Extension CRDs"}
 
 
 class KubeError(RuntimeError):
     def __init__(self, status: int, message: str):
         super().__init__(f"HTTP {status}: {message}")
         self.status = status
+
+
+# Children of replicas that span several pods, named <name>-lws and <name>-multinode (render_multinode), looked
+# at only while the spec or the last status asks for them.
+MULTINODE_KINDS = ("LeaderWorkerSet", "Secret")
+OPTIONAL_CRD = {
+    "ScaledObject": "KEDA (keda.sh)",
+    "InferencePool": "the Gateway API Inference Extension CRDs",
+    "LeaderWorkerSet": "LeaderWorkerSet (leaderworkerset.x-k8s.io/v1: kubectl apply --server-side -f "
+    "https://github.com/kubernetes-sigs/lws/releases/download/v0.10.0/manifests.yaml)",
+}
+
+
+class MissingCRDError(KubeError):
+    """A create answered 404: the cluster does not serve the kind (its optional CRD is not installed)."""
+
+    def __init__(self, message: str):
+        super().__init__(404, message)
+        self.message = message
 
 
 _client_lock = threading.Lock()
@@ -192,8 +212,7 @@ def apply(obj: dict, live: dict | None) -> str:
     kind, meta = obj["kind"], obj["metadata"]
     if live is None:
         if request("POST", path(kind, meta["namespace"]), obj) is None:  # 404: the kind is not served here
-            raise KubeError(
-                404,
+            raise MissingCRDError(
                 f"cannot create {kind} {meta['namespace']}/{meta['name']}: {obj['apiVersion']} is not served "
                 f"by this cluster; install {OPTIONAL_CRD.get(kind, 'its CRD')}",
             )

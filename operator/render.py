@@ -9,9 +9,16 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from kvserve.operator import pod_resources, render_model, render_router, render_scaling, render_security
+from kvserve.operator import (
+    pod_resources,
+    render_model,
+    render_multinode,
+    render_router,
+    render_scaling,
+    render_security,
+)
 from kvserve.operator import spec as spec_mod
-from kvserve.operator.labels import engine_labels, engine_selector
+from kvserve.operator.labels import engine_labels, engine_pod_selector, engine_selector
 from kvserve.operator.render_model import MODEL_MOUNT, model_source  # noqa: F401 - re-exported
 from kvserve.operator.spec import API_VERSION, KIND, Resolved
 from kvserve.runtime import engine_args
@@ -52,9 +59,10 @@ def engine_settings(resolved: Resolved) -> dict[str, Any]:
     return values
 
 
-def runtime_args(resolved: Resolved, name: str, model_dir: str) -> list[str]:
+def runtime_args(resolved: Resolved, name: str, model_dir: str, extra_settings: dict | None = None) -> list[str]:
     """`kvserve serve` with the engine flags generated from EngineArgs (the same definition the runtime
-    parses them with), so a setting is never spelled twice."""
+    parses them with), so a setting is never spelled twice. `extra_settings`: more EngineArgs values (a
+    LeaderWorkerSet member's pipeline and node flags), placed in EngineArgs' order like the others."""
     spec, engine = resolved.spec, resolved.spec["engine"]
     args = [
         "kvserve",
@@ -66,7 +74,7 @@ def runtime_args(resolved: Resolved, name: str, model_dir: str) -> list[str]:
         str(spec["port"]),
         "--served-model-name",
         served_model_name(spec, name),
-        *engine_args.cli_args(engine_settings(resolved)),
+        *engine_args.cli_args({**engine_settings(resolved), **(extra_settings or {})}),
         # The grace period covers the preStop sleep, then the drain, then 10 s before the kubelet's SIGKILL.
         "--drain-timeout",
         str(spec_mod.drain_timeout_seconds(spec)),
@@ -107,6 +115,25 @@ def _probe(port_name: str, period: int, failures: int) -> dict:
 
 def deployment(resolved: Resolved, name: str, namespace: str) -> dict:
     spec = resolved.spec
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name, "namespace": namespace, "labels": engine_labels(name)},
+        "spec": {
+            "replicas": spec["replicas"],
+            "revisionHistoryLimit": 3,
+            "progressDeadlineSeconds": spec["startupTimeoutSeconds"] + 600,
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "selector": {"matchLabels": engine_selector(name)},
+            "template": pod_template(resolved, name),
+        },
+    }
+
+
+def pod_template(resolved: Resolved, name: str, extra_settings: dict | None = None) -> dict:
+    """The engine pod: the Deployment's template, and a LeaderWorkerSet member's before render_multinode
+    adapts it (`extra_settings`: its pipeline and node flags)."""
+    spec = resolved.spec
     volumes, mounts, model_dir = model_source(spec)
     volumes = volumes + [
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec["shmSize"]}},
@@ -119,7 +146,7 @@ def deployment(resolved: Resolved, name: str, namespace: str) -> dict:
         "name": "kvserve",
         "image": spec["image"],
         "imagePullPolicy": spec["imagePullPolicy"],
-        "command": runtime_args(resolved, name, model_dir),
+        "command": runtime_args(resolved, name, model_dir, extra_settings),
         "ports": [{"name": "http", "containerPort": spec["port"], "protocol": "TCP"}],
         "env": [{"name": "HOME", "value": "/tmp"}, *render_security.api_key_env(spec)],
         "resources": _resources(resolved),
@@ -182,44 +209,33 @@ def deployment(resolved: Resolved, name: str, namespace: str) -> dict:
     if spec.get("priorityClassName"):
         pod_spec["priorityClassName"] = spec["priorityClassName"]
     return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": name, "namespace": namespace, "labels": engine_labels(name)},
-        "spec": {
-            "replicas": spec["replicas"],
-            "revisionHistoryLimit": 3,
-            "progressDeadlineSeconds": spec["startupTimeoutSeconds"] + 600,
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
-            "selector": {"matchLabels": engine_selector(name)},
-            "template": {
-                "metadata": {
-                    "labels": engine_labels(name),
-                    "annotations": {
-                        "prometheus.io/scrape": "true",
-                        "prometheus.io/port": str(spec["port"]),
-                        "prometheus.io/path": "/metrics",
-                    },
-                },
-                "spec": pod_spec,
+        "metadata": {
+            "labels": engine_labels(name),
+            "annotations": {
+                "prometheus.io/scrape": "true",
+                "prometheus.io/port": str(spec["port"]),
+                "prometheus.io/path": "/metrics",
             },
         },
+        "spec": pod_spec,
     }
 
 
-def service(resolved: Resolved, name: str, namespace: str) -> dict:
+def service(resolved: Resolved, name: str, namespace: str, selector: dict[str, str] | None = None) -> dict:
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": {"name": name, "namespace": namespace, "labels": engine_labels(name)},
         "spec": {
             "type": "ClusterIP",
-            "selector": engine_selector(name),
+            "selector": selector or engine_selector(name),
             "ports": [{"name": "http", "port": resolved.spec["port"], "targetPort": "http", "protocol": "TCP"}],
         },
     }
 
 
-def autoscaler(resolved: Resolved, name: str, namespace: str) -> dict:
+def autoscaler(resolved: Resolved, name: str, namespace: str, target: dict | None = None) -> dict:
+    """`target`: the scaled object (default this InferenceService's /scale; a LeaderWorkerSet's for groups)."""
     auto = resolved.spec["autoscaling"]
     return {
         "apiVersion": "autoscaling/v2",
@@ -228,7 +244,7 @@ def autoscaler(resolved: Resolved, name: str, namespace: str) -> dict:
         "spec": {
             # The HPA scales the InferenceService through its /scale subresource; the operator then rolls
             # the replica count into the Deployment, so nothing else fights over Deployment.spec.replicas.
-            "scaleTargetRef": {"apiVersion": API_VERSION, "kind": KIND, "name": name},
+            "scaleTargetRef": target or {"apiVersion": API_VERSION, "kind": KIND, "name": name},
             "minReplicas": auto["minReplicas"],
             "maxReplicas": auto["maxReplicas"],
             "metrics": [
@@ -263,6 +279,8 @@ def render(resolved: Resolved, name: str, namespace: str) -> list[dict]:
     """Every child the InferenceService should have; empty when the capacity plan does not fit."""
     if not resolved.plan.fits:
         return []
+    if resolved.layout is not None and resolved.layout.multinode:
+        return render_groups(resolved, name, namespace)
     objs = [deployment(resolved, name, namespace), service(resolved, name, namespace)]
     scale_to_zero = spec_mod.scales_to_zero(resolved.spec)
     if resolved.spec["autoscaling"]["enabled"] and not scale_to_zero:
@@ -278,6 +296,53 @@ def render(resolved: Resolved, name: str, namespace: str) -> list[dict]:
         behavior = resolved.spec["autoscaling"].get("behavior") or DEFAULT_BEHAVIOR
         objs.append(render_scaling.scaled_object(resolved, name, namespace, behavior))
     pool = render_scaling.inference_pool(resolved, name, namespace)
+    if pool is not None:
+        objs.append(pool)
+    return objs
+
+
+def render_groups(resolved: Resolved, name: str, namespace: str) -> list[dict]:
+    """A replica of several pods (resolved.layout.nodes > 1): a LeaderWorkerSet instead of the Deployment, and
+    the other children pointed at its leaders or its /scale (render_multinode says why each one is so)."""
+    spec = resolved.spec
+    render_multinode.check_name(name)
+    leaders = {**engine_pod_selector(name), render_multinode.ROLE_LABEL: "leader"}
+    leader = render_multinode.leader_template(
+        resolved, name, pod_template(resolved, name, render_multinode.node_settings(resolved, "0"))
+    )
+    worker = render_multinode.worker_template(
+        resolved,
+        name,
+        pod_template(resolved, name, render_multinode.node_settings(resolved, render_multinode.WORKER_INDEX)),
+    )
+    objs = []
+    if render_multinode.owns_authkey(spec):  # first: the pods read it at start
+        objs.append(render_multinode.authkey_secret(name, namespace))
+    objs.append(service(resolved, name, namespace, selector=leaders))  # the API: leaders only
+    scale_to_zero = spec_mod.scales_to_zero(spec)
+    target = render_multinode.scale_target(name)
+    if spec["autoscaling"]["enabled"] and not scale_to_zero:
+        objs.append(autoscaler(resolved, name, namespace, target=target))
+    if spec["podDisruptionBudget"]["enabled"]:
+        # Over every member of every group: evicting any member recreates its whole group, whose pods then
+        # count as unavailable until it is back, so maxUnavailable pods bounds the groups disrupted at once
+        # (one PDB per group could not: groups come and go with the autoscaler, and each would allow one).
+        objs.append(disruption_budget(resolved, name, namespace))
+    *router_source, router_inits = render_model.router_model_source(resolved)
+    objs += render_router.render(resolved, name, namespace, tuple(router_source), router_inits)
+    if spec["networkPolicy"]["enabled"]:
+        group = render_multinode.group_ingress(name, engine_pod_selector(name))
+        objs.append(render_security.network_policy(resolved, name, namespace, extra_ingress=(group,)))
+    # Kinds from optional CRDs last (LeaderWorkerSet, KEDA, GIE): everything else is applied first.
+    objs.append(render_multinode.leader_worker_set(resolved, name, namespace, leader, worker))
+    if scale_to_zero:
+        behavior = spec["autoscaling"].get("behavior") or DEFAULT_BEHAVIOR
+        objs.append(
+            render_scaling.scaled_object(
+                resolved, name, namespace, behavior, target=target, pods=render_multinode.leader_pods_regex(name)
+            )
+        )
+    pool = render_scaling.inference_pool(resolved, name, namespace, selector=leaders)
     if pool is not None:
         objs.append(pool)
     return objs

@@ -57,11 +57,15 @@ def _prometheus(name: str, address: str, query: str, threshold: int) -> dict[str
     }
 
 
-def scaled_object(resolved: Resolved, name: str, namespace: str, behavior: dict) -> dict:
+def scaled_object(
+    resolved: Resolved, name: str, namespace: str, behavior: dict, target: dict | None = None, pods: str | None = None
+) -> dict:
+    """`target` / `pods`: the scaled object and the PromQL regex of its serving pods (default this
+    InferenceService's /scale and its Deployment's pods; a LeaderWorkerSet's /scale and leaders for groups)."""
     spec = resolved.spec
     auto = spec["autoscaling"]
     address = auto.get("prometheusAddress") or DEFAULT_PROMETHEUS
-    where = f'namespace="{namespace}",pod=~"{_pods(name)}"'
+    where = f'namespace="{namespace}",pod=~"{pods or _pods(name)}"'
     router_where = f'namespace="{namespace}",pod=~"{_pods(name + "-router")}"'
     return {
         "apiVersion": "keda.sh/v1alpha1",
@@ -70,7 +74,7 @@ def scaled_object(resolved: Resolved, name: str, namespace: str, behavior: dict)
         "spec": {
             # Like the HPA: KEDA scales the InferenceService through its /scale subresource and the operator
             # rolls the count into the Deployment.
-            "scaleTargetRef": {"apiVersion": API_VERSION, "kind": KIND, "name": name},
+            "scaleTargetRef": target or {"apiVersion": API_VERSION, "kind": KIND, "name": name},
             "minReplicaCount": 0,
             "maxReplicaCount": auto["maxReplicas"],
             "pollingInterval": POLLING_INTERVAL_SECONDS,
@@ -94,7 +98,9 @@ def scaled_object(resolved: Resolved, name: str, namespace: str, behavior: dict)
     }
 
 
-def inference_pool(resolved: Resolved, name: str, namespace: str) -> dict | None:
+def inference_pool(
+    resolved: Resolved, name: str, namespace: str, selector: dict[str, str] | None = None
+) -> dict | None:
     pool = (resolved.spec.get("gateway") or {}).get("inferencePool")
     if pool is None:
         return None
@@ -104,7 +110,7 @@ def inference_pool(resolved: Resolved, name: str, namespace: str) -> dict | None
         "metadata": {"name": name, "namespace": namespace, "labels": engine_labels(name)},
         "spec": {
             # The engine pods only: the router's pods share the instance label but not the component.
-            "selector": {"matchLabels": engine_pod_selector(name)},
+            "selector": {"matchLabels": selector or engine_pod_selector(name)},
             "targetPorts": [{"number": resolved.spec["port"]}],
             "endpointPickerRef": dict(pool["endpointPickerRef"]),
         },

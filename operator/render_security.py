@@ -53,31 +53,38 @@ def _uses_api_key(template: dict) -> bool:
     return any(env.get("name") == API_KEY_ENV and "valueFrom" in env for c in containers for env in c.get("env") or [])
 
 
+def _with_annotation(template: dict, digest: str) -> dict:
+    meta = template.get("metadata") or {}
+    return {
+        **template,
+        "metadata": {**meta, "annotations": {**(meta.get("annotations") or {}), API_KEY_HASH_ANNOTATION: digest}},
+    }
+
+
 def with_api_key_hash(objs: list[dict], digest: str | None) -> list[dict]:
-    """Copies of `objs` whose pod templates that read the API key carry `digest` (unchanged when None)."""
+    """Copies of `objs` whose pod templates that read the API key carry `digest` (unchanged when None): a
+    Deployment's template, and a LeaderWorkerSet's leader template (its workers serve no API)."""
     if digest is None:
         return objs
     out = []
     for obj in objs:
-        template = (obj.get("spec") or {}).get("template")
+        spec = obj.get("spec") or {}
+        template = spec.get("template")
+        group = spec.get("leaderWorkerTemplate")
         if template is not None and _uses_api_key(template):
-            meta = template.get("metadata") or {}
-            template = {
-                **template,
-                "metadata": {
-                    **meta,
-                    "annotations": {**(meta.get("annotations") or {}), API_KEY_HASH_ANNOTATION: digest},
-                },
-            }
-            obj = {**obj, "spec": {**obj["spec"], "template": template}}
+            obj = {**obj, "spec": {**spec, "template": _with_annotation(template, digest)}}
+        elif group is not None and _uses_api_key(group.get("leaderTemplate") or {}):
+            group = {**group, "leaderTemplate": _with_annotation(group["leaderTemplate"], digest)}
+            obj = {**obj, "spec": {**spec, "leaderWorkerTemplate": group}}
         out.append(obj)
     return out
 
 
-def network_policy(resolved: Resolved, name: str, namespace: str) -> dict:
+def network_policy(resolved: Resolved, name: str, namespace: str, extra_ingress: tuple[dict, ...] = ()) -> dict:
     """Ingress to the engine pods: the API port from this InferenceService's own pods (the router), pods of
     the same namespace (allowSameNamespace) and the listed peers; the same port from the monitoring namespace
-    for /metrics. NetworkPolicy is L4: the metrics peers can also open /v1, which the API key still guards."""
+    for /metrics. NetworkPolicy is L4: the metrics peers can also open /v1, which the API key still guards.
+    `extra_ingress`: more rules (a multi-pod replica's members reaching each other, render_multinode)."""
     policy, port = resolved.spec["networkPolicy"], resolved.spec["port"]
     api_peers: list[dict[str, Any]] = (
         [{"podSelector": {}}]
@@ -96,6 +103,7 @@ def network_policy(resolved: Resolved, name: str, namespace: str) -> dict:
             "ingress": [
                 {"from": api_peers, "ports": [{"protocol": "TCP", "port": port}]},
                 {"from": [{"namespaceSelector": metrics_selector}], "ports": [{"protocol": "TCP", "port": port}]},
+                *extra_ingress,
             ],
         },
     }

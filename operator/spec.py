@@ -10,12 +10,13 @@ CRD's enums are tested against); shape/range validation is the CRD schema's job.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvserve.operator import catalog, planner
+from kvserve.operator import catalog, parallelism, planner
 from kvserve.runtime import capacity, engine_args
 from kvserve.runtime.sources import uri as source_uri
 
@@ -72,6 +73,7 @@ DEFAULTS: dict[str, Any] = {
     "podDisruptionBudget": {"enabled": True, "maxUnavailable": 1},
     "router": {"enabled": False, "replicas": 1},
     "networkPolicy": {"enabled": True, "allowSameNamespace": True},
+    "parallelism": {"gpusPerNode": parallelism.DEFAULT_GPUS_PER_NODE},
 }
 
 
@@ -107,6 +109,8 @@ class Resolved:
     gpu_product: str | None  # node-selector value; None when the spec names no known product
     plan: planner.Plan
     plan_input: planner.PlanInput | None = None  # what `plan` was computed from (kvserve plan's multi-node retry)
+    # Pods per replica and why (issue 28): one pod renders a Deployment, more a LeaderWorkerSet.
+    layout: parallelism.Layout | None = None
 
 
 _SHAPE_FIELDS = {
@@ -351,7 +355,14 @@ def resolve(spec: dict, model_config: dict | None = None) -> Resolved:
         activation_reserve_bytes=engine["activationReserveMiB"] * mib if "activationReserveMiB" in engine else None,
         runtime_overhead_bytes=engine["runtimeOverheadMiB"] * mib if "runtimeOverheadMiB" in engine else None,
     )
-    plan = planner.plan(plan_input)
+    try:
+        plan, layout = parallelism.choose(
+            plan_input, planner.plan(plan_input), spec["parallelism"], engine.get("extraArgs") or []
+        )
+    except parallelism.ParallelismError as exc:
+        raise SpecError("InvalidParallelism", str(exc)) from None
+    if layout.multinode:  # the plan the pods run: PP stages of TP GPUs each
+        plan_input = dataclasses.replace(plan_input, pipeline_parallel_size=layout.pipeline_parallel_size)
     if plan.fits and not engine["enableChunkedPrefill"] and engine["maxNumBatchedTokens"] < engine["maxModelLen"]:
         plan = planner.Plan(
             **{
@@ -371,4 +382,5 @@ def resolve(spec: dict, model_config: dict | None = None) -> Resolved:
         gpu_product=product,
         plan=plan,
         plan_input=plan_input,
+        layout=layout,
     )

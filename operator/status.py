@@ -66,6 +66,9 @@ def compute_status(
     pod_failure: PodFailure | None = None,
     conflicts: tuple[str, ...] = (),
     model_ready: tuple[bool, str, str] | None = None,
+    workload_kind: str = "Deployment",
+    parallelism: dict | None = None,
+    missing_crds: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """`plan` is None when the spec could not be planned at all (unknown model/GPU); `spec` has defaults.
 
@@ -73,6 +76,10 @@ def compute_status(
     adopted or written then, so the status must not report someone else's Deployment as ours (no Ready, no url).
     `pod_failure` is pod_health.diagnose() of the InferenceService's pods; `model_ready` pod_health.model_ready()
     (None: the ModelReady condition is left out, for callers that know nothing of the source).
+    `deployment` is the workload, of `workload_kind`: the Deployment, or for replicas of several pods the
+    LeaderWorkerSet (whose status has the same replicas/readyReplicas/updatedReplicas/observedGeneration, in
+    groups); `parallelism` its layout for status.parallelism. `missing_crds`: "could not create" messages for
+    kinds this cluster does not serve (an optional CRD is not installed): Degraded, with the message.
     """
     if conflicts:
         deployment, pod_failure = None, None
@@ -98,7 +105,12 @@ def compute_status(
     elif conflicts:
         ready_c = (False, "ChildConflict", conflict_message)
     elif deployment is None:
-        ready_c = (False, "DeploymentMissing", "the Deployment does not exist yet")
+        missing = "; ".join(m for m in missing_crds if workload_kind in m)
+        ready_c = (
+            False,
+            f"{workload_kind}Missing",
+            f"the {workload_kind} does not exist yet" + (f": {missing}" if missing else ""),
+        )
     elif desired == 0:
         ready_c = (False, "ScaledToZero", "spec.replicas is 0")
     elif ready >= desired and updated >= desired and rolled:
@@ -111,7 +123,7 @@ def compute_status(
     if fits and deployment is not None and not ready_c[0] and desired > 0:
         progressing_c = (True, "RollingOut", f"{updated}/{desired} replicas updated, {ready} ready")
     elif fits and deployment is None and not conflicts:
-        progressing_c = (True, "Creating", "creating the Deployment")
+        progressing_c = (True, "Creating", f"creating the {workload_kind}")
     else:
         progressing_c = (False, "Stable" if fits else "CapacityNotPlanned", "no rollout in progress")
 
@@ -121,8 +133,10 @@ def compute_status(
         degraded_c = (
             True,
             "SpecNotApplied",
-            f"the new spec does not fit ({plan_reason}); the previous Deployment keeps serving",
+            f"the new spec does not fit ({plan_reason}); the previous {workload_kind} keeps serving",
         )
+    elif fits and missing_crds and not conflicts:
+        degraded_c = (True, "CRDNotInstalled", "; ".join(missing_crds))
     elif fits and deployment is not None and pod_failure is not None:
         degraded_c = (True, pod_failure.reason, pod_failure.message)
     elif deadline.get("status") == "False" and deadline.get("reason") == "ProgressDeadlineExceeded":
@@ -159,6 +173,8 @@ def compute_status(
         status["observedGeneration"] = generation
     if plan is not None:
         status["plan"] = plan_status(plan)
+    if parallelism is not None:
+        status["parallelism"] = parallelism
     if fits and not conflicts:
         status["url"] = service_url(url_service_name(spec, name), namespace, int(spec.get("port", 8000)))
     return status

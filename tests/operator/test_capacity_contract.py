@@ -23,6 +23,7 @@ from kvserve.runtime.config import build_engine_config
 from kvserve.runtime.engine_args import EngineArgs
 from kvserve.runtime.errors import InvalidParameter
 from kvserve.runtime.executor import kv_sizing
+from kvserve.runtime.executor.pipeline import stage_engine_config
 
 MODEL_TYPES = {
     "LlamaForCausalLM": "llama",
@@ -134,6 +135,16 @@ COMBOS = [
 ]
 
 
+def _engine_command(objs: list[dict]) -> list[str]:
+    """The engine pod's command: the Deployment's, or a LeaderWorkerSet leader's (node rank 0)."""
+    for obj in objs:
+        if obj["kind"] == "Deployment":
+            return obj["spec"]["template"]["spec"]["containers"][0]["command"]
+        if obj["kind"] == "LeaderWorkerSet":
+            return obj["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["spec"]["containers"][0]["command"]
+    raise AssertionError(f"no engine workload in {[o['kind'] for o in objs]}")
+
+
 @pytest.mark.parametrize("key", sorted(catalog.MODELS))
 def test_every_accepted_plan_is_served_with_exactly_the_planned_capacity(key, model_dirs):
     accepted = refused = 0
@@ -158,8 +169,23 @@ def test_every_accepted_plan_is_served_with_exactly_the_planned_capacity(key, mo
             continue
         accepted += 1
         objs = render.render(resolved, "x", "default")
-        command = objs[0]["spec"]["template"]["spec"]["containers"][0]["command"]
-        config = runtime_config_from_pod(command, model_dirs[key])
+        config = runtime_config_from_pod(_engine_command(objs), model_dirs[key])
+        if config.pipeline_parallel_size > 1:
+            # A replica larger than one node (a LeaderWorkerSet of PP stages): every stage sizes the same
+            # --kv-cache-bytes for its own layers and the executor takes the minimum; that stage is checked,
+            # and the planner charged the heaviest stage's weights.
+            ranges = config.parallel.stage_layers
+            weights = max(
+                capacity.stage_weight_bytes_per_rank(
+                    config.model.shape, config.model.weight_dtype, t, r, i == 0, i == len(ranges) - 1
+                )
+                for i, r in enumerate(ranges)
+            )
+            stage_configs = [stage_engine_config(config, r) for r in ranges]
+            blocks = [kv_sizing.explicit_num_blocks(c) for c in stage_configs]
+            config = stage_configs[blocks.index(min(blocks))]
+        else:
+            weights = capacity.weight_bytes_per_rank(config.model.shape, config.model.weight_dtype, t)
         num_blocks = kv_sizing.explicit_num_blocks(config)
         kv_sizing.check_one_sequence_fits(config, num_blocks)  # the runtime's startup check passes
         where = (key, gpu, t, kv, dtype)
@@ -173,10 +199,7 @@ def test_every_accepted_plan_is_served_with_exactly_the_planned_capacity(key, mo
         ), where
         assert kv_sizing.layout(config).bytes_per_token_per_rank == plan.kv_bytes_per_token_per_gpu, where
         # The weights the runtime allocates per rank (from config.json) are what the planner charged.
-        assert (
-            capacity.weight_bytes_per_rank(config.model.shape, config.model.weight_dtype, t)
-            == plan.weight_bytes_per_gpu
-        ), where
+        assert weights == plan.weight_bytes_per_gpu, where
         assert (
             capacity.tp_shape_error(
                 config.model.num_heads, config.model.num_kv_heads, config.model.shape.intermediate_size, t

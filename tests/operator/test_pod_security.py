@@ -157,6 +157,17 @@ def pod_templates(objs: list[dict]) -> list[tuple[str, dict, dict]]:
                     (template.get("metadata") or {}).get("annotations") or {},
                 )
             )
+        group = (obj.get("spec") or {}).get("leaderWorkerTemplate") or {}  # a LeaderWorkerSet: leader and workers
+        for role in ("leaderTemplate", "workerTemplate"):
+            if group.get(role) is not None:
+                t = group[role]
+                out.append(
+                    (
+                        f"{obj['kind']}/{obj['metadata']['name']}/{role}",
+                        t["spec"],
+                        (t.get("metadata") or {}).get("annotations") or {},
+                    )
+                )
         job = ((obj.get("spec") or {}).get("jobTemplate") or {}).get("spec", {}).get("template")
         if job is not None:
             out.append((f"{obj['kind']}/{obj['metadata']['name']}", job["spec"], {}))

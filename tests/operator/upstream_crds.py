@@ -1,15 +1,19 @@
-"""Validate rendered custom resources (KEDA ScaledObject, GIE InferencePool) against their upstream CRDs,
-vendored in tests/operator/data/upstream_crds/ (source, commit and version in the README there).
+"""Validate rendered custom resources (KEDA ScaledObject, GIE InferencePool, LeaderWorkerSet) against their
+upstream CRDs, vendored in tests/operator/data/upstream_crds/ (source, commit and version in the README there).
 
 What the API server would check: the OpenAPI v3 schema (types, enums, required, min/max, patterns, unknown
 fields rejected as under `kubectl apply`'s strict field validation) with jsonschema, and the CRDs' CEL rules.
 The CEL rules are few; each one is re-stated here in Python, keyed by its exact text, and a rule this table
 does not know fails the validation, so a newly vendored schema cannot pass with a rule silently skipped.
+LeaderWorkerSet also has a validating webhook (pkg/webhooks/leaderworkerset_webhook.go generalValidate); its
+rules that a rendered object can break are re-stated in `_lws_webhook_errors`.
 """
 
 from __future__ import annotations
 
+import functools
 import pathlib
+import re
 from typing import Any, Callable
 
 import jsonschema
@@ -19,7 +23,9 @@ DATA = pathlib.Path(__file__).resolve().parent / "data" / "upstream_crds"
 FILES = {
     ("keda.sh/v1alpha1", "ScaledObject"): "keda.sh_scaledobjects.yaml",
     ("inference.networking.k8s.io/v1", "InferencePool"): "inference.networking.k8s.io_inferencepools.yaml",
+    ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"): "leaderworkerset.x-k8s.io_leaderworkersets.yaml",
 }
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # the LWS CRD is 1.3 MB (two pod templates)
 
 
 def _keda_min_le_max(o: dict) -> bool:
@@ -79,8 +85,9 @@ def _cel_errors(node: dict, value: Any, where: str) -> list[str]:
     return errors
 
 
+@functools.lru_cache(maxsize=None)
 def schema(api_version: str, kind: str) -> dict:
-    crd = yaml.safe_load((DATA / FILES[(api_version, kind)]).read_text())
+    crd = yaml.load((DATA / FILES[(api_version, kind)]).read_text(), Loader=_LOADER)  # noqa: S506 - a safe loader
     version = api_version.split("/")[1]
     (served,) = [v for v in crd["spec"]["versions"] if v["name"] == version]
     assert served["served"], f"{kind} {version} is not served upstream"
@@ -93,8 +100,31 @@ def validate(obj: dict) -> None:
     body = {k: v for k, v in obj.items() if k != "metadata"}  # metadata is the API server's ObjectMeta
     jsonschema.validate(body, _json_schema({**node, "properties": {**node["properties"], "metadata": {}}}))
     errors = _cel_errors(node, obj, obj["kind"])
+    if obj["kind"] == "LeaderWorkerSet":
+        errors += _lws_webhook_errors(obj)
     if errors:
         raise ValueError("; ".join(errors))
+
+
+_DNS1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+
+
+def _lws_webhook_errors(obj: dict) -> list[str]:
+    """The LWS validating webhook's checks on create (generalValidate), with the defaults it sees applied."""
+    errors = []
+    name = obj["metadata"]["name"]
+    if not _DNS1035.fullmatch(name) or len(name) > 63:  # its headless Service is named after it
+        errors.append(f"metadata.name {name!r} must be a DNS-1035 label")
+    spec = obj["spec"]
+    replicas, size = spec.get("replicas", 1), spec["leaderWorkerTemplate"].get("size", 1)
+    if size < 1:
+        errors.append("spec.leaderWorkerTemplate.size must be >= 1")
+    if not 0 <= replicas <= 1_000_000 or replicas * size > 2**31 - 1:
+        errors.append("spec.replicas out of range")
+    rolling = (spec.get("rolloutStrategy") or {}).get("rollingUpdateConfiguration") or {}
+    if rolling.get("maxUnavailable", 1) in (0, "0%") and rolling.get("maxSurge", 0) in (0, "0%") and replicas:
+        errors.append("spec.rolloutStrategy: maxUnavailable must not be 0 when maxSurge is 0")
+    return errors
 
 
 def is_upstream_custom(obj: dict) -> bool:

@@ -75,6 +75,10 @@ One definition for both scopes: a ClusterRole (all namespaces) or a Role per ope
 - apiGroups: [inference.networking.k8s.io]
   resources: [inferencepools]
   verbs: [get, list, watch, create, patch, delete]
+# Replicas larger than one node: a LeaderWorkerSet (optional CRD, github.com/kubernetes-sigs/lws).
+- apiGroups: [leaderworkerset.x-k8s.io]
+  resources: [leaderworkersets]
+  verbs: [get, list, watch, create, patch, delete]
 # spec.router: the router's ServiceAccount, Role and RoleBinding. RBAC lets the operator grant only what
 # it holds itself, hence read access to EndpointSlices (the router's Role).
 - apiGroups: [""]
@@ -91,11 +95,12 @@ One definition for both scopes: a ClusterRole (all namespaces) or a Role per ope
   resources: [pods]
   verbs: [get, list]
 # The API-key Secret named in spec.auth.apiKeySecretRef, for its rotation digest, and the model credentials
-# in spec.model.credentials.secretRef, to fetch a non-catalog model's config.json. get only: the operator
-# cannot list or watch Secrets, so it can read one only by a name some InferenceService gives.
+# in spec.model.credentials.secretRef, to fetch a non-catalog model's config.json. The operator cannot list,
+# watch, patch or delete Secrets, so it can read one only by a name some InferenceService gives; it creates
+# one: a multi-node replica's group key (<name>-multinode, random, garbage-collected with its owner).
 - apiGroups: [""]
   resources: [secrets]
-  verbs: [get]
+  verbs: [get, create]
 # Warning Events (capacity failures, pod failures, child conflicts).
 - apiGroups: ["", events.k8s.io]
   resources: [events]

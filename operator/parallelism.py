@@ -22,16 +22,7 @@ from kvserve.operator import planner
 from kvserve.runtime import capacity
 
 DEFAULT_GPUS_PER_NODE = 8
-# Mirrors kvserve.runtime.config.PIPELINE_ARCHITECTURES (that module is not importable without the runtime's
-# dependencies); tests/operator/test_render_multinode.py keeps the two equal.
-PIPELINE_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "MixtralForCausalLM",
-    "Qwen3ForCausalLM",
-    "Qwen3MoeForCausalLM",
-)
+PIPELINE_ARCHITECTURES = capacity.PIPELINE_ARCHITECTURES  # the runtime's own list (config.py refuses the rest)
 # `kvserve serve` flags the runtime refuses beside --pipeline-parallel-size > 1 (runtime/config.py).
 PIPELINE_INCOMPATIBLE_FLAGS = ("--enable-lora", "--cuda-graphs", "--speculative-config")
 _FITS_ELSEWHERE = ("WeightsDoNotFit", "ContextDoesNotFit")

@@ -563,6 +563,19 @@ def one_sequence_error(
     )
 
 
+# Architectures whose model class has the Llama layout a pipeline stage is cut from (models/pipeline_stage.py);
+# the runtime refuses PP for others (config.py) and the operator never renders a group for them;
+# Gemma's sandwich norms and per-layer KV cache groups are not staged yet.
+PIPELINE_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+)
+
+
 # -- Pipeline parallelism (issue 28): which layers each stage owns and what one stage's rank allocates ------
 # Layers split by count, earlier stages taking the remainder; `--pipeline-layer-split 31,32,32,31` overrides.
 # Stage 0 also holds the embedding, the last stage the final norm and LM head.

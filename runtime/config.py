@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.runtime import capacity, cuda_graph_settings, engine_args
-from kvserve.runtime.capacity import SUPPORTED_ARCHITECTURES
+from kvserve.runtime.capacity import PIPELINE_ARCHITECTURES, SUPPORTED_ARCHITECTURES
 from kvserve.runtime.core.scheduler import SchedulerConfig
 from kvserve.runtime.errors import InvalidParameter
 from kvserve.runtime.spec_decode.config import SpeculativeConfig, parse_speculative_config
@@ -74,16 +74,6 @@ def parse_lora_modules(value) -> tuple[tuple[str, str], ...]:
     return out
 
 
-# Architectures whose model class has the Llama layout a pipeline stage is cut from (models/pipeline_stage.py);
-# Gemma's sandwich norms and per-layer KV cache groups are not staged yet.
-PIPELINE_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "MixtralForCausalLM",
-    "Qwen3ForCausalLM",
-    "Qwen3MoeForCausalLM",
-)
 PP_LAYER_PARTITION_ENV = "KVSERVE_PP_LAYER_PARTITION"  # vLLM's VLLM_PP_LAYER_PARTITION: "16,15,..."
 
 

@@ -156,6 +156,8 @@ def _spec(args: argparse.Namespace, settings: engine_args.ResolvedSettings) -> d
         gpu["memoryMiB"] = args.gpu_memory_mib
     if args.model:
         model["name"] = args.model
+    if getattr(args, "gpus_per_node", None):
+        spec["parallelism"] = {"gpusPerNode": args.gpus_per_node}  # the operator's one-pod-or-group choice
     return spec
 
 
@@ -377,7 +379,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc.param}: {exc}")
         return 2
     chosen = resolved.plan
-    why = ""
+    # The spec path already chose one pod or a group of PP stages (operator/parallelism.py): say why.
+    why = resolved.layout.reason if resolved.layout is not None and resolved.layout.multinode else ""
     # Only when a whole node (TP = GPUs per node) does not fit: a smaller TP's refusal stays a refusal.
     pin = resolved.plan_input
     lora = getattr(args, "enable_lora", False)

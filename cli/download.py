@@ -28,6 +28,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-weights", action="store_true", help="config and tokenizer files only (the router's init container)"
     )
     parser.add_argument(
+        "--adapter",
+        action="store_true",
+        help="a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors), not a model (spec.adapters)",
+    )
+    parser.add_argument(
         "--progress-interval", type=float, default=10.0, metavar="SECONDS", help="log progress this often"
     )
     parser.add_argument(
@@ -52,7 +57,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         source = uri.parse(args.uri, args.revision, field="URI", revision_field="--revision")
         result = download.download(
-            source, args.dest, progress_interval_s=args.progress_interval, weights=not args.no_weights
+            source,
+            args.dest,
+            progress_interval_s=args.progress_interval,
+            weights=not args.no_weights,
+            adapter=args.adapter,
         )
     except (uri.SourceError, uri.FetchError) as exc:
         print(f"error: {exc}", file=sys.stderr)

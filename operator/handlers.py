@@ -24,6 +24,7 @@ from typing import Any
 import kopf
 
 from kvserve.operator import (
+    adapters,
     kube,
     labels,
     leader,
@@ -164,6 +165,7 @@ def reconcile(namespace: str, name: str) -> dict[str, str]:
             workload_kind="LeaderWorkerSet" if use_lws else "Deployment",
             parallelism=parallelism,
             missing_crds=tuple(missing_crds),
+            adapters=_adapters_served(resolved, pods),
         )
         # Time to ready of the newest ready pod (kept while none is ready, e.g. scaled to zero): pod_startup.py
         startup = last_replica_startup(pods) or previous.get("lastReplicaStartup")
@@ -198,6 +200,13 @@ def _model_ready(spec: dict, pods: list[dict], failure: pod_health.PodFailure | 
     except (spec_mod.SpecError, KeyError):
         return False, "InvalidModelSource", "spec.model.uri is not a model source (see CapacityPlanned)"
     return pod_health.model_ready(pods, remote, failure)
+
+
+def _adapters_served(resolved: spec_mod.Resolved | None, pods: list[dict]) -> tuple[int, int] | None:
+    if resolved is None or not resolved.adapters:
+        return None
+    names = [a.name for a in resolved.adapters]
+    return adapters.served_by_ready_pods(pods, names), len(names)
 
 
 def _label(key: tuple[str, str], name: str) -> str:

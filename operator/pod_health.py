@@ -19,11 +19,17 @@ PLAN_REJECTED_PREFIX = "kvserve: plan rejected: "
 DOWNLOAD_FAILED_PREFIX = "kvserve: download failed: "
 DOWNLOAD_CONTAINER = "model-download"
 STARTUP_FAILED_PREFIX = "kvserve: startup failed: "
+# spec.adapters (issue 24): a download init container per remote adapter (render_model.ADAPTER_DOWNLOAD_PREFIX +
+# its index), and the engine's start-up failure for a --lora-modules adapter it cannot load, which
+# runtime/lora/adapter.LoraLoadError words "adapter 'NAME': ..." (tests/operator/test_adapters.py runs it).
+ADAPTER_DOWNLOAD_PREFIX = "adapter-download-"
+ADAPTER_STARTUP_PREFIX = STARTUP_FAILED_PREFIX + "adapter '"
 MAX_MESSAGE_CHARS = 1024  # the kubelet caps termination messages at 4096 bytes; a condition needs far less
 
 # Most specific first: a reason that names the cause beats one that only names the symptom.
 SEVERITY = (
     "DownloadFailed",
+    "AdapterLoadFailed",
     "RuntimeRejectedPlan",
     "RuntimeStartupFailed",
     "OOMKilled",
@@ -62,8 +68,13 @@ def _container_failure(pod: str, status: dict) -> PodFailure | None:
     terminated = _terminated(status)
     where = f"pod {pod} container {name}"
     termination_message = (terminated.get("message") or "").strip()
+    if termination_message.startswith(DOWNLOAD_FAILED_PREFIX.strip()) and name.startswith(ADAPTER_DOWNLOAD_PREFIX):
+        index = name.removeprefix(ADAPTER_DOWNLOAD_PREFIX)
+        return PodFailure("AdapterLoadFailed", f"{where} (spec.adapters[{index}]): {termination_message}", pod)
     if termination_message.startswith(DOWNLOAD_FAILED_PREFIX.strip()):
         return PodFailure("DownloadFailed", f"{where}: {termination_message}", pod)
+    if termination_message.startswith(ADAPTER_STARTUP_PREFIX):
+        return PodFailure("AdapterLoadFailed", f"{where}: {termination_message}", pod)
     if termination_message.startswith(PLAN_REJECTED_PREFIX.strip()):
         return PodFailure("RuntimeRejectedPlan", f"{where}: {termination_message}", pod)
     if termination_message.startswith(STARTUP_FAILED_PREFIX.strip()) and terminated.get("reason") != "OOMKilled":

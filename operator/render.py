@@ -10,6 +10,7 @@ import math
 from typing import Any
 
 from kvserve.operator import (
+    adapters,
     pod_resources,
     render_model,
     render_multinode,
@@ -56,6 +57,8 @@ def engine_settings(resolved: Resolved) -> dict[str, Any]:
     values = {name: spec[path.split(".")[0]][path.split(".")[1]] for path, name in engine_args.crd_settings().items()}
     # The planned budget per GPU rank, in whole blocks: the pod never allocates more KV than planned.
     values["kv_cache_bytes"] = resolved.plan.kv_cache_bytes_per_gpu
+    # spec.adapters: --enable-lora --lora-modules --max-loras --max-lora-rank (the slots the plan charged)
+    values.update(adapters.engine_settings(list(resolved.adapters)))
     return values
 
 
@@ -135,6 +138,8 @@ def pod_template(resolved: Resolved, name: str, extra_settings: dict | None = No
     adapts it (`extra_settings`: its pipeline and node flags)."""
     spec = resolved.spec
     volumes, mounts, model_dir = model_source(spec)
+    adapter_volumes, adapter_mounts, adapter_inits = render_model.adapter_sources(resolved)
+    volumes, mounts = volumes + adapter_volumes, mounts + adapter_mounts
     volumes = volumes + [
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec["shmSize"]}},
         {"name": "tmp", "emptyDir": {}},
@@ -176,7 +181,7 @@ def pod_template(resolved: Resolved, name: str, extra_settings: dict | None = No
         },
     }
     pod_spec: dict[str, Any] = {
-        **({"initContainers": inits} if (inits := render_model.init_containers(resolved)) else {}),
+        **({"initContainers": inits} if (inits := render_model.init_containers(resolved) + adapter_inits) else {}),
         "containers": [container],
         "volumes": volumes,
         "securityContext": {
@@ -215,6 +220,10 @@ def pod_template(resolved: Resolved, name: str, extra_settings: dict | None = No
                 "prometheus.io/scrape": "true",
                 "prometheus.io/port": str(spec["port"]),
                 "prometheus.io/path": "/metrics",
+                # The adapters this pod serves once ready (status.adapters counts those every ready pod has).
+                **(
+                    {adapters.POD_ANNOTATION: adapters.annotation(list(resolved.adapters))} if resolved.adapters else {}
+                ),
             },
         },
         "spec": pod_spec,

@@ -7,6 +7,8 @@ only by the init containers (staging + rename under a flock beside it), mounted 
 
 from __future__ import annotations
 
+from kvserve.operator.adapters import ADAPTER_MOUNT
+from kvserve.operator.pod_health import ADAPTER_DOWNLOAD_PREFIX  # + the adapter's index in spec.adapters
 from kvserve.operator.spec import Resolved
 from kvserve.runtime.sources import uri as source_uri
 
@@ -99,3 +101,59 @@ def _download_container(resolved: Resolved, mounts: list[dict], model_dir: str, 
     if not weights:  # a few MB of tokenizer files
         container["resources"] = {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "512Mi"}}
     return container
+
+
+ADAPTER_VOLUME = "adapters"
+# An adapter is megabytes to a few hundred: the downloader's memory stays flat anyway (1 MiB chunks).
+ADAPTER_DOWNLOAD_RESOURCES = {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
+
+
+def adapter_sources(resolved: Resolved) -> tuple[list[dict], list[dict], list[dict]]:
+    """(volumes, the engine's read-only volumeMounts, init containers) for spec.adapters: hf:// and s3:// ones
+    are downloaded by one init container each (`kvserve download --adapter`) into the pod's own emptyDir at
+    ADAPTER_MOUNT/<name> -- like the base model without a cache: every pod, restarted or new, fetches its own
+    copy before the engine starts --; a pvc:// one mounts its claim's PATH read-only (subPath) at
+    ADAPTER_CLAIM_MOUNT/<name>; a file:// one is a path in the image."""
+    volumes: list[dict] = []
+    mounts: list[dict] = []
+    inits: list[dict] = []
+    claims: dict[str, str] = {}  # claim -> volume name (one volume per claim, mounted once per adapter)
+    if resolved.source.scheme == "pvc":  # adapters beside the base model: its volume, not a second one
+        claims[resolved.source.location] = "model"
+    remote = [a for a in resolved.adapters if a.source.remote]
+    if remote:
+        volumes.append({"name": ADAPTER_VOLUME, "emptyDir": {}})
+        mounts.append({"name": ADAPTER_VOLUME, "mountPath": ADAPTER_MOUNT, "readOnly": True})
+    for adapter in resolved.adapters:
+        if adapter.source.scheme != "pvc":
+            continue
+        claim = adapter.source.location
+        if claim not in claims:
+            claims[claim] = f"adapter-claim-{sum(v != 'model' for v in claims.values())}"
+            volumes.append({"name": claims[claim], "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+        mount = {"name": claims[claim], "mountPath": adapter.directory, "readOnly": True}
+        if adapter.source.path:
+            mount["subPath"] = adapter.source.path
+        mounts.append(mount)
+    spec = resolved.spec
+    for adapter in remote:
+        container = {
+            "name": f"{ADAPTER_DOWNLOAD_PREFIX}{adapter.index}",
+            "image": spec["image"],
+            "imagePullPolicy": spec["imagePullPolicy"],
+            "command": ["kvserve", "download", str(adapter.source), "--dest", adapter.directory, "--adapter"],
+            "env": list(DOWNLOAD_ENV),
+            "resources": ADAPTER_DOWNLOAD_RESOURCES,
+            "volumeMounts": [
+                {"name": ADAPTER_VOLUME, "mountPath": ADAPTER_MOUNT},
+                {"name": "tmp", "mountPath": "/tmp"},
+            ],
+            # "kvserve: download failed: <why>" -> AdaptersReady=False (AdapterLoadFailed) naming this adapter.
+            "terminationMessagePath": "/dev/termination-log",
+            "terminationMessagePolicy": "FallbackToLogsOnError",
+            "securityContext": _SECURITY,
+        }
+        if adapter.secret:
+            container["envFrom"] = [{"secretRef": {"name": adapter.secret}}]
+        inits.append(container)
+    return volumes, mounts, inits

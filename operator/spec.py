@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvserve.operator import adapters as adapters_mod
 from kvserve.operator import catalog, parallelism, planner
 from kvserve.runtime import capacity, engine_args
 from kvserve.runtime.sources import uri as source_uri
@@ -111,6 +112,8 @@ class Resolved:
     plan_input: planner.PlanInput | None = None  # what `plan` was computed from (kvserve plan's multi-node retry)
     # Pods per replica and why (issue 28): one pod renders a Deployment, more a LeaderWorkerSet.
     layout: parallelism.Layout | None = None
+    # spec.adapters, validated: LoRA adapters every replica loads at start-up (operator/adapters.py)
+    adapters: tuple[adapters_mod.Adapter, ...] = ()
 
 
 _SHAPE_FIELDS = {
@@ -326,6 +329,11 @@ def resolve(spec: dict, model_config: dict | None = None) -> Resolved:
     check_gateway(spec)
     drain_timeout_seconds(spec)
     source = model_source(spec["model"])
+    try:
+        adapters = tuple(adapters_mod.parse(spec))
+    except adapters_mod.AdapterError as exc:
+        raise SpecError("InvalidAdapter", str(exc)) from None
+    max_loras, max_lora_rank = adapters_mod.slots(list(adapters))
     model = model_shape(spec["model"], model_config)
     gpu_spec, engine = spec["gpu"], spec["engine"]
     gpu = catalog.lookup_gpu(gpu_spec["product"]) if gpu_spec.get("product") else None
@@ -354,6 +362,9 @@ def resolve(spec: dict, model_config: dict | None = None) -> Resolved:
         max_num_seqs=engine["maxNumSeqs"],
         activation_reserve_bytes=engine["activationReserveMiB"] * mib if "activationReserveMiB" in engine else None,
         runtime_overhead_bytes=engine["runtimeOverheadMiB"] * mib if "runtimeOverheadMiB" in engine else None,
+        # the adapter slots the pod's --max-loras/--max-lora-rank allocate come off the KV budget
+        max_loras=max_loras,
+        max_lora_rank=max_lora_rank,
     )
     try:
         plan, layout = parallelism.choose(
@@ -363,6 +374,15 @@ def resolve(spec: dict, model_config: dict | None = None) -> Resolved:
         raise SpecError("InvalidParallelism", str(exc)) from None
     if layout.multinode:  # the plan the pods run: PP stages of TP GPUs each
         plan_input = dataclasses.replace(plan_input, pipeline_parallel_size=layout.pipeline_parallel_size)
+        if adapters and plan.fits:  # the runtime refuses --enable-lora with --pipeline-parallel-size > 1
+            plan = dataclasses.replace(
+                plan,
+                fits=False,
+                reason="PipelineParallelUnsupported",
+                message=f"spec.adapters (LoRA) cannot be combined with pipeline parallelism: this replica needs "
+                f"{layout.nodes} pods ({layout.reason}); serve the adapters on a model that fits one pod "
+                "(a larger gpu.tensorParallelSize, a smaller maxModelLen or dtype fp8)",
+            )
     if plan.fits and not engine["enableChunkedPrefill"] and engine["maxNumBatchedTokens"] < engine["maxModelLen"]:
         plan = planner.Plan(
             **{
@@ -383,4 +403,5 @@ def resolve(spec: dict, model_config: dict | None = None) -> Resolved:
         plan=plan,
         plan_input=plan_input,
         layout=layout,
+        adapters=adapters,
     )

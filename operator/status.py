@@ -69,6 +69,7 @@ def compute_status(
     workload_kind: str = "Deployment",
     parallelism: dict | None = None,
     missing_crds: tuple[str, ...] = (),
+    adapters: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
     """`plan` is None when the spec could not be planned at all (unknown model/GPU); `spec` has defaults.
 
@@ -80,6 +81,8 @@ def compute_status(
     LeaderWorkerSet (whose status has the same replicas/readyReplicas/updatedReplicas/observedGeneration, in
     groups); `parallelism` its layout for status.parallelism. `missing_crds`: "could not create" messages for
     kinds this cluster does not serve (an optional CRD is not installed): Degraded, with the message.
+    `adapters`: (served by every ready pod, in spec.adapters) -- status.adapters "ready/total" and the
+    AdaptersReady condition (AdapterLoadFailed from `pod_failure`); None or a total of 0 leaves both out.
     """
     if conflicts:
         deployment, pod_failure = None, None
@@ -163,6 +166,12 @@ def compute_status(
     ]
     if model_ready is not None:
         conditions.append(_condition("ModelReady", *model_ready, previous_conditions, now, generation))
+    if adapters is not None and adapters[1] > 0:
+        conditions.append(
+            _condition(
+                "AdaptersReady", *_adapters_condition(*adapters, pod_failure), previous_conditions, now, generation
+            )
+        )
     status: dict[str, Any] = {
         "replicas": int(dep_status.get("replicas") or 0),
         "readyReplicas": ready,
@@ -175,6 +184,20 @@ def compute_status(
         status["plan"] = plan_status(plan)
     if parallelism is not None:
         status["parallelism"] = parallelism
+    if adapters is not None and adapters[1] > 0:
+        status["adapters"] = f"{adapters[0]}/{adapters[1]}"
     if fits and not conflicts:
         status["url"] = service_url(url_service_name(spec, name), namespace, int(spec.get("port", 8000)))
     return status
+
+
+def _adapters_condition(ready: int, total: int, pod_failure: PodFailure | None) -> tuple[bool, str, str]:
+    if pod_failure is not None and pod_failure.reason == "AdapterLoadFailed":
+        return False, "AdapterLoadFailed", f"{ready}/{total} adapters served: {pod_failure.message}"
+    if ready == total:
+        return True, "AdaptersServed", f"every ready pod serves all {total} spec.adapters"
+    return (
+        False,
+        "AdaptersLoading",
+        f"{ready}/{total} adapters served by every ready pod (pods starting or rolling out)",
+    )

@@ -218,8 +218,10 @@ def download(
     lock_wait_log_s: float = 30.0,
     on_listing: Callable[[list[RemoteFile]], None] | None = None,
     weights: bool = True,
+    adapter: bool = False,
 ) -> Result:
-    """`weights=False`: config and tokenizer files only (what the router reads)."""
+    """`weights=False`: config and tokenizer files only (what the router reads). `adapter=True`: a PEFT LoRA
+    adapter (adapter_config.json + adapter_model.safetensors) instead of a model."""
     dest = Path(os.path.abspath(dest))
     started = time.monotonic()
     marker = _check_existing(dest, source)
@@ -229,7 +231,14 @@ def download(
             marker = _check_existing(dest, source)  # another pod may have finished while we waited
             if marker is None:
                 return _download_locked(
-                    source, dest, backend or open_backend(source), progress_interval_s, started, on_listing, weights
+                    source,
+                    dest,
+                    backend or open_backend(source),
+                    progress_interval_s,
+                    started,
+                    on_listing,
+                    weights,
+                    adapter,
                 )
         finally:
             os.close(fd)  # releases the flock
@@ -252,16 +261,18 @@ def _download_locked(
     started: float,
     on_listing,
     weights: bool,
+    adapter: bool = False,
 ) -> Result:
     listing = backend.listing()
     if not weights:
         listing = type(listing)(listing.commit, [f for f in listing.files if not is_weight(f.path)])
     paths = [f.path for f in listing.files]
-    missing = missing_required(paths, weights)
+    missing = missing_required(paths, weights, adapter)
     if missing:
+        what = "spec.adapters[].uri the adapter's" if adapter else "spec.model.uri the model's"
         raise FetchError(
             f"{source}: found no {' or '.join(missing)} among the files serving reads "
-            f"({', '.join(paths) or 'none'}); is spec.model.uri the model's folder?"
+            f"({', '.join(paths) or 'none'}); is {what} folder?"
         )
     if on_listing:
         on_listing(listing.files)

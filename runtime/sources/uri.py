@@ -37,8 +37,10 @@ SERVING_FILE_PATTERNS = (
     "chat_template.json",
     "chat_template.jinja",
     "*.tiktoken",
+    "adapter_config.json",  # a PEFT LoRA adapter (`kvserve download --adapter`, spec.adapters)
 )
 REQUIRED_PATTERNS = ("config.json", "*.safetensors")  # a source without these is not a model we can serve
+ADAPTER_REQUIRED_PATTERNS = ("adapter_config.json", "adapter_model.safetensors")  # PEFT's format (docs/lora.md)
 WEIGHT_PATTERNS = ("*.safetensors", "model.safetensors.index.json")  # left out by --no-weights (the router)
 
 _HF_PART = r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9])?"
@@ -152,6 +154,6 @@ def is_weight(relative_path: str) -> bool:
     return any(fnmatch.fnmatchcase(relative_path, p) for p in WEIGHT_PATTERNS)
 
 
-def missing_required(relative_paths: list[str], weights: bool = True) -> list[str]:
-    required = REQUIRED_PATTERNS if weights else ("config.json",)
+def missing_required(relative_paths: list[str], weights: bool = True, adapter: bool = False) -> list[str]:
+    required = ADAPTER_REQUIRED_PATTERNS if adapter else REQUIRED_PATTERNS if weights else ("config.json",)
     return [p for p in required if not any(fnmatch.fnmatchcase(f, p) for f in relative_paths)]

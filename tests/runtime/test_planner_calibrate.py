@@ -53,20 +53,27 @@ def test_simulated_throughput_within_2x_of_engine(tiny, calibration):
         engine.add_request(f"r{sent}", {"prompt_token_ids": [rng.randrange(3, 512) for _ in range(prompt_len)]}, params)
         sent += 1
 
-    for _ in range(concurrency):
-        send()
-    out_tokens, done = 0, 0
-    t0 = time.perf_counter()
-    while done < num_requests:  # closed loop: a finished request is replaced by the next one
-        for o in engine.step():
-            if o.finished:
-                done += 1
-                out_tokens += len(o.outputs[0].token_ids)
-                if sent < num_requests:
-                    send()
-    measured = out_tokens / (time.perf_counter() - t0)
+    def closed_loop() -> float:
+        """Output tokens/s of one closed-loop run: a finished request is replaced by the next one."""
+        first = sent
+        for _ in range(concurrency):
+            send()
+        out_tokens, done = 0, 0
+        t0 = time.perf_counter()
+        while done < num_requests:
+            for o in engine.step():
+                if o.finished:
+                    done += 1
+                    out_tokens += len(o.outputs[0].token_ids)
+                    if sent - first < num_requests:
+                        send()
+        assert out_tokens == num_requests * output_len
+        return out_tokens / (time.perf_counter() - t0)
+
+    # Best of three runs, like the calibration's own timings: the suite runs on two xdist workers, and a
+    # single run that shares the 2 cores with the other worker's test measures that test, not the engine.
+    measured = max(closed_loop() for _ in range(3))
     engine.shutdown()
-    assert out_tokens == num_requests * output_len
 
     workload = Workload(
         LengthSpec(prompt_len, prompt_len),

@@ -98,6 +98,20 @@ def _error(resp: httpx.Response, status: int, param: str) -> str:
     return err["message"]
 
 
+def _settled_prefix_cache_hits(url: str) -> float:
+    """vllm:prefix_cache_hits once it stops moving. One API server of the group exports the core's counters,
+    and it applies the stats that came with another server's request only when its own loop wakes (within its
+    0.5 s idle wait): a scrape right after a completion may miss that completion's hits."""
+    last = None
+    for _ in range(20):
+        now = value(scrape(url), "vllm:prefix_cache_hits", "vllm:prefix_cache_hits_total")
+        if now == last:
+            return now
+        last = now
+        time.sleep(1.0)
+    raise AssertionError(f"vllm:prefix_cache_hits never settled (last {last})")
+
+
 def test_load_use_list_unload_and_errors_across_two_api_servers(setup, group):
     model_dir, paths, _ = setup
     url = group.base_url
@@ -135,7 +149,7 @@ def test_load_use_list_unload_and_errors_across_two_api_servers(setup, group):
     families = scrape(url)
     # Every completion for "x" counted once, whichever API server took it (the sum over both servers).
     assert value(families, "kvserve:lora_requests", "kvserve:lora_requests_total", lora_name="x") == SENT["x"] >= 2
-    hits = value(families, "vllm:prefix_cache_hits", "vllm:prefix_cache_hits_total")
+    hits = _settled_prefix_cache_hits(url)
 
     resp = _post(url, "/v1/unload_lora_adapter", {"lora_name": "x"})
     assert resp.status_code == 200 and resp.text == "Success: LoRA adapter 'x' removed successfully.", resp.text
@@ -148,5 +162,5 @@ def test_load_use_list_unload_and_errors_across_two_api_servers(setup, group):
     assert _post(url, "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": paths["b"]}).status_code == 200
     reloaded = _post(url, "/v1/completions", _complete("x")["json"])
     assert reloaded.status_code == 200 and reloaded.json()["choices"][0]["text"] != texts["0"]
-    after = value(scrape(url), "vllm:prefix_cache_hits", "vllm:prefix_cache_hits_total")
+    after = _settled_prefix_cache_hits(url)
     assert after == hits, "the reloaded adapter reused prefix-cache blocks computed under the old weights"

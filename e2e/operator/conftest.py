@@ -43,6 +43,8 @@ SCALING_CHILDREN = {
     "ScaledObject": "keda.sh/v1alpha1/scaledobjects",
     "InferencePool": "inference.networking.k8s.io/v1/inferencepools",
 }
+# A replica larger than one node (spec.parallelism, issue 28), from the optional LeaderWorkerSet CRD.
+MULTINODE_CHILDREN = {"LeaderWorkerSet": "leaderworkerset.x-k8s.io/v1/leaderworkersets"}
 # Read (pods, secrets) or used (leases) by the operator, written by the tests in the kubelet's/user's place.
 OTHERS = {"Pod": "v1/pods", "Secret": "v1/secrets", "Lease": "coordination.k8s.io/v1/leases"}
 _ALL_VERBS = {"get", "list", "watch", "create", "patch", "update", "delete"}
@@ -55,12 +57,25 @@ def _login_to_emulator(**_: Any) -> kopf.ConnectionInfo:
     return kopf.ConnectionInfo(server=_server_url)
 
 
+class _KubernetesEmulator(kmock.KubernetesEmulator):
+    """Answers 404 for the resources in `unserved` (a cluster without that optional CRD) before the emulator
+    stores anything: kmock itself accepts a create of any resource, declared or not."""
+
+    unserved: frozenset[Any] = frozenset()
+
+    async def _handle(self, request: Any) -> Any:
+        if request.resource is not None and request.resource in self.unserved:
+            raise kmock.KubernetesResourceNotFoundError()
+        return await super()._handle(request)
+
+
 class Emulator:
     """A running KubernetesEmulator plus a tiny synchronous JSON client for the test body."""
 
     CR = CR
     CHILDREN = CHILDREN
     SCALING_CHILDREN = SCALING_CHILDREN
+    MULTINODE_CHILDREN = MULTINODE_CHILDREN
     OTHERS = OTHERS
 
     def __init__(self, handler: kmock.KubernetesEmulator, url: str, loop: asyncio.AbstractEventLoop):
@@ -106,8 +121,12 @@ class Emulator:
 
 
 @pytest.fixture()
-def emulator() -> Iterator[Emulator]:
+def emulator(request: pytest.FixtureRequest) -> Iterator[Emulator]:
+    """`@pytest.mark.parametrize("emulator", [{"unserved": ["LeaderWorkerSet"]}], indirect=True)`: kinds of
+    the optional CRDs this cluster does not serve (not in discovery, every request 404)."""
     global _server_url
+    unserved = set((getattr(request, "param", None) or {}).get("unserved", ()))
+    optional = {**SCALING_CHILDREN, **MULTINODE_CHILDREN}
     loop = asyncio.new_event_loop()
     started = threading.Event()
     stop: asyncio.Event | None = None
@@ -116,7 +135,8 @@ def emulator() -> Iterator[Emulator]:
     async def serve() -> None:
         nonlocal stop
         stop = asyncio.Event()
-        async with kmock.KubernetesEmulator() as handler, kmock.Server(handler) as server:
+        async with _KubernetesEmulator() as handler, kmock.Server(handler) as server:
+            handler.unserved = frozenset(kmock.resource(optional[kind]) for kind in unserved)
             info = kmock.ResourceInfo
             handler.resources["v1/namespaces"] = info(kind="Namespace", namespaced=False, verbs=_ALL_VERBS)
             handler.resources["v1/events"] = info(kind="Event", namespaced=True, verbs=_ALL_VERBS)
@@ -131,7 +151,13 @@ def emulator() -> Iterator[Emulator]:
                 shortnames={"kvs"},
             )
             for kind, resource in {**CHILDREN, **ROUTER_CHILDREN, **SCALING_CHILDREN, **OTHERS}.items():
-                handler.resources[resource] = info(kind=kind, namespaced=True, verbs=_ALL_VERBS)
+                if kind not in unserved:
+                    handler.resources[resource] = info(kind=kind, namespaced=True, verbs=_ALL_VERBS)
+            for kind, resource in MULTINODE_CHILDREN.items():
+                if kind not in unserved:  # the HPA scales the LWS through its /scale
+                    handler.resources[resource] = info(
+                        kind=kind, namespaced=True, verbs=_ALL_VERBS, subresources={"status", "scale"}
+                    )
             box["handler"], box["url"] = handler, str(server.url)
             started.set()
             await stop.wait()

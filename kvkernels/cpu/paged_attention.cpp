@@ -38,8 +38,150 @@ struct Item {
 
 inline void prefetch_span(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
-  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 3);
+  for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 1);
 }
+
+// ---- register-blocked micro-kernels: R query rows (the heads of one token that share a KV head) at a time,
+// so each K/V row is loaded, and widened, once per block instead of once per row. Per row, the arithmetic and
+// its order are those of dot4_* / dot_* / scale_add_rows_fixed, so the result is bit-identical to row-at-a-time.
+template <int R>
+inline void qk_rows_f32(const float* const* q, const float* const* k, int64_t nk, int64_t d, float scale, float* sc,
+                        int64_t sc_stride) {
+  int64_t j = 0;
+#ifdef KVS_AVX512
+  for (; j + 4 <= nk; j += 4) {
+    __m512 s[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int x = 0; x < 4; ++x) s[r][x] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < d; i += 16) {
+      const __mmask16 m = tail_mask(d - i);
+      const __m512 k0 = _mm512_maskz_loadu_ps(m, k[j] + i), k1 = _mm512_maskz_loadu_ps(m, k[j + 1] + i);
+      const __m512 k2 = _mm512_maskz_loadu_ps(m, k[j + 2] + i), k3 = _mm512_maskz_loadu_ps(m, k[j + 3] + i);
+      for (int r = 0; r < R; ++r) {
+        const __m512 x = _mm512_maskz_loadu_ps(m, q[r] + i);
+        s[r][0] = _mm512_fmadd_ps(x, k0, s[r][0]);
+        s[r][1] = _mm512_fmadd_ps(x, k1, s[r][1]);
+        s[r][2] = _mm512_fmadd_ps(x, k2, s[r][2]);
+        s[r][3] = _mm512_fmadd_ps(x, k3, s[r][3]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      _mm_storeu_ps(sc + r * sc_stride + j, _mm_mul_ps(hsum4(s[r][0], s[r][1], s[r][2], s[r][3]), _mm_set1_ps(scale)));
+  }
+#endif
+  for (; j < nk; ++j)
+    for (int r = 0; r < R; ++r) sc[r * sc_stride + j] = dot_f32(q[r], k[j], d) * scale;
+}
+
+#ifdef KVS_AVX512BF16
+template <int R>
+inline void qk_rows_bf16(const c10::BFloat16* const* q, const c10::BFloat16* const* k, int64_t nk, int64_t d,
+                         float scale, float* sc, int64_t sc_stride) {
+  int64_t j = 0;
+  for (; j + 4 <= nk; j += 4) {
+    __m512 s[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int x = 0; x < 4; ++x) s[r][x] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < d; i += 32) {
+      const __m512bh k0 = (__m512bh)_mm512_loadu_si512(k[j] + i), k1 = (__m512bh)_mm512_loadu_si512(k[j + 1] + i);
+      const __m512bh k2 = (__m512bh)_mm512_loadu_si512(k[j + 2] + i), k3 = (__m512bh)_mm512_loadu_si512(k[j + 3] + i);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh x = (__m512bh)_mm512_loadu_si512(q[r] + i);
+        s[r][0] = _mm512_dpbf16_ps(s[r][0], x, k0);
+        s[r][1] = _mm512_dpbf16_ps(s[r][1], x, k1);
+        s[r][2] = _mm512_dpbf16_ps(s[r][2], x, k2);
+        s[r][3] = _mm512_dpbf16_ps(s[r][3], x, k3);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      _mm_storeu_ps(sc + r * sc_stride + j, _mm_mul_ps(hsum4(s[r][0], s[r][1], s[r][2], s[r][3]), _mm_set1_ps(scale)));
+  }
+  for (; j < nk; ++j)
+    for (int r = 0; r < R; ++r) sc[r * sc_stride + j] = dot_bf16(q[r], k[j], d) * scale;
+}
+#endif
+
+#ifdef KVS_AVX512
+template <typename T>
+inline __m512 load16(const T* p);
+template <>
+inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
+template <>
+inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {
+  return bf16x16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+template <>
+inline __m512 load16<c10::Half>(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// acc[r] = acc[r] * alpha[r] + sum_j p[r][j] * v[j] for R rows of head_dim 16 * NC, V read in the cache dtype and
+// widened in registers (exact), even keys into one accumulator set and odd keys into another, as
+// scale_add_rows_fixed does for one row.
+template <int R, int NC, typename T>
+inline void pv_rows(float* acc, int64_t acc_stride, const float* alpha, const float* p, int64_t p_stride,
+                    const T* const* v, int64_t nv) {
+  __m512 a[R][NC], b[R][NC];
+  for (int r = 0; r < R; ++r) {
+    const __m512 va = _mm512_set1_ps(alpha[r]);
+#pragma GCC unroll 16
+    for (int c = 0; c < NC; ++c) {
+      a[r][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * acc_stride + 16 * c), va);
+      b[r][c] = _mm512_setzero_ps();
+    }
+  }
+  int64_t j = 0;
+  for (; j + 2 <= nv; j += 2) {
+    const T* v0 = v[j];
+    const T* v1 = v[j + 1];
+#pragma GCC unroll 16
+    for (int c = 0; c < NC; ++c) {
+      const __m512 x0 = load16<T>(v0 + 16 * c), x1 = load16<T>(v1 + 16 * c);
+      for (int r = 0; r < R; ++r) {
+        a[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * p_stride + j]), x0, a[r][c]);
+        b[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * p_stride + j + 1]), x1, b[r][c]);
+      }
+    }
+  }
+  if (j < nv) {
+#pragma GCC unroll 16
+    for (int c = 0; c < NC; ++c) {
+      const __m512 x0 = load16<T>(v[j] + 16 * c);
+      for (int r = 0; r < R; ++r) a[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * p_stride + j]), x0, a[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + r * acc_stride + 16 * c, _mm512_add_ps(a[r][c], b[r][c]));
+}
+
+// pv_rows for `rows` rows, in blocks of at most RMAX (registers: 2 * R * NC accumulators).
+template <int RMAX, int NC, typename T>
+inline void pv_block(float* acc, int64_t acc_stride, const float* alpha, const float* p, int64_t p_stride,
+                     const T* const* v, int64_t nv, int64_t rows) {
+  for (int64_t r = 0; r < rows;) {
+    const int64_t n = std::min<int64_t>(RMAX, rows - r);
+    float* a = acc + r * acc_stride;
+    const float* pr = p + r * p_stride;
+    if constexpr (RMAX >= 3) {
+      if (n == 3) {
+        pv_rows<3, NC, T>(a, acc_stride, alpha + r, pr, p_stride, v, nv);
+        r += 3;
+        continue;
+      }
+    }
+    if constexpr (RMAX >= 2) {
+      if (n == 2) {
+        pv_rows<2, NC, T>(a, acc_stride, alpha + r, pr, p_stride, v, nv);
+        r += 2;
+        continue;
+      }
+    }
+    pv_rows<1, NC, T>(a, acc_stride, alpha + r, pr, p_stride, v, nv);
+    r += 1;
+  }
+}
+#endif
 
 template <typename T>
 void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -97,6 +239,12 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
   const bool use_dpbf16 = false;
 #endif
   constexpr bool kIsF32 = std::is_same<T, float>::value;
+#ifdef KVS_AVX512
+  // P.V with V widened in registers, several rows per V load (head_dim 64 / 128); other sizes use the fp32 copy.
+  const bool fast_pv = head_dim == 64 || head_dim == 128;
+#else
+  const bool fast_pv = false;
+#endif
   const int64_t max_rows = tile * group * heads_per_item;
 
   const int64_t num_items = static_cast<int64_t>(items.size());
@@ -105,8 +253,9 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
   at::parallel_for(0, workers, 1, [&](int64_t wb, int64_t we) {
    for (int64_t worker = wb; worker < we; ++worker) {
     std::vector<float> qf(max_rows * head_dim), acc(max_rows * head_dim), kf(kChunk * head_dim),
-        vf(kChunk * head_dim), m(max_rows), l(max_rows), sc(kChunk);
-    std::vector<const T*> qrow(max_rows), kbase(kChunk), vbase(kChunk), nkbase(kChunk), nvbase(kChunk), krow(kChunk);
+        vf(kChunk * head_dim), m(max_rows), l(max_rows), sc(4 * kChunk);
+    std::vector<const T*> qrow(max_rows), kbase(kChunk), vbase(kChunk), nkbase(kChunk), nvbase(kChunk), krow(kChunk),
+        vrow(kChunk);
     // kb_out[j] / vb_out[j]: the cache rows (at KV head h0) of keys c .. c + n - 1 of a sequence.
     auto row_pointers = [&](const int32_t* table, int64_t h0, int64_t c, int64_t n, const T** kb_out,
                             const T** vb_out) {
@@ -167,51 +316,84 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
               prefetch_span(nkbase[j] + hb * kh, head_dim * (int64_t)sizeof(T));
               prefetch_span(nvbase[j] + hb * vh, head_dim * (int64_t)sizeof(T));
             }
+            krow[j] = kptr;
+            vrow[j] = vptr;
             if constexpr (kIsF32) {
               kr32[j] = reinterpret_cast<const float*>(kptr);
               vr32[j] = reinterpret_cast<const float*>(vptr);
             } else {
-              krow[j] = kptr;
               if (!use_dpbf16) {
                 load_row<T>(kptr, kf.data() + j * head_dim, head_dim);
                 kr32[j] = kf.data() + j * head_dim;
               }
-              load_row<T>(vptr, vf.data() + j * head_dim, head_dim);
-              vr32[j] = vf.data() + j * head_dim;
+              if (!fast_pv) {
+                load_row<T>(vptr, vf.data() + j * head_dim, head_dim);
+                vr32[j] = vf.data() + j * head_dim;
+              }
             }
           }
-          for (int64_t r = hb * rows_per_head; r < (hb + 1) * rows_per_head; ++r) {
-            const int64_t qpos = start + t0 + (r % rows_per_head) / group;
-            const int64_t nr = std::min(n, qpos - c0 + 1);
+          // The rows of one token (its query heads on this KV head) see the same keys: a block of them shares
+          // every K and V row load.
+          for (int64_t tok = 0; tok < t1 - t0; ++tok) {
+            const int64_t nr = std::min(n, start + t0 + tok - c0 + 1);
             if (nr <= 0) continue;
+            const int64_t r0 = hb * rows_per_head + tok * group;
+            for (int64_t g0 = 0; g0 < group; g0 += 4) {
+              const int64_t rb = std::min<int64_t>(4, group - g0), rfirst = r0 + g0;
+              float* scb = sc.data();  // rb rows of kChunk scores
 #ifdef KVS_AVX512BF16
-            if (use_dpbf16) {
-              const c10::BFloat16* qb = reinterpret_cast<const c10::BFloat16*>(qrow[r]);
-              const c10::BFloat16* const* kb16 = reinterpret_cast<const c10::BFloat16* const*>(krow.data());
-              int64_t j = 0;
-              for (; j + 4 <= nr; j += 4) dot4_bf16(qb, kb16 + j, head_dim, scale, sc.data() + j);
-              for (; j < nr; ++j) sc[j] = dot_bf16(qb, kb16[j], head_dim) * scale;
-            } else
+              if (use_dpbf16) {
+                const c10::BFloat16* qb[4];
+                for (int64_t x = 0; x < rb; ++x) qb[x] = reinterpret_cast<const c10::BFloat16*>(qrow[rfirst + x]);
+                const c10::BFloat16* const* kb16 = reinterpret_cast<const c10::BFloat16* const*>(krow.data());
+                switch (rb) {
+                  case 4: qk_rows_bf16<4>(qb, kb16, nr, head_dim, scale, scb, kChunk); break;
+                  case 3: qk_rows_bf16<3>(qb, kb16, nr, head_dim, scale, scb, kChunk); break;
+                  case 2: qk_rows_bf16<2>(qb, kb16, nr, head_dim, scale, scb, kChunk); break;
+                  default: qk_rows_bf16<1>(qb, kb16, nr, head_dim, scale, scb, kChunk);
+                }
+              } else
 #endif
-            {
-              const float* qr = qf.data() + r * head_dim;
-              int64_t j = 0;
+              {
+                const float* qf32[4];
+                for (int64_t x = 0; x < rb; ++x) qf32[x] = qf.data() + (rfirst + x) * head_dim;
+                switch (rb) {
+                  case 4: qk_rows_f32<4>(qf32, kr32.data(), nr, head_dim, scale, scb, kChunk); break;
+                  case 3: qk_rows_f32<3>(qf32, kr32.data(), nr, head_dim, scale, scb, kChunk); break;
+                  case 2: qk_rows_f32<2>(qf32, kr32.data(), nr, head_dim, scale, scb, kChunk); break;
+                  default: qk_rows_f32<1>(qf32, kr32.data(), nr, head_dim, scale, scb, kChunk);
+                }
+              }
+              float alpha[4];
+              for (int64_t x = 0; x < rb; ++x) {
+                const int64_t r = rfirst + x;
+                float* scr = scb + x * kChunk;
+                const float m_new = std::max(m[r], max_of(scr, nr));
+                alpha[x] = m[r] == kNegInf ? 0.f : std::exp(m[r] - m_new);
+                const float sum = exp_sub_sum(scr, nr, m_new);
+                l[r] = l[r] * alpha[x] + sum;
+                m[r] = m_new;
+              }
+              float* accb = acc.data() + rfirst * head_dim;
 #ifdef KVS_AVX512
-              for (; j + 4 <= nr; j += 4) dot4_f32(qr, kr32.data() + j, head_dim, scale, sc.data() + j);
+              if (fast_pv) {
+                if (head_dim == 64)
+                  pv_block<3, 4, T>(accb, head_dim, alpha, scb, kChunk, vrow.data(), nr, rb);
+                else
+                  pv_block<1, 8, T>(accb, head_dim, alpha, scb, kChunk, vrow.data(), nr, rb);
+              } else
 #endif
-              for (; j < nr; ++j) sc[j] = dot_f32(qr, kr32[j], head_dim) * scale;
+              {
+                for (int64_t x = 0; x < rb; ++x) {
+                  if (head_dim == 64)
+                    scale_add_rows_fixed<4>(accb + x * head_dim, alpha[x], scb + x * kChunk, vr32.data(), nr);
+                  else if (head_dim == 128)
+                    scale_add_rows_fixed<8>(accb + x * head_dim, alpha[x], scb + x * kChunk, vr32.data(), nr);
+                  else
+                    scale_add_rows(accb + x * head_dim, alpha[x], scb + x * kChunk, vr32.data(), nr, head_dim);
+                }
+              }
             }
-            const float m_new = std::max(m[r], max_of(sc.data(), nr));
-            const float alpha = m[r] == kNegInf ? 0.f : std::exp(m[r] - m_new);
-            const float sum = exp_sub_sum(sc.data(), nr, m_new);
-            l[r] = l[r] * alpha + sum;
-            m[r] = m_new;
-            if (head_dim == 64)
-              scale_add_rows_fixed<4>(acc.data() + r * head_dim, alpha, sc.data(), vr32.data(), nr);
-            else if (head_dim == 128)
-              scale_add_rows_fixed<8>(acc.data() + r * head_dim, alpha, sc.data(), vr32.data(), nr);
-            else
-              scale_add_rows(acc.data() + r * head_dim, alpha, sc.data(), vr32.data(), nr, head_dim);
           }
         }
       }

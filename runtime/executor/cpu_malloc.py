@@ -73,3 +73,35 @@ def tune_for_cpu_steps() -> str:
         )
     logger.info("glibc malloc for CPU steps: %s", _applied)
     return _applied
+
+
+HUGE_PAGE_BYTES = 2 << 20  # x86-64 / arm64 transparent huge page size
+_MADV_HUGEPAGE = 14  # <sys/mman.h>
+
+
+def advise_huge_pages(tensor) -> int:
+    """Ask the kernel to back `tensor` (a CPU tensor not yet touched) with transparent huge pages; returns the
+    bytes advised (0: not Linux, switched off, too small, or refused).
+
+    Why: decode attention reads each sequence's KV blocks from wherever the block table points, hundreds of MiB
+    per step across the layers; with 4 KiB pages nearly every block visit is a TLB miss and a page walk. With
+    THP in its common `madvise` mode (the default of many distributions, and this machine's) a mapping gets huge
+    pages only if asked, so the CPU model runner asks for the KV cache before zeroing it (the first touch is
+    when the kernel picks the page size). Measured on the 2-core EPYC, 12 layers of paged decode attention
+    (128 sequences, bf16), interleaved A/B in one process: 10-20% less time (docs/performance.md).
+    KVSERVE_CPU_HUGEPAGES=0 turns this off."""
+    if os.environ.get("KVSERVE_CPU_HUGEPAGES", "1") == "0" or not sys.platform.startswith("linux"):
+        return 0
+    if tensor.device.type != "cpu":
+        return 0
+    ptr, size = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+    start = (ptr + HUGE_PAGE_BYTES - 1) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
+    end = (ptr + size) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
+    if end <= start:
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    if libc.madvise(start, end - start, _MADV_HUGEPAGE) != 0:  # THP compiled out, or `never`: nothing lost
+        logger.info("madvise(MADV_HUGEPAGE) refused (errno %d): the KV cache uses 4 KiB pages", ctypes.get_errno())
+        return 0
+    return end - start

@@ -152,16 +152,13 @@ class ModelRunner:
         # hold finite values (masked attention weights are 0, and 0 * NaN would still be NaN).
         # Sliding-window models: one slot per layer of a KV cache group, shared by the groups (kv_groups.py).
         slots = kv_groups.layer_slots(self.model, m.num_layers)
-        kv = torch.zeros(
-            2,
-            max(slots) + 1,
-            max(num_blocks, 1),
-            self.block_size,
-            self.num_kv_heads,
-            m.head_dim,
-            dtype=dtype,
-            device=self.device,
-        )
+        shape = (2, max(slots) + 1, max(num_blocks, 1), self.block_size, self.num_kv_heads, m.head_dim)
+        kv = torch.empty(shape, dtype=dtype, device=self.device)
+        if self.device.type == "cpu":  # before the zeroing: the first touch decides the page size
+            from kvserve.runtime.executor.cpu_malloc import advise_huge_pages
+
+            advise_huge_pages(kv)
+        kv.zero_()
         self.kv = kv
         return [(kv[0, slot], kv[1, slot]) for slot in slots]
 

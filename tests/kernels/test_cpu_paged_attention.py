@@ -30,7 +30,8 @@ from kvserve.runtime.models.attention_cpu import CpuAttentionBackend  # noqa: E4
 
 ops = torch.ops.kvserve_cpu
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
-HEADS = [(4, 4, 64), (12, 4, 64), (8, 2, 128), (6, 2, 80)]  # GQA 1 / 3 / 4 / 3 (odd head_dim 80)
+# GQA 1 / 3 / 4 / 3 (odd head_dim 80) / 8 (two blocks of 4 rows) / 5 (blocks of 4 and 1; head_dim 32: fp32 P.V copy)
+HEADS = [(4, 4, 64), (12, 4, 64), (8, 2, 128), (6, 2, 80), (16, 2, 64), (5, 1, 32)]
 
 
 def _lengths(gen, block_size):
@@ -222,22 +223,25 @@ def test_rms_norm_and_add_rms_norm(dtype, gen):
     assert _ulps(out, _rms_ref(h, w, 1e-5)) <= (4 if dtype == torch.float32 else 1.01)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_rotary_in_place_is_bit_identical(dtype, gen):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 48])  # 48: half is not a multiple of 16 -> the scalar loop
+def test_rotary_in_place_is_bit_identical(dtype, head_dim, gen):
     from types import SimpleNamespace
 
     from kvserve.runtime.models.llama import RotaryEmbedding, _rotate_half
 
-    rot = RotaryEmbedding(SimpleNamespace(rope_theta=10000.0), 64, 512, dtype)
+    rot = RotaryEmbedding(SimpleNamespace(rope_theta=10000.0), head_dim, 512, dtype)
     positions = torch.randint(0, 512, (29,), generator=gen)
-    qkv = torch.randn(29, (12 + 8) * 64, generator=gen).to(dtype)
-    q, k = qkv[:, :768].view(29, 12, 64), qkv[:, 768:1024].view(29, 4, 64)  # strided views, as in Attention
+    qkv = torch.randn(29, (12 + 8) * head_dim, generator=gen).to(dtype)
+    q_end, k_end = 12 * head_dim, 16 * head_dim
+    # strided views, as in Attention
+    q, k = qkv[:, :q_end].view(29, 12, head_dim), qkv[:, q_end:k_end].view(29, 4, head_dim)
     cos, sin = rot.cos[positions].unsqueeze(1), rot.sin[positions].unsqueeze(1)
     q_ref, k_ref = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-    v_before = qkv[:, 1024:].clone()
+    v_before = qkv[:, k_end:].clone()
     ops.rotary_embedding(positions, q, k, rot.cos, rot.sin)
     assert torch.equal(q, q_ref) and torch.equal(k, k_ref)
-    assert torch.equal(qkv[:, 1024:], v_before), "v must be untouched"
+    assert torch.equal(qkv[:, k_end:], v_before), "v must be untouched"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -15,6 +15,7 @@ False and :func:`unavailable_reason` says why; callers fall back to pure torch. 
 * ``store_kv(k, v, k_cache, v_cache, slot_mapping)``
 * ``rms_norm(out, x, weight, eps)``, ``add_rms_norm(out, residual, x, weight, eps)``
 * ``rotary_embedding(positions, q, k, cos, sin)`` (in place), ``silu_and_mul(out, x)``
+* ``greedy_argmax(logits) -> int64 [rows]`` (torch.argmax(dim=-1) of float32 logits, vectorised)
 
 Set ``KVSERVE_CPU_OPS=0`` to refuse loading (the pure-torch path then runs everywhere).
 """
@@ -30,7 +31,16 @@ import time
 
 _SRC_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu")
 _STATE: dict = {}
-_OP_NAMES = ("paged_attention", "store_kv", "rms_norm", "add_rms_norm", "rotary_embedding", "silu_and_mul")
+_OP_NAMES = (
+    "paged_attention",
+    "store_kv",
+    "rms_norm",
+    "add_rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+    "greedy_argmax",
+)
+_RETURNING_OPS = {"greedy_argmax"}  # the others write into their arguments and return nothing
 
 
 def cpu_flags() -> set[str]:
@@ -109,9 +119,12 @@ def _register_fakes() -> None:
     def _none(*args, **kwargs):
         return None
 
+    def _argmax_fake(logits):
+        return logits.new_empty(logits.shape[:1], dtype=torch.long)
+
     for op in _OP_NAMES:
         try:
-            torch.library.register_fake(f"kvserve_cpu::{op}")(_none)
+            torch.library.register_fake(f"kvserve_cpu::{op}")(_argmax_fake if op in _RETURNING_OPS else _none)
         except Exception:  # already registered (a second load in one process) or an older torch
             pass
 

@@ -12,6 +12,7 @@ TORCH_LIBRARY(kvserve_cpu, m) {
   m.def("add_rms_norm(Tensor(a!) out, Tensor(b!) residual, Tensor x, Tensor weight, float eps) -> ()");
   m.def("rotary_embedding(Tensor positions, Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  m.def("greedy_argmax(Tensor logits) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
@@ -21,4 +22,5 @@ TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
   m.impl("add_rms_norm", &kvserve_cpu::add_rms_norm);
   m.impl("rotary_embedding", &kvserve_cpu::rotary_embedding);
   m.impl("silu_and_mul", &kvserve_cpu::silu_and_mul);
+  m.impl("greedy_argmax", &kvserve_cpu::greedy_argmax);
 }

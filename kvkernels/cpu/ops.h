@@ -29,6 +29,9 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor& q, at::Tensor& k,
 // out[:, :I] = silu(x[:, :I]) * x[:, I:], rounding to the dtype after the silu and after the product.
 void silu_and_mul(at::Tensor& out, const at::Tensor& x);
 
+// int64 [rows]: torch.argmax(logits, dim=-1) for float32 [rows, vocab] (first maximum; first NaN if any).
+at::Tensor greedy_argmax(const at::Tensor& logits);
+
 }  // namespace kvserve_cpu
 
 #include <ATen/Dispatch.h>

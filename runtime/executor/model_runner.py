@@ -277,6 +277,13 @@ class ModelRunner:
             return out
         return self._sample(logits, req_ids)
 
+    def _greedy_argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """torch.argmax(logits, dim=-1); on CPU with the compiled ops (the model's fused_cpu_ops) the vectorised
+        op, which gives the same indices (first maximum, first NaN) about 10x faster than torch's reduction."""
+        if getattr(self.model, "fused_cpu_ops", False) and logits.dtype == torch.float32 and logits.stride(-1) == 1:
+            return torch.ops.kvserve_cpu.greedy_argmax(logits)
+        return logits.argmax(dim=-1)
+
     def _undrafted_rows(self, drafted: list[tuple[str, list[int], int]], num_rows: int) -> torch.Tensor:
         """The logits rows of the requests that decode one token (every row outside the drafted ranges)."""
         keep = np.ones(num_rows, dtype=bool)
@@ -289,7 +296,7 @@ class ModelRunner:
             return ModelRunnerOutput({})
         states = self.states
         if self.plain_greedy.issuperset(req_ids):  # what sample() would do for these, minus its passes
-            tokens = logits.argmax(dim=-1).tolist()
+            tokens = self._greedy_argmax(logits).tolist()
             for rid, token in zip(req_ids, tokens):
                 states[rid].output_token_ids.append(token)
             return ModelRunnerOutput(dict(zip(req_ids, tokens)))

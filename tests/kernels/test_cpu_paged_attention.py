@@ -371,3 +371,21 @@ def test_fused_ops_switch(tmp_path):
     off = build_meta_model(mc, get_attention_backend("torch"))
     assert on.fused_cpu_ops and on.rotary.fused_cpu_ops and on.layers[0].mlp.fused_cpu_ops
     assert not off.fused_cpu_ops and not off.rotary.fused_cpu_ops and not off.layers[0].mlp.fused_cpu_ops
+
+
+@pytest.mark.parametrize("vocab", [32000, 7, 16, 1000003 % 4099])
+def test_greedy_argmax_equals_torch(vocab, gen):
+    """First maximum on ties (within a SIMD lane and across lanes), the first NaN when a row has one, all -inf
+    rows, a strided row view; torch.argmax is the reference."""
+    logits = torch.randn(37, vocab, generator=gen)
+    logits[1] = 0.0  # all tied: index 0
+    logits[2, -1] = logits[2, 0] = logits[2].max() + 1  # the first of two maxima
+    if vocab > 20:
+        logits[3, 17] = logits[3, 1] = logits[3].max() + 1  # two lanes hold the maximum: the smaller index
+    logits[4, vocab // 2] = float("nan")
+    logits[5, :] = float("nan")
+    logits[6, :] = float("-inf")
+    logits[7, vocab - 1] = float("inf")
+    logits[8] = logits[8].round()  # many ties at the top
+    for x in (logits, torch.randn(5, vocab * 2, generator=gen)[:, :vocab]):
+        assert torch.equal(ops.greedy_argmax(x), x.argmax(dim=-1))

@@ -4,8 +4,9 @@
 (ATen + ``torch/library.h``, ``TORCH_LIBRARY``; no pybind, ``is_python_module=False``), flags
 ``-O3 -march=native -fopenmp -ffp-contract=off``. The library name carries an ISA tag plus a hash of the CPU's
 feature flags, because torch's build cache key covers sources and flags but not the CPU ``-march=native``
-compiled for. Builds land in torch's extension directory (``$TORCH_EXTENSIONS_DIR`` when set); torch's
-``FileBaton`` lock in that directory makes a second process wait for a build in progress instead of racing it.
+compiled for, and a hash of the sources, so builds of different source versions never share a directory.
+Builds land in torch's extension directory (``$TORCH_EXTENSIONS_DIR`` when set); torch's ``FileBaton`` lock in
+that directory makes a second process wait for a build in progress instead of racing it.
 
 When the build or the load fails (no compiler, no ninja, a non-CPU torch build...), :func:`load` returns
 False and :func:`unavailable_reason` says why; callers fall back to pure torch. The ops, once loaded, are
@@ -63,10 +64,24 @@ def isa_tag(flags: set[str] | None = None) -> str:
     return "avx2" if "avx2" in flags else "generic"
 
 
+def sources_digest() -> str:
+    """A hash of the C++ sources (names and bytes)."""
+    h = hashlib.sha1()
+    for path in sorted(glob.glob(os.path.join(_SRC_DIR, "*.cpp")) + glob.glob(os.path.join(_SRC_DIR, "*.h"))):
+        h.update(os.path.basename(path).encode())
+        with open(path, "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()[:8]
+
+
 def extension_name(flags: set[str] | None = None) -> str:
+    """kvserve_cpu_ops_<isa>_<cpu flags hash>_<sources hash>. The sources are in the name because torch's build
+    directory is keyed by the name alone: two checkouts or versions of kvserve on one machine (a CI runner, a
+    developer's worktrees, an upgrade) would otherwise rebuild over each other's library, and a process could
+    load the other tree's build, lacking an op its Python side calls."""
     flags = cpu_flags() if flags is None else flags
     digest = hashlib.sha1(" ".join(sorted(flags)).encode()).hexdigest()[:8]
-    return f"kvserve_cpu_ops_{isa_tag(flags)}_{digest}"
+    return f"kvserve_cpu_ops_{isa_tag(flags)}_{digest}_{sources_digest()}"
 
 
 def sources() -> list[str]:

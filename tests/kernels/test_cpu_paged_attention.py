@@ -12,7 +12,9 @@
 
 from __future__ import annotations
 
+import glob
 import logging
+import os
 import sys
 
 import pytest
@@ -300,6 +302,22 @@ def test_isa_tag_and_name():
     assert cpu_ops.isa_tag(set()) == "generic"
     a, b = cpu_ops.extension_name({"avx2", "fma"}), cpu_ops.extension_name({"avx2"})
     assert a != b and a.startswith("kvserve_cpu_ops_avx2_")
+
+
+def test_name_changes_with_the_sources(tmp_path, monkeypatch):
+    """Another checkout's sources (one byte or one file different) build under another name, so two trees on one
+    machine never rebuild over each other's library."""
+    import shutil
+
+    for path in glob.glob(os.path.join(os.path.dirname(cpu_ops.__file__), "cpu", "*")):
+        shutil.copy(path, tmp_path)
+    monkeypatch.setattr(cpu_ops, "_SRC_DIR", str(tmp_path))
+    same = cpu_ops.extension_name({"avx2"})
+    with open(tmp_path / "rms_norm.cpp", "a") as f:
+        f.write("\n// edited\n")
+    edited = cpu_ops.extension_name({"avx2"})
+    (tmp_path / "extra.cpp").write_text("// another op\n")
+    assert len({same, edited, cpu_ops.extension_name({"avx2"})}) == 3
 
 
 # -- end to end: LLM(attention_backend="cpu") against the pure-torch path ------------------------------------

@@ -246,7 +246,7 @@ def test_rotary_in_place_is_bit_identical(dtype, head_dim, gen):
     assert torch.equal(qkv[:, k_end:], v_before), "v must be untouched"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 def test_silu_and_mul(dtype, gen):
     x = (3 * torch.randn(41, 2 * 2048, generator=gen)).to(dtype)
     out = torch.empty(41, 2048, dtype=dtype)

@@ -325,6 +325,20 @@ def fitting_tensor_parallel_size(args, settings, shape, config) -> int | None:
     return None
 
 
+def _across_nodes(args, settings, tp: int, config) -> str:
+    """' as TP t x PP p across p nodes' when TP t fits only as several pipeline stages (a whole node per
+    stage, issue 28), so the hint does not read as 'one node of t GPUs holds it'."""
+    import dataclasses
+
+    from kvserve.operator import spec as spec_mod
+
+    wider = dataclasses.replace(settings, tensor_parallel_size=tp)
+    layout = spec_mod.resolve(_spec(args, wider), model_config=config).layout
+    if layout is None or not layout.multinode:
+        return ""
+    return f" as TP {tp} x PP {layout.pipeline_parallel_size} across {layout.nodes} nodes"
+
+
 def does_not_fit_line(args, plan: dict, settings, shape, config) -> str:
     """Why the plan does not fit, by how much, and the --tensor-parallel-size that would (CLI flag names)."""
     model = args.model or args.model_config
@@ -347,7 +361,7 @@ def does_not_fit_line(args, plan: dict, settings, shape, config) -> str:
         why = f"{plan['reason']}: {plan['message']}"
     wider = fitting_tensor_parallel_size(args, settings, shape, config)
     if wider is not None:
-        hint = f"; --tensor-parallel-size {wider} would fit"
+        hint = f"; --tensor-parallel-size {wider} would fit" + _across_nodes(args, settings, wider, config)
     else:
         hint = f"; no --tensor-parallel-size up to --gpus-per-node {args.gpus_per_node} fits"
         if plan["reason"] != "WeightsDoNotFit":

@@ -1,7 +1,7 @@
 """A fresh clone runs its README demo with real text (issue 26): the model the README points at is in the
 repository as real files (tracked by git, not LFS pointers), and the README's own stories260K commands --
 `kvserve serve ...` and the offline `LLM(...)` snippet, read out of README.md so they cannot drift -- answer with
-TinyStories text when run from the checkout's root."""
+TinyStories text when run from the checkout's root; while that server loads, every API route answers 503."""
 
 from __future__ import annotations
 
@@ -61,15 +61,26 @@ def test_the_readme_serve_command_answers_with_story_text():
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 300  # a first start compiles the CPU ops (about 50 s on 2 busy cores)
+        loading_polls = 0
         while True:
             assert proc.poll() is None, "kvserve serve exited:\n" + "".join(log)
             try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                health = httpx.get(base + "/health", timeout=1).status_code
+                if health == 200:
                     break
-            except httpx.HTTPError:
+                # Honest readiness (issue 26): while the model loads, no API route invites traffic.
+                assert health == 503
+                models = httpx.get(base + "/v1/models", timeout=5)
+                busy = httpx.post(base + "/v1/completions", json={"prompt": "x", "max_tokens": 1}, timeout=5)
+                ready = httpx.get(base + "/ready", timeout=5)
+                if httpx.get(base + "/health", timeout=1).status_code == 503:  # still loading after those
+                    assert (models.status_code, busy.status_code, ready.status_code) == (503, 503, 503)
+                    loading_polls += 1
+            except httpx.TransportError:
                 pass
             assert time.monotonic() < deadline, "never healthy:\n" + "".join(log)
             time.sleep(0.2)
+        assert loading_polls > 0  # the server listens while loading (the engine takes seconds to start)
         models = httpx.get(base + "/v1/models").json()["data"]
         assert [m["id"] for m in models] == [name] and models[0]["random_weights"] is False
         # The README's curl body, with the served name and a story prompt.

@@ -64,7 +64,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="when --tensor-parallel-size >= this does not fit one node: plan TP = this x the fewest "
         "pipeline stages (nodes) that fit",
     )
-    parser.add_argument("-o", "--output", choices=["table", "json"], default="table")
+    parser.add_argument(
+        "-o",
+        "--output",
+        choices=["table", "json"],
+        default="table",
+        help="output format: the table, or JSON with every plan field",
+    )
     parser.add_argument("--json", dest="output", action="store_const", const="json", help="same as -o json")
     # Prediction (runtime/planner): simulate one replica under a workload with a calibrated step-time model.
     parser.add_argument("--calibration", metavar="FILE", help="`kvserve calibrate` JSON: predict latency/throughput")
@@ -76,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", default="128", help="output tokens: N or LO:HI (uniform)")
     parser.add_argument("--num-requests", type=int, default=1000, help="requests to simulate")
     parser.add_argument("--prefix-len", type=int, default=0, help="tokens every prompt shares (prefix cache)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="random seed of the simulated workload (--calibration)")
 
 
 def load_model_config(where: str) -> dict:

@@ -12,7 +12,13 @@ HELP = "Print the Deployment/Service/HPA/PDB the operator would create for Infer
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-f", "--filename", required=True, help="YAML file with InferenceService(s); - for stdin")
     parser.add_argument("-n", "--namespace", default="default", help="namespace when the manifest sets none")
-    parser.add_argument("-o", "--output", choices=["yaml", "json"], default="yaml")
+    parser.add_argument(
+        "-o",
+        "--output",
+        choices=["yaml", "json"],
+        default="yaml",
+        help="output format: YAML documents, or one JSON List",
+    )
     parser.add_argument(
         "--status",
         action="store_true",

@@ -33,10 +33,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "'kvserve' alone runs only this project's side (no peer venv needed)",
     )
     parser.add_argument("--model", default=None, help="local HF model dir (default: build the 125M random Llama)")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument(
+        "--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="weights dtype for both engines"
+    )
     parser.add_argument("--num-requests", type=int, default=None, help="default 96 offline, 256 served")
-    parser.add_argument("--prompt-len", type=int, nargs=2, default=(32, 320), metavar=("MIN", "MAX"))
-    parser.add_argument("--output-len", type=int, nargs=2, default=(32, 160), metavar=("MIN", "MAX"))
+    parser.add_argument(
+        "--prompt-len",
+        type=int,
+        nargs=2,
+        default=(32, 320),
+        metavar=("MIN", "MAX"),
+        help="prompt tokens, uniform in [MIN, MAX]",
+    )
+    parser.add_argument(
+        "--output-len",
+        type=int,
+        nargs=2,
+        default=(32, 160),
+        metavar=("MIN", "MAX"),
+        help="output tokens, uniform in [MIN, MAX]",
+    )
     parser.add_argument("--seed", type=int, default=0, help="workload, model weights and engine seed")
     parser.add_argument(
         "--block-size",
@@ -67,7 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ready-timeout", type=float, default=900.0, help="served: seconds to wait for a server")
     parser.add_argument("--run-timeout", type=float, default=3600.0, help="seconds one run may take")
     parser.add_argument("--log-dir", default=None, help="keep the engines' logs here (default: a temp dir, removed)")
-    parser.add_argument("--json-out", default=None)
+    parser.add_argument("--json-out", default=None, help="also write the results as JSON here")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -9,7 +9,7 @@ HELP = "benchmark kvserve router vs random spread on local replicas (multi-turn 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-dir", default=None, help="MODEL_DIR for the replicas (default: the demo model)")
-    parser.add_argument("--replicas", type=int, default=3)
+    parser.add_argument("--replicas", type=int, default=3, help="local kvserve serve replicas started")
     parser.add_argument(
         "--runs",
         default="single,router,random,kill",
@@ -21,10 +21,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=3,
         help="repetitions of the router/random comparison (alternating order; goals use medians)",
     )
-    parser.add_argument("--tenants", type=int, default=4)
+    parser.add_argument("--tenants", type=int, default=4, help="tenants, each with its own system prompt")
     parser.add_argument("--system-tokens", type=int, default=500, help="tokens in each tenant's system prompt")
-    parser.add_argument("--conversations", type=int, default=24)
-    parser.add_argument("--turns", type=int, default=5)
+    parser.add_argument("--conversations", type=int, default=24, help="multi-turn conversations")
+    parser.add_argument("--turns", type=int, default=5, help="turns per conversation")
     parser.add_argument("--user-tokens", type=int, default=60, help="tokens per user message")
     parser.add_argument("--output-tokens", type=int, default=24, help="tokens per answer (ignore_eos)")
     parser.add_argument("--conversation-rate", type=float, default=1.0, help="new conversations per second")
@@ -33,8 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--serve-args", default="", help="extra `kvserve serve` flags")
     parser.add_argument("--router-args", default="", help="extra `kvserve router` flags")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--result-json", default=None)
+    parser.add_argument("--seed", type=int, default=0, help="random seed of the workload")
+    parser.add_argument("--result-json", default=None, help="also write the results as JSON here")
     parser.add_argument("--plot", default=None, help="write a PNG here")
 
 

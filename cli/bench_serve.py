@@ -12,8 +12,13 @@ WORKLOADS = ("random", "shared-prefix", "long-prompt")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="server to benchmark")
     parser.add_argument("--model", default=None, help="model name to send (default: the server's first)")
-    parser.add_argument("--api-key", default=None)
-    parser.add_argument("--workload", choices=WORKLOADS, default="random")
+    parser.add_argument("--api-key", default=None, help="bearer token sent to the server (its --api-key)")
+    parser.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        default="random",
+        help="which prompts: random lengths, a shared prefix, or long prompts beside streams",
+    )
     parser.add_argument(
         "--compare",
         choices=("prefix-caching", "chunked-prefill", "served-vs-offline"),
@@ -52,23 +57,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "core-process server, each a served variant in the same ABBA run (e.g. 1,2); the "
         "goal is judged on the first",
     )
-    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--num-prompts", type=int, default=64, help="requests to send")
     parser.add_argument(
         "--request-rate", type=float, default=float("inf"), help="requests/s; inf sends everything at t=0 (burst)"
     )
     parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1.0 = Poisson")
-    parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument(
+        "--max-concurrency", type=int, default=None, help="requests in flight at most (default: all at once)"
+    )
     parser.add_argument("--input-len", type=int, default=256, help="random: mean prompt tokens")
     parser.add_argument("--output-len", type=int, default=64, help="output tokens (random, shared-prefix)")
     parser.add_argument("--range-ratio", type=float, default=0.0, help="random: lengths in [L(1-r), L(1+r)]")
     parser.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix: shared tokens")
     parser.add_argument("--suffix-len", type=int, default=32, help="shared-prefix: unique tokens per request")
     parser.add_argument("--long-prompt-len", type=int, default=4096, help="long-prompt: tokens per long prompt")
-    parser.add_argument("--num-long-prompts", type=int, default=4)
-    parser.add_argument("--long-output-len", type=int, default=4)
+    parser.add_argument("--num-long-prompts", type=int, default=4, help="long-prompt: long prompts sent")
+    parser.add_argument("--long-output-len", type=int, default=4, help="long-prompt: output tokens per long prompt")
     parser.add_argument("--num-streams", type=int, default=8, help="long-prompt: background streams")
     parser.add_argument("--stream-output-len", type=int, default=256, help="long-prompt: tokens per stream")
-    parser.add_argument("--stream-prompt-len", type=int, default=32)
+    parser.add_argument(
+        "--stream-prompt-len", type=int, default=32, help="long-prompt: prompt tokens per background stream"
+    )
     parser.add_argument(
         "--goodput",
         nargs="+",
@@ -77,7 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:5000 (milliseconds)",
     )
     parser.add_argument("--percentiles", default="50,90,99", help="reported percentiles")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="random seed of the workload")
     parser.add_argument("--result-json", default=None, help="write results here")
     parser.add_argument("--plot", default=None, help="write a PNG here")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")

@@ -25,8 +25,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved plain/speculative rounds (medians)")
     parser.add_argument("--dtype", default=None, help="weights dtype (default: the model's)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json-out", default=None)
+    parser.add_argument("--seed", type=int, default=0, help="random seed of the prompts")
+    parser.add_argument("--json-out", default=None, help="also write the results as JSON here")
 
 
 def run(args: argparse.Namespace) -> int:

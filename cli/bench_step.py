@@ -12,11 +12,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--batch-sizes", type=int, nargs="+", default=[64, 256, 512], help="numbers of running decodes to measure at"
     )
-    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per running request")
     parser.add_argument("--num-steps", type=int, default=20, help="measured decode steps per batch size")
-    parser.add_argument("--warmup-steps", type=int, default=3)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warmup-steps", type=int, default=3, help="unmeasured decode steps first")
+    parser.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
+    parser.add_argument("--seed", type=int, default=0, help="random seed of the prompts")
     parser.add_argument("--device", default=None, help="e.g. cuda (default: the engine's default)")
     parser.add_argument("--dtype", default=None, help="weights dtype (default: the model's)")
     parser.add_argument(
@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="replay decode steps from CUDA graphs (captured at each measured batch size)",
     )
-    parser.add_argument("--json-out", default=None)
+    parser.add_argument("--json-out", default=None, help="also write the results as JSON here")
 
 
 def run(args: argparse.Namespace) -> int:

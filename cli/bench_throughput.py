@@ -10,11 +10,25 @@ HELP = "offline throughput benchmark against transformers generate (same model, 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--num-requests", type=int, default=32)
-    parser.add_argument("--prompt-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
-    parser.add_argument("--output-len", type=int, nargs=2, default=(16, 128), metavar=("MIN", "MAX"))
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--hf-batch-size", type=int, default=8)
+    parser.add_argument("--num-requests", type=int, default=32, help="requests in the workload")
+    parser.add_argument(
+        "--prompt-len",
+        type=int,
+        nargs=2,
+        default=(16, 256),
+        metavar=("MIN", "MAX"),
+        help="prompt tokens, uniform in [MIN, MAX]",
+    )
+    parser.add_argument(
+        "--output-len",
+        type=int,
+        nargs=2,
+        default=(16, 128),
+        metavar=("MIN", "MAX"),
+        help="output tokens, uniform in [MIN, MAX]",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="random seed of the workload")
+    parser.add_argument("--hf-batch-size", type=int, default=8, help="transformers generate batch size (the baseline)")
     parser.add_argument("--skip-hf", action="store_true", help="do not run the transformers baseline")
     parser.add_argument("--model", default=None, help="local HF model dir (default: build the 125M random Llama)")
     parser.add_argument("--hidden-size", type=int, default=None, help="shape of the built model (not with --model)")
@@ -25,17 +39,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="vocab of the built model; with --model, caps the workload's token ids",
     )
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
-    parser.add_argument("--max-num-seqs", type=int, default=None)
-    parser.add_argument("--kv-cache-bytes", type=int, default=None)
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=None, help="running sequences at most (default: every request)"
+    )
+    parser.add_argument(
+        "--kv-cache-bytes", type=int, default=None, help="KV cache budget in bytes (default: sized by the engine)"
+    )
+    parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks, overriding --kv-cache-bytes")
+    parser.add_argument(
+        "--no-enable-prefix-caching",
+        dest="enable_prefix_caching",
+        action="store_false",
+        help="turn automatic prefix caching off",
+    )
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="tensor-parallel ranks")
     parser.add_argument(
         "--dtype", default="float32", choices=capacity.FLOAT_DTYPES, help="weights/activations dtype for both engines"
     )
-    parser.add_argument("--json-out", default=None)
+    parser.add_argument("--json-out", default=None, help="also write the results as JSON here")
 
 
 def run(args: argparse.Namespace) -> int:

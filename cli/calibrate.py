@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-lens", default="32,256,1024", help="grid: prompt tokens, comma-separated")
     parser.add_argument("--batch-sizes", default="1,8,32", help="grid: requests decoding together, comma-separated")
     parser.add_argument("--decode-steps", type=int, default=16, help="output tokens per request at each grid point")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="random seed of the measured prompts")
 
 
 def run(args: argparse.Namespace) -> int:

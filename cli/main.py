@@ -32,8 +32,23 @@ COMMANDS: dict[str, str] = {
 }
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """Every flag's help ends with its default, unless the text already says it (`default: ...` written out
+    where the value alone would mislead, e.g. $POD_NAMESPACE) or there is none to show (None, a flag off)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if "default" in text.lower() or default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else "%(default)s"
+        return f"{text} (default: {shown})"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvserve", description="kvserve: paged-attention LLM serving")
+    parser = argparse.ArgumentParser(
+        prog="kvserve", description="kvserve: paged-attention LLM serving", formatter_class=HelpFormatter
+    )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     parser.add_argument(
         "--debug", action="store_true", help="on an error, print the Python traceback (default: one line)"
@@ -51,10 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
         target = commands
         if len(words) == 2:
             if words[0] not in groups:
-                group = commands.add_parser(words[0], help=f"{words[0]} commands")
+                group = commands.add_parser(words[0], help=f"{words[0]} commands", formatter_class=HelpFormatter)
                 groups[words[0]] = group.add_subparsers(dest="subcommand", required=True, metavar="SUBCOMMAND")
             target = groups[words[0]]
-        sub = target.add_parser(words[-1], help=module.HELP, description=module.HELP)
+        sub = target.add_parser(words[-1], help=module.HELP, description=module.HELP, formatter_class=HelpFormatter)
         module.add_arguments(sub)
         sub.set_defaults(_run=module.run)
     return parser

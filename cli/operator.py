@@ -27,22 +27,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="serve the operator's Prometheus /metrics on this port (0 to disable)",
     )
     parser.add_argument("--metrics-host", default="0.0.0.0", help="bind address of /metrics")
-    parser.add_argument("--verbose", action="store_true")
+    parser.add_argument("--verbose", action="store_true", help="debug logging (kopf's --verbose)")
     election = parser.add_argument_group("leader election (several replicas; see kvserve.operator.leader)")
     election.add_argument(
         "--leader-elect",
         action="store_true",
         help="run only while holding a coordination.k8s.io Lease; stand by otherwise",
     )
-    election.add_argument("--lease-name", default="kvserve-operator")
+    election.add_argument(
+        "--lease-name",
+        default="kvserve-operator",
+        help="name of the coordination.k8s.io Lease the replicas elect a leader on",
+    )
     election.add_argument(
         "--lease-namespace",
         default=os.environ.get("POD_NAMESPACE") or "default",
         help="namespace of the Lease (default: $POD_NAMESPACE, else 'default')",
     )
-    election.add_argument("--lease-duration", type=int, default=15, metavar="SECONDS")
-    election.add_argument("--renew-deadline", type=float, default=10.0, metavar="SECONDS")
-    election.add_argument("--retry-period", type=float, default=2.0, metavar="SECONDS")
+    election.add_argument(
+        "--lease-duration",
+        type=int,
+        default=15,
+        metavar="SECONDS",
+        help="seconds a leader's Lease is valid without renewal",
+    )
+    election.add_argument(
+        "--renew-deadline",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="seconds the leader keeps trying to renew before it stops writing",
+    )
+    election.add_argument(
+        "--retry-period",
+        type=float,
+        default=2.0,
+        metavar="SECONDS",
+        help="seconds between attempts to acquire or renew the Lease",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

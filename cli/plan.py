@@ -64,7 +64,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="when --tensor-parallel-size >= this does not fit one node: plan TP = this x the fewest "
         "pipeline stages (nodes) that fit",
     )
-    parser.add_argument("-o", "--output", choices=["table", "json"], default="table")
+    parser.add_argument(
+        "-o",
+        "--output",
+        choices=["table", "json"],
+        default="table",
+        help="output format: the table, or JSON with every plan field",
+    )
     parser.add_argument("--json", dest="output", action="store_const", const="json", help="same as -o json")
     # Prediction (runtime/planner): simulate one replica under a workload with a calibrated step-time model.
     parser.add_argument("--calibration", metavar="FILE", help="`kvserve calibrate` JSON: predict latency/throughput")
@@ -76,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", default="128", help="output tokens: N or LO:HI (uniform)")
     parser.add_argument("--num-requests", type=int, default=1000, help="requests to simulate")
     parser.add_argument("--prefix-len", type=int, default=0, help="tokens every prompt shares (prefix cache)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="random seed of the simulated workload (--calibration)")
 
 
 def load_model_config(where: str) -> dict:
@@ -325,6 +331,20 @@ def fitting_tensor_parallel_size(args, settings, shape, config) -> int | None:
     return None
 
 
+def _across_nodes(args, settings, tp: int, config) -> str:
+    """' as TP t x PP p across p nodes' when TP t fits only as several pipeline stages (a whole node per
+    stage, issue 28), so the hint does not read as 'one node of t GPUs holds it'."""
+    import dataclasses
+
+    from kvserve.operator import spec as spec_mod
+
+    wider = dataclasses.replace(settings, tensor_parallel_size=tp)
+    layout = spec_mod.resolve(_spec(args, wider), model_config=config).layout
+    if layout is None or not layout.multinode:
+        return ""
+    return f" as TP {tp} x PP {layout.pipeline_parallel_size} across {layout.nodes} nodes"
+
+
 def does_not_fit_line(args, plan: dict, settings, shape, config) -> str:
     """Why the plan does not fit, by how much, and the --tensor-parallel-size that would (CLI flag names)."""
     model = args.model or args.model_config
@@ -347,7 +367,7 @@ def does_not_fit_line(args, plan: dict, settings, shape, config) -> str:
         why = f"{plan['reason']}: {plan['message']}"
     wider = fitting_tensor_parallel_size(args, settings, shape, config)
     if wider is not None:
-        hint = f"; --tensor-parallel-size {wider} would fit"
+        hint = f"; --tensor-parallel-size {wider} would fit" + _across_nodes(args, settings, wider, config)
     else:
         hint = f"; no --tensor-parallel-size up to --gpus-per-node {args.gpus_per_node} fits"
         if plan["reason"] != "WeightsDoNotFit":

@@ -55,8 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="model directory whose tokenizer and chat template the replicas use; without it "
         "prefix affinity is off and requests are routed on load only",
     )
-    parser.add_argument("--host", default="0.0.0.0")
-    parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8080, help="port to listen on")
     parser.add_argument(
         "--block-size",
         type=_positive_int,

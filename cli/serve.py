@@ -21,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "Omit to serve the built-in demo model with random weights.",
     )
     parser.add_argument("--host", default="0.0.0.0", help="bind address (default: all interfaces)")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
     parser.add_argument(
         "--served-model-name",
         nargs="+",
@@ -92,7 +92,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --nnodes and --node-rank > 0: run only this node's worker processes, which join the leader "
         "(node rank 0: API server and scheduler) at --master-addr; exit non-zero as soon as one of them dies",
     )
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="log level of kvserve and uvicorn",
+    )
 
 
 def check_port_free(host: str, port: int) -> None:

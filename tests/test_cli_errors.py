@@ -22,8 +22,9 @@ def run_cli(capsys, *argv: str) -> tuple[int, list[str], str]:
     return rc, captured.err.splitlines(), captured.out
 
 
-def assert_one_error_line(rc: int, err: list[str], *names: str) -> None:
-    assert rc != 0
+def assert_one_error_line(rc: int, err: list[str], *names: str, code: int = 2) -> None:
+    """`code`: 2 for an input the CLI cannot use (argparse's convention), 1 for a plan that does not fit."""
+    assert rc == code, rc
     assert len(err) == 1, err
     assert "Traceback" not in err[0]
     for name in names:
@@ -80,7 +81,7 @@ def test_serve_port_in_use_is_said_before_loading(capsys, tmp_path):
 
 def test_plan_that_does_not_fit_says_by_how_much_and_which_tp_fits(capsys):
     rc, err, out = run_cli(capsys, "plan", "--model", "llama-3-70b", "--gpu", "a100-80gb")
-    assert_one_error_line(rc, err, "llama-3-70b", "a100-80gb", "GB over", "--tensor-parallel-size 2 would fit")
+    assert_one_error_line(rc, err, "llama-3-70b", "a100-80gb", "GB over", "--tensor-parallel-size 2 would fit", code=1)
     assert "tensorParallelSize" not in err[0] and out == ""  # CLI flag names, not spec.* names; no table
     # the suggestion is right: TP 2 fits
     assert main(["plan", "--model", "llama-3-70b", "--gpu", "a100-80gb", "--tensor-parallel-size", "2"]) == 0
@@ -101,3 +102,62 @@ def test_version(capsys):
         main(["--version"])
     assert exit_info.value.code == 0
     assert capsys.readouterr().out.strip() == f"kvserve {metadata.version('kvserve')}"
+
+
+def _bad_yaml(tmp_path) -> str:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("apiVersion: v1\nkind: [InferenceService\nspec: {}\n")
+    return str(bad)
+
+
+def _unknown_field(tmp_path) -> str:
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["spec"]["gatway"] = 1
+    path = tmp_path / "unknown.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("argv", "code", "names"),
+    [
+        (lambda t: ["render", "-f", str(t / "missing.yaml")], 2, ["No such file"]),
+        (lambda t: ["render", "-f", _bad_yaml(t)], 2, ["invalid YAML", "line 3"]),
+        (lambda t: ["render", "-f", _unknown_field(t)], 2, ["unknown field 'spec.gatway'"]),
+        (lambda t: ["serve", str(t / "no" / "dir")], 2, ["no config.json"]),
+        (lambda t: ["plan", "--model", "llama-3-70b", "--gpu", "a100-80gb"], 1, ["--tensor-parallel-size 2 would fit"]),
+    ],
+    ids=["missing-file", "bad-yaml", "unknown-field", "missing-model-dir", "plan-does-not-fit"],
+)
+def test_the_installed_console_script_says_one_line(tmp_path, argv, code, names):
+    """The same cases through the real `kvserve` process (its interpreter shutdown and logging included):
+    exactly one stderr line, that exit code, no traceback, nothing on stdout."""
+    import shutil
+    import subprocess
+    import sys
+
+    script = shutil.which("kvserve", path=str(pathlib.Path(sys.executable).parent))
+    assert script, "the kvserve console script is not installed next to this interpreter"
+    proc = subprocess.run([script, *argv(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert_one_error_line(proc.returncode, proc.stderr.splitlines(), *names, code=code)
+    assert proc.stdout == ""
+
+
+def test_the_console_script_says_port_in_use_in_one_line(tmp_path):
+    import shutil
+    import subprocess
+    import sys
+
+    (tmp_path / "config.json").write_text("{}")
+    script = shutil.which("kvserve", path=str(pathlib.Path(sys.executable).parent))
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        proc = subprocess.run(
+            [script, "serve", str(tmp_path), "--host", "127.0.0.1", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert_one_error_line(proc.returncode, proc.stderr.splitlines(), f"--port {port}", "already in use")

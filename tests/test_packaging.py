@@ -64,3 +64,31 @@ def test_no_code_folder_shadows_an_installed_package():
 def test_transformers_imports_from_the_repo_root():
     code = "import transformers.modeling_utils, transformers.integrations.hub_kernels"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=300)
+
+
+def test_the_server_extra_is_light():
+    """Issue 26: users who only serve install `.[server]`: the runtime and the HTTP stack, without test, operator,
+    benchmark or Triton dependencies (Triton's bindings are what print nanobind's leak lines at exit)."""
+    import re
+
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        extras = tomllib.load(f)["project"]["optional-dependencies"]
+
+    def closure(name: str) -> set[str]:
+        out: set[str] = set()
+        for req in extras[name]:
+            own = re.fullmatch(r"kvserve\[([a-z,]+)\]", req)
+            if own:
+                for sub in own.group(1).split(","):
+                    out |= closure(sub)
+            else:
+                out.add(re.split(r"[<>=!;\[ ]", req, maxsplit=1)[0].lower())
+        return out
+
+    served = closure("server")
+    assert {"torch", "fastapi", "uvicorn", "xgrammar"} <= served
+    heavy = {"pytest", "kopf", "kubernetes", "triton", "moto", "peft", "matplotlib", "openai", "hypothesis"}
+    assert not served & heavy, served & heavy
+    assert "kopf" in closure("dev")  # the check sees through kvserve[...] self-references

@@ -98,3 +98,16 @@ def test_kvserve_plan_cli_answers_405b_with_a_pp_x_tp_layout(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["fits"] and out["pipeline_parallel_size"] == 2 and out["tensor_parallel_size"] == 8
     assert "fewest stages that fit" in out["layout_reason"]
+
+
+def test_kvserve_plan_at_a_smaller_tp_points_at_the_pp_x_tp_layout(capsys):
+    # The default --tensor-parallel-size 1 stays a refusal (one pod per replica was asked for), in one line
+    # that names the layout the suggested TP gets; following the hint answers with exactly that layout.
+    from kvserve.cli.main import main
+
+    base = ["plan", "--model", "llama-3.1-405b", "--gpu", "h100-80gb", "--max-model-len", "8192"]
+    assert main(base) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].endswith("--tensor-parallel-size 8 would fit as TP 8 x PP 2 across 2 nodes")
+    assert main([*base, "--tensor-parallel-size", "8"]) == 0
+    assert "layout: TP 8 x PP 2:" in capsys.readouterr().out

@@ -194,13 +194,8 @@ PENDING_RUNTIME_FLAGS: set[str] = set()
 
 
 def test_rendered_flags_parse_with_the_runtime_cli():
-    """The pod's command must be accepted by `kvserve serve` (skipped until the runtime ships its CLI)."""
-    try:
-        serve = importlib.import_module("kvserve.cli.serve")
-    except ModuleNotFoundError as exc:
-        if exc.name != "kvserve.cli.serve":
-            raise
-        pytest.skip("kvserve.cli.serve is not in this tree yet")
+    """The pod's command must be accepted by `kvserve serve`."""
+    serve = importlib.import_module("kvserve.cli.serve")
     doc = _load(ROOT / "examples" / "llama70b.yaml")
     doc["spec"]["engine"]["enableChunkedPrefill"] = False
     doc["spec"]["engine"]["maxNumBatchedTokens"] = 8192

@@ -151,3 +151,44 @@ def test_last_stage_killed_mid_generate_raises_naming_the_rank(four_layer_model)
             llm.engine.check_health()
     finally:
         llm.shutdown()
+
+
+def test_pp2_structured_outputs_equal_one_stage():
+    """Structured outputs with PP=2 (issue 28 scope: grammars are applied where the last stage's logits are
+    sampled): on the pretrained stories260K, a JSON schema and a regex, greedy and a seeded temperature-1.0
+    sample, give the same tokens as one stage, and the outputs hold their grammar."""
+    import json
+    import re
+
+    import jsonschema
+    from kvserve_testing import STORIES_DIR
+
+    from kvserve.runtime.structured_output import StructuredOutputSpec
+
+    schema = {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["name", "age"],
+        "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
+    }
+    regex = r"(red|blue|green) (cat|dog)\."
+    json_spec = StructuredOutputSpec.from_request("json", schema, "structured_outputs")
+    regex_spec = StructuredOutputSpec.from_request("regex", regex, "structured_outputs")
+    prompts = ["Once upon a time", "Lily saw a", "Once upon a time", "Tom had a"]
+    params = [
+        SamplingParams(temperature=0, max_tokens=64, structured_outputs=json_spec),
+        SamplingParams(temperature=0, max_tokens=16, structured_outputs=regex_spec),
+        SamplingParams(temperature=1.0, seed=11, max_tokens=64, structured_outputs=json_spec),
+        SamplingParams(temperature=1.0, seed=12, max_tokens=16, structured_outputs=regex_spec),
+    ]
+    outs = {}
+    for pp in (1, 2):
+        with LLM(str(STORIES_DIR), pipeline_parallel_size=pp, **COMMON) as llm:
+            outs[pp] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert [c.token_ids for c in outs[2]] == [c.token_ids for c in outs[1]]
+    for i, c in enumerate(outs[2]):
+        assert c.finish_reason == "stop", c.text
+        if i % 2 == 0:
+            jsonschema.validate(json.loads(c.text), schema)
+        else:
+            assert re.fullmatch(regex, c.text), c.text

@@ -125,3 +125,23 @@ def test_parameters_are_checked_naming_the_field():
     assert err.value.param == "early_stopping"
     with pytest.raises(InvalidParameter):
         BeamSearch(BeamSearchParams(beam_width=10, max_tokens=4), frozenset({1, 2}))  # 30 candidates > 20
+
+
+@pytest.mark.parametrize("family", ["qwen2_qkv_bias", "llama_tied_mqa", "mixtral_moe", "qwen3_head_dim"])
+def test_top_beams_match_hf_generate_on_the_other_parity_families(model_factory, family):
+    """The same comparison on the other parity families (fp32), with each model's own EOS."""
+    from kvserve.runtime import LLM
+
+    model_dir, hf_model = model_factory(family)
+    eos = hf_model.config.eos_token_id
+    eos = eos[0] if isinstance(eos, list) else eos
+    k, max_new = 3, 8
+    params = BeamSearchParams(beam_width=k, max_tokens=max_new, early_stopping=True, length_penalty=1.0)
+    with LLM(model_dir, max_model_len=128, block_size=8, num_kv_blocks=256, seed=0) as llm:
+        outs = llm.beam_search([{"prompt_token_ids": p} for p in PROMPTS], params)
+    for prompt, out in zip(PROMPTS, outs):
+        expected = hf_beams(hf_model, prompt, k, max_new, True, 1.0, eos)
+        got = [(s.output_token_ids, s.score) for s in out.sequences]
+        assert [t for t, _ in got] == [t for t, _ in expected], (family, prompt)
+        for (_, ours), (_, theirs) in zip(got, expected):
+            assert math.isclose(ours, theirs, rel_tol=1e-4, abs_tol=1e-4), family

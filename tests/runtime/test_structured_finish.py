@@ -82,14 +82,16 @@ def test_the_digit_bound_is_an_engine_setting(stories_dir):
 
 
 def test_sixteen_sampled_requests_finish_with_stop_and_valid_json(stories_dir):
+    # 16 different samples per schema (one seed each: the same seed on the same prompt would repeat a sample).
     llm = _llm(stories_dir)
-    prompts = ["Once upon a time", "Tom said", "The little dog", "Lily was"] * 2
+    prompts = ["Once upon a time", "Tom said", "The little dog", "Lily was"] * 4
     for schema in (UNBOUNDED, BOUNDED):
-        outs = llm.generate(
-            prompts,
-            SamplingParams(temperature=1.0, seed=7, max_tokens=96, structured_outputs=spec(schema)),
-            use_tqdm=False,
-        )
+        params = [
+            SamplingParams(temperature=1.0, seed=seed, max_tokens=96, structured_outputs=spec(schema))
+            for seed in range(len(prompts))
+        ]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert len({o.outputs[0].text for o in outs}) > len(prompts) // 2  # really sampled, not one answer
         for o in outs:
             c = o.outputs[0]
             assert c.finish_reason == "stop", c.text

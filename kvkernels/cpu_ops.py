@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import logging
 import os
 import shutil
 import sys
@@ -105,6 +106,36 @@ def _ensure_ninja_on_path() -> None:
             return
 
 
+# A build of the ops takes 20-100 s; a lock older than this was left by a process killed mid-build.
+STALE_LOCK_SECONDS = 600
+
+
+def clear_stale_build_lock(name: str, now: float | None = None) -> bool:
+    """Remove torch's build lock for `name` when it is older than STALE_LOCK_SECONDS; True when one was removed.
+
+    torch's FileBaton waits, without a limit, for the `lock` file in the build directory to go away. A server
+    killed while it compiled the ops (a Ctrl-C, a pod deleted during its first start) leaves that file behind,
+    and every later start on the machine then hangs before loading the model (seen here: two processes stuck
+    on a lock a killed test replica left)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = os.path.join(_get_build_directory(name, False), "lock")
+    try:
+        age = (time.time() if now is None else now) - os.path.getmtime(lock)
+    except OSError:
+        return False
+    if age <= STALE_LOCK_SECONDS:
+        return False
+    try:
+        os.remove(lock)
+    except OSError:
+        return False
+    logging.getLogger("kvserve.kernels").warning(
+        "removed a stale build lock %s (%.0f s old: the build that took it was killed)", lock, age
+    )
+    return True
+
+
 def _build() -> None:
     import torch
     from torch.utils.cpp_extension import load as cpp_load
@@ -113,8 +144,10 @@ def _build() -> None:
     if not srcs:
         raise RuntimeError(f"no C++ sources under {_SRC_DIR}")
     _ensure_ninja_on_path()
+    name = extension_name()
+    clear_stale_build_lock(name)
     cpp_load(
-        name=extension_name(),
+        name=name,
         sources=srcs,
         extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-DNDEBUG"],
         extra_ldflags=["-fopenmp"],

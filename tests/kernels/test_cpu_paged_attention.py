@@ -407,3 +407,21 @@ def test_greedy_argmax_equals_torch(vocab, gen):
     logits[8] = logits[8].round()  # many ties at the top
     for x in (logits, torch.randn(5, vocab * 2, generator=gen)[:, :vocab]):
         assert torch.equal(ops.greedy_argmax(x), x.argmax(dim=-1))
+
+
+def test_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch, caplog):
+    """A lock left by a build that was killed would make torch's FileBaton wait forever at every later start."""
+    import time as _time
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = os.path.join(_get_build_directory("kvserve_cpu_ops_test", False), "lock")
+    open(lock, "w").close()
+    assert not cpu_ops.clear_stale_build_lock("kvserve_cpu_ops_test")  # a build in progress: keep waiting
+    assert os.path.exists(lock)
+    later = _time.time() + cpu_ops.STALE_LOCK_SECONDS + 1
+    with caplog.at_level("WARNING", logger="kvserve.kernels"):
+        assert cpu_ops.clear_stale_build_lock("kvserve_cpu_ops_test", now=later)
+    assert not os.path.exists(lock) and "stale build lock" in caplog.text
+    assert not cpu_ops.clear_stale_build_lock("kvserve_cpu_ops_test", now=later)  # nothing left to remove

@@ -29,6 +29,7 @@ COMMANDS: dict[str, str] = {
     "bench router": "kvserve.cli.bench_router",
     "bench peer": "kvserve.cli.bench_peer",
     "bench spec": "kvserve.cli.bench_spec",
+    "bench lora": "kvserve.cli.bench_lora",
 }
 
 

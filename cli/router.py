@@ -4,6 +4,7 @@ to hold its prompt's prefix in KV cache, balanced against load (kvserve.runtime.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from kvserve.runtime.engine_args import positive_int as _positive_int  # one definition of the flag type
@@ -80,6 +81,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weight-queue", type=_non_negative, default=2.0, help="queue/load weight")
     parser.add_argument("--weight-kv", type=_non_negative, default=1.0, help="free-KV weight")
     parser.add_argument("--weight-session", type=_non_negative, default=4.0, help="session-affinity weight")
+    parser.add_argument(
+        "--weight-adapter",
+        type=_non_negative,
+        default=3.0,
+        help="LoRA adapter-affinity weight: prefer replicas where the requested adapter is running or has a free slot",
+    )
+    parser.add_argument(
+        "--replica-api-key",
+        default=None,
+        help="the replicas' --api-key, to read their /v1/models (which names are LoRA adapters, where they are "
+        "served); also read from KVSERVE_API_KEY",
+    )
     parser.add_argument(
         "--prefill-scale",
         type=float,
@@ -177,6 +190,7 @@ def run(args: argparse.Namespace) -> int:
             queue=args.weight_queue,
             kv=args.weight_kv,
             session=args.weight_session,
+            adapter=args.weight_adapter,
             prefill_scale=args.prefill_scale,
             queue_scale=args.queue_scale,
             max_imbalance=args.max_imbalance,
@@ -208,6 +222,7 @@ def run(args: argparse.Namespace) -> int:
         read_timeout_s=args.read_timeout,
         max_attempts=args.max_attempts,
         session_header=args.session_header,
+        replica_api_key=args.replica_api_key or os.environ.get("KVSERVE_API_KEY") or None,
         max_held_requests=args.max_held_requests,
         hold_timeout_s=args.hold_timeout,
         hold_retry_after_s=args.hold_retry_after,

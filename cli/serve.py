@@ -75,6 +75,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "then load adapters from this host's filesystem (docs/lora.md)",
     )
     parser.add_argument(
+        "--lora-download-dir",
+        default=None,
+        metavar="DIR",
+        help="where /v1/load_lora_adapter downloads an hf:// or s3:// lora_path (default ~/.cache/kvserve/lora)",
+    )
+    parser.add_argument(
         "--max-request-body-bytes",
         type=parse_bytes,
         default=32 << 20,
@@ -222,6 +228,7 @@ def run(args: argparse.Namespace) -> int:
         otlp_traces_endpoint=args.otlp_traces_endpoint,
         max_request_body_bytes=args.max_request_body_bytes,
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+        lora_download_dir=args.lora_download_dir,
         startup_phases_s=phases,  # the same dict: load_engine adds engine_config before the server reads it
         started_monotonic=started_monotonic,
     )

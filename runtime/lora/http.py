@@ -5,7 +5,8 @@ JSON naming the field. Off unless `--allow-runtime-lora-updating` or VLLM_ALLOW_
 (then 404 saying how to turn them on); they also need --enable-lora.
 
 The engine core holds the registry (runtime/lora/registry.py), so with --api-server-count N an adapter
-loaded through any API server is listed and accepted by all of them."""
+loaded through any API server is listed and accepted by all of them. `lora_path` may also be an hf://, s3://
+or file:// URI: the API server downloads it first (runtime/lora/fetch.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
 
-from kvserve.runtime.lora import remote
+from kvserve.runtime.lora import fetch, remote
 from kvserve.runtime.lora.errors import LoraRequestError
 from kvserve.runtime.server.errors import APIError
 
@@ -70,7 +71,8 @@ def add_routes(app: FastAPI, state: Any, serving: Any) -> None:
                 code="lora_adapter_exists",
             )
         try:
-            await remote.call(state, "load_lora_adapter", body.lora_name, body.lora_path, body.load_inplace)
+            path = await fetch.local_path(body.lora_path, state.config.lora_download_dir)
+            await remote.call(state, "load_lora_adapter", body.lora_name, path, body.load_inplace)
         except LoraRequestError as exc:
             raise _api_error(exc) from None
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")

@@ -82,3 +82,38 @@ def write_word_tokenizer(out_dir: str, vocab_size: int) -> None:
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(out_dir)
+
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def make_random_adapter_dir(model_dir: str, out_dir: str, rank: int, seed: int = 0, scale: float = 0.1) -> str:
+    """A random LoRA adapter in PEFT's format (adapter_config.json + adapter_model.safetensors) for a dense
+    Llama-shaped model dir, on all seven targets, without peft or transformers: A and B ~ N(0, scale^2) (B
+    non-zero, so the adapter changes the tokens), lora_alpha = 2 x rank. Returns out_dir."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    head_dim = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * head_dim, cfg.get("num_key_value_heads", cfg["num_attention_heads"]) * head_dim
+    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}  # (in, out) features
+    shapes |= {"gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for module, (d_in, d_out) in shapes.items():
+            part = "self_attn" if module in LORA_TARGETS[:4] else "mlp"
+            key = f"base_model.model.model.layers.{layer}.{part}.{module}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, d_in, generator=gen) * scale
+            tensors[f"{key}.lora_B.weight"] = torch.randn(d_out, rank, generator=gen) * scale
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(tensors, os.path.join(out_dir, "adapter_model.safetensors"))
+    config = {"r": rank, "lora_alpha": 2 * rank, "target_modules": list(LORA_TARGETS), "peft_type": "LORA"}
+    with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
+        json.dump(config, f)
+    return out_dir

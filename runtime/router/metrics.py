@@ -17,7 +17,7 @@ class RouterMetrics:
         self.registry = r = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
             "kvserve_router:requests",
-            "Requests dispatched, by replica and routing reason (prefix, load, session, only, retry).",
+            "Requests dispatched, by replica and routing reason (adapter, prefix, load, session, only, retry).",
             ["replica", "reason"],
             registry=r,
         )

@@ -6,7 +6,8 @@ the rest through unbuffered. Before the first chunk nothing has reached the clie
 the connection, resets it or answers 503 is ejected and the request goes to the next-ranked replica (once by
 default). After that, bytes flow through untouched; a broken upstream ends an SSE stream with an error event.
 A client that disconnects closes the upstream connection, which makes the replica abort the request.
-Background tasks scrape each replica's /metrics and re-probe ejected replicas' /health.
+Background tasks scrape each replica's /metrics and /v1/models (which names are LoRA adapters, and where they
+are served) and re-probe ejected replicas' /health.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from kvserve.runtime.metrics import CONTENT_TYPE
 from kvserve.runtime.router.hold import HeldRequests, HoldRejected
 from kvserve.runtime.router.metrics import RouterMetrics
 from kvserve.runtime.router.replica_metrics import parse_metrics
+from kvserve.runtime.router.replica_models import ReplicaModels, parse_models
 from kvserve.runtime.router.replicas import ReplicaSet
 from kvserve.runtime.router.scoring import Decision, HashCache, RequestFeatures, Weights, rank
 from kvserve.runtime.server.errors import error_response
@@ -66,6 +68,7 @@ class RouterConfig:
     eject_base_s: float = 1.0
     eject_max_s: float = 30.0
     session_header: str | None = None  # e.g. x-session-id: sticky routing for requests carrying it
+    replica_api_key: str | None = None  # the replicas' --api-key, for reading their /v1/models (adapter names)
     max_request_body_bytes: int = 32 * 1024 * 1024
     seed: int | None = None
     # Scale from zero: while no replica is ready, hold up to this many requests per model (0: answer 503 at
@@ -192,9 +195,23 @@ class Router:
             self.replicas.observe_metrics(url, parse_metrics(resp.text), time.monotonic())
         except httpx.ConnectError as exc:
             self._eject(url, "metrics_connect_error", exc)
+            return
         except (httpx.HTTPError, ValueError) as exc:
             # A slow or odd answer is not a dead replica: its metrics just go stale (and count as saturated).
             logger.debug("scrape of %s failed: %s", url, exc)
+        self.replicas.observe_models(url, await self._read_models(url))
+
+    async def _read_models(self, url: str) -> ReplicaModels | None:
+        """The replica's model cards (which names are LoRA adapters there); None when unreadable (loading,
+        a 401 without --replica-api-key, not an OpenAI server): then it is not filtered out for any adapter."""
+        headers = {"authorization": f"Bearer {self.config.replica_api_key}"} if self.config.replica_api_key else {}
+        try:
+            resp = await self.client.get(url + "/v1/models", headers=headers, timeout=httpx.Timeout(2.0, connect=1.0))
+            resp.raise_for_status()
+            return parse_models(resp.json())
+        except (httpx.HTTPError, ValueError) as exc:
+            logger.debug("reading %s/v1/models failed: %s", url, exc)
+            return None
 
     async def _probe(self, url: str) -> None:
         try:
@@ -215,20 +232,23 @@ class Router:
             self._update_replica_gauges()
 
     # ---- routing ---------------------------------------------------------------------------------------------
-    async def decide(self, path: str, payload: Any, session_key: str | None) -> tuple[Decision, HashCache | None]:
+    async def decide(
+        self, path: str, payload: Any, session_key: str | None, adapter: str | None = None
+    ) -> tuple[Decision, HashCache | None]:
         started = time.perf_counter()
         token_ids = None
         if self.tokenizer is not None:
             token_ids = await asyncio.get_running_loop().run_in_executor(
                 self._tokenize_pool, self.tokenizer.token_ids, path, payload
             )
-        hashes = HashCache(token_ids) if token_ids else None
+        hashes = HashCache(token_ids, adapter=adapter) if token_ids else None
         now = time.monotonic()
         views = [self.replicas.view(r, now) for r in self.replicas.routable(now)]
         features = RequestFeatures(
             hashes_for=hashes,
             num_prompt_tokens=len(token_ids) if token_ids else 0,
             session_url=self.replicas.sessions.get(session_key),
+            adapter=adapter,
         )
         decision = rank(features, views, self.replicas.index, self.config.weights, self.rng)
         self.metrics.decision_seconds.observe(time.perf_counter() - started)
@@ -256,15 +276,18 @@ class Router:
         headers["accept-encoding"] = "identity"
         model = payload.get("model") if isinstance(payload, dict) else None
         model = model if isinstance(model, str) else ""
+        adapter = model if model and model in self.replicas.adapter_names() else None
         deadline = time.monotonic() + self.config.hold_timeout_s
         while True:
             if self.held is not None and not self.replicas.ready():
                 refused = await self._hold(request, model, deadline)
                 if refused is not None:
                     return refused
-            decision, hashes = await self.decide(path, payload, session_key)
+            decision, hashes = await self.decide(path, payload, session_key, adapter)
             if decision.ranked:
-                response, last_error = await self._dispatch(request, path, body, headers, decision, hashes, session_key)
+                response, last_error = await self._dispatch(
+                    request, path, body, headers, decision, hashes, session_key, adapter
+                )
                 if response is not None:
                     return response
             elif self.held is None:
@@ -311,6 +334,7 @@ class Router:
         decision: Decision,
         hashes: HashCache | None,
         session_key: str | None,
+        adapter: str | None = None,
     ) -> tuple[Response | None, str]:
         """Try the ranked replicas (at most max_attempts); (response, "") once one answers, (None, last error)
         when every attempt failed before any byte reached the client."""
@@ -326,7 +350,7 @@ class Router:
                     url, hashes(self.replicas.block_size(replica)), self.replicas.capacity_blocks(replica)
                 )
             self.metrics.requests.labels(url, decision.reason if attempt == 0 else "retry").inc()
-            lease = _Lease(self, url, score.uncached_tokens)
+            lease = _Lease(self, url, score.uncached_tokens, adapter)
             upstream = self.client.build_request("POST", url + path, content=body, headers=headers)
             # The last replica's 503 (draining, loading) goes to the client, unless requests are held: then
             # the replica is ejected and the request waits for a ready one.
@@ -395,18 +419,21 @@ class Router:
 
 
 class _Lease:
-    """One in-flight slot on a replica plus the request's uncached prompt tokens (the work it brought there).
+    """One in-flight slot on a replica plus the request's uncached prompt tokens (the work it brought there)
+    and its LoRA adapter (the router knows it is running there before the replica's metric says so).
     Both are held until the request ends -- the first byte does not mark the end of prefill: a chat stream
     starts with a role-only chunk before any prefill -- and released exactly once however it ends (GIE #2064
     leaked capacity when completion hooks were skipped on errors and disconnects)."""
 
-    def __init__(self, router: Router, url: str, prefill_tokens: int = 0):
+    def __init__(self, router: Router, url: str, prefill_tokens: int = 0, adapter: str | None = None):
         self.router, self.url, self.released = router, url, False
-        self.prefill_tokens = prefill_tokens
+        self.prefill_tokens, self.adapter = prefill_tokens, adapter
         replica = router.replicas.replicas.get(url)
         if replica is not None:
             replica.in_flight += 1
             replica.in_flight_prefill_tokens += prefill_tokens
+            if adapter is not None:
+                replica.in_flight_adapters[adapter] += 1
             router.metrics.in_flight.labels(url).set(replica.in_flight)
 
     async def release(self) -> None:
@@ -417,6 +444,10 @@ class _Lease:
         if replica is not None:
             replica.in_flight -= 1
             replica.in_flight_prefill_tokens -= self.prefill_tokens
+            if self.adapter is not None:
+                replica.in_flight_adapters[self.adapter] -= 1
+                if replica.in_flight_adapters[self.adapter] <= 0:
+                    del replica.in_flight_adapters[self.adapter]
             self.router.metrics.in_flight.labels(self.url).set(replica.in_flight)
 
 

@@ -7,10 +7,12 @@ the routable set. Keeping the clock a parameter lets tests drive ejection and ba
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 from kvserve.runtime.router.prefix_index import PrefixIndex
 from kvserve.runtime.router.replica_metrics import ReplicaMetrics
+from kvserve.runtime.router.replica_models import ReplicaModels
 from kvserve.runtime.router.scoring import ReplicaView, SessionTable
 
 logger = logging.getLogger("kvserve.router")
@@ -26,6 +28,8 @@ class Replica:
     ejected_until: float | None = None  # not routable before this time (then re-probed)
     ejections_in_a_row: int = 0
     draining: bool = False  # EndpointSlice says serving but terminating: finish, take nothing new
+    models: ReplicaModels | None = None  # its last /v1/models (None: not read yet, or unreadable)
+    in_flight_adapters: Counter[str] = field(default_factory=Counter)  # the router's requests there, by adapter
 
 
 class ReplicaSet:
@@ -73,6 +77,21 @@ class ReplicaSet:
         replica.metrics, replica.metrics_at = metrics, now
         self.index.ensure(url, self.capacity_blocks(replica))
 
+    def observe_models(self, url: str, models: ReplicaModels | None) -> None:
+        replica = self.replicas.get(url)
+        if replica is not None:
+            replica.models = models
+
+    def adapter_names(self) -> set[str]:
+        """Every model name some replica serves as a LoRA adapter (from /v1/models or its metric)."""
+        names: set[str] = set()
+        for r in self.replicas.values():
+            if r.models is not None:
+                names |= r.models.adapters
+            if r.metrics is not None:
+                names |= r.metrics.running_adapters | r.metrics.waiting_adapters
+        return names
+
     def eject(self, url: str, now: float, cause: str) -> float | None:
         """Take a failing replica out of rotation with exponential back-off; returns the back-off in seconds
         (None for an unknown or already ejected replica). Its index entries go: a replica that restarts comes
@@ -83,7 +102,7 @@ class ReplicaSet:
         backoff = min(self.eject_max_s, self.eject_base_s * 2**replica.ejections_in_a_row)
         replica.ejected_until = now + backoff
         replica.ejections_in_a_row += 1
-        replica.metrics = replica.metrics_at = None
+        replica.metrics = replica.metrics_at = replica.models = None
         self.index.drop(url)
         self.sessions.forget_replica(url)
         logger.warning("ejected %s for %.1fs: %s", url, backoff, cause)
@@ -153,6 +172,7 @@ class ReplicaSet:
             and now - replica.metrics_at <= self.stale_after_s
         )
         m = replica.metrics if fresh else None
+        in_flight_adapters = frozenset(name for name, n in replica.in_flight_adapters.items() if n > 0)
         return ReplicaView(
             url=replica.url,
             in_flight=replica.in_flight,
@@ -161,4 +181,8 @@ class ReplicaSet:
             kv_usage=m.kv_usage if m else None,
             block_size=self.block_size(replica),
             in_flight_prefill_tokens=replica.in_flight_prefill_tokens,
+            adapters=replica.models.adapters if replica.models is not None else None,
+            running_adapters=(m.running_adapters if m else frozenset()) | in_flight_adapters,
+            waiting_adapters=m.waiting_adapters if m else frozenset(),
+            max_loras=m.max_loras if m else None,
         )

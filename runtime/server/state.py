@@ -52,6 +52,8 @@ class ServerConfig:
     # /v1/load_lora_adapter and /v1/unload_lora_adapter (--allow-runtime-lora-updating, or vLLM's
     # VLLM_ALLOW_RUNTIME_LORA_UPDATING=True): off by default, as in vLLM.
     allow_runtime_lora_updating: bool = False
+    # Where /v1/load_lora_adapter downloads an hf:// or s3:// lora_path (None: ~/.cache/kvserve/lora).
+    lora_download_dir: str | None = None
     # Start-up phases timed before the engine started (`kvserve serve`: model_resolve, engine_config), in
     # seconds, and when the command started (time.monotonic()): the "total" phase runs from there to ready.
     startup_phases_s: dict[str, float] = field(default_factory=dict)

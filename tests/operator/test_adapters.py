@@ -9,9 +9,7 @@ import json
 import pathlib
 
 import pytest
-import torch
 import yaml
-from safetensors.torch import save_file
 
 from kvserve.operator import adapters, pod_health, render, status
 from kvserve.operator import spec as spec_mod
@@ -22,7 +20,6 @@ from tests.operator.test_capacity_contract import runtime_config_from_pod
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLE = yaml.safe_load((ROOT / "examples" / "llama3-8b-lora.yaml").read_text())
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def _spec(**updates) -> dict:
@@ -225,24 +222,10 @@ def test_plan_with_adapters_is_what_the_pod_command_allocates(model, gpu, t, dty
 
 
 def _write_adapter(path: pathlib.Path, rank: int, seed: int) -> None:
-    """A PEFT-format adapter for stories260K (hidden 64, 8x8 query heads, 4 KV heads, MLP 172, 5 layers)."""
-    cfg = json.loads((STORIES_DIR / "config.json").read_text())
-    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
-    q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
-    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
-    shapes |= {"gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(cfg["num_hidden_layers"]):
-        for module, (d_in, d_out) in shapes.items():
-            part = "self_attn" if module in TARGETS[:4] else "mlp"
-            key = f"base_model.model.model.layers.{layer}.{part}.{module}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, d_in, generator=gen) * 0.1
-            tensors[f"{key}.lora_B.weight"] = torch.randn(d_out, rank, generator=gen) * 0.1
-    path.mkdir()
-    save_file(tensors, str(path / "adapter_model.safetensors"))
-    config = {"r": rank, "lora_alpha": 2 * rank, "target_modules": list(TARGETS), "peft_type": "LORA"}
-    (path / "adapter_config.json").write_text(json.dumps(config))
+    """A random PEFT-format adapter for stories260K (hidden 64, 8x8 query heads, 4 KV heads, MLP 172, 5 layers)."""
+    from kvserve.runtime.models.synthetic import make_random_adapter_dir
+
+    make_random_adapter_dir(str(STORIES_DIR), str(path), rank=rank, seed=seed)
 
 
 def test_the_engine_the_pod_command_starts_allocates_the_planned_slots_and_blocks(tmp_path):

@@ -59,6 +59,8 @@ class FakeReplica(Threaded):
         self.received: list[dict] = []
         self.cancelled = 0
         self.healthy = True
+        self.adapters: list[str] = []  # LoRA adapters its /v1/models lists (parent = the base model "fake")
+        self.extra_metrics = ""  # appended to /metrics (e.g. vllm:lora_requests_info)
 
         async def completions(request: Request) -> Response:
             body = await request.json()
@@ -89,14 +91,16 @@ class FakeReplica(Threaded):
             return PlainTextResponse(
                 "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 0.0\n"
                 "# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc 0.1\n"
-                "# TYPE kvserve:kv_capacity_tokens gauge\nkvserve:kv_capacity_tokens 4096.0\n"
+                "# TYPE kvserve:kv_capacity_tokens gauge\nkvserve:kv_capacity_tokens 4096.0\n" + self.extra_metrics
             )
 
         async def health(request: Request) -> Response:
             return JSONResponse({"status": "ok"}, status_code=200 if self.healthy else 503)
 
         async def models(request: Request) -> Response:
-            return JSONResponse({"object": "list", "data": [{"id": "fake", "owned_by": self.name}]})
+            cards = [{"id": "fake", "owned_by": self.name, "parent": None}]
+            cards += [{"id": name, "owned_by": self.name, "parent": "fake"} for name in self.adapters]
+            return JSONResponse({"object": "list", "data": cards})
 
         app = Starlette(
             routes=[

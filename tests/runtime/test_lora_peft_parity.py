@@ -1,5 +1,5 @@
 """Multi-LoRA parity (issue 24): one mixed batch (base + two adapters of different ranks, one rsLoRA, all
-seven target modules, non-zero B) decoded greedily in fp32 with kvserve's batched gather-by-adapter delta
+seven target modules, non-zero B) decoded greedily in fp32 with kvserve's batched (segmented or gathered) delta
 must give exactly the tokens HF transformers + peft give for each row alone. Also: loader 4xx-class errors."""
 
 from __future__ import annotations
@@ -131,6 +131,27 @@ def test_slot_bytes_match_allocated_slots():
             allocated += s.a.numel() * 4 + s.b.numel() * 4
     assert lora_slot_bytes_per_rank(shape, 3, 8, "float32") == allocated
     assert lora_slot_bytes_per_rank(shape, 0, 8, "float32") == 0
+
+
+@pytest.mark.parametrize("tokens_per_adapter", [1, 2, 4, 9])  # below and above the segmented threshold
+def test_lora_delta_both_paths_equal_the_per_token_product(tokens_per_adapter):
+    """Each token's delta is scaling * B_slot A_slot x (0 for base tokens, rank tail unused), whether the step
+    takes the gathered path (few tokens per adapter) or the segmented one (many), with interleaved rows."""
+    from kvserve.runtime.lora import batched
+
+    gen = torch.Generator().manual_seed(0)
+    slots = batched.LoraSlots(4, 8, 12, 20, torch.float32)
+    ranks = {0: 8, 1: 3, 3: 5}  # slot 2 stays empty: never used
+    for slot, r in ranks.items():
+        slots.set(slot, torch.randn(r, 12, generator=gen), torch.randn(20, r, generator=gen), scaling=0.5 * (slot + 1))
+    per_row = [-1, 0, 1, 3] * tokens_per_adapter + [-1]
+    token_slots = torch.tensor(per_row)
+    x = torch.randn(len(per_row), 12, generator=gen)
+    got = batched.lora_delta(x, token_slots, slots)
+    for i, slot in enumerate(per_row):
+        want = torch.zeros(20) if slot < 0 else slots.b[slot] @ (slots.a[slot] @ x[i])
+        torch.testing.assert_close(got[i], want, rtol=1e-5, atol=1e-5)
+    assert batched.lora_delta(x, torch.full((len(per_row),), -1), slots) is None
 
 
 def test_engine_mixed_batch_matches_peft(model_factory, tmp_path):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvserve.operator import render_security
 from kvserve.operator.labels import router_labels, router_selector
 from kvserve.operator.spec import Resolved, scales_to_zero
 
@@ -119,7 +120,9 @@ def render(
         "imagePullPolicy": spec["imagePullPolicy"],
         "command": router_args(resolved, name, namespace, model_dir),
         "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
-        "env": [{"name": "HOME", "value": "/tmp"}],
+        # The engines' API key (spec.auth), so the router can read their /v1/models for adapter affinity; it
+        # is used for that poll only, never added to proxied requests (clients still send their own).
+        "env": [{"name": "HOME", "value": "/tmp"}, *render_security.api_key_env(spec)],
         "resources": router.get("resources") or DEFAULT_RESOURCES,
         "volumeMounts": mounts + [{"name": "tmp", "mountPath": "/tmp"}],
         # Ready once it knows at least one routable replica; alive as long as it accepts connections (a

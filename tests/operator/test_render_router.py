@@ -116,3 +116,29 @@ def test_router_field_in_the_crd():
     assert schema["properties"]["enabled"]["default"] is False
     assert schema["properties"]["replicas"]["default"] == 1
     assert spec_mod.with_defaults({})["router"] == {"enabled": False, "replicas": 1}
+
+
+def test_router_gets_the_engines_api_key_for_its_model_polls():
+    """With spec.auth the engines answer /v1/models only with the key; the router reads that list (adapter
+    affinity) with KVSERVE_API_KEY, which `kvserve router` takes as --replica-api-key, from the same Secret."""
+    doc = _doc(enabled=True)
+    doc["spec"]["auth"] = {"apiKeySecretRef": {"name": "llama-key", "key": "token"}}
+    _, objs = _render(doc)
+    by = {(o["kind"], o["metadata"]["name"]): o for o in objs}
+    env = {
+        e["name"]: e for e in by[("Deployment", "llama70b-router")]["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    engine_env = {
+        e["name"]: e for e in by[("Deployment", "llama70b")]["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    assert (
+        env["KVSERVE_API_KEY"]
+        == engine_env["KVSERVE_API_KEY"]
+        == {
+            "name": "KVSERVE_API_KEY",
+            "valueFrom": {"secretKeyRef": {"name": "llama-key", "key": "token"}},
+        }
+    )
+    _, plain = _render(_doc(enabled=True))
+    router = next(o for o in plain if o["kind"] == "Deployment" and o["metadata"]["name"] == "llama70b-router")
+    assert "KVSERVE_API_KEY" not in {e["name"] for e in router["spec"]["template"]["spec"]["containers"][0]["env"]}

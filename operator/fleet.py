@@ -159,6 +159,35 @@ def _plan_replica(inp: planner.PlanInput, plan: planner.Plan, gpu_key: str | Non
     return evaluate(candidate, target.workload, target.slo, target.request_rate, target.min_request_rate)
 
 
+def autoscaling_bounds(autoscaling: dict, option: Option | None) -> tuple[int, int, int]:
+    """(minReplicas, maxReplicas, targetQueueDepth) the HPA / KEDA render: the SLO plan's when spec.slo was
+    planned and is feasible, else spec.autoscaling's."""
+    if option is not None and option.hpa is not None:
+        h = option.hpa
+        return h.min_replicas, h.max_replicas, h.target_queue_depth
+    return autoscaling["minReplicas"], autoscaling["maxReplicas"], autoscaling["targetQueueDepth"]
+
+
+def fleet_status(option: Option) -> dict:
+    """status.fleet: what one replica serves within spec.slo and the HPA bounds derived from it."""
+    out = {
+        "feasible": option.hpa is not None,
+        "replicaRequestsPerSecond": round(option.replica_requests_per_s, 3),
+        "ttftP90SecondsAtCapacity": round(option.ttft_p90_s, 4),
+        "tpotP99SecondsAtCapacity": round(option.tpot_p99_s, 5),
+        "stepTimeSource": option.candidate.step_time_source,
+    }
+    if option.hpa is not None:
+        out.update(
+            minReplicas=option.hpa.min_replicas,
+            maxReplicas=option.hpa.max_replicas,
+            targetQueueDepth=option.hpa.target_queue_depth,
+        )
+    else:
+        out["reason"] = f"spec.slo cannot be met, the HPA keeps spec.autoscaling's bounds: {option.reason}"
+    return out
+
+
 def search_catalog(
     base: planner.PlanInput,
     target: Target,

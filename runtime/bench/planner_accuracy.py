@@ -197,20 +197,20 @@ def run(
     grid=None,
     clock: str = "wall",
 ) -> dict:
-    from kvserve.runtime.bench.calibrate import Grid, calibrate
+    from kvserve.runtime.bench.calibrate import Grid, device_name, profile
     from kvserve.runtime.engine.llm_engine import LLMEngine
+    from kvserve.runtime.planner.step_time import fit
 
     start, load_before = time.perf_counter(), os.getloadavg()
-    if calibration is None:
-        grid = grid or Grid(prompt_lens=(16, 256), batch_sizes=(1, 8, 32), decode_steps=4, warmup_steps=2)
-        # The measured engine's KV pool and block size: a larger pool must not time the calibration differently.
-        kv = {k: ENGINE[k] for k in ("num_kv_blocks", "block_size")}
-        read = Clock(clock).read
-        calibration = calibrate(model_dir, grid, max_seconds=120, seed=seed, clock=read, **kv)
-    step_model = StepTimeModel.from_dict(calibration["step_time_model"])
     engine = LLMEngine.from_kwargs(model_dir, enable_prefix_caching=True, **ENGINE)
     vocab = engine.config.model.vocab_size
     warm_up(engine, vocab, seed)
+    if calibration is None:
+        # `kvserve calibrate`'s profile, on the engine measured next: warm, the same KV pool and settings.
+        grid = grid or Grid(prompt_lens=(16, 256), batch_sizes=(1, 8, 32), decode_steps=4, warmup_steps=2)
+        model, stats = fit(profile(engine, grid, 120, seed, Clock(clock).read))
+        calibration = {"device": device_name(engine), "clock": clock, "step_time_model": model.to_dict(), "fit": stats}
+    step_model = StepTimeModel.from_dict(calibration["step_time_model"])
     rows = []
     for case in workloads:
         rng = random.Random(seed)
@@ -258,7 +258,17 @@ def main(argv: list[str] | None = None) -> int:
         default="wall",
         help="wall: what a user sees; cpu: the process's CPU time (shared machine: others' load does not move it)",
     )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        help="torch intra-op threads (default torch's). On a shared machine 1 with --clock cpu: a descheduled "
+        "partner thread makes the others spin at the step's barriers, which inflates even CPU time",
+    )
     args = ap.parse_args(argv)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     model_dir = args.model
     if model_dir is None:
         from kvserve.runtime.bench.throughput import DEFAULT_SHAPE
@@ -272,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
             calibration = json.load(f)
     print("workload                     predicted / measured (error)", flush=True)
     result = run(model_dir, args.seed, calibration, clock=args.clock)
+    result["threads"] = args.threads
     print(f"{result['seconds']} s, load average {result['load_average_before']} -> {result['load_average_after']}")
     if args.out:
         with open(args.out, "w") as f:

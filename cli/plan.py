@@ -83,6 +83,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-requests", type=int, default=1000, help="requests to simulate")
     parser.add_argument("--prefix-len", type=int, default=0, help="tokens every prompt shares (prefix cache)")
     parser.add_argument("--seed", type=int, default=0, help="random seed of the simulated workload (--calibration)")
+    from kvserve.cli import plan_fleet
+
+    plan_fleet.add_arguments(parser)
 
 
 def load_model_config(where: str) -> dict:
@@ -381,6 +384,15 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.filename:
         return plan_file(args.filename, args.output)
+    from kvserve.cli import plan_fleet
+
+    searching = plan_fleet.wanted(args)
+    if searching and not args.gpu:
+        try:
+            args.gpu = plan_fleet.anchor_gpu(args)
+        except ValueError as exc:
+            print(f"error: {exc}")
+            return 2
     if not (args.model or args.model_config) or not args.gpu:
         print("error: give --model (or --model-config) and --gpu, -f FILE.yaml, or --list")
         return 2
@@ -415,12 +427,19 @@ def run(args: argparse.Namespace) -> int:
     plan = chosen.to_dict()
     if why:
         plan["layout_reason"] = why
-    if args.calibration:
-        try:
-            plan["prediction"] = _predict(args, plan, settings.__dict__)
-        except (ValueError, RuntimeError) as exc:
-            print(f"error: {exc}")
-            return 2
+    try:
+        calibration = None
+        if args.calibration:
+            from kvserve.runtime.planner.predict import load_calibration
+
+            calibration = load_calibration(args.calibration)
+            if args.concurrency or args.trace or not searching:
+                plan["prediction"] = _predict(args, plan, settings.__dict__)
+        if searching:
+            plan["fleet"] = plan_fleet.fleet(args, pin, calibration)
+    except (ValueError, RuntimeError) as exc:
+        print(f"error: {exc}")
+        return 2
     if not plan["fits"]:
         # One line in `kvserve serve`'s flag names (the plan's own message speaks the CRD's spec.* names).
         print(f"error: {does_not_fit_line(args, plan, settings, resolved.model, config)}", file=sys.stderr)
@@ -436,4 +455,8 @@ def run(args: argparse.Namespace) -> int:
         )
         if why:
             print(f"layout: TP {chosen.tensor_parallel_size} x PP {chosen.pipeline_parallel_size}: {why}")
+        if "fleet" in plan:
+            print(plan_fleet.format_fleet(plan["fleet"]))
+    if "fleet" in plan:  # the search's verdict: a chosen fleet, whatever --gpu's own plan said
+        return 0 if plan["fleet"]["choice"] is not None else 1
     return 0 if plan["fits"] else 1

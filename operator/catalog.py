@@ -23,10 +23,25 @@ _GEMMA2 = dict(architecture="Gemma2ForCausalLM", tie_word_embeddings=True, num_l
 _GEMMA3 = dict(architecture="Gemma3ForCausalLM", tie_word_embeddings=True, num_layer_norms=4, qk_norm=True)
 
 
+# Performance and price, for the fleet planner's roofline step-time model (operator/fleet.py) when no
+# calibration from the GPU itself is given. Peak FLOPs: dense (no 2:4 sparsity) BF16 tensor-core TFLOPS and
+# memory bandwidth from NVIDIA's datasheets for the SXM/PCIe variant named by `product` (the A10G has no
+# public datasheet: 70 TFLOPS is the figure commonly quoted for it). Prices are indicative on-demand USD per
+# GPU-hour: AWS us-east-1 list prices of the smallest instance with that GPU divided by its GPU count (g5, g6,
+# g6e, p4d, p4de, p5, p5en, p6-b200), as the author knew them in 2025, not re-checked online; they only rank
+# candidates, so override them with `kvserve plan --gpu-price GPU=USD` for your own contract.
+PRICE_SOURCE = (
+    "indicative AWS us-east-1 on-demand list prices per GPU-hour (2025), not re-checked; override --gpu-price"
+)
+
+
 @dataclass(frozen=True)
 class GPU:
     memory_mib: int
     product: str  # GPU Feature Discovery `nvidia.com/gpu.product` label value
+    peak_bf16_tflops: float = 0.0  # dense
+    memory_bandwidth_gb_s: float = 0.0
+    usd_per_gpu_hour: float = 0.0
 
     @property
     def memory_bytes(self) -> int:
@@ -104,14 +119,14 @@ MODEL_ALIASES: dict[str, str] = {
 }
 
 GPUS: dict[str, GPU] = {
-    "a10g": GPU(23028, "NVIDIA-A10G"),
-    "l4": GPU(23034, "NVIDIA-L4"),
-    "l40s": GPU(46068, "NVIDIA-L40S"),
-    "a100-40gb": GPU(40960, "NVIDIA-A100-SXM4-40GB"),
-    "a100-80gb": GPU(81920, "NVIDIA-A100-SXM4-80GB"),
-    "h100-80gb": GPU(81559, "NVIDIA-H100-80GB-HBM3"),
-    "h200-141gb": GPU(143771, "NVIDIA-H200"),
-    "b200": GPU(183359, "NVIDIA-B200"),
+    "a10g": GPU(23028, "NVIDIA-A10G", 70.0, 600.0, 1.006),
+    "l4": GPU(23034, "NVIDIA-L4", 121.0, 300.0, 0.805),
+    "l40s": GPU(46068, "NVIDIA-L40S", 362.0, 864.0, 1.861),
+    "a100-40gb": GPU(40960, "NVIDIA-A100-SXM4-40GB", 312.0, 1555.0, 4.10),
+    "a100-80gb": GPU(81920, "NVIDIA-A100-SXM4-80GB", 312.0, 2039.0, 5.12),
+    "h100-80gb": GPU(81559, "NVIDIA-H100-80GB-HBM3", 989.0, 3350.0, 6.88),
+    "h200-141gb": GPU(143771, "NVIDIA-H200", 989.0, 4800.0, 7.91),
+    "b200": GPU(183359, "NVIDIA-B200", 2250.0, 8000.0, 14.24),
 }
 
 GPU_ALIASES: dict[str, str] = {"h100": "h100-80gb", "h200": "h200-141gb", "a100": "a100-80gb"}

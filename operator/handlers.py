@@ -25,6 +25,7 @@ import kopf
 
 from kvserve.operator import (
     adapters,
+    fleet,
     kube,
     labels,
     leader,
@@ -171,6 +172,8 @@ def reconcile(namespace: str, name: str) -> dict[str, str]:
         startup = last_replica_startup(pods) or previous.get("lastReplicaStartup")
         if startup:
             new_status["lastReplicaStartup"] = startup
+        if resolved is not None and resolved.fleet is not None:  # spec.slo: capacity per replica, HPA bounds
+            new_status["fleet"] = fleet.fleet_status(resolved.fleet)
         metrics.record(namespace, name, spec=spec, plan=plan, status=new_status)
         if kube.patch_status(namespace, name, previous, new_status):
             actions["status"] = "patched"

@@ -11,6 +11,7 @@ from typing import Any
 
 from kvserve.operator import (
     adapters,
+    fleet,
     pod_resources,
     render_model,
     render_multinode,
@@ -246,6 +247,7 @@ def service(resolved: Resolved, name: str, namespace: str, selector: dict[str, s
 def autoscaler(resolved: Resolved, name: str, namespace: str, target: dict | None = None) -> dict:
     """`target`: the scaled object (default this InferenceService's /scale; a LeaderWorkerSet's for groups)."""
     auto = resolved.spec["autoscaling"]
+    min_replicas, max_replicas, queue_depth = fleet.autoscaling_bounds(auto, resolved.fleet)
     return {
         "apiVersion": "autoscaling/v2",
         "kind": "HorizontalPodAutoscaler",
@@ -254,14 +256,15 @@ def autoscaler(resolved: Resolved, name: str, namespace: str, target: dict | Non
             # The HPA scales the InferenceService through its /scale subresource; the operator then rolls
             # the replica count into the Deployment, so nothing else fights over Deployment.spec.replicas.
             "scaleTargetRef": target or {"apiVersion": API_VERSION, "kind": KIND, "name": name},
-            "minReplicas": auto["minReplicas"],
-            "maxReplicas": auto["maxReplicas"],
+            # spec.slo's plan (operator/fleet.py) when given, else spec.autoscaling's
+            "minReplicas": min_replicas,
+            "maxReplicas": max_replicas,
             "metrics": [
                 {
                     "type": "Pods",
                     "pods": {
                         "metric": {"name": METRIC_NAME},
-                        "target": {"type": "AverageValue", "averageValue": str(auto["targetQueueDepth"])},
+                        "target": {"type": "AverageValue", "averageValue": str(queue_depth)},
                     },
                 }
             ],

@@ -21,6 +21,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from kvserve.operator import fleet
 from kvserve.operator.labels import engine_labels, engine_pod_selector
 from kvserve.operator.spec import API_VERSION, KIND, Resolved
 
@@ -65,6 +66,7 @@ def scaled_object(
     spec = resolved.spec
     auto = spec["autoscaling"]
     address = auto.get("prometheusAddress") or DEFAULT_PROMETHEUS
+    _, max_replicas, queue_depth = fleet.autoscaling_bounds(auto, resolved.fleet)  # spec.slo's plan, if any
     where = f'namespace="{namespace}",pod=~"{pods or _pods(name)}"'
     router_where = f'namespace="{namespace}",pod=~"{_pods(name + "-router")}"'
     return {
@@ -76,17 +78,13 @@ def scaled_object(
             # rolls the count into the Deployment.
             "scaleTargetRef": target or {"apiVersion": API_VERSION, "kind": KIND, "name": name},
             "minReplicaCount": 0,
-            "maxReplicaCount": auto["maxReplicas"],
+            "maxReplicaCount": max_replicas,
             "pollingInterval": POLLING_INTERVAL_SECONDS,
             "cooldownPeriod": auto.get("idlePeriodSeconds", DEFAULT_IDLE_PERIOD_SECONDS),
             "advanced": {"horizontalPodAutoscalerConfig": {"behavior": behavior}},
             "triggers": [
-                _prometheus(
-                    "held-requests", address, f"sum({HELD_METRIC}{{{router_where}}})", auto["targetQueueDepth"]
-                ),
-                _prometheus(
-                    "queue-depth", address, f"sum(vllm:num_requests_waiting{{{where}}})", auto["targetQueueDepth"]
-                ),
+                _prometheus("held-requests", address, f"sum({HELD_METRIC}{{{router_where}}})", queue_depth),
+                _prometheus("queue-depth", address, f"sum(vllm:num_requests_waiting{{{where}}})", queue_depth),
                 _prometheus(
                     "running-requests",
                     address,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.operator import adapters as adapters_mod
-from kvserve.operator import catalog, parallelism, planner
+from kvserve.operator import catalog, fleet, parallelism, planner
 from kvserve.runtime import capacity, engine_args
 from kvserve.runtime.sources import uri as source_uri
 
@@ -114,6 +114,8 @@ class Resolved:
     layout: parallelism.Layout | None = None
     # spec.adapters, validated: LoRA adapters every replica loads at start-up (operator/adapters.py)
     adapters: tuple[adapters_mod.Adapter, ...] = ()
+    # spec.slo + spec.workload (issue 25): one replica's SLO capacity and the HPA bounds (operator/fleet.py)
+    fleet: fleet.Option | None = None
 
 
 _SHAPE_FIELDS = {
@@ -404,4 +406,32 @@ def resolve(spec: dict, model_config: dict | None = None) -> Resolved:
         plan_input=plan_input,
         layout=layout,
         adapters=adapters,
+        fleet=_plan_fleet(spec, plan_input, plan, layout),
     )
+
+
+def _plan_fleet(
+    spec: dict, plan_input: planner.PlanInput, plan: planner.Plan, layout: parallelism.Layout
+) -> fleet.Option | None:
+    """spec.slo + spec.workload -> this replica's SLO capacity and HPA bounds (None without them or when the
+    plan does not fit: nothing is deployed then). Raises SpecError InvalidSLO naming the field."""
+    try:
+        target = fleet.target_from_spec(spec)
+    except ValueError as exc:
+        raise SpecError("InvalidSLO", str(exc)) from None
+    if target is None or not plan.fits:
+        return None
+    if layout.multinode:
+        raise SpecError(
+            "InvalidSLO",
+            f"spec.slo is not planned for replicas of several pods yet ({layout.reason}): remove spec.slo and "
+            "spec.workload and set spec.autoscaling yourself",
+        )
+    key = catalog.gpu_key(spec["gpu"]["product"]) if spec["gpu"].get("product") else None
+    if key is None:
+        raise SpecError(
+            "InvalidSLO",
+            f"spec.slo needs a catalog GPU in spec.gpu.product ({', '.join(sorted(catalog.GPUS))}): its "
+            f"datasheet FLOPs and bandwidth are the step-time model, got {spec['gpu'].get('product')!r}",
+        )
+    return fleet.plan_replica(plan_input, plan, key, target)

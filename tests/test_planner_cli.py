@@ -49,3 +49,68 @@ def test_plan_prediction_bad_input(tmp_path, capsys):
     assert rc == 2 and "needs a workload" in out
     rc, out = _plan(capsys, "--calibration", str(cal), "--request-rate", "1", "--prompt-len", "x")
     assert rc == 2 and "--prompt-len" in out
+
+
+def _search(capsys, *extra):
+    rc = cli_main.main(["plan", "--model", "llama-3-8b", "--slo-ttft-p90", "1", "--slo-tpot-p99", "0.05", *extra])
+    return rc, capsys.readouterr().out
+
+
+def test_slo_search_prints_the_cheapest_fleet_and_hpa_bounds(tmp_path, capsys):
+    cal = tmp_path / "cal.json"
+    cal.write_text(json.dumps(CAL))
+    flags = ["--request-rate", "30", "--min-request-rate", "3", "--prompt-len", "256", "--output-len", "32"]
+    rc, out = _search(capsys, *flags, "--gpus", "l4,h100", "--gpu-price", "h100=1.5", "--json")
+    assert rc == 0
+    f = json.loads(out)["fleet"]
+    opts = [o for o in f["options"] if o["feasible"]]
+    assert f["choice"] == opts[0] and {o["gpu"] for o in f["options"]} == {"l4", "h100-80gb"}
+    assert [o["usd_per_hour"] for o in opts] == sorted(o["usd_per_hour"] for o in opts)
+    for o in opts:
+        hpa = o["hpa"]
+        assert hpa["max_replicas"] == o["replicas"] >= hpa["min_replicas"] >= 1
+        assert o["replicas"] * o["replica_requests_per_s"] >= 30 > (o["replicas"] - 1) * o["replica_requests_per_s"]
+        assert o["ttft_p90_s_at_capacity"] <= 1 and o["tpot_p99_s_at_capacity"] <= 0.05
+        price = 1.5 if o["gpu"] == "h100-80gb" else 0.805
+        assert o["usd_per_hour"] == o["gpus"] * price
+    assert "roofline" in f["choice"]["step_time_source"]
+    # A calibration for --gpu at its TP replaces the roofline there (the anchor's own deployment).
+    rc, out = _search(capsys, *flags, "--gpu", "h100", "--gpus", "h100", "--calibration", str(cal), "--json")
+    tp1 = next(o for o in json.loads(out)["fleet"]["options"] if o["tensor_parallel_size"] == 1)
+    assert tp1["step_time_source"] == "calibration (test)"
+    # The table names the choice and the HPA bounds.
+    rc, out = _search(capsys, *flags, "--gpus", "h100")
+    assert rc == 0 and "choice: " in out and "HPA minReplicas" in out
+
+
+def test_slo_search_errors_name_the_flag(capsys):
+    rc, out = _search(capsys, "--gpus", "h100")
+    assert rc == 2 and "needs --request-rate" in out
+    rc, out = _search(capsys, "--request-rate", "1", "--gpus", "nope")
+    assert rc == 2 and "--gpus: 'nope'" in out
+    rc, out = _search(capsys, "--request-rate", "1", "--gpus", "h100", "--gpu-price", "h100=x")
+    assert rc == 2 and "--gpu-price" in out
+    rc, out = _search(capsys, "--request-rate", "1", "--min-request-rate", "2", "--gpus", "h100")
+    assert rc == 2 and "--min-request-rate must be in [0, --request-rate]" in out
+    # Unreachable: a 1 ms TTFT. No choice, exit 1, every option says why.
+    rc, out = (
+        cli_main.main(
+            [
+                "plan",
+                "--model",
+                "llama-3-8b",
+                "--slo-ttft-p90",
+                "0.001",
+                "--slo-tpot-p99",
+                "0.05",
+                "--request-rate",
+                "1",
+                "--gpus",
+                "h100",
+                "--json",
+            ]
+        ),
+        capsys.readouterr().out,
+    )
+    f = json.loads(out)["fleet"]
+    assert rc == 1 and f["choice"] is None and all("TTFT p90" in o["reason"] for o in f["options"])

@@ -5,7 +5,7 @@ import random
 import pytest
 
 from kvserve.runtime.planner.simulator import EngineShape, LengthSpec, Workload, load_trace, percentile, simulate
-from kvserve.runtime.planner.step_time import StepSample, StepTimeModel, fit
+from kvserve.runtime.planner.step_time import StepSample, StepTimeModel, _least_squares, fit
 
 MODEL = StepTimeModel(overhead_s=0.01, per_token_s=1e-4, per_context_token_s=1e-6)
 
@@ -89,3 +89,20 @@ def test_trace_and_bad_input(tmp_path):
     with pytest.raises(ValueError, match="exactly one"):
         Workload(request_rate=1.0, concurrency=2)
     assert percentile([3.0, 1.0, 2.0], 50) == 2.0 and percentile([], 99) == 0.0
+
+
+def test_fit_ignores_descheduled_steps():
+    # 10% of the steps took 3-6x longer (the OS ran someone else): the fit is the other 90%'s.
+    rng = random.Random(1)
+    truth = StepTimeModel(0.02, 5e-5, 1e-7)
+    samples = []
+    for i in range(100):
+        n, c = rng.randint(1, 2048), rng.randint(1, 50_000)
+        slow = rng.uniform(3, 6) if i % 10 == 0 else 1.0
+        samples.append(StepSample(n, c, truth.step_seconds(n, c) * slow * (1 + rng.uniform(-0.02, 0.02))))
+    model, stats = fit(samples)
+    assert stats["num_outliers_dropped"] >= 10
+    assert model.overhead_s == pytest.approx(truth.overhead_s, rel=0.15)
+    assert model.per_token_s == pytest.approx(truth.per_token_s, rel=0.1)
+    plain = _least_squares(samples)  # the same data without dropping the slow steps
+    assert abs(plain.per_token_s - truth.per_token_s) > abs(model.per_token_s - truth.per_token_s)

@@ -101,6 +101,9 @@ class SimResult:
     kv_peak_usage: float = 0.0
     num_preemptions: int = 0
     num_steps: int = 0
+    # Time-weighted mean of the scheduler's queue (num_waiting, what vllm:num_requests_waiting exports) over
+    # the run: the HPA's per-replica metric, so the planner can say at which queue depth the SLO still holds.
+    mean_queue_depth: float = 0.0
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -168,6 +171,7 @@ def simulate(workload: Workload, shape: EngineShape, step_model: StepTimeModel) 
     finished = peak = 0
     steps = 0
     total_out = 0
+    queue_area = 0.0  # integral of num_waiting over simulated seconds
     while finished < total:
         while pending and pending[0][0] <= now:
             a, _, r = heapq.heappop(pending)
@@ -179,7 +183,9 @@ def simulate(workload: Workload, shape: EngineShape, step_model: StepTimeModel) 
                 raise RuntimeError("simulation stalled: a request cannot be scheduled (KV pool too small?)")
             now = max(now, pending[0][0])
             continue
-        now += step_model.step_seconds(*step_work(out.scheduled))
+        step_s = step_model.step_seconds(*step_work(out.scheduled))
+        queue_area += sched.num_waiting * step_s
+        now += step_s
         steps += 1
         peak = max(peak, kv.usage)
         sampled = {s.req_id: 1 for s in out.scheduled if s.sample}
@@ -208,4 +214,5 @@ def simulate(workload: Workload, shape: EngineShape, step_model: StepTimeModel) 
         kv_peak_usage=peak,
         num_preemptions=sched.num_preemptions,
         num_steps=steps,
+        mean_queue_depth=queue_area / duration,
     )

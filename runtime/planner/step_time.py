@@ -86,16 +86,31 @@ def _solve3(a: list[list[float]], b: list[float]) -> list[float]:
     return [m[i][n] / m[i][i] if abs(m[i][i]) >= 1e-300 else 0.0 for i in range(n)]
 
 
-def fit(samples: list[StepSample]) -> tuple[StepTimeModel, dict]:
-    """Least squares on [1, num_tokens, context_tokens] -> seconds (coefficients clamped at >= 0: a negative
-    cost would let the simulator run faster with more work). Returns the model and residual statistics."""
-    if len(samples) < 3:
-        raise ValueError(f"need at least 3 profiled steps to fit, got {len(samples)}")
+def _least_squares(samples: list[StepSample]) -> StepTimeModel:
     rows = [(1.0, float(s.num_tokens), float(s.context_tokens)) for s in samples]
     ata = [[sum(r[i] * r[j] for r in rows) for j in range(3)] for i in range(3)]
     atb = [sum(r[i] * s.seconds for r, s in zip(rows, samples, strict=True)) for i in range(3)]
-    coef = [max(0.0, c) for c in _solve3(ata, atb)]
-    model = StepTimeModel(*coef)
+    return StepTimeModel(*(max(0.0, c) for c in _solve3(ata, atb)))
+
+
+OUTLIER_MADS = 5.0  # a step this many median absolute deviations slower than the fit was preempted
+
+
+def fit(samples: list[StepSample]) -> tuple[StepTimeModel, dict]:
+    """Least squares on [1, num_tokens, context_tokens] -> seconds (coefficients clamped at >= 0: a negative
+    cost would let the simulator run faster with more work), then once more without the outliers: steps whose
+    residual exceeds OUTLIER_MADS median absolute deviations. On a shared machine a step the OS descheduled
+    is several times a normal one, and squared error lets a few of them pull every coefficient.
+    Returns the model and residual statistics (over all samples, and how many were dropped)."""
+    if len(samples) < 3:
+        raise ValueError(f"need at least 3 profiled steps to fit, got {len(samples)}")
+    model = _least_squares(samples)
+    resid = [s.seconds - model.step_seconds(s.num_tokens, s.context_tokens) for s in samples]
+    med = sorted(resid)[len(resid) // 2]
+    mad = sorted(abs(r - med) for r in resid)[len(resid) // 2]
+    kept = [s for s, r in zip(samples, resid, strict=True) if abs(r - med) <= OUTLIER_MADS * mad] if mad > 0 else []
+    if len(kept) >= 3:
+        model = _least_squares(kept)
     rel = [
         abs(model.step_seconds(s.num_tokens, s.context_tokens) - s.seconds) / s.seconds
         for s in samples
@@ -103,6 +118,7 @@ def fit(samples: list[StepSample]) -> tuple[StepTimeModel, dict]:
     ]
     stats = {
         "num_samples": len(samples),
+        "num_outliers_dropped": len(samples) - len(kept) if len(kept) >= 3 else 0,
         "mean_abs_rel_error": sum(rel) / len(rel) if rel else 0.0,
         "max_abs_rel_error": max(rel) if rel else 0.0,
     }

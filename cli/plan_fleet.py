@@ -1,0 +1,153 @@
+"""`kvserve plan --slo-ttft-p90 S --slo-tpot-p99 S --request-rate R`: the fleet choice (cheapest GPU x TP x
+replicas meeting the SLO at the rate) and the HPA bounds, from operator/fleet.py (the operator's own code)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("fleet search (with --slo-ttft-p90 and --slo-tpot-p99; needs --request-rate)")
+    g.add_argument("--slo-ttft-p90", type=float, metavar="SECONDS", help="SLO: time to first token, p90")
+    g.add_argument("--slo-tpot-p99", type=float, metavar="SECONDS", help="SLO: time per output token, p99")
+    g.add_argument(
+        "--min-request-rate", type=float, default=0.0, help="req/s at the quietest hour: the HPA's minReplicas"
+    )
+    g.add_argument("--gpus", help="catalog GPUs to consider, comma-separated (default: all)")
+    g.add_argument(
+        "--gpu-price",
+        action="append",
+        default=[],
+        metavar="GPU=USD",
+        help="USD per GPU-hour for a catalog GPU (repeatable; default the catalog's indicative price)",
+    )
+
+
+# target_from_spec's field names -> this command's flags (longest first: requestRate is in minRequestRate)
+FLAG_OF_FIELD = {
+    "spec.slo.ttftP90Seconds": "--slo-ttft-p90",
+    "spec.slo.tpotP99Seconds": "--slo-tpot-p99",
+    "spec.workload.minRequestRate": "--min-request-rate",
+    "spec.workload.requestRate": "--request-rate",
+    "spec.workload.promptLen": "--prompt-len",
+    "spec.workload.outputLen": "--output-len",
+    "spec.workload.prefixLen": "--prefix-len",
+    "requestRate": "--request-rate",
+}
+
+
+def wanted(args: argparse.Namespace) -> bool:
+    return args.slo_ttft_p90 is not None or args.slo_tpot_p99 is not None
+
+
+def _prices(items: list[str]) -> dict[str, float]:
+    from kvserve.operator import catalog
+
+    out = {}
+    for item in items:
+        name, _, usd = item.partition("=")
+        key = catalog.gpu_key(name)
+        try:
+            price = float(usd)
+        except ValueError:
+            raise ValueError(f"--gpu-price: expected GPU=USD, got {item!r}") from None
+        if key is None or price <= 0:
+            raise ValueError(f"--gpu-price: {item!r}: need a catalog GPU and a price > 0")
+        out[key] = price
+    return out
+
+
+def _gpu_keys(text: str | None) -> list[str] | None:
+    from kvserve.operator import catalog
+
+    if not text:
+        return None
+    keys = [catalog.gpu_key(n) for n in text.split(",") if n.strip()]
+    if None in keys or not keys:
+        raise ValueError(f"--gpus: {text!r}: use catalog GPUs ({', '.join(sorted(catalog.GPUS))})")
+    return keys
+
+
+def anchor_gpu(args: argparse.Namespace) -> str:
+    """The GPU the engine settings resolve against when --gpu is not given: the search varies GPU and TP
+    itself, so this only anchors the plan's settings (the first of --gpus, else the H100)."""
+    keys = _gpu_keys(args.gpus)
+    return keys[0] if keys else "h100-80gb"
+
+
+def fleet(args: argparse.Namespace, base, calibration: dict | None) -> dict:
+    """The search's JSON: slo, workload, choice (None when nothing meets the SLO) and every option.
+    Raises ValueError naming the flag."""
+    from kvserve.operator import catalog
+    from kvserve.operator import fleet as fleet_mod
+    from kvserve.runtime.planner.step_time import StepTimeModel
+
+    if args.slo_ttft_p90 is None or args.slo_tpot_p99 is None:
+        raise ValueError("the fleet search needs both --slo-ttft-p90 and --slo-tpot-p99")
+    if not args.request_rate:
+        raise ValueError("the fleet search needs --request-rate (the peak req/s the fleet serves)")
+    spec = {
+        "slo": {"ttftP90Seconds": args.slo_ttft_p90, "tpotP99Seconds": args.slo_tpot_p99},
+        "workload": {
+            "requestRate": args.request_rate,
+            "minRequestRate": args.min_request_rate,
+            "promptLen": args.prompt_len,
+            "outputLen": args.output_len,
+            "prefixLen": args.prefix_len,
+        },
+    }
+    try:
+        target = fleet_mod.target_from_spec(spec)
+    except ValueError as exc:  # name the flags, not the CRD fields
+        message = str(exc)
+        for field, flag in FLAG_OF_FIELD.items():
+            message = message.replace(field, flag)
+        raise ValueError(message) from None
+    calibrated = None
+    if calibration is not None and args.gpu:
+        key = catalog.gpu_key(args.gpu)
+        if key is not None:
+            model = StepTimeModel.from_dict(calibration["step_time_model"])
+            calibrated = (key, base.tensor_parallel_size, model, calibration.get("device", "?"))
+    options = fleet_mod.search_catalog(
+        base, target, _gpu_keys(args.gpus), args.gpus_per_node, _prices(args.gpu_price), calibrated
+    )
+    rows = [o.to_dict() for o in options]
+    choice = rows[0] if rows and rows[0]["feasible"] else None
+    return {
+        "slo": {"ttft_p90_s": target.slo.ttft_p90_s, "tpot_p99_s": target.slo.tpot_p99_s},
+        "request_rate": target.request_rate,
+        "min_request_rate": target.min_request_rate,
+        "price_source": catalog.PRICE_SOURCE,
+        "choice": choice,
+        "options": rows,
+    }
+
+
+def format_fleet(f: dict) -> str:
+    lines = [
+        f"fleet search: TTFT p90 <= {f['slo']['ttft_p90_s']:g} s, TPOT p99 <= {f['slo']['tpot_p99_s']:g} s "
+        f"at {f['request_rate']:g} req/s (prices: {f['price_source']})",
+        f"{'GPU':<12} {'TP':>2} {'REQ/S/REPLICA':>13} {'REPLICAS':>8} {'USD/H':>8}  HPA min/max/queue  NOTE",
+    ]
+    for o in f["options"]:
+        if o["feasible"]:
+            h = o["hpa"]
+            lines.append(
+                f"{o['gpu']:<12} {o['tensor_parallel_size']:>2} {o['replica_requests_per_s']:>13.2f} "
+                f"{o['replicas']:>8} {o['usd_per_hour']:>8.2f}  {h['min_replicas']}/{h['max_replicas']}/"
+                f"{h['target_queue_depth']}"
+            )
+        else:
+            lines.append(f"{o['gpu']:<12} {o['tensor_parallel_size']:>2} {'-':>13} {'-':>8} {'-':>8}  -  {o['reason']}")
+    c = f["choice"]
+    if c is None:
+        lines.append("choice: none of the candidates meets the SLO")
+    else:
+        h = c["hpa"]
+        lines.append(
+            f"choice: {c['replicas']} x {c['gpu']} TP {c['tensor_parallel_size']} ({c['gpus']} GPUs, "
+            f"${c['usd_per_hour']:.2f}/h); HPA minReplicas {h['min_replicas']}, maxReplicas {h['max_replicas']}, "
+            f"targetQueueDepth {h['target_queue_depth']}; step times: {c['step_time_source']}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,201 @@
+"""Fleet planning from the catalogs: candidates (GPU x TP with the KV plan and a step-time model) for the
+planner's SLO search (runtime/planner/fleet.py), and the HPA bounds of one InferenceService's spec.slo +
+spec.workload. `kvserve plan --slo-*` and the operator both call this module: one source of truth.
+
+Step times: a calibration from the serving machine when the caller has one (`kvserve calibrate`); otherwise
+the roofline of the catalog GPU's datasheet numbers (catalog.GPU), an estimate with stated efficiency factors
+that every output labels as such.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+
+from kvserve.operator import catalog, planner
+from kvserve.runtime.planner.fleet import Candidate, Option, evaluate, search
+from kvserve.runtime.planner.simulator import EngineShape, LengthSpec, Workload
+from kvserve.runtime.planner.slo import SLO
+from kvserve.runtime.planner.step_time import StepTimeModel
+
+# Stated assumptions of the roofline (not measured): fractions of the datasheet peak a serving step reaches,
+# the host's per-step cost (scheduling, sampling, launches), and per layer two TP all-reduces of a few
+# microseconds each on NVLink.
+FLOPS_EFFICIENCY = 0.5
+BANDWIDTH_EFFICIENCY = 0.7
+HOST_OVERHEAD_S = 0.004
+ALLREDUCE_S = 10e-6
+SEARCH_NUM_REQUESTS = 200  # per simulated trial: p99 from 200 requests (the 2nd worst); seconds per candidate
+
+
+def roofline_source(gpu_key: str) -> str:
+    return (
+        f"roofline estimate from the {gpu_key} datasheet (peak x {FLOPS_EFFICIENCY:g} FLOPs, "
+        f"x {BANDWIDTH_EFFICIENCY:g} bandwidth, {HOST_OVERHEAD_S * 1e3:g} ms host overhead): not measured"
+    )
+
+
+def roofline_step_model(model: catalog.ModelShape, gpu: catalog.GPU, plan: planner.Plan) -> StepTimeModel:
+    """Per GPU rank: a step reads the rank's weights once, spends 2 x params / TP FLOPs per token and reads
+    each context token's KV slice once; TP > 1 adds two all-reduces per layer."""
+    if not (gpu.peak_bf16_tflops > 0 and gpu.memory_bandwidth_gb_s > 0):
+        raise ValueError(f"GPU {gpu.product} has no peak FLOPs / bandwidth in the catalog: give a calibration")
+    tp = plan.tensor_parallel_size
+    allreduce_s = 2 * model.num_layers * ALLREDUCE_S if tp > 1 else 0.0
+    return StepTimeModel.from_hardware(
+        num_params=model.num_parameters / tp,
+        kv_bytes_per_token=plan.kv_bytes_per_token_per_gpu,
+        peak_flops=gpu.peak_bf16_tflops * 1e12,
+        mem_bandwidth_bytes_s=gpu.memory_bandwidth_gb_s * 1e9,
+        weight_bytes=plan.weight_bytes_per_gpu,
+        flops_efficiency=FLOPS_EFFICIENCY,
+        bandwidth_efficiency=BANDWIDTH_EFFICIENCY,
+        host_overhead_s=HOST_OVERHEAD_S + allreduce_s,
+    )
+
+
+def engine_shape(inp: planner.PlanInput, plan: planner.Plan) -> EngineShape:
+    return EngineShape(
+        num_blocks=plan.num_blocks_per_gpu,
+        block_size=plan.block_size,
+        max_num_seqs=inp.max_num_seqs,
+        max_num_batched_tokens=inp.max_num_batched_tokens,
+        max_model_len=inp.max_model_len,
+    )
+
+
+def candidates(
+    base: planner.PlanInput,
+    gpu_keys: list[str],
+    gpus_per_node: int,
+    prices: dict[str, float] | None = None,
+    calibrated: tuple[str, int, StepTimeModel, str] | None = None,
+) -> list[Candidate]:
+    """Every (GPU, TP <= gpus_per_node) whose KV plan fits, with the engine settings of `base`.
+    `calibrated`: (gpu key, TP, model, device) measured on that deployment; it replaces the roofline there."""
+    out = []
+    for key in gpu_keys:
+        gpu = catalog.GPUS[key]
+        price = (prices or {}).get(key, gpu.usd_per_gpu_hour)
+        for tp in planner.valid_tensor_parallel_sizes(base.model, limit=gpus_per_node):
+            inp = dataclasses.replace(base, gpu_memory_bytes=gpu.memory_bytes, tensor_parallel_size=tp)
+            plan = planner.plan(inp)
+            if not plan.fits:
+                continue
+            if calibrated is not None and calibrated[:2] == (key, tp):
+                step, source = calibrated[2], f"calibration ({calibrated[3]})"
+            else:
+                step, source = roofline_step_model(base.model, gpu, plan), roofline_source(key)
+            out.append(Candidate(key, tp, price, engine_shape(inp, plan), step, source))
+    return out
+
+
+@dataclass(frozen=True)
+class Target:
+    """spec.slo + spec.workload (or `kvserve plan`'s flags), parsed."""
+
+    slo: SLO
+    workload: Workload  # lengths, prefix, seed; the rate is set per trial by the search
+    request_rate: float  # peak req/s the fleet must serve
+    min_request_rate: float = 0.0
+
+
+def target_from_spec(spec: dict) -> Target | None:
+    """None when the spec has neither spec.slo nor spec.workload. Raises ValueError naming the field."""
+    slo, work = spec.get("slo"), spec.get("workload")
+    if slo is None and work is None:
+        return None
+    if slo is None or work is None:
+        missing = "spec.slo" if slo is None else "spec.workload"
+        raise ValueError(f"{missing} is required with {'spec.workload' if slo is None else 'spec.slo'}")
+
+    def number(section: dict, key: str, where: str, default: float | None = None) -> float:
+        value = section.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"spec.{where}.{key} must be a number, got {value!r}")
+        return float(value)
+
+    ttft, tpot = number(slo, "ttftP90Seconds", "slo"), number(slo, "tpotP99Seconds", "slo")
+    rate = number(work, "requestRate", "workload")
+    floor = number(work, "minRequestRate", "workload", 0.0)
+    if rate <= 0:
+        raise ValueError(f"spec.workload.requestRate must be > 0, got {rate:g}")
+    if not 0 <= floor <= rate:
+        raise ValueError(f"spec.workload.minRequestRate must be in [0, requestRate], got {floor:g}")
+    try:
+        target_slo = SLO(ttft, tpot)
+    except ValueError:
+        raise ValueError(f"spec.slo.ttftP90Seconds and tpotP99Seconds must be > 0, got {ttft:g}, {tpot:g}") from None
+    workload = Workload(
+        prompt_len=LengthSpec.parse(work.get("promptLen", 512), "spec.workload.promptLen"),
+        output_len=LengthSpec.parse(work.get("outputLen", 128), "spec.workload.outputLen"),
+        num_requests=SEARCH_NUM_REQUESTS,
+        request_rate=rate,
+        prefix_len=int(work.get("prefixLen", 0)),
+    )
+    return Target(target_slo, workload, rate, floor)
+
+
+def plan_replica(inp: planner.PlanInput, plan: planner.Plan, gpu_key: str | None, target: Target) -> Option:
+    """The operator's view: this spec's own GPU and TP (it does not choose them), its SLO capacity and the HPA
+    bounds for the workload. Cached: reconciles repeat with the same inputs."""
+    return _plan_replica(inp, plan, gpu_key, target)
+
+
+@functools.lru_cache(maxsize=64)
+def _plan_replica(inp: planner.PlanInput, plan: planner.Plan, gpu_key: str | None, target: Target) -> Option:
+    if gpu_key is None:
+        raise ValueError("spec.slo needs a catalog GPU (spec.gpu.product) for its roofline step-time model")
+    gpu = catalog.GPUS[gpu_key]
+    candidate = Candidate(
+        gpu_key,
+        plan.tensor_parallel_size,
+        gpu.usd_per_gpu_hour,
+        engine_shape(inp, plan),
+        roofline_step_model(inp.model, gpu, plan),
+        roofline_source(gpu_key),
+    )
+    return evaluate(candidate, target.workload, target.slo, target.request_rate, target.min_request_rate)
+
+
+def autoscaling_bounds(autoscaling: dict, option: Option | None) -> tuple[int, int, int]:
+    """(minReplicas, maxReplicas, targetQueueDepth) the HPA / KEDA render: the SLO plan's when spec.slo was
+    planned and is feasible, else spec.autoscaling's."""
+    if option is not None and option.hpa is not None:
+        h = option.hpa
+        return h.min_replicas, h.max_replicas, h.target_queue_depth
+    return autoscaling["minReplicas"], autoscaling["maxReplicas"], autoscaling["targetQueueDepth"]
+
+
+def fleet_status(option: Option) -> dict:
+    """status.fleet: what one replica serves within spec.slo and the HPA bounds derived from it."""
+    out = {
+        "feasible": option.hpa is not None,
+        "replicaRequestsPerSecond": round(option.replica_requests_per_s, 3),
+        "ttftP90SecondsAtCapacity": round(option.ttft_p90_s, 4),
+        "tpotP99SecondsAtCapacity": round(option.tpot_p99_s, 5),
+        "stepTimeSource": option.candidate.step_time_source,
+    }
+    if option.hpa is not None:
+        out.update(
+            minReplicas=option.hpa.min_replicas,
+            maxReplicas=option.hpa.max_replicas,
+            targetQueueDepth=option.hpa.target_queue_depth,
+        )
+    else:
+        out["reason"] = f"spec.slo cannot be met, the HPA keeps spec.autoscaling's bounds: {option.reason}"
+    return out
+
+
+def search_catalog(
+    base: planner.PlanInput,
+    target: Target,
+    gpu_keys: list[str] | None = None,
+    gpus_per_node: int = 8,
+    prices: dict[str, float] | None = None,
+    calibrated: tuple[str, int, StepTimeModel, str] | None = None,
+) -> list[Option]:
+    """`kvserve plan --slo-*`: every catalog GPU x TP, cheapest feasible first."""
+    cands = candidates(base, gpu_keys or sorted(catalog.GPUS), gpus_per_node, prices, calibrated)
+    return search(cands, target.workload, target.slo, target.request_rate, target.min_request_rate)

@@ -1,0 +1,294 @@
+"""Planner accuracy (issue 25 item 5): predicted vs measured on this machine, per workload and metric.
+
+    python -m kvserve.runtime.bench.planner_accuracy [--model DIR] [--out result.json]
+
+Builds the random-weight 125M Llama (hidden 768, 12 layers, 12/4 heads, head_dim 64; throughput.DEFAULT_SHAPE)
+unless --model is given, calibrates it (`kvserve calibrate`'s code), then for every workload in WORKLOADS
+runs the real in-process engine (LLMEngine.step in a loop, wall clock) and the planner's simulator with the
+calibration, on the same request sequence: the same closed-loop protocol, or the same Poisson arrival times
+(given to the simulator as a trace), the same lengths and shared prefix. Prints output tok/s, TTFT p50 and
+TPOT p50 predicted / measured / error. The engine is driven in-process, without HTTP: what the planner
+models is the engine's step loop; the API server's own overhead is not in the calibration either.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+from kvserve.runtime.planner.simulator import EngineShape, LengthSpec, Workload, percentile, simulate
+from kvserve.runtime.planner.step_time import StepTimeModel
+
+# One engine for every workload: these settings are the simulator's EngineShape too.
+ENGINE = dict(max_model_len=1024, max_num_seqs=128, max_num_batched_tokens=2048, block_size=16, num_kv_blocks=1024)
+SHAPE = EngineShape(num_blocks=1024, block_size=16, max_num_seqs=128, max_num_batched_tokens=2048, max_model_len=1024)
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    prompt_len: int
+    output_len: int
+    num_requests: int
+    concurrency: int | None = None  # closed loop
+    load: float | None = None  # Poisson at this fraction of the predicted saturation rate
+    prefix_len: int = 0
+
+
+# The issue's table: closed loop 1/8/32/128 streams, two Poisson rates, short and long prompts, shared prefixes.
+# Sized for a shared 2-core CPU (a 125M fp32 decode step is 0.1-0.5 s there): the whole table, calibration
+# included, in about five minutes.
+WORKLOADS = (
+    Case("closed-1", 64, 8, 3, concurrency=1),
+    Case("closed-8", 64, 8, 16, concurrency=8),
+    Case("closed-32", 64, 8, 32, concurrency=32),
+    Case("closed-128", 16, 4, 128, concurrency=128),
+    Case("poisson-30%", 64, 8, 16, load=0.3),
+    Case("poisson-70%", 64, 8, 16, load=0.7),
+    Case("long-prompt-2", 1000, 4, 4, concurrency=2),
+    Case("shared-prefix-4", 288, 8, 8, concurrency=4, prefix_len=256),
+)
+
+
+def _requests(case: Case, rng: random.Random, vocab: int, rate: float | None):
+    """[(arrival_s or None for closed loop, prompt ids, output len)]; prompts share the first prefix_len ids."""
+    shared = [rng.randrange(3, vocab) for _ in range(case.prefix_len)]
+    t, out = 0.0, []
+    for _ in range(case.num_requests):
+        prompt = shared + [rng.randrange(3, vocab) for _ in range(case.prompt_len - case.prefix_len)]
+        if rate is not None:
+            t += rng.expovariate(rate)
+        out.append((t if rate is not None else None, prompt, case.output_len))
+    return out
+
+
+class Clock:
+    """Seconds since start. "wall": time.perf_counter, idle gaps slept. "cpu": this process's CPU time (the
+    engine runs in-process, every thread counted), idle gaps skipped like the simulator skips them: a clock
+    the other tenants of a shared machine do not move, so it compares the model with the engine's own work."""
+
+    def __init__(self, kind: str):
+        if kind not in ("wall", "cpu"):
+            raise ValueError(f"--clock: wall or cpu, got {kind!r}")
+        self.kind = kind
+        self.read = time.perf_counter if kind == "wall" else time.process_time
+        self.t0 = self.read()
+        self.skipped = 0.0
+
+    def now(self) -> float:
+        return self.read() - self.t0 + self.skipped
+
+    def wait_until(self, t: float) -> None:
+        if self.kind == "wall":
+            time.sleep(max(0.0, t - self.now()))
+        else:
+            self.skipped += max(0.0, t - self.now())
+
+
+def measure(engine, case: Case, requests, clock_kind: str = "wall") -> dict:
+    """Run the requests through the engine on the clock; the simulator's metrics, measured."""
+    from kvserve.runtime.sampling_params import SamplingParams
+
+    arrival, first, finish, n_out = {}, {}, {}, {}
+    pending = list(requests)
+    clock = Clock(clock_kind)
+    sent = 0
+
+    def send(now: float, prompt, olen) -> None:
+        nonlocal sent
+        rid = f"{case.name}-{sent}"
+        sent += 1
+        arrival[rid] = now
+        params = SamplingParams(temperature=0, max_tokens=olen, ignore_eos=True)
+        engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+
+    if case.concurrency is not None:
+        for _ in range(min(case.concurrency, len(pending))):
+            _, p, o = pending.pop(0)
+            send(0.0, p, o)
+    while len(finish) < len(requests):
+        now = clock.now()
+        if case.concurrency is None:
+            while pending and pending[0][0] <= now:
+                a, p, o = pending.pop(0)
+                send(a, p, o)  # TTFT counts from the intended arrival, as in the simulator
+            if not engine.has_unfinished_requests():
+                clock.wait_until(pending[0][0])
+                continue
+        outs = engine.step()
+        now = clock.now()
+        for o in outs:
+            n = len(o.outputs[0].token_ids)
+            if n and o.request_id not in first:
+                first[o.request_id] = now
+            n_out[o.request_id] = n
+            if o.finished:
+                finish[o.request_id] = now
+                if case.concurrency is not None and pending:
+                    _, p, o2 = pending.pop(0)
+                    send(now, p, o2)
+    duration = max(finish.values())
+    ttft = [first[r] - arrival[r] for r in finish]
+    tpot = [(finish[r] - first[r]) / (n_out[r] - 1) for r in finish if n_out[r] > 1]
+    return {
+        "output_tokens_per_s": sum(n_out.values()) / duration,
+        "ttft_p50_s": percentile(ttft, 50),
+        "tpot_p50_s": percentile(tpot, 50),
+    }
+
+
+def predict(case: Case, requests, step_model: StepTimeModel) -> dict:
+    trace = tuple((a, len(p), o) for a, p, o in requests) if case.concurrency is None else ()
+    w = Workload(
+        prompt_len=LengthSpec(case.prompt_len, case.prompt_len),
+        output_len=LengthSpec(case.output_len, case.output_len),
+        num_requests=case.num_requests,
+        concurrency=case.concurrency,
+        prefix_len=case.prefix_len,
+        trace=trace,
+    )
+    r = simulate(w, SHAPE, step_model)
+    return {"output_tokens_per_s": r.output_tokens_per_s, "ttft_p50_s": r.ttft_s["p50"], "tpot_p50_s": r.tpot_s["p50"]}
+
+
+def saturation_rate(case: Case, step_model: StepTimeModel) -> float:
+    """Predicted req/s with every sequence slot busy: Poisson loads are fractions of it."""
+    w = Workload(
+        LengthSpec(case.prompt_len, case.prompt_len),
+        LengthSpec(case.output_len, case.output_len),
+        num_requests=256,
+        concurrency=SHAPE.max_num_seqs,
+    )
+    return simulate(w, SHAPE, step_model).requests_per_s
+
+
+def warm_up(engine, vocab: int, seed: int) -> None:
+    """Decode batch sizes and prefill chunk shapes once (oneDNN creates a primitive per shape, 10-15x a warm
+    step; a long-running server has them): 128 streams with output lengths 1..8, prompts 16..300."""
+    from kvserve.runtime.sampling_params import SamplingParams
+
+    rng = random.Random(seed)
+    for i in range(128):
+        prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(16, 300))]
+        params = SamplingParams(temperature=0, max_tokens=rng.randint(1, 8), ignore_eos=True)
+        engine.add_request(f"warm-{i}", {"prompt_token_ids": prompt}, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def error(predicted: float, measured: float) -> float:
+    return (predicted - measured) / measured if measured else float("inf")
+
+
+BOUNDS = {"output_tokens_per_s": 0.15, "tpot_p50_s": 0.15, "ttft_p50_s": 0.25}  # the issue's "done when"
+
+
+def run(
+    model_dir: str,
+    seed: int = 0,
+    calibration: dict | None = None,
+    workloads: tuple[Case, ...] = WORKLOADS,
+    grid=None,
+    clock: str = "wall",
+) -> dict:
+    from kvserve.runtime.bench.calibrate import Grid, device_name, profile
+    from kvserve.runtime.engine.llm_engine import LLMEngine
+    from kvserve.runtime.planner.step_time import fit
+
+    start, load_before = time.perf_counter(), os.getloadavg()
+    engine = LLMEngine.from_kwargs(model_dir, enable_prefix_caching=True, **ENGINE)
+    vocab = engine.config.model.vocab_size
+    warm_up(engine, vocab, seed)
+    if calibration is None:
+        # `kvserve calibrate`'s profile, on the engine measured next: warm, the same KV pool and settings.
+        grid = grid or Grid(prompt_lens=(16, 256), batch_sizes=(1, 8, 32), decode_steps=4, warmup_steps=2)
+        model, stats = fit(profile(engine, grid, 120, seed, Clock(clock).read))
+        calibration = {"device": device_name(engine), "clock": clock, "step_time_model": model.to_dict(), "fit": stats}
+    step_model = StepTimeModel.from_dict(calibration["step_time_model"])
+    rows = []
+    for case in workloads:
+        rng = random.Random(seed)
+        rate = case.load * saturation_rate(case, step_model) if case.load is not None else None
+        requests = _requests(case, rng, vocab, rate)
+        measured = measure(engine, case, requests, clock)
+        predicted = predict(case, requests, step_model)
+        row = {"workload": case.name, "request_rate": rate, "predicted": predicted, "measured": measured}
+        row["error"] = {k: error(predicted[k], measured[k]) for k in measured}
+        row["within_bounds"] = all(abs(row["error"][k]) <= b for k, b in BOUNDS.items())
+        rows.append(row)
+        print(_line(row), flush=True)
+    engine.shutdown()
+    return {
+        "clock": clock,
+        "calibration": calibration,
+        "engine": ENGINE,
+        "rows": rows,
+        "seconds": round(time.perf_counter() - start, 1),
+        "load_average_before": load_before,  # the machine is shared: other work moves every timing
+        "load_average_after": os.getloadavg(),
+    }
+
+
+def _line(row: dict) -> str:
+    p, m, e = row["predicted"], row["measured"], row["error"]
+    rate = f" @ {row['request_rate']:.2f} req/s" if row["request_rate"] else ""
+    return (
+        f"{row['workload'] + rate:<28} tok/s {p['output_tokens_per_s']:7.1f} / {m['output_tokens_per_s']:7.1f} "
+        f"({e['output_tokens_per_s']:+.0%})  TTFT p50 {p['ttft_p50_s'] * 1e3:7.1f} / {m['ttft_p50_s'] * 1e3:7.1f} ms "
+        f"({e['ttft_p50_s']:+.0%})  TPOT p50 {p['tpot_p50_s'] * 1e3:6.1f} / {m['tpot_p50_s'] * 1e3:6.1f} ms "
+        f"({e['tpot_p50_s']:+.0%})  {'ok' if row['within_bounds'] else 'MISS'}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="model folder (default: build the random-weight 125M Llama)")
+    ap.add_argument("--calibration", help="reuse a `kvserve calibrate` JSON instead of calibrating")
+    ap.add_argument("--out", help="write the result JSON here")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="wall: what a user sees; cpu: the process's CPU time (shared machine: others' load does not move it)",
+    )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        help="torch intra-op threads (default torch's). On a shared machine 1 with --clock cpu: a descheduled "
+        "partner thread makes the others spin at the step's barriers, which inflates even CPU time",
+    )
+    args = ap.parse_args(argv)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    model_dir = args.model
+    if model_dir is None:
+        from kvserve.runtime.bench.throughput import DEFAULT_SHAPE
+        from kvserve.runtime.models.synthetic import make_random_model_dir
+
+        model_dir = os.path.join(tempfile.mkdtemp(prefix="kvserve-planner-acc-"), "model")
+        make_random_model_dir(model_dir, "LlamaForCausalLM", seed=args.seed, **DEFAULT_SHAPE)
+    calibration = None
+    if args.calibration:
+        with open(args.calibration) as f:
+            calibration = json.load(f)
+    print("workload                     predicted / measured (error)", flush=True)
+    result = run(model_dir, args.seed, calibration, clock=args.clock)
+    result["threads"] = args.threads
+    print(f"{result['seconds']} s, load average {result['load_average_before']} -> {result['load_average_after']}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0 if all(r["within_bounds"] for r in result["rows"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

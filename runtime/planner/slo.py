@@ -1,0 +1,105 @@
+"""One replica's capacity under a latency SLO, and the HPA bounds that follow from it.
+
+The capacity is Vidur-Search's: the highest Poisson request rate at which the simulated replica still meets
+the SLO, found by bisection. With a fixed seed, the arrival gaps at rate r are the same draws scaled by 1/r
+(random.expovariate), so the runs at different rates see the same request sequence and only the load moves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from kvserve.runtime.planner.simulator import EngineShape, SimResult, Workload, simulate
+from kvserve.runtime.planner.step_time import StepTimeModel
+
+BISECTION_STEPS = 7  # the bracket shrinks to 1/128 of the saturation rate: well under the model's own error
+
+
+@dataclass(frozen=True)
+class SLO:
+    ttft_p90_s: float
+    tpot_p99_s: float
+
+    def __post_init__(self) -> None:
+        for name, value in (("ttft_p90_s", self.ttft_p90_s), ("tpot_p99_s", self.tpot_p99_s)):
+            if not value > 0:
+                raise ValueError(f"slo {name} must be > 0 seconds, got {value!r}")
+
+    def met_by(self, result: SimResult) -> bool:
+        return result.ttft_s["p90"] <= self.ttft_p90_s and result.tpot_s["p99"] <= self.tpot_p99_s
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """`requests_per_s` is 0 when the SLO fails even for requests that never queue (`reason` says which
+    metric); `at_capacity` is the simulation at that rate (the light-load one when infeasible)."""
+
+    requests_per_s: float
+    at_capacity: SimResult
+    reason: str = ""
+
+    @property
+    def feasible(self) -> bool:
+        return self.requests_per_s > 0
+
+
+def _why_not(slo: SLO, r: SimResult) -> str:
+    misses = []
+    if r.ttft_s["p90"] > slo.ttft_p90_s:
+        misses.append(f"TTFT p90 {r.ttft_s['p90']:.3f} s > {slo.ttft_p90_s:g} s")
+    if r.tpot_s["p99"] > slo.tpot_p99_s:
+        misses.append(f"TPOT p99 {r.tpot_s['p99']:.4f} s > {slo.tpot_p99_s:g} s")
+    return " and ".join(misses)
+
+
+def replica_capacity(workload: Workload, shape: EngineShape, step_model: StepTimeModel, slo: SLO) -> Capacity:
+    """The highest request rate one replica serves within the SLO. `workload` gives lengths, prefix sharing,
+    the number of requests and the seed; its arrival process is replaced (Poisson at each trial rate)."""
+    one_stream = simulate(dataclasses.replace(workload, request_rate=None, concurrency=1, trace=()), shape, step_model)
+    if not slo.met_by(one_stream):
+        return Capacity(0.0, one_stream, f"even one request at a time misses the SLO: {_why_not(slo, one_stream)}")
+    # Saturation: every sequence slot busy. No open-loop rate above it is sustainable, so it bounds the search.
+    saturated = simulate(
+        dataclasses.replace(workload, request_rate=None, concurrency=shape.max_num_seqs, trace=()), shape, step_model
+    )
+    lo, hi = 0.0, saturated.requests_per_s
+    best = one_stream
+    for _ in range(BISECTION_STEPS):
+        mid = (lo + hi) / 2
+        r = simulate(dataclasses.replace(workload, request_rate=mid, concurrency=None, trace=()), shape, step_model)
+        if slo.met_by(r):
+            lo, best = mid, r
+        else:
+            hi = mid
+    if lo == 0.0:
+        return Capacity(0.0, best, f"no request rate above {hi:.3g} req/s meets the SLO")
+    return Capacity(lo, best)
+
+
+@dataclass(frozen=True)
+class HPABounds:
+    min_replicas: int
+    max_replicas: int
+    target_queue_depth: int  # average vllm:num_requests_waiting per replica the HPA holds
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def hpa_bounds(capacity: Capacity, peak_requests_per_s: float, min_requests_per_s: float = 0.0) -> HPABounds:
+    """max: replicas that serve the peak rate within the SLO; min: those for the floor rate (at least 1). The
+    queue-depth target is the mean queue one replica holds at its SLO capacity (rounded up, at least 1): a
+    fleet averaging more is loaded past the point where the SLO was shown to hold, so it scales out."""
+    if not capacity.feasible:
+        raise ValueError(f"no replica count meets the SLO: {capacity.reason}")
+    if peak_requests_per_s <= 0:
+        raise ValueError(f"request_rate must be > 0, got {peak_requests_per_s!r}")
+    if not 0 <= min_requests_per_s <= peak_requests_per_s:
+        raise ValueError(f"min_request_rate must be in [0, request_rate], got {min_requests_per_s!r}")
+    per_replica = capacity.requests_per_s
+    max_replicas = max(1, math.ceil(peak_requests_per_s / per_replica))
+    min_replicas = max(1, math.ceil(min_requests_per_s / per_replica))
+    queue = max(1, math.ceil(capacity.at_capacity.mean_queue_depth))
+    return HPABounds(min_replicas, max_replicas, queue)

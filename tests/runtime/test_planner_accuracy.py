@@ -1,0 +1,70 @@
+"""runtime/bench/planner_accuracy.py on a tiny random model: the measured side counts what the simulator counts
+(every output token, every request's TTFT and TPOT), and the simulator is given the same request sequence
+(closed loop, or the measured Poisson arrival times as a trace). No timing bound here: the timed check on
+this shared 2-core machine is test_planner_calibrate.py's loose best-of-three."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvserve.runtime.bench import planner_accuracy as pa
+from kvserve.runtime.bench.calibrate import Grid
+
+CASES = (
+    pa.Case("closed-4", 40, 6, 10, concurrency=4),
+    pa.Case("poisson", 40, 6, 10, load=0.5),
+    pa.Case("prefix", 72, 4, 6, concurrency=3, prefix_len=64),
+)
+
+
+@pytest.fixture(scope="module")
+def result(model_factory):
+    tiny = model_factory("llama_gqa")[0]
+    grid = Grid(prompt_lens=(16, 64), batch_sizes=(1, 4), decode_steps=4, warmup_steps=2)
+    return pa.run(tiny, 0, None, CASES, grid, clock="cpu")
+
+
+def test_every_workload_has_both_sides_and_its_error(result):
+    assert [r["workload"] for r in result["rows"]] == [c.name for c in CASES]
+    for row in result["rows"]:
+        for side in ("predicted", "measured"):
+            assert set(row[side]) == set(pa.BOUNDS) and all(v > 0 for v in row[side].values())
+        for key in pa.BOUNDS:
+            p, m = row["predicted"][key], row["measured"][key]
+            assert row["error"][key] == pytest.approx((p - m) / m)
+        assert row["within_bounds"] == all(abs(row["error"][k]) <= b for k, b in pa.BOUNDS.items())
+    poisson = result["rows"][1]
+    assert poisson["request_rate"] > 0 and result["rows"][0]["request_rate"] is None
+
+
+def test_the_simulator_sees_the_measured_request_sequence():
+    case = CASES[1]
+    requests = pa._requests(case, random.Random(0), 512, rate=4.0)
+    arrivals = [a for a, _, _ in requests]
+    assert arrivals == sorted(arrivals) and arrivals[0] > 0
+    # The same arrivals as a trace: the prediction of a sparse load is one request's latency, not a queue.
+    step = pa.StepTimeModel(0.01, 1e-4, 0.0)
+    p = pa.predict(case, requests, step)
+    assert p["ttft_p50_s"] == pytest.approx(step.step_seconds(40, 40))
+    assert p["tpot_p50_s"] == pytest.approx(step.step_seconds(1, 41), rel=0.02)
+    shared = pa._requests(CASES[2], random.Random(0), 512, rate=None)
+    assert {tuple(p[:64]) for _, p, _ in shared} == {tuple(shared[0][1][:64])}
+    assert len({tuple(p) for _, p, _ in shared}) == len(shared)
+
+
+def test_cpu_clock_skips_idle_time_and_wall_clock_sleeps():
+    cpu = pa.Clock("cpu")
+    before = cpu.now()
+    cpu.wait_until(before + 5.0)  # no work to do until an arrival 5 s on: skipped, not slept
+    assert 5.0 <= cpu.now() - before < 5.5
+    wall = pa.Clock("wall")
+    wall.wait_until(0.05)
+    assert wall.now() >= 0.05
+    with pytest.raises(ValueError, match="--clock"):
+        pa.Clock("gpu")
+
+
+def test_error_is_relative_to_the_measurement():
+    assert pa.error(115.0, 100.0) == pytest.approx(0.15) and pa.error(80.0, 100.0) == pytest.approx(-0.2)

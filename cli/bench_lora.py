@@ -21,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rank", type=positive_int, default=16, help="the adapters' rank (also --max-lora-rank)")
     parser.add_argument("--rounds", type=positive_int, default=3, help="interleaved rounds (medians)")
     parser.add_argument("--dtype", default=None, help="weights dtype (default: the model's)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="workload and adapter weights seed")
     parser.add_argument("--json-out", default=None)
 
 

@@ -22,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=positive_int, default=3, help="interleaved rounds (medians)")
     parser.add_argument("--dtype", default=None, help="weights dtype (default: the model's)")
     parser.add_argument("--seed", type=int, default=0, help="workload and adapter weights seed")
-    parser.add_argument("--json-out", default=None)
+    parser.add_argument("--json-out", default=None, help="also write the table as JSON to this file")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -334,6 +334,27 @@ def fitting_tensor_parallel_size(args, settings, shape, config) -> int | None:
     return None
 
 
+def fitting_gpu(args, settings, config) -> str | None:
+    """The catalog GPU with the least memory above --gpu's whose plan fits at this --tensor-parallel-size (ties:
+    the cheaper), else None: the other way out when no --tensor-parallel-size fits."""
+    from kvserve.operator import catalog
+    from kvserve.operator import spec as spec_mod
+
+    current = catalog.lookup_gpu(args.gpu)
+    if current is None:
+        return None
+    bigger = sorted(
+        (gpu.memory_mib, gpu.usd_per_gpu_hour, key)
+        for key, gpu in catalog.GPUS.items()
+        if gpu.memory_mib > current.memory_mib
+    )
+    for _, _, key in bigger:
+        other = argparse.Namespace(**{**vars(args), "gpu": key})
+        if with_lora_slots(other, spec_mod.resolve(_spec(other, settings), model_config=config))[0].fits:
+            return key
+    return None
+
+
 def _across_nodes(args, settings, tp: int, config) -> str:
     """' as TP t x PP p across p nodes' when TP t fits only as several pipeline stages (a whole node per
     stage, issue 28), so the hint does not read as 'one node of t GPUs holds it'."""
@@ -373,6 +394,9 @@ def does_not_fit_line(args, plan: dict, settings, shape, config) -> str:
         hint = f"; --tensor-parallel-size {wider} would fit" + _across_nodes(args, settings, wider, config)
     else:
         hint = f"; no --tensor-parallel-size up to --gpus-per-node {args.gpus_per_node} fits"
+        gpu = fitting_gpu(args, settings, config)
+        if gpu is not None:
+            hint += f"; --gpu {gpu} would fit at --tensor-parallel-size {tp}"
         if plan["reason"] != "WeightsDoNotFit":
             hint += " (try a smaller --max-model-len)"
     return f"{where}: {why}{hint}"

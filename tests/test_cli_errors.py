@@ -88,6 +88,17 @@ def test_plan_that_does_not_fit_says_by_how_much_and_which_tp_fits(capsys):
     capsys.readouterr()
 
 
+def test_plan_that_no_tensor_parallel_size_fits_names_a_gpu_that_does(capsys):
+    args = ["plan", "--model", "gemma-2-27b", "--gpu", "a10g", "--gpus-per-node", "2"]
+    rc, err, out = run_cli(capsys, *args)
+    assert_one_error_line(
+        rc, err, "no --tensor-parallel-size up to --gpus-per-node 2 fits", "--gpu h100-80gb would fit", code=1
+    )
+    # the suggestion is right: that GPU fits at the same --tensor-parallel-size
+    assert main(["plan", "--model", "gemma-2-27b", "--gpu", "h100-80gb", "--gpus-per-node", "2"]) == 0
+    capsys.readouterr()
+
+
 def test_debug_flag_shows_the_traceback(capsys, tmp_path):
     missing = str(tmp_path / "missing.yaml")
     rc = main(["--debug", "render", "-f", missing])

@@ -22,11 +22,28 @@ def tiny(model_factory):
     return model_factory("llama_gqa")[0]
 
 
+# Both sides of the comparison run on one torch thread and read the process's CPU time: the suite runs two xdist
+# workers on 2 cores, and with two threads each an OpenMP barrier waits (spinning) for a descheduled peer, so
+# wall time, and even CPU time, measured the other worker's test (seen: 2.2x and 2.5x off in full-suite runs
+# while the test passed alone). One thread's CPU time is what the step itself costs.
+CLOCK = time.process_time
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def calibration(tiny, tmp_path_factory):
     path = str(tmp_path_factory.mktemp("cal") / "cal.json")
     grid = Grid(prompt_lens=(16, 96), batch_sizes=(1, 8), decode_steps=8, warmup_steps=2)
-    write(calibrate(tiny, grid, max_seconds=30, seed=0), path)
+    write(calibrate(tiny, grid, max_seconds=30, seed=0, clock=CLOCK), path)
     return path
 
 
@@ -59,7 +76,7 @@ def test_simulated_throughput_within_2x_of_engine(tiny, calibration):
         for _ in range(concurrency):
             send()
         out_tokens, done = 0, 0
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         while done < num_requests:
             for o in engine.step():
                 if o.finished:
@@ -68,10 +85,9 @@ def test_simulated_throughput_within_2x_of_engine(tiny, calibration):
                     if sent - first < num_requests:
                         send()
         assert out_tokens == num_requests * output_len
-        return out_tokens / (time.perf_counter() - t0)
+        return out_tokens / (CLOCK() - t0)
 
-    # Best of three runs, like the calibration's own timings: the suite runs on two xdist workers, and a
-    # single run that shares the 2 cores with the other worker's test measures that test, not the engine.
+    # Best of three runs, like the calibration's own timings.
     measured = max(closed_loop() for _ in range(3))
     engine.shutdown()
 

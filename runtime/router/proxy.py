@@ -278,6 +278,7 @@ class Router:
         model = model if isinstance(model, str) else ""
         adapter = model if model and model in self.replicas.adapter_names() else None
         deadline = time.monotonic() + self.config.hold_timeout_s
+        reprobed = False
         while True:
             if self.held is not None and not self.replicas.ready():
                 refused = await self._hold(request, model, deadline)
@@ -293,11 +294,28 @@ class Router:
             elif self.held is None:
                 self.metrics.failed.labels("no_replicas").inc()
                 return error_response(503, "no replicas available", type="server_error")
+            if self.held is None and not reprobed and await self._reprobe_ejected():
+                reprobed = True  # a replica ejected earlier is healthy again: one more round, nothing was sent yet
+                continue
             if self.held is None:
                 self.metrics.failed.labels("all_attempts_failed").inc()
                 return error_response(502, f"no replica could take the request ({last_error})", type="server_error")
             # Holding: every replica tried failed before answering (each is ejected now), so nothing reached
             # the client: wait for a ready replica again, within the same deadline.
+
+    async def _reprobe_ejected(self) -> bool:
+        """Probe every ejected replica now, not at its back-off time; True when one is ready again.
+
+        Why: every attempt of a request failed before a byte reached the client, and the replicas that could
+        take it may only be waiting out an ejection back-off that grew while they restarted (up to
+        eject_max_s). In a rolling restart that is the moment the last old replica stops while its restarted
+        peer is up but not re-admitted yet (seen as a 502 in tests/server/test_rolling_restart.py under load).
+        A request pays this at most once, bounded by the probe's own timeout."""
+        ejected = [r.url for r in self.replicas.replicas.values() if r.ejected_until is not None]
+        if not ejected:
+            return False
+        await asyncio.gather(*(self._probe(url) for url in ejected))
+        return bool(self.replicas.ready())
 
     async def _hold(self, request: Request, model: str, deadline: float) -> Response | None:
         """Hold the request until a replica is ready (None) or answer it: 503 + Retry-After when the hold is

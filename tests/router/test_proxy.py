@@ -158,3 +158,17 @@ def test_models_health_metrics_and_bad_json(fakes):
     assert router.router.replicas.capacity_blocks(router.router.replicas.replicas[a.url]) == 4096 // 4
     text = httpx.get(router.url + "/metrics").text
     assert "kvserve_router:replicas" in text and "kvserve_router:decision_seconds" in text
+
+
+def test_when_every_attempt_fails_an_ejected_replica_that_is_back_takes_the_request(fakes):
+    """The only ranked replica refuses the connection while the other, healthy again, still sits out a long
+    ejection back-off (a restarted replica in a rolling restart): the router re-probes ejected replicas once and
+    sends the request there instead of answering 502."""
+    (b,) = fakes("b")
+    dead = fakes.dead_url()
+    router = fakes.router([dead, b.url], eject_base_s=30)
+    router.router.replicas.eject(b.url, time.monotonic(), "restarting")  # back-off of 30 s: not probed by polls
+    resp = fakes.completion(router, "p0")
+    assert resp.status_code == 200 and resp.headers["x-kvserve-endpoint"] == b.url
+    assert router.router.replicas.replicas[b.url].ejected_until is None
+    assert router.router.replicas.replicas[dead].ejected_until is not None

@@ -202,69 +202,6 @@ inline __m128 hsum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
   __m256 z = _mm256_add_ps(_mm512_castps512_ps256(y), _mm512_extractf32x8_ps(y, 1));
   return _mm_add_ps(_mm256_castps256_ps128(z), _mm256_extractf128_ps(z, 1));
 }
-
-// out[0..4) = dot(a, b[i]) for four rows b[0..3] (fp32, n a multiple of 16 or masked tail).
-inline void dot4_f32(const float* a, const float* const* b, int64_t n, float scale, float* out) {
-  __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = tail_mask(n - i);
-    const __m512 x = _mm512_maskz_loadu_ps(m, a + i);
-    s0 = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(m, b[0] + i), s0);
-    s1 = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(m, b[1] + i), s1);
-    s2 = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(m, b[2] + i), s2);
-    s3 = _mm512_fmadd_ps(x, _mm512_maskz_loadu_ps(m, b[3] + i), s3);
-  }
-  _mm_storeu_ps(out, _mm_mul_ps(hsum4(s0, s1, s2, s3), _mm_set1_ps(scale)));
-}
 #endif
-
-#ifdef KVS_AVX512BF16
-// bf16 version of dot4_f32 (n a multiple of 32), with the AVX512-BF16 pair dot product.
-inline void dot4_bf16(const c10::BFloat16* a, const c10::BFloat16* const* b, int64_t n, float scale, float* out) {
-  __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-  for (int64_t i = 0; i < n; i += 32) {
-    const __m512bh x = (__m512bh)_mm512_loadu_si512(a + i);
-    s0 = _mm512_dpbf16_ps(s0, x, (__m512bh)_mm512_loadu_si512(b[0] + i));
-    s1 = _mm512_dpbf16_ps(s1, x, (__m512bh)_mm512_loadu_si512(b[1] + i));
-    s2 = _mm512_dpbf16_ps(s2, x, (__m512bh)_mm512_loadu_si512(b[2] + i));
-    s3 = _mm512_dpbf16_ps(s3, x, (__m512bh)_mm512_loadu_si512(b[3] + i));
-  }
-  _mm_storeu_ps(out, _mm_mul_ps(hsum4(s0, s1, s2, s3), _mm_set1_ps(scale)));
-}
-#endif
-
-// scale_add_rows for head_dim == 16 * NC: the NC accumulators stay in registers (independent FMA chains).
-template <int NC>
-inline void scale_add_rows_fixed(float* acc, float alpha, const float* p, const float* const* v, int64_t nv) {
-#ifdef KVS_AVX512
-  const __m512 va = _mm512_set1_ps(alpha);
-  __m512 a[NC];
-#pragma GCC unroll 16
-  for (int c = 0; c < NC; ++c) a[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * c), va);
-  __m512 b[NC];  // a second set for odd keys: twice the independent FMA chains
-#pragma GCC unroll 16
-  for (int c = 0; c < NC; ++c) b[c] = _mm512_setzero_ps();
-  int64_t j = 0;
-  for (; j + 2 <= nv; j += 2) {
-    const __m512 p0 = _mm512_set1_ps(p[j]), p1 = _mm512_set1_ps(p[j + 1]);
-    const float* v0 = v[j];
-    const float* v1 = v[j + 1];
-#pragma GCC unroll 16
-    for (int c = 0; c < NC; ++c) {
-      a[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * c), a[c]);
-      b[c] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v1 + 16 * c), b[c]);
-    }
-  }
-  if (j < nv) {
-    const __m512 p0 = _mm512_set1_ps(p[j]);
-#pragma GCC unroll 16
-    for (int c = 0; c < NC; ++c) a[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v[j] + 16 * c), a[c]);
-  }
-#pragma GCC unroll 16
-  for (int c = 0; c < NC; ++c) _mm512_storeu_ps(acc + 16 * c, _mm512_add_ps(a[c], b[c]));
-#else
-  scale_add_rows(acc, alpha, p, v, nv, 16 * NC);
-#endif
-}
 
 }  // namespace kvserve_cpu

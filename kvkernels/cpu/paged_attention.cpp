@@ -43,7 +43,8 @@ inline void prefetch_span(const void* p, int64_t bytes) {
 
 // ---- register-blocked micro-kernels: R query rows (the heads of one token that share a KV head) at a time,
 // so each K/V row is loaded, and widened, once per block instead of once per row. Per row, the arithmetic and
-// its order are those of dot4_* / dot_* / scale_add_rows_fixed, so the result is bit-identical to row-at-a-time.
+// its order are those of the row-at-a-time loops they replaced (Q.K: four keys per pass, one accumulator per key,
+// dot_* for the tail; P.V: even and odd keys in two accumulator sets), so the results are bit-identical to them.
 template <int R>
 inline void qk_rows_f32(const float* const* q, const float* const* k, int64_t nk, int64_t d, float scale, float* sc,
                         int64_t sc_stride) {
@@ -116,8 +117,7 @@ inline __m512 load16<c10::Half>(const c10::Half* p) {
 }
 
 // acc[r] = acc[r] * alpha[r] + sum_j p[r][j] * v[j] for R rows of head_dim 16 * NC, V read in the cache dtype and
-// widened in registers (exact), even keys into one accumulator set and odd keys into another, as
-// scale_add_rows_fixed does for one row.
+// widened in registers (exact), even keys into one accumulator set and odd keys into another.
 template <int R, int NC, typename T>
 inline void pv_rows(float* acc, int64_t acc_stride, const float* alpha, const float* p, int64_t p_stride,
                     const T* const* v, int64_t nv) {
@@ -384,14 +384,9 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
               } else
 #endif
               {
-                for (int64_t x = 0; x < rb; ++x) {
-                  if (head_dim == 64)
-                    scale_add_rows_fixed<4>(accb + x * head_dim, alpha[x], scb + x * kChunk, vr32.data(), nr);
-                  else if (head_dim == 128)
-                    scale_add_rows_fixed<8>(accb + x * head_dim, alpha[x], scb + x * kChunk, vr32.data(), nr);
-                  else
-                    scale_add_rows(accb + x * head_dim, alpha[x], scb + x * kChunk, vr32.data(), nr, head_dim);
-                }
+                // Other head sizes, and builds without AVX-512: from the fp32 copy of the chunk's V rows.
+                for (int64_t x = 0; x < rb; ++x)
+                  scale_add_rows(accb + x * head_dim, alpha[x], scb + x * kChunk, vr32.data(), nr, head_dim);
               }
             }
           }

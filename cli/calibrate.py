@@ -6,7 +6,7 @@ import argparse
 
 from kvserve.cli.errors import CLIError
 
-HELP = "measure a step-time model (overhead, per token, per context token) for kvserve plan --calibration"
+HELP = "measure a step-time model (GEMM curve over tokens, LM head, attention) for kvserve plan --calibration"
 
 
 def _ints(text: str, name: str) -> tuple[int, ...]:
@@ -26,7 +26,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="calibration.json", help="where to write the calibration JSON")
     parser.add_argument("--max-seconds", type=float, default=180.0, help="stop measuring new grid points after this")
     parser.add_argument("--prompt-lens", default="32,256,1024", help="grid: prompt tokens, comma-separated")
-    parser.add_argument("--batch-sizes", default="1,8,32", help="grid: requests decoding together, comma-separated")
+    parser.add_argument(
+        "--batch-sizes", default="1,4,16,64,256", help="grid: requests decoding together, comma-separated"
+    )
+    parser.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=16384,
+        help="grid: skip (prompt, batch) points whose prompts total more tokens (long prompts at small batches)",
+    )
     parser.add_argument("--decode-steps", type=int, default=16, help="output tokens per request at each grid point")
     parser.add_argument("--seed", type=int, default=0, help="random seed of the measured prompts")
 
@@ -40,14 +48,16 @@ def run(args: argparse.Namespace) -> int:
         prompt_lens=_ints(args.prompt_lens, "--prompt-lens"),
         batch_sizes=_ints(args.batch_sizes, "--batch-sizes"),
         decode_steps=args.decode_steps,
+        max_prefill_tokens=args.max_prefill_tokens,
     )
     engine_kwargs = {k: v for k, v in (("dtype", args.dtype), ("device", args.device)) if v}
     cal = calibrate.calibrate(args.model, grid, max_seconds=args.max_seconds, seed=args.seed, **engine_kwargs)
     calibrate.write(cal, args.out)
     m, r = cal["step_time_model"], cal["fit"]
+    curve = m.get("token_curve") or [[1, m["overhead_s"] + m["per_token_s"]]]
     print(
-        f"wrote {args.out}: {cal['device']}, overhead {m['overhead_s'] * 1e3:.3f} ms, "
-        f"{m['per_token_s'] * 1e6:.3f} us/token, {m['per_context_token_s'] * 1e9:.3f} ns/context token; "
+        f"wrote {args.out}: {cal['device']}, step of 1 token {curve[0][1] * 1e3:.3f} ms, "
+        f"{m['per_sampled_s'] * 1e6:.3f} us/sampled row, {m['per_context_token_s'] * 1e9:.3f} ns/context token; "
         f"{r['num_samples']} steps, mean |rel err| {r['mean_abs_rel_error']:.1%}"
     )
     return 0

@@ -159,13 +159,37 @@ def _plan_replica(inp: planner.PlanInput, plan: planner.Plan, gpu_key: str | Non
     return evaluate(candidate, target.workload, target.slo, target.request_rate, target.min_request_rate)
 
 
-def autoscaling_bounds(autoscaling: dict, option: Option | None) -> tuple[int, int, int]:
-    """(minReplicas, maxReplicas, targetQueueDepth) the HPA / KEDA render: the SLO plan's when spec.slo was
-    planned and is feasible, else spec.autoscaling's."""
+BOUND_FIELDS = ("minReplicas", "maxReplicas", "targetQueueDepth")
+
+
+def autoscaling_bounds(autoscaling: dict, option: Option | None, explicit: frozenset[str] = frozenset()) -> dict:
+    """{minReplicas, maxReplicas, targetQueueDepth} the HPA / KEDA render: each field the user set in
+    spec.autoscaling (`explicit`) wins; the others come from the SLO plan when spec.slo was planned and is
+    feasible, else from spec.autoscaling's defaults. A planned bound that crosses an explicit one gives way
+    (an explicit minReplicas 6 with a planned maximum of 4 runs 6..6). Raises ValueError naming the fields when
+    an explicit bound crosses a default one (the CRD refuses two explicit bounds that cross)."""
+    planned = {}
     if option is not None and option.hpa is not None:
         h = option.hpa
-        return h.min_replicas, h.max_replicas, h.target_queue_depth
-    return autoscaling["minReplicas"], autoscaling["maxReplicas"], autoscaling["targetQueueDepth"]
+        planned = {
+            "minReplicas": h.min_replicas,
+            "maxReplicas": h.max_replicas,
+            "targetQueueDepth": h.target_queue_depth,
+        }
+    out = {k: autoscaling[k] if k in explicit or k not in planned else planned[k] for k in BOUND_FIELDS}
+    if out["minReplicas"] > out["maxReplicas"]:
+        lo_set, hi_set = "minReplicas" in explicit, "maxReplicas" in explicit
+        if lo_set and not hi_set and "maxReplicas" in planned:
+            out["maxReplicas"] = out["minReplicas"]
+        elif hi_set and not lo_set and "minReplicas" in planned:
+            out["minReplicas"] = out["maxReplicas"]
+        else:
+            default = "minReplicas" if hi_set else "maxReplicas"
+            raise ValueError(
+                f"spec.autoscaling.minReplicas ({out['minReplicas']}) > spec.autoscaling.maxReplicas "
+                f"({out['maxReplicas']}): {default} is the default; set it too"
+            )
+    return out
 
 
 def fleet_status(option: Option) -> dict:

@@ -174,7 +174,8 @@ def reconcile(namespace: str, name: str) -> dict[str, str]:
             new_status["lastReplicaStartup"] = startup
         if resolved is not None and resolved.fleet is not None:  # spec.slo: capacity per replica, HPA bounds
             new_status["fleet"] = fleet.fleet_status(resolved.fleet)
-        metrics.record(namespace, name, spec=spec, plan=plan, status=new_status)
+        bounds = resolved.autoscaling if resolved is not None else None
+        metrics.record(namespace, name, spec=spec, plan=plan, status=new_status, bounds=bounds)
         if kube.patch_status(namespace, name, previous, new_status):
             actions["status"] = "patched"
         # After the status: a failed status patch is retried, and re-posting its Events would duplicate them.

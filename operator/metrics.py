@@ -69,7 +69,7 @@ class Snapshot:
     conditions: tuple[tuple[str, str], ...]  # (type, status) with status True/False/Unknown
     desired_replicas: int
     ready_replicas: int
-    autoscaling: dict | None  # spec.autoscaling when enabled, else None
+    autoscaling: dict | None  # the HPA's bounds (Resolved.autoscaling) when autoscaling is enabled, else None
 
 
 class _InferenceServiceCollector(Collector):
@@ -110,11 +110,17 @@ class _InferenceServiceCollector(Collector):
         )
         desired = family("desired_replicas", "spec.replicas (what the HPA or the user asks for).")
         ready = family("ready_replicas", "Ready engine pods, from the Deployment's status.")
-        max_replicas = family("autoscaling_max_replicas", "spec.autoscaling.maxReplicas (autoscaling on only).")
-        min_replicas = family("autoscaling_min_replicas", "spec.autoscaling.minReplicas (autoscaling on only).")
+        max_replicas = family(
+            "autoscaling_max_replicas",
+            "The HPA's maxReplicas (autoscaling on only): spec.autoscaling's, else spec.slo's plan, else the default.",
+        )
+        min_replicas = family(
+            "autoscaling_min_replicas",
+            "The HPA's minReplicas (autoscaling on only): spec.autoscaling's, else spec.slo's plan, else the default.",
+        )
         target = family(
             "autoscaling_target_queue_depth",
-            "spec.autoscaling.targetQueueDepth: the HPA's target of waiting requests per pod.",
+            "The HPA's target of waiting requests per pod: spec.autoscaling's, else spec.slo's plan, else the default.",
         )
         for (namespace, name), snap in objects:
             key = [namespace, name]
@@ -139,9 +145,12 @@ INFERENCE_SERVICES = _InferenceServiceCollector()
 REGISTRY.register(INFERENCE_SERVICES)
 
 
-def record(namespace: str, name: str, *, spec: dict, plan: Plan | None, status: dict) -> None:
-    """Called at the end of each reconcile with the spec (defaults applied), the plan and the new status."""
-    autoscaling = spec.get("autoscaling") or {}
+def record(
+    namespace: str, name: str, *, spec: dict, plan: Plan | None, status: dict, bounds: dict | None = None
+) -> None:
+    """Called at the end of each reconcile with the spec (defaults applied), the plan, the new status and the
+    HPA's bounds (Resolved.autoscaling; spec.autoscaling's own values when the spec did not resolve)."""
+    autoscaling = {**(spec.get("autoscaling") or {}), **(bounds or {})}
     INFERENCE_SERVICES.record(
         namespace,
         name,

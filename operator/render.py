@@ -247,7 +247,8 @@ def service(resolved: Resolved, name: str, namespace: str, selector: dict[str, s
 def autoscaler(resolved: Resolved, name: str, namespace: str, target: dict | None = None) -> dict:
     """`target`: the scaled object (default this InferenceService's /scale; a LeaderWorkerSet's for groups)."""
     auto = resolved.spec["autoscaling"]
-    min_replicas, max_replicas, queue_depth = fleet.autoscaling_bounds(auto, resolved.fleet)
+    bounds = resolved.autoscaling  # explicit spec.autoscaling, else spec.slo's plan, else the defaults
+    min_replicas, max_replicas, queue_depth = (bounds[k] for k in fleet.BOUND_FIELDS)
     return {
         "apiVersion": "autoscaling/v2",
         "kind": "HorizontalPodAutoscaler",
@@ -256,7 +257,6 @@ def autoscaler(resolved: Resolved, name: str, namespace: str, target: dict | Non
             # The HPA scales the InferenceService through its /scale subresource; the operator then rolls
             # the replica count into the Deployment, so nothing else fights over Deployment.spec.replicas.
             "scaleTargetRef": target or {"apiVersion": API_VERSION, "kind": KIND, "name": name},
-            # spec.slo's plan (operator/fleet.py) when given, else spec.autoscaling's
             "minReplicas": min_replicas,
             "maxReplicas": max_replicas,
             "metrics": [

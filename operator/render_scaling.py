@@ -21,7 +21,6 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from kvserve.operator import fleet
 from kvserve.operator.labels import engine_labels, engine_pod_selector
 from kvserve.operator.spec import API_VERSION, KIND, Resolved
 
@@ -66,7 +65,7 @@ def scaled_object(
     spec = resolved.spec
     auto = spec["autoscaling"]
     address = auto.get("prometheusAddress") or DEFAULT_PROMETHEUS
-    _, max_replicas, queue_depth = fleet.autoscaling_bounds(auto, resolved.fleet)  # spec.slo's plan, if any
+    max_replicas, queue_depth = resolved.autoscaling["maxReplicas"], resolved.autoscaling["targetQueueDepth"]
     where = f'namespace="{namespace}",pod=~"{pods or _pods(name)}"'
     router_where = f'namespace="{namespace}",pod=~"{_pods(name + "-router")}"'
     return {

@@ -116,6 +116,9 @@ class Resolved:
     adapters: tuple[adapters_mod.Adapter, ...] = ()
     # spec.slo + spec.workload (issue 25): one replica's SLO capacity and the HPA bounds (operator/fleet.py)
     fleet: fleet.Option | None = None
+    # {minReplicas, maxReplicas, targetQueueDepth} the HPA / KEDA use: the user's explicit values, else the
+    # SLO plan's, else the defaults (fleet.autoscaling_bounds)
+    autoscaling: dict = dataclasses.field(default_factory=dict)
 
 
 _SHAPE_FIELDS = {
@@ -324,6 +327,9 @@ def resolve(spec: dict, model_config: dict | None = None) -> Resolved:
     """Defaults + catalogs + planner. Raises SpecError for an unknown model/GPU, a bad model source, an engine
     setting outside the CRD's enum or an API key in extraArgs. `model_config`: the model's config.json, for
     models outside the catalog."""
+    # Which autoscaling bounds the user wrote (the CRD does not default them, so that they can win over spec.slo's
+    # plan): read before the defaults fill the rest in.
+    explicit_bounds = frozenset(((spec or {}).get("autoscaling") or {}).keys() & set(fleet.BOUND_FIELDS))
     spec = with_defaults(spec)
     check_enums(spec)
     check_no_api_key_in_args(spec)
@@ -396,6 +402,11 @@ def resolve(spec: dict, model_config: dict | None = None) -> Resolved:
                 f"({engine['maxModelLen']})",
             }
         )
+    fleet_option = _plan_fleet(spec, plan_input, plan, layout)
+    try:
+        autoscaling = fleet.autoscaling_bounds(spec["autoscaling"], fleet_option, explicit_bounds)
+    except ValueError as exc:
+        raise SpecError("InvalidAutoscaling", str(exc)) from None
     return Resolved(
         spec=spec,
         source=source,
@@ -406,7 +417,8 @@ def resolve(spec: dict, model_config: dict | None = None) -> Resolved:
         plan_input=plan_input,
         layout=layout,
         adapters=adapters,
-        fleet=_plan_fleet(spec, plan_input, plan, layout),
+        fleet=fleet_option,
+        autoscaling=autoscaling,
     )
 
 

@@ -5,7 +5,15 @@ import random
 import pytest
 
 from kvserve.runtime.planner.simulator import EngineShape, LengthSpec, Workload, load_trace, percentile, simulate
-from kvserve.runtime.planner.step_time import StepSample, StepTimeModel, _least_squares, fit
+from kvserve.runtime.planner.step_time import (
+    StepSample,
+    StepTimeModel,
+    StepWork,
+    _least_squares,
+    curve_knots,
+    fit,
+    step_work,
+)
 
 MODEL = StepTimeModel(overhead_s=0.01, per_token_s=1e-4, per_context_token_s=1e-6)
 
@@ -17,7 +25,7 @@ def test_fit_recovers_known_coefficients():
     for _ in range(60):
         n, c = rng.randint(1, 2048), rng.randint(1, 200_000)
         samples.append(StepSample(n, c, truth.step_seconds(n, c) * (1 + rng.uniform(-0.01, 0.01))))
-    model, stats = fit(samples)
+    model, stats = fit(samples, token_curve=False)
     assert model.overhead_s == pytest.approx(truth.overhead_s, rel=0.1)
     assert model.per_token_s == pytest.approx(truth.per_token_s, rel=0.05)
     assert model.per_context_token_s == pytest.approx(truth.per_context_token_s, rel=0.1)
@@ -100,9 +108,84 @@ def test_fit_ignores_descheduled_steps():
         n, c = rng.randint(1, 2048), rng.randint(1, 50_000)
         slow = rng.uniform(3, 6) if i % 10 == 0 else 1.0
         samples.append(StepSample(n, c, truth.step_seconds(n, c) * slow * (1 + rng.uniform(-0.02, 0.02))))
-    model, stats = fit(samples)
+    model, stats = fit(samples, token_curve=False)
     assert stats["num_outliers_dropped"] >= 10
     assert model.overhead_s == pytest.approx(truth.overhead_s, rel=0.15)
     assert model.per_token_s == pytest.approx(truth.per_token_s, rel=0.1)
     plain = _least_squares(samples)  # the same data without dropping the slow steps
     assert abs(plain.per_token_s - truth.per_token_s) > abs(model.per_token_s - truth.per_token_s)
+
+
+def _roofline_truth(w: StepWork) -> float:
+    """A CPU-like step: reading the weights (40 ms) until the GEMMs' FLOPs take longer (1.6 ms a token), the LM
+    head per sampled row, decode KV reads per context token, prefill query-key products per pair."""
+    return max(0.040, 0.0016 * w.num_tokens) + 4e-4 * w.num_sampled + 3e-6 * w.context_tokens + 7e-7 * w.attention_pairs
+
+
+def _grid_samples(rng, noise: float = 0.02) -> list[StepSample]:
+    samples = []
+    for batch in (1, 2, 4, 8, 16, 32, 64, 128):  # decodes at short and long contexts
+        for ctx in (20, 500, 1000):
+            w = StepWork(batch, batch * ctx, batch, batch * ctx)
+            samples.append(StepSample.of(w, _roofline_truth(w) * (1 + rng.uniform(-noise, noise))))
+    for n in (16, 64, 256, 512, 1000, 2048):  # whole prefills of one request, and four at once
+        for reqs in (1, 4):
+            t = n * reqs
+            w = StepWork(t, t, reqs, reqs * n * (n + 1) // 2)
+            samples.append(StepSample.of(w, _roofline_truth(w) * (1 + rng.uniform(-noise, noise))))
+    return samples
+
+
+def test_curve_fit_follows_memory_bound_then_compute_bound_steps():
+    # A line through flat decodes (batch 1-16 all ~40 ms) and compute-bound prefills misses both; the curve with
+    # the sampled-row and the two attention terms predicts each kind of step, and keeps prefill tokens cheaper
+    # than decode tokens (no LM head) and a decode's context apart from a prefill's query-key pairs.
+    rng = random.Random(2)
+    model, stats = fit(_grid_samples(rng))
+    assert stats["model"] == "token_curve" and stats["mean_abs_rel_error"] < 0.03
+    linear, _ = fit(_grid_samples(rng), token_curve=False)
+    for w in (StepWork(8, 8 * 700, 8, 8 * 700), StepWork(96, 96 * 30, 96, 96 * 30), StepWork(700, 700, 1, 245350)):
+        assert model.step_seconds(*w) == pytest.approx(_roofline_truth(w), rel=0.06)
+    assert abs(linear.step_seconds(4, 80) - _roofline_truth(StepWork(4, 80, 4, 80))) > 0.2 * _roofline_truth(
+        StepWork(4, 80, 4, 80)
+    )
+    assert model.per_sampled_s == pytest.approx(4e-4, rel=0.25)
+    assert model.per_context_token_s == pytest.approx(3e-6, rel=0.25)
+    assert model.per_attention_pair_s == pytest.approx(7e-7, rel=0.25)
+    # Round trip through the calibration JSON, and a version-1 file (three coefficients) still loads.
+    assert StepTimeModel.from_dict(model.to_dict()) == model
+    v1 = StepTimeModel.from_dict({"overhead_s": 0.01, "per_token_s": 1e-4, "per_context_token_s": 1e-6})
+    assert v1.step_seconds(10, 100, 5, 1000) == pytest.approx(0.01 + 1e-3 + 1e-4)
+
+
+def test_curve_interpolates_and_continues_end_slopes():
+    m = StepTimeModel(0.0, 0.0, 0.0, token_curve=((1, 0.04), (16, 0.04), (64, 0.1)))
+    assert m.token_seconds(8) == pytest.approx(0.04)
+    assert m.token_seconds(40) == pytest.approx(0.07)
+    assert m.token_seconds(128) == pytest.approx(0.18)  # past the last knot: its segment's slope
+    with pytest.raises(ValueError, match="ascending"):
+        StepTimeModel(0.0, 0.0, 0.0, token_curve=((4, 0.1), (2, 0.2)))
+    assert curve_knots([1, 2, 3, 4, 8, 9, 30, 31]) == [1, 2, 3, 8, 31]
+
+
+def test_step_work_counts_sampled_rows_and_attention_pairs():
+    class S:
+        def __init__(self, n, start, sample):
+            self.token_ids, self.start_position, self.sample = [0] * n, start, sample
+
+    # A decode at context 99, and a 10-token chunk after 20 cached tokens that does not sample yet.
+    w = step_work([S(1, 99, True), S(10, 20, False)])
+    assert w == StepWork(num_tokens=11, context_tokens=100 + 30, num_sampled=1, attention_pairs=100 + 10 * 20 + 55)
+
+
+def test_active_set_drops_a_negative_term():
+    # Steps that do not depend on the context at all, with noise: the context coefficient must not go negative
+    # (more context would make a step faster).
+    rng = random.Random(4)
+    samples = []
+    for t in (1, 4, 16, 64, 256):
+        for ctx in (10, 1000, 5000):
+            w = StepWork(t, t * ctx, t, t * ctx)
+            samples.append(StepSample.of(w, (0.02 + 1e-3 * t) * (1 + rng.uniform(-0.03, 0.03))))
+    model, _ = fit(samples)
+    assert model.per_context_token_s >= 0 and model.per_attention_pair_s >= 0 and model.per_sampled_s >= 0

@@ -23,10 +23,28 @@ from kvserve.runtime.planner.step_time import StepSample, fit, step_work
 
 @dataclass(frozen=True)
 class Grid:
+    """The profiled (prompt tokens, requests) points: every pair of the two lists whose prompts total at most
+    max_prefill_tokens, so the decode batches reach the largest batch at the shortest prompt (the GEMM curve
+    up to max_num_seqs rows) while long prompts stay at a few requests (the attention terms)."""
+
     prompt_lens: tuple[int, ...] = (32, 256, 1024)
-    batch_sizes: tuple[int, ...] = (1, 8, 32)
+    batch_sizes: tuple[int, ...] = (1, 4, 16, 64, 256)
     decode_steps: int = 16
     warmup_steps: int = 3  # steps of a first, unrecorded run (allocator, thread pools)
+    max_prefill_tokens: int = 16384
+    # Run each point once unrecorded first: a shape's first step pays one-time costs (oneDNN primitive
+    # creation, allocator growth; 10-15x a warm step on CPU) that a long-running server does not. An engine
+    # warmed up over these shapes already (the accuracy benchmark) can skip it.
+    warm_each_point: bool = True
+
+    def points(self) -> list[tuple[int, int]]:
+        smallest = min(self.prompt_lens)
+        return [
+            (p, b)
+            for p in sorted(self.prompt_lens)
+            for b in sorted(self.batch_sizes)
+            if p * b <= self.max_prefill_tokens or p == smallest and b == min(self.batch_sizes)
+        ]
 
 
 def device_name(engine) -> str:
@@ -77,7 +95,7 @@ def _run_point(
         out = box[0]
         if out is None or not out.scheduled:
             continue
-        samples.append(StepSample(*step_work(out.scheduled), seconds))
+        samples.append(StepSample.of(step_work(out.scheduled), seconds))
     return samples
 
 
@@ -89,14 +107,13 @@ def profile(engine, grid: Grid, max_seconds: float, seed: int = 0, clock=time.pe
     start = time.perf_counter()
     _run_point(engine, box, min(grid.prompt_lens), 1, grid.warmup_steps, rng, "warmup")
     samples: list[StepSample] = []
-    points = [(p, b) for p in grid.prompt_lens for b in grid.batch_sizes]
+    points = grid.points()
     for n, (prompt_len, batch) in enumerate(points, 1):
         if time.perf_counter() - start > max_seconds:
             _progress(f"calibrate: --max-seconds {max_seconds:g} reached after {n - 1}/{len(points)} grid points")
             break
-        # Each point twice, the first unrecorded: a shape's first step pays one-time costs (oneDNN primitive
-        # creation, allocator growth; 10-15x a warm step on CPU) that a long-running server does not.
-        _run_point(engine, box, prompt_len, batch, grid.decode_steps, rng, f"{n}-warm", clock)
+        if grid.warm_each_point:
+            _run_point(engine, box, prompt_len, batch, grid.decode_steps, rng, f"{n}-warm", clock)
         got = _run_point(engine, box, prompt_len, batch, grid.decode_steps, rng, f"{n}", clock)
         samples += got
         _progress(

@@ -8,11 +8,13 @@ import json
 from kvserve.runtime.planner.simulator import EngineShape, Workload, simulate
 from kvserve.runtime.planner.step_time import StepTimeModel
 
-CALIBRATION_VERSION = 1
+# 2: the token curve, sampled-row and attention-pair terms (step_time.py); version-1 files (three linear
+# coefficients) still load as the linear model they were fitted as.
+CALIBRATION_VERSION = 2
 
 
 def load_calibration(path: str) -> dict:
-    """A `kvserve calibrate` JSON file: {"version": 1, "step_time_model": {...}, "device": ..., ...}."""
+    """A `kvserve calibrate` JSON file: {"version": 2, "step_time_model": {...}, "device": ..., ...}."""
     try:
         with open(path) as f:
             data = json.load(f)

@@ -16,6 +16,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from kvserve.operator import fleet
 from kvserve.operator import spec as spec_mod
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -60,8 +61,8 @@ def apply_defaults(node: dict, value):
 
 
 _CEL_OK = re.compile(
-    r"^(\s|\(|\)|'\w+' in self|self\['\w+'\]\.startswith\('[^']*'\)|(self(\['\w+'\])+)|or|and|not|<=|>=|<|>|==|!="
-    r"|\d+|'\w+')*$"
+    r"^(\s|\(|\)|'\w+' in self(\['\w+'\])*|self\['\w+'\]\.startswith\('[^']*'\)|(self(\['\w+'\])+)|or|and|not"
+    r"|<=|>=|<|>|==|!=|\d+|'\w+')*$"
 )
 
 
@@ -72,7 +73,7 @@ def cel(rule: str, obj: dict) -> bool:
     prefix_rule = _CEL_ALL_NOT_PREFIX.match(rule)  # list form: self.all(a, !a.startsWith('...'))
     if prefix_rule:
         return all(not str(item).startswith(prefix_rule.group(2)) for item in obj)
-    py = re.sub(r"has\(self\.(\w+)\)", r"('\1' in self)", rule)
+    py = re.sub(r"has\(self((?:\.\w+)*)\.(\w+)\)", r"('\2' in self\1)", rule)  # has(self.a.b): 'b' in self.a
     while re.search(r"self(\['\w+'\])*\.(?!startsWith)\w+", py):  # self.a.b -> self['a']['b']
         py = re.sub(r"(self(?:\['\w+'\])*)\.(?!startsWith)(\w+)", r"\1['\2']", py)
     py = py.replace("||", " or ").replace("&&", " and ")
@@ -149,13 +150,25 @@ def _flatten(d: dict, prefix: tuple = ()) -> dict:
     return out
 
 
-def _crd_defaulted(spec: dict) -> dict:
-    """spec without the defaults only the operator applies (the runtime image: spec.OPERATOR_DEFAULTED)."""
-    return {k: v for k, v in spec.items() if k not in spec_mod.OPERATOR_DEFAULTED}
+def _crd_defaulted(spec: dict, raw: dict | None = None) -> dict:
+    """spec without the defaults only the operator applies: the runtime image (spec.OPERATOR_DEFAULTED) and,
+    when `raw` (the spec as written) is given, the autoscaling bounds it did not write (fleet.BOUND_FIELDS)."""
+    out = {k: v for k, v in spec.items() if k not in spec_mod.OPERATOR_DEFAULTED}
+    if raw is not None and "autoscaling" in out:
+        written = (raw.get("autoscaling") or {}).keys()
+        out["autoscaling"] = {
+            k: v for k, v in out["autoscaling"].items() if k not in fleet.BOUND_FIELDS or k in written
+        }
+    return out
 
 
 def test_python_defaults_equal_crd_defaults():
-    assert _flatten(_crd_defaulted(spec_mod.DEFAULTS)) == _leaf_defaults(SCHEMA["properties"]["spec"])
+    # The autoscaling bounds are defaulted by the operator only: a value the user wrote must be told apart from a
+    # default, because it wins over spec.slo's plan (operator/fleet.autoscaling_bounds).
+    bounds = {("autoscaling", f) for f in fleet.BOUND_FIELDS}
+    python = {k: v for k, v in _flatten(_crd_defaulted(spec_mod.DEFAULTS)).items() if k not in bounds}
+    crd = _leaf_defaults(SCHEMA["properties"]["spec"])
+    assert python == crd and not bounds & crd.keys()
     spec_props = SCHEMA["properties"]["spec"]["properties"]
     assert not any("default" in spec_props[key] for key in spec_mod.OPERATOR_DEFAULTED)  # the chart decides
 
@@ -221,7 +234,7 @@ def test_the_operator_checks_the_enums_without_an_api_server(path, value):
 def test_examples_are_admitted_and_defaulted_like_the_operator_does(path):
     obj = yaml.safe_load(path.read_text())
     stored = admit(obj)
-    assert stored["spec"] == _crd_defaulted(spec_mod.with_defaults(obj["spec"])) | {
+    assert stored["spec"] == _crd_defaulted(spec_mod.with_defaults(obj["spec"]), obj["spec"]) | {
         k: obj["spec"][k] for k in spec_mod.OPERATOR_DEFAULTED if k in obj["spec"]
     }
 
@@ -293,11 +306,7 @@ def test_defaults_fill_a_minimal_spec():
     stored = admit(copy.deepcopy(MINIMAL))
     assert stored["spec"]["engine"]["maxModelLen"] == 8192
     assert stored["spec"]["gpu"]["tensorParallelSize"] == 1
-    assert stored["spec"]["autoscaling"] == {
-        "enabled": False,
-        "minReplicas": 1,
-        "maxReplicas": 4,
-        "targetQueueDepth": 5,
-    }
-    assert stored["spec"] == _crd_defaulted(spec_mod.with_defaults(MINIMAL["spec"]))
+    assert stored["spec"]["autoscaling"] == {"enabled": False}  # the bounds: the operator's defaults, or the plan's
+    assert spec_mod.resolve(stored["spec"]).autoscaling == {"minReplicas": 1, "maxReplicas": 4, "targetQueueDepth": 5}
+    assert stored["spec"] == _crd_defaulted(spec_mod.with_defaults(MINIMAL["spec"]), MINIMAL["spec"])
     assert "image" not in stored["spec"]  # the operator's default (the chart's runtime.image) applies

@@ -75,6 +75,33 @@ def test_unreachable_slo_keeps_the_users_bounds_and_says_why():
     assert not status["feasible"] and "TTFT p90" in status["reason"] and "spec.autoscaling" in status["reason"]
 
 
+def test_the_users_explicit_bounds_win_over_the_plan():
+    # The issue: the plan sets the HPA's queue-depth target, "the user's explicit target still wins". The CRD
+    # does not default the bounds (test_crd), so a written value is told apart from a default.
+    planned = spec_mod.resolve(_admit(copy.deepcopy(SPEC))["spec"]).fleet.hpa
+    spec = copy.deepcopy(SPEC)
+    spec["autoscaling"] = {"enabled": True, "targetQueueDepth": planned.target_queue_depth + 7}
+    resolved = spec_mod.resolve(_admit(spec)["spec"])
+    assert resolved.autoscaling == {
+        "minReplicas": planned.min_replicas,
+        "maxReplicas": planned.max_replicas,
+        "targetQueueDepth": planned.target_queue_depth + 7,
+    }
+    hpa = _objs(spec)["HorizontalPodAutoscaler"]["spec"]
+    assert hpa["metrics"][0]["pods"]["target"]["averageValue"] == str(planned.target_queue_depth + 7)
+    assert (hpa["minReplicas"], hpa["maxReplicas"]) == (planned.min_replicas, planned.max_replicas)
+    # An explicit minimum above the planned maximum: the planned bound gives way.
+    spec["autoscaling"] = {"enabled": True, "minReplicas": planned.max_replicas + 3}
+    bounds = spec_mod.resolve(_admit(spec)["spec"]).autoscaling
+    assert bounds["minReplicas"] == bounds["maxReplicas"] == planned.max_replicas + 3
+    # Without spec.slo an explicit minimum above the default maximum names both fields.
+    plain = {k: v for k, v in SPEC.items() if k not in ("slo", "workload")}
+    plain["autoscaling"] = {"enabled": True, "minReplicas": 6}
+    with pytest.raises(spec_mod.SpecError, match="maxReplicas") as exc:
+        spec_mod.resolve(_admit(plain)["spec"])
+    assert exc.value.reason == "InvalidAutoscaling" and "minReplicas (6)" in exc.value.message
+
+
 def test_without_slo_nothing_changes():
     spec = {k: v for k, v in SPEC.items() if k not in ("slo", "workload")}
     assert spec_mod.resolve(spec).fleet is None

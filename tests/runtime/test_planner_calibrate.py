@@ -49,10 +49,11 @@ def calibration(tiny, tmp_path_factory):
 
 def test_calibration_file_loads(calibration):
     cal = load_calibration(calibration)
-    assert cal["version"] == 1 and cal["device"] and cal["dtype"] == "float32"
+    assert cal["version"] == 2 and cal["device"] and cal["dtype"] == "float32"
     assert cal["model"]["num_layers"] == 2 and cal["fit"]["num_samples"] >= 3
     m = StepTimeModel.from_dict(cal["step_time_model"])
-    assert m.step_seconds(1, 1) > 0  # a step costs something: the overhead term was fitted, not clamped away
+    assert m.step_seconds(1, 1, 1, 1) > 0  # a step costs something: the curve was fitted, not clamped away
+    assert cal["fit"]["model"] == "token_curve" and len(m.token_curve) >= 3
 
 
 def test_simulated_throughput_within_2x_of_engine(tiny, calibration):

@@ -189,3 +189,19 @@ def test_active_set_drops_a_negative_term():
             samples.append(StepSample.of(w, (0.02 + 1e-3 * t) * (1 + rng.uniform(-0.03, 0.03))))
     model, _ = fit(samples)
     assert model.per_context_token_s >= 0 and model.per_attention_pair_s >= 0 and model.per_sampled_s >= 0
+
+
+def test_front_end_admission_spreads_a_burst_over_the_first_steps():
+    # Two requests sent at once through a front-end that takes 5 ms each: the engine starts on the first alone
+    # (its prefill is one step), the second waits for that step; TTFT counts from the client's send.
+    w = Workload(prompt_len=LengthSpec(100, 100), output_len=LengthSpec(2, 2), num_requests=2, concurrency=2)
+    at_once = simulate(w, EngineShape(num_blocks=64), MODEL)
+    served = simulate(w, EngineShape(num_blocks=64, admission_s=0.005), MODEL)
+    assert at_once.num_steps == 2  # one prefill of both, one decode of both
+    assert served.num_steps == 3  # prefill 1; prefill 2 + decode 1; decode 2
+    first = 0.005 + MODEL.step_seconds(100, 100)
+    assert served.ttft_s["p50"] == pytest.approx((first + first + MODEL.step_seconds(101, 201)) / 2)
+    # FIFO: with the front-end slower than the arrivals, each request waits for the one before it.
+    p = Workload(prompt_len=LengthSpec(8, 8), output_len=LengthSpec(1, 1), num_requests=20, request_rate=1000.0)
+    slow = simulate(p, EngineShape(num_blocks=64, admission_s=0.05), MODEL)
+    assert slow.duration_s >= 20 * 0.05

@@ -14,6 +14,7 @@ models is the engine's step loop; the API server's own overhead is not in the ca
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -143,7 +144,7 @@ def measure(engine, case: Case, requests, clock_kind: str = "wall") -> dict:
     }
 
 
-def predict(case: Case, requests, step_model: StepTimeModel) -> dict:
+def predict(case: Case, requests, step_model: StepTimeModel, admission_s: float = 0.0) -> dict:
     trace = tuple((a, len(p), o) for a, p, o in requests) if case.concurrency is None else ()
     w = Workload(
         prompt_len=LengthSpec(case.prompt_len, case.prompt_len),
@@ -153,8 +154,14 @@ def predict(case: Case, requests, step_model: StepTimeModel) -> dict:
         prefix_len=case.prefix_len,
         trace=trace,
     )
-    r = simulate(w, SHAPE, step_model)
-    return {"output_tokens_per_s": r.output_tokens_per_s, "ttft_p50_s": r.ttft_s["p50"], "tpot_p50_s": r.tpot_s["p50"]}
+    r = simulate(w, dataclasses.replace(SHAPE, admission_s=admission_s), step_model)
+    return {
+        "output_tokens_per_s": r.output_tokens_per_s,
+        "ttft_p50_s": r.ttft_s["p50"],
+        "tpot_p50_s": r.tpot_s["p50"],
+        "ttft_s": r.ttft_s,
+        "num_steps": r.num_steps,
+    }
 
 
 def saturation_rate(case: Case, step_model: StepTimeModel) -> float:
@@ -189,6 +196,28 @@ def error(predicted: float, measured: float) -> float:
 BOUNDS = {"output_tokens_per_s": 0.15, "tpot_p50_s": 0.15, "ttft_p50_s": 0.25}  # the issue's "done when"
 
 
+def row(case: Case, rate: float | None, predicted: dict, measured: dict) -> dict:
+    out = {"workload": case.name, "request_rate": rate, "predicted": predicted, "measured": measured}
+    out["error"] = {k: error(predicted[k], measured[k]) for k in BOUNDS}
+    out["within_bounds"] = all(abs(out["error"][k]) <= b for k, b in BOUNDS.items())
+    return out
+
+
+def _grid():
+    from kvserve.runtime.bench.calibrate import Grid
+
+    # Decode batches to max_num_seqs at the shortest prompt (the GEMM curve), and contexts to the longest
+    # prompt at a few requests (the attention terms); the engine was warmed up over these shapes.
+    return Grid(
+        prompt_lens=(16, 512, 1000),
+        batch_sizes=(1, 2, 4, 8, 16, 32, 64, 128),
+        decode_steps=8,
+        warmup_steps=2,
+        max_prefill_tokens=8192,
+        warm_each_point=False,
+    )
+
+
 def run(
     model_dir: str,
     seed: int = 0,
@@ -197,7 +226,7 @@ def run(
     grid=None,
     clock: str = "wall",
 ) -> dict:
-    from kvserve.runtime.bench.calibrate import Grid, device_name, profile
+    from kvserve.runtime.bench.calibrate import device_name, profile
     from kvserve.runtime.engine.llm_engine import LLMEngine
     from kvserve.runtime.planner.step_time import fit
 
@@ -207,17 +236,7 @@ def run(
     warm_up(engine, vocab, seed)
     if calibration is None:
         # `kvserve calibrate`'s profile, on the engine measured next: warm, the same KV pool and settings.
-        # Decode batches to max_num_seqs at the shortest prompt (the GEMM curve), and contexts to the longest
-        # prompt at a few requests (the attention terms); the engine was warmed up over these shapes.
-        grid = grid or Grid(
-            prompt_lens=(16, 512, 1000),
-            batch_sizes=(1, 2, 4, 8, 16, 32, 64, 128),
-            decode_steps=8,
-            warmup_steps=2,
-            max_prefill_tokens=8192,
-            warm_each_point=False,
-        )
-        model, stats = fit(profile(engine, grid, 180, seed, Clock(clock).read))
+        model, stats = fit(profile(engine, grid or _grid(), 180, seed, Clock(clock).read))
         calibration = {"device": device_name(engine), "clock": clock, "step_time_model": model.to_dict(), "fit": stats}
     step_model = StepTimeModel.from_dict(calibration["step_time_model"])
     rows = []
@@ -229,12 +248,8 @@ def run(
         rate = case.load * saturation_rate(case, step_model) if case.load is not None else None
         requests = _requests(case, rng, vocab, rate)
         measured = measure(engine, case, requests, clock)
-        predicted = predict(case, requests, step_model)
-        row = {"workload": case.name, "request_rate": rate, "predicted": predicted, "measured": measured}
-        row["error"] = {k: error(predicted[k], measured[k]) for k in measured}
-        row["within_bounds"] = all(abs(row["error"][k]) <= b for k, b in BOUNDS.items())
-        rows.append(row)
-        print(_line(row), flush=True)
+        rows.append(row(case, rate, predict(case, requests, step_model), measured))
+        print(_line(rows[-1]), flush=True)
     engine.shutdown()
     return {
         "clock": clock,
@@ -276,7 +291,14 @@ def main(argv: list[str] | None = None) -> int:
         help="torch intra-op threads (default torch's). On a shared machine 1 with --clock cpu: a descheduled "
         "partner thread makes the others spin at the step's barriers, which inflates even CPU time",
     )
+    ap.add_argument(
+        "--served",
+        action="store_true",
+        help="measure through `kvserve serve` and the streaming client (wall clock; the core's thread count)",
+    )
     args = ap.parse_args(argv)
+    if args.served and (args.calibration or args.clock != "wall" or args.threads):
+        ap.error("--served calibrates itself on the wall clock with the engine core's threads")
     if args.threads:
         import torch
 
@@ -293,7 +315,12 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.calibration) as f:
             calibration = json.load(f)
     print("workload                     predicted / measured (error)", flush=True)
-    result = run(model_dir, args.seed, calibration, clock=args.clock)
+    if args.served:
+        from kvserve.runtime.bench.planner_accuracy_served import run_served
+
+        result = run_served(model_dir, args.seed)
+    else:
+        result = run(model_dir, args.seed, calibration, clock=args.clock)
     result["threads"] = args.threads
     print(f"{result['seconds']} s, load average {result['load_average_before']} -> {result['load_average_after']}")
     if args.out:

@@ -88,6 +88,10 @@ class EngineShape:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 4096
     enable_prefix_caching: bool = True
+    # Seconds the front-end (HTTP parsing, validation, the hand-off to the engine) spends on each request, one
+    # request after another: a burst of N requests reaches the scheduler over N * admission_s, and the engine
+    # starts stepping with the first ones. 0 = every request reaches the scheduler when it arrives (in-process).
+    admission_s: float = 0.0
 
 
 @dataclass
@@ -144,24 +148,33 @@ def simulate(workload: Workload, shape: EngineShape, step_model: StepTimeModel) 
         req = Request(f"r{seq}", prompt, SamplingParams(max_tokens=olen, ignore_eos=True), arrival_time=arrival)
         return arrival, req
 
-    pending: list[tuple[float, int, Request]] = []  # (arrival, tiebreak, request) heap
+    pending: list[tuple[float, int, Request]] = []  # (time it reaches the scheduler, tiebreak, request) heap
+    front_end_free = 0.0  # when the front-end has admitted every request so far (FIFO, shape.admission_s each)
+
+    def admit(arrival: float) -> float:
+        nonlocal front_end_free
+        if shape.admission_s <= 0:
+            return arrival
+        front_end_free = max(front_end_free, arrival) + shape.admission_s
+        return front_end_free
+
     if workload.trace:
         for t, p, o in workload.trace:
             a, r = make(t, p, o)
-            heapq.heappush(pending, (a, seq, r))
+            heapq.heappush(pending, (admit(a), seq, r))
         total = len(workload.trace)
     elif workload.request_rate is not None:
         t = 0.0
         for _ in range(workload.num_requests):
             t += rng.expovariate(workload.request_rate)
             a, r = make(t, workload.prompt_len.draw(rng), workload.output_len.draw(rng))
-            heapq.heappush(pending, (a, seq, r))
+            heapq.heappush(pending, (admit(a), seq, r))
         total = workload.num_requests
     else:
         total = workload.num_requests
         for _ in range(min(workload.concurrency, total)):
             a, r = make(0.0, workload.prompt_len.draw(rng), workload.output_len.draw(rng))
-            heapq.heappush(pending, (a, seq, r))
+            heapq.heappush(pending, (admit(a), seq, r))
 
     now = 0.0
     first_token: dict[str, float] = {}
@@ -174,8 +187,8 @@ def simulate(workload: Workload, shape: EngineShape, step_model: StepTimeModel) 
     queue_area = 0.0  # integral of num_waiting over simulated seconds
     while finished < total:
         while pending and pending[0][0] <= now:
-            a, _, r = heapq.heappop(pending)
-            arrival[r.request_id] = a
+            _, _, r = heapq.heappop(pending)
+            arrival[r.request_id] = r.arrival_time  # TTFT counts from the client's arrival, admission included
             sched.add_request(r)
         out = sched.schedule()
         if out.is_empty:
@@ -202,7 +215,7 @@ def simulate(workload: Workload, shape: EngineShape, step_model: StepTimeModel) 
                     tpot.append((now - first_token[rid]) / (num_out[rid] - 1))
                 if workload.concurrency is not None and seq < total:
                     a, r = make(now, workload.prompt_len.draw(rng), workload.output_len.draw(rng))
-                    heapq.heappush(pending, (a, seq, r))
+                    heapq.heappush(pending, (admit(a), seq, r))
     duration = max(now, 1e-9)
     return SimResult(
         num_requests=total,

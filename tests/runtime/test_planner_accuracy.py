@@ -30,7 +30,7 @@ def test_every_workload_has_both_sides_and_its_error(result):
     assert [r["workload"] for r in result["rows"]] == [c.name for c in CASES]
     for row in result["rows"]:
         for side in ("predicted", "measured"):
-            assert set(row[side]) == set(pa.BOUNDS) and all(v > 0 for v in row[side].values())
+            assert set(pa.BOUNDS) <= set(row[side]) and all(row[side][k] > 0 for k in pa.BOUNDS)
         for key in pa.BOUNDS:
             p, m = row["predicted"][key], row["measured"][key]
             assert row["error"][key] == pytest.approx((p - m) / m)
@@ -68,3 +68,19 @@ def test_cpu_clock_skips_idle_time_and_wall_clock_sleeps():
 
 def test_error_is_relative_to_the_measurement():
     assert pa.error(115.0, 100.0) == pytest.approx(0.15) and pa.error(80.0, 100.0) == pytest.approx(-0.2)
+
+
+def test_served_mode_measures_through_kvserve_serve(model_factory):
+    # --served: the calibration on an in-process engine, then the same workloads through `kvserve serve` and
+    # the streaming client; every request is counted (a failed one raises), with the simulator's metrics.
+    from kvserve.runtime.bench import planner_accuracy_served as served
+
+    tiny = model_factory("llama_gqa")[0]
+    grid = Grid(prompt_lens=(16, 64), batch_sizes=(1, 4), decode_steps=4, warmup_steps=2)
+    result = served.run_served(tiny, 0, CASES[:2], grid)
+    assert result["mode"] == "served" and result["calibration"]["fit"]["num_samples"] >= 3
+    assert [r["workload"] for r in result["rows"]] == ["closed-4", "poisson"]
+    for row in result["rows"]:
+        assert set(row["measured"]) == set(pa.BOUNDS) and all(v > 0 for v in row["measured"].values())
+        assert row["within_bounds"] == all(abs(row["error"][k]) <= b for k, b in pa.BOUNDS.items())
+    assert "--kv-cache-bytes" in served.serve_args(1 << 20)

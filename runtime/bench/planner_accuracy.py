@@ -273,6 +273,25 @@ def _line(row: dict) -> str:
     )
 
 
+def default_model_dir(seed: int) -> str:
+    """The random-weight 125M Llama (throughput.DEFAULT_SHAPE) in a temporary folder."""
+    from kvserve.runtime.bench.throughput import DEFAULT_SHAPE
+    from kvserve.runtime.models.synthetic import make_random_model_dir
+
+    model_dir = os.path.join(tempfile.mkdtemp(prefix="kvserve-planner-acc-"), "model")
+    make_random_model_dir(model_dir, "LlamaForCausalLM", seed=seed, **DEFAULT_SHAPE)
+    return model_dir
+
+
+def finish(result: dict, out: str | None) -> int:
+    """Print the run's time and load, write the JSON; exit status 0 when every workload is within bounds."""
+    print(f"{result['seconds']} s, load average {result['load_average_before']} -> {result['load_average_after']}")
+    if out:
+        with open(out, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0 if all(r["within_bounds"] for r in result["rows"]) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="model folder (default: build the random-weight 125M Llama)")
@@ -291,42 +310,20 @@ def main(argv: list[str] | None = None) -> int:
         help="torch intra-op threads (default torch's). On a shared machine 1 with --clock cpu: a descheduled "
         "partner thread makes the others spin at the step's barriers, which inflates even CPU time",
     )
-    ap.add_argument(
-        "--served",
-        action="store_true",
-        help="measure through `kvserve serve` and the streaming client (wall clock; the core's thread count)",
-    )
     args = ap.parse_args(argv)
-    if args.served and (args.calibration or args.clock != "wall" or args.threads):
-        ap.error("--served calibrates itself on the wall clock with the engine core's threads")
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
-    model_dir = args.model
-    if model_dir is None:
-        from kvserve.runtime.bench.throughput import DEFAULT_SHAPE
-        from kvserve.runtime.models.synthetic import make_random_model_dir
-
-        model_dir = os.path.join(tempfile.mkdtemp(prefix="kvserve-planner-acc-"), "model")
-        make_random_model_dir(model_dir, "LlamaForCausalLM", seed=args.seed, **DEFAULT_SHAPE)
+    model_dir = args.model or default_model_dir(args.seed)
     calibration = None
     if args.calibration:
         with open(args.calibration) as f:
             calibration = json.load(f)
     print("workload                     predicted / measured (error)", flush=True)
-    if args.served:
-        from kvserve.runtime.bench.planner_accuracy_served import run_served
-
-        result = run_served(model_dir, args.seed)
-    else:
-        result = run(model_dir, args.seed, calibration, clock=args.clock)
+    result = run(model_dir, args.seed, calibration, clock=args.clock)
     result["threads"] = args.threads
-    print(f"{result['seconds']} s, load average {result['load_average_before']} -> {result['load_average_after']}")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
-    return 0 if all(r["within_bounds"] for r in result["rows"]) else 1
+    return finish(result, args.out)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,8 @@
 """Planner accuracy through the served engine (issue 25 item 5: "the real served engine, the project's streaming
-benchmark"): `python -m kvserve.runtime.bench.planner_accuracy --served`.
+benchmark"):
+
+    python -m kvserve.runtime.bench.planner_accuracy_served [--model DIR] [--seed N] [--out result.json]
+
 
 The calibration is `kvserve calibrate`'s profile of an in-process engine on the wall clock, with the intra-op
 thread count the served engine core runs with (core_process.core_cpu_threads: all cores but one on CPU, the
@@ -15,8 +18,10 @@ process and the IPC to the core, on a machine whose second core is the API serve
 
 from __future__ import annotations
 
+import argparse
 import os
 import random
+import sys
 import time
 
 from kvserve.runtime.bench import planner_accuracy as pa
@@ -213,3 +218,18 @@ def run_served(model_dir: str, seed: int = 0, workloads: tuple[pa.Case, ...] = p
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
     }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="model folder (default: build the random-weight 125M Llama)")
+    ap.add_argument("--out", help="write the result JSON here")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the model's weights and of every workload's prompts")
+    args = ap.parse_args(argv)
+    model_dir = args.model or pa.default_model_dir(args.seed)
+    print("workload                     predicted / measured (error)", flush=True)
+    return pa.finish(run_served(model_dir, args.seed), args.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

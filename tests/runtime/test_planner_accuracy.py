@@ -71,7 +71,7 @@ def test_error_is_relative_to_the_measurement():
 
 
 def test_served_mode_measures_through_kvserve_serve(model_factory):
-    # --served: the calibration on an in-process engine, then the same workloads through `kvserve serve` and
+    # planner_accuracy_served: the calibration on an in-process engine, then the same workloads through `kvserve serve` and
     # the streaming client; every request is counted (a failed one raises), with the simulator's metrics.
     from kvserve.runtime.bench import planner_accuracy_served as served
 

@@ -37,6 +37,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--decode-steps", type=int, default=16, help="output tokens per request at each grid point")
     parser.add_argument("--seed", type=int, default=0, help="random seed of the measured prompts")
+    parser.add_argument(
+        "--scope",
+        choices=["core", "engine"],
+        default="core",
+        help="what a step covers: core = the engine core's step, what a served replica's core process runs "
+        "(detokenising is the API server's); engine = LLMEngine.step with its outputs (offline, in-process)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -51,7 +58,9 @@ def run(args: argparse.Namespace) -> int:
         max_prefill_tokens=args.max_prefill_tokens,
     )
     engine_kwargs = {k: v for k, v in (("dtype", args.dtype), ("device", args.device)) if v}
-    cal = calibrate.calibrate(args.model, grid, max_seconds=args.max_seconds, seed=args.seed, **engine_kwargs)
+    cal = calibrate.calibrate(
+        args.model, grid, max_seconds=args.max_seconds, seed=args.seed, scope=args.scope, **engine_kwargs
+    )
     calibrate.write(cal, args.out)
     m, r = cal["step_time_model"], cal["fit"]
     curve = m.get("token_curve") or [[1, m["overhead_s"] + m["per_token_s"]]]

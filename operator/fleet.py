@@ -184,10 +184,14 @@ def autoscaling_bounds(autoscaling: dict, option: Option | None, explicit: froze
         elif hi_set and not lo_set and "minReplicas" in planned:
             out["minReplicas"] = out["maxReplicas"]
         else:
-            default = "minReplicas" if hi_set else "maxReplicas"
+            why = (
+                "set minReplicas <= maxReplicas"
+                if lo_set and hi_set
+                else f"{'minReplicas' if hi_set else 'maxReplicas'} is the default; set it too"
+            )
             raise ValueError(
                 f"spec.autoscaling.minReplicas ({out['minReplicas']}) > spec.autoscaling.maxReplicas "
-                f"({out['maxReplicas']}): {default} is the default; set it too"
+                f"({out['maxReplicas']}): {why}"
             )
     return out
 

@@ -4,21 +4,21 @@ benchmark"):
     python -m kvserve.runtime.bench.planner_accuracy_served [--model DIR] [--seed N] [--out result.json]
 
 
-The calibration is `kvserve calibrate`'s profile of an in-process engine on the wall clock, with the intra-op
-thread count the served engine core runs with (core_process.core_cpu_threads: all cores but one on CPU, the
-last one left to the API server). That engine is shut down, then `kvserve serve` starts on 127.0.0.1 with the
-same settings and KV pool, and every workload of planner_accuracy.WORKLOADS is sent through the streaming
-client of `kvserve bench serve` (serve_client.send_request: aiohttp, SSE chunks): closed loop as a semaphore
-of `concurrency` (the next request leaves when one finishes), Poisson as the same arrival times the simulator
-is given. TTFT counts from when a request was sent (its arrival), TPOT is (end-to-end - TTFT) / (tokens - 1),
-throughput is output tokens over the time to the last finish, the definitions of the in-process benchmark.
-What the simulator does not model is in this measurement: HTTP, tokenizer-free detokenising, the API server
-process and the IPC to the core, on a machine whose second core is the API server's.
+The calibration is the server's own: `kvserve serve` starts on 127.0.0.1 with the benchmark's settings, KV pool
+and KVSERVE_STEP_LOG set (runtime/engine/step_log.py: one line per engine-core step), `kvserve calibrate`'s grid
+is sent through it as bursts, and the step-time model is fitted on the logged steps. Then every workload of
+planner_accuracy.WORKLOADS is sent through the streaming client of `kvserve bench serve`
+(serve_client.send_request: aiohttp, SSE chunks): closed loop as a semaphore of `concurrency` (the next request
+leaves when one finishes), Poisson as the same arrival times the simulator is given. TTFT counts from when a
+request was sent (its arrival), TPOT is (end-to-end - TTFT) / (tokens - 1), throughput is output tokens over
+the time to the last finish, the definitions of the in-process benchmark. What the simulator does not model is
+in this measurement: HTTP, detokenising, the API server process and the IPC to the core.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import random
 import sys
@@ -29,42 +29,72 @@ from kvserve.runtime.planner.simulator import percentile
 from kvserve.runtime.planner.step_time import StepTimeModel, fit
 
 
-def _calibrate(model_dir: str, seed: int, grid) -> tuple[dict, int, int]:
-    """(calibration, KV cache bytes of the benchmark's pool, vocab) from an in-process engine on the core's
-    thread count; the engine is shut down before the server starts."""
-    import gc
-
-    import torch
-
-    from kvserve.runtime.bench.calibrate import device_name, profile
-    from kvserve.runtime.engine.core_process import core_cpu_threads
+def _engine_facts(model_dir: str) -> tuple[int, int]:
+    """(KV cache bytes of the benchmark's pool, vocab) from the engine config the server will build."""
     from kvserve.runtime.engine.llm_engine import LLMEngine
 
     engine = LLMEngine.from_kwargs(model_dir, enable_prefix_caching=True, **pa.ENGINE)
-    threads_before = torch.get_num_threads()
-    threads = core_cpu_threads(engine.config)
-    if threads is not None:
-        torch.set_num_threads(threads)
     try:
         cfg = engine.config
-        vocab = cfg.model.vocab_size
-        pa.warm_up(engine, vocab, seed)
-        model, stats = fit(profile(engine, grid or pa._grid(), 180, seed, time.perf_counter))
         layout = cfg.model.kv_layout(cfg.cache.kv_cache_dtype, cfg.cache.block_size, 1)
-        kv_bytes = layout.bytes_per_token * pa.ENGINE["block_size"] * pa.ENGINE["num_kv_blocks"]
-        calibration = {
-            "device": device_name(engine),
-            "clock": "wall",
-            "threads": threads or threads_before,
-            "step_time_model": model.to_dict(),
-            "fit": stats,
-        }
+        return layout.bytes_per_token * pa.ENGINE["block_size"] * pa.ENGINE["num_kv_blocks"], cfg.model.vocab_size
     finally:
         engine.shutdown()
-        torch.set_num_threads(threads_before)
-    del engine
-    gc.collect()
-    return calibration, kv_bytes, vocab
+
+
+def calibrate_served(base_url: str, step_log_path: str, vocab: int, seed: int, grid) -> dict:
+    """`kvserve calibrate`'s grid sent through the server, each point as one burst (`batch` requests of
+    `prompt_len` random tokens, `decode_steps` output tokens), fitted on the server's own step log
+    (KVSERVE_STEP_LOG, runtime/engine/step_log.py): the served core's steps, with the API server and the client
+    beside them. The same bursts give the front-end's admission time (fit_admission)."""
+    from kvserve.runtime.engine import step_log
+
+    rng = random.Random(f"{seed}-calibrate")
+    start = len(step_log.read(step_log_path))
+    bursts = []  # (prompt_len, batch, the logged steps' token counts)
+    for prompt_len, batch in grid.points():
+        burst = pa.Case(f"cal-{prompt_len}x{batch}", prompt_len, grid.decode_steps, batch, concurrency=batch)
+        before = len(step_log.read(step_log_path))
+        measure_served(base_url, burst, pa._requests(burst, rng, vocab, None))
+        bursts.append((prompt_len, batch, [s.num_tokens for s in step_log.read(step_log_path)[before:]]))
+    samples = step_log.read(step_log_path)[start:]
+    model, stats = fit(samples)
+    admission_s, admission_error = fit_admission(bursts, grid.decode_steps, model)
+    return {
+        "device": "served engine core",
+        "clock": "wall",
+        "step_time_model": model.to_dict(),
+        "fit": stats,
+        "admission_s": admission_s,
+        "admission_fit_error": admission_error,
+    }
+
+
+# Candidate front-end admission times (seconds per request, simulator.EngineShape.admission_s).
+ADMISSION_GRID_S = (0.0, 0.1e-3, 0.25e-3, 0.5e-3, 0.75e-3, 1e-3, 1.5e-3, 2e-3, 3e-3, 4e-3)
+
+
+def fit_admission(bursts, decode_steps: int, step_model: StepTimeModel) -> tuple[float, float]:
+    """The admission time whose simulated bursts batch their prefills like the logged ones: the error is the
+    tokens of each burst's first three steps, simulated vs logged, over the burst's prompt tokens. A burst sent
+    at once reaches the core over time (HTTP, validation, the hand-off, one request after another) and the core
+    starts on the first request alone (seen in every logged burst here); what the simulator needs is how many
+    follow during each of the first steps."""
+    from kvserve.runtime.planner.simulator import LengthSpec, Workload, simulate
+
+    def err(admission_s: float) -> float:
+        total = 0.0
+        shape = dataclasses.replace(pa.SHAPE, admission_s=admission_s)
+        for prompt_len, batch, logged in bursts:
+            w = Workload(
+                LengthSpec(prompt_len, prompt_len), LengthSpec(decode_steps, decode_steps), batch, concurrency=batch
+            )
+            sim = simulate(w, shape, step_model, record_steps=True).step_tokens
+            total += sum(abs(a - b) for a, b in zip(sim[:3] + [0] * 3, logged[:3] + [0] * 3)) / (prompt_len * batch)
+        return total / max(1, len(bursts))
+
+    best = min(ADMISSION_GRID_S, key=err)
+    return best, err(best)
 
 
 def serve_args(kv_bytes: int) -> list[str]:
@@ -133,28 +163,6 @@ def measure_served(base_url: str, case: pa.Case, requests, ttft_percentiles: tup
     return out
 
 
-# The front-end admission probe: a burst of requests at an idle server (none of the table's workloads). How far
-# apart the requests reach the engine decides how the first steps are batched (one request's prefill alone,
-# then the rest), which the simulator models as a FIFO front-end of admission_s per request.
-PROBE = pa.Case("admission-probe", 32, 2, 64, concurrency=64)
-ADMISSION_GRID_S = (0.0, 0.25e-3, 0.5e-3, 1e-3, 1.5e-3, 2e-3, 3e-3, 4e-3, 6e-3, 8e-3, 12e-3)
-
-
-def fit_admission(base_url: str, vocab: int, seed: int, step_model: StepTimeModel) -> dict:
-    """admission_s from the grid whose simulated TTFT p50 and p90 of the probe burst are closest (sum of
-    relative errors) to the served ones."""
-    requests = pa._requests(PROBE, random.Random(f"{seed}-{PROBE.name}"), vocab, None)
-    measured = measure_served(base_url, PROBE, requests, ttft_percentiles=(90,))
-
-    def err(admission_s: float) -> float:
-        sim = pa.predict(PROBE, requests, step_model, admission_s)["ttft_s"]
-        pairs = ((sim["p50"], measured["ttft_p50_s"]), (sim["p90"], measured["ttft_p90_s"]))
-        return sum(abs(p - m) / m for p, m in pairs)
-
-    best = min(ADMISSION_GRID_S, key=err)
-    return {"admission_s": best, "probe_error": err(best), "probe_measured": measured}
-
-
 def _engine_steps(base_url: str) -> tuple[float, float]:
     """(steps, tokens) the engine has run: vllm:iteration_tokens_total's count and sum."""
     import httpx
@@ -178,36 +186,48 @@ def _warm_server(base_url: str, vocab: int, seed: int) -> None:
 
 
 def run_served(model_dir: str, seed: int = 0, workloads: tuple[pa.Case, ...] = pa.WORKLOADS, grid=None) -> dict:
+    import tempfile
+
     from kvserve.runtime.bench.serve_client import LaunchedServer
+    from kvserve.runtime.engine import step_log
 
     start, load_before = time.perf_counter(), os.getloadavg()
-    calibration, kv_bytes, vocab = _calibrate(model_dir, seed, grid)
-    step_model = StepTimeModel.from_dict(calibration["step_time_model"])
+    kv_bytes, vocab = _engine_facts(model_dir)
+    log_path = os.path.join(tempfile.mkdtemp(prefix="kvserve-steps-"), "steps.jsonl")
     rows = []
-    with LaunchedServer(model_dir, serve_args(kv_bytes)) as server:
-        _warm_server(server.base_url, vocab, seed)
-        front_end = fit_admission(server.base_url, vocab, seed, step_model)
-        calibration["front_end"] = front_end
-        print(f"front-end admission {front_end['admission_s'] * 1e3:.2f} ms per request", flush=True)
-        for case in workloads:
-            rng = random.Random(f"{seed}-{case.name}")  # a seed per workload: see planner_accuracy.run
-            rate = case.load * pa.saturation_rate(case, step_model) if case.load is not None else None
-            requests = pa._requests(case, rng, vocab, rate)
-            steps_before, tokens_before = _engine_steps(server.base_url)
-            measured = measure_served(server.base_url, case, requests)
-            steps_after, tokens_after = _engine_steps(server.base_url)
-            predicted = pa.predict(case, requests, step_model, front_end["admission_s"])
-            rows.append(pa.row(case, rate, predicted, measured))
-            # Diagnostics beside the metrics: steps and tokens the server's engine ran for this workload (the
-            # simulator's counts are in the prediction), to tell a slower step from a different schedule.
-            rows[-1]["measured_engine"] = {"steps": steps_after - steps_before, "tokens": tokens_after - tokens_before}
-            print(
-                pa._line(rows[-1]),
-                rows[-1]["measured_engine"],
-                "sim steps",
-                rows[-1]["predicted"].get("num_steps"),
-                flush=True,
-            )
+    saved = os.environ.get(step_log.ENV)
+    os.environ[step_log.ENV] = log_path  # the server (a child process) inherits it
+    try:
+        with LaunchedServer(model_dir, serve_args(kv_bytes)) as server:
+            _warm_server(server.base_url, vocab, seed)
+            calibration = calibrate_served(server.base_url, log_path, vocab, seed, grid or pa._grid())
+            step_model = StepTimeModel.from_dict(calibration["step_time_model"])
+            print(f"front-end admission {calibration['admission_s'] * 1e3:.2f} ms per request", flush=True)
+            for case in workloads:
+                rng = random.Random(f"{seed}-{case.name}")  # a seed per workload: see planner_accuracy.run
+                rate = case.load * pa.saturation_rate(case, step_model) if case.load is not None else None
+                requests = pa._requests(case, rng, vocab, rate)
+                steps_before, tokens_before = _engine_steps(server.base_url)
+                measured = measure_served(server.base_url, case, requests)
+                steps_after, tokens_after = _engine_steps(server.base_url)
+                predicted = pa.predict(case, requests, step_model, calibration["admission_s"])
+                rows.append(pa.row(case, rate, predicted, measured))
+                # Beside the metrics: the steps and tokens the server's engine ran for this workload (the
+                # simulator's step count is in the prediction), to tell a slower step from another schedule.
+                rows[-1]["measured_engine"] = {
+                    "steps": steps_after - steps_before,
+                    "tokens": tokens_after - tokens_before,
+                }
+                print(
+                    pa._line(rows[-1]),
+                    f"(steps: {steps_after - steps_before:.0f} served, {rows[-1]['predicted']['num_steps']} simulated)",
+                    flush=True,
+                )
+    finally:
+        if saved is None:
+            os.environ.pop(step_log.ENV, None)
+        else:
+            os.environ[step_log.ENV] = saved
     return {
         "mode": "served",
         "clock": "wall",

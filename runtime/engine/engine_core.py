@@ -49,8 +49,10 @@ class _CoreRequest:
 class EngineCore:
     def __init__(self, config: EngineConfig, tokenizer_vocab_size: int | None = None):
         from kvserve.runtime.engine.batch_queue import BatchQueue, batches_in_flight
+        from kvserve.runtime.engine.step_log import StepLog
         from kvserve.runtime.executor.model_runner import ModelRunner
 
+        self.step_log = StepLog.from_env()  # KVSERVE_STEP_LOG: one line per step, for calibration (step_log.py)
         num_batches = batches_in_flight(config.pipeline_parallel_size)  # checked before any worker starts
         if config.world_size > 1:  # one worker process per rank (TP x PP); this process only schedules
             from kvserve.runtime.executor.multiproc import MultiprocExecutor
@@ -214,6 +216,7 @@ class EngineCore:
             raise self.dead_error
         scheduled_ids: list[str] | None = None  # None until the scheduler has picked this step's requests
         first_scheduled: list[tuple[str, float]] = []
+        step_start = time.perf_counter()
         try:
             if self.proposer is not None:
                 self.proposer.propose(self.scheduler.running)
@@ -230,6 +233,8 @@ class EngineCore:
             with self._model_lock:  # a LoRA load registers between steps, never inside one
                 runner_out = self.runner.execute(sched_out)
             core_outputs = self.scheduler.update_from_output(sched_out, runner_out)
+            if self.step_log is not None:
+                self.step_log.record(sched_out.scheduled, time.perf_counter() - step_start)
         except WorkerDiedError as exc:  # the ranks cannot be brought back in step: fatal
             self.dead_error = exc
             raise

@@ -108,6 +108,7 @@ class SimResult:
     # Time-weighted mean of the scheduler's queue (num_waiting, what vllm:num_requests_waiting exports) over
     # the run: the HPA's per-replica metric, so the planner can say at which queue depth the SLO still holds.
     mean_queue_depth: float = 0.0
+    step_tokens: list[int] = field(default_factory=list)  # tokens of each step, when simulate(record_steps=True)
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -125,7 +126,9 @@ def percentile(values: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
-def simulate(workload: Workload, shape: EngineShape, step_model: StepTimeModel) -> SimResult:
+def simulate(
+    workload: Workload, shape: EngineShape, step_model: StepTimeModel, record_steps: bool = False
+) -> SimResult:
     rng = random.Random(workload.seed)
     kv = KVCacheManager(shape.num_blocks, shape.block_size, enable_caching=shape.enable_prefix_caching)
     sched = Scheduler(
@@ -185,6 +188,7 @@ def simulate(workload: Workload, shape: EngineShape, step_model: StepTimeModel) 
     steps = 0
     total_out = 0
     queue_area = 0.0  # integral of num_waiting over simulated seconds
+    step_tokens: list[int] = []
     while finished < total:
         while pending and pending[0][0] <= now:
             _, _, r = heapq.heappop(pending)
@@ -196,7 +200,10 @@ def simulate(workload: Workload, shape: EngineShape, step_model: StepTimeModel) 
                 raise RuntimeError("simulation stalled: a request cannot be scheduled (KV pool too small?)")
             now = max(now, pending[0][0])
             continue
-        step_s = step_model.step_seconds(*step_work(out.scheduled))
+        work = step_work(out.scheduled)
+        if record_steps:
+            step_tokens.append(work.num_tokens)
+        step_s = step_model.step_seconds(*work)
         queue_area += sched.num_waiting * step_s
         now += step_s
         steps += 1
@@ -228,4 +235,5 @@ def simulate(workload: Workload, shape: EngineShape, step_model: StepTimeModel) 
         num_preemptions=sched.num_preemptions,
         num_steps=steps,
         mean_queue_depth=queue_area / duration,
+        step_tokens=step_tokens,
     )

@@ -71,8 +71,9 @@ def test_error_is_relative_to_the_measurement():
 
 
 def test_served_mode_measures_through_kvserve_serve(model_factory):
-    # planner_accuracy_served: the calibration on an in-process engine, then the same workloads through `kvserve serve` and
-    # the streaming client; every request is counted (a failed one raises), with the simulator's metrics.
+    # planner_accuracy_served: the calibration on an in-process engine, then the same workloads through
+    # `kvserve serve` and the streaming client; every request is counted (a failed one raises), with the
+    # simulator's metrics.
     from kvserve.runtime.bench import planner_accuracy_served as served
 
     tiny = model_factory("llama_gqa")[0]
@@ -84,3 +85,26 @@ def test_served_mode_measures_through_kvserve_serve(model_factory):
         assert set(row["measured"]) == set(pa.BOUNDS) and all(v > 0 for v in row["measured"].values())
         assert row["within_bounds"] == all(abs(row["error"][k]) <= b for k, b in pa.BOUNDS.items())
     assert "--kv-cache-bytes" in served.serve_args(1 << 20)
+
+
+def test_fit_admission_recovers_the_front_end_time_from_burst_schedules():
+    # Bursts "logged" from the simulator itself with a 1 ms front-end: the fit finds 1 ms, and 0 for bursts
+    # that reached the core at once.
+    import dataclasses
+
+    from kvserve.runtime.bench import planner_accuracy_served as served
+    from kvserve.runtime.planner.simulator import LengthSpec, Workload, simulate
+
+    step = pa.StepTimeModel(0.03, 1.5e-3, 0.0)
+
+    def logged(admission_s: float) -> list:
+        out = []
+        for prompt_len, batch in ((16, 32), (16, 128), (256, 16)):
+            w = Workload(LengthSpec(prompt_len, prompt_len), LengthSpec(4, 4), batch, concurrency=batch)
+            shape = dataclasses.replace(pa.SHAPE, admission_s=admission_s)
+            out.append((prompt_len, batch, simulate(w, shape, step, record_steps=True).step_tokens))
+        return out
+
+    assert logged(1e-3)[1][2][0] == 16  # the first step: the first request alone
+    assert served.fit_admission(logged(1e-3), 4, step) == (1e-3, 0.0)
+    assert served.fit_admission(logged(0.0), 4, step)[0] == 0.0

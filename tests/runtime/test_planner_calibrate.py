@@ -43,7 +43,8 @@ def one_thread():
 def calibration(tiny, tmp_path_factory):
     path = str(tmp_path_factory.mktemp("cal") / "cal.json")
     grid = Grid(prompt_lens=(16, 96), batch_sizes=(1, 8), decode_steps=8, warmup_steps=2)
-    write(calibrate(tiny, grid, max_seconds=30, seed=0, clock=CLOCK), path)
+    # The engine scope: the comparison below runs the in-process LLMEngine loop (outputs included).
+    write(calibrate(tiny, grid, max_seconds=30, seed=0, clock=CLOCK, scope="engine"), path)
     return path
 
 
@@ -53,7 +54,7 @@ def test_calibration_file_loads(calibration):
     assert cal["model"]["num_layers"] == 2 and cal["fit"]["num_samples"] >= 3
     m = StepTimeModel.from_dict(cal["step_time_model"])
     assert m.step_seconds(1, 1, 1, 1) > 0  # a step costs something: the curve was fitted, not clamped away
-    assert cal["fit"]["model"] == "token_curve" and len(m.token_curve) >= 3
+    assert cal["fit"]["model"] == "token_curve" and len(m.token_curve) >= 3 and cal["scope"] == "engine"
 
 
 def test_simulated_throughput_within_2x_of_engine(tiny, calibration):

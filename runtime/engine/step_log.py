@@ -1,0 +1,46 @@
+"""A per-step log for calibration from a running engine: `KVSERVE_STEP_LOG=/path/steps.jsonl kvserve serve ...`
+makes the engine core append one JSON line per step with what the step computed and how long it took,
+{"num_tokens", "context_tokens", "num_sampled", "attention_pairs", "seconds"} (runtime/planner/step_time.py's
+StepWork plus the wall seconds of EngineCore.step). `kvserve calibrate` fits the same model on a profile of an
+in-process engine; a step log is the served core's own steps, under its real neighbours (the API server, the
+clients), which is what the planner's served predictions need (docs/planner.md). Off unless the variable is set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from kvserve.runtime.planner.step_time import StepSample, step_work
+
+ENV = "KVSERVE_STEP_LOG"
+
+
+class StepLog:
+    def __init__(self, path: str):
+        self._file = open(path, "a", buffering=1)  # noqa: SIM115 - held for the engine's life; line-buffered: read live
+
+    @classmethod
+    def from_env(cls) -> StepLog | None:
+        path = os.environ.get(ENV)
+        return cls(path) if path else None
+
+    def record(self, scheduled, seconds: float) -> None:
+        if scheduled:
+            w = step_work(scheduled)
+            self._file.write(json.dumps({**w._asdict(), "seconds": seconds}) + "\n")
+
+
+def read(path: str) -> list[StepSample]:
+    """The samples of a step log (a partly written last line is skipped)."""
+    out = []
+    with open(path) as f:
+        for line in f:
+            try:
+                d = json.loads(line)
+            except ValueError:
+                continue
+            out.append(
+                StepSample(d["num_tokens"], d["context_tokens"], d["seconds"], d["num_sampled"], d["attention_pairs"])
+            )
+    return out

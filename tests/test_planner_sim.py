@@ -205,22 +205,3 @@ def test_front_end_admission_spreads_a_burst_over_the_first_steps():
     p = Workload(prompt_len=LengthSpec(8, 8), output_len=LengthSpec(1, 1), num_requests=20, request_rate=1000.0)
     slow = simulate(p, EngineShape(num_blocks=64, admission_s=0.05), MODEL)
     assert slow.duration_s >= 20 * 0.05
-
-
-def test_the_fitted_curve_never_gets_cheaper_with_more_tokens():
-    from kvserve.runtime.planner.step_time import _non_decreasing
-
-    assert _non_decreasing([0.5, 0.3, 0.7, 0.6, 0.6, 1.0]) == pytest.approx(
-        [0.4, 0.4, 0.6333, 0.6333, 0.6333, 1.0], abs=1e-3
-    )
-    # Noisy decodes where batch 8 measured faster than batch 1: the fit keeps the curve non-decreasing.
-    rng = random.Random(5)
-    samples = [
-        StepSample.of(StepWork(t, t * 50, t, t * 50), 0.03 - 0.002 * (t == 8) + rng.uniform(0, 1e-4))
-        for t in (1, 8, 16)
-        for _ in range(5)
-    ]
-    samples += [StepSample.of(StepWork(t, t, 1, t * (t + 1) // 2), 0.03 + 1e-4 * t) for t in (64, 256, 1024)]
-    model, _ = fit(samples)
-    values = [s for _, s in model.token_curve]
-    assert values == sorted(values)

@@ -230,7 +230,7 @@ def _fit_curve(samples: list[StepSample], knots: list[int]) -> StepTimeModel:
         if not negative:
             break
         active.remove(min(negative, key=lambda name: values[name]))
-    curve = tuple(zip(knots, _non_decreasing(coef[: len(knots)]), strict=True))
+    curve = tuple(zip(knots, coef[: len(knots)], strict=True))
     return StepTimeModel(
         overhead_s=0.0,
         per_token_s=0.0,
@@ -239,20 +239,6 @@ def _fit_curve(samples: list[StepSample], knots: list[int]) -> StepTimeModel:
         per_attention_pair_s=values.get("per_attention_pair_s", 0.0),
         token_curve=curve,
     )
-
-
-def _non_decreasing(values: list[float]) -> list[float]:
-    """Pool adjacent violators: the closest non-decreasing sequence (least squares, equal weights). A step with
-    more tokens does not take less time; a dip between knots is noise, or the LM-head term and the curve
-    trading cost on decode steps (there sampled rows = tokens, so only the prefill steps tell them apart), and
-    the simulator would find a faster schedule in it than the engine has."""
-    blocks: list[list[float]] = []  # [mean, count]
-    for v in values:
-        blocks.append([v, 1.0])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            (m2, n2), (m1, n1) = blocks.pop(), blocks.pop()
-            blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
-    return [m for m, n in blocks for _ in range(int(n))]
 
 
 OUTLIER_MADS = 5.0  # a step this many median absolute deviations slower than the fit was preempted

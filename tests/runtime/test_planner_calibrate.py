@@ -40,12 +40,22 @@ def one_thread():
 
 
 @pytest.fixture(scope="module")
-def calibration(tiny, tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("cal") / "cal.json")
+def calibrations(tiny, tmp_path_factory):
+    """Three calibrations (files): the tiny model's steps take 0.3-5 ms, where one descheduling or cache flush
+    by the other xdist worker moves a knot of the fitted curve; the comparison below takes the median."""
     grid = Grid(prompt_lens=(16, 96), batch_sizes=(1, 8), decode_steps=8, warmup_steps=2)
-    # The engine scope: the comparison below runs the in-process LLMEngine loop (outputs included).
-    write(calibrate(tiny, grid, max_seconds=30, seed=0, clock=CLOCK, scope="engine"), path)
-    return path
+    paths = []
+    for i in range(3):
+        path = str(tmp_path_factory.mktemp("cal") / f"cal{i}.json")
+        # The engine scope: the comparison below runs the in-process LLMEngine loop (outputs included).
+        write(calibrate(tiny, grid, max_seconds=30, seed=i, clock=CLOCK, scope="engine"), path)
+        paths.append(path)
+    return paths
+
+
+@pytest.fixture(scope="module")
+def calibration(calibrations):
+    return calibrations[0]
 
 
 def test_calibration_file_loads(calibration):
@@ -57,7 +67,7 @@ def test_calibration_file_loads(calibration):
     assert cal["fit"]["model"] == "token_curve" and len(m.token_curve) >= 3 and cal["scope"] == "engine"
 
 
-def test_simulated_throughput_within_2x_of_engine(tiny, calibration):
+def test_simulated_throughput_within_2x_of_engine(tiny, calibrations):
     from kvserve.runtime.engine.llm_engine import LLMEngine
     from kvserve.runtime.sampling_params import SamplingParams
 
@@ -101,9 +111,15 @@ def test_simulated_throughput_within_2x_of_engine(tiny, calibration):
         seed=0,
     )
     shape = EngineShape(num_blocks=64, block_size=16, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=128)
-    predicted = simulate(workload, shape, StepTimeModel.from_dict(load_calibration(calibration)["step_time_model"]))
-    ratio = predicted.output_tokens_per_s / measured
-    assert 0.5 <= ratio <= 2.0, f"predicted {predicted.output_tokens_per_s:.0f} vs measured {measured:.0f} tok/s"
+    predictions = sorted(
+        simulate(
+            workload, shape, StepTimeModel.from_dict(load_calibration(path)["step_time_model"])
+        ).output_tokens_per_s
+        for path in calibrations
+    )
+    predicted = predictions[1]  # the median of the three calibrations
+    ratio = predicted / measured
+    assert 0.5 <= ratio <= 2.0, f"predicted {predictions} vs measured {measured:.0f} tok/s"
 
 
 def test_cli_is_registered():

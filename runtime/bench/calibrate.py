@@ -63,19 +63,6 @@ def _progress(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _record_schedule(engine) -> list:
-    """Wrap scheduler.schedule on the instance; the last SchedulerOutput lands in box[0]."""
-    box = [None]
-    schedule = engine.scheduler.schedule
-
-    def recorded():
-        box[0] = schedule()
-        return box[0]
-
-    engine.scheduler.schedule = recorded
-    return box
-
-
 # What a step's seconds cover. "core": the engine core's step (schedule, forward, sample, update), what a served
 # engine's core process runs per step while the API server detokenises and streams on another core; the
 # default of `kvserve calibrate`, whose plans are for served replicas. "engine": LLMEngine.step, the core step plus
@@ -84,34 +71,28 @@ def _record_schedule(engine) -> list:
 SCOPES = ("core", "engine")
 
 
-def _time_core_steps(engine, clock) -> list:
-    """Wrap engine.core.step on the instance; the last core step's seconds land in box[0]."""
-    box = [None]
-    step = engine.core.step
+class _CoreSteps:
+    """A step observer on the engine core (EngineCore.step_observers): the last step's scheduled requests and
+    its seconds (the core step's own wall time)."""
 
-    def timed():
-        t = clock()
-        try:
-            return step()
-        finally:
-            box[0] = clock() - t
+    def __init__(self):
+        self.scheduled, self.seconds = None, 0.0
 
-    engine.core.step = timed
-    return box
+    def __call__(self, scheduled, seconds: float) -> None:
+        self.scheduled, self.seconds = scheduled, seconds
 
 
 def _run_point(
     engine,
-    box,
+    core: _CoreSteps,
     prompt_len: int,
     batch: int,
     decode_steps: int,
     rng,
     tag: str,
     clock=time.perf_counter,
-    core_box: list | None = None,
+    scope: str = "core",
 ) -> list[StepSample]:
-    """`core_box`: from _time_core_steps, to record the core step's seconds instead of the whole engine step."""
     from kvserve.runtime.sampling_params import SamplingParams
 
     vocab = engine.config.model.vocab_size
@@ -121,14 +102,15 @@ def _run_point(
         engine.add_request(f"cal-{tag}-{i}", {"prompt_token_ids": prompt}, params)
     samples = []
     while engine.has_unfinished_requests():
-        box[0] = None
+        core.scheduled = None
         t = clock()
         engine.step()
-        seconds = clock() - t if core_box is None else core_box[0]
-        out = box[0]
-        if out is None or not out.scheduled:
+        seconds = clock() - t
+        if not core.scheduled:
             continue
-        samples.append(StepSample.of(step_work(out.scheduled), seconds))
+        # The core's own seconds are wall time (perf_counter): with another clock (the accuracy benchmark's
+        # CPU time) the engine scope is the one to use.
+        samples.append(StepSample.of(step_work(core.scheduled), core.seconds if scope == "core" else seconds))
     return samples
 
 
@@ -139,11 +121,13 @@ def profile(
     that measures the same engine afterwards); `scope`: see SCOPES."""
     if scope not in SCOPES:
         raise ValueError(f"scope: one of {', '.join(SCOPES)}, got {scope!r}")
-    box = _record_schedule(engine)
-    core_box = _time_core_steps(engine, clock) if scope == "core" else None
+    if scope == "core" and clock is not time.perf_counter:
+        raise ValueError("scope core: the engine core times its steps on the wall clock; use scope engine")
+    core = _CoreSteps()
+    engine.core.step_observers.append(core)
     rng = random.Random(seed)
     start = time.perf_counter()
-    _run_point(engine, box, min(grid.prompt_lens), 1, grid.warmup_steps, rng, "warmup")
+    _run_point(engine, core, min(grid.prompt_lens), 1, grid.warmup_steps, rng, "warmup")
     samples: list[StepSample] = []
     points = grid.points()
     for n, (prompt_len, batch) in enumerate(points, 1):
@@ -151,16 +135,14 @@ def profile(
             _progress(f"calibrate: --max-seconds {max_seconds:g} reached after {n - 1}/{len(points)} grid points")
             break
         if grid.warm_each_point:
-            _run_point(engine, box, prompt_len, batch, grid.decode_steps, rng, f"{n}-warm", clock, core_box)
-        got = _run_point(engine, box, prompt_len, batch, grid.decode_steps, rng, f"{n}", clock, core_box)
+            _run_point(engine, core, prompt_len, batch, grid.decode_steps, rng, f"{n}-warm", clock, scope)
+        got = _run_point(engine, core, prompt_len, batch, grid.decode_steps, rng, f"{n}", clock, scope)
         samples += got
         _progress(
             f"calibrate: [{n}/{len(points)}] prompt {prompt_len} x batch {batch}: {len(got)} steps, "
             f"median {1e3 * sorted(s.seconds for s in got)[len(got) // 2]:.2f} ms"
         )
-    del engine.scheduler.schedule  # the instance wrappers: the class's own methods again
-    if core_box is not None:
-        del engine.core.step
+    engine.core.step_observers.remove(core)
     return samples
 
 

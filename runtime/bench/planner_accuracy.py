@@ -178,15 +178,23 @@ def saturation_rate(case: Case, step_model: StepTimeModel) -> float:
     return simulate(w, SHAPE, step_model).requests_per_s
 
 
+def warm_requests(vocab: int, seed: int) -> list[tuple[list[int], int]]:
+    """[(prompt ids, output len)]: 128 streams with output lengths 1..8, prompts 16..300, to run every decode
+    batch size and prefill chunk shape once (oneDNN creates a primitive per shape, 10-15x a warm step; a
+    long-running server has them)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(128):
+        prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(16, 300))]
+        out.append((prompt, rng.randint(1, 8)))
+    return out
+
+
 def warm_up(engine, vocab: int, seed: int) -> None:
-    """Decode batch sizes and prefill chunk shapes once (oneDNN creates a primitive per shape, 10-15x a warm
-    step; a long-running server has them): 128 streams with output lengths 1..8, prompts 16..300."""
     from kvserve.runtime.sampling_params import SamplingParams
 
-    rng = random.Random(seed)
-    for i in range(128):
-        prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(16, 300))]
-        params = SamplingParams(temperature=0, max_tokens=rng.randint(1, 8), ignore_eos=True)
+    for i, (prompt, olen) in enumerate(warm_requests(vocab, seed)):
+        params = SamplingParams(temperature=0, max_tokens=olen, ignore_eos=True)
         engine.add_request(f"warm-{i}", {"prompt_token_ids": prompt}, params)
     while engine.has_unfinished_requests():
         engine.step()

@@ -30,16 +30,13 @@ from kvserve.runtime.planner.step_time import StepTimeModel, fit
 
 
 def _engine_facts(model_dir: str) -> tuple[int, int]:
-    """(KV cache bytes of the benchmark's pool, vocab) from the engine config the server will build."""
-    from kvserve.runtime.engine.llm_engine import LLMEngine
+    """(KV cache bytes of the benchmark's pool, vocab) from the engine config the server will build (no weights
+    are loaded)."""
+    from kvserve.runtime.config import make_engine_config
 
-    engine = LLMEngine.from_kwargs(model_dir, enable_prefix_caching=True, **pa.ENGINE)
-    try:
-        cfg = engine.config
-        layout = cfg.model.kv_layout(cfg.cache.kv_cache_dtype, cfg.cache.block_size, 1)
-        return layout.bytes_per_token * pa.ENGINE["block_size"] * pa.ENGINE["num_kv_blocks"], cfg.model.vocab_size
-    finally:
-        engine.shutdown()
+    cfg = make_engine_config(model_dir, enable_prefix_caching=True, **pa.ENGINE)
+    layout = cfg.model.kv_layout(cfg.cache.kv_cache_dtype, cfg.cache.block_size, 1)
+    return layout.bytes_per_token * pa.ENGINE["block_size"] * pa.ENGINE["num_kv_blocks"], cfg.model.vocab_size
 
 
 def calibrate_served(base_url: str, step_log_path: str, vocab: int, seed: int, grid) -> dict:
@@ -50,14 +47,15 @@ def calibrate_served(base_url: str, step_log_path: str, vocab: int, seed: int, g
     from kvserve.runtime.engine import step_log
 
     rng = random.Random(f"{seed}-calibrate")
-    start = len(step_log.read(step_log_path))
-    bursts = []  # (prompt_len, batch, the logged steps' token counts)
+    seen = len(step_log.read(step_log_path))  # the warm-up's steps
+    bursts, samples = [], []  # bursts: (prompt_len, batch, the logged steps' token counts)
     for prompt_len, batch in grid.points():
         burst = pa.Case(f"cal-{prompt_len}x{batch}", prompt_len, grid.decode_steps, batch, concurrency=batch)
-        before = len(step_log.read(step_log_path))
         measure_served(base_url, burst, pa._requests(burst, rng, vocab, None))
-        bursts.append((prompt_len, batch, [s.num_tokens for s in step_log.read(step_log_path)[before:]]))
-    samples = step_log.read(step_log_path)[start:]
+        new = step_log.read(step_log_path)[seen:]
+        seen += len(new)
+        samples += new
+        bursts.append((prompt_len, batch, [s.num_tokens for s in new]))
     model, stats = fit(samples)
     admission_s, admission_error = fit_admission(bursts, grid.decode_steps, model)
     return {
@@ -114,43 +112,32 @@ def serve_args(kv_bytes: int) -> list[str]:
     ]
 
 
-async def _send_all(base_url: str, case: pa.Case, requests, timeout_s: float = 600.0) -> list[dict]:
-    import asyncio
-
+async def _send_all(base_url: str, case: pa.Case, requests, timeout_s: float = 600.0) -> tuple[list[dict], float]:
+    """The requests through `kvserve bench serve`'s client (serve_client.run_requests): closed loop as its
+    concurrency limit, Poisson as its arrival delays. Returns the records and the start time."""
     import aiohttp
 
-    from kvserve.runtime.bench.serve_client import Request, send_request, server_info
+    from kvserve.runtime.bench.serve_client import Request, run_requests, server_info
 
     reqs = [Request(prompt, olen) for _, prompt, olen in requests]
+    delays = [arrival or 0.0 for arrival, _, _ in requests]
     connector = aiohttp.TCPConnector(limit=len(reqs) + 8)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s)) as client:
         model, _ = await server_info(client, base_url, {}, None)
-        url = base_url + "/v1/completions"
-        gate = asyncio.Semaphore(case.concurrency) if case.concurrency is not None else None
-        t0 = time.perf_counter()
-
-        async def one(req, arrival: float | None) -> dict:
-            if gate is None:
-                await asyncio.sleep(max(0.0, t0 + arrival - time.perf_counter()))
-                return await send_request(client, url, model, req, {}, timeout_s)
-            async with gate:
-                return await send_request(client, url, model, req, {}, timeout_s)
-
-        outs = await asyncio.gather(*(one(r, a) for r, (a, _, _) in zip(reqs, requests, strict=True)))
-    for o in outs:
-        o["t0"] = t0
-    return list(outs)
+        outs, t0, _ = await run_requests(
+            client, base_url + "/v1/completions", model, reqs, delays, {}, case.concurrency, timeout_s
+        )
+    return outs, t0
 
 
 def measure_served(base_url: str, case: pa.Case, requests, ttft_percentiles: tuple[int, ...] = ()) -> dict:
     """The in-process benchmark's three metrics, from the streaming client's records."""
     from kvserve.runtime.bench.serve_client import run_async
 
-    outs = run_async(_send_all(base_url, case, requests))
+    outs, t0 = run_async(_send_all(base_url, case, requests))
     failed = [o["error"] for o in outs if not o["success"]]
     if failed:
         raise RuntimeError(f"{case.name}: {len(failed)} requests failed, first: {failed[0]}")
-    t0 = outs[0]["t0"]
     duration = max(o["start"] + o["e2el"] for o in outs) - t0
     tpot = [(o["e2el"] - o["ttft"]) / (o["output_len"] - 1) for o in outs if o["output_len"] > 1]
     out = {
@@ -177,12 +164,9 @@ def _engine_steps(base_url: str) -> tuple[float, float]:
 
 
 def _warm_server(base_url: str, vocab: int, seed: int) -> None:
-    """The in-process warm-up's shapes through the server (oneDNN primitives per batch and chunk shape)."""
-    rng = random.Random(f"{seed}-warm-served")
-    requests = [
-        (None, [rng.randrange(3, vocab) for _ in range(rng.randint(16, 300))], rng.randint(2, 8)) for _ in range(128)
-    ]
-    measure_served(base_url, pa.Case("warm-up", 16, 2, 128, concurrency=128), requests)
+    """The in-process warm-up's requests (planner_accuracy.warm_requests) through the server."""
+    requests = [(None, prompt, olen) for prompt, olen in pa.warm_requests(vocab, seed)]
+    measure_served(base_url, pa.Case("warm-up", 16, 2, len(requests), concurrency=len(requests)), requests)
 
 
 def run_served(model_dir: str, seed: int = 0, workloads: tuple[pa.Case, ...] = pa.WORKLOADS, grid=None) -> dict:

@@ -52,7 +52,12 @@ class EngineCore:
         from kvserve.runtime.engine.step_log import StepLog
         from kvserve.runtime.executor.model_runner import ModelRunner
 
-        self.step_log = StepLog.from_env()  # KVSERVE_STEP_LOG: one line per step, for calibration (step_log.py)
+        # Called after every step as observer(scheduled, seconds): what the step computed and how long it took.
+        # KVSERVE_STEP_LOG adds a file writer (step_log.py); `kvserve calibrate` adds its profiler.
+        self.step_observers: list = []
+        log = StepLog.from_env()
+        if log is not None:
+            self.step_observers.append(log.record)
         num_batches = batches_in_flight(config.pipeline_parallel_size)  # checked before any worker starts
         if config.world_size > 1:  # one worker process per rank (TP x PP); this process only schedules
             from kvserve.runtime.executor.multiproc import MultiprocExecutor
@@ -216,7 +221,7 @@ class EngineCore:
             raise self.dead_error
         scheduled_ids: list[str] | None = None  # None until the scheduler has picked this step's requests
         first_scheduled: list[tuple[str, float]] = []
-        step_start = time.perf_counter()
+        step_start = time.perf_counter() if self.step_observers else 0.0
         try:
             if self.proposer is not None:
                 self.proposer.propose(self.scheduler.running)
@@ -233,8 +238,10 @@ class EngineCore:
             with self._model_lock:  # a LoRA load registers between steps, never inside one
                 runner_out = self.runner.execute(sched_out)
             core_outputs = self.scheduler.update_from_output(sched_out, runner_out)
-            if self.step_log is not None:
-                self.step_log.record(sched_out.scheduled, time.perf_counter() - step_start)
+            if self.step_observers:
+                seconds = time.perf_counter() - step_start
+                for observe in self.step_observers:
+                    observe(sched_out.scheduled, seconds)
         except WorkerDiedError as exc:  # the ranks cannot be brought back in step: fatal
             self.dead_error = exc
             raise

@@ -125,3 +125,21 @@ def test_simulated_throughput_within_2x_of_engine(tiny, calibrations):
 def test_cli_is_registered():
     args = build_parser().parse_args(["calibrate", "/m", "--dtype", "float32", "--out", "c.json", "--max-seconds", "5"])
     assert args.model == "/m" and args.out == "c.json" and args.max_seconds == 5
+
+
+def test_core_scope_times_the_engine_cores_own_steps(tiny):
+    # `kvserve calibrate`'s default: the seconds come from the engine core's step observer (EngineCore.step),
+    # which runs on the wall clock, so another clock is refused rather than mixed in.
+    from kvserve.runtime.bench.calibrate import profile
+    from kvserve.runtime.engine.llm_engine import LLMEngine
+
+    grid = Grid(prompt_lens=(16,), batch_sizes=(1, 4), decode_steps=4, warmup_steps=2)
+    cal = calibrate(tiny, grid, max_seconds=30, seed=0)
+    assert cal["scope"] == "core" and cal["fit"]["num_samples"] >= 3
+    engine = LLMEngine.from_kwargs(tiny, max_model_len=128, **ENGINE)
+    samples = profile(engine, grid, 30, scope="core")
+    assert len(samples) >= 3 and all(0 < s.seconds < 5 for s in samples)
+    assert engine.core.step_observers == []  # the profiler's observer is gone again
+    with pytest.raises(ValueError, match="wall clock"):
+        profile(engine, grid, 30, clock=time.process_time, scope="core")
+    engine.shutdown()

@@ -265,6 +265,7 @@ def plan_file(path: str, output: str) -> int:
     """Each InferenceService in the file, resolved by the operator's own code; JSON carries status.plan's
     fields (camelCase) beside the CapacityPlanned verdict."""
     from kvserve.cli import manifests
+    from kvserve.operator import fleet
     from kvserve.operator import spec as spec_mod
     from kvserve.operator.status import plan_status
 
@@ -273,7 +274,8 @@ def plan_file(path: str, output: str) -> int:
     for doc in docs:
         name = (doc.get("metadata") or {}).get("name", "")
         try:
-            plan = resolve_like_operator(doc.get("spec") or {}).plan
+            resolved = resolve_like_operator(doc.get("spec") or {})
+            plan = resolved.plan
         except spec_mod.SpecError as exc:
             results.append({"name": name, "fits": False, "reason": exc.reason, "message": exc.message})
             rc = 2
@@ -289,6 +291,8 @@ def plan_file(path: str, output: str) -> int:
                 "_table": plan.to_dict(),
             }
         )
+        if resolved.fleet is not None:  # spec.slo: the operator's status.fleet, the same function
+            results[-1]["fleet"] = fleet.fleet_status(resolved.fleet, fleet.price_source(doc.get("spec") or {}))
     if output == "json":
         out = [{k: v for k, v in r.items() if k != "_table"} for r in results]
         print(json.dumps(out[0] if len(out) == 1 else out, indent=2))
@@ -296,6 +300,8 @@ def plan_file(path: str, output: str) -> int:
         for r in results:
             print(f"== {r['name']}")
             print(format_table(r["_table"]) if "_table" in r else f"error: {r['message']}")
+            if "fleet" in r:
+                print("fleet (spec.slo): " + ", ".join(f"{k} {v}" for k, v in r["fleet"].items()))
     return rc
 
 

@@ -80,6 +80,7 @@ def fleet(args: argparse.Namespace, base, calibration: dict | None) -> dict:
     Raises ValueError naming the flag."""
     from kvserve.operator import catalog
     from kvserve.operator import fleet as fleet_mod
+    from kvserve.runtime.engine_args import EngineArgs
     from kvserve.runtime.planner.step_time import StepTimeModel
 
     if args.slo_ttft_p90 is None or args.slo_tpot_p99 is None:
@@ -109,8 +110,17 @@ def fleet(args: argparse.Namespace, base, calibration: dict | None) -> dict:
         if key is not None:
             model = StepTimeModel.from_dict(calibration["step_time_model"])
             calibrated = (key, base.tensor_parallel_size, model, calibration.get("device", "?"))
+    # The engine settings the user wrote stay; the others are chosen per GPU x TP (operator/fleet.py's grid).
+    searched = frozenset(fleet_mod.SEARCHED_SETTINGS) - EngineArgs.explicit(args)
     options = fleet_mod.search_catalog(
-        base, target, _gpu_keys(args.gpus), args.gpus_per_node, _prices(args.gpu_price), calibrated
+        base,
+        target,
+        _gpu_keys(args.gpus),
+        args.gpus_per_node,
+        _prices(args.gpu_price),
+        calibrated,
+        searched,
+        getattr(args, "enable_chunked_prefill", True),
     )
     rows = [o.to_dict() for o in options]
     choice = rows[0] if rows and rows[0]["feasible"] else None
@@ -119,6 +129,7 @@ def fleet(args: argparse.Namespace, base, calibration: dict | None) -> dict:
         "request_rate": target.request_rate,
         "min_request_rate": target.min_request_rate,
         "price_source": catalog.PRICE_SOURCE,
+        "searched_engine_settings": sorted(searched),
         "choice": choice,
         "options": rows,
     }
@@ -128,18 +139,24 @@ def format_fleet(f: dict) -> str:
     lines = [
         f"fleet search: TTFT p90 <= {f['slo']['ttft_p90_s']:g} s, TPOT p99 <= {f['slo']['tpot_p99_s']:g} s "
         f"at {f['request_rate']:g} req/s (prices: {f['price_source']})",
-        f"{'GPU':<12} {'TP':>2} {'REQ/S/REPLICA':>13} {'REPLICAS':>8} {'USD/H':>8}  HPA min/max/queue  NOTE",
+        f"{'GPU':<12} {'TP':>2} {'SEQS':>4} {'TOKENS':>6} {'REQ/S/REPLICA':>13} {'REPLICAS':>8} {'USD/H':>8}  "
+        "HPA min/max/queue  NOTE",
     ]
     for o in f["options"]:
+        head = f"{o['gpu']:<12} {o['tensor_parallel_size']:>2} {o['max_num_seqs']:>4} {o['max_num_batched_tokens']:>6}"
         if o["feasible"]:
             h = o["hpa"]
             lines.append(
-                f"{o['gpu']:<12} {o['tensor_parallel_size']:>2} {o['replica_requests_per_s']:>13.2f} "
-                f"{o['replicas']:>8} {o['usd_per_hour']:>8.2f}  {h['min_replicas']}/{h['max_replicas']}/"
-                f"{h['target_queue_depth']}"
+                f"{head} {o['replica_requests_per_s']:>13.2f} {o['replicas']:>8} {o['usd_per_hour']:>8.2f}  "
+                f"{h['min_replicas']}/{h['max_replicas']}/{h['target_queue_depth']}"
             )
         else:
-            lines.append(f"{o['gpu']:<12} {o['tensor_parallel_size']:>2} {'-':>13} {'-':>8} {'-':>8}  -  {o['reason']}")
+            lines.append(f"{head} {'-':>13} {'-':>8} {'-':>8}  -  {o['reason']}")
+    if f.get("searched_engine_settings"):
+        lines.append(
+            "SEQS/TOKENS: the best of --max-num-seqs / --max-num-batched-tokens per GPU x TP "
+            f"(searched: {', '.join(f['searched_engine_settings'])}; a flag you give is kept)"
+        )
     c = f["choice"]
     if c is None:
         lines.append("choice: none of the candidates meets the SLO")
@@ -147,7 +164,9 @@ def format_fleet(f: dict) -> str:
         h = c["hpa"]
         lines.append(
             f"choice: {c['replicas']} x {c['gpu']} TP {c['tensor_parallel_size']} ({c['gpus']} GPUs, "
-            f"${c['usd_per_hour']:.2f}/h); HPA minReplicas {h['min_replicas']}, maxReplicas {h['max_replicas']}, "
-            f"targetQueueDepth {h['target_queue_depth']}; step times: {c['step_time_source']}"
+            f"${c['usd_per_hour']:.2f}/h) with --max-num-seqs {c['max_num_seqs']} --max-num-batched-tokens "
+            f"{c['max_num_batched_tokens']} (spec.engine.maxNumSeqs / maxNumBatchedTokens); HPA minReplicas "
+            f"{h['min_replicas']}, maxReplicas {h['max_replicas']}, targetQueueDepth {h['target_queue_depth']}; "
+            f"step times: {c['step_time_source']}"
         )
     return "\n".join(lines)

@@ -29,9 +29,11 @@ _GEMMA3 = dict(architecture="Gemma3ForCausalLM", tie_word_embeddings=True, num_l
 # public datasheet: 70 TFLOPS is the figure commonly quoted for it). Prices are indicative on-demand USD per
 # GPU-hour: AWS us-east-1 list prices of the smallest instance with that GPU divided by its GPU count (g5, g6,
 # g6e, p4d, p4de, p5, p5en, p6-b200), as the author knew them in 2025, not re-checked online; they only rank
-# candidates, so override them with `kvserve plan --gpu-price GPU=USD` for your own contract.
+# candidates, so override them with `kvserve plan --gpu-price GPU=USD` (or spec.gpu.usdPerGpuHour) for your own
+# contract.
 PRICE_SOURCE = (
-    "indicative AWS us-east-1 on-demand list prices per GPU-hour (2025), not re-checked; override --gpu-price"
+    "indicative AWS us-east-1 on-demand list prices per GPU-hour (2025), not re-checked; override --gpu-price "
+    "or spec.gpu.usdPerGpuHour"
 )
 
 

@@ -14,7 +14,7 @@ import functools
 from dataclasses import dataclass
 
 from kvserve.operator import catalog, planner
-from kvserve.runtime.planner.fleet import Candidate, Option, evaluate, search
+from kvserve.runtime.planner.fleet import Candidate, Deployment, Option, evaluate, search
 from kvserve.runtime.planner.simulator import EngineShape, LengthSpec, Workload
 from kvserve.runtime.planner.slo import SLO
 from kvserve.runtime.planner.step_time import StepTimeModel
@@ -65,29 +65,72 @@ def engine_shape(inp: planner.PlanInput, plan: planner.Plan) -> EngineShape:
     )
 
 
+# The engine settings the fleet search tries per GPU x TP (runtime/planner/fleet.tune), around `kvserve serve`'s
+# defaults (256 sequences, a 2048-token budget): fewer slots and a smaller budget shorten the steps a decode waits
+# for (TPOT), more of each batch more work per step (throughput, and TTFT under load).
+MAX_NUM_SEQS_GRID = (16, 32, 64, 128, 256, 512)
+MAX_NUM_BATCHED_TOKENS_GRID = (512, 1024, 2048, 4096, 8192)
+SEARCHED_SETTINGS = ("max_num_seqs", "max_num_batched_tokens")
+
+
+def _build_candidate(
+    inp: planner.PlanInput,
+    key: str,
+    price: float,
+    calibrated: tuple[StepTimeModel, str] | None,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+) -> Candidate | None:
+    """The candidate on GPU `key` at TP inp.tensor_parallel_size with these engine settings (None: its KV plan
+    does not fit). `calibrated`: (model, device) measured on this deployment, else the roofline."""
+    at = dataclasses.replace(inp, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    plan = planner.plan(at)
+    if not plan.fits:
+        return None
+    if calibrated is not None:
+        step, source = calibrated[0], f"calibration ({calibrated[1]})"
+    else:
+        step, source = roofline_step_model(inp.model, catalog.GPUS[key], plan), roofline_source(key)
+    return Candidate(key, inp.tensor_parallel_size, price, engine_shape(at, plan), step, source)
+
+
 def candidates(
     base: planner.PlanInput,
     gpu_keys: list[str],
     gpus_per_node: int,
     prices: dict[str, float] | None = None,
     calibrated: tuple[str, int, StepTimeModel, str] | None = None,
-) -> list[Candidate]:
-    """Every (GPU, TP <= gpus_per_node) whose KV plan fits, with the engine settings of `base`.
-    `calibrated`: (gpu key, TP, model, device) measured on that deployment; it replaces the roofline there."""
+    searched: frozenset[str] = frozenset(),
+    chunked_prefill: bool = True,
+) -> list[Deployment]:
+    """Every (GPU, TP <= gpus_per_node) whose KV plan fits with the engine settings of `base`, as a Deployment
+    whose `searched` settings (of SEARCHED_SETTINGS) the search may change. The token budget is searched only
+    with chunked prefill (without it the budget must hold a whole max_model_len prompt).
+    `calibrated`: (gpu key, TP, model, device) measured on that deployment; it replaces the roofline there (a
+    calibration's step times do not depend on the engine settings: they are per step)."""
+    unknown = set(searched) - set(SEARCHED_SETTINGS)
+    if unknown:
+        raise ValueError(f"cannot search engine settings {sorted(unknown)}: only {', '.join(SEARCHED_SETTINGS)}")
     out = []
     for key in gpu_keys:
         gpu = catalog.GPUS[key]
         price = (prices or {}).get(key, gpu.usd_per_gpu_hour)
         for tp in planner.valid_tensor_parallel_sizes(base.model, limit=gpus_per_node):
             inp = dataclasses.replace(base, gpu_memory_bytes=gpu.memory_bytes, tensor_parallel_size=tp)
-            plan = planner.plan(inp)
-            if not plan.fits:
+            if not planner.plan(inp).fits:
                 continue
-            if calibrated is not None and calibrated[:2] == (key, tp):
-                step, source = calibrated[2], f"calibration ({calibrated[3]})"
-            else:
-                step, source = roofline_step_model(base.model, gpu, plan), roofline_source(key)
-            out.append(Candidate(key, tp, price, engine_shape(inp, plan), step, source))
+
+            own = calibrated[2:] if calibrated is not None and calibrated[:2] == (key, tp) else None
+            build = functools.partial(_build_candidate, inp, key, price, own)  # picklable: the search's workers
+            out.append(
+                Deployment(
+                    build,
+                    inp.max_num_seqs,
+                    inp.max_num_batched_tokens,
+                    MAX_NUM_SEQS_GRID if "max_num_seqs" in searched else (),
+                    MAX_NUM_BATCHED_TOKENS_GRID if "max_num_batched_tokens" in searched and chunked_prefill else (),
+                )
+            )
     return out
 
 
@@ -137,21 +180,30 @@ def target_from_spec(spec: dict) -> Target | None:
     return Target(target_slo, workload, rate, floor)
 
 
-def plan_replica(inp: planner.PlanInput, plan: planner.Plan, gpu_key: str | None, target: Target) -> Option:
-    """The operator's view: this spec's own GPU and TP (it does not choose them), its SLO capacity and the HPA
-    bounds for the workload. Cached: reconciles repeat with the same inputs."""
-    return _plan_replica(inp, plan, gpu_key, target)
+def plan_replica(
+    inp: planner.PlanInput,
+    plan: planner.Plan,
+    gpu_key: str | None,
+    target: Target,
+    usd_per_gpu_hour: float | None = None,
+) -> Option:
+    """The operator's view: this spec's own GPU, TP and engine settings (it chooses none of them), its SLO
+    capacity and the HPA bounds for the workload; the fleet's cost at the catalog's price or `usd_per_gpu_hour`
+    (spec.gpu.usdPerGpuHour). Cached: reconciles repeat with the same inputs."""
+    return _plan_replica(inp, plan, gpu_key, target, usd_per_gpu_hour)
 
 
 @functools.lru_cache(maxsize=64)
-def _plan_replica(inp: planner.PlanInput, plan: planner.Plan, gpu_key: str | None, target: Target) -> Option:
+def _plan_replica(
+    inp: planner.PlanInput, plan: planner.Plan, gpu_key: str | None, target: Target, usd_per_gpu_hour: float | None
+) -> Option:
     if gpu_key is None:
         raise ValueError("spec.slo needs a catalog GPU (spec.gpu.product) for its roofline step-time model")
     gpu = catalog.GPUS[gpu_key]
     candidate = Candidate(
         gpu_key,
         plan.tensor_parallel_size,
-        gpu.usd_per_gpu_hour,
+        usd_per_gpu_hour if usd_per_gpu_hour is not None else gpu.usd_per_gpu_hour,
         engine_shape(inp, plan),
         roofline_step_model(inp.model, gpu, plan),
         roofline_source(gpu_key),
@@ -196,8 +248,27 @@ def autoscaling_bounds(autoscaling: dict, option: Option | None, explicit: froze
     return out
 
 
-def fleet_status(option: Option) -> dict:
-    """status.fleet: what one replica serves within spec.slo and the HPA bounds derived from it."""
+PRICE_FIELD = "spec.gpu.usdPerGpuHour"
+
+
+def gpu_price(spec: dict) -> float | None:
+    """spec.gpu.usdPerGpuHour (None: the catalog's). Raises ValueError naming the field."""
+    value = (spec.get("gpu") or {}).get("usdPerGpuHour")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{PRICE_FIELD} must be a number > 0 (USD per GPU-hour), got {value!r}")
+    return float(value)
+
+
+def price_source(spec: dict) -> str:
+    return PRICE_FIELD if (spec.get("gpu") or {}).get("usdPerGpuHour") is not None else catalog.PRICE_SOURCE
+
+
+def fleet_status(option: Option, source: str = catalog.PRICE_SOURCE) -> dict:
+    """status.fleet: what one replica serves within spec.slo, the HPA bounds derived from it, and what the fleet
+    costs an hour at those bounds (replicas x GPUs per replica x the GPU-hour price, said where it came from)."""
+    c = option.candidate
     out = {
         "feasible": option.hpa is not None,
         "replicaRequestsPerSecond": round(option.replica_requests_per_s, 3),
@@ -206,10 +277,15 @@ def fleet_status(option: Option) -> dict:
         "stepTimeSource": option.candidate.step_time_source,
     }
     if option.hpa is not None:
+        gpu_hour = c.tensor_parallel_size * c.usd_per_gpu_hour
         out.update(
             minReplicas=option.hpa.min_replicas,
             maxReplicas=option.hpa.max_replicas,
             targetQueueDepth=option.hpa.target_queue_depth,
+            usdPerGpuHour=c.usd_per_gpu_hour,
+            usdPerHourAtMinReplicas=round(option.hpa.min_replicas * gpu_hour, 2),
+            usdPerHourAtMaxReplicas=round(option.hpa.max_replicas * gpu_hour, 2),
+            priceSource=source,
         )
     else:
         out["reason"] = f"spec.slo cannot be met, the HPA keeps spec.autoscaling's bounds: {option.reason}"
@@ -223,7 +299,11 @@ def search_catalog(
     gpus_per_node: int = 8,
     prices: dict[str, float] | None = None,
     calibrated: tuple[str, int, StepTimeModel, str] | None = None,
+    searched: frozenset[str] = frozenset(SEARCHED_SETTINGS),
+    chunked_prefill: bool = True,
 ) -> list[Option]:
-    """`kvserve plan --slo-*`: every catalog GPU x TP, cheapest feasible first."""
-    cands = candidates(base, gpu_keys or sorted(catalog.GPUS), gpus_per_node, prices, calibrated)
+    """`kvserve plan --slo-*`: every catalog GPU x TP at its best `searched` engine settings, cheapest feasible
+    first."""
+    keys = gpu_keys or sorted(catalog.GPUS)
+    cands = candidates(base, keys, gpus_per_node, prices, calibrated, searched, chunked_prefill)
     return search(cands, target.workload, target.slo, target.request_rate, target.min_request_rate)

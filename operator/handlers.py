@@ -173,7 +173,7 @@ def reconcile(namespace: str, name: str) -> dict[str, str]:
         if startup:
             new_status["lastReplicaStartup"] = startup
         if resolved is not None and resolved.fleet is not None:  # spec.slo: capacity per replica, HPA bounds
-            new_status["fleet"] = fleet.fleet_status(resolved.fleet)
+            new_status["fleet"] = fleet.fleet_status(resolved.fleet, fleet.price_source(spec))
         bounds = resolved.autoscaling if resolved is not None else None
         metrics.record(namespace, name, spec=spec, plan=plan, status=new_status, bounds=bounds)
         if kube.patch_status(namespace, name, previous, new_status):

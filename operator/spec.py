@@ -429,6 +429,7 @@ def _plan_fleet(
     plan does not fit: nothing is deployed then). Raises SpecError InvalidSLO naming the field."""
     try:
         target = fleet.target_from_spec(spec)
+        price = fleet.gpu_price(spec)
     except ValueError as exc:
         raise SpecError("InvalidSLO", str(exc)) from None
     if target is None or not plan.fits:
@@ -446,4 +447,4 @@ def _plan_fleet(
             f"spec.slo needs a catalog GPU in spec.gpu.product ({', '.join(sorted(catalog.GPUS))}): its "
             f"datasheet FLOPs and bandwidth are the step-time model, got {spec['gpu'].get('product')!r}",
         )
-    return fleet.plan_replica(plan_input, plan, key, target)
+    return fleet.plan_replica(plan_input, plan, key, target, price)

@@ -94,6 +94,17 @@ def _setting(
     return field(default=default, metadata=meta)
 
 
+EXPLICIT_ATTR = "_explicit_settings"
+
+
+class _StoreExplicit(argparse.Action):
+    """argparse's store that also notes the setting as given (EngineArgs.explicit)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, values)
+        setattr(namespace, EXPLICIT_ATTR, {*getattr(namespace, EXPLICIT_ATTR, ()), self.dest})
+
+
 @dataclass
 class EngineArgs:
     model: str = _setting(None, "HF-format model directory", hidden=True)
@@ -301,12 +312,18 @@ class EngineArgs:
                     help=f"{help_text} (default: {'on' if f.default else 'off'})" if not meta["hidden"] else help_text,
                 )
                 continue
-            kwargs: dict[str, Any] = dict(dest=f.name, default=f.default, help=help_text)
+            kwargs: dict[str, Any] = dict(dest=f.name, default=f.default, help=help_text, action=_StoreExplicit)
             if meta["type"] is not None:
                 kwargs["type"] = meta["type"]
             if meta["choices"]:
                 kwargs["choices"] = list(meta["choices"])
             parser.add_argument(flag, *meta["aliases"], **kwargs)
+
+    @staticmethod
+    def explicit(namespace: argparse.Namespace) -> frozenset[str]:
+        """The settings whose flag was on the command line (a value equal to the default included): `kvserve plan`
+        chooses the others itself where it searches them."""
+        return frozenset(getattr(namespace, EXPLICIT_ATTR, ()))
 
     @classmethod
     def from_cli_args(cls, model: str, namespace: argparse.Namespace) -> "EngineArgs":

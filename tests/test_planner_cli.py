@@ -78,9 +78,16 @@ def test_slo_search_prints_the_cheapest_fleet_and_hpa_bounds(tmp_path, capsys):
     rc, out = _search(capsys, *flags, "--gpu", "h100", "--gpus", "h100", "--calibration", str(cal), "--json")
     tp1 = next(o for o in json.loads(out)["fleet"]["options"] if o["tensor_parallel_size"] == 1)
     assert tp1["step_time_source"] == "calibration (test)"
-    # The table names the choice and the HPA bounds.
-    rc, out = _search(capsys, *flags, "--gpus", "h100")
-    assert rc == 0 and "choice: " in out and "HPA minReplicas" in out
+    # The engine settings are searched per GPU x TP, each option saying what it tried (the resolved ones first).
+    assert f["searched_engine_settings"] == ["max_num_batched_tokens", "max_num_seqs"]
+    for o in opts:
+        first = o["engine_settings_tried"][0]
+        assert (first["max_num_seqs"], first["max_num_batched_tokens"]) == (256, 2048)
+        assert o["max_num_batched_tokens"] >= o["max_num_seqs"]
+    # A flag the user gives is kept: not searched. The table names the choice, its flags and the HPA bounds.
+    rc, out = _search(capsys, *flags, "--gpus", "h100", "--max-num-seqs", "64")
+    assert rc == 0 and "choice: " in out and "HPA minReplicas" in out and "--max-num-seqs 64 " in out
+    assert "searched: max_num_batched_tokens;" in out
 
 
 def test_slo_search_errors_name_the_flag(capsys):

@@ -7,7 +7,8 @@ import pytest
 
 from kvserve.operator import catalog, planner
 from kvserve.operator import fleet as fleet_mod
-from kvserve.runtime.planner.fleet import Candidate, search
+from kvserve.runtime.planner.fleet import Candidate, Deployment, evaluate, search, tune
+from kvserve.runtime.planner.fleet import sequences_that_fit as fleet_sequences_that_fit
 from kvserve.runtime.planner.simulator import EngineShape, LengthSpec, Workload, simulate
 from kvserve.runtime.planner.slo import SLO, Capacity, hpa_bounds, replica_capacity
 from kvserve.runtime.planner.step_time import StepTimeModel
@@ -79,11 +80,16 @@ def test_search_picks_the_cheapest_feasible():
     assert opts[0].usd_per_hour <= opts[1].usd_per_hour
     # The slow GPU needs more replicas but is 10x cheaper per hour here, so it wins.
     assert by["slow-cheap"].replicas > by["fast-dear"].replicas and opts[0].candidate.gpu == "slow-cheap"
+    # Worker processes run the candidates side by side: the same options as one after another.
+    assert search(cands, WORK, slo, peak_requests_per_s=100.0, workers=2) == opts
+    assert search(cands, WORK, slo, peak_requests_per_s=100.0, workers=1) == opts
 
 
 def test_roofline_candidates_from_the_catalog():
     base = planner.PlanInput(model=catalog.lookup_model("llama-3-70b"), gpu_memory_bytes=1)
-    cands = fleet_mod.candidates(base, ["l4", "h100-80gb"], gpus_per_node=8)
+    deployments = fleet_mod.candidates(base, ["l4", "h100-80gb"], gpus_per_node=8)
+    assert all(not d.max_num_seqs_grid and not d.max_num_batched_tokens_grid for d in deployments)  # none searched
+    cands = [d.build(d.max_num_seqs, d.max_num_batched_tokens) for d in deployments]
     # 70B bf16 (141 GB) fits no single 80 GB GPU; H100 TP 2 (70.6 GB/GPU) and up fit, 24 GB L4s only at TP 8.
     assert {(c.gpu, c.tensor_parallel_size) for c in cands} == {
         ("h100-80gb", 2),
@@ -97,31 +103,82 @@ def test_roofline_candidates_from_the_catalog():
     assert h100_8.step_model.per_token_s == pytest.approx(h100_4.step_model.per_token_s / 2)
     assert "roofline" in h100_4.step_time_source and "not measured" in h100_4.step_time_source
     calibrated = StepTimeModel(0.02, 1e-5, 1e-8)
-    cands = fleet_mod.candidates(
-        base, ["h100-80gb"], 8, prices={"h100-80gb": 2.0}, calibrated=("h100-80gb", 4, calibrated, "dev")
+    deployments = fleet_mod.candidates(
+        base,
+        ["h100-80gb"],
+        8,
+        prices={"h100-80gb": 2.0},
+        calibrated=("h100-80gb", 4, calibrated, "dev"),
+        searched=frozenset({"max_num_seqs"}),
     )
-    c4 = next(c for c in cands if c.tensor_parallel_size == 4)
+    d4 = next(d for d in deployments if d.build(1, 1).tensor_parallel_size == 4)
+    c4 = d4.build(64, 2048)
     assert c4.step_model == calibrated and c4.step_time_source == "calibration (dev)" and c4.usd_per_gpu_hour == 2.0
+    # The engine settings reach the KV plan: 512 sequences reserve more logits memory than 16, so fewer blocks.
+    assert (c4.shape.max_num_seqs, c4.shape.max_num_batched_tokens) == (64, 2048)
+    assert d4.build(512, 2048).shape.num_blocks < d4.build(16, 2048).shape.num_blocks
+    assert d4.max_num_seqs_grid == fleet_mod.MAX_NUM_SEQS_GRID and d4.max_num_batched_tokens_grid == ()
+    with pytest.raises(ValueError, match="cannot search engine settings"):
+        fleet_mod.candidates(base, ["h100-80gb"], 8, searched=frozenset({"block_size"}))
 
 
-def test_target_from_spec_names_fields():
-    assert fleet_mod.target_from_spec({}) is None
-    t = fleet_mod.target_from_spec(
-        {
-            "slo": {"ttftP90Seconds": 2, "tpotP99Seconds": 0.1},
-            "workload": {"requestRate": 40, "minRequestRate": 4, "promptLen": "100:200", "outputLen": 64},
-        }
-    )
-    assert t.request_rate == 40 and t.min_request_rate == 4 and t.workload.prompt_len == LengthSpec(100, 200)
-    with pytest.raises(ValueError, match="spec.workload is required with spec.slo"):
-        fleet_mod.target_from_spec({"slo": {"ttftP90Seconds": 2, "tpotP99Seconds": 0.1}})
-    with pytest.raises(ValueError, match="spec.workload.requestRate must be a number"):
-        fleet_mod.target_from_spec({"slo": {"ttftP90Seconds": 2, "tpotP99Seconds": 0.1}, "workload": {}})
-    with pytest.raises(ValueError, match="spec.workload.minRequestRate"):
-        fleet_mod.target_from_spec(
-            {"slo": {"ttftP90Seconds": 2, "tpotP99Seconds": 0.1}, "workload": {"requestRate": 1, "minRequestRate": 2}}
+def _deployment(seqs_grid=(4, 8, 16), tokens_grid=(64, 128, 512)) -> Deployment:
+    def build(seqs: int, tokens: int) -> Candidate:
+        shape = dataclasses.replace(SHAPE, max_num_seqs=seqs, max_num_batched_tokens=tokens)
+        return Candidate("gpu", 1, 1.0, shape, STEP, "test")
+
+    return Deployment(build, SHAPE.max_num_seqs, SHAPE.max_num_batched_tokens, seqs_grid, tokens_grid)
+
+
+def test_tune_chooses_the_engine_settings_that_serve_more_within_the_slo():
+    # A tight TPOT (12 ms; one decode step alone is 10.1 ms): at 16 sequence slots a full decode batch plus the
+    # prefills beside it breaks it under load; at 4 slots the batch stays small, so one replica serves more.
+    slo = SLO(ttft_p90_s=1.0, tpot_p99_s=0.012)
+    base = evaluate(_deployment().build(16, 512), WORK, slo, peak_requests_per_s=100.0)
+    tuned = tune(_deployment(), WORK, slo, peak_requests_per_s=100.0)
+    assert tuned.replica_requests_per_s > base.replica_requests_per_s * 1.5 and tuned.replicas < base.replicas
+    assert tuned.candidate.shape.max_num_seqs == 4
+    for n, t, rate in tuned.tried:  # each setting is the capacity search's, or one that could not save a replica
+        assert rate is None or rate == evaluate(_deployment().build(n, t), WORK, slo, 100.0).replica_requests_per_s
+    assert tuned.tried[0] == (16, 512, base.replica_requests_per_s)  # the resolved settings come first
+    assert [(n, t) for n, t, _ in tuned.tried[1:3]] == [(4, 512), (8, 512)]  # then every max_num_seqs
+    assert [(n, t) for n, t, _ in tuned.tried[3:]] == [(4, 64), (4, 128)]  # then every budget at the best slots
+    assert tuned.tried[2][2] is None  # 8 slots cannot serve 25 req/s (100 / 4 replicas): one simulation, no search
+    assert tuned.to_dict()["engine_settings_tried"][0] == {
+        "max_num_seqs": 16,
+        "max_num_batched_tokens": 512,
+        "replica_requests_per_s": base.replica_requests_per_s,
+    }
+    # At 20 req/s the 4 slots take one replica: the search stops there.
+    assert tune(_deployment(), WORK, slo, peak_requests_per_s=20.0).tried[1:] == ((4, 512, tuned.tried[1][2]),)
+    # 15 ms: 8 slots serve more than 16, but one replica serves the 20 req/s peak at the resolved settings, so
+    # they stay (a tuned setting must save a replica, not win on the model's noise) and nothing else is tried.
+    looser = SLO(ttft_p90_s=1.0, tpot_p99_s=0.015)
+    light = tune(_deployment(), WORK, looser, peak_requests_per_s=20.0)
+    assert (light.candidate.shape.max_num_seqs, light.candidate.shape.max_num_batched_tokens) == (16, 512)
+    assert light.replicas == 1 and [(n, t) for n, t, _ in light.tried] == [(16, 512)]
+    eight = evaluate(_deployment().build(8, 512), WORK, looser, 20.0)
+    assert eight.replica_requests_per_s > light.replica_requests_per_s >= 20.0
+    # Settings the user fixed are not searched: the resolved candidate alone, no `tried`.
+    fixed = tune(_deployment((), ()), WORK, slo, peak_requests_per_s=100.0)
+    assert fixed.candidate.shape == SHAPE and fixed.tried == () and fixed.replicas == base.replicas
+    # A deployment whose settings do not fit is no option.
+    assert tune(Deployment(lambda n, t: None, 16, 512), WORK, slo, 20.0) is None
+
+
+def test_slots_beyond_the_kv_pool_are_not_searched():
+    # 2000 blocks of 16 (one null) hold 31984 tokens: 499 prompts of 64 tokens, 124 of 256 (the prefix once).
+    assert fleet_sequences_that_fit(SHAPE, WORK) == 499
+    w = dataclasses.replace(WORK, prompt_len=LengthSpec(300, 400), prefix_len=44)
+    assert fleet_sequences_that_fit(SHAPE, w) == (1999 * 16 - 44) // 256
+    # A pool of 40 blocks holds 9 prompts of 64 tokens: slots 16 and up all run like 9, so only 4 and 8 are tried.
+    small = dataclasses.replace(SHAPE, num_blocks=40)
+
+    def build(seqs: int, tokens: int) -> Candidate:
+        return Candidate(
+            "gpu", 1, 1.0, dataclasses.replace(small, max_num_seqs=seqs, max_num_batched_tokens=tokens), STEP, "t"
         )
-    with pytest.raises(ValueError, match="spec.workload.promptLen"):
-        fleet_mod.target_from_spec(
-            {"slo": {"ttftP90Seconds": 2, "tpotP99Seconds": 0.1}, "workload": {"requestRate": 1, "promptLen": "x"}}
-        )
+
+    d = Deployment(build, 16, 512, (4, 8, 16, 32, 64), ())
+    tuned = tune(d, WORK, SLO(1.0, 0.012), peak_requests_per_s=1000.0)
+    assert [(n, t) for n, t, _ in tuned.tried] == [(16, 512), (4, 512), (8, 512)]

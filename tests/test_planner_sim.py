@@ -99,6 +99,22 @@ def test_trace_and_bad_input(tmp_path):
     assert percentile([3.0, 1.0, 2.0], 50) == 2.0 and percentile([], 99) == 0.0
 
 
+def test_closed_loop_replays_a_traces_lengths_in_order():
+    # One stream over the trace's lengths: request k's prompt and output are the trace's k-th (the later arrivals
+    # are unused), so the steps are exactly: 10-token prefill + 2 decodes, then 50 + 0, then 20 + 4.
+    trace = ((0.0, 10, 3), (99.0, 50, 1), (7.0, 20, 5))
+    r = simulate(Workload(trace=trace, concurrency=1), EngineShape(num_blocks=64), MODEL, record_steps=True)
+    assert r.num_requests == 3
+    assert r.step_tokens == [10, 1, 1, 50, 20, 1, 1, 1, 1]
+    assert r.duration_s < 1.0  # no wait for the later arrivals
+    # Two streams: the first `concurrency` arrivals are their start times (a ramp). The second starts at 5 s,
+    # long after the first finished its two requests (each 10 + 1 + 1 tokens, ~0.04 s a step).
+    trace = ((0.0, 10, 3), (5.0, 10, 3), (0.0, 10, 3))
+    r = simulate(Workload(trace=trace, concurrency=2), EngineShape(num_blocks=64), MODEL, record_steps=True)
+    assert r.step_tokens == [10, 1, 1, 10, 1, 1, 10, 1, 1]
+    assert 5.0 < r.duration_s < 5.2 and r.ttft_s["p50"] < 0.05
+
+
 def test_fit_ignores_descheduled_steps():
     # 10% of the steps took 3-6x longer (the OS ran someone else): the fit is the other 90%'s.
     rng = random.Random(1)

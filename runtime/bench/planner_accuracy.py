@@ -40,23 +40,28 @@ class Case:
     concurrency: int | None = None  # closed loop
     load: float | None = None  # Poisson at this fraction of the predicted saturation rate
     prefix_len: int = 0
+    output_len_max: int = 0  # > output_len: each request's output length uniform in [output_len, output_len_max]
+    ramp_s: float = 0.0  # closed loop: stream k starts at k * ramp_s / concurrency (0: all at once)
 
 
 # The issue's table: closed loop 1/8/32/128 streams, two Poisson rates, short and long prompts, shared prefixes.
-# Sized for a 2-core CPU (a 125M fp32 decode step is 30-300 ms there): the table in 3-7 minutes. Closed loops run
-# three waves of their streams, so a burst's first-step batching (which request reaches the engine first: racy
-# through a server) is one wave of three, not the whole measurement.
+# Sized for a 2-core CPU (a 125M fp32 decode step is 30-300 ms there): the table in 3-4 minutes. Closed loops with
+# several streams start them over a ramp (as load generators do): a burst sent at one instant races the engine
+# core's first step through a server (which requests make it is a matter of microseconds), and streams of equal
+# lengths then stay in lockstep, so the whole run followed one race (closed-128's TTFT p50 measured 1.9 s and 3.0 s
+# for the same requests on the same server). Closed loops run three waves of their streams.
 WORKLOADS = (
     Case("closed-1", 64, 8, 6, concurrency=1),
-    Case("closed-8", 64, 8, 24, concurrency=8),
-    Case("closed-32", 64, 8, 96, concurrency=32),
-    # 16 output tokens: with 4 a request's TPOT was three intervals, one of them a neighbour's 2 s prefill step when
-    # a wave's prefills split over two steps (bimodal TPOT and TTFT, their medians flipping between runs).
-    Case("closed-128", 16, 16, 384, concurrency=128),
+    Case("closed-8", 64, 8, 24, concurrency=8, ramp_s=0.25),
+    Case("closed-32", 64, 8, 96, concurrency=32, ramp_s=1.0),
+    # 16 output tokens: with 4 a request's TPOT was three intervals, one of them a neighbour's 2 s prefill step.
+    Case("closed-128", 16, 16, 384, concurrency=128, ramp_s=2.0),
     Case("poisson-30%", 64, 8, 48, load=0.3),
     Case("poisson-70%", 64, 8, 48, load=0.7),
-    Case("long-prompt-2", 1000, 4, 8, concurrency=2),
-    Case("shared-prefix-4", 288, 8, 16, concurrency=4, prefix_len=256),
+    # One stream: with two or more, each request's TPOT is ~40 ms or, when a neighbour's 1000-token prefill fell in
+    # its decode, 130-570 ms, and the median of such a two-mode set sits in the gap (docs/planner.md).
+    Case("long-prompt-1", 1000, 16, 6, concurrency=1),
+    Case("shared-prefix-4", 288, 8, 16, concurrency=4, prefix_len=256, ramp_s=0.25),
 )
 
 
@@ -68,8 +73,15 @@ def _requests(case: Case, rng: random.Random, vocab: int, rate: float | None):
         prompt = shared + [rng.randrange(3, vocab) for _ in range(case.prompt_len - case.prefix_len)]
         if rate is not None:
             t += rng.expovariate(rate)
-        out.append((t if rate is not None else None, prompt, case.output_len))
+        olen = rng.randint(case.output_len, case.output_len_max) if case.output_len_max else case.output_len
+        out.append((t if rate is not None else None, prompt, olen))
     return out
+
+
+def stream_starts(case: Case) -> list[float]:
+    """A closed loop's stream start times (the first `concurrency` requests): spread evenly over the ramp."""
+    n = min(case.concurrency or 0, case.num_requests)
+    return [k * case.ramp_s / n for k in range(n)]
 
 
 class Clock:
@@ -112,19 +124,16 @@ def measure(engine, case: Case, requests, clock_kind: str = "wall") -> dict:
         params = SamplingParams(temperature=0, max_tokens=olen, ignore_eos=True)
         engine.add_request(rid, {"prompt_token_ids": prompt}, params)
 
-    if case.concurrency is not None:
-        for _ in range(min(case.concurrency, len(pending))):
-            _, p, o = pending.pop(0)
-            send(0.0, p, o)
+    # Timed arrivals: Poisson's, or a closed loop's stream starts (its later requests follow finishes).
+    timed = pending if case.concurrency is None else [(t, *pending.pop(0)[1:]) for t in stream_starts(case)]
     while len(finish) < len(requests):
         now = clock.now()
-        if case.concurrency is None:
-            while pending and pending[0][0] <= now:
-                a, p, o = pending.pop(0)
-                send(a, p, o)  # TTFT counts from the intended arrival, as in the simulator
-            if not engine.has_unfinished_requests():
-                clock.wait_until(pending[0][0])
-                continue
+        while timed and timed[0][0] <= now:
+            a, p, o = timed.pop(0)
+            send(a, p, o)  # TTFT counts from the intended arrival, as in the simulator
+        if not engine.has_unfinished_requests():
+            clock.wait_until(timed[0][0])
+            continue
         outs = engine.step()
         now = clock.now()
         for o in outs:
@@ -148,7 +157,9 @@ def measure(engine, case: Case, requests, clock_kind: str = "wall") -> dict:
 
 
 def predict(case: Case, requests, step_model: StepTimeModel, admission_s: float = 0.0) -> dict:
-    trace = tuple((a, len(p), o) for a, p, o in requests) if case.concurrency is None else ()
+    # The same requests: Poisson as their arrival times, a closed loop as its stream starts and lengths in order.
+    starts = stream_starts(case) + [0.0] * len(requests)
+    trace = tuple((a if a is not None else starts[i], len(p), o) for i, (a, p, o) in enumerate(requests))
     w = Workload(
         prompt_len=LengthSpec(case.prompt_len, case.prompt_len),
         output_len=LengthSpec(case.output_len, case.output_len),

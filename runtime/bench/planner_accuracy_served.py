@@ -8,8 +8,9 @@ The calibration is the server's own: `kvserve serve` starts on 127.0.0.1 with th
 and KVSERVE_STEP_LOG set (runtime/engine/step_log.py: one line per engine-core step), `kvserve calibrate`'s grid
 is sent through it as bursts, and the step-time model is fitted on the logged steps. Then every workload of
 planner_accuracy.WORKLOADS is sent through the streaming client of `kvserve bench serve`
-(serve_client.send_request: aiohttp, SSE chunks): closed loop as a semaphore of `concurrency` (the next request
-leaves when one finishes), Poisson as the same arrival times the simulator is given. TTFT counts from when a
+(serve_client.send_request: aiohttp, SSE chunks): closed loop as `concurrency` streams started over the workload's
+ramp (each sends the next request when its previous one finishes), Poisson as the same arrival times the simulator
+is given. TTFT counts from when a
 request was sent (its arrival), TPOT is (end-to-end - TTFT) / (tokens - 1), throughput is output tokens over
 the time to the last finish, the definitions of the in-process benchmark. What the simulator does not model is
 in this measurement: HTTP, detokenising, the API server process and the IPC to the core.
@@ -113,20 +114,23 @@ def serve_args(kv_bytes: int) -> list[str]:
 
 
 async def _send_all(base_url: str, case: pa.Case, requests, timeout_s: float = 600.0) -> tuple[list[dict], float]:
-    """The requests through `kvserve bench serve`'s client (serve_client.run_requests): closed loop as its
-    concurrency limit, Poisson as its arrival delays. Returns the records and the start time."""
+    """The requests through `kvserve bench serve`'s client (serve_client.send_request): closed loop as streams
+    started over the case's ramp (run_closed_loop), Poisson as arrival delays (run_requests). Returns the records
+    and the start time."""
     import aiohttp
 
-    from kvserve.runtime.bench.serve_client import Request, run_requests, server_info
+    from kvserve.runtime.bench.serve_client import Request, run_closed_loop, run_requests, server_info
 
     reqs = [Request(prompt, olen) for _, prompt, olen in requests]
-    delays = [arrival or 0.0 for arrival, _, _ in requests]
+    url = base_url + "/v1/completions"
     connector = aiohttp.TCPConnector(limit=len(reqs) + 8)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s)) as client:
         model, _ = await server_info(client, base_url, {}, None)
-        outs, t0, _ = await run_requests(
-            client, base_url + "/v1/completions", model, reqs, delays, {}, case.concurrency, timeout_s
-        )
+        if case.concurrency is not None:
+            outs, t0, _ = await run_closed_loop(client, url, model, reqs, pa.stream_starts(case), {}, timeout_s)
+        else:
+            delays = [arrival or 0.0 for arrival, _, _ in requests]
+            outs, t0, _ = await run_requests(client, url, model, reqs, delays, {}, None, timeout_s)
     return outs, t0
 
 

@@ -138,6 +138,27 @@ async def run_requests(
     return list(results), t0, time.perf_counter()
 
 
+async def run_closed_loop(
+    client, url: str, model: str, requests: list[Request], starts: list[float], headers: dict, timeout: float
+) -> tuple[list[dict], float, float]:
+    """A closed loop of len(starts) streams: stream k sends its first request at t0 + starts[k] (a ramp), then
+    the next unsent request each time its previous one finishes. Records in the order of `requests`."""
+    import asyncio
+    import time
+
+    t0 = time.perf_counter()
+    results: list[dict | None] = [None] * len(requests)
+    order = iter(range(len(requests)))
+
+    async def stream(start: float) -> None:
+        await asyncio.sleep(max(0.0, t0 + start - time.perf_counter()))
+        for i in order:  # shared: whichever stream is free takes the next request
+            results[i] = await send_request(client, url, model, requests[i], headers, timeout)
+
+    await asyncio.gather(*(stream(s) for s in starts))
+    return [r for r in results if r is not None], t0, time.perf_counter()
+
+
 # ---- workloads ----------------------------------------------------------------------------------------------
 async def server_info(client, base_url: str, headers: dict, model: str | None) -> tuple[str, int]:
     async with client.get(base_url + "/v1/models", headers=headers) as resp:

@@ -1,15 +1,22 @@
 """The fleet search: for each candidate deployment (GPU x TP, with its KV plan and step-time model), one
 replica's SLO capacity (slo.replica_capacity), the replicas a target rate needs, and their hourly cost; the
-cheapest feasible candidate is the choice. Pure: the candidates are built by the caller (operator/fleet.py
-from the catalog, for `kvserve plan` and the operator alike)."""
+cheapest feasible candidate is the choice. Per deployment the engine's max_num_seqs and max_num_batched_tokens
+are searched too (`tune`). Pure: the candidates are built by the caller (operator/fleet.py from the catalog, for
+`kvserve plan` and the operator alike)."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
 import math
+import multiprocessing
+import os
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvserve.runtime.planner.simulator import EngineShape, Workload
-from kvserve.runtime.planner.slo import SLO, HPABounds, hpa_bounds, replica_capacity
+from kvserve.runtime.planner.simulator import EngineShape, Workload, simulate
+from kvserve.runtime.planner.slo import ALONE_MISSES, SLO, HPABounds, hpa_bounds, replica_capacity
 from kvserve.runtime.planner.step_time import StepTimeModel
 
 
@@ -33,6 +40,10 @@ class Option:
     ttft_p90_s: float  # at one replica's capacity (or light load when infeasible)
     tpot_p99_s: float
     reason: str = ""  # why infeasible
+    # The engine settings the search evaluated for this deployment: (max_num_seqs, max_num_batched_tokens,
+    # replica req/s within the SLO, or None when it could not save a replica), in the order tried, the resolved
+    # settings first; () when the settings were fixed.
+    tried: tuple[tuple[int, int, float | None], ...] = ()
 
     def to_dict(self) -> dict:
         c = self.candidate
@@ -53,6 +64,9 @@ class Option:
             "tpot_p99_s_at_capacity": self.tpot_p99_s,
             "hpa": self.hpa.to_dict() if self.hpa else None,
             "reason": self.reason,
+            "engine_settings_tried": [
+                {"max_num_seqs": n, "max_num_batched_tokens": t, "replica_requests_per_s": r} for n, t, r in self.tried
+            ],
         }
 
 
@@ -68,17 +82,129 @@ def evaluate(
     return Option(candidate, cap.requests_per_s, hpa.max_replicas, cost, hpa, ttft, tpot)
 
 
+@dataclass(frozen=True)
+class Deployment:
+    """One GPU x TP whose engine settings the search may choose. `build(max_num_seqs, max_num_batched_tokens)`
+    is the candidate with those settings (its KV plan depends on them: the activation reserve), or None when it
+    does not fit. `max_num_seqs`/`max_num_batched_tokens` are the resolved settings (`kvserve serve`'s defaults
+    or the user's); a grid is () for a setting the user fixed."""
+
+    build: Callable[[int, int], Candidate | None]
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_num_seqs_grid: tuple[int, ...] = ()
+    max_num_batched_tokens_grid: tuple[int, ...] = ()
+
+
+def _serves(candidate: Candidate, workload: Workload, slo: SLO, requests_per_s: float) -> bool:
+    """One simulation: does one replica meet the SLO at this Poisson rate?"""
+    w = dataclasses.replace(workload, request_rate=requests_per_s, concurrency=None, trace=())
+    return slo.met_by(simulate(w, candidate.shape, candidate.step_model))
+
+
+# A tuned setting replaces the resolved ones only if it saves this share of the fleet (at least one replica): the
+# step-time model is a few percent off, so a smaller saving may be its noise.
+MIN_SAVING = 0.05
+
+
+def sequences_that_fit(shape: EngineShape, workload: Workload) -> int:
+    """An upper bound on the sequences the KV pool holds at once: each running one holds at least the blocks of
+    its prompt's own tokens (the shared prefix once for all). More sequence slots than this never run."""
+    own_tokens = max(1, workload.prompt_len.lo - workload.prefix_len)
+    pool_tokens = (shape.num_blocks - 1) * shape.block_size - workload.prefix_len  # block 0 is the null block
+    return max(1, pool_tokens // (-(-own_tokens // shape.block_size) * shape.block_size))
+
+
+def tune(
+    deployment: Deployment, workload: Workload, slo: SLO, peak_requests_per_s: float, min_requests_per_s: float = 0.0
+) -> Option | None:
+    """The deployment's best engine settings for the SLO at the rate, by coordinate search: the resolved
+    settings, then every max_num_seqs of the grid at the resolved token budget, then every budget of the grid
+    at the best max_num_seqs (a budget below max_num_seqs is skipped: a full decode batch must fit a step).
+    Sequence slots trade queueing (TTFT) for the decode batch's step time (TPOT); the budget trades a prompt's
+    prefill steps (TTFT) for the prefill chunk every decode in its step waits for (TPOT).
+
+    A setting replaces the best so far only if it needs fewer replicas for the peak rate (the cost), by at least
+    MIN_SAVING of them; otherwise the resolved settings stay, so a plan does not retune on the model's noise. That
+    makes most trials one simulation: at the per-replica rate that would save enough replicas, does it meet the
+    SLO? Only a setting that does gets the full capacity search. None when no setting fits the GPU."""
+    tried: list[tuple[int, int, float | None]] = []  # None: could not save a replica (not searched further)
+    seen: set[tuple[int, int]] = set()
+
+    def trial(best: Option | None, seqs: int, tokens: int) -> Option | None:
+        if (seqs, tokens) in seen or tokens < seqs:
+            return best
+        seen.add((seqs, tokens))
+        c = deployment.build(seqs, tokens)
+        if c is None:
+            return best
+        if best is not None and best.hpa is not None:
+            fewer = best.replicas - max(1, math.ceil(MIN_SAVING * best.replicas))
+            if fewer < 1:
+                return best  # one replica already: nothing to save
+            if not _serves(c, workload, slo, peak_requests_per_s / fewer):
+                tried.append((seqs, tokens, None))
+                return best
+        o = evaluate(c, workload, slo, peak_requests_per_s, min_requests_per_s)
+        tried.append((seqs, tokens, o.replica_requests_per_s))
+        if best is None or (best.hpa is None and o.hpa is not None):
+            return o
+        if o.hpa is not None and o.replicas <= best.replicas - max(1, math.ceil(MIN_SAVING * best.replicas)):
+            return o
+        return best
+
+    best = trial(None, deployment.max_num_seqs, deployment.max_num_batched_tokens)
+    if best is None:
+        return None
+    # One request at a time missing the SLO: slots change nothing then, and only a larger budget can (fewer prefill
+    # chunks for a prompt longer than the budget).
+    alone_misses = best.hpa is None and best.reason.startswith(ALONE_MISSES)
+    # Slots beyond what the KV pool can hold run like the pool's limit: try each distinct limit once.
+    fit = sequences_that_fit(best.candidate.shape, workload)
+    runs_like = {min(deployment.max_num_seqs, fit)}
+    for seqs in () if alone_misses else deployment.max_num_seqs_grid:
+        if min(seqs, fit) not in runs_like:
+            runs_like.add(min(seqs, fit))
+            best = trial(best, seqs, deployment.max_num_batched_tokens)
+    for tokens in deployment.max_num_batched_tokens_grid:
+        if not alone_misses or tokens > best.candidate.shape.max_num_batched_tokens:
+            best = trial(best, best.candidate.shape.max_num_seqs, tokens)
+    if not (deployment.max_num_seqs_grid or deployment.max_num_batched_tokens_grid):
+        return best
+    return dataclasses.replace(best, tried=tuple(tried))
+
+
+def _option(
+    candidate: Candidate | Deployment, workload: Workload, slo: SLO, peak: float, floor: float
+) -> Option | None:
+    if isinstance(candidate, Deployment):
+        return tune(candidate, workload, slo, peak, floor)
+    return evaluate(candidate, workload, slo, peak, floor)
+
+
 def search(
-    candidates: list[Candidate],
+    candidates: list[Candidate | Deployment],
     workload: Workload,
     slo: SLO,
     peak_requests_per_s: float,
     min_requests_per_s: float = 0.0,
+    workers: int | None = None,
 ) -> list[Option]:
-    """Every candidate evaluated, cheapest first (ties: fewer GPUs, then more headroom per replica);
-    infeasible ones last. The first option is the choice when it is feasible."""
-    options = [evaluate(c, workload, slo, peak_requests_per_s, min_requests_per_s) for c in candidates]
+    """Every candidate evaluated (a Deployment at its best engine settings, `tune`), cheapest first (ties:
+    fewer GPUs, then more headroom per replica); infeasible ones last. The first option is the choice when it
+    is feasible. The candidates are independent simulations: `workers` processes (default one per CPU, at most
+    one per candidate) run them side by side."""
+    n = len(candidates)
+    args = [candidates, [workload] * n, [slo] * n, [peak_requests_per_s] * n, [min_requests_per_s] * n]
+    workers = min(n, os.cpu_count() or 1) if workers is None else workers
+    if workers > 1:
+        # fork: the workers start at once with the parent's modules (the simulator is pure Python, no threads).
+        context = multiprocessing.get_context("fork") if sys.platform == "linux" else None
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+            options = list(pool.map(_option, *args))
+    else:
+        options = list(map(_option, *args))
     return sorted(
-        options,
+        (o for o in options if o is not None),
         key=lambda o: (o.usd_per_hour, o.replicas * o.candidate.tensor_parallel_size, -o.replica_requests_per_s),
     )

@@ -52,7 +52,10 @@ class Workload:
     request_rate: float | None = None  # req/s, Poisson; None = closed loop
     concurrency: int | None = None
     prefix_len: int = 0  # tokens shared by every prompt
-    trace: tuple[tuple[float, int, int], ...] = ()  # (arrival s, prompt len, output len); overrides the above
+    # (arrival s, prompt len, output len): open loop at those arrivals; with `concurrency`, a closed loop that sends
+    # the trace's lengths in order, its streams starting at the first `concurrency` arrivals (a ramp; the later
+    # arrivals are unused), to replay a measured closed loop request for request.
+    trace: tuple[tuple[float, int, int], ...] = ()
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -161,7 +164,14 @@ def simulate(
         front_end_free = max(front_end_free, arrival) + shape.admission_s
         return front_end_free
 
-    if workload.trace:
+    closed_lengths = iter([(p, o) for _, p, o in workload.trace])
+
+    def next_lengths() -> tuple[int, int]:
+        if workload.trace:
+            return next(closed_lengths)
+        return workload.prompt_len.draw(rng), workload.output_len.draw(rng)
+
+    if workload.trace and workload.concurrency is None:
         for t, p, o in workload.trace:
             a, r = make(t, p, o)
             heapq.heappush(pending, (admit(a), seq, r))
@@ -174,9 +184,9 @@ def simulate(
             heapq.heappush(pending, (admit(a), seq, r))
         total = workload.num_requests
     else:
-        total = workload.num_requests
-        for _ in range(min(workload.concurrency, total)):
-            a, r = make(0.0, workload.prompt_len.draw(rng), workload.output_len.draw(rng))
+        total = len(workload.trace) or workload.num_requests
+        for k in range(min(workload.concurrency, total)):
+            a, r = make(workload.trace[k][0] if workload.trace else 0.0, *next_lengths())
             heapq.heappush(pending, (admit(a), seq, r))
 
     now = 0.0
@@ -221,7 +231,7 @@ def simulate(
                 if num_out[rid] > 1:
                     tpot.append((now - first_token[rid]) / (num_out[rid] - 1))
                 if workload.concurrency is not None and seq < total:
-                    a, r = make(now, workload.prompt_len.draw(rng), workload.output_len.draw(rng))
+                    a, r = make(now, *next_lengths())
                     heapq.heappush(pending, (admit(a), seq, r))
     duration = max(now, 1e-9)
     return SimResult(

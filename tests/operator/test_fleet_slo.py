@@ -8,7 +8,7 @@ import copy
 
 import pytest
 
-from kvserve.operator import fleet, render
+from kvserve.operator import catalog, fleet, render
 from kvserve.operator import spec as spec_mod
 from tests.operator import upstream_crds
 from tests.operator.test_crd import admit
@@ -45,10 +45,34 @@ def test_hpa_bounds_come_from_the_planners_function():
     hpa = _objs(SPEC)["HorizontalPodAutoscaler"]["spec"]
     assert (hpa["minReplicas"], hpa["maxReplicas"]) == (h.min_replicas, h.max_replicas)
     assert hpa["metrics"][0]["pods"]["target"]["averageValue"] == str(h.target_queue_depth)
-    status = fleet.fleet_status(direct)
+    status = fleet.fleet_status(direct, fleet.price_source(SPEC))
     assert status["feasible"] and status["maxReplicas"] == h.max_replicas
     assert status["replicaRequestsPerSecond"] == pytest.approx(direct.replica_requests_per_s, abs=1e-3)
     assert "roofline" in status["stepTimeSource"]
+    # What the fleet costs an hour at its bounds: replicas x GPUs per replica x the catalog's GPU-hour price.
+    price = catalog.GPUS["h100-80gb"].usd_per_gpu_hour
+    assert status["usdPerGpuHour"] == price and "indicative" in status["priceSource"]
+    assert status["usdPerHourAtMaxReplicas"] == pytest.approx(h.max_replicas * price, abs=0.01)
+    assert status["usdPerHourAtMinReplicas"] == pytest.approx(h.min_replicas * price, abs=0.01)
+
+
+def test_the_gpu_price_comes_from_the_spec_when_given():
+    spec = copy.deepcopy(SPEC)
+    spec["gpu"]["usdPerGpuHour"] = 2.25
+    resolved = spec_mod.resolve(_admit(spec)["spec"])
+    status = fleet.fleet_status(resolved.fleet, fleet.price_source(spec))
+    h = resolved.fleet.hpa
+    assert status["usdPerGpuHour"] == 2.25 and status["priceSource"] == "spec.gpu.usdPerGpuHour"
+    assert status["usdPerHourAtMaxReplicas"] == pytest.approx(h.max_replicas * 2.25, abs=0.01)
+    # The price only prices the plan: the bounds are the catalog-priced plan's.
+    assert h == spec_mod.resolve(copy.deepcopy(SPEC)).fleet.hpa
+    for bad in (0, -1, "cheap"):
+        spec["gpu"]["usdPerGpuHour"] = bad
+        with pytest.raises(spec_mod.SpecError, match=r"spec\.gpu\.usdPerGpuHour") as exc:
+            spec_mod.resolve(spec)
+        assert exc.value.reason == "InvalidSLO"
+        with pytest.raises(Exception, match="usdPerGpuHour|minimum|number"):
+            _admit(spec)
 
 
 def test_keda_bounds_come_from_the_plan_too():
@@ -137,3 +161,20 @@ def test_the_crd_admits_and_refuses_like_the_operator():
         spec["slo"] = bad
         with pytest.raises(Exception, match="ttftP90Seconds|tpotP99Seconds|minimum"):
             _admit(spec)
+
+
+def test_plan_file_prints_the_operators_fleet_status(tmp_path, capsys):
+    import json
+
+    import yaml
+
+    from kvserve.cli.main import main
+
+    doc = {"apiVersion": spec_mod.API_VERSION, "kind": spec_mod.KIND, "metadata": {"name": "chat"}, "spec": SPEC}
+    path = tmp_path / "chat.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    assert main(["plan", "-f", str(path), "-o", "json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fleet"] == fleet.fleet_status(spec_mod.resolve(copy.deepcopy(SPEC)).fleet, fleet.price_source(SPEC))
+    assert main(["plan", "-f", str(path)]) == 0
+    assert "fleet (spec.slo): feasible True" in capsys.readouterr().out

@@ -45,23 +45,23 @@ class Case:
 
 
 # The issue's table: closed loop 1/8/32/128 streams, two Poisson rates, short and long prompts, shared prefixes.
-# Sized for a 2-core CPU (a 125M fp32 decode step is 30-300 ms there): the table in 3-4 minutes. Closed loops with
-# several streams start them over a ramp (as load generators do): a burst sent at one instant races the engine
-# core's first step through a server (which requests make it is a matter of microseconds), and streams of equal
-# lengths then stay in lockstep, so the whole run followed one race (closed-128's TTFT p50 measured 1.9 s and 3.0 s
-# for the same requests on the same server). Closed loops run three waves of their streams.
+# Sized for a 2-core CPU (a 125M fp32 decode step is 30-300 ms there): the table in 3-5 minutes. Closed loops with
+# several streams start them over a ramp (as load generators ramp users up) and draw output lengths from a range:
+# a burst sent at one instant races the engine core's first step through a server (which requests the idle core
+# finds is a matter of microseconds; closed-128's TTFT p50 measured 1.9 s and 3.0 s for the same requests on the
+# same server), and streams of equal lengths stay in lockstep, so every wave re-sent such a burst to an idle core.
 WORKLOADS = (
     Case("closed-1", 64, 8, 6, concurrency=1),
-    Case("closed-8", 64, 8, 24, concurrency=8, ramp_s=0.25),
-    Case("closed-32", 64, 8, 96, concurrency=32, ramp_s=1.0),
-    # 16 output tokens: with 4 a request's TPOT was three intervals, one of them a neighbour's 2 s prefill step.
-    Case("closed-128", 16, 16, 384, concurrency=128, ramp_s=2.0),
-    Case("poisson-30%", 64, 8, 48, load=0.3),
-    Case("poisson-70%", 64, 8, 48, load=0.7),
+    Case("closed-8", 64, 4, 24, concurrency=8, ramp_s=0.25, output_len_max=12),
+    Case("closed-32", 64, 4, 96, concurrency=32, ramp_s=1.0, output_len_max=12),
+    Case("closed-128", 16, 8, 384, concurrency=128, ramp_s=2.0, output_len_max=24),
+    # 72 requests of 12 tokens: with 48 of 8 the TPOT p50 of the 70% row moved by +-20% between served runs.
+    Case("poisson-30%", 64, 12, 72, load=0.3),
+    Case("poisson-70%", 64, 12, 72, load=0.7),
     # One stream: with two or more, each request's TPOT is ~40 ms or, when a neighbour's 1000-token prefill fell in
     # its decode, 130-570 ms, and the median of such a two-mode set sits in the gap (docs/planner.md).
     Case("long-prompt-1", 1000, 16, 6, concurrency=1),
-    Case("shared-prefix-4", 288, 8, 16, concurrency=4, prefix_len=256, ramp_s=0.25),
+    Case("shared-prefix-4", 288, 4, 16, concurrency=4, prefix_len=256, ramp_s=0.25, output_len_max=12),
 )
 
 
@@ -233,7 +233,7 @@ def _grid():
     return Grid(
         prompt_lens=(16, 512, 1000),
         batch_sizes=(1, 2, 4, 8, 16, 32, 64, 128),
-        decode_steps=8,
+        decode_steps=16,
         warmup_steps=2,
         max_prefill_tokens=8192,
         warm_each_point=False,

@@ -107,6 +107,11 @@ def _serves(candidate: Candidate, workload: Workload, slo: SLO, requests_per_s: 
 MIN_SAVING = 0.05
 
 
+def _replicas_to_beat(best: Option) -> int:
+    """The replica count a tuned setting must reach to replace `best`."""
+    return best.replicas - max(1, math.ceil(MIN_SAVING * best.replicas))
+
+
 def sequences_that_fit(shape: EngineShape, workload: Workload) -> int:
     """An upper bound on the sequences the KV pool holds at once: each running one holds at least the blocks of
     its prompt's own tokens (the shared prefix once for all). More sequence slots than this never run."""
@@ -139,19 +144,16 @@ def tune(
         if c is None:
             return best
         if best is not None and best.hpa is not None:
-            fewer = best.replicas - max(1, math.ceil(MIN_SAVING * best.replicas))
-            if fewer < 1:
+            if _replicas_to_beat(best) < 1:
                 return best  # one replica already: nothing to save
-            if not _serves(c, workload, slo, peak_requests_per_s / fewer):
+            if not _serves(c, workload, slo, peak_requests_per_s / _replicas_to_beat(best)):
                 tried.append((seqs, tokens, None))
                 return best
         o = evaluate(c, workload, slo, peak_requests_per_s, min_requests_per_s)
         tried.append((seqs, tokens, o.replica_requests_per_s))
         if best is None or (best.hpa is None and o.hpa is not None):
             return o
-        if o.hpa is not None and o.replicas <= best.replicas - max(1, math.ceil(MIN_SAVING * best.replicas)):
-            return o
-        return best
+        return o if o.hpa is not None and o.replicas <= _replicas_to_beat(best) else best
 
     best = trial(None, deployment.max_num_seqs, deployment.max_num_batched_tokens)
     if best is None:

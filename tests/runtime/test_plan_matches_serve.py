@@ -183,3 +183,14 @@ def test_plan_flags_are_serves(tmp_path):
             s.choices,
             s.help,
         ), name
+
+
+def test_engine_args_know_which_settings_were_given():
+    # `kvserve plan --slo-*` searches the engine settings the user did not write: a written one (even with the
+    # default's value) is told apart from a default.
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser, only=plan_cli.PLAN_SETTINGS)
+    args = parser.parse_args(["--max-num-seqs", "256", "--block-size=32"])
+    assert EngineArgs.explicit(args) == {"max_num_seqs", "block_size"}
+    assert args.max_num_seqs == 256 and args.block_size == 32 and args.max_num_batched_tokens is None
+    assert EngineArgs.explicit(parser.parse_args([])) == frozenset()

@@ -13,7 +13,7 @@ from kvserve.runtime.bench import planner_accuracy as pa
 from kvserve.runtime.bench.calibrate import Grid
 
 CASES = (
-    pa.Case("closed-4", 40, 6, 10, concurrency=4),
+    pa.Case("closed-4", 40, 3, 10, concurrency=4, ramp_s=0.2, output_len_max=8),
     pa.Case("poisson", 40, 6, 10, load=0.5),
     pa.Case("prefix", 72, 4, 6, concurrency=3, prefix_len=64),
 )
@@ -52,6 +52,24 @@ def test_the_simulator_sees_the_measured_request_sequence():
     shared = pa._requests(CASES[2], random.Random(0), 512, rate=None)
     assert {tuple(p[:64]) for _, p, _ in shared} == {tuple(shared[0][1][:64])}
     assert len({tuple(p) for _, p, _ in shared}) == len(shared)
+
+
+def test_a_closed_loop_is_replayed_with_its_ramp_and_lengths():
+    case = CASES[0]
+    requests = pa._requests(case, random.Random(0), 512, rate=None)
+    lengths = [o for _, _, o in requests]
+    assert all(3 <= o <= 8 for o in lengths) and len(set(lengths)) > 1
+    assert pa.stream_starts(case) == pytest.approx([0.0, 0.05, 0.1, 0.15])
+    # The simulator gets the streams' starts and every request's drawn length: with 1-2 ms steps the first stream
+    # runs alone for 50 ms (a 40-token prefill, then its decodes), and every drawn output token is produced.
+    step = pa.StepTimeModel(0.001, 1e-6, 0.0)
+    trace = tuple((a if a is not None else 0.0, len(p), o) for a, p, o in requests)
+    starts = pa.stream_starts(case) + [0.0] * len(requests)
+    trace = tuple((starts[i], p, o) for i, (_, p, o) in enumerate(trace))
+    r = pa.simulate(pa.Workload(trace=trace, concurrency=case.concurrency), pa.SHAPE, step, record_steps=True)
+    assert r.step_tokens[: lengths[0]] == [40] + [1] * (lengths[0] - 1)
+    assert r.output_tokens_per_s * r.duration_s == pytest.approx(sum(lengths)) and r.duration_s > 0.15
+    assert pa.predict(case, requests, step)["num_steps"] == r.num_steps  # predict builds the same trace
 
 
 def test_cpu_clock_skips_idle_time_and_wall_clock_sleeps():

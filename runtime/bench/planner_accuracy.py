@@ -84,6 +84,13 @@ def stream_starts(case: Case) -> list[float]:
     return [k * case.ramp_s / n for k in range(n)]
 
 
+def replay_trace(case: Case, requests) -> tuple[tuple[float, int, int], ...]:
+    """The simulator's trace of the same requests: Poisson as their arrival times, a closed loop as its stream
+    starts (the first `concurrency` arrivals) and its lengths in order (simulator.Workload.trace)."""
+    starts = stream_starts(case) + [0.0] * len(requests)
+    return tuple((a if a is not None else starts[i], len(p), o) for i, (a, p, o) in enumerate(requests))
+
+
 class Clock:
     """Seconds since start. "wall": time.perf_counter, idle gaps slept. "cpu": this process's CPU time (the
     engine runs in-process, every thread counted), idle gaps skipped like the simulator skips them: a clock
@@ -157,9 +164,7 @@ def measure(engine, case: Case, requests, clock_kind: str = "wall") -> dict:
 
 
 def predict(case: Case, requests, step_model: StepTimeModel, admission_s: float = 0.0) -> dict:
-    # The same requests: Poisson as their arrival times, a closed loop as its stream starts and lengths in order.
-    starts = stream_starts(case) + [0.0] * len(requests)
-    trace = tuple((a if a is not None else starts[i], len(p), o) for i, (a, p, o) in enumerate(requests))
+    trace = replay_trace(case, requests)
     w = Workload(
         prompt_len=LengthSpec(case.prompt_len, case.prompt_len),
         output_len=LengthSpec(case.output_len, case.output_len),

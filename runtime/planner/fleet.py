@@ -15,8 +15,8 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvserve.runtime.planner.simulator import EngineShape, Workload, simulate
-from kvserve.runtime.planner.slo import ALONE_MISSES, SLO, HPABounds, hpa_bounds, replica_capacity
+from kvserve.runtime.planner.simulator import EngineShape, Workload
+from kvserve.runtime.planner.slo import SLO, HPABounds, at_rate, hpa_bounds, replica_capacity
 from kvserve.runtime.planner.step_time import StepTimeModel
 
 
@@ -40,6 +40,7 @@ class Option:
     ttft_p90_s: float  # at one replica's capacity (or light load when infeasible)
     tpot_p99_s: float
     reason: str = ""  # why infeasible
+    fails_alone: bool = False  # infeasible even for one request at a time (slo.Capacity.fails_alone)
     # The engine settings the search evaluated for this deployment: (max_num_seqs, max_num_batched_tokens,
     # replica req/s within the SLO, or None when it could not save a replica), in the order tried, the resolved
     # settings first; () when the settings were fixed.
@@ -76,7 +77,7 @@ def evaluate(
     cap = replica_capacity(workload, candidate.shape, candidate.step_model, slo)
     ttft, tpot = cap.at_capacity.ttft_s["p90"], cap.at_capacity.tpot_s["p99"]
     if not cap.feasible:
-        return Option(candidate, 0.0, 0, math.inf, None, ttft, tpot, cap.reason)
+        return Option(candidate, 0.0, 0, math.inf, None, ttft, tpot, cap.reason, cap.fails_alone)
     hpa = hpa_bounds(cap, peak_requests_per_s, min_requests_per_s)
     cost = hpa.max_replicas * candidate.tensor_parallel_size * candidate.usd_per_gpu_hour
     return Option(candidate, cap.requests_per_s, hpa.max_replicas, cost, hpa, ttft, tpot)
@@ -94,12 +95,6 @@ class Deployment:
     max_num_batched_tokens: int
     max_num_seqs_grid: tuple[int, ...] = ()
     max_num_batched_tokens_grid: tuple[int, ...] = ()
-
-
-def _serves(candidate: Candidate, workload: Workload, slo: SLO, requests_per_s: float) -> bool:
-    """One simulation: does one replica meet the SLO at this Poisson rate?"""
-    w = dataclasses.replace(workload, request_rate=requests_per_s, concurrency=None, trace=())
-    return slo.met_by(simulate(w, candidate.shape, candidate.step_model))
 
 
 # A tuned setting replaces the resolved ones only if it saves this share of the fleet (at least one replica): the
@@ -146,7 +141,8 @@ def tune(
         if best is not None and best.hpa is not None:
             if _replicas_to_beat(best) < 1:
                 return best  # one replica already: nothing to save
-            if not _serves(c, workload, slo, peak_requests_per_s / _replicas_to_beat(best)):
+            rate = peak_requests_per_s / _replicas_to_beat(best)
+            if not slo.met_by(at_rate(workload, c.shape, c.step_model, rate)):  # one simulation, not the search
                 tried.append((seqs, tokens, None))
                 return best
         o = evaluate(c, workload, slo, peak_requests_per_s, min_requests_per_s)
@@ -160,7 +156,7 @@ def tune(
         return None
     # One request at a time missing the SLO: slots change nothing then, and only a larger budget can (fewer prefill
     # chunks for a prompt longer than the budget).
-    alone_misses = best.hpa is None and best.reason.startswith(ALONE_MISSES)
+    alone_misses = best.fails_alone
     # Slots beyond what the KV pool can hold run like the pool's limit: try each distinct limit once.
     fit = sequences_that_fit(best.candidate.shape, workload)
     runs_like = {min(deployment.max_num_seqs, fit)}

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from kvserve.runtime.planner.simulator import EngineShape, SimResult, Workload, simulate
 from kvserve.runtime.planner.step_time import StepTimeModel
 
-ALONE_MISSES = "even one request at a time misses the SLO"  # Capacity.reason's start when it does
 ALONE_REQUESTS = 50
 BISECTION_STEPS = 7  # the bracket shrinks to 1/128 of the saturation rate: well under the model's own error
 
@@ -41,6 +40,7 @@ class Capacity:
     requests_per_s: float
     at_capacity: SimResult
     reason: str = ""
+    fails_alone: bool = False  # the SLO fails even for one request at a time (no load can help)
 
     @property
     def feasible(self) -> bool:
@@ -56,6 +56,12 @@ def _why_not(slo: SLO, r: SimResult) -> str:
     return " and ".join(misses)
 
 
+def at_rate(workload: Workload, shape: EngineShape, step_model: StepTimeModel, requests_per_s: float) -> SimResult:
+    """One replica under the workload's lengths with Poisson arrivals at this rate."""
+    w = dataclasses.replace(workload, request_rate=requests_per_s, concurrency=None, trace=())
+    return simulate(w, shape, step_model)
+
+
 def replica_capacity(workload: Workload, shape: EngineShape, step_model: StepTimeModel, slo: SLO) -> Capacity:
     """The highest request rate one replica serves within the SLO. `workload` gives lengths, prefix sharing,
     the number of requests and the seed; its arrival process is replaced (Poisson at each trial rate)."""
@@ -65,7 +71,8 @@ def replica_capacity(workload: Workload, shape: EngineShape, step_model: StepTim
     )
     one_stream = simulate(alone, shape, step_model)
     if not slo.met_by(one_stream):
-        return Capacity(0.0, one_stream, f"{ALONE_MISSES}: {_why_not(slo, one_stream)}")
+        why = f"even one request at a time misses the SLO: {_why_not(slo, one_stream)}"
+        return Capacity(0.0, one_stream, why, fails_alone=True)
     # Saturation: every sequence slot busy. No open-loop rate above it is sustainable, so it bounds the search.
     saturated = simulate(
         dataclasses.replace(workload, request_rate=None, concurrency=shape.max_num_seqs, trace=()), shape, step_model
@@ -74,7 +81,7 @@ def replica_capacity(workload: Workload, shape: EngineShape, step_model: StepTim
     best = one_stream
     for _ in range(BISECTION_STEPS):
         mid = (lo + hi) / 2
-        r = simulate(dataclasses.replace(workload, request_rate=mid, concurrency=None, trace=()), shape, step_model)
+        r = at_rate(workload, shape, step_model, mid)
         if slo.met_by(r):
             lo, best = mid, r
         else:

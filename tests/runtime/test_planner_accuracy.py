@@ -63,9 +63,8 @@ def test_a_closed_loop_is_replayed_with_its_ramp_and_lengths():
     # The simulator gets the streams' starts and every request's drawn length: with 1-2 ms steps the first stream
     # runs alone for 50 ms (a 40-token prefill, then its decodes), and every drawn output token is produced.
     step = pa.StepTimeModel(0.001, 1e-6, 0.0)
-    trace = tuple((a if a is not None else 0.0, len(p), o) for a, p, o in requests)
-    starts = pa.stream_starts(case) + [0.0] * len(requests)
-    trace = tuple((starts[i], p, o) for i, (_, p, o) in enumerate(trace))
+    trace = pa.replay_trace(case, requests)
+    assert [a for a, _, _ in trace[:4]] == pa.stream_starts(case)
     r = pa.simulate(pa.Workload(trace=trace, concurrency=case.concurrency), pa.SHAPE, step, record_steps=True)
     assert r.step_tokens[: lengths[0]] == [40] + [1] * (lengths[0] - 1)
     assert r.output_tokens_per_s * r.duration_s == pytest.approx(sum(lengths)) and r.duration_s > 0.15

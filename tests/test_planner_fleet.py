@@ -8,6 +8,7 @@ import pytest
 from kvserve.operator import catalog, planner
 from kvserve.operator import fleet as fleet_mod
 from kvserve.runtime.planner.fleet import Candidate, Deployment, evaluate, search, tune
+from kvserve.runtime.planner.fleet import _cost_floor as fleet_cost_floor
 from kvserve.runtime.planner.fleet import sequences_that_fit as fleet_sequences_that_fit
 from kvserve.runtime.planner.simulator import EngineShape, LengthSpec, Workload, simulate
 from kvserve.runtime.planner.slo import SLO, Capacity, hpa_bounds, replica_capacity
@@ -23,9 +24,11 @@ def test_capacity_is_the_edge_of_the_slo():
     slo = SLO(ttft_p90_s=0.03, tpot_p99_s=0.05)
     cap = replica_capacity(WORK, SHAPE, STEP, slo)
     assert cap.feasible and slo.met_by(cap.at_capacity)
-    # A little more load breaks the SLO; the capacity sits below saturation.
-    over = simulate(dataclasses.replace(WORK, request_rate=cap.requests_per_s * 1.15), SHAPE, STEP)
-    assert not slo.met_by(over)
+    # More load breaks the SLO; the capacity sits below saturation. (With 120 requests the verdict is noisy right
+    # at the edge: in this draw 1.05x and 1.1x miss, 1.15x meets again; 1.3x and 1.6x miss.)
+    for factor in (1.3, 1.6):
+        over = simulate(dataclasses.replace(WORK, request_rate=cap.requests_per_s * factor), SHAPE, STEP)
+        assert not slo.met_by(over)
     saturated = simulate(dataclasses.replace(WORK, request_rate=None, concurrency=16), SHAPE, STEP)
     assert cap.requests_per_s < saturated.requests_per_s
     # A looser TTFT admits more load; a TPOT near one request's own binds instead.
@@ -80,9 +83,31 @@ def test_search_picks_the_cheapest_feasible():
     assert opts[0].usd_per_hour <= opts[1].usd_per_hour
     # The slow GPU needs more replicas but is 10x cheaper per hour here, so it wins.
     assert by["slow-cheap"].replicas > by["fast-dear"].replicas and opts[0].candidate.gpu == "slow-cheap"
-    # Worker processes run the candidates side by side: the same options as one after another.
-    assert search(cands, WORK, slo, peak_requests_per_s=100.0, workers=2) == opts
-    assert search(cands, WORK, slo, peak_requests_per_s=100.0, workers=1) == opts
+    # Worker processes run the candidates side by side: the same choice as one after another, and the same option
+    # for every candidate both simulated (which of the hopeless ones get pruned depends on what finished first).
+    full = search(cands, WORK, slo, peak_requests_per_s=100.0, prune=False)
+    assert not any(o.pruned for o in full)
+    for workers in (1, 2):
+        got = search(cands, WORK, slo, peak_requests_per_s=100.0, workers=workers)
+        assert got[0] == full[0] == opts[0]
+        simulated = {o.candidate.gpu: o for o in got if not o.pruned}
+        assert all(simulated[o.candidate.gpu] == o for o in full if o.candidate.gpu in simulated)
+
+
+def test_search_prunes_only_what_cannot_win():
+    """Branch and bound: a candidate is skipped only when its cost floor (bounds.py) is above the choice; the
+    floor never exceeds what its simulation finds, and the choice is the full search's."""
+    slo = SLO(0.5, 0.06)
+    dear = [Candidate(f"dear-{k}", 1, 50.0 + k, SHAPE, STEP, "test") for k in range(3)]
+    cands = [*dear, Candidate("cheap", 1, 1.0, SHAPE, STEP, "test")]
+    full = search(cands, WORK, slo, peak_requests_per_s=100.0, prune=False, workers=1)
+    pruned = search(cands, WORK, slo, peak_requests_per_s=100.0, workers=1)
+    assert pruned[0] == full[0] and pruned[0].candidate.gpu == "cheap"
+    skipped = [o for o in pruned if o.pruned]
+    assert {o.candidate.gpu for o in skipped} == {c.gpu for c in dear}  # the cheap one ran first and beat them all
+    assert all(o.hpa is None and "not simulated" in o.reason and o.to_dict()["pruned"] for o in skipped)
+    for o in full:  # the floor is a true floor: never above the simulated fleet's cost
+        assert fleet_cost_floor(o.candidate, WORK, 100.0) <= o.usd_per_hour
 
 
 def test_roofline_candidates_from_the_catalog():

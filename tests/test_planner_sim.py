@@ -221,3 +221,24 @@ def test_front_end_admission_spreads_a_burst_over_the_first_steps():
     p = Workload(prompt_len=LengthSpec(8, 8), output_len=LengthSpec(1, 1), num_requests=20, request_rate=1000.0)
     slow = simulate(p, EngineShape(num_blocks=64, admission_s=0.05), MODEL)
     assert slow.duration_s >= 20 * 0.05
+
+
+@pytest.mark.parametrize("prefix_len", [0, 48])
+@pytest.mark.parametrize("concurrency", [1, 8])
+def test_request_time_floor_is_below_every_simulation(prefix_len, concurrency):
+    """bounds.min_request_seconds: no simulated run (one stream, or a batch sharing its steps) spends less engine
+    time per request, for a curve model with every extra term, chunked prompts and a shared prefix; and it is
+    charges at least every request's sampled rows (5 at the least) and prompt tokens at the cheapest token price."""
+    from kvserve.runtime.planner.bounds import cheapest_token_seconds, min_request_seconds
+
+    curve = StepTimeModel(0.0, 0.0, 2e-7, 3e-4, 1e-9, token_curve=((1, 0.008), (16, 0.010), (256, 0.030)))
+    shape = EngineShape(num_blocks=512, max_num_batched_tokens=64, max_num_seqs=8)  # 100-token prompts: 2 chunks
+    w = Workload(
+        LengthSpec(100, 140), LengthSpec(5, 12), num_requests=24, concurrency=concurrency, prefix_len=prefix_len
+    )
+    floor = min_request_seconds(curve, w, shape.max_num_batched_tokens, shape.max_model_len)
+    r = simulate(w, shape, curve)
+    assert 0 < floor <= r.duration_s / r.num_requests
+    assert floor >= 5 * curve.per_sampled_s + (100 - prefix_len) * cheapest_token_seconds(curve, 64)
+    # the GEMM curve's cheapest token is at the budget's end here (64 tokens between the knots 16 and 256)
+    assert cheapest_token_seconds(curve, 64) == pytest.approx(curve.token_seconds(64) / 64)

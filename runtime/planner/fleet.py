@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvserve.runtime.planner.bounds import min_replicas, min_request_seconds
 from kvserve.runtime.planner.simulator import EngineShape, Workload
 from kvserve.runtime.planner.slo import SLO, HPABounds, at_rate, hpa_bounds, replica_capacity
 from kvserve.runtime.planner.step_time import StepTimeModel
@@ -45,6 +46,7 @@ class Option:
     # replica req/s within the SLO, or None when it could not save a replica), in the order tried, the resolved
     # settings first; () when the settings were fixed.
     tried: tuple[tuple[int, int, float | None], ...] = ()
+    pruned: bool = False  # not simulated: its cost floor is above the chosen fleet's cost (search's bound)
 
     def to_dict(self) -> dict:
         c = self.candidate
@@ -61,10 +63,11 @@ class Option:
             "replicas": self.replicas,
             "gpus": self.replicas * c.tensor_parallel_size,
             "usd_per_hour": None if math.isinf(self.usd_per_hour) else self.usd_per_hour,
-            "ttft_p90_s_at_capacity": self.ttft_p90_s,
-            "tpot_p99_s_at_capacity": self.tpot_p99_s,
+            "ttft_p90_s_at_capacity": None if math.isnan(self.ttft_p90_s) else self.ttft_p90_s,
+            "tpot_p99_s_at_capacity": None if math.isnan(self.tpot_p99_s) else self.tpot_p99_s,
             "hpa": self.hpa.to_dict() if self.hpa else None,
             "reason": self.reason,
+            "pruned": self.pruned,
             "engine_settings_tried": [
                 {"max_num_seqs": n, "max_num_batched_tokens": t, "replica_requests_per_s": r} for n, t, r in self.tried
             ],
@@ -142,7 +145,7 @@ def tune(
             if _replicas_to_beat(best) < 1:
                 return best  # one replica already: nothing to save
             rate = peak_requests_per_s / _replicas_to_beat(best)
-            if not slo.met_by(at_rate(workload, c.shape, c.step_model, rate)):  # one simulation, not the search
+            if not slo.met_by(at_rate(workload, c.shape, c.step_model, rate, slo)):  # one simulation, not the search
                 tried.append((seqs, tokens, None))
                 return best
         o = evaluate(c, workload, slo, peak_requests_per_s, min_requests_per_s)
@@ -180,6 +183,37 @@ def _option(
     return evaluate(candidate, workload, slo, peak, floor)
 
 
+def _cost_floor(candidate: Candidate | Deployment, workload: Workload, peak_requests_per_s: float) -> float:
+    """The least USD/h this deployment's fleet can cost at any engine setting the search may try (bounds.py: a
+    replica serves at most 1 / min_request_seconds req/s). 0 when it cannot be bounded (it does not build)."""
+    if isinstance(candidate, Deployment):
+        built = candidate.build(candidate.max_num_seqs, candidate.max_num_batched_tokens)
+        budget = max((candidate.max_num_batched_tokens, *candidate.max_num_batched_tokens_grid))
+    else:
+        built, budget = candidate, candidate.shape.max_num_batched_tokens
+    if built is None:
+        return 0.0
+    seconds = min_request_seconds(built.step_model, workload, budget, built.shape.max_model_len)
+    return min_replicas(peak_requests_per_s, seconds) * built.tensor_parallel_size * built.usd_per_gpu_hour
+
+
+def _pruned(candidate: Candidate | Deployment, floor_usd: float, best_usd: float) -> Option | None:
+    built = candidate
+    if isinstance(candidate, Deployment):
+        built = candidate.build(candidate.max_num_seqs, candidate.max_num_batched_tokens)
+    if built is None:
+        return None
+    why = f"not simulated: costs at least ${floor_usd:.2f}/h by its step-time bound, the choice ${best_usd:.2f}/h"
+    return Option(built, 0.0, 0, math.inf, None, math.nan, math.nan, why, pruned=True)
+
+
+def _order(options: list[Option]) -> list[Option]:
+    return sorted(
+        options,
+        key=lambda o: (o.usd_per_hour, o.replicas * o.candidate.tensor_parallel_size, -o.replica_requests_per_s),
+    )
+
+
 def search(
     candidates: list[Candidate | Deployment],
     workload: Workload,
@@ -187,22 +221,57 @@ def search(
     peak_requests_per_s: float,
     min_requests_per_s: float = 0.0,
     workers: int | None = None,
+    prune: bool = True,
 ) -> list[Option]:
     """Every candidate evaluated (a Deployment at its best engine settings, `tune`), cheapest first (ties:
     fewer GPUs, then more headroom per replica); infeasible ones last. The first option is the choice when it
-    is feasible. The candidates are independent simulations: `workers` processes (default one per CPU, at most
-    one per candidate) run them side by side."""
-    n = len(candidates)
-    args = [candidates, [workload] * n, [slo] * n, [peak_requests_per_s] * n, [min_requests_per_s] * n]
-    workers = min(n, os.cpu_count() or 1) if workers is None else workers
-    if workers > 1:
-        # fork: the workers start at once with the parent's modules (the simulator is pure Python, no threads).
-        context = multiprocessing.get_context("fork") if sys.platform == "linux" else None
-        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
-            options = list(pool.map(_option, *args))
-    else:
-        options = list(map(_option, *args))
-    return sorted(
-        (o for o in options if o is not None),
-        key=lambda o: (o.usd_per_hour, o.replicas * o.candidate.tensor_parallel_size, -o.replica_requests_per_s),
-    )
+    is feasible.
+
+    Branch and bound: candidates run in the order of their cost floor (`_cost_floor`, no simulation), and one
+    whose floor is above the cheapest feasible fleet found so far cannot win: it is reported as `pruned`
+    instead of simulated. The choice is the one a full search makes. The candidates are independent
+    simulations: `workers` processes (default one per CPU) run them side by side, each new one started only if
+    the best found so far has not pruned it. prune=False simulates every candidate."""
+    floors = [_cost_floor(c, workload, peak_requests_per_s) if prune else 0.0 for c in candidates]
+    order = sorted(range(len(candidates)), key=lambda i: floors[i])
+    workers = min(len(candidates), os.cpu_count() or 1) if workers is None else workers
+    options: list[Option] = []
+    best_usd = math.inf
+
+    def take(option: Option | None) -> None:
+        nonlocal best_usd
+        if option is not None:
+            options.append(option)
+            if option.hpa is not None:
+                best_usd = min(best_usd, option.usd_per_hour)
+
+    def prune_rest(queue: list[int]) -> None:
+        for i in queue:
+            option = _pruned(candidates[i], floors[i], best_usd)
+            if option is not None:
+                options.append(option)
+        queue.clear()
+
+    queue = list(order)
+    args = (workload, slo, peak_requests_per_s, min_requests_per_s)
+    if workers <= 1:
+        while queue:
+            if floors[queue[0]] > best_usd:
+                prune_rest(queue)
+                break
+            take(_option(candidates[queue.pop(0)], *args))
+        return _order(options)
+    # fork: the workers start at once with the parent's modules (the simulator is pure Python, no threads).
+    context = multiprocessing.get_context("fork") if sys.platform == "linux" else None
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=context) as pool:
+        running: set[concurrent.futures.Future] = set()
+        while queue or running:
+            while queue and len(running) < workers:
+                if floors[queue[0]] > best_usd:
+                    prune_rest(queue)
+                    break
+                running.add(pool.submit(_option, candidates[queue.pop(0)], *args))
+            done, running = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
+            for future in done:
+                take(future.result())
+    return _order(options)

@@ -13,6 +13,7 @@ import heapq
 import json
 import random
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kvserve.runtime.core.kv_cache_manager import KVCacheManager
 from kvserve.runtime.core.outputs import ModelRunnerOutput
@@ -112,9 +113,27 @@ class SimResult:
     # the run: the HPA's per-replica metric, so the planner can say at which queue depth the SLO still holds.
     mean_queue_depth: float = 0.0
     step_tokens: list[int] = field(default_factory=list)  # tokens of each step, when simulate(record_steps=True)
+    # simulate(..., stop_when_missed=...) stopped as soon as the SLO's verdict was certain to be a miss: the
+    # percentiles above are of the requests measured so far, and the run does not meet any SLO at least as tight.
+    stopped_on_miss: bool = False
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
+
+
+class MissLimits(NamedTuple):
+    """Latency bounds a run is checked against (an SLO's): `simulate(..., stop_when_missed=MissLimits(...))`
+    stops once the run's TTFT p90 or TPOT p99 is certain to exceed them, whatever the remaining requests do."""
+
+    ttft_p90_s: float
+    tpot_p99_s: float
+
+
+def misses_needed(num_values: int, q: float) -> int:
+    """How many of `num_values` values above a limit make their q-th percentile (as `percentile` computes it)
+    certain to exceed the limit: the sorted index floor((n-1) q) is then above it, and the percentile lies at
+    or above that value."""
+    return num_values - int((num_values - 1) * q / 100.0) if num_values > 0 else 1
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -129,9 +148,25 @@ def percentile(values: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
+def _token_ids(shared: list[int], number: int, length: int) -> list[int]:
+    """A prompt of `length` tokens: the shared prefix, then a tail that no other request has. The tail's first
+    two tokens spell the request's number (so its first block's hash, and through the chain every later one,
+    differs from every other request's), the rest is filler: only block hashes matter to the scheduler, and
+    drawing every token at random cost the planner's search a third of its time."""
+    tail = [1 + number % 29_999, 1 + (number // 29_999) % 29_999]
+    return (shared + tail + [7] * max(0, length - len(shared) - 2))[:length]
+
+
 def simulate(
-    workload: Workload, shape: EngineShape, step_model: StepTimeModel, record_steps: bool = False
+    workload: Workload,
+    shape: EngineShape,
+    step_model: StepTimeModel,
+    record_steps: bool = False,
+    stop_when_missed: MissLimits | None = None,
 ) -> SimResult:
+    """One replica's run of the workload. With `stop_when_missed`, the run ends as soon as enough requests have
+    exceeded a limit that its percentile is certain to (`SimResult.stopped_on_miss`): a search that only asks
+    "is the SLO met?" then pays for an overloaded trial only until the answer is known."""
     rng = random.Random(workload.seed)
     kv = KVCacheManager(shape.num_blocks, shape.block_size, enable_caching=shape.enable_prefix_caching)
     sched = Scheduler(
@@ -149,9 +184,12 @@ def simulate(
         nonlocal seq
         seq += 1
         plen = min(plen, shape.max_model_len - 1)
-        tail = [rng.randrange(1, 30000) for _ in range(max(0, plen - len(shared)))]
-        prompt = (shared + tail)[:plen]
-        req = Request(f"r{seq}", prompt, SamplingParams(max_tokens=olen, ignore_eos=True), arrival_time=arrival)
+        req = Request(
+            f"r{seq}",
+            _token_ids(shared, seq, plen),
+            SamplingParams(max_tokens=olen, ignore_eos=True),
+            arrival_time=arrival,
+        )
         return arrival, req
 
     pending: list[tuple[float, int, Request]] = []  # (time it reaches the scheduler, tiebreak, request) heap
@@ -199,7 +237,14 @@ def simulate(
     total_out = 0
     queue_area = 0.0  # integral of num_waiting over simulated seconds
     step_tokens: list[int] = []
-    while finished < total:
+    # Early stop: requests over each limit so far, and how many make the percentile certain to miss. A request
+    # with one output token has no TPOT: `total` bounds the TPOT count from above, and a larger count needs more
+    # misses, so the stop stays certain.
+    ttft_over = tpot_over = 0
+    stopped = False
+    ttft_misses_needed = misses_needed(total, 90)
+    tpot_misses_needed = misses_needed(total, 99)
+    while finished < total and not stopped:
         while pending and pending[0][0] <= now:
             _, _, r = heapq.heappop(pending)
             arrival[r.request_id] = r.arrival_time  # TTFT counts from the client's arrival, admission included
@@ -226,10 +271,16 @@ def simulate(
             if rid not in first_token:
                 first_token[rid] = now
                 ttft.append(now - arrival[rid])
+                if stop_when_missed is not None and ttft[-1] > stop_when_missed.ttft_p90_s:
+                    ttft_over += 1
+                    stopped = stopped or ttft_over >= ttft_misses_needed
             if o.finish_reason is not None:
                 finished += 1
                 if num_out[rid] > 1:
                     tpot.append((now - first_token[rid]) / (num_out[rid] - 1))
+                    if stop_when_missed is not None and tpot[-1] > stop_when_missed.tpot_p99_s:
+                        tpot_over += 1
+                        stopped = stopped or tpot_over >= tpot_misses_needed
                 if workload.concurrency is not None and seq < total:
                     a, r = make(now, *next_lengths())
                     heapq.heappush(pending, (admit(a), seq, r))
@@ -246,4 +297,5 @@ def simulate(
         num_steps=steps,
         mean_queue_depth=queue_area / duration,
         step_tokens=step_tokens,
+        stopped_on_miss=stopped,
     )

@@ -11,7 +11,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from kvserve.runtime.planner.simulator import EngineShape, SimResult, Workload, simulate
+from kvserve.runtime.planner.simulator import EngineShape, MissLimits, SimResult, Workload, simulate
 from kvserve.runtime.planner.step_time import StepTimeModel
 
 ALONE_REQUESTS = 50
@@ -29,7 +29,13 @@ class SLO:
                 raise ValueError(f"slo {name} must be > 0 seconds, got {value!r}")
 
     def met_by(self, result: SimResult) -> bool:
+        if result.stopped_on_miss:  # stopped on these limits (at_rate) or tighter ones: a miss either way
+            return False
         return result.ttft_s["p90"] <= self.ttft_p90_s and result.tpot_s["p99"] <= self.tpot_p99_s
+
+    @property
+    def limits(self) -> MissLimits:
+        return MissLimits(self.ttft_p90_s, self.tpot_p99_s)
 
 
 @dataclass(frozen=True)
@@ -56,10 +62,13 @@ def _why_not(slo: SLO, r: SimResult) -> str:
     return " and ".join(misses)
 
 
-def at_rate(workload: Workload, shape: EngineShape, step_model: StepTimeModel, requests_per_s: float) -> SimResult:
-    """One replica under the workload's lengths with Poisson arrivals at this rate."""
+def at_rate(
+    workload: Workload, shape: EngineShape, step_model: StepTimeModel, requests_per_s: float, slo: SLO | None = None
+) -> SimResult:
+    """One replica under the workload's lengths with Poisson arrivals at this rate. With `slo`, the run stops as
+    soon as it is certain to miss it (`SimResult.stopped_on_miss`): use that only to ask `slo.met_by`."""
     w = dataclasses.replace(workload, request_rate=requests_per_s, concurrency=None, trace=())
-    return simulate(w, shape, step_model)
+    return simulate(w, shape, step_model, stop_when_missed=slo.limits if slo is not None else None)
 
 
 def replica_capacity(workload: Workload, shape: EngineShape, step_model: StepTimeModel, slo: SLO) -> Capacity:
@@ -81,7 +90,7 @@ def replica_capacity(workload: Workload, shape: EngineShape, step_model: StepTim
     best = one_stream
     for _ in range(BISECTION_STEPS):
         mid = (lo + hi) / 2
-        r = at_rate(workload, shape, step_model, mid)
+        r = at_rate(workload, shape, step_model, mid, slo)
         if slo.met_by(r):
             lo, best = mid, r
         else:

@@ -54,6 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # operator's default (model.dtype in the CRD) and --max-model-len defaults to the catalog's positions.
     engine_args.EngineArgs.add_cli_args(parser, only=PLAN_SETTINGS)
     engine_args.EngineArgs.add_cli_args(parser, only=LORA_SETTINGS)
+    # A CPU calibration with no --gpu plans that CPU server, its KV pool as `kvserve serve` sizes it (plan_cpu.py).
+    engine_args.EngineArgs.add_cli_args(parser, only=("kv_cache_bytes",))
     parser.add_argument("--gpu-memory-mib", type=int, help="override the GPU's memory")
     parser.add_argument("--activation-reserve-mib", type=int, help="override the estimated activation reserve")
     parser.add_argument("--runtime-overhead-mib", type=int, help="override the non-torch overhead")
@@ -245,6 +247,53 @@ def _predict(args: argparse.Namespace, plan: dict, settings: dict) -> dict:
     return predict.predict(plan, settings, predict.load_calibration(args.calibration), workload)
 
 
+def _plan_cpu(args: argparse.Namespace) -> int | None:
+    """The CPU server a CPU calibration measured (plan_cpu.py); None when the calibration is a GPU's."""
+    from kvserve.cli import plan_cpu
+    from kvserve.operator import spec as spec_mod
+    from kvserve.runtime.errors import InvalidParameter
+    from kvserve.runtime.planner.predict import load_calibration
+
+    try:
+        calibration = load_calibration(args.calibration)
+    except ValueError as exc:
+        print(f"error: {exc}")
+        return 2
+    if not plan_cpu.wanted(args, calibration):
+        device = calibration.get("device") or calibration.get("engine_device") or "?"
+        print(f"error: the calibration was measured on {device}: give --gpu (the catalog GPU it names)")
+        return 2
+    if not (args.model or args.model_config):
+        print("error: give --model-config (or --model) for the calibrated model")
+        return 2
+    config = load_model_config(args.model_config) if args.model_config else None
+    try:
+        shape = spec_mod.model_shape({"name": args.model}, config)
+        settings = resolve_settings(args, config, shape)
+        plan = plan_cpu.cpu_plan(settings, shape, args.kv_cache_bytes)
+        plan["prediction"] = _predict(args, plan, settings.__dict__)
+    except spec_mod.SpecError as exc:
+        print(f"error: {exc.message}")
+        return 2
+    except InvalidParameter as exc:
+        print(f"error: {exc.param}: {exc}")
+        return 2
+    except (ValueError, RuntimeError) as exc:
+        print(f"error: {exc}")
+        return 2
+    if args.output == "json":
+        print(json.dumps({**plan, "engine": settings.__dict__}, indent=2))
+    else:
+        rows = prediction_rows(plan["prediction"])
+        width = max(len(k) for k, _ in rows)
+        print(settings_line(settings) + "\n" + plan_cpu.format_cpu_plan(plan))
+        print("\n".join(f"{k:<{width}}  {v}" for k, v in rows))
+    if not plan["fits"]:
+        print(f"error: {plan['message']}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def list_catalog() -> str:
     from kvserve.operator import catalog
     from kvserve.runtime import capacity
@@ -417,6 +466,16 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.cli import plan_fleet
 
     searching = plan_fleet.wanted(args)
+    if args.calibration and not args.gpu and not searching:
+        code = _plan_cpu(args)
+        if code is not None:
+            return code
+    if args.kv_cache_bytes is not None:
+        print(
+            "error: --kv-cache-bytes plans a CPU server (with a CPU --calibration and no --gpu); "
+            "on a GPU the plan sizes the KV cache"
+        )
+        return 2
     if searching and not args.gpu:
         try:
             args.gpu = plan_fleet.anchor_gpu(args)

@@ -121,3 +121,47 @@ def test_slo_search_errors_name_the_flag(capsys):
     )
     f = json.loads(out)["fleet"]
     assert rc == 1 and f["choice"] is None and all("TTFT p90" in o["reason"] for o in f["options"])
+
+
+def _cpu_plan(tmp_path, capsys, engine_device, *extra):
+    cal = tmp_path / "cal.json"
+    cal.write_text(json.dumps({**CAL, "version": 2, "device": "Intel Xeon (test)", "engine_device": engine_device}))
+    rc = cli_main.main(
+        ["plan", "--model-config", "examples/models/stories260K", "--calibration", str(cal), "--concurrency", "4"]
+        + ["--num-requests", "24", "--prompt-len", "64", "--output-len", "8", *extra]
+    )
+    return rc, capsys.readouterr().out
+
+
+def test_a_cpu_calibration_plans_its_cpu_server(tmp_path, capsys):
+    """No --gpu: the CPU server the calibration measured, its KV pool as `kvserve serve` sizes it on a CPU (the
+    1 GiB default, or --kv-cache-bytes), in blocks of the model's own KV layout."""
+    from kvserve.runtime import capacity
+    from kvserve.runtime.config import DEFAULT_CPU_KV_CACHE_BYTES
+
+    rc, out = _cpu_plan(tmp_path, capsys, "cpu", "--json")
+    assert rc == 0, out
+    plan = json.loads(out)
+    # stories260K: 5 layers x 4 KV heads x head_dim 8, K and V in fp32, 16-token blocks
+    layout = capacity.kv_layout(
+        capacity.shape_from_hf_config(json.load(open("examples/models/stories260K/config.json"))),
+        "float32",
+        "auto",
+        16,
+        1,
+    )
+    assert layout.bytes_per_block == 5 * 2 * 4 * 8 * 4 * 16
+    assert plan["device"] == "cpu" and plan["kv_cache_bytes_per_gpu"] == DEFAULT_CPU_KV_CACHE_BYTES
+    assert plan["num_blocks_per_gpu"] == DEFAULT_CPU_KV_CACHE_BYTES // layout.bytes_per_block
+    assert plan["prediction"]["num_requests"] == 24 and plan["prediction"]["calibration_device"] == "Intel Xeon (test)"
+    rc, out = _cpu_plan(tmp_path, capsys, "cpu", "--kv-cache-bytes", "1MiB", "--json")
+    assert rc == 0 and json.loads(out)["num_blocks_per_gpu"] == (1 << 20) // layout.bytes_per_block
+    rc, out = _cpu_plan(tmp_path, capsys, "cpu")  # the table names the device and the budget's source
+    assert rc == 0 and "CPU server" in out and "kvserve serve's CPU default" in out and "TTFT" in out
+
+
+def test_a_gpu_calibration_still_needs_its_gpu(tmp_path, capsys):
+    rc, out = _cpu_plan(tmp_path, capsys, "cuda:0")
+    assert rc == 2 and "measured on Intel Xeon (test): give --gpu" in out
+    rc = cli_main.main(["plan", "--model", "llama-3-8b", "--gpu", "a100-80gb", "--kv-cache-bytes", "1GiB"])
+    assert rc == 2 and "--kv-cache-bytes plans a CPU server" in capsys.readouterr().out

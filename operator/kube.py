@@ -50,6 +50,29 @@ CHILD_KINDS = (
     "InferencePool",
 )
 
+# Every kind the operator creates as an InferenceService's child (the router's and the multinode ones too): the
+# handlers watch each for events (a deleted or hand-edited child is restored at once).
+OWNED_KINDS = (
+    "Deployment",
+    "Service",
+    "HorizontalPodAutoscaler",
+    "PodDisruptionBudget",
+    "ServiceAccount",
+    "Role",
+    "RoleBinding",
+    "NetworkPolicy",
+    "ScaledObject",
+    "InferencePool",
+    "LeaderWorkerSet",
+)
+
+
+def group_version_plural(kind: str) -> tuple[str, str, str]:
+    """(API group, version, plural) of a kind in RESOURCES, as kopf names a resource ("" for the core group)."""
+    prefix, plural = RESOURCES[kind]
+    parts = prefix.strip("/").split("/")  # ["api", version] or ["apis", group, version]
+    return ("", parts[1], plural) if parts[0] == "api" else (parts[1], parts[2], plural)
+
 
 class KubeError(RuntimeError):
     def __init__(self, status: int, message: str):

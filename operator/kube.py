@@ -50,21 +50,12 @@ CHILD_KINDS = (
     "InferencePool",
 )
 
-# Every kind the operator creates as an InferenceService's child (the router's and the multinode ones too): the
-# handlers watch each for events (a deleted or hand-edited child is restored at once).
-OWNED_KINDS = (
-    "Deployment",
-    "Service",
-    "HorizontalPodAutoscaler",
-    "PodDisruptionBudget",
-    "ServiceAccount",
-    "Role",
-    "RoleBinding",
-    "NetworkPolicy",
-    "ScaledObject",
-    "InferencePool",
-    "LeaderWorkerSet",
-)
+# The kinds the handlers watch for events on an InferenceService's children (a deleted or hand-edited child is
+# restored at once): every kind of RESOURCES but the parent itself, what the operator only reads or keeps for
+# itself (Pods, its Lease, Events) and Secrets (least privilege: it may only get and create them, never watch;
+# tests/operator/test_helm_chart.py checks the chart's RBAC).
+UNWATCHED_KINDS = (KIND, "Pod", "Secret", "Lease", "Event")
+OWNED_KINDS = tuple(kind for kind in RESOURCES if kind not in UNWATCHED_KINDS)
 
 
 def group_version_plural(kind: str) -> tuple[str, str, str]:

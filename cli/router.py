@@ -101,7 +101,7 @@ CONFIG_FLAGS = (
         "--block-size",
         "default_block_size",
         _positive_int,
-        "prefix-hash block size when a replica does not report vllm:cache_config_info (default %(default)s)",
+        "prefix-hash block size when a replica does not report vllm:cache_config_info",
     ),
     Flag(
         "--default-capacity-tokens",
@@ -126,7 +126,7 @@ CONFIG_FLAGS = (
         "--max-attempts",
         "max_attempts",
         _positive_int,
-        "replicas tried per request before any byte reached the client (default %(default)s)",
+        "replicas tried per request before any byte reached the client",
     ),
     Flag("--poll-interval", "poll_interval_s", float, "seconds between /metrics scrapes"),
     Flag(
@@ -142,21 +142,21 @@ HOLD_FLAGS = (
         "max_held_requests",
         _non_negative_int,
         'hold up to N requests per model (the body\'s "model") while no replica is ready, and forward them in '
-        "order once one is; past N a 503 with Retry-After. 0 (default %(default)s): answer 503 at once",
+        "order once one is; past N a 503 with Retry-After; 0: answer 503 at once (default: %(default)s)",
         metavar="N",
     ),
     Flag(
         "--hold-timeout",
         "hold_timeout_s",
         _positive_float,
-        "longest a request is held (default %(default)s); then a 503 with Retry-After",
+        "longest a request is held; then a 503 with Retry-After",
         metavar="SECONDS",
     ),
     Flag(
         "--hold-retry-after",
         "hold_retry_after_s",
         _positive_int,
-        "Retry-After of those 503s (default %(default)s)",
+        "Retry-After of those 503s",
         metavar="SECONDS",
     ),
 )

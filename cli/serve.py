@@ -60,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--drain-timeout",
         type=float,
         default=server_default("drain_timeout_s"),
-        help="seconds to finish in-flight requests after SIGTERM before aborting them (default %(default)s)",
+        help="seconds to finish in-flight requests after SIGTERM before aborting them",
     )
     parser.add_argument(
         "--drain-accept-seconds",
@@ -95,7 +95,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-request-body-bytes",
         type=parse_bytes,
         default=server_default("max_request_body_bytes"),
-        help="answer 413 to request bodies larger than this (suffixes like 1MiB accepted; default %(default)s bytes)",
+        help="answer 413 to request bodies larger than this (suffixes like 1MiB accepted)",
     )
     parser.add_argument(
         "--inprocess-engine",

@@ -12,7 +12,7 @@ HELP = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from kvserve.runtime.bench.peer import default_peer_venv
+    from kvserve.runtime.bench.peer_venv import default_peer_venv
 
     parser.add_argument(
         "--mode",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from kvserve.runtime import engine_args
+
 HELP = "per-step host overhead: scheduler, input preparation and output bookkeeping vs model time"
 
 
@@ -15,7 +17,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per running request")
     parser.add_argument("--num-steps", type=int, default=20, help="measured decode steps per batch size")
     parser.add_argument("--warmup-steps", type=int, default=3, help="unmeasured decode steps first")
-    parser.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
+    parser.add_argument(
+        "--block-size", type=int, default=engine_args.default("block_size"), help="KV block size in tokens"
+    )
     parser.add_argument("--seed", type=int, default=0, help="random seed of the prompts")
     parser.add_argument("--device", default=None, help="e.g. cuda (default: the engine's default)")
     parser.add_argument("--dtype", default=None, help="weights dtype (default: the model's)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvserve.runtime import capacity
+from kvserve.runtime import capacity, engine_args
 
 HELP = "offline throughput benchmark against transformers generate (same model, same requests, one run)"
 
@@ -39,7 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="vocab of the built model; with --model, caps the workload's token ids",
     )
-    parser.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
+    parser.add_argument(
+        "--block-size", type=int, default=engine_args.default("block_size"), help="KV block size in tokens"
+    )
     parser.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
     parser.add_argument(
         "--max-num-seqs", type=int, default=None, help="running sequences at most (default: every request)"
@@ -54,7 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         help="turn automatic prefix caching off",
     )
-    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="tensor-parallel ranks")
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=engine_args.default("tensor_parallel_size"),
+        help="tensor-parallel ranks",
+    )
     parser.add_argument(
         "--dtype", default="float32", choices=capacity.FLOAT_DTYPES, help="weights/activations dtype for both engines"
     )

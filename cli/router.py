@@ -6,8 +6,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import MISSING, dataclass, fields
+from typing import Any, Callable
 
 from kvserve.runtime.engine_args import positive_int as _positive_int  # one definition of the flag type
+from kvserve.runtime.router.config import RouterConfig
+from kvserve.runtime.router.scoring import Weights
 
 HELP = "cache- and load-aware router in front of several `kvserve serve` replicas"
 
@@ -31,6 +35,131 @@ def _positive_float(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
     return value
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One flag generated from a RouterConfig or Weights field: its default is the field's (one home), the
+    flag only adds the parsing and the help text."""
+
+    flag: str
+    field: str
+    type: Callable[[str], Any] | None
+    help: str
+    metavar: str | None = None
+
+    @property
+    def dest(self) -> str:  # argparse's own: --weight-prefill -> weight_prefill
+        return self.flag.lstrip("-").replace("-", "_")
+
+    def default(self, owner: type) -> Any:
+        f = next(f for f in fields(owner) if f.name == self.field)
+        return f.default_factory() if f.default is MISSING else f.default
+
+    def add(self, parser: Any, owner: type) -> None:
+        extra = {"type": self.type} if self.type is not None else {}
+        if self.metavar:
+            extra["metavar"] = self.metavar
+        parser.add_argument(self.flag, default=self.default(owner), help=self.help, **extra)
+
+
+# Weights' fields, in the order docs/router.md explains them.
+WEIGHT_FLAGS = (
+    Flag(
+        "--weight-prefill",
+        "prefill",
+        _non_negative,
+        "weight of the prefill work ahead (uncached prompt tokens, this request's and queued)",
+    ),
+    Flag("--weight-prefix", "prefix", _non_negative, "prefix-match-ratio weight"),
+    Flag("--weight-queue", "queue", _non_negative, "queue/load weight"),
+    Flag("--weight-kv", "kv", _non_negative, "free-KV weight"),
+    Flag("--weight-session", "session", _non_negative, "session-affinity weight"),
+    Flag(
+        "--weight-adapter",
+        "adapter",
+        _non_negative,
+        "LoRA adapter-affinity weight: prefer replicas where the requested adapter is running or has a free slot",
+    ),
+    Flag(
+        "--prefill-scale",
+        "prefill_scale",
+        float,
+        "prompt tokens of extra prefill work that cost the whole prefill weight",
+    ),
+    Flag("--queue-scale", "queue_scale", float, "requests of extra load that cost the whole queue weight"),
+    Flag(
+        "--max-imbalance",
+        "max_imbalance",
+        int,
+        "prefix affinity is ignored on a replica this many requests busier than the least-loaded one",
+    ),
+)
+# RouterConfig's fields that `kvserve router` exposes (the rest are for tests and embedding).
+CONFIG_FLAGS = (
+    Flag(
+        "--block-size",
+        "default_block_size",
+        _positive_int,
+        "prefix-hash block size when a replica does not report vllm:cache_config_info",
+    ),
+    Flag(
+        "--default-capacity-tokens",
+        "default_capacity_tokens",
+        _positive_int,
+        "KV capacity assumed for a replica that does not report kvserve:kv_capacity_tokens (sizes its prefix index)",
+    ),
+    Flag(
+        "--session-header",
+        "session_header",
+        None,
+        "request header naming a session (e.g. x-session-id) for sticky routing",
+    ),
+    Flag(
+        "--replica-api-key",
+        "replica_api_key",
+        None,
+        "the replicas' --api-key, to read their /v1/models (which names are LoRA adapters, where they are "
+        "served); also read from KVSERVE_API_KEY",
+    ),
+    Flag(
+        "--max-attempts",
+        "max_attempts",
+        _positive_int,
+        "replicas tried per request before any byte reached the client",
+    ),
+    Flag("--poll-interval", "poll_interval_s", float, "seconds between /metrics scrapes"),
+    Flag(
+        "--read-timeout",
+        "read_timeout_s",
+        float,
+        "longest silence from a replica, in seconds (a non-streamed completion is one)",
+    ),
+)
+HOLD_FLAGS = (
+    Flag(
+        "--max-held-requests",
+        "max_held_requests",
+        _non_negative_int,
+        'hold up to N requests per model (the body\'s "model") while no replica is ready, and forward them in '
+        "order once one is; past N a 503 with Retry-After; 0: answer 503 at once (default: %(default)s)",
+        metavar="N",
+    ),
+    Flag(
+        "--hold-timeout",
+        "hold_timeout_s",
+        _positive_float,
+        "longest a request is held; then a 503 with Retry-After",
+        metavar="SECONDS",
+    ),
+    Flag(
+        "--hold-retry-after",
+        "hold_retry_after_s",
+        _positive_int,
+        "Retry-After of those 503s",
+        metavar="SECONDS",
+    ),
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,95 +187,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on")
     parser.add_argument("--port", type=int, default=8080, help="port to listen on")
-    parser.add_argument(
-        "--block-size",
-        type=_positive_int,
-        default=16,
-        help="prefix-hash block size when a replica does not report vllm:cache_config_info",
-    )
-    parser.add_argument(
-        "--default-capacity-tokens",
-        type=_positive_int,
-        default=500_000,
-        help="KV capacity assumed for a replica that does not report kvserve:kv_capacity_tokens "
-        "(sizes its prefix index)",
-    )
-    parser.add_argument(
-        "--weight-prefill",
-        type=_non_negative,
-        default=3.0,
-        help="weight of the prefill work ahead (uncached prompt tokens, this request's and queued)",
-    )
-    parser.add_argument("--weight-prefix", type=_non_negative, default=1.0, help="prefix-match-ratio weight")
-    parser.add_argument("--weight-queue", type=_non_negative, default=2.0, help="queue/load weight")
-    parser.add_argument("--weight-kv", type=_non_negative, default=1.0, help="free-KV weight")
-    parser.add_argument("--weight-session", type=_non_negative, default=4.0, help="session-affinity weight")
-    parser.add_argument(
-        "--weight-adapter",
-        type=_non_negative,
-        default=3.0,
-        help="LoRA adapter-affinity weight: prefer replicas where the requested adapter is running or has a free slot",
-    )
-    parser.add_argument(
-        "--replica-api-key",
-        default=None,
-        help="the replicas' --api-key, to read their /v1/models (which names are LoRA adapters, where they are "
-        "served); also read from KVSERVE_API_KEY",
-    )
-    parser.add_argument(
-        "--prefill-scale",
-        type=float,
-        default=2048.0,
-        help="prompt tokens of extra prefill work that cost the whole prefill weight",
-    )
-    parser.add_argument(
-        "--queue-scale", type=float, default=8.0, help="requests of extra load that cost the whole queue weight"
-    )
-    parser.add_argument(
-        "--max-imbalance",
-        type=int,
-        default=8,
-        help="prefix affinity is ignored on a replica this many requests busier than the least-loaded one",
-    )
-    parser.add_argument(
-        "--session-header", default=None, help="request header naming a session (e.g. x-session-id) for sticky routing"
-    )
-    parser.add_argument(
-        "--max-attempts",
-        type=_positive_int,
-        default=2,
-        help="replicas tried per request before any byte reached the client (default 2)",
-    )
-    parser.add_argument("--poll-interval", type=float, default=0.5, help="seconds between /metrics scrapes")
-    parser.add_argument(
-        "--read-timeout",
-        type=float,
-        default=600.0,
-        help="longest silence from a replica, in seconds (a non-streamed completion is one)",
-    )
+    for flag in WEIGHT_FLAGS:
+        flag.add(parser, Weights)
+    for flag in CONFIG_FLAGS:
+        flag.add(parser, RouterConfig)
     hold = parser.add_argument_group("scale from zero: requests held while no replica is ready")
-    hold.add_argument(
-        "--max-held-requests",
-        type=_non_negative_int,
-        default=0,
-        metavar="N",
-        help='hold up to N requests per model (the body\'s "model") while no replica is ready, and forward '
-        "them in order once one is; past N a 503 with Retry-After. 0 (default): answer 503 at once",
-    )
-    hold.add_argument(
-        "--hold-timeout",
-        type=_positive_float,
-        default=60.0,
-        metavar="SECONDS",
-        help="longest a request is held (default 60); then a 503 with Retry-After",
-    )
-    hold.add_argument(
-        "--hold-retry-after",
-        type=_positive_int,
-        default=10,
-        metavar="SECONDS",
-        help="Retry-After of those 503s (default 10)",
-    )
+    for flag in HOLD_FLAGS:
+        flag.add(hold, RouterConfig)
     parser.add_argument(
         "--log-level",
         default="info",
@@ -180,21 +227,11 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvserve.runtime.router import discovery
-    from kvserve.runtime.router.proxy import Router, RouterConfig, build_app
-    from kvserve.runtime.router.scoring import Weights
+    from kvserve.runtime.router.app import build_app
+    from kvserve.runtime.router.proxy import Router
 
     try:
-        weights = Weights(
-            prefill=args.weight_prefill,
-            prefix=args.weight_prefix,
-            queue=args.weight_queue,
-            kv=args.weight_kv,
-            session=args.weight_session,
-            adapter=args.weight_adapter,
-            prefill_scale=args.prefill_scale,
-            queue_scale=args.queue_scale,
-            max_imbalance=args.max_imbalance,
-        )
+        weights = Weights(**{flag.field: getattr(args, flag.dest) for flag in WEIGHT_FLAGS})
     except ValueError as exc:
         print(f"kvserve router: {exc}", file=sys.stderr)
         return 2
@@ -214,19 +251,9 @@ def run(args: argparse.Namespace) -> int:
         found = discovery.static(args.backend)
     else:
         found = discovery.EndpointSliceWatcher(_namespace(args.namespace), args.service, args.port_name)
-    config = RouterConfig(
-        weights=weights,
-        default_capacity_tokens=args.default_capacity_tokens,
-        default_block_size=args.block_size,
-        poll_interval_s=args.poll_interval,
-        read_timeout_s=args.read_timeout,
-        max_attempts=args.max_attempts,
-        session_header=args.session_header,
-        replica_api_key=args.replica_api_key or os.environ.get("KVSERVE_API_KEY") or None,
-        max_held_requests=args.max_held_requests,
-        hold_timeout_s=args.hold_timeout,
-        hold_retry_after_s=args.hold_retry_after,
-    )
+    given = {flag.field: getattr(args, flag.dest) for flag in CONFIG_FLAGS + HOLD_FLAGS}
+    given["replica_api_key"] = given["replica_api_key"] or os.environ.get("KVSERVE_API_KEY") or None
+    config = RouterConfig(weights=weights, **given)
     app = build_app(Router(config, tokenizer, found))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     return 0

@@ -4,12 +4,20 @@ the same. With no MODEL_DIR it serves the built-in demo model (random weights, b
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
 from kvserve.runtime.engine_args import EngineArgs, parse_bytes, positive_int  # noqa: F401  (parse_bytes: API)
 
 HELP = "run the OpenAI-compatible server (no MODEL_DIR: the built-in random-weights demo model)"
+
+
+def server_default(name: str):
+    """ServerConfig's default for one of its fields: a server flag's default comes from that one definition."""
+    from kvserve.runtime.server.state import ServerConfig
+
+    return next(f.default for f in dataclasses.fields(ServerConfig) if f.name == name)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,38 +39,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # Every engine setting comes from the one EngineArgs definition (also LLM(...) and the operator's pod args).
     EngineArgs.add_cli_args(parser)
     parser.add_argument(
-        "--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/* (also read from KVSERVE_API_KEY)"
+        "--api-key",
+        default=server_default("api_key"),
+        help="require `Authorization: Bearer KEY` on /v1/* (also read from KVSERVE_API_KEY)",
     )
     parser.add_argument(
         "--tool-call-parser",
         choices=["hermes", "llama3_json"],
-        default=None,
+        default=server_default("tool_call_parser"),
         help='parse tool calls the model writes in this format (needed for tool_choice "auto"; '
         "hermes: Hermes/Qwen <tool_call> blocks, llama3_json: Llama 3.1+ JSON)",
     )
     parser.add_argument(
         "--max-queue-len",
         type=positive_int,
-        default=None,
+        default=server_default("max_queue_len"),
         help="answer 429 + Retry-After when this many requests already wait (default: unbounded)",
     )
     parser.add_argument(
         "--drain-timeout",
         type=float,
-        default=30.0,
+        default=server_default("drain_timeout_s"),
         help="seconds to finish in-flight requests after SIGTERM before aborting them",
     )
     parser.add_argument(
         "--drain-accept-seconds",
         type=float,
-        default=0.0,
+        default=server_default("drain_accept_s"),
         help="after SIGTERM keep accepting new requests this long while /health answers 503, for load "
         "balancers that take the endpoint out late and have no preStop hook; the drain timeout starts after "
-        "it (default 0: Kubernetes pods get a preStop sleep from the operator instead)",
+        "it (default %(default)s: Kubernetes pods get a preStop sleep from the operator instead)",
     )
     parser.add_argument(
         "--otlp-traces-endpoint",
-        default=None,
+        default=server_default("otlp_traces_endpoint"),
         help="export one OpenTelemetry trace per request (llm_request with queued/prefill/decode "
         "spans, vLLM's attribute names) to this OTLP endpoint, e.g. http://collector:4317 "
         "(default: tracing off; needs the `tracing` extra)",
@@ -70,21 +80,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--allow-runtime-lora-updating",
         action="store_true",
+        default=server_default("allow_runtime_lora_updating"),
         help="with --enable-lora: serve /v1/load_lora_adapter and /v1/unload_lora_adapter (as vLLM does with "
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, which kvserve also accepts); anyone who can reach the API can "
         "then load adapters from this host's filesystem (docs/lora.md)",
     )
     parser.add_argument(
         "--lora-download-dir",
-        default=None,
+        default=server_default("lora_download_dir"),
         metavar="DIR",
         help="where /v1/load_lora_adapter downloads an hf:// or s3:// lora_path (default ~/.cache/kvserve/lora)",
     )
     parser.add_argument(
         "--max-request-body-bytes",
         type=parse_bytes,
-        default=32 << 20,
-        help="answer 413 to request bodies larger than this (suffixes like 1MiB accepted; default 32MiB)",
+        default=server_default("max_request_body_bytes"),
+        help="answer 413 to request bodies larger than this (suffixes like 1MiB accepted)",
     )
     parser.add_argument(
         "--inprocess-engine",

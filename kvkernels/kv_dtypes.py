@@ -1,6 +1,6 @@
 """KV-cache dtype names (``kv_cache_dtype``) and their torch dtypes; imports torch lazily.
 
-The names, their bytes, torch types and FP8 ranges are runtime/capacity.py's dtype table (the one home);
+The names, their bytes, torch types and FP8 ranges are runtime/capacity/dtypes.py's table (the one home);
 this module only turns them into torch objects.
 """
 

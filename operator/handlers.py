@@ -304,17 +304,5 @@ def _on_child_event(body: kopf.Body, type: str | None, **_: Any) -> None:
         _reconcile_or_retry(meta["namespace"], owner, "child")
 
 
-for _group, _version, _plural in [
-    ("apps", "v1", "deployments"),
-    ("", "v1", "services"),
-    ("autoscaling", "v2", "horizontalpodautoscalers"),
-    ("policy", "v1", "poddisruptionbudgets"),
-    ("", "v1", "serviceaccounts"),
-    ("rbac.authorization.k8s.io", "v1", "roles"),
-    ("rbac.authorization.k8s.io", "v1", "rolebindings"),
-    ("networking.k8s.io", "v1", "networkpolicies"),
-    ("keda.sh", "v1alpha1", "scaledobjects"),
-    ("inference.networking.k8s.io", "v1", "inferencepools"),
-    ("leaderworkerset.x-k8s.io", "v1", "leaderworkersets"),
-]:
+for _group, _version, _plural in map(kube.group_version_plural, kube.OWNED_KINDS):
     kopf.on.event(_group, _version, _plural, labels=CHILD_LABELS, id=f"child-{_plural}")(_on_child_event)

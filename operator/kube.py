@@ -50,6 +50,20 @@ CHILD_KINDS = (
     "InferencePool",
 )
 
+# The kinds the handlers watch for events on an InferenceService's children (a deleted or hand-edited child is
+# restored at once): every kind of RESOURCES but the parent itself, what the operator only reads or keeps for
+# itself (Pods, its Lease, Events) and Secrets (least privilege: it may only get and create them, never watch;
+# tests/operator/test_helm_chart.py checks the chart's RBAC).
+UNWATCHED_KINDS = (KIND, "Pod", "Secret", "Lease", "Event")
+OWNED_KINDS = tuple(kind for kind in RESOURCES if kind not in UNWATCHED_KINDS)
+
+
+def group_version_plural(kind: str) -> tuple[str, str, str]:
+    """(API group, version, plural) of a kind in RESOURCES, as kopf names a resource ("" for the core group)."""
+    prefix, plural = RESOURCES[kind]
+    parts = prefix.strip("/").split("/")  # ["api", version] or ["apis", group, version]
+    return ("", parts[1], plural) if parts[0] == "api" else (parts[1], parts[2], plural)
+
 
 class KubeError(RuntimeError):
     def __init__(self, status: int, message: str):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 
 from kvserve.operator.spec import Resolved
+from kvserve.runtime.engine_args import DEFAULT_SWAP_SPACE_BYTES as RUNTIME_DEFAULT_SWAP_SPACE_BYTES
 from kvserve.runtime.engine_args import parse_bytes  # the runtime's own parser for --swap-space
 
 GiB = 1 << 30
@@ -24,9 +25,6 @@ FRONT_PROCESS_BYTES = 2 * GiB
 HOST_BYTES_PER_RANK = 4 * GiB
 FRONT_PROCESS_CPU = 1
 CPU_PER_RANK = 1
-# Mirrors kvserve.runtime.config.DEFAULT_SWAP_SPACE_BYTES (that module is not importable without the
-# runtime's dependencies); tests/operator/test_hardening_render.py keeps the two equal.
-RUNTIME_DEFAULT_SWAP_SPACE_BYTES = 4 * GiB
 
 
 def _flag_value(args: list[str], flag: str) -> str | None:

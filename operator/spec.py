@@ -391,15 +391,19 @@ def resolve(spec: dict, model_config: dict | None = None) -> Resolved:
                 f"{layout.nodes} pods ({layout.reason}); serve the adapters on a model that fits one pod "
                 "(a larger gpu.tensorParallelSize, a smaller maxModelLen or dtype fp8)",
             )
-    if plan.fits and not engine["enableChunkedPrefill"] and engine["maxNumBatchedTokens"] < engine["maxModelLen"]:
+    budget_error = engine_args.chunked_prefill_budget_error(
+        engine["enableChunkedPrefill"],
+        engine["maxNumBatchedTokens"],
+        engine["maxModelLen"],
+        names=("maxNumBatchedTokens", "maxModelLen"),
+    )
+    if plan.fits and budget_error:
         plan = planner.Plan(
             **{
                 **plan.to_dict(),
                 "fits": False,
                 "reason": "InvalidEngineConfig",
-                "message": "without chunked prefill maxNumBatchedTokens "
-                f"({engine['maxNumBatchedTokens']}) must be >= maxModelLen "
-                f"({engine['maxModelLen']})",
+                "message": budget_error,
             }
         )
     fleet_option = _plan_fleet(spec, plan_input, plan, layout)

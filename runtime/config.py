@@ -18,7 +18,6 @@ logger = logging.getLogger(__name__)
 
 ALLOWED_BLOCK_SIZES = engine_args.BLOCK_SIZES
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
-DEFAULT_SWAP_SPACE_BYTES = 4 << 30  # vLLM's default swap space
 
 
 @dataclass(frozen=True)
@@ -44,22 +43,22 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
-    enable_prefix_caching: bool = True
+    block_size: int = engine_args.default("block_size")
+    enable_prefix_caching: bool = engine_args.default("enable_prefix_caching")
     kv_cache_bytes: int | None = None
     num_kv_blocks: int | None = None  # explicit override (tests force preemption with it)
-    gpu_memory_utilization: float = 0.9
-    kv_cache_dtype: str = "auto"
-    swap_space_bytes: int = 0  # host RAM for preemption_mode="swap"
+    gpu_memory_utilization: float = engine_args.default("gpu_memory_utilization")
+    kv_cache_dtype: str = engine_args.default("kv_cache_dtype")
+    swap_space_bytes: int = 0  # host RAM for preemption_mode="swap" (resolved: 0 without swap)
     num_blocks: int = 0  # filled in (a new frozen object) once the runner has sized the cache
 
 
 @dataclass(frozen=True)
 class LoraConfig:
     modules: tuple[tuple[str, str], ...]  # (adapter name, PEFT directory), loaded at start-up
-    max_loras: int = 1
-    max_lora_rank: int = 16
-    max_cpu_loras: int = 1
+    max_loras: int = engine_args.default("max_loras")
+    max_lora_rank: int = engine_args.default("max_lora_rank")
+    max_cpu_loras: int = engine_args.default("max_loras")  # resolved: --max-cpu-loras, at least max_loras
 
 
 def parse_lora_modules(value) -> tuple[tuple[str, str], ...]:
@@ -84,14 +83,14 @@ class ParallelConfig:
     in vLLM). stage_layers: the decoder layers of each stage (capacity.stage_layer_ranges: balanced by
     count, earlier stages taking the remainder, unless --pipeline-layer-split gives the counts)."""
 
-    pipeline_parallel_size: int = 1
+    pipeline_parallel_size: int = engine_args.default("pipeline_parallel_size")
     stage_layers: tuple[range, ...] = ()  # one range per stage; () with pipeline_parallel_size 1
     # Multi-node (no Ray): the world's ranks split evenly over nnodes nodes, node k running ranks
     # [k * world / nnodes, (k + 1) * world / nnodes); the leader (node 0) schedules (executor/multinode.py).
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int = 29501
+    nnodes: int = engine_args.default("nnodes")
+    node_rank: int = engine_args.default("node_rank")
+    master_addr: str = engine_args.default("master_addr")
+    master_port: int = engine_args.default("master_port")
 
 
 @dataclass(frozen=True)
@@ -99,15 +98,15 @@ class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
-    tensor_parallel_size: int = 1
-    attention_backend: str = "torch"
-    device: str = "cpu"
-    seed: int = 0
+    tensor_parallel_size: int = engine_args.default("tensor_parallel_size")
+    attention_backend: str = "torch"  # resolved (EngineArgs' None: chosen for the device)
+    device: str = "cpu"  # resolved (EngineArgs' None: cuda when available)
+    seed: int = engine_args.default("seed")
     structured_output_max_number_digits: int = engine_args.default("structured_output_max_number_digits")
     # The engine is declared dead (every request answered with an error, the server exits non-zero) after
     # this many steps in a row fail in a way no single request explains (see engine/errors.py).
-    max_consecutive_step_failures: int = 3
-    load_format: str = "auto"  # "dummy": random weights from config.json (models/loader.py)
+    max_consecutive_step_failures: int = engine_args.default("max_consecutive_step_failures")
+    load_format: str = engine_args.default("load_format")  # "dummy": random weights from config.json (models/loader.py)
     # Decode batch sizes captured as CUDA graphs (worker/cuda_graphs.py); empty: every step runs eagerly.
     cuda_graph_sizes: tuple[int, ...] = ()
     lora: LoraConfig | None = None  # --enable-lora (runtime/lora/)
@@ -135,7 +134,9 @@ def read_config_json(model_dir: str) -> dict:
         return json.load(f)
 
 
-def load_model_config(model_dir: str, dtype: str = "auto", max_model_len: int | None = None) -> ModelConfig:
+def load_model_config(
+    model_dir: str, dtype: str = engine_args.default("dtype"), max_model_len: int | None = None
+) -> ModelConfig:
     """Read a local Hugging Face model directory's config.json. dtype "auto" and max_model_len None resolve
     as engine_args.resolve does (the architecture, RoPE, context limit and dtype facts are capacity's)."""
     config = read_config_json(model_dir)
@@ -218,12 +219,11 @@ def build_engine_config(args) -> EngineConfig:
             "max_consecutive_step_failures",
             f"max_consecutive_step_failures must be an integer >= 1, got {a.max_consecutive_step_failures!r}",
         )
-    if a.preemption_mode not in ("recompute", "swap"):
-        raise InvalidParameter(
-            "preemption_mode", f"preemption_mode must be 'recompute' or 'swap', got {a.preemption_mode!r}"
-        )
+    preemption_error = engine_args.preemption_mode_error(a.preemption_mode)
+    if preemption_error:
+        raise InvalidParameter("preemption_mode", preemption_error)
     if swap_space_bytes is None:
-        swap_space_bytes = DEFAULT_SWAP_SPACE_BYTES if a.preemption_mode == "swap" else 0
+        swap_space_bytes = engine_args.DEFAULT_SWAP_SPACE_BYTES if a.preemption_mode == "swap" else 0
     if swap_space_bytes < 0:
         raise InvalidParameter("swap_space_bytes", f"swap_space_bytes must be >= 0, got {swap_space_bytes}")
     # The model-dependent defaults (dtype auto, max_model_len, max_num_batched_tokens) and the settings a plan
@@ -250,8 +250,9 @@ def build_engine_config(args) -> EngineConfig:
             max_loras=a.max_loras if a.enable_lora else 0,
         )
     except ValueError as exc:
-        field_name = str(exc).split(" ", 1)[0].replace("with", "max_num_batched_tokens")
-        raise InvalidParameter(field_name, str(exc)) from None
+        message = str(exc)
+        field_name = "max_num_batched_tokens" if message.startswith("without") else message.split(" ", 1)[0]
+        raise InvalidParameter(field_name, message) from None
     if a.load_format not in ("auto", "dummy"):
         raise InvalidParameter("load_format", f"load_format must be 'auto' or 'dummy', got {a.load_format!r}")
     cuda_graph_sizes = cuda_graph_settings.capture_sizes(a, model_config, device, attention_backend)

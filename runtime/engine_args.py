@@ -30,6 +30,10 @@ from kvserve.runtime.errors import InvalidParameter
 BLOCK_SIZES = (1, 8, 16, 32, 64, 128, 256)
 # max_num_batched_tokens when it is not given and chunked prefill is on (without it: max_model_len).
 CHUNKED_PREFILL_BATCHED_TOKENS = 2048
+# What the engine does with a victim's KV when the cache is full (--preemption-mode).
+PREEMPTION_MODES = ("recompute", "swap")
+# Host RAM for swapped-out KV when --preemption-mode swap is given without --swap-space (vLLM's default).
+DEFAULT_SWAP_SPACE_BYTES = 4 << 30
 # What the operator may put in a pod's spec for `--dtype`: every weight dtype but "auto", which the operator
 # cannot plan before it has read config.json (catalog and pvc:// models never give it one).
 CRD_DTYPES = tuple(d for d in capacity.WEIGHT_DTYPES if d != "auto")
@@ -169,7 +173,7 @@ class EngineArgs:
     preemption_mode: str = _setting(
         "recompute",
         "when the KV cache is full: drop the victim's KV and recompute, or swap it to host RAM",
-        choices=("recompute", "swap"),
+        choices=PREEMPTION_MODES,
     )
     swap_space_bytes: int | None = _setting(
         None,
@@ -419,6 +423,30 @@ class ResolvedSettings:
     gpu_memory_utilization: float
 
 
+# -- rules more than one caller checks (the scheduler's config, resolve, build_engine_config, the operator's spec);
+# each returns the refusal (None: fine) and the caller raises it as its own error type -----------------------
+def preemption_mode_error(mode: Any) -> str | None:
+    if mode in PREEMPTION_MODES:
+        return None
+    return f"preemption_mode must be {' or '.join(map(repr, PREEMPTION_MODES))}, got {mode!r}"
+
+
+def chunked_prefill_budget_error(
+    enable_chunked_prefill: bool,
+    max_num_batched_tokens: int,
+    max_model_len: int,
+    names: tuple[str, str] = ("max_num_batched_tokens", "max_model_len"),
+) -> str | None:
+    """Without chunked prefill a prompt is scheduled whole, so the step budget must hold the longest one.
+    `names`: how the caller spells the two settings (the operator's spec: maxNumBatchedTokens, maxModelLen)."""
+    if enable_chunked_prefill or max_num_batched_tokens >= max_model_len:
+        return None
+    return (
+        f"without chunked prefill, {names[0]} ({max_num_batched_tokens}) must be >= {names[1]} "
+        f"({max_model_len}) so any prompt fits one step"
+    )
+
+
 def resolve_dtype(dtype: str, auto_dtype: str) -> str:
     """`--dtype` as the canonical weight dtype; "auto" is `auto_dtype` (capacity.checkpoint_dtype of the
     model's config.json). InvalidParameter("dtype") for anything else."""
@@ -482,13 +510,9 @@ def resolve(args: EngineArgs, context_limit: int, auto_dtype: str) -> ResolvedSe
         batched = CHUNKED_PREFILL_BATCHED_TOKENS if args.enable_chunked_prefill else max_model_len
     if batched < 1:
         raise InvalidParameter("max_num_batched_tokens", f"max_num_batched_tokens must be >= 1, got {batched}")
-    if not args.enable_chunked_prefill and batched < max_model_len:
-        raise InvalidParameter(
-            "max_num_batched_tokens",
-            f"with chunked prefill off, max_num_batched_tokens "
-            f"({batched}) must be >= max_model_len ({max_model_len}) "
-            f"so any prompt fits one step",
-        )
+    error = chunked_prefill_budget_error(args.enable_chunked_prefill, batched, max_model_len)
+    if error:
+        raise InvalidParameter("max_num_batched_tokens", error)
     return ResolvedSettings(
         dtype=dtype,
         max_model_len=max_model_len,

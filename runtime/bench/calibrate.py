@@ -48,13 +48,13 @@ class Grid:
 
 
 def device_name(engine) -> str:
-    """The GPU's name, or the CPU's model name (peer.machine_info reads it from /proc/cpuinfo)."""
+    """The GPU's name, or the CPU's model name (cpu_pinning.machine_info reads it from /proc/cpuinfo)."""
     runner_device = engine.runner.device
     if runner_device.type == "cuda":
         import torch
 
         return torch.cuda.get_device_name(runner_device)
-    from kvserve.runtime.bench.peer import machine_info
+    from kvserve.runtime.bench.cpu_pinning import machine_info
 
     return machine_info().get("cpu_model") or "unknown"
 

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from kvserve.kernels.testing import make_paged_batch
+from kvserve.runtime.bench.paged_batch import make_paged_batch
 from kvserve.runtime.models.attention import AttentionMetadata, TorchAttentionBackend
 from kvserve.runtime.models.attention_backends import get_attention_backend
 

@@ -97,7 +97,7 @@ def run_checks(device, smoke: bool, seed: int) -> list[dict]:
     import torch
 
     from kvserve.kernels import paged_attention, paged_attention_ref, store_kv_cache, store_kv_cache_ref
-    from kvserve.kernels.testing import make_paged_batch, rel_err
+    from kvserve.runtime.bench.paged_batch import make_paged_batch, rel_err
 
     g = torch.Generator().manual_seed(seed)
     tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}

@@ -13,6 +13,10 @@ served: both OpenAI servers on 127.0.0.1 (free ports, one at a time, the same en
   by the same streaming client (kvserve bench serve's aiohttp client, prompts as token ids) at a fixed
   concurrency; the client runs here, pinned to --client-cpus. Printed: output tok/s, TTFT and ITL p50/p90/p99.
   Every server is stopped at the end, on errors too (SIGTERM to its process group, SIGKILL after a timeout).
+
+This module runs the comparison; its parts are one room each: peer_venv.py (the vLLM venv), cpu_pinning.py
+(cores, load, machine), processes.py (process groups, the server wrapper), peer_tables.py (order, comparison,
+tables).
 """
 
 from __future__ import annotations
@@ -24,226 +28,27 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass, field
 
+from kvserve.runtime.bench.cpu_pinning import default_cpus, format_cpus, load_average, machine_info, parse_cpus, pinned
+from kvserve.runtime.bench.peer_tables import (
+    SERVED_KEYS,
+    abba_order,
+    best_run,
+    common_prefix_fraction,
+    count_identical,
+    format_offline_table,
+    format_served_table,
+    settings_line,
+)
+from kvserve.runtime.bench.peer_venv import PEER_MISSING_EXIT, PeerMissing, peer_env, peer_python
+from kvserve.runtime.bench.processes import Server, free_port, stop_process_group, tail
+
 ENGINES = ("vllm", "kvserve")
-LABELS = {"vllm": "vLLM CPU", "kvserve": "kvserve"}
-MAKE_VENV_SCRIPT = "tools/make_peer_venv.sh"
-PEER_MISSING_EXIT = 2
 DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "offline_driver.py")
 
 
-def default_peer_venv() -> str:
-    return os.environ.get("KVSERVE_PEER_VENV") or os.path.join(
-        os.path.expanduser("~"), ".cache", "kvserve", "peer-venv"
-    )
-
-
-# ---- the peer venv --------------------------------------------------------------------------------------------
-class PeerMissing(Exception):
-    """The vLLM peer venv is absent or has no vllm; str() is the one line to print."""
-
-
-def peer_missing_message(venv: str, why: str) -> str:
-    return (
-        f"kvserve bench peer: vLLM peer venv not usable at {venv} ({why}); create it with "
-        f"{MAKE_VENV_SCRIPT} [DIR] (default {default_peer_venv()}) or pass --peer-venv DIR"
-    )
-
-
-def peer_python(venv: str) -> str:
-    """The peer venv's python, after checking that it can find vllm (a spec lookup: no vllm import)."""
-    python = os.path.join(venv, "bin", "python")
-    if not os.path.exists(python):
-        raise PeerMissing(peer_missing_message(venv, "no bin/python"))
-    probe = subprocess.run(
-        [python, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"],
-        capture_output=True,
-        timeout=60,
-        env=peer_env({}),
-    )
-    if probe.returncode != 0:
-        raise PeerMissing(peer_missing_message(venv, "vllm is not installed there"))
-    return python
-
-
-def peer_env(extra: dict[str, str]) -> dict[str, str]:
-    """This environment without what would make the peer's python import this project's packages."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
-    env.update(extra)
-    return env
-
-
-# ---- pure parts: order, cores, comparison, formatting ----------------------------------------------------------
-def abba_order(first: str, second: str, rounds: int = 1) -> list[str]:
-    """A B B A, `rounds` times: each engine runs 2*rounds times, in mirrored positions."""
-    if rounds < 1:
-        raise ValueError(f"rounds must be >= 1, got {rounds}")
-    return [first, second, second, first] * rounds
-
-
-def parse_cpus(text: str) -> list[int]:
-    """ "0-1,3" -> [0, 1, 3] (sorted, unique); ValueError on anything else."""
-    cpus: set[int] = set()
-    for part in str(text).split(","):
-        part = part.strip()
-        if not part:
-            continue
-        lo, sep, hi = part.partition("-")
-        try:
-            a, b = int(lo), int(hi) if sep else int(lo)
-        except ValueError:
-            raise ValueError(f"not a CPU list: {text!r} (examples: 0, 0-1, 0,2-3)") from None
-        if a < 0 or b < a:
-            raise ValueError(f"not a CPU list: {text!r} (examples: 0, 0-1, 0,2-3)")
-        cpus.update(range(a, b + 1))
-    if not cpus:
-        raise ValueError(f"empty CPU list: {text!r}")
-    return sorted(cpus)
-
-
-def format_cpus(cpus: list[int]) -> str:
-    """[0, 1, 3] -> "0-1,3" (the form VLLM_CPU_OMP_THREADS_BIND and taskset take)."""
-    parts, start = [], None
-    cpus = sorted(set(cpus))
-    for i, c in enumerate(cpus):
-        if start is None:
-            start = c
-        if i + 1 == len(cpus) or cpus[i + 1] != c + 1:
-            parts.append(str(start) if start == c else f"{start}-{c}")
-            start = None
-    return ",".join(parts)
-
-
-def default_cpus(mode: str, available: list[int]) -> tuple[list[int], list[int]]:
-    """(engine cores, client cores). Offline: every core for the engine. Served with 2+ cores: the engine
-    servers get all but the first core and the client gets the first, so the client's own per-chunk work does
-    not come out of the server's cores (the issue's served table: each server on 1 core of 2)."""
-    available = sorted(available)
-    if mode == "served" and len(available) >= 2:
-        return available[1:], available[:1]
-    return available, available
-
-
-def count_identical(a: list[list[int]], b: list[list[int]]) -> int:
-    if len(a) != len(b):
-        raise ValueError(f"different request counts: {len(a)} vs {len(b)}")
-    return sum(list(x) == list(y) for x, y in zip(a, b))
-
-
-def common_prefix_fraction(a: list[list[int]], b: list[list[int]]) -> float:
-    """Mean over requests of (tokens before the first difference) / (requested tokens): how early greedy
-    outputs diverge when they do (bf16 near-ties flip late or early)."""
-    fractions = []
-    for x, y in zip(a, b):
-        n = next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
-        fractions.append(n / max(1, max(len(x), len(y))))
-    return sum(fractions) / len(fractions) if fractions else 1.0
-
-
-def best_run(runs: list[dict], key: str) -> dict:
-    return max(runs, key=lambda r: r[key])
-
-
-def ratio_line(ours: float, peer: float, what: str) -> str:
-    return f"kvserve / vLLM ({what}): {ours / peer:.2f}x" if peer else f"kvserve / vLLM ({what}): n/a"
-
-
-def format_offline_table(report: dict) -> str:
-    s, w = report["settings"], report["workload"]
-    lines = [
-        f"=== kvserve bench peer: offline, {s['dtype']} ===",
-        f"model {report['model']}; {w['num_requests']} requests, {w['prompt_tokens']} prompt / "
-        f"{w['output_tokens']} output tokens (token-id prompts, greedy, ignore_eos, seed {w['seed']})",
-        _settings_line(s),
-        f"order: {' '.join(report['order'])} (ABBA); best of {report['runs_per_engine']} "
-        f"runs per engine; warm-up and start-up not timed",
-        f"{'run':>3}  {'engine':<10} {'seconds':>8} {'tok/s':>9} {'init s':>7} {'load 1m':>8}",
-    ]
-    for i, r in enumerate(report["runs"], 1):
-        lines.append(
-            f"{i:>3}  {r['engine']:<10} {r['seconds']:>8.2f} {r['tok_per_s']:>9.1f} {r['init_s']:>7.1f} "
-            f"{r['load_before']:>8.2f}"
-        )
-    lines.append("")
-    lines.append(f"{'engine':<24} {'best tok/s':>10}   runs")
-    for engine in report["engines"]:
-        e = report["summary"][engine]
-        runs = ", ".join(f"{x:.1f}" for x in e["tok_per_s_runs"])
-        lines.append(f"{LABELS[engine] + ' ' + e['version']:<24} {e['best_tok_per_s']:>10.1f}   {runs}")
-    if "ratio" in report:
-        lines.append(
-            ratio_line(
-                report["summary"]["kvserve"]["best_tok_per_s"],
-                report["summary"]["vllm"]["best_tok_per_s"],
-                "best output tok/s",
-            )
-        )
-        g = report["greedy"]
-        lines.append(
-            f"greedy sequences identical between the engines: {g['identical']}/{g['total']} "
-            f"(mean common prefix {100 * g['common_prefix_fraction']:.0f}% of each output)"
-        )
-    for engine in report["engines"]:
-        if report["summary"][engine].get("self_identical") is not None:
-            lines.append(
-                f"{LABELS[engine]} run-to-run identical: {report['summary'][engine]['self_identical']}/"
-                f"{w['num_requests']}"
-            )
-    return "\n".join(lines)
-
-
-SERVED_KEYS = (
-    "output_throughput",
-    "p50_ttft_ms",
-    "p90_ttft_ms",
-    "p99_ttft_ms",
-    "p50_itl_ms",
-    "p90_itl_ms",
-    "p99_itl_ms",
-)
-
-
-def format_served_table(report: dict) -> str:
-    s, w = report["settings"], report["workload"]
-    lines = [
-        f"=== kvserve bench peer: served, {s['dtype']}, {report['concurrency']} concurrent streams ===",
-        f"model {report['model']}; {w['num_requests']} requests, {w['prompt_tokens']} prompt / "
-        f"{w['output_tokens']} output tokens (token-id prompts in /v1/completions, stream, greedy, ignore_eos)",
-        _settings_line(s) + f"; client on cores {report['client_cpus']}",
-        f"order: {' '.join(report['order'])} (ABBA), each server started for its run; best of "
-        f"{report['runs_per_engine']} runs per engine (by output tok/s)",
-        f"{'run':>3}  {'engine':<10} {'tok/s':>8} {'TTFT p50':>9} {'p90':>8} {'p99':>8} {'ITL p50':>8} "
-        f"{'p90':>7} {'p99':>7} {'failed':>6} {'load 1m':>8}",
-    ]
-    for i, r in enumerate(report["runs"], 1):
-        m = r["metrics"]
-        lines.append(
-            f"{i:>3}  {r['engine']:<10} {m['output_throughput']:>8.1f} {m['p50_ttft_ms']:>9.0f} "
-            f"{m['p90_ttft_ms']:>8.0f} {m['p99_ttft_ms']:>8.0f} {m['p50_itl_ms']:>8.1f} {m['p90_itl_ms']:>7.1f} "
-            f"{m['p99_itl_ms']:>7.1f} {m['failed']:>6} {r['load_before']:>8.2f}"
-        )
-    lines.append("(TTFT and ITL in ms)")
-    if "ratio" in report:
-        k, v = report["summary"]["kvserve"]["best"], report["summary"]["vllm"]["best"]
-        lines.append(ratio_line(k["output_throughput"], v["output_throughput"], "best output tok/s"))
-        lines.append(
-            f"median ITL: kvserve {k['p50_itl_ms']:.1f} ms, vLLM {v['p50_itl_ms']:.1f} ms; median TTFT: "
-            f"kvserve {k['p50_ttft_ms']:.0f} ms, vLLM {v['p50_ttft_ms']:.0f} ms (best runs)"
-        )
-    return "\n".join(lines)
-
-
-def _settings_line(s: dict) -> str:
-    return (
-        f"both engines: block_size {s['block_size']}, max_num_seqs {s['max_num_seqs']}, max_num_batched_tokens "
-        f"{s['max_num_batched_tokens']}, max_model_len {s['max_model_len']}, KV {s['kv_cache_gib']:g} GiB, "
-        f"prefix caching on (both defaults), cores {s['cpus']} ({s['threads']} threads)"
-    )
-
-
-# ---- processes ----------------------------------------------------------------------------------------------
+# ---- one engine's process ------------------------------------------------------------------------------------
 @dataclass
 class Settings:
     dtype: str
@@ -278,46 +83,6 @@ def engine_env(engine: str, settings: Settings) -> dict[str, str]:
     return env
 
 
-def _pinned(cpus: list[int]):
-    def preexec() -> None:
-        os.sched_setaffinity(0, cpus)
-
-    return preexec
-
-
-def stop_process_group(proc: subprocess.Popen, timeout: float = 30.0) -> None:
-    """SIGTERM to the process's group (it was started in its own session), SIGKILL after `timeout`."""
-    if proc.poll() is not None:
-        _kill_group(proc.pid, signal.SIGKILL)  # stragglers its children left
-        return
-    _kill_group(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        _kill_group(proc.pid, signal.SIGKILL)
-        proc.wait(10)
-    _kill_group(proc.pid, signal.SIGKILL)
-
-
-def _kill_group(pgid: int, sig: int) -> None:
-    try:
-        os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _tail(path: str, n: int = 25) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            return "".join(f.readlines()[-n:])
-    except OSError:
-        return ""
-
-
-def load_average() -> float:
-    return os.getloadavg()[0]
-
-
 def run_offline_process(
     engine: str, python: str, spec: dict, settings: Settings, workdir: str, index: int, timeout: float
 ) -> dict:
@@ -332,7 +97,7 @@ def run_offline_process(
             stdout=log,
             stderr=subprocess.STDOUT,
             env=engine_env(engine, settings),
-            preexec_fn=_pinned(parse_cpus(settings.cpus)),
+            preexec_fn=pinned(parse_cpus(settings.cpus)),
             start_new_session=True,
             cwd=workdir,
         )
@@ -344,7 +109,7 @@ def run_offline_process(
             stop_process_group(proc)
     if rc != 0:
         raise RuntimeError(
-            f"{engine} offline run {'timed out' if rc is None else f'exited {rc}'}; log {log_path}:\n{_tail(log_path)}"
+            f"{engine} offline run {'timed out' if rc is None else f'exited {rc}'}; log {log_path}:\n{tail(log_path)}"
         )
     with open(out_path) as f:
         result = json.load(f)
@@ -427,29 +192,7 @@ def _report_base(opts: "Options", runs: list[dict]) -> dict:
     }
 
 
-def machine_info() -> dict:
-    info = {"cpus_available": format_cpus(sorted(os.sched_getaffinity(0))), "python": sys.version.split()[0]}
-    try:
-        with open("/proc/cpuinfo") as f:
-            text = f.read()
-        model = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")), "")
-        flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines() if ln.startswith("flags")), [])
-        info["cpu_model"] = model
-        info["cpu_flags"] = sorted(f for f in flags if f.startswith(("avx512", "amx")) or f in ("avx2", "fma"))
-    except OSError:
-        pass
-    return info
-
-
 # ---- served -------------------------------------------------------------------------------------------------
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def server_command(engine: str, python: str, model: str, port: int, s: Settings) -> list[str]:
     common = [
         "--host",
@@ -493,66 +236,6 @@ def server_command(engine: str, python: str, model: str, port: int, s: Settings)
         "--kv-cache-bytes",
         str(int(s.kv_cache_gib * 2**30)),
     ]
-
-
-class Server:
-    """One engine's OpenAI server on 127.0.0.1 in its own session, pinned; ready once /health answers 200
-    (vLLM listens only after its model is loaded and compiled). Stopped on exit, on errors too."""
-
-    def __init__(
-        self, engine: str, cmd: list[str], env: dict, cpus: list[int], port: int, log_path: str, ready_timeout: float
-    ):
-        self.engine, self.cmd, self.env, self.cpus, self.port = engine, cmd, env, cpus, port
-        self.log_path, self.ready_timeout = log_path, ready_timeout
-        self.base_url = f"http://127.0.0.1:{port}"
-        self.proc: subprocess.Popen | None = None
-
-    def __enter__(self) -> "Server":
-        import urllib.error
-        import urllib.request
-
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(
-            self.cmd,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=self.env,
-            # `python -m` puts the working directory first on sys.path: run from the log folder so no folder of
-            # a kvserve checkout can shadow a package of the peer's venv.
-            cwd=os.path.dirname(os.path.abspath(self.log_path)),
-            preexec_fn=_pinned(self.cpus),
-            start_new_session=True,
-        )
-        t0 = time.monotonic()
-        try:
-            while True:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(
-                        f"{self.engine} server exited with {self.proc.returncode} before it was ready; "
-                        f"log {self.log_path}:\n{_tail(self.log_path)}"
-                    )
-                if time.monotonic() - t0 > self.ready_timeout:
-                    raise RuntimeError(
-                        f"{self.engine} server not ready after {self.ready_timeout:.0f} s; log "
-                        f"{self.log_path}:\n{_tail(self.log_path)}"
-                    )
-                try:
-                    with urllib.request.urlopen(self.base_url + "/health", timeout=2) as resp:
-                        if resp.status == 200:
-                            break
-                except (urllib.error.URLError, OSError):
-                    pass
-                time.sleep(0.5)
-        except BaseException:
-            self.__exit__()
-            raise
-        self.ready_s = time.monotonic() - t0
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.proc is not None:
-            stop_process_group(self.proc)
-        self._log.close()
 
 
 async def drive(
@@ -755,7 +438,7 @@ def main(args) -> int:
             run_timeout=args.run_timeout,
         )
         os.makedirs(opts.workdir, exist_ok=True)
-        print(_settings_line(asdict(settings)), flush=True)
+        print(settings_line(asdict(settings)), flush=True)
         if args.mode == "offline":
             report = run_offline(opts)
             text = format_offline_table(report)

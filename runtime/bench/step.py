@@ -23,6 +23,8 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 
+from kvserve.runtime import engine_args
+
 PHASES = ("schedule", "execute", "model", "update", "step")
 
 
@@ -218,7 +220,7 @@ def main(
     prompt_len: int = 128,
     num_steps: int = 20,
     warmup_steps: int = 3,
-    block_size: int = 16,
+    block_size: int = engine_args.default("block_size"),
     seed: int = 0,
     json_out: str | None = None,
     **engine_kwargs,

@@ -12,6 +12,8 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 
+from kvserve.runtime import engine_args
+
 DEFAULT_SHAPE = dict(
     hidden_size=768,
     num_hidden_layers=12,
@@ -194,7 +196,7 @@ def main(
     model_dir: str | None = None,
     shape: dict | None = None,
     json_out: str | None = None,
-    tensor_parallel_size: int = 1,
+    tensor_parallel_size: int = engine_args.default("tensor_parallel_size"),
     dtype: str = "float32",
     **engine_kwargs,
 ) -> dict:

@@ -5,7 +5,7 @@ None meaning "preempt someone and retry"), free. One sequence per request: a req
 reaches it as n requests (engine/parent_request.py) that share the prompt's full blocks as prefix-cache
 hits, so a block two requests hold is always a full, already-written one and nothing is ever copied on write.
 
-KV cache groups (sliding-window models, see runtime/capacity.py kv_cache_groups): a request has one block
+KV cache groups (sliding-window models, see runtime/capacity/kv.py kv_cache_groups): a request has one block
 table per group, all drawing from one BlockPool (a block id buys the same bytes in every group). Group 0
 is a full-attention group (`req_to_blocks`, `get_block_ids`: what single-group models have); a sliding
 group's table holds the null block where its blocks fell out of the window and were freed

@@ -41,28 +41,30 @@ from kvserve.runtime.request import Request, RequestStatus
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    # The engine always passes all three (runtime/config.py); the defaults serve standalone use (tests) and are
-    # EngineArgs' own, defined there once. max_model_len has none there (it is the model's).
+    # The engine always passes every field (runtime/config.py); the defaults serve standalone use (tests, the
+    # planner's simulator) and are EngineArgs' own, defined there once. max_model_len has none there (it is the
+    # model's): 2048 here is the one standalone default (the planner's EngineShape takes it from here).
     max_num_seqs: int = engine_args.default("max_num_seqs")
     max_num_batched_tokens: int = engine_args.CHUNKED_PREFILL_BATCHED_TOKENS
     max_model_len: int = 2048
-    enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int = 0  # > 0: cap on one request's tokens per step
-    preemption_mode: str = "recompute"  # or "swap": copy the victim's KV to host RAM and back
+    enable_chunked_prefill: bool = engine_args.default("enable_chunked_prefill")
+    long_prefill_token_threshold: int = engine_args.default("long_prefill_token_threshold")  # > 0: per-request cap
+    preemption_mode: str = engine_args.default("preemption_mode")  # "swap": copy the victim's KV to host RAM
     max_loras: int = 0  # > 0 (--enable-lora): at most this many distinct adapters among running requests
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        error = engine_args.preemption_mode_error(self.preemption_mode)
+        if error:
+            raise ValueError(error)
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
-                f"with chunked prefill off, max_num_batched_tokens ({self.max_num_batched_tokens}) "
-                f"must be >= max_model_len ({self.max_model_len}) so any prompt fits one step"
-            )
+        error = engine_args.chunked_prefill_budget_error(
+            self.enable_chunked_prefill, self.max_num_batched_tokens, self.max_model_len
+        )
+        if error:
+            raise ValueError(error)
 
 
 class Scheduler:

@@ -15,7 +15,7 @@ What differs from llama.py, each of which breaks token-exactness with transforme
 
 Tensor parallelism follows llama.py (column-parallel QKV / gate-up, row-parallel o / down, vocab-parallel
 embedding and head); the loader (weights.py) maps the HF names, which are Llama's plus the extra norms.
-The forward takes one AttentionMetadata per KV-cache group (see runtime/capacity.py kv_cache_groups):
+The forward takes one AttentionMetadata per KV-cache group (see runtime/capacity/kv.py kv_cache_groups):
 each layer reads the block table of its group.
 """
 

@@ -15,6 +15,7 @@ import random
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from kvserve.runtime import engine_args
 from kvserve.runtime.core.kv_cache_manager import KVCacheManager
 from kvserve.runtime.core.outputs import ModelRunnerOutput
 from kvserve.runtime.core.scheduler import Scheduler, SchedulerConfig
@@ -84,14 +85,15 @@ def load_trace(path: str) -> tuple[tuple[float, int, int], ...]:
 
 @dataclass(frozen=True)
 class EngineShape:
-    """What the replica's scheduler is configured with (the same fields the engine passes)."""
+    """What the replica's scheduler is configured with (the same fields the engine passes). The defaults are
+    the engine's own (EngineArgs; the scheduler's standalone max_model_len), never restated here."""
 
     num_blocks: int
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 4096
-    enable_prefix_caching: bool = True
+    block_size: int = engine_args.default("block_size")
+    max_num_seqs: int = SchedulerConfig.max_num_seqs
+    max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
+    max_model_len: int = SchedulerConfig.max_model_len
+    enable_prefix_caching: bool = engine_args.default("enable_prefix_caching")
     # Seconds the front-end (HTTP parsing, validation, the hand-off to the engine) spends on each request, one
     # request after another: a burst of N requests reaches the scheduler over N * admission_s, and the engine
     # starts stepping with the first ones. 0 = every request reaches the scheduler when it arrives (in-process).

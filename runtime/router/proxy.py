@@ -1,4 +1,5 @@
-"""The async reverse proxy: OpenAI-compatible routes in, the best replica out, bytes streamed through.
+"""The router's data path: a request in, the best replica out, bytes streamed through (app.py puts the
+OpenAI-compatible routes in front of it).
 
 Per request: parse -> tokenise off the event loop -> rank (scoring.rank) -> record the choice in the prefix
 index -> dispatch -> wait for the first upstream body chunk while watching for the client leaving -> stream
@@ -6,8 +7,8 @@ the rest through unbuffered. Before the first chunk nothing has reached the clie
 the connection, resets it or answers 503 is ejected and the request goes to the next-ranked replica (once by
 default). After that, bytes flow through untouched; a broken upstream ends an SSE stream with an error event.
 A client that disconnects closes the upstream connection, which makes the replica abort the request.
-Background tasks scrape each replica's /metrics and /v1/models (which names are LoRA adapters, and where they
-are served) and re-probe ejected replicas' /health.
+What the router believes about each replica (scrapes, probes, ejections, held requests) is the control
+loop's (control.py): this side reads it and reports the failures it sees.
 """
 
 from __future__ import annotations
@@ -18,20 +19,17 @@ import logging
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import httpx
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
 
-from kvserve.runtime.metrics import CONTENT_TYPE
-from kvserve.runtime.router.hold import HeldRequests, HoldRejected
+from kvserve.runtime.router.config import RouterConfig
+from kvserve.runtime.router.control import ReplicaControl
+from kvserve.runtime.router.hold import HoldRejected
 from kvserve.runtime.router.metrics import RouterMetrics
-from kvserve.runtime.router.replica_metrics import parse_metrics
-from kvserve.runtime.router.replica_models import ReplicaModels, parse_models
-from kvserve.runtime.router.replicas import ReplicaSet
-from kvserve.runtime.router.scoring import Decision, HashCache, RequestFeatures, Weights, rank
+from kvserve.runtime.router.scoring import Decision, HashCache, RequestFeatures, rank
 from kvserve.runtime.server.errors import error_response
 
 logger = logging.getLogger("kvserve.router")
@@ -55,29 +53,6 @@ HOP_HEADERS = {
 ENDPOINT_HEADER = "x-kvserve-endpoint"
 
 
-@dataclass
-class RouterConfig:
-    weights: Weights = field(default_factory=Weights)
-    default_capacity_tokens: int = 500_000
-    default_block_size: int = 16
-    poll_interval_s: float = 0.5  # 0: no background scraping or re-probing (tests drive poll_once)
-    stale_after_s: float = 2.0
-    connect_timeout_s: float = 5.0
-    read_timeout_s: float = 600.0  # longest silence from a replica (a non-streamed completion is one silence)
-    max_attempts: int = 2  # the first try plus one retry, only before any byte reached the client
-    eject_base_s: float = 1.0
-    eject_max_s: float = 30.0
-    session_header: str | None = None  # e.g. x-session-id: sticky routing for requests carrying it
-    replica_api_key: str | None = None  # the replicas' --api-key, for reading their /v1/models (adapter names)
-    max_request_body_bytes: int = 32 * 1024 * 1024
-    seed: int | None = None
-    # Scale from zero: while no replica is ready, hold up to this many requests per model (0: answer 503 at
-    # once), each for at most hold_timeout_s, then 503 with Retry-After: hold_retry_after_s.
-    max_held_requests: int = 0
-    hold_timeout_s: float = 60.0
-    hold_retry_after_s: int = 10
-
-
 class _Retryable(Exception):
     def __init__(self, cause: str, response: httpx.Response | None = None):
         super().__init__(cause)
@@ -89,7 +64,8 @@ class _ClientGone(Exception):
 
 
 class Router:
-    """State and behaviour of one router process; `build_app` puts HTTP routes in front of it."""
+    """One router process: the data path here, the control loop in `self.control` (app.build_app puts HTTP
+    routes in front of it)."""
 
     def __init__(
         self,
@@ -100,19 +76,10 @@ class Router:
         self.config = config
         self.tokenizer = tokenizer  # PromptTokenizer or None (then routing is on load only)
         self.discovery = discovery
-        self.replicas = ReplicaSet(
-            default_capacity_tokens=config.default_capacity_tokens,
-            default_block_size=config.default_block_size,
-            stale_after_s=config.stale_after_s,
-            eject_base_s=config.eject_base_s,
-            eject_max_s=config.eject_max_s,
-        )
         self.metrics = RouterMetrics()
-        self.held = (
-            HeldRequests(config.max_held_requests, config.hold_timeout_s, on_change=self.metrics.held.set)
-            if config.max_held_requests > 0
-            else None
-        )
+        self.control = ReplicaControl(config, self.metrics)
+        self.replicas = self.control.replicas  # read-only here: the control loop changes them
+        self.held = self.control.held
         self.rng = random.Random(config.seed)
         self.client: httpx.AsyncClient | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -132,10 +99,11 @@ class Router:
                 connect=self.config.connect_timeout_s, read=self.config.read_timeout_s, write=60.0, pool=None
             ),
         )
+        self.control.client = self.client
         if self.discovery is not None:
             self._tasks.append(asyncio.create_task(self.discovery(self)))
         if self.config.poll_interval_s > 0:
-            self._tasks.append(asyncio.create_task(self._poll_forever()))
+            self._tasks.append(asyncio.create_task(self.control.poll_forever()))
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -146,90 +114,12 @@ class Router:
             await self.client.aclose()
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
+    # ---- the control loop's entry points (discovery calls set_endpoints, tests drive poll_once) -------------
     def set_endpoints(self, ready: set[str], draining: set[str] = frozenset()) -> None:
-        _, removed = self.replicas.set_endpoints(ready, draining)
-        for url in removed:  # drop the per-replica series of replicas that are gone
-            for gauge in (self.metrics.in_flight, self.metrics.index_blocks):
-                try:
-                    gauge.remove(url)
-                except KeyError:
-                    pass
-        self._update_replica_gauges()
-        self._release_held()
-
-    def _release_held(self) -> None:
-        """Forward the held requests, oldest first, once a replica is ready (called after every change that
-        can make one ready: discovery, a successful re-probe, a scrape round)."""
-        if self.held is not None and len(self.held) and self.replicas.ready():
-            logger.info("a replica is ready: forwarding %d held requests", self.held.release())
-
-    def _update_replica_gauges(self) -> None:
-        states = {"routable": 0, "ejected": 0, "draining": 0}
-        for r in self.replicas.replicas.values():
-            states["draining" if r.draining else "ejected" if r.ejected_until is not None else "routable"] += 1
-            self.metrics.index_blocks.labels(r.url).set(self.replicas.index.size(r.url))
-        for state, n in states.items():
-            self.metrics.replicas.labels(state).set(n)
-
-    # ---- background: scrape /metrics, re-probe ejected replicas ----------------------------------------------
-    async def _poll_forever(self) -> None:
-        while True:
-            try:
-                await self.poll_once()
-            except Exception:  # never let one bad scrape end the loop
-                logger.exception("replica poll failed")
-            await asyncio.sleep(self.config.poll_interval_s)
+        self.control.set_endpoints(ready, draining)
 
     async def poll_once(self) -> None:
-        now = time.monotonic()
-        scrape = [r.url for r in self.replicas.replicas.values() if r.ejected_until is None]
-        probe = self.replicas.due_for_probe(now, eager=self.held is not None and len(self.held) > 0)
-        await asyncio.gather(*(self._scrape(url) for url in scrape), *(self._probe(url) for url in probe))
-        self._update_replica_gauges()
-        self._release_held()
-
-    async def _scrape(self, url: str) -> None:
-        try:
-            resp = await self.client.get(url + "/metrics", timeout=httpx.Timeout(2.0, connect=1.0))
-            resp.raise_for_status()
-            self.replicas.observe_metrics(url, parse_metrics(resp.text), time.monotonic())
-        except httpx.ConnectError as exc:
-            self._eject(url, "metrics_connect_error", exc)
-            return
-        except (httpx.HTTPError, ValueError) as exc:
-            # A slow or odd answer is not a dead replica: its metrics just go stale (and count as saturated).
-            logger.debug("scrape of %s failed: %s", url, exc)
-        self.replicas.observe_models(url, await self._read_models(url))
-
-    async def _read_models(self, url: str) -> ReplicaModels | None:
-        """The replica's model cards (which names are LoRA adapters there); None when unreadable (loading,
-        a 401 without --replica-api-key, not an OpenAI server): then it is not filtered out for any adapter."""
-        headers = {"authorization": f"Bearer {self.config.replica_api_key}"} if self.config.replica_api_key else {}
-        try:
-            resp = await self.client.get(url + "/v1/models", headers=headers, timeout=httpx.Timeout(2.0, connect=1.0))
-            resp.raise_for_status()
-            return parse_models(resp.json())
-        except (httpx.HTTPError, ValueError) as exc:
-            logger.debug("reading %s/v1/models failed: %s", url, exc)
-            return None
-
-    async def _probe(self, url: str) -> None:
-        try:
-            resp = await self.client.get(url + "/health", timeout=httpx.Timeout(2.0, connect=1.0))
-            healthy = resp.status_code == 200
-        except httpx.HTTPError:
-            healthy = False
-        if healthy:
-            self.replicas.readmit(url)
-            await self._scrape(url)  # without fresh metrics it would score as saturated until the next round
-            self._release_held()
-        else:
-            self.replicas.probe_failed(url, time.monotonic())
-
-    def _eject(self, url: str, cause: str, detail: Any = None) -> None:
-        if self.replicas.eject(url, time.monotonic(), f"{cause}: {detail}") is not None:
-            self.metrics.ejections.labels(url, cause).inc()
-            self._update_replica_gauges()
+        await self.control.poll_once()
 
     # ---- routing ---------------------------------------------------------------------------------------------
     async def decide(
@@ -294,7 +184,7 @@ class Router:
             elif self.held is None:
                 self.metrics.failed.labels("no_replicas").inc()
                 return error_response(503, "no replicas available", type="server_error")
-            if self.held is None and not reprobed and await self._reprobe_ejected():
+            if self.held is None and not reprobed and await self.control.reprobe_ejected():
                 reprobed = True  # a replica ejected earlier is healthy again: one more round, nothing was sent yet
                 continue
             if self.held is None:
@@ -303,27 +193,11 @@ class Router:
             # Holding: every replica tried failed before answering (each is ejected now), so nothing reached
             # the client: wait for a ready replica again, within the same deadline.
 
-    async def _reprobe_ejected(self) -> bool:
-        """Probe every ejected replica now, not at its back-off time; True when one is ready again.
-
-        Why: every attempt of a request failed before a byte reached the client, and the replicas that could
-        take it may only be waiting out an ejection back-off that grew while they restarted (up to
-        eject_max_s). In a rolling restart that is the moment the last old replica stops while its restarted
-        peer is up but not re-admitted yet (seen as a 502 in tests/server/test_rolling_restart.py under load).
-        A request pays this at most once, bounded by the probe's own timeout."""
-        ejected = [r.url for r in self.replicas.replicas.values() if r.ejected_until is not None]
-        if not ejected:
-            return False
-        await asyncio.gather(*(self._probe(url) for url in ejected))
-        return bool(self.replicas.ready())
-
     async def _hold(self, request: Request, model: str, deadline: float) -> Response | None:
         """Hold the request until a replica is ready (None) or answer it: 503 + Retry-After when the hold is
         full or timed out, 499 when the client left."""
         try:
-            waited = await _race_disconnect(
-                request, self.held.wait(model, deadline, ready=lambda: bool(self.replicas.ready()))
-            )
+            waited = await _race_disconnect(request, self.control.wait_for_ready(model, deadline))
         except _ClientGone:
             self.metrics.hold_outcomes.labels("client_gone").inc()
             self.metrics.client_disconnects.inc()
@@ -381,7 +255,7 @@ class Router:
                 return Response(status_code=499), ""
             except _Retryable as exc:
                 await lease.release()
-                self._eject(url, exc.cause, exc)
+                self.control.eject(url, exc.cause, exc)
                 self.metrics.retries.labels(url, exc.cause).inc()
                 last_error = f"{url}: {exc.cause}"
                 continue
@@ -496,7 +370,7 @@ async def _relay(
         async for chunk in chunks:
             yield chunk
     except httpx.HTTPError as exc:
-        router._eject(url, "stream_broken", exc)
+        router.control.eject(url, "stream_broken", exc)
         logger.warning("upstream %s broke mid-response: %s", url, exc)
         if is_sse:  # end the stream the way kvserve's server reports a failed request
             error = {
@@ -536,62 +410,3 @@ async def _race_disconnect(request: Request, work: Awaitable[Any]) -> Any:
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
     raise _ClientGone()
-
-
-def build_app(router: Router) -> FastAPI:
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await router.start()
-        try:
-            yield
-        finally:
-            await router.stop()
-
-    app = FastAPI(title="kvserve router", lifespan=lifespan)
-    app.state.router = router
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await router.forward(request, "/v1/completions")
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await router.forward(request, "/v1/chat/completions")
-
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        now = time.monotonic()
-        headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization",)}
-        for replica in sorted(router.replicas.routable(now), key=lambda r: r.in_flight)[:2]:
-            try:
-                resp = await router.client.get(replica.url + "/v1/models", headers=headers, timeout=10.0)
-            except httpx.HTTPError as exc:
-                router._eject(replica.url, "connect_error", exc)
-                continue
-            return Response(
-                resp.content,
-                status_code=resp.status_code,
-                media_type=resp.headers.get("content-type", "application/json"),
-                headers={ENDPOINT_HEADER: replica.url},
-            )
-        return error_response(503, "no replicas available", type="server_error")
-
-    @app.get("/health")
-    async def health() -> Response:
-        replicas = router.replicas.replicas.values()
-        routable = sum(1 for r in replicas if r.ejected_until is None and not r.draining)
-        body = {
-            "status": "ok" if routable else "holding" if router.held is not None else "no_replicas",
-            "replicas": len(router.replicas.replicas),
-            "routable": routable,
-        }
-        if router.held is not None:
-            body["held"] = len(router.held)
-        # A holding router is ready with no replica at all: at zero replicas it must take (and hold) the
-        # requests whose count scales the model up.
-        return JSONResponse(body, status_code=200 if routable or router.held is not None else 503)
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(router.metrics.render(), media_type=CONTENT_TYPE)
-
-    return app

@@ -10,6 +10,7 @@ import logging
 from collections import Counter
 from dataclasses import dataclass, field
 
+from kvserve.runtime.router.config import RouterConfig
 from kvserve.runtime.router.prefix_index import PrefixIndex
 from kvserve.runtime.router.replica_metrics import ReplicaMetrics
 from kvserve.runtime.router.replica_models import ReplicaModels
@@ -33,19 +34,13 @@ class Replica:
 
 
 class ReplicaSet:
-    def __init__(
-        self,
-        *,
-        default_capacity_tokens: int = 500_000,
-        default_block_size: int = 16,
-        stale_after_s: float = 2.0,
-        eject_base_s: float = 1.0,
-        eject_max_s: float = 30.0,
-    ):
-        self.default_capacity_tokens = default_capacity_tokens
-        self.default_block_size = default_block_size
-        self.stale_after_s = stale_after_s
-        self.eject_base_s, self.eject_max_s = eject_base_s, eject_max_s
+    def __init__(self, config: RouterConfig | None = None):
+        """The defaults, staleness and ejection back-off are RouterConfig's (default: RouterConfig())."""
+        config = config if config is not None else RouterConfig()
+        self.default_capacity_tokens = config.default_capacity_tokens
+        self.default_block_size = config.default_block_size
+        self.stale_after_s = config.stale_after_s
+        self.eject_base_s, self.eject_max_s = config.eject_base_s, config.eject_max_s
         self.replicas: dict[str, Replica] = {}
         self.index = PrefixIndex()
         self.sessions = SessionTable()

@@ -37,6 +37,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from kvserve.runtime import engine_args
 from kvserve.runtime.core.block_hash import NONE_HASH, extend_block_hashes, root_hash
 from kvserve.runtime.router.prefix_index import PrefixIndex
 
@@ -71,7 +72,7 @@ class ReplicaView:
     waiting: int | None = None  # None: no fresh /metrics
     running: int | None = None
     kv_usage: float | None = None  # 0..1
-    block_size: int = 16
+    block_size: int = engine_args.default("block_size")  # the replica's; unreported: the engine's default
     in_flight_prefill_tokens: int = 0  # uncached prompt tokens of the router's in-flight requests there
     adapters: frozenset[str] | None = None  # LoRA adapters it lists in /v1/models; None: not known
     running_adapters: frozenset[str] = frozenset()  # from its metric plus the router's in-flight requests

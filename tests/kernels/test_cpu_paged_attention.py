@@ -1,7 +1,7 @@
 """The compiled CPU ops (kvserve.kernels.cpu_ops) against the pure-torch paths they replace.
 
 * paged attention: random mixed batches (decodes, fresh prefills, prefills over a cached prefix) on shuffled,
-  NaN-poisoned block tables (kvserve.kernels.testing), GQA ratios 1 / 3 / 4, head dims 64 / 128 / 80, against the
+  NaN-poisoned block tables (runtime/bench/paged_batch.py), GQA ratios 1 / 3 / 4, head dims 64/128/80, against the
   block-table-free dense oracle and TorchAttentionBackend. Relative error max|out - ref| / max|ref|:
   fp32 <= 1e-5, bf16 <= 1e-2 (bf16 outputs are rounded once; the torch path rounds scores and probabilities too).
 * store_kv: slot -1 rows are skipped and nothing else in the cache changes.
@@ -20,9 +20,10 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_testing import dense_causal_attention
 
 from kvserve.kernels import cpu_ops
-from kvserve.kernels.testing import dense_causal_attention, make_paged_batch, rel_err
+from kvserve.runtime.bench.paged_batch import make_paged_batch, rel_err
 
 if not cpu_ops.load():
     pytest.skip(f"compiled CPU ops unavailable: {cpu_ops.unavailable_reason()}", allow_module_level=True)

@@ -8,6 +8,9 @@ import sys
 import textwrap
 
 ENV = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+# tests/ on the path: kernel_testing (the attention oracle) is a test helper, not shipped
+TESTS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WITH_TESTS = dict(ENV, PYTHONPATH=os.pathsep.join(p for p in (TESTS_DIR, ENV.get("PYTHONPATH")) if p))
 
 
 def _run(code: str, env=ENV) -> str:
@@ -36,12 +39,14 @@ def test_import_without_triton():
 
 def test_interpret_env_read_at_launch():
     """triton (and its @jit stdlib) imported in compiled mode first; setting the env later still works."""
-    out = _run("""
+    out = _run(
+        """
         import os, torch, triton, triton.language as tl
         from triton.runtime.jit import JITFunction
         assert isinstance(tl.standard.zeros, JITFunction)  # compiled-mode stdlib
         from kvserve.kernels import paged_attention, store_kv_cache
-        from kvserve.kernels.testing import make_paged_batch, dense_causal_attention, rel_err
+        from kernel_testing import dense_causal_attention
+        from kvserve.runtime.bench.paged_batch import make_paged_batch, rel_err
         b = make_paged_batch([3, 1], [5, 20], num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
                              prefilled_new=False)
         try:
@@ -54,7 +59,9 @@ def test_interpret_env_read_at_launch():
                               b.max_seqlen_q, b.max_seqlen_k, b.scale)
         print("err", rel_err(out, dense_causal_attention(b)))
         assert isinstance(tl.standard.zeros, JITFunction)  # restored after the launch
-    """)
+    """,
+        env=WITH_TESTS,
+    )
     assert "no-interp: Triton kernels need CUDA tensors" in out
     err = float(out.split("err ")[1].split()[0])
     assert err < 1e-5

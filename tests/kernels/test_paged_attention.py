@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_testing import dense_causal_attention
 
 from kvserve.kernels import (
     choose_num_segments,
@@ -18,7 +19,7 @@ from kvserve.kernels import (
     store_kv_cache,
     unified_attention,
 )
-from kvserve.kernels.testing import dense_causal_attention, make_paged_batch, rel_err
+from kvserve.runtime.bench.paged_batch import make_paged_batch, rel_err
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 

@@ -11,7 +11,7 @@ import torch
 from kvserve.kernels import paged_attention
 from kvserve.kernels.attention import split_k_decode_attention, unified_attention
 from kvserve.kernels.reference import paged_attention_ref
-from kvserve.kernels.testing import make_paged_batch, rel_err
+from kvserve.runtime.bench.paged_batch import make_paged_batch, rel_err
 from kvserve.runtime.models.attention import AttentionMetadata, TorchAttentionBackend
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}

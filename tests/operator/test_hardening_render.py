@@ -147,10 +147,5 @@ def test_default_requests_are_sized_from_the_plan_and_overridable():
     assert _container(_render(doc))["resources"]["requests"] == {"cpu": "5", "memory": "64Gi", "nvidia.com/gpu": "4"}
 
 
-def test_swap_default_mirrors_the_runtime():
-    config = pytest.importorskip("kvserve.runtime.config")
-    assert pod_resources.RUNTIME_DEFAULT_SWAP_SPACE_BYTES == config.DEFAULT_SWAP_SPACE_BYTES
-
-
 def test_crash_reasons_reach_the_pod_status():
     assert _container(_render(_doc()))["terminationMessagePolicy"] == "FallbackToLogsOnError"

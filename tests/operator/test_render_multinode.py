@@ -310,6 +310,6 @@ def test_mirrored_constants_equal_the_runtimes():
     from kvserve.runtime import config
     from kvserve.runtime.executor import multinode
 
-    assert parallelism.PIPELINE_ARCHITECTURES is config.PIPELINE_ARCHITECTURES  # one definition (capacity.py)
+    assert parallelism.PIPELINE_ARCHITECTURES is config.PIPELINE_ARCHITECTURES  # one definition (capacity/support.py)
     assert render_multinode.AUTHKEY_ENV == multinode.AUTHKEY_ENV
     assert render_multinode.CONTROL_PORT == render_multinode.MASTER_PORT + 1  # multinode.control_address

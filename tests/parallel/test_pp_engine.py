@@ -1,6 +1,6 @@
 """pipeline_parallel_size > 1 on CPU/gloo worker processes: greedy output token-identical to one stage (over
 chunked prefill, prefix-cache hits, preemption, a seeded sample and logprobs), and each stage holding exactly
-its own layers' weights and KV, as runtime/capacity.py plans them (measured on the workers' tensors)."""
+its own layers' weights and KV, as runtime/capacity/ plans them (measured on the workers' tensors)."""
 
 from __future__ import annotations
 

@@ -127,7 +127,9 @@ class WordTokenizer:
 class LiveRouter(Threaded):
     def __init__(self, backends: list[str], tokenizer: Any = None, **config: Any):
         from kvserve.runtime.router import discovery
-        from kvserve.runtime.router.proxy import Router, RouterConfig, build_app
+        from kvserve.runtime.router.app import build_app
+        from kvserve.runtime.router.config import RouterConfig
+        from kvserve.runtime.router.proxy import Router
 
         config.setdefault("poll_interval_s", 0)
         config.setdefault("default_block_size", 4)

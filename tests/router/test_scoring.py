@@ -10,6 +10,7 @@ import pytest
 from kvserve.runtime.core.block_hash import block_hashes
 from kvserve.runtime.core.kv_cache_manager import KVCacheManager
 from kvserve.runtime.request import Request
+from kvserve.runtime.router.config import RouterConfig
 from kvserve.runtime.router.prefix_index import PrefixIndex, ReplicaLRU
 from kvserve.runtime.router.replica_metrics import parse_metrics
 from kvserve.runtime.router.replicas import ReplicaSet
@@ -186,7 +187,7 @@ def test_parse_metrics_capacity_sources():
 
 
 def test_replica_set_sizes_the_index_from_reported_capacity():
-    rs = ReplicaSet(default_capacity_tokens=1600, default_block_size=16)
+    rs = ReplicaSet(RouterConfig(default_capacity_tokens=1600, default_block_size=16))
     rs.set_endpoints({A, B})
     assert rs.capacity_blocks(rs.replicas[A]) == 100  # default: 1600 tokens / 16
     rs.observe_metrics(A, parse_metrics(METRICS + "kvserve:kv_capacity_tokens 640.0\n"), now=0.0)
@@ -198,7 +199,7 @@ def test_replica_set_sizes_the_index_from_reported_capacity():
 
 
 def test_ejection_backoff_probe_readmit_drain_and_removal():
-    rs = ReplicaSet(eject_base_s=1.0, eject_max_s=4.0)
+    rs = ReplicaSet(RouterConfig(eject_base_s=1.0, eject_max_s=4.0))
     rs.set_endpoints({A, B})
     rs.index.record(A, [b"x"], 10)
     rs.sessions.put("s", A)

@@ -12,36 +12,36 @@ import time
 
 import pytest
 
-from kvserve.runtime.bench import peer
+from kvserve.runtime.bench import cpu_pinning, peer, peer_tables, peer_venv, processes
 
 
 def test_abba_order():
-    assert peer.abba_order("vllm", "kvserve") == ["vllm", "kvserve", "kvserve", "vllm"]
-    assert peer.abba_order("kvserve", "vllm", rounds=2) == ["kvserve", "vllm", "vllm", "kvserve"] * 2
+    assert peer_tables.abba_order("vllm", "kvserve") == ["vllm", "kvserve", "kvserve", "vllm"]
+    assert peer_tables.abba_order("kvserve", "vllm", rounds=2) == ["kvserve", "vllm", "vllm", "kvserve"] * 2
     with pytest.raises(ValueError):
-        peer.abba_order("a", "b", rounds=0)
+        peer_tables.abba_order("a", "b", rounds=0)
 
 
 def test_identical_sequences_and_common_prefix():
     a = [[1, 2, 3], [4, 5, 6, 7], [8]]
     b = [[1, 2, 3], [4, 5, 9, 7], [9]]
-    assert peer.count_identical(a, b) == 1
-    assert peer.count_identical(a, a) == 3
-    assert peer.common_prefix_fraction(a, b) == pytest.approx((1 + 2 / 4 + 0) / 3)
+    assert peer_tables.count_identical(a, b) == 1
+    assert peer_tables.count_identical(a, a) == 3
+    assert peer_tables.common_prefix_fraction(a, b) == pytest.approx((1 + 2 / 4 + 0) / 3)
     with pytest.raises(ValueError):
-        peer.count_identical(a, b[:2])
+        peer_tables.count_identical(a, b[:2])
 
 
 def test_cpu_lists():
-    assert peer.parse_cpus("0-1,3") == [0, 1, 3]
-    assert peer.parse_cpus("2") == [2]
-    assert peer.format_cpus([3, 0, 1, 5, 6, 7]) == "0-1,3,5-7"
+    assert cpu_pinning.parse_cpus("0-1,3") == [0, 1, 3]
+    assert cpu_pinning.parse_cpus("2") == [2]
+    assert cpu_pinning.format_cpus([3, 0, 1, 5, 6, 7]) == "0-1,3,5-7"
     for bad in ("", "a", "3-1", "-1"):
         with pytest.raises(ValueError):
-            peer.parse_cpus(bad)
-    assert peer.default_cpus("offline", [0, 1]) == ([0, 1], [0, 1])
-    assert peer.default_cpus("served", [0, 1]) == ([1], [0])
-    assert peer.default_cpus("served", [0]) == ([0], [0])
+            cpu_pinning.parse_cpus(bad)
+    assert cpu_pinning.default_cpus("offline", [0, 1]) == ([0, 1], [0, 1])
+    assert cpu_pinning.default_cpus("served", [0, 1]) == ([1], [0])
+    assert cpu_pinning.default_cpus("served", [0]) == ([0], [0])
 
 
 def _settings(**kw):
@@ -118,7 +118,7 @@ def _offline_report():
 
 
 def test_offline_table():
-    text = peer.format_offline_table(_offline_report())
+    text = peer_tables.format_offline_table(_offline_report())
     assert "kvserve / vLLM (best output tok/s): 0.60x" in text
     assert "greedy sequences identical between the engines: 95/96" in text
     assert "vllm kvserve kvserve vllm (ABBA); best of 2" in text
@@ -150,7 +150,7 @@ def test_served_table():
         "summary": {"vllm": {"best": runs[0]["metrics"]}, "kvserve": {"best": runs[1]["metrics"]}},
         "ratio": 0.5,
     }
-    text = peer.format_served_table(report)
+    text = peer_tables.format_served_table(report)
     assert "128 concurrent streams" in text and "client on cores 0" in text
     assert "kvserve / vLLM (best output tok/s): 0.50x" in text
     assert "median ITL: kvserve 200.0 ms, vLLM 90.0 ms" in text
@@ -159,36 +159,36 @@ def test_served_table():
 def test_peer_missing_exit_code(tmp_path, capsys):
     from kvserve.cli.main import main
 
-    assert main(["bench", "peer", "--peer-venv", str(tmp_path / "absent")]) == peer.PEER_MISSING_EXIT
+    assert main(["bench", "peer", "--peer-venv", str(tmp_path / "absent")]) == peer_venv.PEER_MISSING_EXIT
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 1 and "tools/make_peer_venv.sh" in out[0] and "no bin/python" in out[0]
     # a python that cannot find vllm (this interpreter outside any venv: a bare copy of its binary's link)
     (tmp_path / "novllm" / "bin").mkdir(parents=True)
     os.symlink(sys.executable, tmp_path / "novllm" / "bin" / "python")
-    assert main(["bench", "peer", "--peer-venv", str(tmp_path / "novllm")]) == peer.PEER_MISSING_EXIT
+    assert main(["bench", "peer", "--peer-venv", str(tmp_path / "novllm")]) == peer_venv.PEER_MISSING_EXIT
     assert "vllm is not installed there" in capsys.readouterr().out
 
 
 def test_server_start_failures_are_bounded_and_leave_nothing(tmp_path):
     # exits before it is ready: the error carries the log tail
-    crash = peer.Server(
+    crash = processes.Server(
         "x",
         [sys.executable, "-c", "print('boom'); raise SystemExit(3)"],
         dict(os.environ),
         sorted(os.sched_getaffinity(0)),
-        peer.free_port(),
+        processes.free_port(),
         str(tmp_path / "a.log"),
         30,
     )
     with pytest.raises(RuntimeError, match="(?s)exited with 3.*boom"):
         crash.__enter__()
     # never becomes ready (its child too): killed at the deadline, the whole process group
-    hang = peer.Server(
+    hang = processes.Server(
         "y",
         ["bash", "-c", "sleep 300 & sleep 300"],
         dict(os.environ),
         sorted(os.sched_getaffinity(0)),
-        peer.free_port(),
+        processes.free_port(),
         str(tmp_path / "b.log"),
         1.0,
     )
@@ -235,7 +235,7 @@ def test_offline_kvserve_side_smoke(model_factory, tmp_path):
             "--kv-cache-gib",
             "0.01",
             "--cpus",
-            peer.format_cpus(sorted(os.sched_getaffinity(0))[:1]),
+            cpu_pinning.format_cpus(sorted(os.sched_getaffinity(0))[:1]),
             "--json-out",
             str(out),
         ],

@@ -1,4 +1,7 @@
-"""Random paged-attention batches for kernel tests and the GPU check script (torch only)."""
+"""Random paged-attention batches: the input of the attention benchmarks (`kvserve bench cpu-attention`, the GPU
+kernel check in gpu_kernels.py) and of the kernel tests, with the error measure they compare outputs by.
+Scattered blocks and NaN-poisoned slots make a kernel that reads outside a sequence's context visible.
+The independent oracle the tests compare against (dense causal attention) lives in tests/kernel_testing.py."""
 
 from __future__ import annotations
 
@@ -6,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .kv_dtypes import is_fp8
+from kvserve.kernels.kv_dtypes import is_fp8
 
 
 @dataclass
@@ -95,7 +98,7 @@ def make_paged_batch(
         kf, vf = kf.to(dtype).float(), vf.to(dtype).float()
         kc, vc = kf, vf  # what the cache holds (as float32; exact in the cache dtype)
         if fp8:
-            from .reference import dequantize_from_cache, quantize_to_cache
+            from kvserve.kernels.reference import dequantize_from_cache, quantize_to_cache
 
             kq, vq = quantize_to_cache(kf, cache_dtype, k_scale), quantize_to_cache(vf, cache_dtype, v_scale)
             kc, vc = kq.float(), vq.float()
@@ -129,32 +132,9 @@ def make_paged_batch(
     )
 
 
-def dense_causal_attention(batch: PagedBatch) -> torch.Tensor:
-    """Attention from the contiguous per-sequence K/V (no block table at all): an independent oracle."""
-    q = batch.q.float()
-    out = torch.full_like(q, float("nan"))
-    group = q.shape[1] // batch.k_full[0].shape[1] if batch.k_full else 1
-    cu = batch.cu_seqlens_q.tolist()
-    for s, (kf, vf) in enumerate(zip(batch.k_full, batch.v_full)):
-        qs = q[cu[s] : cu[s + 1]]
-        ql, n = qs.shape[0], kf.shape[0]
-        if ql == 0:
-            continue
-        kk = kf.to(q.device).repeat_interleave(group, 1)
-        vv = vf.to(q.device).repeat_interleave(group, 1)
-        scores = torch.einsum("qhd,khd->hqk", qs, kk) * batch.scale
-        mask = torch.ones(ql, n, dtype=torch.bool, device=q.device).tril(n - ql)
-        scores = scores.masked_fill(~mask, float("-inf"))
-        out[cu[s] : cu[s + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv)
-    return out
-
-
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """max |out - ref| / max |ref| (inf if out has NaN/inf where ref is finite)."""
     out, ref = out.float(), ref.float()
     if not torch.isfinite(out).all():
         return float("inf")
     return ((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
-
-
-__all__ = ["PagedBatch", "make_paged_batch", "dense_causal_attention", "rel_err"]

@@ -7,6 +7,7 @@ import argparse
 import os
 import sys
 
+from kvserve.cli import router_kv_events
 from kvserve.runtime.engine_args import positive_int as _positive_int  # one definition of the flag type
 
 HELP = "cache- and load-aware router in front of several `kvserve serve` replicas"
@@ -147,6 +148,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="Retry-After of those 503s (default 10)",
     )
+    router_kv_events.add_arguments(parser)
     parser.add_argument(
         "--log-level",
         default="info",
@@ -227,6 +229,11 @@ def run(args: argparse.Namespace) -> int:
         hold_timeout_s=args.hold_timeout,
         hold_retry_after_s=args.hold_retry_after,
     )
-    app = build_app(Router(config, tokenizer, found))
+    try:
+        kv_events = router_kv_events.build(args)
+    except ValueError as exc:
+        print(f"kvserve router: {exc}", file=sys.stderr)
+        return 2
+    app = build_app(Router(config, tokenizer, found, kv_events=kv_events))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     return 0

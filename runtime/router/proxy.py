@@ -96,6 +96,7 @@ class Router:
         config: RouterConfig,
         tokenizer: Any = None,
         discovery: Callable[["Router"], Awaitable[None]] | None = None,
+        kv_events: Any = None,  # kv_subscriber.KVEventSubscriptions: score from the replicas' own KV events
     ):
         self.config = config
         self.tokenizer = tokenizer  # PromptTokenizer or None (then routing is on load only)
@@ -107,6 +108,9 @@ class Router:
             eject_base_s=config.eject_base_s,
             eject_max_s=config.eject_max_s,
         )
+        self.kv_events = kv_events
+        if kv_events is not None:
+            self.replicas.index = kv_events.index_over(self.replicas.index)
         self.metrics = RouterMetrics()
         self.held = (
             HeldRequests(config.max_held_requests, config.hold_timeout_s, on_change=self.metrics.held.set)
@@ -136,6 +140,8 @@ class Router:
             self._tasks.append(asyncio.create_task(self.discovery(self)))
         if self.config.poll_interval_s > 0:
             self._tasks.append(asyncio.create_task(self._poll_forever()))
+        if self.kv_events is not None:
+            self._tasks.append(asyncio.create_task(self.kv_events.run(self)))
 
     async def stop(self) -> None:
         for task in self._tasks:

@@ -53,6 +53,7 @@ class ReplicaBlocks:
     partial: bool = False  # history was lost before the last resync: blocks stored earlier are unknown
     last_message_at: float | None = None  # monotonic time of the last batch or heartbeat
     orphan_stores: int = 0  # stores whose parent block was never seen (not indexed)
+    resync_requested: bool = False  # the router saw the replica fail (ejected): rebuild at the next message
 
     def clear(self) -> None:
         self.blocks.clear()
@@ -174,7 +175,13 @@ class PreciseOrEstimate:
         self.estimate.record(url, hashes, capacity_blocks)
 
     def drop(self, url: str) -> None:
+        """The replica was ejected (it may have restarted) or removed: besides the estimate, its event index
+        is rebuilt from the publisher's replay at the next message. A restart shows in the sequence only when
+        the router sees the new publisher's sequence at or below the old one's; this catches the rest."""
         self.estimate.drop(url)
+        state = self.events.replicas.get(url)
+        if state is not None:
+            state.synced, state.resync_requested = False, True
 
     def size(self, url: str) -> int:
         if self.uses_events(url):

@@ -129,6 +129,11 @@ class ReplicaSubscriber:
     async def on_message(self, seq: int, payload: bytes) -> None:
         state = self.state
         state.last_message_at = time.monotonic()
+        if state.resync_requested:
+            state.resync_requested = False
+            await self._resync(seq, "ejected")
+            self._apply(seq, payload)
+            return
         if self.last_seq is not None and seq == self.last_seq + 1:
             self._apply(seq, payload)
             return
@@ -326,7 +331,7 @@ def _register_metrics(registry) -> _Metrics:
         ),
         Counter(
             "kvserve_router:kv_events_recoveries",
-            "Gaps replayed and resyncs (cause: gap, restart, subscribed) of the replica's KV-event stream.",
+            "Gaps replayed and resyncs (gap, restart, ejected) of the replica's KV-event stream.",
             ["replica", "what"],
             registry=registry,
         ),

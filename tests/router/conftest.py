@@ -125,13 +125,13 @@ class WordTokenizer:
 
 
 class LiveRouter(Threaded):
-    def __init__(self, backends: list[str], tokenizer: Any = None, **config: Any):
+    def __init__(self, backends: list[str], tokenizer: Any = None, kv_events: Any = None, **config: Any):
         from kvserve.runtime.router import discovery
         from kvserve.runtime.router.proxy import Router, RouterConfig, build_app
 
         config.setdefault("poll_interval_s", 0)
         config.setdefault("default_block_size", 4)
-        self.router = Router(RouterConfig(seed=0, **config), tokenizer, discovery.static(backends))
+        self.router = Router(RouterConfig(seed=0, **config), tokenizer, discovery.static(backends), kv_events=kv_events)
         super().__init__(build_app(self.router))
         deadline = time.monotonic() + 10
         while len(self.router.replicas.replicas) < len(backends):

@@ -67,6 +67,9 @@ class ZmqEventPublisher:
             self._replay.bind(config.replay_endpoint)
         self._seq = 0  # the next batch's sequence number; taken under _lock together with the queue slot
         self._lock = threading.Lock()
+        logger.info(
+            "KV events: publishing on %s (replay: %s, topic %r)", self.endpoint, self.replay_endpoint, config.topic
+        )
         self._running = True
         self._thread = threading.Thread(target=self._run, name="kvserve-kv-events", daemon=True)
         self._thread.start()

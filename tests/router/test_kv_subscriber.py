@@ -222,3 +222,35 @@ def test_an_ejected_replica_resyncs_at_its_next_message():
     assert matched(index, A) == 3 and matched(index, B) == 2 and index.is_fresh("r", time.monotonic())
     sub.close()
     pub.shutdown()
+
+
+def test_two_routers_on_the_same_streams_decide_alike(fakes):
+    """Active-active: two router instances that never talk to each other build the same index from the same
+    streams, so each sends a prompt where the other sent it before."""
+    a, b = fakes("a", "b")
+    pubs = {a.url: publisher(heartbeat_s=0.1), b.url: publisher(heartbeat_s=0.1)}
+    tokenizer = fakes.WordTokenizer()
+    routers, indexes = [], []
+    for _ in range(2):
+        endpoints = EventEndpoints(explicit={u: EventSource(p.endpoint, p.replay_endpoint) for u, p in pubs.items()})
+        events = KVEventSubscriptions(endpoints, stale_after_s=2.0, sync_interval_s=0.1)
+        routers.append(fakes.router([a.url, b.url], tokenizer=tokenizer, kv_events=events))
+        indexes.append(events.index)
+    deadline = time.monotonic() + 10
+    while not all(i.is_fresh(u, time.monotonic()) for i in indexes for u in pubs):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    for n, home in enumerate([a.url, b.url, a.url]):
+        prompt = " ".join(f"t{n}x{i}" for i in range(24))
+        tokens = tokenizer.token_ids("/v1/completions", {"prompt": prompt})
+        pubs[home].publish([store(tokens)])  # the prompt ran on `home` (sent there by neither router)
+        deadline = time.monotonic() + 10
+        while not all(i.matched_blocks(home, HashCache(tokens)(BS)) == 6 for i in indexes):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        for router in routers:
+            resp = fakes.completion(router, prompt)
+            assert resp.status_code == 200 and resp.headers["x-kvserve-endpoint"] == home
+        pubs[home].publish([remove(tokens)])
+    for p in pubs.values():
+        p.shutdown()

@@ -76,9 +76,10 @@ class EventEndpoints:
         for item in items:
             url, sep, rest = item.partition("=")
             parts = [p.strip() for p in rest.split(",")] if sep else []
-            if not url or not parts or len(parts) > 2 or not all(p.startswith("tcp://") for p in parts):
+            if not url or not parts or len(parts) > 2 or not all(p.startswith(("tcp://", "ipc://")) for p in parts):
                 raise ValueError(
-                    f"--kv-events-endpoint {item!r}: expected REPLICA_URL=tcp://host:port[,tcp://host:replay_port]"
+                    f"--kv-events-endpoint {item!r}: expected REPLICA_URL=tcp://host:port[,tcp://host:replay_port] "
+                    "(or ipc:// paths)"
                 )
             out[url.rstrip("/")] = EventSource(parts[0], parts[1] if len(parts) > 1 else None)
         return out

@@ -13,8 +13,14 @@ and services replay requests. When the queue is full the batch is dropped and co
 its sequence number is never sent, so a consumer sees the gap, finds it missing from the replay too, and
 resyncs instead of trusting an index that lost events.
 
-While nothing happens the thread sends an empty batch every `heartbeat_s` (newer vLLM does the same), so a
-consumer can tell an idle engine from a dead stream.
+The first batch (seq 0) is an AllBlocksCleared: a new publisher is a new engine with an empty cache, so a
+consumer that replays from 0 -- after a restart it noticed or not -- starts from an empty index for it.
+
+While nothing happens the thread repeats the last batch's sequence number with an empty batch every
+`heartbeat_s` (1 s; newer vLLM also sends empty batches when idle), so a consumer can tell an idle engine
+from a dead stream. Heartbeats take no sequence number and are not buffered: the replay buffer's
+`buffer_steps` hold only batches that carry events, however long the engine idles. A consumer written for
+vLLM processes a heartbeat as an empty batch (its sequence is not beyond the last one, so it is no gap).
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from collections import deque
 import msgspec
 import zmq
 
-from kvserve.runtime.core.kv_cache_events import MEDIUM_DEVICE, CacheEvent
+from kvserve.runtime.core.kv_cache_events import MEDIUM_DEVICE, AllCleared, CacheEvent
 from kvserve.runtime.kv_events.config import KVEventsConfig
 from kvserve.runtime.kv_events.events import KVEventBatch, to_wire
 
@@ -67,6 +73,7 @@ class ZmqEventPublisher:
             self._replay.bind(config.replay_endpoint)
         self._seq = 0  # the next batch's sequence number; taken under _lock together with the queue slot
         self._lock = threading.Lock()
+        self._enqueue([AllCleared()])  # seq 0: this engine's cache starts empty
         logger.info(
             "KV events: publishing on %s (replay: %s, topic %r)", self.endpoint, self.replay_endpoint, config.topic
         )
@@ -88,7 +95,7 @@ class ZmqEventPublisher:
         self._enqueue(records)
 
     def _enqueue(self, records: list[CacheEvent]) -> None:
-        # One lock orders sequence numbers and queue slots alike (the thread's heartbeats come through here).
+        # One lock keeps sequence numbers in queue order whichever thread publishes.
         with self._lock:
             seq, self._seq = self._seq, self._seq + 1
             try:
@@ -109,6 +116,7 @@ class ZmqEventPublisher:
     def _run(self) -> None:
         encoder = msgspec.msgpack.Encoder()
         last_sent = time.monotonic()
+        last_seq: bytes | None = None  # the last batch's sequence frame, repeated by heartbeats
         while self._running or not self._queue.empty():
             if self._replay is not None:
                 while self._replay.poll(0):
@@ -119,20 +127,25 @@ class ZmqEventPublisher:
             try:
                 seq, ts, records = self._queue.get(timeout=_POLL_S)
             except queue.Empty:
-                if self._running and time.monotonic() - last_sent >= self.heartbeat_s:
-                    self._enqueue([])  # heartbeat: an empty batch
+                if self._running and last_seq is not None and time.monotonic() - last_sent >= self.heartbeat_s:
+                    heartbeat = encoder.encode(KVEventBatch(time.time(), [], self.data_parallel_rank))
+                    self._send(last_seq, heartbeat)
                     last_sent = time.monotonic()
                 continue
             try:
                 batch = KVEventBatch(ts, to_wire(records, MEDIUM_DEVICE), self.data_parallel_rank)
                 payload = encoder.encode(batch)
-                self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), copy=False)
+                last_seq = seq.to_bytes(8, "big")
+                self._send(last_seq, payload)
                 self._buffer.append((seq, payload))
                 self.sent_batches += 1
                 last_sent = time.monotonic()
             except Exception:  # noqa: BLE001 -- keep the thread alive; back off a little
                 logger.exception("KV events: publishing batch %d failed", seq)
                 time.sleep(0.1)
+
+    def _send(self, seq: bytes, payload: bytes) -> None:
+        self._pub.send_multipart((self._topic, seq, payload), copy=False)
 
     def _service_replay(self) -> None:
         frames = self._replay.recv_multipart()

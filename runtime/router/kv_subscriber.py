@@ -10,7 +10,9 @@ the replica's event endpoint, and, when it has one, a DEALER for its replay endp
   the engine's cache was emptied: the replica resyncs;
 - the first message after a (re)subscription: the batches before it are replayed from sequence 0.
 A resync clears the replica's blocks and replays from 0; what the publisher no longer buffers is lost, which
-the index marks (`partial`): it then under-reports, never over-reports.
+the index marks (`partial`): it then under-reports, never over-reports. kvserve's heartbeats (empty batches
+every second while idle) repeat the last batch's sequence number: they refresh the stream's age and, one
+beyond the last batch seen, reveal a missed batch at once rather than at the next real one.
 
 While a replica's stream is not synced, or silent for longer than stale_after_s (the engine publishes an empty
 batch every second when idle), the router scores it from its estimate (kv_index.PreciseOrEstimate): a dead
@@ -130,34 +132,48 @@ class ReplicaSubscriber:
     async def on_message(self, seq: int, payload: bytes) -> None:
         state = self.state
         state.last_message_at = time.monotonic()
-        if state.resync_requested:
-            state.resync_requested = False
-            await self._resync(seq, "ejected")
-            self._apply(seq, payload)
-            return
-        if self.last_seq is not None and seq == self.last_seq + 1:
-            self._apply(seq, payload)
-            return
-        if self.last_seq is None:
-            await self._catch_up(seq)
-        elif seq <= self.last_seq:
-            logger.info(
-                "KV events of %s: sequence went back %d -> %d: publisher restarted", self.url, self.last_seq, seq
-            )
-            await self._resync(seq, "restart")
-        else:
-            await self._fill_gap(seq)
-        self._apply(seq, payload)
-
-    def _apply(self, seq: int, payload: bytes) -> None:
         try:
-            batch: DecodedBatch = decode_batch(payload)
+            batch = decode_batch(payload)
         except MalformedEvent as exc:
             logger.warning("KV events of %s: batch %d malformed (%s): resyncing at the next batch", self.url, seq, exc)
             self.malformed += 1
-            self.state.synced = False
-            self.last_seq = None
+            state.synced, state.resync_requested = False, True
             return
+        # kvserve's heartbeat (an empty batch) repeats the last batch's sequence number. An empty batch one
+        # beyond it is a batch this subscriber missed (or a heartbeat that took a number of its own): both are
+        # checked against the replay, like any gap.
+        heartbeat = not batch.events
+        last = self.last_seq
+        if last is not None and not state.resync_requested:
+            if seq == last + 1 and not heartbeat:
+                self._apply(seq, batch)
+                return
+            if heartbeat and seq == last:
+                return
+        through = seq if heartbeat else seq - 1  # the last batch that must be applied before this message
+        if state.resync_requested or last is None:
+            if state.resync_requested:
+                state.resync_requested = False
+                self.resyncs += 1
+                self._count("resync_ejected")
+            await self._catch_up(through + 1)
+        elif through < last:
+            logger.info("KV events of %s: sequence went back %d -> %d: publisher restarted", self.url, last, seq)
+            await self._resync(through + 1, "restart")
+        else:
+            await self._fill_gap(through + 1)
+        if heartbeat and self.last_seq is None and through >= 0:
+            return  # the batches up to `through` could not be replayed: wait for the next real batch
+        self._apply(seq, batch)
+
+    def _apply(self, seq: int, batch: DecodedBatch | bytes) -> None:
+        if isinstance(batch, bytes):
+            try:
+                batch = decode_batch(batch)
+            except MalformedEvent as exc:
+                logger.warning("KV events of %s: replayed batch %d malformed (%s)", self.url, seq, exc)
+                self.malformed += 1
+                return
         self.state.apply(batch)
         self.last_seq = seq
         self.state.synced = True
@@ -184,6 +200,7 @@ class ReplicaSubscriber:
         whole history, while its buffer still holds it)."""
         state = self.state
         state.clear()
+        state.synced = False
         self.last_seq = None
         if seq == 0:
             state.partial = False

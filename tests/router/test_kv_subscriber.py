@@ -55,11 +55,14 @@ def subscribe(pub: ZmqEventPublisher):
 
 
 def drain(sub, n: int) -> list[tuple[int, bytes]]:
+    """The next n messages after the publisher's opening AllBlocksCleared (seq 0, sent as it starts: a SUB
+    socket that connects later may or may not see it)."""
     out = []
     while len(out) < n:
         assert sub.poll(5000), f"only {len(out)} of {n} messages arrived"
         _, seq, payload = sub.recv_multipart()
-        out.append((int.from_bytes(seq, "big"), payload))
+        if int.from_bytes(seq, "big") > 0:
+            out.append((int.from_bytes(seq, "big"), payload))
     return out
 
 
@@ -93,9 +96,11 @@ def test_gap_is_filled_by_replay():
         pub.publish(records)
     messages = drain(sub, 4)
     source = EventSource(pub.endpoint, pub.replay_endpoint)
-    # Message 1 (store B) and 2 (remove A) never reached this subscriber: it sees 0 then 3.
+    # Seqs 1..4; 2 (store B) and 3 (remove A) never reached this subscriber: it sees 1 then 4. Joining at 1 it
+    # replays 0 (the opening clear); at 4 it replays 2 and 3.
+    assert [s for s, _ in messages] == [1, 2, 3, 4]
     sub_state, index = run_subscriber(source, [messages[0], messages[3]])
-    assert sub_state.replays == 1 and sub_state.resyncs == 0 and sub_state.last_seq == 3
+    assert sub_state.replays == 2 and sub_state.resyncs == 0 and sub_state.last_seq == 4
     assert matched(index, A) == 0 and matched(index, B) == 2 and matched(index, C) == 1
     assert not index.replica("r").partial
     sub.close()
@@ -109,7 +114,7 @@ def test_lost_history_resyncs_and_is_marked_partial():
     for records in ([store(A)], [store(B)], [store(C)]):
         pub.publish(records)
     messages = drain(sub, 3)
-    # Saw 0, missed 1; the replay buffer holds only 2: A stays unknown (cleared), C is learnt, B is lost.
+    # Saw 1, missed 2; the replay buffer holds only 3: A is forgotten (the resync clears), C is learnt, B lost.
     sub_state, index = run_subscriber(EventSource(pub.endpoint, pub.replay_endpoint), [messages[0], messages[2]])
     assert sub_state.resyncs == 1 and index.replica("r").partial
     assert matched(index, A) == 0 and matched(index, B) == 0 and matched(index, C) == 1
@@ -134,11 +139,11 @@ def test_publisher_restart_resyncs_from_the_new_stream(tmp_path):
     second.publish([remove(C)])
     second.publish([store(B)])
     after = drain(sub, 3)
-    assert [s for s, _ in before] == [0, 1] and [s for s, _ in after] == [0, 1, 2]
-    # The restart lands between messages: the subscriber sees old 0 and 1, then the new stream's 1 (<= last).
+    assert [s for s, _ in before] == [1, 2] and [s for s, _ in after] == [1, 2, 3]
+    # The restart lands between messages: the subscriber sees old 1 and 2, then the new stream's 2 (<= last).
     sub_state, index = run_subscriber(EventSource(endpoint, replay), [before[0], before[1], after[1], after[2]])
-    assert sub_state.resyncs == 1 and sub_state.last_seq == 2
-    # A was only in the old engine's cache; the new one stored C, removed it, stored B (its seq 0 replayed).
+    assert sub_state.resyncs == 1 and sub_state.last_seq == 3
+    # A was only in the old engine's cache; the new one stored C (seq 1, replayed), removed it, stored B.
     assert matched(index, A) == 0 and matched(index, C) == 0 and matched(index, B) == 2
     assert not index.replica("r").partial
     sub.close()

@@ -29,11 +29,16 @@ class VllmFormatSubscriber:
         self.sub.setsockopt_string(zmq.SUBSCRIBE, topic)
         self.replay_endpoint = replay_endpoint
 
-    def recv(self, timeout_ms: int = TIMEOUT_MS) -> tuple[bytes, int, dict]:
-        assert self.sub.poll(timeout_ms), "no event batch arrived"
-        topic, seq, payload = self.sub.recv_multipart()
-        assert len(seq) == 8
-        return topic, int.from_bytes(seq, "big"), msgpack.unpackb(payload, raw=False)
+    def recv(self, timeout_ms: int = TIMEOUT_MS, skip_opening: bool = True) -> tuple[bytes, int, dict]:
+        """The next message; by default past the publisher's opening AllBlocksCleared (seq 0, sent as it
+        starts: this socket, connected later, may or may not see it)."""
+        while True:
+            assert self.sub.poll(timeout_ms), "no event batch arrived"
+            topic, seq, payload = self.sub.recv_multipart()
+            assert len(seq) == 8
+            seq, batch = int.from_bytes(seq, "big"), msgpack.unpackb(payload, raw=False)
+            if not (skip_opening and seq == 0 and batch["events"] == [{"type": "AllBlocksCleared"}]):
+                return topic, seq, batch
 
     def recv_until(self, predicate, timeout_s: float = 10.0) -> list[tuple[int, dict]]:
         got, deadline = [], time.monotonic() + timeout_s
@@ -135,8 +140,8 @@ def test_frames_map_form_and_replay(publisher):
     first = StoredBlocks([11, 12], None, list(range(32)), 16, None)
     pub.publish([first])
     pub.publish([RemovedBlocks([12, 11])])
-    topic, seq0, batch = sub.recv()
-    assert topic == b"kv@pod-a@model" and seq0 == 0
+    topic, seq1, batch = sub.recv()
+    assert topic == b"kv@pod-a@model" and seq1 == 1  # seq 0: the opening AllBlocksCleared
     # vLLM's current encoding: the batch and every event are maps; the event's tag is its class name.
     assert set(batch) == {"ts", "events", "data_parallel_rank"} and batch["data_parallel_rank"] == 0
     assert abs(batch["ts"] - time.time()) < 60
@@ -152,11 +157,13 @@ def test_frames_map_form_and_replay(publisher):
             "lora_name": None,
         }
     ]
-    _, seq1, batch = sub.recv()
-    assert seq1 == 1 and batch["events"] == [{"type": "BlockRemoved", "block_hashes": [12, 11], "medium": "GPU"}]
-    replayed = sub.replay(1)
-    assert [s for s, _ in replayed] == [1] and replayed[0][1] == batch
-    assert [s for s, _ in sub.replay(0)] == [0, 1]
+    _, seq2, batch = sub.recv()
+    assert seq2 == 2 and batch["events"] == [{"type": "BlockRemoved", "block_hashes": [12, 11], "medium": "GPU"}]
+    replayed = sub.replay(2)
+    assert [s for s, _ in replayed] == [2] and replayed[0][1] == batch
+    everything = sub.replay(0)
+    assert [s for s, _ in everything] == [0, 1, 2]
+    assert everything[0][1]["events"] == [{"type": "AllBlocksCleared"}]  # a new engine's cache is empty
     assert sub.replay(5) == []  # nothing buffered from there: only the end marker
     sub.close()
 
@@ -164,20 +171,27 @@ def test_frames_map_form_and_replay(publisher):
 def test_replay_keeps_only_buffer_steps(publisher):
     pub = publisher(replay_endpoint="tcp://127.0.0.1:*", buffer_steps=2)
     sub = connect(pub)
-    for i in range(4):
-        pub.publish([RemovedBlocks([i])])
-    sub.recv_until(lambda b: b["events"][0]["block_hashes"] == [3])
-    assert [s for s, _ in sub.replay(0)] == [2, 3]  # the client sees it missed 0 and 1
+    for i in range(1, 5):
+        pub.publish([RemovedBlocks([i])])  # seqs 1..4
+    sub.recv_until(lambda b: b["events"][0]["block_hashes"] == [4])
+    assert [s for s, _ in sub.replay(0)] == [3, 4]  # the client sees it missed 0..2
     sub.close()
 
 
 def test_heartbeat_when_idle(publisher):
-    pub = publisher(heartbeat_s=0.1)
+    pub = publisher(heartbeat_s=0.1, replay_endpoint="tcp://127.0.0.1:*")
     sub = connect(pub)
-    _, seq, batch = sub.recv()
-    assert batch["events"] == []
-    _, seq_next, _ = sub.recv()
-    assert seq_next == seq + 1
+    _, seq, batch = sub.recv(skip_opening=False)
+    if batch["events"]:  # this socket saw the opening clear itself
+        _, seq, batch = sub.recv(skip_opening=False)
+    # A heartbeat is an empty batch repeating the last batch's seq (0, the opening clear): no new number,
+    # so a vLLM-style consumer sees no gap, and nothing is buffered for replay.
+    assert batch["events"] == [] and seq == 0
+    _, seq_next, batch_next = sub.recv(skip_opening=False)
+    assert seq_next == 0 and batch_next["events"] == [] and batch_next["ts"] > batch["ts"]
+    pub.publish([RemovedBlocks([1])])
+    assert sub.recv_until(lambda b: b["events"])[-1][0] == 1
+    assert [s for s, _ in sub.replay(0)] == [0, 1]
     sub.close()
 
 
@@ -193,8 +207,9 @@ def test_full_queue_drops_batches_and_leaves_a_gap(publisher):
     seqs = []
     while sub.sub.poll(200):
         seqs.append(int.from_bytes(sub.sub.recv_multipart()[1], "big"))
-    assert pub.dropped_batches > 0 and pub.sent_batches + pub.dropped_batches == total
-    assert len(seqs) == pub.sent_batches and seqs[-1] == total - 1  # the dropped seqs are a visible gap
+    seqs = [s for s in seqs if s > 0]  # past the opening clear (seq 0, never dropped: the queue starts empty)
+    assert pub.dropped_batches > 0 and pub.sent_batches + pub.dropped_batches == total + 1
+    assert len(seqs) == pub.sent_batches - 1 and seqs[-1] == total  # the dropped seqs are a visible gap
     sub.close()
 
 

@@ -13,7 +13,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--runs",
         default="single,router,random,kill",
-        help="comma-separated subset of single, router, random, random-proxy, kill",
+        help="comma-separated subset of single, router, router-events, random, random-proxy, kill",
     )
     parser.add_argument(
         "--repeat",

@@ -9,6 +9,7 @@ import sys
 from dataclasses import MISSING, dataclass, fields
 from typing import Any, Callable
 
+from kvserve.cli import router_kv_events
 from kvserve.runtime.engine_args import positive_int as _positive_int  # one definition of the flag type
 from kvserve.runtime.router.config import RouterConfig
 from kvserve.runtime.router.scoring import Weights
@@ -194,6 +195,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     hold = parser.add_argument_group("scale from zero: requests held while no replica is ready")
     for flag in HOLD_FLAGS:
         flag.add(hold, RouterConfig)
+    router_kv_events.add_arguments(parser)
     parser.add_argument(
         "--log-level",
         default="info",
@@ -254,6 +256,11 @@ def run(args: argparse.Namespace) -> int:
     given = {flag.field: getattr(args, flag.dest) for flag in CONFIG_FLAGS + HOLD_FLAGS}
     given["replica_api_key"] = given["replica_api_key"] or os.environ.get("KVSERVE_API_KEY") or None
     config = RouterConfig(weights=weights, **given)
-    app = build_app(Router(config, tokenizer, found))
+    try:
+        kv_events = router_kv_events.build(args)
+    except ValueError as exc:
+        print(f"kvserve router: {exc}", file=sys.stderr)
+        return 2
+    app = build_app(Router(config, tokenizer, found, kv_events=kv_events))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     return 0

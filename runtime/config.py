@@ -12,6 +12,7 @@ from kvserve.runtime import capacity, cuda_graph_settings, engine_args
 from kvserve.runtime.capacity import PIPELINE_ARCHITECTURES, SUPPORTED_ARCHITECTURES
 from kvserve.runtime.core.scheduler import SchedulerConfig
 from kvserve.runtime.errors import InvalidParameter
+from kvserve.runtime.kv_events.config import KVEventsConfig, parse_kv_events_config
 from kvserve.runtime.spec_decode.config import SpeculativeConfig, parse_speculative_config
 
 logger = logging.getLogger(__name__)
@@ -112,6 +113,7 @@ class EngineConfig:
     lora: LoraConfig | None = None  # --enable-lora (runtime/lora/)
     parallel: ParallelConfig = ParallelConfig()  # pipeline stages (tensor_parallel_size above is per stage)
     speculative: SpeculativeConfig | None = None  # --speculative-config (runtime/spec_decode/)
+    kv_events: KVEventsConfig | None = None  # --kv-events-config (runtime/kv_events/)
 
     @property
     def pipeline_parallel_size(self) -> int:
@@ -291,6 +293,7 @@ def build_engine_config(args) -> EngineConfig:
         lora=lora,
         parallel=parallel,
         speculative=parse_speculative_config(a.speculative_config),
+        kv_events=parse_kv_events_config(a.kv_events_config),
     )
 
 

@@ -273,6 +273,12 @@ class EngineArgs:
         '"prompt_lookup_max": 4} or {"method": "suffix"}; "disable_by_batch_size": N stops drafting '
         "above N running requests (docs/performance.md, Speculative decoding)",
     )
+    kv_events_config: Any = _setting(
+        None,
+        "publish KV cache events in vLLM's format, vLLM's JSON: "
+        '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+        '"replay_endpoint": "tcp://*:5558", "topic": "kv"} (docs/router.md, KV events)',
+    )
     api_server_count: int = _setting(
         1,
         "`kvserve serve` only: run this many API-server processes (HTTP, tokenisation, detokenisation, "

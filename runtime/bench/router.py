@@ -10,6 +10,8 @@ and wait an exponential think time between turns. Runs, each on freshly started 
   router  through `kvserve router`
   random  each request to a replica chosen uniformly at random (what a ClusterIP Service does; per request,
           not round-robin, which can give accidental affinity when conversations divide by the replicas)
+  router-events  through the router scoring from the replicas' KV events (--kv-events-config on each
+          replica over ipc:// sockets, --kv-events-endpoint on the router) instead of its estimate
   kill    through the router, with one replica SIGKILLed halfway through the run
   random-proxy  (optional) through the router with every weight 0: random picks behind the same proxy hop,
           which separates the routing policy from the proxy's own CPU cost on a small machine
@@ -43,8 +45,8 @@ import httpx
 from kvserve.runtime.bench.serve_client import percentile
 from kvserve.runtime.router.replica_metrics import parse_metrics
 
-RUNS = ("single", "router", "random", "random-proxy", "kill")
-REPEATED = ("router", "random", "random-proxy")  # the comparison runs, repeated --repeat times
+RUNS = ("single", "router", "router-events", "random", "random-proxy", "kill")
+REPEATED = ("router", "router-events", "random", "random-proxy")  # the comparison runs, repeated --repeat times
 
 
 # ---- processes ------------------------------------------------------------------------------------------------
@@ -265,7 +267,13 @@ def _run(args: argparse.Namespace, name: str, seed: int) -> dict[str, Any]:
         *args.serve_args.split(),
     ]
     n = 1 if name == "single" else args.replicas
-    replicas = [_Proc(serve_args) for _ in range(n)]
+    events = [None] * n  # router-events: each replica's (endpoint, replay endpoint)
+    if name == "router-events":
+        import tempfile
+
+        events_dir = tempfile.mkdtemp(prefix="kvserve-bench-events-")  # ipc: local sockets, nothing listens on tcp
+        events = [(f"ipc://{events_dir}/r{i}", f"ipc://{events_dir}/r{i}-replay") for i in range(n)]
+    replicas = [_Proc(serve_args + (_events_flag(*ev) if ev else [])) for ev in events]
     router = None
     try:
         for r in replicas:
@@ -273,7 +281,7 @@ def _run(args: argparse.Namespace, name: str, seed: int) -> dict[str, Any]:
         urls = [r.url for r in replicas]
         model = httpx.get(urls[0] + "/v1/models", timeout=10).json()["data"][0]["id"]
         root = httpx.get(urls[0] + "/v1/models", timeout=10).json()["data"][0].get("root")
-        if name in ("router", "kill", "random-proxy"):
+        if name in ("router", "router-events", "kill", "random-proxy"):
             weights = (
                 [
                     "--weight-prefill",
@@ -297,6 +305,7 @@ def _run(args: argparse.Namespace, name: str, seed: int) -> dict[str, Any]:
                     "--tokenizer",
                     root,
                     *weights,
+                    *sum((["--kv-events-endpoint", f"{u}={ev[0]},{ev[1]}"] for u, ev in zip(urls, events) if ev), []),
                     *args.router_args.split(),
                 ],
                 threads=1,
@@ -357,6 +366,11 @@ def _run(args: argparse.Namespace, name: str, seed: int) -> dict[str, Any]:
             proc.stop()
 
 
+def _events_flag(endpoint: str, replay: str) -> list[str]:
+    config = {"enable_kv_cache_events": True, "endpoint": endpoint, "replay_endpoint": replay}
+    return ["--kv-events-config", json.dumps(config)]
+
+
 def _router_summary(text: str) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -386,13 +400,17 @@ def _goals(runs: dict[str, dict]) -> dict[str, Any]:
         rate = statistics.median(r["prefix_cache_hit_rate"] for r in router)
         goals["hit_rate_router_over_single"] = rate / single[0]["prefix_cache_hit_rate"]
         goals["hit_rate_goal_met (>= 0.90)"] = goals["hit_rate_router_over_single"] >= 0.90
+    events = _group(runs, "router-events")
+    if events and single and single[0].get("prefix_cache_hit_rate"):
+        rate = statistics.median(r["prefix_cache_hit_rate"] for r in events)
+        goals["hit_rate_router-events_over_single"] = rate / single[0]["prefix_cache_hit_rate"]
     if router and random_:
         # Paired by repetition (run back to back), then the median: drifting background load cancels out.
         reductions = [1 - a["mean_ttft_ms"] / b["mean_ttft_ms"] for a, b in zip(router, random_) if b["mean_ttft_ms"]]
         goals["mean_ttft_reduction_vs_random_per_repetition"] = [round(x, 3) for x in reductions]
         goals["mean_ttft_reduction_vs_random (median)"] = statistics.median(reductions)
         goals["ttft_goal_met (>= 0.40)"] = goals["mean_ttft_reduction_vs_random (median)"] >= 0.40
-    for name in ("random-proxy",):
+    for name in ("random-proxy", "router-events"):
         other = _group(runs, name)
         if router and other:
             reductions = [1 - a["mean_ttft_ms"] / b["mean_ttft_ms"] for a, b in zip(router, other) if b["mean_ttft_ms"]]
@@ -444,7 +462,13 @@ def _plot(runs: dict[str, dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.6))
-    colors = {"single": "grey", "router": "tab:blue", "random": "tab:orange", "random-proxy": "tab:green"}
+    colors = {
+        "single": "grey",
+        "router": "tab:blue",
+        "router-events": "tab:purple",
+        "random": "tab:orange",
+        "random-proxy": "tab:green",
+    }
     names = [n for n in colors if _group(runs, n)]
     for name in names:  # pooled over repetitions
         ttfts = sorted(r["ttft_s"] * 1000 for run in _group(runs, name) for r in run["records"] if r["ok"])

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from kvserve.runtime.core.kv_cache_events import KVEventCollector
+
 
 class KVCacheBlock:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "prev_free", "next_free", "event_hash")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
@@ -21,6 +23,7 @@ class KVCacheBlock:
         self.token_ids: tuple[int, ...] | None = None
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
+        self.event_hash: int | None = None  # announced as stored in a KV event (core/kv_cache_events.py)
 
     def __repr__(self) -> str:
         return f"Block({self.block_id}, ref={self.ref_cnt}, hashed={self.block_hash is not None})"
@@ -88,6 +91,7 @@ class BlockPool:
         self.null_block.ref_cnt = 1
         self.free_queue = FreeBlockQueue(self.blocks[1:])
         self.cached_blocks: dict[bytes, KVCacheBlock] = {}
+        self.events: KVEventCollector | None = None  # --kv-events-config: what entered and left the cache
 
     @property
     def num_free_blocks(self) -> int:
@@ -142,9 +146,25 @@ class BlockPool:
     def uncache_block(self, block: KVCacheBlock) -> None:
         self._evict(block)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's reset_prefix_cache): only while no request holds a block, else
+        False and nothing changes."""
+        if self.num_free_blocks != self.num_blocks - 1:
+            return False
+        for block in list(self.cached_blocks.values()):
+            block.event_hash = None  # one AllBlocksCleared below instead of a removal per block
+            self._evict(block)
+        if self.events is not None:
+            self.events.cleared()
+        return True
+
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is None:
             return
         if self.cached_blocks.get(block.block_hash) is block:
             del self.cached_blocks[block.block_hash]
+        if block.event_hash is not None:
+            if self.events is not None:
+                self.events.removed(block.event_hash)
+            block.event_hash = None
         block.block_hash = block.token_ids = None

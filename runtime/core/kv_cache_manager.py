@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvserve.runtime.core import kv_cache_events as kv_events
 from kvserve.runtime.core import sliding_window
 from kvserve.runtime.core.block_hash import extend_block_hashes, root_hash
 from kvserve.runtime.core.block_pool import BlockPool, KVCacheBlock
@@ -279,6 +280,8 @@ class KVCacheManager:
                         _group_key(request.block_hashes[i], g),
                         tuple(request.all_token_ids[i * bs : (i + 1) * bs]),
                     )
+            if g == 0 and self.pool.events is not None:
+                kv_events.record_stored(self.pool, request, blocks, start, end, bs)
             num_cached[rid] = end
 
 

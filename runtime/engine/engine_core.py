@@ -32,6 +32,7 @@ from kvserve.runtime.errors import (
     request_failed,
 )
 from kvserve.runtime.executor import kv_sizing
+from kvserve.runtime.kv_events.step import make_step_publisher
 from kvserve.runtime.outputs import EngineStats
 from kvserve.runtime.request import Request, RequestStatus
 from kvserve.runtime.sampling_params import RequestLimits, SamplingParams, verify_request
@@ -74,6 +75,8 @@ class EngineCore:
             group_windows=kv_sizing.layout(config).group_windows,
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, micro_batches=num_batches)
+        # --kv-events-config: the cache's stored/removed blocks, one batch per step (runtime/kv_events/)
+        self.kv_events = make_step_publisher(config.kv_events, self.kv_cache_manager.pool)
         # Pipeline parallelism: step() keeps num_batches micro-batches in flight (engine/batch_queue.py).
         self.batch_queue = BatchQueue(self, num_batches) if num_batches > 1 else None
         self.lora_registry = None  # --enable-lora: the served adapters, loadable at run time (lora/registry.py)
@@ -209,12 +212,21 @@ class EngineCore:
                 raise
 
     def shutdown(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.shutdown()
         stop = getattr(self.runner, "shutdown", None)
         if stop is not None:
             stop()
 
     # -- one step ---------------------------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
+        try:
+            return self._step()
+        finally:
+            if self.kv_events is not None:
+                self.kv_events.publish_step()
+
+    def _step(self) -> EngineCoreOutputs:
         if self.batch_queue is not None:  # pipeline parallelism: micro-batches in flight
             return self.batch_queue.step()
         if self.dead_error is not None:

@@ -72,6 +72,7 @@ class Router:
         config: RouterConfig,
         tokenizer: Any = None,
         discovery: Callable[["Router"], Awaitable[None]] | None = None,
+        kv_events: Any = None,  # kv_subscriber.KVEventSubscriptions: score from the replicas' own KV events
     ):
         self.config = config
         self.tokenizer = tokenizer  # PromptTokenizer or None (then routing is on load only)
@@ -79,6 +80,9 @@ class Router:
         self.metrics = RouterMetrics()
         self.control = ReplicaControl(config, self.metrics)
         self.replicas = self.control.replicas  # read-only here: the control loop changes them
+        self.kv_events = kv_events
+        if kv_events is not None:
+            self.replicas.index = kv_events.index_over(self.replicas.index)
         self.held = self.control.held
         self.rng = random.Random(config.seed)
         self.client: httpx.AsyncClient | None = None
@@ -104,6 +108,8 @@ class Router:
             self._tasks.append(asyncio.create_task(self.discovery(self)))
         if self.config.poll_interval_s > 0:
             self._tasks.append(asyncio.create_task(self.control.poll_forever()))
+        if self.kv_events is not None:
+            self._tasks.append(asyncio.create_task(self.kv_events.run(self)))
 
     async def stop(self) -> None:
         for task in self._tasks:

@@ -117,7 +117,7 @@ class Score:
     kv: float
     session: float
     adapter: float
-    matched_blocks: int
+    matched_blocks: float  # tier-weighted when the replica is scored from its KV events
     total_blocks: int
     load: int
     uncached_tokens: int  # this request's prompt tokens the replica would prefill
@@ -144,7 +144,7 @@ class Decision:
 def rank(
     features: RequestFeatures,
     replicas: Sequence[ReplicaView],
-    index: PrefixIndex,
+    index: PrefixIndex,  # or anything with matched_blocks(url, hashes), e.g. kv_index.PreciseOrEstimate
     weights: Weights,
     rng: random.Random | None = None,
 ) -> Decision:
@@ -166,7 +166,8 @@ def rank(
         saturated = r.load - min_load > weights.max_imbalance
         if saturated:
             matched = 0
-        uncached = max(0, features.num_prompt_tokens - matched * r.block_size)
+        # matched may be fractional: the event index weights blocks by their tier (router/kv_index.py)
+        uncached = max(0, features.num_prompt_tokens - int(matched * r.block_size))
         adapter = 0.0
         if features.adapter is not None and not saturated:
             adapter = r.adapter_affinity(features.adapter)

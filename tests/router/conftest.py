@@ -125,7 +125,7 @@ class WordTokenizer:
 
 
 class LiveRouter(Threaded):
-    def __init__(self, backends: list[str], tokenizer: Any = None, **config: Any):
+    def __init__(self, backends: list[str], tokenizer: Any = None, kv_events: Any = None, **config: Any):
         from kvserve.runtime.router import discovery
         from kvserve.runtime.router.app import build_app
         from kvserve.runtime.router.config import RouterConfig
@@ -133,7 +133,7 @@ class LiveRouter(Threaded):
 
         config.setdefault("poll_interval_s", 0)
         config.setdefault("default_block_size", 4)
-        self.router = Router(RouterConfig(seed=0, **config), tokenizer, discovery.static(backends))
+        self.router = Router(RouterConfig(seed=0, **config), tokenizer, discovery.static(backends), kv_events=kv_events)
         super().__init__(build_app(self.router))
         deadline = time.monotonic() + 10
         while len(self.router.replicas.replicas) < len(backends):
@@ -213,7 +213,7 @@ class EngineReplica(Threaded):
         from kvserve.runtime.server.state import ServerConfig
 
         self.model_dir = model_dir
-        engine = LLMEngine.from_kwargs(model=model_dir, **engine_kwargs)
+        self.engine = engine = LLMEngine.from_kwargs(model=model_dir, **engine_kwargs)
         app = build_app(
             ServerConfig(served_model_names=["stories"], model_dir=model_dir, log_interval_s=1.0), engine=engine
         )
@@ -230,3 +230,24 @@ def stories_replicas():
     yield replicas
     for r in replicas:
         r.stop()
+
+
+@pytest.fixture(scope="module")
+def stories_event_replicas():
+    """Two real replicas publishing their KV events on 127.0.0.1 (random ports, read back from the engine)."""
+    config = json.dumps(
+        {
+            "enable_kv_cache_events": True,
+            "endpoint": "tcp://127.0.0.1:*",
+            "replay_endpoint": "tcp://127.0.0.1:*",
+            "topic": "kv",
+        }
+    )
+    replicas = [
+        EngineReplica(str(STORIES_DIR), kv_cache_bytes=8 << 20, max_num_seqs=16, seed=0, kv_events_config=config)
+        for _ in range(2)
+    ]
+    yield replicas
+    for r in replicas:
+        r.stop()
+        r.engine.shutdown()

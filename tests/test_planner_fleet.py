@@ -164,7 +164,10 @@ def test_tune_chooses_the_engine_settings_that_serve_more_within_the_slo():
     assert tuned.replica_requests_per_s > base.replica_requests_per_s * 1.5 and tuned.replicas < base.replicas
     assert tuned.candidate.shape.max_num_seqs == 4
     for n, t, rate in tuned.tried:  # each setting is the capacity search's, or one that could not save a replica
-        assert rate is None or rate == evaluate(_deployment().build(n, t), WORK, slo, 100.0).replica_requests_per_s
+        # (the search stops once the replica count is settled, from a rate the one-simulation check already met:
+        # the same fleet as a search of its own, a capacity anywhere in the settled bracket)
+        alone = evaluate(_deployment().build(n, t), WORK, slo, 100.0)
+        assert rate is None or math.ceil(100.0 / rate) == alone.replicas
     assert tuned.tried[0] == (16, 512, base.replica_requests_per_s)  # the resolved settings come first
     assert [(n, t) for n, t, _ in tuned.tried[1:3]] == [(4, 512), (8, 512)]  # then every max_num_seqs
     assert [(n, t) for n, t, _ in tuned.tried[3:]] == [(4, 64), (4, 128)]  # then every budget at the best slots
@@ -175,7 +178,8 @@ def test_tune_chooses_the_engine_settings_that_serve_more_within_the_slo():
         "replica_requests_per_s": base.replica_requests_per_s,
     }
     # At 20 req/s the 4 slots take one replica: the search stops there.
-    assert tune(_deployment(), WORK, slo, peak_requests_per_s=20.0).tried[1:] == ((4, 512, tuned.tried[1][2]),)
+    at_20 = tune(_deployment(), WORK, slo, peak_requests_per_s=20.0)
+    assert [(n, t) for n, t, _ in at_20.tried[1:]] == [(4, 512)] and at_20.replicas == 1
     # 15 ms: 8 slots serve more than 16, but one replica serves the 20 req/s peak at the resolved settings, so
     # they stay (a tuned setting must save a replica, not win on the model's noise) and nothing else is tried.
     looser = SLO(ttft_p90_s=1.0, tpot_p99_s=0.015)
@@ -207,3 +211,22 @@ def test_slots_beyond_the_kv_pool_are_not_searched():
     d = Deployment(build, 16, 512, (4, 8, 16, 32, 64), ())
     tuned = tune(d, WORK, SLO(1.0, 0.012), peak_requests_per_s=1000.0)
     assert [(n, t) for n, t, _ in tuned.tried] == [(16, 512), (4, 512), (8, 512)]
+
+
+@pytest.mark.parametrize("peak", [30.0, 100.0, 400.0])
+def test_capacity_search_stops_once_the_fleet_size_is_settled(peak, monkeypatch):
+    """settle_for: the bisection ends when every rate left in its bracket needs the same replica counts: the
+    same HPA bounds as the full bisection, from fewer simulations, and the capacity is a rate that met the SLO."""
+    import kvserve.runtime.planner.slo as slo_mod
+
+    slo = SLO(0.5, 0.06)
+    calls = []
+    real = slo_mod.simulate
+    monkeypatch.setattr(slo_mod, "simulate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    full = replica_capacity(WORK, SHAPE, STEP, slo)
+    full_calls, calls[:] = len(calls), []
+    settled = replica_capacity(WORK, SHAPE, STEP, slo, settle_for=(peak, peak / 3))
+    assert len(calls) <= full_calls and slo.met_by(settled.at_capacity)
+    assert settled.requests_per_s <= full.requests_per_s
+    assert hpa_bounds(settled, peak, peak / 3).max_replicas == hpa_bounds(full, peak, peak / 3).max_replicas
+    assert hpa_bounds(settled, peak, peak / 3).min_replicas == hpa_bounds(full, peak, peak / 3).min_replicas

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvserve.runtime.planner.bounds import min_replicas, min_request_seconds
-from kvserve.runtime.planner.simulator import EngineShape, Workload
+from kvserve.runtime.planner.simulator import EngineShape, SimResult, Workload
 from kvserve.runtime.planner.slo import SLO, HPABounds, at_rate, hpa_bounds, replica_capacity
 from kvserve.runtime.planner.step_time import StepTimeModel
 
@@ -75,9 +75,17 @@ class Option:
 
 
 def evaluate(
-    candidate: Candidate, workload: Workload, slo: SLO, peak_requests_per_s: float, min_requests_per_s: float = 0.0
+    candidate: Candidate,
+    workload: Workload,
+    slo: SLO,
+    peak_requests_per_s: float,
+    min_requests_per_s: float = 0.0,
+    met_at: tuple[float, SimResult] | None = None,
 ) -> Option:
-    cap = replica_capacity(workload, candidate.shape, candidate.step_model, slo)
+    """The candidate's SLO capacity, searched only as far as it decides the fleet's replica counts for the peak
+    and floor rates (slo.replica_capacity's settle_for); `met_at`: a full run at a rate that met the SLO."""
+    settle = (peak_requests_per_s, min_requests_per_s)
+    cap = replica_capacity(workload, candidate.shape, candidate.step_model, slo, settle_for=settle, met_at=met_at)
     ttft, tpot = cap.at_capacity.ttft_s["p90"], cap.at_capacity.tpot_s["p99"]
     if not cap.feasible:
         return Option(candidate, 0.0, 0, math.inf, None, ttft, tpot, cap.reason, cap.fails_alone)
@@ -141,14 +149,17 @@ def tune(
         c = deployment.build(seqs, tokens)
         if c is None:
             return best
+        met_at: tuple[float, SimResult] | None = None
         if best is not None and best.hpa is not None:
             if _replicas_to_beat(best) < 1:
                 return best  # one replica already: nothing to save
             rate = peak_requests_per_s / _replicas_to_beat(best)
-            if not slo.met_by(at_rate(workload, c.shape, c.step_model, rate, slo)):  # one simulation, not the search
+            check = at_rate(workload, c.shape, c.step_model, rate, slo)  # one simulation, not the search
+            if not slo.met_by(check):
                 tried.append((seqs, tokens, None))
                 return best
-        o = evaluate(c, workload, slo, peak_requests_per_s, min_requests_per_s)
+            met_at = (rate, check)  # the capacity search starts above this rate
+        o = evaluate(c, workload, slo, peak_requests_per_s, min_requests_per_s, met_at)
         tried.append((seqs, tokens, o.replica_requests_per_s))
         if best is None or (best.hpa is None and o.hpa is not None):
             return o

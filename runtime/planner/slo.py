@@ -71,9 +71,21 @@ def at_rate(
     return simulate(w, shape, step_model, stop_when_missed=slo.limits if slo is not None else None)
 
 
-def replica_capacity(workload: Workload, shape: EngineShape, step_model: StepTimeModel, slo: SLO) -> Capacity:
+def replica_capacity(
+    workload: Workload,
+    shape: EngineShape,
+    step_model: StepTimeModel,
+    slo: SLO,
+    settle_for: tuple[float, float] | None = None,
+    met_at: tuple[float, SimResult] | None = None,
+) -> Capacity:
     """The highest request rate one replica serves within the SLO. `workload` gives lengths, prefix sharing,
-    the number of requests and the seed; its arrival process is replaced (Poisson at each trial rate)."""
+    the number of requests and the seed; its arrival process is replaced (Poisson at each trial rate).
+
+    `settle_for=(peak, floor)`: stop the bisection once every rate left in the bracket needs the same replica
+    count for the peak and the floor rates (`hpa_bounds`): the fleet's size is then decided, and the capacity
+    reported is the bracket's lower end, a rate that was simulated and met the SLO. `met_at=(rate, result)`: a
+    full run (not stopped early) at that rate already met the SLO: the bisection starts above it."""
     # One request at a time: every request sees the same (empty) engine, so a few dozen give its percentiles.
     alone = dataclasses.replace(
         workload, request_rate=None, concurrency=1, trace=(), num_requests=min(workload.num_requests, ALONE_REQUESTS)
@@ -88,7 +100,11 @@ def replica_capacity(workload: Workload, shape: EngineShape, step_model: StepTim
     )
     lo, hi = 0.0, saturated.requests_per_s
     best = one_stream
+    if met_at is not None and 0 < met_at[0] < hi and slo.met_by(met_at[1]):
+        lo, best = met_at
     for _ in range(BISECTION_STEPS):
+        if settle_for is not None and lo > 0 and all(_replicas(r, lo) == _replicas_below(r, hi) for r in settle_for):
+            break
         mid = (lo + hi) / 2
         r = at_rate(workload, shape, step_model, mid, slo)
         if slo.met_by(r):
@@ -98,6 +114,16 @@ def replica_capacity(workload: Workload, shape: EngineShape, step_model: StepTim
     if lo == 0.0:
         return Capacity(0.0, best, f"no request rate above {hi:.3g} req/s meets the SLO")
     return Capacity(lo, best)
+
+
+def _replicas(requests_per_s: float, per_replica: float) -> int:
+    """Replicas for a rate at this capacity per replica (hpa_bounds' rounding)."""
+    return max(1, math.ceil(requests_per_s / per_replica))
+
+
+def _replicas_below(requests_per_s: float, per_replica: float) -> int:
+    """Replicas for a rate at any capacity just under `per_replica` (a rate that divides exactly needs one more)."""
+    return max(1, math.floor(requests_per_s / per_replica) + 1)
 
 
 @dataclass(frozen=True)
@@ -121,7 +147,7 @@ def hpa_bounds(capacity: Capacity, peak_requests_per_s: float, min_requests_per_
     if not 0 <= min_requests_per_s <= peak_requests_per_s:
         raise ValueError(f"min_request_rate must be in [0, request_rate], got {min_requests_per_s!r}")
     per_replica = capacity.requests_per_s
-    max_replicas = max(1, math.ceil(peak_requests_per_s / per_replica))
-    min_replicas = max(1, math.ceil(min_requests_per_s / per_replica))
+    max_replicas = _replicas(peak_requests_per_s, per_replica)
+    min_replicas = _replicas(min_requests_per_s, per_replica)
     queue = max(1, math.ceil(capacity.at_capacity.mean_queue_depth))
     return HPABounds(min_replicas, max_replicas, queue)

@@ -12,7 +12,7 @@ from kvserve.runtime import capacity, cuda_graph_settings, engine_args
 from kvserve.runtime.capacity import PIPELINE_ARCHITECTURES, SUPPORTED_ARCHITECTURES
 from kvserve.runtime.core.scheduler import SchedulerConfig
 from kvserve.runtime.errors import InvalidParameter
-from kvserve.runtime.spec_decode.config import SpeculativeConfig, parse_speculative_config
+from kvserve.runtime.speculative_config import SpeculativeConfig, parse_speculative_config
 
 logger = logging.getLogger(__name__)
 

@@ -188,7 +188,7 @@ def core_cpu_threads(config) -> int | None:
 def _busy_loop(core, inp, outs: list, codec: MessageCodec) -> int:
     import zmq
 
-    from kvserve.runtime.lora.core_utilities import CoreUtilities
+    from kvserve.runtime.engine.core_utilities import CoreUtilities
 
     owners: dict[str, int] = {}  # request id -> API-server index
     num_clients = len(outs)

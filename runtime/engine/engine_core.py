@@ -88,7 +88,7 @@ class EngineCore:
         self.proposer = None  # --speculative-config: drafts for the running requests before each schedule
         if config.speculative is not None:
             if config.speculative.method == "draft_model":  # a draft model here, beside the target's executor
-                from kvserve.runtime.spec_decode.draft_model import DraftModelProposer
+                from kvserve.runtime.executor.draft_model import DraftModelProposer
 
                 self.proposer = DraftModelProposer(config, self.runner.num_blocks)
             else:

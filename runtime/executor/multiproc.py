@@ -168,10 +168,10 @@ class MultiprocExecutor:
         # Swap space is a per-rank byte budget too: a stage with more layers buys fewer host blocks.
         self.num_host_blocks: int = min(i.get("num_host_blocks", 0) for i in self.rank_info)
         self.startup_phases: dict[str, float] = dict(info.get("startup_phases", {}))  # rank 0's, in seconds
-        # --enable-lora: every rank's adapters, managed by the engine core's registry (lora/executor_calls.py)
+        # --enable-lora: every rank's adapters, managed by the engine core's registry (executor/lora_calls.py)
         self.lora = None
         if config.lora is not None:
-            from kvserve.runtime.lora.executor_calls import WorkerLoraManagers
+            from kvserve.runtime.executor.lora_calls import WorkerLoraManagers
 
             executor = weakref.ref(self)  # no cycle: the finalizer still runs when the executor is dropped
             self.lora = WorkerLoraManagers(lambda *args: executor()._call("lora", *args))

@@ -172,8 +172,8 @@ def worker_main(
                 reply = list(intervals)
             elif method == "info":
                 reply = rank_info(runner, rank)
-            elif method == "lora":  # the engine core's LoRA registry (lora/executor_calls.py)
-                from kvserve.runtime.lora.executor_calls import handle
+            elif method == "lora":  # the engine core's LoRA registry (executor/lora_calls.py)
+                from kvserve.runtime.executor.lora_calls import handle
 
                 reply = handle(runner, *args)
             else:

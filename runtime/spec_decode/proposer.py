@@ -10,9 +10,9 @@ so their output distribution and extras are unchanged.
 from __future__ import annotations
 
 from kvserve.runtime.request import Request
-from kvserve.runtime.spec_decode.config import SpeculativeConfig
 from kvserve.runtime.spec_decode.ngram import NgramIndex
 from kvserve.runtime.spec_decode.suffix import Corpus, SharedOutputs, propose_from
+from kvserve.runtime.speculative_config import SpeculativeConfig
 
 
 class _SuffixState:

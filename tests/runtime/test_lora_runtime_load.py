@@ -161,7 +161,7 @@ def test_unload_while_a_request_runs_lets_it_finish(adapters, engine):
             if out.finished:
                 tokens = list(out.outputs[0].token_ids)
     assert tokens == expected  # finished under the adapter it started with
-    assert "busy" not in engine.runner.lora.cpu  # weights dropped with its last request
+    assert "busy" not in engine.executor.lora.cpu  # weights dropped with its last request
 
 
 class _Socket:

@@ -209,7 +209,3 @@ def describe() -> str:
     if load():
         return f"compiled CPU ops {extension_name()} (ISA path {isa_tag()}, loaded in {_STATE['seconds']:.1f} s)"
     return f"compiled CPU ops unavailable ({_STATE['reason']})"
-
-
-def _reset_for_tests() -> None:
-    _STATE.clear()

@@ -13,7 +13,7 @@ from kvserve.runtime.capacity import PIPELINE_ARCHITECTURES, SUPPORTED_ARCHITECT
 from kvserve.runtime.core.scheduler import SchedulerConfig
 from kvserve.runtime.errors import InvalidParameter
 from kvserve.runtime.kv_events.config import KVEventsConfig, parse_kv_events_config
-from kvserve.runtime.spec_decode.config import SpeculativeConfig, parse_speculative_config
+from kvserve.runtime.speculative_config import SpeculativeConfig, parse_speculative_config
 
 logger = logging.getLogger(__name__)
 

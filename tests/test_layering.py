@@ -7,6 +7,7 @@ are copied under a plain `kvserve/` package in a temp dir (operator/ gets an __i
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import shutil
@@ -67,15 +68,24 @@ def test_operator_modules_import_without_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def _import_cycles(staged_root: pathlib.Path) -> list[list[str]]:
-    """Strongly connected components (size > 1) of the module-level import graph, function-level imports
-    included: each is a set of modules that import each other in a circle."""
+def _import_cycles(staged_root: pathlib.Path, depth: int | None = None) -> list[list[str]]:
+    """Strongly connected components (size > 1) of the import graph, function-level imports included: each is
+    a set of modules that import each other in a circle. depth: draw the graph between name prefixes of that
+    many parts instead of modules -- depth 3 makes every folder under kvserve.<x> one node
+    (kvserve.runtime.engine) and leaves each top-level module its own (kvserve.runtime.config)."""
     code = r"""
 import json, sys
 import grimp
 graph = grimp.build_graph("kvserve")
-modules = sorted(graph.modules)
-edges = {m: sorted(i for i in graph.find_modules_directly_imported_by(m) if i in graph.modules) for m in modules}
+depth = json.loads(sys.argv[1])
+node = (lambda m: m) if depth is None else (lambda m: ".".join(m.split(".")[:depth]))
+edges = {}
+for m in graph.modules:
+    for i in graph.find_modules_directly_imported_by(m):
+        if i in graph.modules and node(i) != node(m):
+            edges.setdefault(node(m), set()).add(node(i))
+modules = sorted({node(m) for m in graph.modules})
+edges = {m: sorted(edges.get(m, ())) for m in modules}
 sys.setrecursionlimit(100000)
 index, low, stack, on_stack, out, counter = {}, {}, [], set(), [], [0]
 def visit(v):
@@ -100,10 +110,14 @@ print(json.dumps(out))
 """
     env = {**os.environ, "PYTHONPATH": str(staged_root)}
     result = subprocess.run(
-        [sys.executable, "-c", code], cwd=staged_root, env=env, capture_output=True, text=True, timeout=120, check=True
+        [sys.executable, "-c", code, json.dumps(depth)],
+        cwd=staged_root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
     )
-    import json
-
     return json.loads(result.stdout)
 
 
@@ -117,3 +131,22 @@ def test_an_import_cycle_is_found(tmp_path):
     errors = pkg / "runtime" / "errors.py"
     errors.write_text(errors.read_text() + "\n\ndef _f():\n    from kvserve.runtime import config  # noqa\n")
     assert any("kvserve.runtime.errors" in cycle for cycle in _import_cycles(tmp_path))
+
+
+def test_no_import_loop_between_packages(tmp_path):
+    """Folders import each other one way only: a loop between packages (engine -> executor -> engine) means
+    a feature's files sit on several floors, even when no two modules import each other."""
+    _stage(tmp_path)
+    assert _import_cycles(tmp_path, depth=3) == []
+
+
+def test_a_package_loop_is_found(tmp_path):
+    """No module-level cycle, but the executor reaching back up into the engine closes a package loop."""
+    pkg = _stage(tmp_path)
+    kv_sizing = pkg / "runtime" / "executor" / "kv_sizing.py"
+    kv_sizing.write_text(
+        kv_sizing.read_text() + "\n\ndef _f():\n    from kvserve.runtime.engine import step_log  # noqa\n"
+    )
+    assert _import_cycles(tmp_path) == []
+    cycles = _import_cycles(tmp_path, depth=3)
+    assert any({"kvserve.runtime.engine", "kvserve.runtime.executor"} <= set(cycle) for cycle in cycles), cycles

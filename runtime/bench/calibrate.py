@@ -49,7 +49,7 @@ class Grid:
 
 def device_name(engine) -> str:
     """The GPU's name, or the CPU's model name (cpu_pinning.machine_info reads it from /proc/cpuinfo)."""
-    runner_device = engine.runner.device
+    runner_device = engine.executor.runner.device
     if runner_device.type == "cuda":
         import torch
 

@@ -394,7 +394,7 @@ def end_to_end(device, smoke: bool, deadline: float) -> dict:
             prefill_plus_first_s=t1,
             total_s=tn,
             decode_tokens_per_s=decode_tps,
-            kv_blocks=llm.engine.runner.num_blocks if hasattr(llm.engine, "runner") else None,
+            kv_blocks=llm.engine.config.cache.num_blocks,
         )
         llm = None  # free the device memory
         gc.collect()

@@ -135,7 +135,7 @@ def graph_piece(mode: str, smoke: bool, model_dir: str) -> dict:
         use_tqdm=False,
     )
     result.update(generate_s=time.perf_counter() - t, tokens=[o.outputs[0].token_ids for o in outs])
-    graphs = llm.engine.runner.decode_graphs
+    graphs = llm.engine.executor.runner.decode_graphs
     if graphs is not None:
         result.update(
             capture_sizes=list(graphs.capture_sizes),

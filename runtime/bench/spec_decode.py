@@ -86,7 +86,7 @@ def main(
     **engine_kwargs,
 ) -> list[Measurement]:
     from kvserve.runtime import LLM
-    from kvserve.runtime.spec_decode.config import parse_speculative_config
+    from kvserve.runtime.speculative_config import parse_speculative_config
 
     spec = spec or DEFAULT_SPEC
     switch_off = parse_speculative_config(spec).disable_by_batch_size

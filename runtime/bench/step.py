@@ -88,7 +88,7 @@ def _instrument(engine):
 
     acc = dict(schedule=0.0, execute=0.0, update=0.0, bytes=0, decode_only=False)
     model_s = [0.0]
-    runner = engine.runner
+    runner = engine.executor.runner  # one rank, in this process (UniprocExecutor)
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
     runner.model = _TimedModel(runner.model, model_s, sync)
     graphs = getattr(runner, "decode_graphs", None)

@@ -98,15 +98,9 @@ def run_kvserve(model_dir: str, wl: Workload, **engine_kwargs) -> tuple[Result, 
         num_kv_blocks=engine.config.cache.num_blocks - 1,
         block_size=bs,
     )
-    if hasattr(engine.runner, "collect_rank_info"):  # tensor parallel: what each rank holds, measured there
-        extra["per_rank"] = [
-            {
-                k: i[k]
-                for k in ("rank", "pid", "param_bytes", "kv_tensor_bytes", "num_blocks", "kv_head_ids", "max_rss_bytes")
-                if k in i
-            }
-            for i in engine.runner.collect_rank_info()
-        ]
+    if engine.config.world_size > 1:  # tensor / pipeline parallel: what each rank holds, measured there
+        keys = ("rank", "pid", "param_bytes", "kv_tensor_bytes", "num_blocks", "kv_head_ids", "max_rss_bytes")
+        extra["per_rank"] = [{k: getattr(i, k) for k in keys} for i in engine.executor.describe_ranks()]
     llm.shutdown()
     return Result("kvserve", seconds, tokens_out), extra
 

@@ -42,6 +42,31 @@ class ScheduledRequest:
     spec_draft_probs: object = None
 
 
+@dataclass(slots=True)
+class KVTransfer:
+    """KV of one request moving between the paged cache and somewhere else (another tier, another engine)."""
+
+    block_ids: list[int]  # device blocks of KV cache group 0, in the request's block-table order
+    num_tokens: int  # tokens of KV those blocks hold (the last block may be partly filled)
+
+
+@dataclass
+class KVConnectorStep:
+    """The KV connector's section of one step (vLLM's KVConnectorMetadata, scheduler -> executor): per
+    request, the KV to load into its blocks before this step's forward and the KV to save from its blocks
+    after it. Empty while no connector is configured: nothing fills it yet. A tiered KV cache or prefill/decode
+    disaggregation fills it in the scheduler and acts on it in the executor; the executor answers with
+    ModelRunnerOutput.finished_sending / finished_receiving (docs/architecture.md, "Where a KV feature plugs
+    in")."""
+
+    load: dict[str, KVTransfer] = field(default_factory=dict)  # req id -> KV to bring in before the forward
+    save: dict[str, KVTransfer] = field(default_factory=dict)  # req id -> KV to send out after the forward
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.load and not self.save
+
+
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]
@@ -51,10 +76,7 @@ class SchedulerOutput:
     # Run before this step's forward, in this order: device->host (swap out), host->device (swap in).
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
-
-    @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(len(s.token_ids) for s in self.scheduled)
+    kv_connector: KVConnectorStep = field(default_factory=KVConnectorStep)  # empty: no KV connector
 
     @property
     def is_empty(self) -> bool:
@@ -81,6 +103,12 @@ class ModelRunnerOutput:
     # drafts, then the target's own next token: 1 .. num_spec_tokens + 1 of them), instead of sampled_token_ids.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     spec_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)  # theirs, if asked for
+    # The KV connector's answer (vLLM's KVConnectorOutput): requests whose asynchronous KV save / load
+    # (SchedulerOutput.kv_connector) completed since the last step. Empty while no connector is configured;
+    # a request waiting for its KV to arrive is scheduled again, one whose KV is being sent keeps its blocks
+    # until it appears in finished_sending.
+    finished_sending: set[str] = field(default_factory=set)
+    finished_receiving: set[str] = field(default_factory=set)
 
 
 @dataclass

@@ -11,7 +11,7 @@ back to back: the first computes the prompt and caches its full blocks as it all
 admitted in the same step or later takes them as prefix-cache hits (nothing here knows they are siblings).
 
 Micro-batches (pipeline parallelism, `micro_batches` > 1): the engine launches a batch and schedules the next
-one before the first's tokens are back (engine/batch_queue.py), so that every stage has work. A request in a
+one before the first's tokens are back (EngineCore._step_pipelined), so that every stage has work. A request in a
 batch still in flight is skipped by schedule() -- its num_computed_tokens only moves when that batch's output
 is applied -- and cannot be preempted meanwhile (the blocks the in-flight batch writes stay its own). Each
 batch takes at most ceil(active requests / micro_batches) sequences, so that the active requests are spread

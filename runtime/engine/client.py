@@ -25,6 +25,7 @@ class EngineClient(Protocol):
     limits: RequestLimits  # what a request is validated against at the front
     tokenizer: Any  # the model's transformers tokenizer
     num_step_failures: int  # cumulative failed steps (the engine_step_failures counter)
+    startup_phases: dict[str, float]  # seconds per start-up phase of the engine (runtime/startup_phases.py)
 
     def add_request(
         self,

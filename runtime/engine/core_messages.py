@@ -31,7 +31,7 @@ class MessageType(bytes, enum.Enum):
     ADD = b"\x00"
     ABORT = b"\x01"
     SHUTDOWN = b"\x02"
-    UTILITY = b"\x03"  # a call answered by UTILITY_RESULT (e.g. load a LoRA adapter: runtime/lora/remote.py)
+    UTILITY = b"\x03"  # a call answered by UTILITY_RESULT (e.g. load a LoRA adapter: runtime/server/lora_remote.py)
     # core -> API server
     READY = b"\x10"
     OUTPUTS = b"\x11"

@@ -134,10 +134,10 @@ def run_engine_core(
             m.max_model_len,
             c.num_blocks - 1,
             c.block_size,
-            core.runner.kv_cache_bytes / 2**20,
+            core.executor.kv_cache_bytes / 2**20,
             core.config.device,
         )
-        phases = dict(getattr(core.runner, "startup_phases", {}))
+        phases = dict(core.executor.startup_phases)
         if spawned_monotonic is not None:
             phases["engine_process_start"] = max(0.0, entered_monotonic - spawned_monotonic)
         ready = CoreReady(pickle.dumps(core.config), pickle.dumps(core.limits), os.getpid(), core.get_stats(), phases)
@@ -188,7 +188,7 @@ def core_cpu_threads(config) -> int | None:
 def _busy_loop(core, inp, outs: list, codec: MessageCodec) -> int:
     import zmq
 
-    from kvserve.runtime.lora.core_utilities import CoreUtilities
+    from kvserve.runtime.engine.core_utilities import CoreUtilities
 
     owners: dict[str, int] = {}  # request id -> API-server index
     num_clients = len(outs)

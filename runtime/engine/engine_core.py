@@ -1,7 +1,8 @@
-"""EngineCore: the scheduler, the KV-cache manager and the model runner (or the tensor-parallel executor), and
-the failure semantics of a step. Token ids in, per-step token-id deltas out (core_messages.EngineCoreOutputs);
-no tokenizer work on its critical path: detokenisation and stop strings belong to the front (LLMEngine
-in-process, or the API-server process through core_client.CoreClient).
+"""EngineCore: the scheduler, the KV-cache manager and the executor (executor/base.py: the model in this
+process, or one worker process per rank), and the failure semantics of a step. Token ids in, per-step
+token-id deltas out (core_messages.EngineCoreOutputs); no tokenizer work on its critical path: detokenisation
+and stop strings belong to the front (LLMEngine in-process, or the API-server process through
+core_client.CoreClient).
 
 A core request is one sequence; n > 1 samples arrive as n requests (engine/parent_request.py fans them out
 in front and merges their outputs).
@@ -17,11 +18,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from kvserve.runtime.config import EngineConfig
 from kvserve.runtime.core.kv_cache_manager import KVCacheManager
+from kvserve.runtime.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from kvserve.runtime.core.scheduler import Scheduler
+from kvserve.runtime.engine.batch_queue import batches_in_flight
 from kvserve.runtime.engine.core_messages import EngineCoreOutputs, RequestFailure, SampleDelta
 from kvserve.runtime.errors import (
     STEP_FAILED,
@@ -32,10 +37,15 @@ from kvserve.runtime.errors import (
     request_failed,
 )
 from kvserve.runtime.executor import kv_sizing
+from kvserve.runtime.executor.base import Executor, create_executor
 from kvserve.runtime.kv_events.step import make_step_publisher
 from kvserve.runtime.outputs import EngineStats
 from kvserve.runtime.request import Request, RequestStatus
 from kvserve.runtime.sampling_params import RequestLimits, SamplingParams, verify_request
+
+if TYPE_CHECKING:
+    from kvserve.runtime.lora.registry import LoraRegistry
+    from kvserve.runtime.spec_decode.proposer import DraftProposer
 
 logger = logging.getLogger("kvserve.engine")
 
@@ -49,9 +59,7 @@ class _CoreRequest:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, tokenizer_vocab_size: int | None = None):
-        from kvserve.runtime.engine.batch_queue import BatchQueue, batches_in_flight
         from kvserve.runtime.engine.step_log import StepLog
-        from kvserve.runtime.executor.model_runner import ModelRunner
 
         # Called after every step as observer(scheduled, seconds): what the step computed and how long it took.
         # KVSERVE_STEP_LOG adds a file writer (step_log.py); `kvserve calibrate` adds its profiler.
@@ -59,47 +67,43 @@ class EngineCore:
         log = StepLog.from_env()
         if log is not None:
             self.step_observers.append(log.record)
-        num_batches = batches_in_flight(config.pipeline_parallel_size)  # checked before any worker starts
-        if config.world_size > 1:  # one worker process per rank (TP x PP); this process only schedules
-            from kvserve.runtime.executor.multiproc import MultiprocExecutor
-
-            self.runner = MultiprocExecutor(config)
-        else:
-            self.runner = ModelRunner(config)
-        self.config = replace(config, cache=replace(config.cache, num_blocks=self.runner.num_blocks))
+        # Pipeline parallelism: step() keeps this many micro-batches in flight (_step_pipelined); checked
+        # before any worker starts.
+        self.batch_slots = batches_in_flight(config.pipeline_parallel_size)
+        self.batches: deque[tuple[SchedulerOutput, int]] = deque()  # (what was launched, executor handle)
+        self.max_batches_in_flight = 0  # the most batches that were in flight at once (tests, debugging)
+        self.executor: Executor = create_executor(config)
+        self.config = replace(config, cache=replace(config.cache, num_blocks=self.executor.num_blocks))
         self.kv_cache_manager = KVCacheManager(
-            self.runner.num_blocks,
+            self.executor.num_blocks,
             config.cache.block_size,
             config.cache.enable_prefix_caching,
-            num_host_blocks=self.runner.num_host_blocks,
+            num_host_blocks=self.executor.num_host_blocks,
             group_windows=kv_sizing.layout(config).group_windows,
         )
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, micro_batches=num_batches)
+        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, micro_batches=self.batch_slots)
         # --kv-events-config: the cache's stored/removed blocks, one batch per step (runtime/kv_events/)
         self.kv_events = make_step_publisher(config.kv_events, self.kv_cache_manager.pool)
-        # Pipeline parallelism: step() keeps num_batches micro-batches in flight (engine/batch_queue.py).
-        self.batch_queue = BatchQueue(self, num_batches) if num_batches > 1 else None
-        self.lora_registry = None  # --enable-lora: the served adapters, loadable at run time (lora/registry.py)
+        self.lora_registry: LoraRegistry | None = None  # --enable-lora: the served adapters (lora/registry.py)
         self._model_lock = contextlib.nullcontext()  # held while a step runs the model
-        if getattr(self.runner, "lora", None) is not None:
+        if self.executor.lora is not None:
             from kvserve.runtime.lora.registry import LoraRegistry
 
             self.lora_registry = LoraRegistry(
-                self.runner.lora, config.lora.max_lora_rank, config.lora.modules, self._lora_requests
+                self.executor.lora, config.lora.max_lora_rank, config.lora.modules, self._lora_requests
             )
             self._model_lock = self.lora_registry.lock
-        self.proposer = None  # --speculative-config: drafts for the running requests before each schedule
+        # --speculative-config: drafts for the running requests before each schedule
+        self.proposer: DraftProposer | None = None
         if config.speculative is not None:
             if config.speculative.method == "draft_model":  # a draft model here, beside the target's executor
-                from kvserve.runtime.spec_decode.draft_model import DraftModelProposer
+                from kvserve.runtime.executor.draft_model import DraftModelProposer
 
-                self.proposer = DraftModelProposer(config, self.runner.num_blocks)
+                self.proposer = DraftModelProposer(config, self.executor.num_blocks)
             else:
                 from kvserve.runtime.spec_decode.proposer import Proposer
 
                 self.proposer = Proposer(config.speculative, config.model.max_model_len)
-        # draft_model: hands the verifier q of sampled drafts, on the scheduled requests
-        self._attach_draft_probs = getattr(self.proposer, "attach_draft_probs", None)
         self.eos_token_ids = frozenset(config.model.eos_token_ids)
         vocab = (
             config.model.vocab_size
@@ -111,7 +115,7 @@ class EngineCore:
             max_model_len=config.model.max_model_len,
             max_num_seqs=config.scheduler.max_num_seqs,
             block_size=config.cache.block_size,
-            num_usable_blocks=self.runner.num_blocks - 1,
+            num_usable_blocks=self.executor.num_blocks - 1,
         )
         self._requests: dict[str, _CoreRequest] = {}  # unfinished requests
         self.prompt_tokens = 0
@@ -194,7 +198,7 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         # A batch still in flight (its requests since aborted, say) is collected by the next steps.
-        return bool(self._requests) or (self.batch_queue is not None and bool(self.batch_queue.batches))
+        return bool(self._requests) or bool(self.batches)
 
     def is_unfinished(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -203,20 +207,16 @@ class EngineCore:
         """Raise the core's fatal error if it is dead (cheap: no I/O)."""
         if self.dead_error is not None:
             raise self.dead_error
-        check = getattr(self.runner, "check_health", None)
-        if check is not None:
-            try:
-                check()
-            except WorkerDiedError as exc:
-                self.dead_error = exc
-                raise
+        try:
+            self.executor.check_health()
+        except WorkerDiedError as exc:
+            self.dead_error = exc
+            raise
 
     def shutdown(self) -> None:
         if self.kv_events is not None:
             self.kv_events.shutdown()
-        stop = getattr(self.runner, "shutdown", None)
-        if stop is not None:
-            stop()
+        self.executor.shutdown()
 
     # -- one step ---------------------------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
@@ -227,10 +227,10 @@ class EngineCore:
                 self.kv_events.publish_step()
 
     def _step(self) -> EngineCoreOutputs:
-        if self.batch_queue is not None:  # pipeline parallelism: micro-batches in flight
-            return self.batch_queue.step()
         if self.dead_error is not None:
             raise self.dead_error
+        if self.batch_slots > 1:  # pipeline parallelism: micro-batches in flight
+            return self._step_pipelined()
         scheduled_ids: list[str] | None = None  # None until the scheduler has picked this step's requests
         first_scheduled: list[tuple[str, float]] = []
         step_start = time.perf_counter() if self.step_observers else 0.0
@@ -238,17 +238,12 @@ class EngineCore:
             if self.proposer is not None:
                 self.proposer.propose(self.scheduler.running)
             sched_out = self.scheduler.schedule()
-            if self._attach_draft_probs is not None:
-                self._attach_draft_probs(sched_out)
+            if self.proposer is not None:
+                self.proposer.attach_draft_probs(sched_out)  # draft_model: q of sampled drafts, for the verifier
             scheduled_ids = [s.req_id for s in sched_out.scheduled]
-            now = time.monotonic()
-            for scheduled in sched_out.scheduled:
-                entry = self._requests.get(scheduled.req_id)
-                if entry is not None and not entry.scheduled:
-                    entry.scheduled = True
-                    first_scheduled.append((scheduled.req_id, now))
+            first_scheduled = self._first_scheduled(sched_out)
             with self._model_lock:  # a LoRA load registers between steps, never inside one
-                runner_out = self.runner.execute(sched_out)
+                runner_out = self.executor.execute(sched_out)
             core_outputs = self.scheduler.update_from_output(sched_out, runner_out)
             if self.step_observers:
                 seconds = time.perf_counter() - step_start
@@ -260,8 +255,93 @@ class EngineCore:
         except Exception:  # noqa: BLE001 -- e.g. the forward: no single request to blame
             logger.exception("engine step failed; failing the requests scheduled in it")
             return self._fail_step(scheduled_ids)
-        self.num_consecutive_step_failures = 0
+        out = self._step_outputs(runner_out, core_outputs, first_scheduled)
+        if self.lora_registry is not None:
+            self.lora_registry.reap()
+        return out
 
+    def _step_pipelined(self) -> EngineCoreOutputs:
+        """step() with up to batch_slots micro-batches in flight (pipeline parallelism).
+
+        With one batch at a time, stage s idles while stages s+1.. run the batch and the engine applies its
+        tokens: a pipeline of P stages is busy 1/P of the time. vLLM's EngineCore.step_with_batch_queue keeps
+        up to max_concurrent_batches (= P) batches in flight; this is the same loop. Each call either
+
+        - schedules and launches a batch without waiting for it (Executor.submit), when fewer than
+          batch_slots are in flight, and returns at once unless the queue is now full or its oldest batch is
+          already back (filling the pipeline beats collecting); or
+        - waits for the oldest batch (collect), applies its output to the scheduler and returns its tokens --
+          when the queue is full or there was nothing to launch.
+
+        The scheduler skips requests whose batch is in flight and splits the active requests over the slots
+        (core/scheduler.py, micro_batches): a decode needs the token its previous batch samples, so the stages
+        stay busy only with at least batch_slots requests. Every rank runs the batches in launch order, so
+        stage s writes a layer's KV for batch n before it reads it for batch n+1 (prefix-cache hits on blocks
+        another in-flight batch is filling are therefore safe), and the block-table diffs are applied in the
+        order they were computed. Failure semantics are step()'s, per batch. Not composable with speculative
+        decoding or LoRA (the config refuses both with pipeline_parallel_size > 1), so neither the proposer
+        nor the LoRA lock appears here."""
+        batches, first_scheduled = self.batches, []
+        if len(batches) < self.batch_slots:
+            try:
+                sched_out = self.scheduler.schedule()
+            except Exception:  # noqa: BLE001 -- no batch to blame: step() fails every request too
+                logger.exception("engine step failed while scheduling; failing the unfinished requests")
+                return self._fail_step(None)
+            if (
+                sched_out.scheduled
+                or sched_out.swap_out
+                or sched_out.swap_in
+                or (sched_out.finished_req_ids and not batches)
+            ):
+                first_scheduled = self._first_scheduled(sched_out)
+                try:
+                    handle = self.executor.submit(sched_out)
+                except WorkerDiedError as exc:
+                    self.dead_error = exc
+                    raise
+                except Exception:  # noqa: BLE001 -- e.g. the batch did not pickle: fail its requests
+                    logger.exception("launching a batch failed; failing the requests scheduled in it")
+                    return self._fail_batch(sched_out, first_scheduled)
+                batches.append((sched_out, handle))
+                self.max_batches_in_flight = max(self.max_batches_in_flight, len(batches))
+                if len(batches) < self.batch_slots and not self.executor.is_done(batches[0][1]):
+                    return EngineCoreOutputs([], [], first_scheduled, None, self.num_step_failures)
+            elif sched_out.finished_req_ids:  # nothing to run: tell the ranks with the next batch
+                self.scheduler.requeue_finished(sched_out.finished_req_ids)
+        if not batches:
+            return EngineCoreOutputs([], [], first_scheduled, None, self.num_step_failures)
+        sched_out, handle = batches.popleft()
+        try:
+            runner_out = self.executor.collect(handle)
+            core_outputs = self.scheduler.update_from_output(sched_out, runner_out)
+        except WorkerDiedError as exc:  # the ranks cannot be brought back in step: fatal
+            self.dead_error = exc
+            raise
+        except Exception:  # noqa: BLE001 -- no single request to blame
+            logger.exception("engine step failed; failing the requests of the batch")
+            return self._fail_batch(sched_out, first_scheduled)
+        return self._step_outputs(runner_out, core_outputs, first_scheduled)
+
+    def _first_scheduled(self, sched_out: SchedulerOutput) -> list[tuple[str, float]]:
+        """(request id, time) of the requests this step schedules for the first time (queue-time metrics)."""
+        now, first = time.monotonic(), []
+        for scheduled in sched_out.scheduled:
+            entry = self._requests.get(scheduled.req_id)
+            if entry is not None and not entry.scheduled:
+                entry.scheduled = True
+                first.append((scheduled.req_id, now))
+        return first
+
+    def _step_outputs(
+        self,
+        runner_out: ModelRunnerOutput,
+        core_outputs: list[EngineCoreOutput],
+        first_scheduled: list[tuple[str, float]],
+    ) -> EngineCoreOutputs:
+        """One completed step (or micro-batch) as the front sees it: token deltas, and the requests whose own
+        sampling failed, failed alone."""
+        self.num_consecutive_step_failures = 0
         failed = {rid: request_failed(stage) for rid, stage in runner_out.failed.items()}  # their own failures
         requests, deltas = self._requests, []
         for out in core_outputs:
@@ -278,9 +358,14 @@ class EngineCore:
             if out.finish_reason is not None:
                 del requests[out.req_id]
         failures = [self.fail_request(rid, error) for rid, error in failed.items() if rid in requests]
-        if self.lora_registry is not None:
-            self.lora_registry.reap()
         return EngineCoreOutputs(deltas, failures, first_scheduled, None, self.num_step_failures)
+
+    def _fail_batch(self, sched_out: SchedulerOutput, first_scheduled: list[tuple[str, float]]) -> EngineCoreOutputs:
+        """A micro-batch failed as a whole: its requests leave the in-flight set and fail as in _fail_step."""
+        self.scheduler.release_in_flight(sched_out)
+        out = self._fail_step([s.req_id for s in sched_out.scheduled])
+        out.first_scheduled = first_scheduled
+        return out
 
     def fail_request(self, request_id: str, error: RequestError) -> RequestFailure:
         """Finish one request with an error: free its blocks now."""

@@ -45,7 +45,7 @@ class LLMEngine:
             m.max_model_len,
             c.num_blocks - 1,
             c.block_size,
-            self.runner.kv_cache_bytes / 2**20,
+            self.executor.kv_cache_bytes / 2**20,
             c.enable_prefix_caching,
             self.config.scheduler.enable_chunked_prefill,
             self.config.attention_backend,
@@ -57,7 +57,8 @@ class LLMEngine:
         return cls(make_engine_config(model, **kwargs))
 
     # The core's parts, for tests and benchmarks that look inside.
-    runner = property(lambda self: self.core.runner)
+    executor = property(lambda self: self.core.executor)
+    startup_phases = property(lambda self: self.core.executor.startup_phases)  # (rank 0's with several ranks)
     scheduler = property(lambda self: self.core.scheduler)
     kv_cache_manager = property(lambda self: self.core.kv_cache_manager)
     limits = property(lambda self: self.core.limits)

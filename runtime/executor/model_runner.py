@@ -204,7 +204,7 @@ class ModelRunner:
         input_ids: list[int] = []
         rows, query_lens, starts, logits_rows, req_ids = [], [], [], [], []
         drafted: list[tuple[str, list[int], int]] = []  # speculative decoding: (req id, drafts, first logits row)
-        draft_probs: dict = {}  # draft_model: req id -> q rows of its sampled drafts (spec_decode/draft_model.py)
+        draft_probs: dict = {}  # draft_model: req id -> q rows of its sampled drafts (executor/draft_model.py)
         apply = self.block_tables.apply
         for s in sched.scheduled:
             rows.append(apply(s.req_id, s.block_table))

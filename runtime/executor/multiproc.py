@@ -21,8 +21,8 @@ them: a KV block on one rank holds only that rank's KV heads, so the same byte b
 blocks than with t=1 (fewer when KV heads are replicated, see sharding.py). All ranks use the minimum block
 count any rank found.
 
-Pipeline parallelism keeps several batches in flight (engine/batch_queue.py): `submit` sends a batch to every
-rank and returns at once, `collect` waits for that batch's replies. Each rank answers its calls in order, so
+Pipeline parallelism keeps several batches in flight (EngineCore._step_pipelined): `submit` sends a batch to
+every rank and returns at once, `collect` waits for that batch's replies. Each rank answers its calls in order, so
 the replies on every pipe arrive oldest batch first; stage 0 reads batch n+1 from its pipe as soon as it has
 handed batch n's hidden states on, and works on it while stage 1 still runs batch n.
 """
@@ -38,14 +38,27 @@ import time
 import weakref
 from collections import deque
 from multiprocessing.connection import wait
+from typing import TYPE_CHECKING
 
 from kvserve.runtime.capacity import tp_shape_error
 from kvserve.runtime.child_process import describe_exit
 from kvserve.runtime.config import EngineConfig
 from kvserve.runtime.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kvserve.runtime.errors import InvalidParameter, WorkerDiedError
+from kvserve.runtime.executor.rank_info import RankInfo
+from kvserve.runtime.executor.worker_rpc import (
+    DescribeRank,
+    Execute,
+    ExecuteIntervals,
+    Shutdown,
+    WorkerCall,
+    WorkerFailure,
+)
 from kvserve.runtime.models.registry import split_widths
 from kvserve.runtime.models.sharding import split_widths_error
+
+if TYPE_CHECKING:
+    from kvserve.runtime.executor.lora_calls import WorkerLoraManagers
 
 logger = logging.getLogger("kvserve.parallel")
 
@@ -56,8 +69,7 @@ DEFAULT_STEP_TIMEOUT_S = float(os.environ.get("KVSERVE_TP_STEP_TIMEOUT_S", 600))
 
 
 class MultiprocExecutor:
-    """Drop-in for ModelRunner on the engine side: execute(), num_blocks, kv_cache_bytes, num_host_blocks;
-    plus check_health() and shutdown(), and submit() / collect() for batches in flight."""
+    """The Executor (executor/base.py) of a world of several ranks, one worker process each."""
 
     def __init__(
         self,
@@ -160,31 +172,30 @@ class MultiprocExecutor:
             for rank in sorted(remote):  # ranks of nodes 1.. follow this node's, in rank order
                 self.procs.append(remote[rank])
                 self.conns.append(remote[rank].conn)
-        self.rank_info: list[dict] = self._gather(startup_timeout_s, starting=True)
-        info = self.rank_info[0]
-        self.num_blocks: int = info["num_blocks"]
+        ranks: list[RankInfo] = self._gather(startup_timeout_s, starting=True)  # each rank's first reply
+        self.num_blocks: int = ranks[0].num_blocks
         # Per rank; pipeline stages differ (their own layers' KV): the largest one, what a device must hold.
-        self.kv_cache_bytes: int = max(i["kv_cache_bytes"] for i in self.rank_info)
+        self.kv_cache_bytes: int = max(i.kv_cache_bytes for i in ranks)
         # Swap space is a per-rank byte budget too: a stage with more layers buys fewer host blocks.
-        self.num_host_blocks: int = min(i.get("num_host_blocks", 0) for i in self.rank_info)
-        self.startup_phases: dict[str, float] = dict(info.get("startup_phases", {}))  # rank 0's, in seconds
-        # --enable-lora: every rank's adapters, managed by the engine core's registry (lora/executor_calls.py)
-        self.lora = None
+        self.num_host_blocks: int = min(i.num_host_blocks for i in ranks)
+        self.startup_phases: dict[str, float] = dict(ranks[0].startup_phases)  # rank 0's, in seconds
+        # --enable-lora: every rank's adapters, managed by the engine core's registry (executor/lora_calls.py)
+        self.lora: WorkerLoraManagers | None = None
         if config.lora is not None:
-            from kvserve.runtime.lora.executor_calls import WorkerLoraManagers
+            from kvserve.runtime.executor.lora_calls import WorkerLoraManagers
 
             executor = weakref.ref(self)  # no cycle: the finalizer still runs when the executor is dropped
-            self.lora = WorkerLoraManagers(lambda *args: executor()._call("lora", *args))
+            self.lora = WorkerLoraManagers(lambda call: executor()._call(call))
         logger.info(
             "%s: %d ranks ready in %.1f s; per rank: %s",
             self._kind,
             world,
             time.monotonic() - started,
             "; ".join(
-                f"rank {i['rank']} (stage {i['stage']}, layers {i['layers'][0]}-{i['layers'][1] - 1}) "
-                f"{i['param_bytes'] / 2**20:.1f} MiB weights, {i['num_heads']} "
-                f"q heads, KV heads {i['kv_head_ids']}, {i['kv_cache_bytes'] / 2**20:.1f} MiB KV"
-                for i in self.rank_info
+                f"rank {i.rank} (stage {i.stage}, layers {i.layers[0]}-{i.layers[1] - 1}) "
+                f"{i.param_bytes / 2**20:.1f} MiB weights, {i.num_heads} "
+                f"q heads, KV heads {i.kv_head_ids}, {i.kv_cache_bytes / 2**20:.1f} MiB KV"
+                for i in ranks
             ),
         )
 
@@ -194,7 +205,7 @@ class MultiprocExecutor:
 
     def submit(self, sched: SchedulerOutput) -> int:
         """Send a batch to every rank without waiting for it; returns the handle collect() takes."""
-        self._send("execute", (sched,))
+        self._send(Execute(sched))
         self._num_submitted += 1
         self._in_flight.append(self._num_submitted)
         return self._num_submitted
@@ -220,11 +231,11 @@ class MultiprocExecutor:
 
     def execute_intervals(self) -> list[list[tuple[float, float]]]:
         """Per rank, (start, end) time.monotonic() of its latest executes (up to 1024), oldest first."""
-        return self._call("execute_intervals")
+        return self._call(ExecuteIntervals())
 
-    def collect_rank_info(self) -> list[dict]:
+    def describe_ranks(self) -> list[RankInfo]:
         """Measured per-rank parameter / KV bytes (a round trip to every worker)."""
-        return self._call("info")
+        return self._call(DescribeRank())
 
     def check_health(self) -> None:
         """Raise WorkerDiedError if the executor failed or any worker process is gone (cheap: no I/O)."""
@@ -247,19 +258,19 @@ class MultiprocExecutor:
         return [p.pid for p in self.procs]
 
     # -- plumbing ---------------------------------------------------------------------------------------
-    def _call(self, method: str, *args) -> list:
+    def _call(self, call: WorkerCall) -> list:
         """Every rank's reply to one call. Batches still in flight are read first (their replies come before
         this call's on every pipe) and kept for their collect()."""
         while self._in_flight:
             oldest = self._in_flight.popleft()
             self._collected[oldest] = self._gather(self.step_timeout_s)[self.output_rank]
-        self._send(method, args)
+        self._send(call)
         return self._gather(self.step_timeout_s)
 
-    def _send(self, method: str, args: tuple) -> None:
+    def _send(self, call: WorkerCall) -> None:
         if self.dead is not None:
             raise self.dead
-        data = pickle.dumps((method, args), pickle.HIGHEST_PROTOCOL)  # pickled once for all ranks
+        data = pickle.dumps(call, pickle.HIGHEST_PROTOCOL)  # pickled once for all ranks
         for rank, conn in enumerate(self.conns):
             try:
                 conn.send_bytes(data)
@@ -301,8 +312,8 @@ class MultiprocExecutor:
                             rank,
                             f"{self._kind} worker rank {rank} (pid {self.procs[rank].pid}) died ({self._exit(rank)})",
                         ) from None
-                    if reply[0] == "error":
-                        _, summary, tb, param, message = reply
+                    if isinstance(reply, WorkerFailure):
+                        summary, tb, param, message = reply.summary, reply.traceback, reply.param, reply.message
                         where = "while starting" if starting else "during a step"
                         logger.error("%s worker rank %d failed %s:\n%s", self._kind, rank, where, tb)
                         if starting and param is not None:  # e.g. the KV budget cannot hold max_model_len
@@ -318,7 +329,7 @@ class MultiprocExecutor:
                                 f"{summary.splitlines()[0][:200]}",
                             )
                         raise self._fail(rank, f"{self._kind} worker rank {rank} failed {where}: {summary}")
-                    replies[rank] = reply[1]
+                    replies[rank] = reply.value
                     del pending[obj]
                 elif obj in sentinels:
                     rank = sentinels.pop(obj)
@@ -372,7 +383,7 @@ def _stop_workers(procs: list, conns: list, tmpdir: str, grace_s: float = 5.0) -
     """Ask every worker to exit, then terminate / kill whatever is left. Never raises."""
     for conn in conns:
         try:
-            conn.send_bytes(pickle.dumps(("shutdown", ())))
+            conn.send_bytes(pickle.dumps(Shutdown()))
         except Exception:  # noqa: BLE001 -- already gone
             pass
     deadline = time.monotonic() + grace_s

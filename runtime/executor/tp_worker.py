@@ -1,15 +1,16 @@
 """One tensor-parallel rank: a spawned process that joins the torch.distributed group, builds its
 ModelRunner shard and then executes whatever the engine process sends over its pipe, in order.
 
-Protocol (pickled tuples over a multiprocessing Pipe): engine -> worker `(method, args)`; worker -> engine
-`("ok", payload)` after every call (rank 0's payload for "execute" is the ModelRunnerOutput, other ranks send
-None), or `("error", summary, traceback, param, message)` once, after which the worker exits with code 1. A worker
-exits by itself when the engine process goes away (EOF on the pipe, or its parent pid changes while it is
-blocked in a collective), so a killed engine leaves no orphans.
+Protocol (executor/worker_rpc.py, pickled over a multiprocessing Pipe): engine -> worker one typed call
+(Execute, DescribeRank, LoraAdd, ..., Shutdown); worker -> engine a `Reply` after every call (for Execute the
+sampling rank's value is the ModelRunnerOutput, other ranks send None), or one `WorkerFailure`, after which the
+worker exits with code 1. The first reply, before any call, is the rank's RankInfo. A worker exits by itself
+when the engine process goes away (EOF on the pipe, or its parent pid changes while it is blocked in a
+collective), so a killed engine leaves no orphans.
 
 A thread reads the pipe into an inbox while the rank computes (`_Inbox`): with pipeline parallelism the engine
-sends batch n+1 while this rank still runs batch n (engine/batch_queue.py), and a batch larger than the pipe's
-buffer must not block the engine's send until the rank's reply -- which the engine, still sending, would not
+sends batch n+1 while this rank still runs batch n (EngineCore._step_pipelined), and a batch larger than the
+pipe's buffer must not block the engine's send until the rank's reply -- which the engine, still sending, would not
 read -- gets through.
 """
 
@@ -25,6 +26,18 @@ import traceback
 from collections import deque
 from dataclasses import replace
 from datetime import timedelta
+
+from kvserve.runtime.executor.worker_rpc import (
+    DescribeRank,
+    Execute,
+    ExecuteIntervals,
+    LoraAdd,
+    LoraDescribe,
+    LoraRemove,
+    Reply,
+    Shutdown,
+    WorkerFailure,
+)
 
 logger = logging.getLogger("kvserve.parallel.worker")
 
@@ -62,46 +75,6 @@ class _Inbox:
         return item
 
 
-def rank_info(runner, rank: int | None = None) -> dict:
-    """What a rank holds: parameter and KV-cache bytes are measured on the tensors themselves. rank: the
-    global rank (the tensor-parallel rank within a pipeline stage is model.parallel.rank)."""
-    model = runner.model
-    stage = model.parallel.stage
-    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    kv = {t.data_ptr(): t for pair in runner.kv_caches for t in pair}  # views of one tensor; count each once
-    kv_tensor_bytes = sum(t.numel() * t.element_size() for t in kv.values())
-    return dict(
-        pid=os.getpid(),
-        rank=model.parallel.rank if rank is None else rank,
-        tp_rank=model.parallel.rank,
-        stage=stage.index if stage is not None else 0,
-        layers=[stage.layers.start, stage.layers.stop] if stage is not None else [0, runner.config.model.num_layers],
-        param_bytes=param_bytes,
-        kv_tensor_bytes=kv_tensor_bytes,
-        kv_cache_bytes=runner.kv_cache_bytes,
-        num_blocks=runner.num_blocks,
-        num_kv_heads=model.shard.num_kv_heads,
-        kv_head_ids=list(model.shard.kv_head_ids),
-        num_heads=model.shard.num_heads,
-        num_host_blocks=getattr(runner, "num_host_blocks", 0),
-        max_rss_bytes=_max_rss_bytes(),
-        startup_phases=dict(getattr(runner, "startup_phases", {})),  # seconds (runtime/startup_phases.py)
-        cuda_allocated_bytes=_cuda_allocated_bytes(runner),
-    )
-
-
-def _max_rss_bytes() -> int:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-
-def _cuda_allocated_bytes(runner) -> int:
-    import torch
-
-    return torch.cuda.memory_allocated(runner.device) if runner.device.type == "cuda" else 0
-
-
 def worker_main(
     config,
     rank: int,
@@ -127,8 +100,9 @@ def worker_main(
         import torch
         import torch.distributed as dist
 
-        from kvserve.runtime.executor import pipeline
+        from kvserve.runtime.executor import lora_calls, pipeline
         from kvserve.runtime.executor.model_runner import ModelRunner
+        from kvserve.runtime.executor.rank_info import measure_rank
 
         if config.device.startswith("cuda"):
             local = rank % (size // config.parallel.nnodes)  # this node's GPUs: one per local rank
@@ -154,53 +128,45 @@ def worker_main(
         samples = rank == pipeline.output_rank(config)
         runner = ModelRunner(config, parallel=parallel)
         runner.startup_phases.update(init_phases)
-        conn.send_bytes(pickle.dumps(("ok", rank_info(runner, rank)), pickle.HIGHEST_PROTOCOL))
+        conn.send_bytes(pickle.dumps(Reply(measure_rank(runner, rank)), pickle.HIGHEST_PROTOCOL))
         inbox = _Inbox(conn)
         # (start, end) time.monotonic() of the latest executes: one clock for the host's ranks, so a test or an
         # operator can see whether pipeline stages overlap (MultiprocExecutor.execute_intervals).
         intervals: deque[tuple[float, float]] = deque(maxlen=1024)
         while True:
-            method, args = pickle.loads(inbox.recv_bytes())
-            if method == "shutdown":
-                break
-            if method == "execute":
-                started = time.monotonic()
-                out = runner.execute(*args)
-                intervals.append((started, time.monotonic()))
-                reply = out if samples else None
-            elif method == "execute_intervals":
-                reply = list(intervals)
-            elif method == "info":
-                reply = rank_info(runner, rank)
-            elif method == "lora":  # the engine core's LoRA registry (lora/executor_calls.py)
-                from kvserve.runtime.lora.executor_calls import handle
-
-                reply = handle(runner, *args)
-            else:
-                raise ValueError(f"unknown executor method {method!r}")
-            conn.send_bytes(pickle.dumps(("ok", reply), pickle.HIGHEST_PROTOCOL))
+            call = pickle.loads(inbox.recv_bytes())
+            match call:
+                case Shutdown():
+                    break
+                case Execute(sched):
+                    started = time.monotonic()
+                    out = runner.execute(sched)
+                    intervals.append((started, time.monotonic()))
+                    value = out if samples else None
+                case ExecuteIntervals():
+                    value = list(intervals)
+                case DescribeRank():
+                    value = measure_rank(runner, rank)
+                case LoraDescribe() | LoraAdd() | LoraRemove():  # the engine core's LoRA registry
+                    value = lora_calls.handle(runner, call)
+                case _:
+                    raise ValueError(f"unknown executor call {call!r}")
+            conn.send_bytes(pickle.dumps(Reply(value), pickle.HIGHEST_PROTOCOL))
     except (EOFError, BrokenPipeError, ConnectionResetError):  # the engine went away: nothing to report to
         os._exit(eof_exit_code)
     except BaseException as exc:  # noqa: BLE001 -- report anything, then die: the group is out of step
         logger.error("tensor-parallel rank %d failed: %r", rank, exc)
         try:
-            conn.send_bytes(
-                pickle.dumps(
-                    (
-                        "error",
-                        f"{type(exc).__name__}: {exc}",
-                        traceback.format_exc(),
-                        getattr(exc, "param", None),
-                        str(exc),
-                    )
-                )
+            failure = WorkerFailure(
+                f"{type(exc).__name__}: {exc}", traceback.format_exc(), getattr(exc, "param", None), str(exc)
             )
+            conn.send_bytes(pickle.dumps(failure))
             conn.close()
         except Exception:  # noqa: BLE001
             pass
         os._exit(1)
     try:
-        conn.send_bytes(pickle.dumps(("ok", None)))
+        conn.send_bytes(pickle.dumps(Reply(None)))
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 -- shutting down anyway
         pass

@@ -17,19 +17,35 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Callable
+from collections import OrderedDict
+from typing import Callable, Protocol
 
-from kvserve.runtime.lora.adapter import LoraLoadError, load_peft_adapter
+from kvserve.runtime.lora.adapter import LoraAdapter, LoraLoadError, load_peft_adapter
 from kvserve.runtime.lora.errors import LoraRequestError
-from kvserve.runtime.lora.manager import LoraManager
 
-__all__ = ["LoraRegistry", "LoraRequestError"]
+__all__ = ["AdapterStore", "LoraRegistry", "LoraRequestError"]
+
+
+class AdapterStore(Protocol):
+    """Where the model's adapters live, as the registry manages them: the in-process LoraManager
+    (lora/manager.py), or every rank's under the multiprocess executor (executor/lora_calls.py)."""
+
+    targets: set[str]  # the module names an adapter may target
+    max_cpu_loras: int  # how many adapters it holds at most
+    cpu: OrderedDict[str, LoraAdapter]  # loaded adapters by name (their identity keys the prefix cache)
+
+    def check(self, adapter: LoraAdapter) -> None:
+        """LoraLoadError if the adapter does not fit the model's modules."""
+
+    def add(self, adapter: LoraAdapter) -> None: ...
+
+    def remove(self, name: str) -> None: ...
 
 
 class LoraRegistry:
     def __init__(
         self,
-        manager: LoraManager,
+        manager: AdapterStore,
         max_lora_rank: int,
         modules: tuple[tuple[str, str], ...] = (),
         in_use: Callable[[str], int] = lambda name: 0,

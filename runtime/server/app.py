@@ -19,10 +19,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvserve.runtime.lora import http as lora_http
-from kvserve.runtime.lora import remote as lora_remote
 from kvserve.runtime.lora.errors import LoraRequestError
 from kvserve.runtime.metrics import CONTENT_TYPE
+from kvserve.runtime.server import lora_remote, lora_routes
 from kvserve.runtime.server.errors import APIError, error_response
 from kvserve.runtime.server.serving import OpenAIServing
 from kvserve.runtime.server.state import ServerConfig, ServerState
@@ -164,7 +163,7 @@ def build_app(config: ServerConfig, *, engine: Any = None, engine_factory: Calla
             )
         return JSONResponse({"object": "list", "data": data})
 
-    lora_http.add_routes(app, state, serving)  # /v1/load_lora_adapter, /v1/unload_lora_adapter
+    lora_routes.add_routes(app, state, serving)  # /v1/load_lora_adapter, /v1/unload_lora_adapter
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -21,9 +21,8 @@ from pydantic import ValidationError
 
 from kvserve.runtime.engine.async_engine import AsyncEngine, RequestStream
 from kvserve.runtime.errors import InvalidParameter, RequestFailedError
-from kvserve.runtime.lora import remote as lora_remote
 from kvserve.runtime.sampling_params import SamplingParams, verify_request
-from kvserve.runtime.server import beam, structured
+from kvserve.runtime.server import beam, lora_remote, structured
 from kvserve.runtime.server.errors import APIError, bad_request, engine_error, find_invalid_text, from_validation_error
 from kvserve.runtime.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from kvserve.runtime.tracing import trace_headers

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from kvserve.runtime.engine.async_engine import AsyncEngine
+from kvserve.runtime.engine.client import EngineClient
 from kvserve.runtime.executor import kv_sizing
 from kvserve.runtime.metrics import ServerMetrics
 from kvserve.runtime.startup_phases import describe as describe_phases
@@ -110,8 +111,9 @@ class ServerState:
         self._group_ready = all(os.path.exists(m) for m in markers)  # cached: servers do not un-ready
         return self._group_ready
 
-    def attach_engine(self, llm_engine: Any) -> None:
-        """Wire up a loaded LLMEngine: tokenizer copy for the HTTP side, metrics, the async loop."""
+    def attach_engine(self, llm_engine: EngineClient) -> None:
+        """Wire up a loaded engine (in-process LLMEngine, or a client of a core process): tokenizer copy for the
+        HTTP side, metrics, the async loop."""
         model_config = llm_engine.config.model
         self.max_model_len = int(model_config.max_model_len)
         self.eos_token_ids = frozenset(model_config.eos_token_ids)  # beam search ends hypotheses on these
@@ -122,7 +124,7 @@ class ServerState:
         self.vocab_size = len(self.tokenizer)
         self.grammar_compiler = _GrammarCompilerFactory(self.tokenizer, llm_engine.config)
         self.limits = llm_engine.limits
-        lora = getattr(llm_engine.config, "lora", None)
+        lora = llm_engine.config.lora
         self.lora_modules = dict(lora.modules) if lora is not None else {}
         self.lora_enabled = lora is not None
         max_loras = lora.max_loras if lora is not None else None
@@ -180,13 +182,11 @@ class ServerState:
         )
         self._export_startup_phases(llm_engine)
 
-    def _export_startup_phases(self, llm_engine: Any) -> None:
+    def _export_startup_phases(self, llm_engine: EngineClient) -> None:
         """kvserve:startup_phase_seconds and one log line: the phases timed before the engine (ServerConfig),
         the engine's own (the core process's through CoreReady, or the in-process runner's), and the total."""
-        engine_phases = getattr(llm_engine, "startup_phases", None)  # CoreClient: what the core process sent
-        if engine_phases is None:  # in-process LLMEngine: its model runner (or rank 0 of its executor)
-            engine_phases = getattr(getattr(llm_engine, "runner", None), "startup_phases", None)
-        phases = {**self.config.startup_phases_s, **(engine_phases or {})}
+        # CoreClient: what the core process sent; in-process LLMEngine: its executor's (rank 0's)
+        phases = {**self.config.startup_phases_s, **llm_engine.startup_phases}
         started = self.config.started_monotonic
         phases["total"] = time.monotonic() - (self.created_monotonic if started is None else started)
         self.startup_phases = phases

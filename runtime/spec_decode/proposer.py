@@ -9,15 +9,29 @@ so their output distribution and extras are unchanged.
 
 from __future__ import annotations
 
+from typing import Protocol
+
+from kvserve.runtime.core.outputs import SchedulerOutput
 from kvserve.runtime.request import Request
-from kvserve.runtime.spec_decode.config import SpeculativeConfig
 from kvserve.runtime.spec_decode.ngram import NgramIndex
 from kvserve.runtime.spec_decode.suffix import Corpus, SharedOutputs, propose_from
+from kvserve.runtime.speculative_config import SpeculativeConfig
 
 
 class _SuffixState:
     def __init__(self) -> None:
         self.corpus = Corpus()
+
+
+class DraftProposer(Protocol):
+    """What the engine core calls around each schedule when --speculative-config is set: this module's
+    n-gram / suffix Proposer, or the draft model (executor/draft_model.py)."""
+
+    def propose(self, running: list[Request]) -> None:
+        """Set spec_token_ids on the running requests (before the schedule)."""
+
+    def attach_draft_probs(self, sched: SchedulerOutput) -> None:
+        """Hand the verifier the draft distribution q of the scheduled requests' sampled drafts."""
 
 
 class Proposer:
@@ -44,6 +58,9 @@ class Proposer:
             if k <= 0:
                 continue
             request.spec_token_ids = self._propose_one(request, k)
+
+    def attach_draft_probs(self, sched: SchedulerOutput) -> None:
+        """Nothing: n-gram and suffix drafts are one-hot (q = 1 at the draft), the verifier's default."""
 
     def _propose_one(self, request: Request, k: int) -> list[int]:
         cfg, rid = self.config, request.request_id

@@ -85,7 +85,7 @@ def test_graph_replays_give_eager_tokens(model_dir, emulate):
     expected = _run(_llm(model_dir), prompts, max_tokens)
 
     llm = _llm(model_dir, cuda_graphs=True, cuda_graph_sizes="1,2,4,8")
-    graphs = llm.engine.runner.decode_graphs
+    graphs = llm.engine.executor.runner.decode_graphs
     assert sorted(graphs.graphs) == [1, 2, 4, 8]
     seen = _record_sizes(graphs)
     assert _run(llm, prompts, max_tokens) == expected
@@ -100,7 +100,7 @@ def test_batches_above_the_largest_size_run_eagerly(model_dir, emulate):
     max_tokens = [12, 2, 3, 4, 5]
     expected = _run(_llm(model_dir), prompts, max_tokens)
     llm = _llm(model_dir, cuda_graphs=True, cuda_graph_sizes="1,2")
-    seen = _record_sizes(llm.engine.runner.decode_graphs)
+    seen = _record_sizes(llm.engine.executor.runner.decode_graphs)
     assert _run(llm, prompts, max_tokens) == expected
     assert seen and max(n for n, _ in seen) <= 2  # 5, 4 and 3 decodes ran eagerly
     assert {n for n, _ in seen} == {1, 2}
@@ -109,7 +109,7 @@ def test_batches_above_the_largest_size_run_eagerly(model_dir, emulate):
 def test_padded_rows_write_no_kv(model_dir, emulate):
     """A step of 3 decodes padded to 4 writes exactly 3 KV slots per layer: the real ones."""
     llm = _llm(model_dir, cuda_graphs=True, cuda_graph_sizes="4")
-    engine, runner = llm.engine, llm.engine.runner
+    engine, runner = llm.engine, llm.engine.executor.runner
     # A larger step first, so the padding row holds a stale real slot unless it is reset to -1.
     rng = random.Random(9)
     for i in range(4):
@@ -135,7 +135,7 @@ def test_padded_rows_write_no_kv(model_dir, emulate):
 def test_graph_buffers_reset_padding_between_steps(model_dir, emulate):
     """Unit: run() of 4 rows then 1 row (both padded to 4): rows 1..3 go back to slot -1 / length 1."""
     llm = _llm(model_dir, cuda_graphs=True, cuda_graph_sizes="4")
-    graphs = llm.engine.runner.decode_graphs
+    graphs = llm.engine.executor.runner.decode_graphs
     with torch.inference_mode():  # as in ModelRunner.execute
         graphs.run(
             [5, 6, 7, 8],

@@ -256,7 +256,7 @@ def test_the_engine_the_pod_command_starts_allocates_the_planned_slots_and_block
 
     llm._ids = itertools.count()
     try:
-        runner = llm.engine.runner
+        runner = llm.engine.executor.runner
         allocated = sum(t.numel() * t.element_size() for s in runner.lora.slots.values() for t in (s.a, s.b))
         assert allocated == plan.lora_slot_bytes_per_gpu
         assert runner.num_blocks == plan.num_blocks_per_gpu

@@ -73,7 +73,7 @@ def test_pp2_uneven_split_matches_one_stage_and_holds_only_its_layers(four_layer
 
     with LLM(model_dir, **kw) as llm1:
         ref_tokens, ref_logprobs = _run(llm1, prompts, params)
-        model1 = llm1.engine.runner.model
+        model1 = llm1.engine.executor.runner.model
         one_stage_bytes = sum(p.numel() * p.element_size() for p in model1.parameters())
         expected = [_stage_param_bytes(model1, r, s == 0, s == 1) for s, r in enumerate((range(0, 3), range(3, 4)))]
         shape = llm1.engine.config.model.shape
@@ -81,7 +81,7 @@ def test_pp2_uneven_split_matches_one_stage_and_holds_only_its_layers(four_layer
     # --pipeline-layer-split 3,1: stage 0 owns layers 0-2 and the embedding, stage 1 layer 3, norm and head.
     with LLM(model_dir, pipeline_parallel_size=2, pipeline_layer_split="3,1", **kw) as llm2:
         tokens, logprobs = _run(llm2, prompts, params)
-        info = llm2.engine.runner.collect_rank_info()
+        info = llm2.engine.executor.describe_ranks()
         stats = llm2.engine.get_stats()
 
     assert tokens == ref_tokens
@@ -91,20 +91,20 @@ def test_pp2_uneven_split_matches_one_stage_and_holds_only_its_layers(four_layer
             assert ours[tok].logprob == pytest.approx(ref[tok].logprob, abs=1e-5)
     assert stats.prefix_cache_hits > 0
 
-    assert [(i["rank"], i["stage"], i["layers"]) for i in info] == [(0, 0, [0, 3]), (1, 1, [3, 4])]
-    assert info[0]["pid"] != info[1]["pid"]
+    assert [(i.rank, i.stage, i.layers) for i in info] == [(0, 0, (0, 3)), (1, 1, (3, 4))]
+    assert info[0].pid != info[1].pid
     # Weights: exactly the stage's own tensors; together exactly the one-stage model.
-    assert [i["param_bytes"] for i in info] == expected
+    assert [i.param_bytes for i in info] == expected
     assert sum(expected) == one_stage_bytes
     for i, layers in zip(info, (range(0, 3), range(3, 4))):
-        first, last = i["stage"] == 0, i["stage"] == 1
+        first, last = i.stage == 0, i.stage == 1
         # ... and what the capacity plan (kvserve plan / the operator) predicts for that stage.
-        assert i["param_bytes"] == capacity.stage_weight_bytes_per_rank(shape, "float32", 1, layers, first, last)
+        assert i.param_bytes == capacity.stage_weight_bytes_per_rank(shape, "float32", 1, layers, first, last)
         # KV: a block holds only the stage's layers, the capacity formula's bytes per token x block size.
         per_token = capacity.stage_kv_bytes_per_token_per_rank(shape, "float32", "auto", 1, layers)
-        assert i["kv_tensor_bytes"] == i["num_blocks"] * 16 * per_token <= budget
+        assert i.kv_tensor_bytes == i.num_blocks * 16 * per_token <= budget
     # One block table for both stages: the stage with the least room per block (3 layers) decides.
-    assert info[0]["num_blocks"] == info[1]["num_blocks"] == budget // (16 * 2 * 3 * 2 * 8 * 4)
+    assert info[0].num_blocks == info[1].num_blocks == budget // (16 * 2 * 3 * 2 * 8 * 4)
 
 
 @pytest.mark.timeout(240)
@@ -120,17 +120,17 @@ def test_tp2_x_pp2_matches_one_process_under_preemption(four_layer_model):
     with LLM(model_dir, tensor_parallel_size=2, pipeline_parallel_size=2, num_kv_blocks=14, **kw) as llm:
         out = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         stats = llm.engine.get_stats()
-        info = llm.engine.runner.collect_rank_info()
+        info = llm.engine.executor.describe_ranks()
     assert out == ref
     assert stats.num_preemptions > 0
-    assert [(i["stage"], i["tp_rank"], i["layers"]) for i in info] == [
-        (0, 0, [0, 2]),
-        (0, 1, [0, 2]),
-        (1, 0, [2, 4]),
-        (1, 1, [2, 4]),
+    assert [(i.stage, i.tp_rank, i.layers) for i in info] == [
+        (0, 0, (0, 2)),
+        (0, 1, (0, 2)),
+        (1, 0, (2, 4)),
+        (1, 1, (2, 4)),
     ]
-    assert [i["kv_head_ids"] for i in info] == [[0]] * 4  # the one KV head, replicated over the TP ranks
-    assert all(i["num_blocks"] == 14 for i in info)
+    assert [i.kv_head_ids for i in info] == [[0]] * 4  # the one KV head, replicated over the TP ranks
+    assert all(i.num_blocks == 14 for i in info)
 
 
 @pytest.mark.timeout(120)
@@ -140,7 +140,7 @@ def test_last_stage_killed_mid_generate_raises_naming_the_rank(four_layer_model)
     model_dir, _ = four_layer_model["llama_gqa"]
     llm = LLM(model_dir, max_model_len=256, num_kv_blocks=160, pipeline_parallel_size=2)
     try:
-        executor = llm.engine.runner
+        executor = llm.engine.executor
         prompts = [{"prompt_token_ids": [5 + i, 6, 7, 8]} for i in range(8)]
         threading.Timer(0.5, os.kill, (executor.worker_pids[1], signal.SIGKILL)).start()
         start = time.monotonic()

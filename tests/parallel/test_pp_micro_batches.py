@@ -1,4 +1,4 @@
-"""Pipeline parallelism with micro-batches in flight (engine/batch_queue.py), on gloo/CPU worker processes.
+"""Pipeline parallelism with micro-batches in flight (EngineCore._step_pipelined), on gloo/CPU worker processes.
 
 PP=2 keeps two batches in flight and is token-identical to one process over concurrent requests with chunked
 prefill, prefix-cache hits, a seeded sample, logprobs and aborts of in-flight requests. That the stages really
@@ -37,7 +37,7 @@ def _abort_in_flight_then_finish(llm: LLM, prompts, params) -> dict[str, list[in
     engine = llm.engine
     for i in range(4):
         engine.add_request(f"abort-{i}", prompts[i + 3], params[i + 3])
-    queue, to_abort = engine.core.batch_queue, {"abort-0", "abort-3"}
+    core, to_abort = engine.core, {"abort-0", "abort-3"}
     done: dict[str, list[int]] = {}
     for _ in range(500):
         if not engine.has_unfinished_requests():
@@ -45,7 +45,7 @@ def _abort_in_flight_then_finish(llm: LLM, prompts, params) -> dict[str, list[in
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
-        in_flight = {x.req_id.split("#")[0] for batch, _ in queue.batches for x in batch.scheduled}
+        in_flight = {x.req_id.split("#")[0] for batch, _ in core.batches for x in batch.scheduled}
         for rid in sorted(to_abort & in_flight):
             engine.abort_request(rid)
             to_abort.discard(rid)
@@ -70,15 +70,15 @@ def test_pp2_with_two_batches_in_flight_matches_one_process_and_overlaps_the_sta
     with LLM(model_dir, pipeline_parallel_size=2, **COMMON) as llm:
         tokens, logprobs = _generate(llm, prompts, params)
         core = llm.engine.core
-        max_in_flight = core.batch_queue.max_in_flight
-        intervals = llm.engine.runner.execute_intervals()
+        max_in_flight = core.max_batches_in_flight
+        intervals = llm.engine.executor.execute_intervals()
         stats = llm.engine.get_stats()
         after_aborts = _abort_in_flight_then_finish(llm, prompts, params)
         for _ in range(10):  # a batch of aborted requests may still be in flight: the core steps it out
             if not core.has_unfinished_requests():
                 break
             core.step()
-        assert not core.batch_queue.batches and core.scheduler.num_in_flight == 0
+        assert not core.batches and core.scheduler.num_in_flight == 0
 
     assert tokens == ref_tokens
     for ours, ref in zip(logprobs, ref_logprobs):
@@ -96,7 +96,7 @@ def test_pp2_with_two_batches_in_flight_matches_one_process_and_overlaps_the_sta
     monkeypatch.setenv(BATCHES_IN_FLIGHT_ENV, "1")
     with LLM(model_dir, pipeline_parallel_size=2, **COMMON) as llm:
         tokens, _ = _generate(llm, prompts, params)
-        assert llm.engine.core.batch_queue is None
-        lockstep = llm.engine.runner.execute_intervals()
+        assert llm.engine.core.batch_slots == 1
+        lockstep = llm.engine.executor.execute_intervals()
     assert tokens == ref_tokens
     assert len(lockstep[0]) > 10 and _overlaps(lockstep) == 0

@@ -65,16 +65,16 @@ def test_tp2_matches_tp1_token_for_token_with_half_the_weights_per_rank(tp_model
 
     with LLM(model_dir, **kw) as llm1:
         ref_tokens, ref_logprobs = _run(llm1, prompts, params)
-        runner = llm1.engine.runner
+        runner = llm1.engine.executor.runner
         t1_param_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
         t1_blocks = runner.num_blocks
         t1_kv_bytes_per_block = runner.kv_bytes_per_block()
 
     with LLM(model_dir, tensor_parallel_size=2, **kw) as llm2:
         tokens, logprobs = _run(llm2, prompts, params)
-        info = llm2.engine.runner.collect_rank_info()
+        info = llm2.engine.executor.describe_ranks()
         stats = llm2.engine.get_stats()
-        startup_phases = llm2.engine.runner.startup_phases  # rank 0's (runtime/startup_phases.py)
+        startup_phases = llm2.engine.executor.startup_phases  # rank 0's (runtime/startup_phases.py)
 
     assert tokens == ref_tokens
     # logprobs come from rank 0's gathered logits: same top tokens, values equal up to fp32 reduction order
@@ -84,32 +84,30 @@ def test_tp2_matches_tp1_token_for_token_with_half_the_weights_per_rank(tp_model
             assert ours[tok].logprob == pytest.approx(ref[tok].logprob, abs=1e-4)
     assert stats.prefix_cache_hits > 0
 
-    assert [i["rank"] for i in info] == [0, 1] and info[0]["pid"] != info[1]["pid"]
+    assert [i.rank for i in info] == [0, 1] and info[0].pid != info[1].pid
     assert (
-        {"distributed_init", "weight_load", "kv_cache_allocate"}
-        <= set(startup_phases)
-        == set(info[0]["startup_phases"])
+        {"distributed_init", "weight_load", "kv_cache_allocate"} <= set(startup_phases) == set(info[0].startup_phases)
     )
     kv_local = 1
     if kv_split == "replicated":
-        assert [i["kv_head_ids"] for i in info] == [[0], [0]]
+        assert [i.kv_head_ids for i in info] == [[0], [0]]
     else:
-        assert [i["kv_head_ids"] for i in info] == [[0], [1]]
+        assert [i.kv_head_ids for i in info] == [[0], [1]]
     for i in info:
         # Weights: about half per rank, exactly what the split predicts (measured on the worker's tensors).
-        assert i["param_bytes"] == _expected_rank_param_bytes(cfg, 2, kv_local)
-        assert 0.5 <= i["param_bytes"] / t1_param_bytes < 0.53  # + replicated norms (and MQA K/V rows)
+        assert i.param_bytes == _expected_rank_param_bytes(cfg, 2, kv_local)
+        assert 0.5 <= i.param_bytes / t1_param_bytes < 0.53  # + replicated norms (and MQA K/V rows)
         # KV: per block, a rank holds only its KV heads -> half of t=1's block with 2 KV heads split, all
         # of it when the single KV head is replicated. The same per-rank byte budget therefore holds 2x
         # the blocks (tokens) in the split case.
-        per_block = i["kv_tensor_bytes"] / i["num_blocks"]
+        per_block = i.kv_tensor_bytes / i.num_blocks
         if kv_split == "split":
             assert per_block == t1_kv_bytes_per_block / 2
-            assert i["num_blocks"] == 2 * t1_blocks
+            assert i.num_blocks == 2 * t1_blocks
         else:
             assert per_block == t1_kv_bytes_per_block
-            assert i["num_blocks"] == t1_blocks
-        assert i["kv_tensor_bytes"] <= budget
+            assert i.num_blocks == t1_blocks
+        assert i.kv_tensor_bytes <= budget
 
 
 @pytest.mark.timeout(120)

@@ -34,7 +34,7 @@ def test_worker_killed_mid_generate_raises_naming_the_rank(tp_model_factory):
     model_dir, _ = tp_model_factory("llama_gqa")
     llm = LLM(model_dir, **KW)
     try:
-        executor = llm.engine.runner
+        executor = llm.engine.executor
         prompts = [{"prompt_token_ids": [5 + i, 6, 7, 8]} for i in range(6)]
         long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
         assert len(llm.generate(prompts[:1], SamplingParams(max_tokens=3), use_tqdm=False)) == 1
@@ -60,7 +60,7 @@ def test_worker_exception_is_fatal_and_named(tp_model_factory):
     model_dir, _ = tp_model_factory("llama_gqa")
     with LLM(model_dir, **KW) as llm:
         with pytest.raises(WorkerDiedError, match=r"rank [01] failed during a step: ValueError: unknown executor"):
-            llm.engine.runner._call("no_such_method")
+            llm.engine.executor._call("no_such_method")
         with pytest.raises(WorkerDiedError):
             llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
     # a KV budget that cannot hold one sequence fails at startup with the field named, workers reaped

@@ -70,6 +70,6 @@ def test_tp2_mixed_adapters_match_peft_and_runtime_load_reaches_every_rank(tp_mo
         outs = llm.generate(prompts[:3], params, use_tqdm=False, lora_request=["a1", None, "a3"])
         assert [list(o.outputs[0].token_ids) for o in outs] == [expected[0], expected[1], runtime_expected]
         registry.unload("a3")
-        assert registry.identity("a3") is None and "a3" not in llm.engine.runner.lora.cpu
+        assert registry.identity("a3") is None and "a3" not in llm.engine.executor.lora.cpu
         outs = llm.generate(prompts[2:3], params, use_tqdm=False, lora_request="a2")
         assert list(outs[0].outputs[0].token_ids) == expected[2]

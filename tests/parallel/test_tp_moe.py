@@ -45,12 +45,12 @@ def test_tp2_moe_matches_hf_with_experts_split_per_rank(tp_model_factory, name):
             SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
             use_tqdm=False,
         )
-        info = llm.engine.runner.collect_rank_info()
+        info = llm.engine.executor.describe_ranks()
         stats = llm.engine.get_stats()
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert stats.prefix_cache_hits > 0
     whole = expected_rank_param_elements(cfg, 1)
     assert whole == sum(p.numel() for p in hf_model.parameters())  # the formula is the model's at t=1
     for i in info:  # measured on each worker's tensors (fp32: 4 bytes a parameter)
-        assert i["param_bytes"] == 4 * expected_rank_param_elements(cfg, 2)
-        assert 0.5 < i["param_bytes"] / (4 * whole) < 0.56  # half, plus the replicated routers and norms
+        assert i.param_bytes == 4 * expected_rank_param_elements(cfg, 2)
+        assert 0.5 < i.param_bytes / (4 * whole) < 0.56  # half, plus the replicated routers and norms

@@ -117,7 +117,7 @@ def test_dummy_weights_need_no_checkpoint(model_factory, tmp_path, name, dtype, 
     with pytest.raises(FileNotFoundError):  # the default format still needs the checkpoint
         LLM(shape_only, max_model_len=64, num_kv_blocks=16, device="cpu")
     llm = LLM(shape_only, max_model_len=64, num_kv_blocks=16, device="cpu", load_format="dummy", dtype=dtype)
-    model = llm.engine.runner.model
+    model = llm.engine.executor.runner.model
     params = dict(model.named_parameters())
     norms = [p for n, p in params.items() if n.endswith("layernorm.weight")]
     expected_norm = 0.0 if name.startswith("gemma") else 1.0  # Gemma stores the offset from 1

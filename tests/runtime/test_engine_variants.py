@@ -139,7 +139,8 @@ def test_fp8_kv_cache_on_torch_backend(workload, kv_cache_dtype, top_n, min_same
     llm = LLM(model_dir, max_model_len=256, kv_cache_bytes=budget, kv_cache_dtype=kv_cache_dtype)
     got = llm.generate(prompts, params, use_tqdm=False)
     assert (
-        llm.engine.runner.kv.dtype == {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[kv_cache_dtype]
+        llm.engine.executor.runner.kv.dtype
+        == {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[kv_cache_dtype]
     )
     assert llm.engine.config.cache.num_blocks == 4 * 256  # 1 byte per element instead of 4: 4x the blocks
     assert check_logprobs_close(ref, got) >= min_same_first

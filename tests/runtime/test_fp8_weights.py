@@ -53,7 +53,7 @@ def llama(model_factory):
 
 def test_fp8_weights_are_one_byte_and_what_the_planner_charges(llama):
     llm = LLM(llama, dtype="fp8", max_model_len=256, kv_cache_bytes=1 << 22)
-    model = llm.engine.runner.model
+    model = llm.engine.executor.runner.model
     shape = llm.engine.config.model.shape
     assert llm.engine.config.model.dtype == "bfloat16" and llm.engine.config.model.weight_dtype == "fp8"
     qkv = model.layers[0].self_attn.qkv_proj
@@ -61,9 +61,11 @@ def test_fp8_weights_are_one_byte_and_what_the_planner_charges(llama):
     assert model.embed_tokens.weight.dtype == torch.bfloat16  # embeddings / LM head stay 16-bit
     assert _weight_bytes(model) == capacity.weight_bytes_per_rank(shape, "fp8", 1)
     bf16 = LLM(llama, dtype="bfloat16", max_model_len=256, kv_cache_bytes=1 << 22)
-    assert _weight_bytes(bf16.engine.runner.model) == capacity.weight_bytes_per_rank(shape, "bfloat16", 1)
+    assert _weight_bytes(bf16.engine.executor.runner.model) == capacity.weight_bytes_per_rank(shape, "bfloat16", 1)
     linear, _, channels = capacity.parameter_groups_per_rank(shape, 1)
-    assert _weight_bytes(bf16.engine.runner.model) - _weight_bytes(model) == linear * 2 - (linear + 4 * channels)
+    assert _weight_bytes(bf16.engine.executor.runner.model) - _weight_bytes(model) == linear * 2 - (
+        linear + 4 * channels
+    )
 
 
 PROMPTS = [

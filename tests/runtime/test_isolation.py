@@ -92,7 +92,7 @@ def test_failed_forward_fails_its_step_retryably_and_poisons_no_cache(llm, model
     # Longer than a block, and never seen by this engine: step 1 allocates (and caches ahead of the forward)
     # full blocks for them, and the failed forward never writes their KV.
     long_prompts = [[40 + i] + list(range(100, 120)) for i in range(3)]
-    real = engine.runner.execute
+    real = engine.executor.execute
     calls = {"n": 0}
 
     def execute(sched):
@@ -101,7 +101,7 @@ def test_failed_forward_fails_its_step_retryably_and_poisons_no_cache(llm, model
             raise RuntimeError("injected forward failure")
         return real(sched)
 
-    engine.runner.execute = execute
+    engine.executor.execute = execute
     try:
         final = _run(
             engine,
@@ -111,7 +111,7 @@ def test_failed_forward_fails_its_step_retryably_and_poisons_no_cache(llm, model
             },
         )
     finally:
-        del engine.runner.execute
+        del engine.executor.execute
     assert all(out.error == STEP_FAILED for out in final.values()), final  # all three were in step 1
     assert engine.num_step_failures >= 1
     _assert_all_blocks_free(engine)
@@ -131,7 +131,7 @@ def test_consecutive_step_failures_kill_the_engine(model_factory):
     def execute(sched):
         raise RuntimeError("device lost")
 
-    engine.runner.execute = execute
+    engine.executor.execute = execute
     engine.add_request("a", {"prompt_token_ids": [5, 6]}, GREEDY)
     first = engine.step()
     assert [o.error for o in first] == [STEP_FAILED]

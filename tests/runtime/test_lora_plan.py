@@ -56,7 +56,7 @@ def test_served_engine_allocates_the_planned_slots_and_blocks(model_factory, cap
         max_model_len=plan["engine"]["max_model_len"],
     )
     try:
-        runner = llm.engine.runner
+        runner = llm.engine.executor.runner
         allocated = sum(t.numel() * t.element_size() for s in runner.lora.slots.values() for t in (s.a, s.b))
         assert allocated == plan["lora_slot_bytes_per_gpu"]
         assert runner.num_blocks == plan["num_blocks_per_gpu"]

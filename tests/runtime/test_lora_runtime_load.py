@@ -1,5 +1,5 @@
 """Loading and unloading LoRA adapters at run time (issue 24): the engine core's registry
-(runtime/lora/registry.py) and the utility thread beside the core's loop (runtime/lora/core_utilities.py).
+(runtime/lora/registry.py) and the utility thread beside the core's loop (runtime/engine/core_utilities.py).
 
 - a reload under the same name with other weights never reuses the old adapter's prefix-cache blocks (the
   prefix-cache hit counter must not move), and loading the first weights again gives the first tokens;
@@ -161,7 +161,7 @@ def test_unload_while_a_request_runs_lets_it_finish(adapters, engine):
             if out.finished:
                 tokens = list(out.outputs[0].token_ids)
     assert tokens == expected  # finished under the adapter it started with
-    assert "busy" not in engine.runner.lora.cpu  # weights dropped with its last request
+    assert "busy" not in engine.executor.lora.cpu  # weights dropped with its last request
 
 
 class _Socket:
@@ -174,7 +174,7 @@ class _Socket:
 
 def test_core_utility_thread_never_blocks_the_loop(adapters, engine, monkeypatch):
     from kvserve.runtime.engine.core_messages import MessageCodec, MessageType, UtilityCall
-    from kvserve.runtime.lora.core_utilities import CoreUtilities
+    from kvserve.runtime.engine.core_utilities import CoreUtilities
 
     registry = engine.core.lora_registry
     release, started = threading.Event(), threading.Event()

@@ -130,7 +130,7 @@ def test_fp8_experts_match_the_16_bit_experts_within_fp8_rounding(path, monkeypa
 def test_fp8_moe_model_holds_one_byte_experts(model_factory):
     model_dir, _ = model_factory("mixtral_moe")
     llm = LLM(model_dir, dtype="fp8", max_model_len=64, num_kv_blocks=64)
-    model = llm.engine.runner.model
+    model = llm.engine.executor.runner.model
     experts = model.layers[0].mlp.experts
     assert experts.gate_up_proj.dtype == experts.down_proj.dtype == torch.float8_e4m3fn
     assert model.layers[0].mlp.gate.weight.dtype == torch.bfloat16  # the router stays 16-bit

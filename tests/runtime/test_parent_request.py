@@ -251,7 +251,7 @@ def test_a_failed_first_step_leaves_no_poisoned_prompt_blocks(llm, model_factory
     engine = llm.engine
     prompt = [41] + list(range(200, 236))  # never seen by this engine; 2 full blocks
     params = SamplingParams(n=2, temperature=0, max_tokens=8, ignore_eos=True)
-    real = engine.runner.execute
+    real = engine.executor.execute
     calls = {"n": 0}
 
     def execute(sched):
@@ -260,12 +260,12 @@ def test_a_failed_first_step_leaves_no_poisoned_prompt_blocks(llm, model_factory
             raise RuntimeError("injected forward failure")
         return real(sched)
 
-    engine.runner.execute = execute
+    engine.executor.execute = execute
     try:
         engine.add_request("f", {"prompt_token_ids": prompt}, params)
         assert _finish(engine)["f"].error == STEP_FAILED
     finally:
-        del engine.runner.execute
+        del engine.executor.execute
     again = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
     model_dir, _ = model_factory("llama_gqa")
     reference = LLM(model_dir, max_model_len=64, num_kv_blocks=64, block_size=16, max_num_seqs=4)

@@ -1,4 +1,4 @@
-"""engine/batch_queue.py in one process: the engine core's micro-batch loop over a stand-in for the pipeline
+"""EngineCore._step_pipelined in one process: the engine core's micro-batch loop over a stand-in for the pipeline
 executor (a batch runs on the real in-process model runner when it is collected, in launch order), so the
 queue logic and its failure semantics are checked without worker processes (tests/parallel covers gloo)."""
 
@@ -12,15 +12,15 @@ from kvserve_testing import random_prompts
 
 from kvserve.runtime import LLM, SamplingParams
 from kvserve.runtime.core.scheduler import Scheduler
-from kvserve.runtime.engine.batch_queue import BatchQueue, batches_in_flight
+from kvserve.runtime.engine.batch_queue import batches_in_flight
 from kvserve.runtime.errors import InvalidParameter, WorkerDiedError
 
 
-class DeferredRunner:
-    """MultiprocExecutor's submit / collect / is_done contract, in-process."""
+class DeferredExecutor:
+    """MultiprocExecutor's submit / collect / is_done contract, in-process (the steps run at collect)."""
 
-    def __init__(self, runner, fail_collect: int | None = None, die_collect: int | None = None):
-        self.runner, self.fail_collect, self.die_collect = runner, fail_collect, die_collect
+    def __init__(self, executor, fail_collect: int | None = None, die_collect: int | None = None):
+        self.executor, self.fail_collect, self.die_collect = executor, fail_collect, die_collect
         self.pending: deque = deque()
         self.num_submitted = self.num_collected = 0
 
@@ -32,7 +32,7 @@ class DeferredRunner:
     def collect(self, handle: int):
         oldest, sched = self.pending.popleft()
         assert oldest == handle, "collected out of launch order"
-        out = self.runner.execute(sched)
+        out = self.executor.execute(sched)
         self.num_collected += 1
         if self.num_collected == self.fail_collect:
             raise RuntimeError("injected step failure")
@@ -43,13 +43,16 @@ class DeferredRunner:
     def is_done(self, handle: int) -> bool:
         return False
 
+    def shutdown(self) -> None:
+        self.executor.shutdown()
 
-def _pipelined(core, **runner_kw) -> DeferredRunner:
+
+def _pipelined(core, **executor_kw) -> DeferredExecutor:
     """Turn a fresh one-process core into a 2-batch micro-batching one."""
     core.scheduler = Scheduler(core.config.scheduler, core.kv_cache_manager, micro_batches=2)
-    core.batch_queue = BatchQueue(core, 2)
-    core.runner = DeferredRunner(core.runner, **runner_kw)
-    return core.runner
+    core.batch_slots = 2
+    core.executor = DeferredExecutor(core.executor, **executor_kw)
+    return core.executor
 
 
 def _run(core, prompts, params, prefix: str, max_steps: int = 2000):
@@ -96,7 +99,7 @@ def test_two_batches_in_flight_give_the_plain_steps_tokens(setup):
     runner = _pipelined(core)
     tokens, failures = _run(core, prompts, params, "mb-")
     assert tokens == reference and not failures
-    assert core.batch_queue.max_in_flight == 2
+    assert core.max_batches_in_flight == 2
     assert runner.num_submitted == runner.num_collected and core.scheduler.num_in_flight == 0
 
 

@@ -14,7 +14,7 @@ import pytest
 from kvserve.runtime.engine.llm import LLM
 from kvserve.runtime.errors import InvalidParameter
 from kvserve.runtime.sampling_params import SamplingParams
-from kvserve.runtime.spec_decode.config import parse_speculative_config
+from kvserve.runtime.speculative_config import parse_speculative_config
 
 # 16-token budget: prompts are chunked (in the target and in the draft) and drafts trimmed; 20 blocks of 8:
 # the 7 requests preempt each other.
@@ -156,8 +156,8 @@ def test_the_draft_cache_rolls_back_to_the_tokens_the_target_kept(model_factory)
     """After drafts the target rejected -- also when the request then decoded steps without drafting (the
     load switch) -- the draft proposes exactly what a fresh draft cache proposes for the same tokens."""
     from kvserve.runtime.config import make_engine_config
+    from kvserve.runtime.executor.draft_model import DraftModelProposer
     from kvserve.runtime.request import Request
-    from kvserve.runtime.spec_decode.draft_model import DraftModelProposer
 
     model_dir, _ = model_factory("llama_gqa")
     spec = draft_spec(model_dir, k=4, disable_by_batch_size=1)

@@ -11,10 +11,10 @@ from kvserve.runtime.core.scheduler import Scheduler, SchedulerConfig
 from kvserve.runtime.errors import InvalidParameter
 from kvserve.runtime.request import Request, RequestStatus
 from kvserve.runtime.sampling_params import SamplingParams
-from kvserve.runtime.spec_decode.config import parse_speculative_config
 from kvserve.runtime.spec_decode.ngram import NgramIndex
 from kvserve.runtime.spec_decode.proposer import Proposer
 from kvserve.runtime.spec_decode.suffix import Corpus, SharedOutputs, propose_from
+from kvserve.runtime.speculative_config import parse_speculative_config
 
 BS = 4
 

@@ -126,7 +126,7 @@ def demo_model_dir(tmp_path_factory) -> str:
 def make_engine(model_dir: str, *, in_process: bool = False, **overrides):
     """The engine a server test runs on: by default the engine core in its own process (what `kvserve serve`
     runs, core_client.CoreClient). in_process=True: an LLMEngine in the test process, for the tests that
-    inject faults into the runner (engine.runner.execute = ...), which a process boundary would hide."""
+    inject faults into the runner (engine.executor.execute = ...), which a process boundary would hide."""
     kwargs = {**DEMO_ENGINE_KWARGS, **overrides}
     if in_process:
         from kvserve.runtime.engine.llm_engine import LLMEngine

@@ -216,7 +216,7 @@ def test_engine_loop_survives_a_failing_step(demo_model_dir):
     engine = make_engine(demo_model_dir, in_process=True, kv_cache_bytes=8 << 20, max_model_len=1024)
     srv = LiveServer(engine)
     try:
-        real_execute = engine.runner.execute
+        real_execute = engine.executor.execute
         calls = {"n": 0}
 
         def flaky_execute(sched):
@@ -225,7 +225,7 @@ def test_engine_loop_survives_a_failing_step(demo_model_dir):
                 raise RuntimeError("injected failure")
             return real_execute(sched)
 
-        engine.runner.execute = flaky_execute
+        engine.executor.execute = flaky_execute
         resp = httpx.post(srv.base_url + C, json={"prompt": "doomed", "max_tokens": 4}, timeout=30)
         assert resp.status_code == 503 and int(resp.headers["retry-after"]) >= 1
         error = resp.json()["error"]

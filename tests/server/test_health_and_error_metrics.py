@@ -32,7 +32,7 @@ def test_failed_step_counts_an_error_and_the_engine_stays_healthy(demo_model_dir
     try:
         assert _sample(srv.base_url, "kvserve:healthy") == 1
         assert _sample(srv.base_url, "vllm:request_success_total", finished_reason="error") is None
-        real_execute, calls = engine.runner.execute, {"n": 0}
+        real_execute, calls = engine.executor.execute, {"n": 0}
 
         def flaky_execute(sched):  # a forward that fails once: its requests fail retryably (issue 9)
             calls["n"] += 1
@@ -40,7 +40,7 @@ def test_failed_step_counts_an_error_and_the_engine_stays_healthy(demo_model_dir
                 raise RuntimeError("injected failure")
             return real_execute(sched)
 
-        engine.runner.execute = flaky_execute
+        engine.executor.execute = flaky_execute
         assert _complete(srv, "doomed").status_code == 503
         assert _complete(srv, "fine").status_code == 200
         assert _sample(srv.base_url, "vllm:request_success_total", finished_reason="error") == 1

@@ -107,7 +107,7 @@ def test_dead_engine_answers_in_flight_and_queued_requests_at_once(demo_model_di
                 def broken(sched):
                     raise RuntimeError("injected: device lost")
 
-                engine.runner.execute = broken
+                engine.executor.execute = broken
                 start = time.monotonic()
                 responses = await asyncio.gather(stream, *queued)
                 return responses[0], list(responses[1:]), time.monotonic() - start

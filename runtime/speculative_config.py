@@ -8,7 +8,7 @@ tokens alone, so no draft model, no extra KV and no lookahead slots.
 
 "draft_model" (vLLM's keys: "model" = a local directory of a smaller model with the target's vocabulary,
 "num_speculative_tokens"): the draft runs k greedy (or, for sampled requests, sampled) steps in the engine core
-process on its own paged KV cache (spec_decode/draft_model.py); TP=1 whatever the target's TP (vLLM's
+process on its own paged KV cache (executor/draft_model.py); TP=1 whatever the target's TP (vLLM's
 draft_tensor_parallel_size 1). "draft_kv_cache_bytes" (kvserve's key) sizes that cache; by default it holds as
 many blocks as the target's.
 

@@ -6,7 +6,7 @@ JSON naming the field. Off unless `--allow-runtime-lora-updating` or VLLM_ALLOW_
 
 The engine core holds the registry (runtime/lora/registry.py), so with --api-server-count N an adapter
 loaded through any API server is listed and accepted by all of them. `lora_path` may also be an hf://, s3://
-or file:// URI: the API server downloads it first (runtime/lora/fetch.py)."""
+or file:// URI: the API server downloads it first (runtime/server/lora_fetch.py)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
 
-from kvserve.runtime.lora import fetch, remote
 from kvserve.runtime.lora.errors import LoraRequestError
+from kvserve.runtime.server import lora_fetch, lora_remote
 from kvserve.runtime.server.errors import APIError
 
 
@@ -42,11 +42,11 @@ def _api_error(exc: LoraRequestError) -> APIError:
 def add_routes(app: FastAPI, state: Any, serving: Any) -> None:
     def check_allowed(request: Request) -> None:
         serving.check_auth(request)
-        if not remote.runtime_updating_allowed(state.config.allow_runtime_lora_updating):
+        if not lora_remote.runtime_updating_allowed(state.config.allow_runtime_lora_updating):
             raise APIError(
                 404,
                 f"Runtime LoRA loading is off: start kvserve serve with --allow-runtime-lora-updating (or "
-                f"{remote.ENV_SWITCH}=True) and --enable-lora: {request.method} {request.url.path}",
+                f"{lora_remote.ENV_SWITCH}=True) and --enable-lora: {request.method} {request.url.path}",
                 type="not_found_error",
                 code="not_found",
             )
@@ -71,8 +71,8 @@ def add_routes(app: FastAPI, state: Any, serving: Any) -> None:
                 code="lora_adapter_exists",
             )
         try:
-            path = await fetch.local_path(body.lora_path, state.config.lora_download_dir)
-            await remote.call(state, "load_lora_adapter", body.lora_name, path, body.load_inplace)
+            path = await lora_fetch.local_path(body.lora_path, state.config.lora_download_dir)
+            await lora_remote.call(state, "load_lora_adapter", body.lora_name, path, body.load_inplace)
         except LoraRequestError as exc:
             raise _api_error(exc) from None
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
@@ -82,7 +82,7 @@ def add_routes(app: FastAPI, state: Any, serving: Any) -> None:
         check_allowed(request)
         body: UnloadLoRAAdapterRequest = await serving.parse(request, UnloadLoRAAdapterRequest)
         try:
-            await remote.call(state, "unload_lora_adapter", body.lora_name)
+            await lora_remote.call(state, "unload_lora_adapter", body.lora_name)
         except LoraRequestError as exc:
             raise _api_error(exc) from None
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")

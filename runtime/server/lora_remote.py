@@ -1,7 +1,7 @@
 """LoRA registry calls across the API-server / engine-core boundary (`/v1/load_lora_adapter`,
 `/v1/unload_lora_adapter`, and the authoritative list behind `/v1/models`).
 
-The engine core runs them on a utility thread beside its step loop (runtime/lora/core_utilities.py). This
+The engine core runs them on a utility thread beside its step loop (runtime/engine/core_utilities.py). This
 is the API server's side: `call` goes through the CoreClient (the core in its own process) or, with
 `--inprocess-engine`, straight to the in-process core's registry on a pool thread. `served_adapters` is
 this server's view; a name it does not know is checked with the core before a 404 (`resolve`), so an
@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvserve.runtime.engine.core_messages import UtilityResult
-from kvserve.runtime.lora.core_utilities import run_utility
+from kvserve.runtime.engine.core_utilities import run_utility
 from kvserve.runtime.lora.errors import LoraRequestError
 
 logger = logging.getLogger("kvserve.lora")

@@ -38,7 +38,7 @@ from kvserve.runtime.core.outputs import SchedulerOutput
 from kvserve.runtime.errors import InvalidParameter
 from kvserve.runtime.request import Request
 from kvserve.runtime.sampling import sampling_probs
-from kvserve.runtime.spec_decode.config import check_draft_vocab
+from kvserve.runtime.speculative_config import check_draft_vocab
 
 logger = logging.getLogger("kvserve.spec_decode")
 

@@ -1,4 +1,4 @@
-"""The engine-core side of the LoRA registry calls (runtime/lora/remote.py has the API server's side): a
+"""The engine-core side of the LoRA registry calls (runtime/server/lora_remote.py has the API server's side): a
 UTILITY message runs on one utility thread beside core_process.py's step loop -- reading an adapter's files
 never stalls a step -- and its UTILITY_RESULT goes back to the calling API server from the loop thread
 (which owns the sockets). After a load or unload every API server first gets LORA_ADAPTERS (the new

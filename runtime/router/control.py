@@ -52,10 +52,6 @@ class ReplicaControl:
         self.release_held()
 
     # ---- hold ------------------------------------------------------------------------------------------------
-    def holding(self) -> bool:
-        """Requests are held (not refused) while no replica is ready."""
-        return self.held is not None
-
     async def wait_for_ready(self, model: str, deadline: float) -> float:
         """Hold until a replica is ready; the seconds held. Raises HoldRejected (full, timed out)."""
         return await self.held.wait(model, deadline, ready=lambda: bool(self.replicas.ready()))

@@ -79,7 +79,9 @@ class Router:
         self.discovery = discovery
         self.metrics = RouterMetrics()
         self.control = ReplicaControl(config, self.metrics)
-        self.replicas = self.control.replicas  # read-only here: the control loop changes them
+        # The control loop keeps the replicas current; the data path records only its own traffic there (in-flight
+        # leases, the prefix index at dispatch, sessions, a served response).
+        self.replicas = self.control.replicas
         self.kv_events = kv_events
         if kv_events is not None:
             self.replicas.index = kv_events.index_over(self.replicas.index)

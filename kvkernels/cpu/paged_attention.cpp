@@ -251,6 +251,7 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
   const int64_t workers = std::min<int64_t>(threads, num_items);
   // Worker w takes items w, w + workers, ... (longest first), so it knows its next item and prefetches it.
   at::parallel_for(0, workers, 1, [&](int64_t wb, int64_t we) {
+   const FlushDenormalsScope no_subnormals;  // per worker thread: see cpu_vec.h
    for (int64_t worker = wb; worker < we; ++worker) {
     std::vector<float> qf(max_rows * head_dim), acc(max_rows * head_dim), kf(kChunk * head_dim),
         vf(kChunk * head_dim), m(max_rows), l(max_rows), sc(4 * kChunk);

@@ -46,7 +46,15 @@ APT_OPTS=(
 )
 
 say "apt-get update ($SUITE, private lists under $WORK)"
-apt-get "${APT_OPTS[@]}" update -qq >&2
+if ! apt-get "${APT_OPTS[@]}" update -qq >&2; then
+  # Offline (or the mirror failed): a complete earlier build still serves.
+  if [ -x "$CACHE/latest/bin/apiextensions-apiserver" ] && [ -x "$CACHE/latest/bin/etcd" ]; then
+    say "apt-get update failed: using the cached build $(readlink -f "$CACHE/latest")"
+    echo "$CACHE/latest/bin"
+    exit 0
+  fi
+  say "apt-get update failed and nothing is cached"; exit 1
+fi
 
 # The dependency closure, resolved by apt: every golang-* package that the API server's sources and the Go
 # toolchain need (the toolchain is static; libc and friends are not needed to build with CGO_ENABLED=0).
@@ -73,8 +81,8 @@ if [ -x "$OUT/bin/apiextensions-apiserver" ] && [ -x "$OUT/bin/etcd" ]; then
 fi
 
 say "downloading $N packages + etcd-server into $WORK/debs"
-cd "$WORK/debs"
-# apt-get download skips nothing it already has only by name; fetch just the missing files.
+cd "$WORK/debs"  # apt-get download writes into the current folder
+# Fetch only the files not downloaded before (a rerun after a failure, or a few changed versions).
 MISSING=()
 while IFS= read -r pv; do
   p=${pv%%=*}; v=${pv#*=}; vf=${v//:/%3a}
@@ -85,30 +93,38 @@ if [ "${#MISSING[@]}" -gt 0 ]; then
 fi
 
 ROOT="$OUT/root"
-rm -rf "$ROOT" && mkdir -p "$ROOT" "$OUT/bin"
-say "unpacking into $ROOT"
-while IFS= read -r pv; do
-  p=${pv%%=*}; v=${pv#*=}; vf=${v//:/%3a}
-  dpkg -x "$(compgen -G "${p}_${vf}_*.deb" | head -n1)" "$ROOT"
-done <<<"$VERSIONS"$'\n'"etcd-server=$ETCD_VERSION"
-
-GOBIN_DIR=$(dirname "$(find "$ROOT/usr/lib" -path '*/bin/go' -type f | head -n1)")
-[ -x "$GOBIN_DIR/go" ] || { say "no go binary in the unpacked golang-go"; exit 1; }
-export GOROOT; GOROOT=$(dirname "$GOBIN_DIR")
-say "building k8s.io/apiextensions-apiserver with $("$GOBIN_DIR/go" version) (several minutes)"
-T0=$(date +%s)
-(
-  cd "$ROOT/usr/share/gocode/src/k8s.io/apiextensions-apiserver"
-  env GO111MODULE=off GOPATH="$ROOT/usr/share/gocode" GOPROXY=off GOFLAGS=-mod=mod CGO_ENABLED=0 \
-      GOCACHE="$WORK/gocache" GOTOOLCHAIN=local \
-      "$GOBIN_DIR/go" build -o "$OUT/bin/apiextensions-apiserver.tmp" .
-)
-mv "$OUT/bin/apiextensions-apiserver.tmp" "$OUT/bin/apiextensions-apiserver"
-say "built in $(( $(date +%s) - T0 )) s"
-
-ETCD=$(find "$ROOT/usr/bin" "$ROOT/usr/sbin" -name etcd -type f 2>/dev/null | head -n1)
-[ -x "$ETCD" ] || { say "no etcd binary in etcd-server"; exit 1; }
-cp "$ETCD" "$OUT/bin/etcd"
+mkdir -p "$OUT/bin"
+unpack() {  # unpack PKG=VERSION...: dpkg -x each downloaded package into $ROOT
+  local pv p v vf
+  for pv in "$@"; do
+    p=${pv%%=*}; v=${pv#*=}; vf=${v//:/%3a}
+    dpkg -x "$(compgen -G "$WORK/debs/${p}_${vf}_*.deb" | head -n1)" "$ROOT"
+  done
+}
+if [ ! -x "$OUT/bin/apiextensions-apiserver" ]; then
+  rm -rf "$ROOT" && mkdir -p "$ROOT"
+  say "unpacking $N packages into $ROOT"
+  mapfile -t GOPKGS <<<"$VERSIONS"
+  unpack "${GOPKGS[@]}"
+  GO=$(compgen -G "$ROOT/usr/lib/go-*/bin/go" | head -n1)
+  [ -x "$GO" ] || { say "no go binary in the unpacked golang-go"; exit 1; }
+  say "building k8s.io/apiextensions-apiserver with $("$GO" version) (several minutes)"
+  T0=$(date +%s)
+  (
+    cd "$ROOT/usr/share/gocode/src/k8s.io/apiextensions-apiserver"
+    env GOROOT="$(dirname "$(dirname "$GO")")" GO111MODULE=off GOPATH="$ROOT/usr/share/gocode" GOPROXY=off \
+        CGO_ENABLED=0 GOCACHE="$WORK/gocache" GOTOOLCHAIN=local GOFLAGS= \
+        "$GO" build -o "$OUT/bin/apiextensions-apiserver.tmp" .
+  )
+  mv "$OUT/bin/apiextensions-apiserver.tmp" "$OUT/bin/apiextensions-apiserver"
+  say "built in $(( $(date +%s) - T0 )) s"
+fi
+# etcd: Debian's binary as packaged (it links only libc).
+rm -rf "$ROOT" && mkdir -p "$ROOT"
+unpack "etcd-server=$ETCD_VERSION"
+[ -x "$ROOT/usr/bin/etcd" ] || { say "no usr/bin/etcd in etcd-server"; exit 1; }
+cp "$ROOT/usr/bin/etcd" "$OUT/bin/etcd"
+"$OUT/bin/etcd" --version >&2
 printf '%s\netcd-server=%s\n' "$VERSIONS" "$ETCD_VERSION" > "$OUT/packages.txt"
 # The sources are not needed once built (about 1 GB unpacked).
 rm -rf "$ROOT"

@@ -71,6 +71,14 @@ def binaries() -> pathlib.Path:
     return cached
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the test process dies, however it dies (Linux prctl)."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -121,15 +129,25 @@ def _certificates(folder: pathlib.Path) -> None:
         "server": (
             name("127.0.0.1"),
             [
-                (x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]), False),
+                (
+                    x509.SubjectAlternativeName(
+                        [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]
+                    ),
+                    False,
+                ),
                 (x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), False),
             ],
         ),
-        "client": (name("admin", "system:masters"), [(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), False)]),
+        "client": (
+            name("admin", "system:masters"),
+            [(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), False)],
+        ),
     }
     for leaf, (subject, extensions) in leaves.items():
         key = ec.generate_private_key(ec.SECP256R1())
-        cert = issue(subject, key, ca_name, ca_key, [(x509.BasicConstraints(ca=False, path_length=None), True), *extensions])
+        cert = issue(
+            subject, key, ca_name, ca_key, [(x509.BasicConstraints(ca=False, path_length=None), True), *extensions]
+        )
         (folder / f"{leaf}.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
         write_key(key, folder / f"{leaf}.key")
 
@@ -217,6 +235,10 @@ class ApiServer:
                 # Priority and fairness reads its FlowSchemas from the flowcontrol API, which this server
                 # does not serve: with it on, /readyz never turns ok.
                 "--enable-priority-and-fairness=false",
+                # Watches read etcd itself, so a watch from a compacted resourceVersion gets etcd's answer,
+                # 410 Gone (the life-cycle tests compact etcd to make one); with the watch cache a short
+                # history of events answers instead.
+                "--watch-cache=false",
             ],
         )
         self._wait(self._ready, "apiextensions-apiserver /readyz", self._server)
@@ -232,7 +254,21 @@ class ApiServer:
 
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
         log = open(self.workdir / f"{name}.log", "ab")  # noqa: SIM115 - the process owns it until it ends
-        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent
+        )
+
+    def etcd_compact(self) -> int:
+        """Compact etcd at its current revision (through its JSON gateway); returns that revision. A watch from
+        an older resourceVersion then gets 410 Gone."""
+        revision = self._etcd_call("/v3/kv/range", {"key": "AA=="})["header"]["revision"]
+        self._etcd_call("/v3/kv/compaction", {"revision": revision, "physical": True})
+        return int(revision)
+
+    def _etcd_call(self, path: str, body: dict) -> dict:
+        req = urllib.request.Request(self.etcd_url + path, data=json.dumps(body).encode(), method="POST")
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return json.loads(resp.read())
 
     @staticmethod
     def _stop(proc: subprocess.Popen | None) -> None:
@@ -352,14 +388,31 @@ def running() -> Iterator[ApiServer]:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def session_fixture() -> Iterator[ApiServer]:
-    """The body of the session fixture: one server per test process; skips (fails in CI) without binaries."""
+_shared: ApiServer | None = None
+_shared_error: str | None = None
+
+
+def shared() -> ApiServer:
+    """The one server of this test process (tests/operator and e2e/operator share it), started on first use
+    and stopped when the process exits. Skips (fails in CI) where the binaries cannot be had."""
+    global _shared, _shared_error
+    import atexit
+
     import pytest
 
-    try:
-        with running() as server:
-            yield server
-    except Unavailable as exc:
+    if _shared is None and _shared_error is None:
+        try:
+            bin_dir = binaries()
+        except Unavailable as exc:
+            _shared_error = str(exc)
+        else:
+            workdir = pathlib.Path(tempfile.mkdtemp(prefix="kvserve-apiserver-"))
+            server = ApiServer(bin_dir, workdir)
+            atexit.register(lambda: (server.stop(), shutil.rmtree(workdir, ignore_errors=True)))
+            server.start()
+            _shared = server
+    if _shared is None:
         if os.environ.get("CI") == "true":
-            pytest.fail(f"real API server required in CI: {exc}")
-        pytest.skip(f"real API server unavailable: {exc}")
+            pytest.fail(f"real API server required in CI: {_shared_error}")
+        pytest.skip(f"real API server unavailable: {_shared_error}")
+    return _shared

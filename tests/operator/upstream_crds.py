@@ -127,5 +127,15 @@ def _lws_webhook_errors(obj: dict) -> list[str]:
     return errors
 
 
+def crds() -> list[dict]:
+    """The vendored CRDs, as files to apply."""
+    return [yaml.load((DATA / name).read_text(), Loader=_LOADER) for name in FILES.values()]  # noqa: S506
+
+
+def plural(api_version: str, kind: str) -> str:
+    crd = yaml.load((DATA / FILES[(api_version, kind)]).read_text(), Loader=_LOADER)  # noqa: S506 - a safe loader
+    return crd["spec"]["names"]["plural"]
+
+
 def is_upstream_custom(obj: dict) -> bool:
     return (obj["apiVersion"], obj["kind"]) in FILES

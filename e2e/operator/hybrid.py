@@ -147,7 +147,8 @@ class Router:
             self._session = aiohttp.ClientSession()
             app = web.Application()
             app.router.add_route("*", "/{tail:.*}", self._handle)
-            runner = web.AppRunner(app, handle_signals=False)
+            # The operator's client keeps idle connections open: do not wait for them on the way out.
+            runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=0.5)
             await runner.setup()
             site = web.TCPSite(runner, "127.0.0.1", 0)
             await site.start()
@@ -156,8 +157,8 @@ class Router:
             started.set()
             await self._stop.wait()
             await self._cut()
+            await self._session.close()  # its keep-alive connections would hold the emulator's shutdown
             await runner.cleanup()
-            await self._session.close()
 
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=lambda: self._loop.run_until_complete(serve()), daemon=True)

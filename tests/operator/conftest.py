@@ -51,3 +51,19 @@ def admit(crd_server: apiserver_mod.ApiServer) -> Callable[[dict], dict]:
     from kvserve.operator import spec as spec_mod
 
     return lambda obj: create(crd_server, obj, spec_mod.PLURAL)
+
+
+@pytest.fixture()
+def upstream_admit(crd_server: apiserver_mod.ApiServer) -> Callable[[dict], dict]:
+    """upstream_admit(obj) for a LeaderWorkerSet, ScaledObject or InferencePool: a dry-run create against its
+    vendored CRD (installed on first use) in the real server; raises Refused."""
+    from tests.operator import upstream_crds
+
+    for crd in upstream_crds.crds():
+        if crd["metadata"]["name"] not in _installed:
+            crd_server.apply_crd(crd)
+            _installed.add(crd["metadata"]["name"])
+    return lambda obj: create(crd_server, obj, upstream_crds.plural(obj["apiVersion"], obj["kind"]))
+
+
+_installed: set[str] = set()

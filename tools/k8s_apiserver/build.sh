@@ -30,6 +30,9 @@ mirror() {
 }
 
 mkdir -p "$WORK"/{lists/partial,cache/archives/partial,debs,etc/preferences.d,etc/sources.list.d}
+# One build at a time per cache (parallel test workers, two checkouts): the second waits, then finds it cached.
+exec 9>"$CACHE/.lock"
+flock 9
 : > "$WORK/status"
 echo "deb $(mirror) $SUITE main" > "$WORK/etc/sources.list"
 APT_OPTS=(

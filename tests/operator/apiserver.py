@@ -73,12 +73,22 @@ def binaries() -> pathlib.Path:
     return cached
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the test process dies, however it dies (Linux prctl)."""
+def _load_prctl() -> Any:
     import ctypes
 
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    try:
+        return ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _load_prctl()  # loaded here: the child between fork and exec should take no loader lock
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the test process dies, however it dies (Linux PR_SET_PDEATHSIG)."""
+    if _PRCTL is not None:
+        _PRCTL(1, int(signal.SIGTERM))
 
 
 def _free_port() -> int:

@@ -20,8 +20,9 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from kvserve.runtime.engine.async_engine import AsyncEngine, RequestStream
+from kvserve.runtime.engine.front import PreparedRequest, verify
 from kvserve.runtime.errors import InvalidParameter, RequestFailedError
-from kvserve.runtime.sampling_params import SamplingParams, verify_request
+from kvserve.runtime.sampling_params import SamplingParams
 from kvserve.runtime.server import lora_remote
 from kvserve.runtime.server.errors import APIError, bad_request, engine_error, find_invalid_text, from_validation_error
 from kvserve.runtime.server.protocol import DetokenizeRequest, TokenizeRequest
@@ -240,7 +241,7 @@ class OpenAIServing:
         kwargs.update(max_tokens=max_tokens, logprobs=logprobs, structured_outputs=structured, lora_name=lora_name)
         try:
             params = SamplingParams(**kwargs)
-            verify_request(prompt_ids, params, self.state.limits, prompt_param)
+            verify(prompt_ids, params, self.state.limits, prompt_param)  # the front's one verification
         except (ValueError, TypeError) as exc:  # InvalidParameter names the field
             code = "context_length_exceeded" if "maximum context length" in str(exc) else None
             raise bad_request(str(exc), param=getattr(exc, "param", None), code=code) from None
@@ -265,7 +266,8 @@ class OpenAIServing:
         try:
             for i, (ids, params) in enumerate(zip(prepared.prompt_ids, prepared.params)):
                 sub_id = prepared.request_id if len(prepared.prompt_ids) == 1 else f"{prepared.request_id}-{i}"
-                streams.append(await engine.add_request(sub_id, ids, params, trace_headers=headers))
+                request = PreparedRequest(None, ids, params)  # verified and compiled above
+                streams.append(await engine.add_request(sub_id, request, params, trace_headers=headers))
                 if params.lora_name is not None and self.state.metrics is not None:
                     self.state.metrics.observe_lora_request(params.lora_name)
         except BaseException as exc:

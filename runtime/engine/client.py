@@ -9,14 +9,16 @@ every member with the protocol's signature.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, Union, runtime_checkable
 
 if TYPE_CHECKING:
     from kvserve.runtime.config import EngineConfig
+    from kvserve.runtime.engine.front import PreparedRequest
     from kvserve.runtime.outputs import EngineStats, RequestOutput
     from kvserve.runtime.sampling_params import RequestLimits, SamplingParams
 
-PromptInput = str | list[int] | dict  # text, token ids, or {"prompt": ..} / {"prompt_token_ids": ..}
+# text, token ids, {"prompt": ..} / {"prompt_token_ids": ..}, or a request the front already verified
+PromptInput = Union[str, list[int], dict, "PreparedRequest"]
 
 
 @runtime_checkable
@@ -34,7 +36,9 @@ class EngineClient(Protocol):
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
     ) -> None:
-        """Queue a request, or raise InvalidParameter (naming the field) / the engine's dead error."""
+        """Queue a request, or raise InvalidParameter (naming the field) / the engine's dead error. The
+        engine front (engine/front.py) tokenises, verifies and compiles it -- unless it is a PreparedRequest,
+        verified already -- and fans n > 1 out."""
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request and free its KV blocks before the next step (unknown ids are ignored)."""

@@ -1,9 +1,10 @@
-"""CoreClient: the API-server side of the engine-core process. It has LLMEngine's interface (what AsyncEngine
+"""CoreClient: the API-server side of the engine-core process. An EngineClient like LLMEngine (what AsyncEngine
 drives: add_request, abort_request, step, get_stats, check_health, shutdown), so the whole async front -- the
 per-request streams, metrics, tracing, the failure semantics -- is the same whichever side the core runs on.
 
-Tokenisation, grammar compilation, validation against the core's limits, detokenisation and stop strings
-happen here (RequestTracker); the core gets token ids and sends back new token ids per sample per step.
+Tokenisation, validation against the core's limits and grammar compilation happen here, in the engine front
+it shares with LLMEngine (engine/front.py); detokenisation and stop strings too (RequestTracker); the core
+gets token ids and sends back new token ids per sample per step.
 
 `step()` waits (up to STEP_POLL_S) for the core's next outputs, for a `notify()` (a new request or abort to
 send), or for the core process to exit. Core death -- a DEAD message (soft: the core caught its error) or
@@ -38,9 +39,9 @@ from kvserve.runtime.engine.core_messages import (
     UtilityCall,
     failure_exception,
 )
-from kvserve.runtime.engine.llm_engine import LLMEngine
+from kvserve.runtime.engine.front import EngineFront
 from kvserve.runtime.engine.request_tracker import RequestTracker
-from kvserve.runtime.errors import EngineDeadError, InvalidParameter
+from kvserve.runtime.errors import EngineDeadError
 from kvserve.runtime.outputs import EngineStats, RequestOutput
 from kvserve.runtime.sampling_params import SamplingParams
 from kvserve.runtime.tokenizer import load_tokenizer
@@ -52,7 +53,7 @@ DEFAULT_STARTUP_TIMEOUT_S = float(os.environ.get("KVSERVE_CORE_STARTUP_TIMEOUT_S
 SHUTDOWN_GRACE_S = 10.0
 
 
-class CoreClient:
+class CoreClient(EngineFront):
     owns_core_process = True
     client_index = 0  # which of the core's API servers this is (runtime/server/api_server_group.py)
 
@@ -127,7 +128,6 @@ class CoreClient:
         self.startup_phases: dict[str, float] = dict(ready.startup_phases)  # the core process's, in seconds
         self.num_step_failures = 0
         self.dead_error: BaseException | None = None
-        self._grammar_compiler = None
         lora = self.config.lora
         # --enable-lora: this server's view of the served adapters, kept current by the core's LORA_ADAPTERS
         self.lora_adapters: dict[str, str] = dict(lora.modules) if lora is not None else {}
@@ -158,22 +158,9 @@ class CoreClient:
                 )
         raise TimeoutError(f"the engine core did not start within {timeout_s:.0f} s (KVSERVE_CORE_STARTUP_TIMEOUT_S)")
 
-    # -- the front half, as in LLMEngine ----------------------------------------------------------------------
-    tokenize_prompt = LLMEngine.tokenize_prompt
-    grammar_compiler = LLMEngine.grammar_compiler
-    compile_constraint = LLMEngine.compile_constraint
-    admit = LLMEngine.admit
+    # -- requests (tokenise, verify, compile: EngineFront.admit) ----------------------------------------------
     prompt_tokens = property(lambda self: self.stats.prompt_tokens if self.stats else 0)
     generation_tokens = property(lambda self: self.stats.generation_tokens if self.stats else 0)
-
-    def verify(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        from kvserve.runtime.sampling_params import verify_request
-
-        if not isinstance(params, SamplingParams):
-            raise InvalidParameter(
-                "sampling_params", f"sampling_params must be a SamplingParams, got {type(params).__name__}"
-            )
-        verify_request(prompt_token_ids, params, self.limits)
 
     def add_request(
         self,
@@ -182,9 +169,10 @@ class CoreClient:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
     ) -> None:
-        text, token_ids, params, arrival = self.admit(request_id, prompt, params, arrival_time)
-        self.verify(token_ids, params)
-        parent = self.tracker.add(request_id, text, token_ids, params, arrival)  # before ADD: outputs find it
+        request = self.admit(request_id, prompt, params)  # tokenised, verified (once), grammar compiled
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        token_ids = request.prompt_token_ids
+        parent = self.tracker.add(request_id, request.prompt, token_ids, request.params, arrival)  # before ADD
         for child in parent.children:  # back to back: the later ones hit the first one's prompt blocks
             self._send(
                 MessageType.ADD,

@@ -41,7 +41,7 @@ from kvserve.runtime.executor.base import Executor, create_executor
 from kvserve.runtime.kv_events.step import make_step_publisher
 from kvserve.runtime.outputs import EngineStats
 from kvserve.runtime.request import Request, RequestStatus
-from kvserve.runtime.sampling_params import RequestLimits, SamplingParams, verify_request
+from kvserve.runtime.sampling_params import RequestLimits, SamplingParams
 
 if TYPE_CHECKING:
     from kvserve.runtime.lora.registry import LoraRegistry
@@ -125,14 +125,6 @@ class EngineCore:
         self.dead_error: BaseException | None = None
 
     # -- requests -------------------------------------------------------------------------------------------
-    def verify(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        if not isinstance(params, SamplingParams):
-            raise InvalidParameter(
-                "sampling_params", f"sampling_params must be a SamplingParams, got {type(params).__name__}"
-            )
-        verify_request(prompt_token_ids, params, self.limits)
-        self._lora(params.lora_name)
-
     def add_request(
         self,
         request_id: str,
@@ -141,14 +133,15 @@ class EngineCore:
         arrival_time: float,
         count_prompt_tokens: bool = True,
     ) -> None:
-        """Queue one sequence. params must have n=1 (the front fans n > 1 out into child requests) and carry
-        its compiled grammar if it has a structured-output spec (the front compiles). count_prompt_tokens:
-        whether prompt_tokens counts this request's prompt (False for the 2nd.. child of an n > 1 request)."""
+        """Queue one sequence the front verified (engine/front.py: the core does not verify it again). params
+        must have n=1 (the front fans n > 1 out into child requests) and carry its compiled grammar if it has a
+        structured-output spec (the front compiles). Checked here only what only the core knows: its live ids
+        and the adapters it serves now. count_prompt_tokens: whether prompt_tokens counts this request's
+        prompt (False for the 2nd.. child of an n > 1 request)."""
         if self.dead_error is not None:
             raise self.dead_error
         if request_id in self._requests:
             raise InvalidParameter("request_id", f"request id {request_id!r} is already in use")
-        self.verify(prompt_token_ids, params)
         if params.n != 1:
             raise InvalidParameter(
                 "n",

@@ -62,8 +62,7 @@ class LLM:
         ids_list, searches = [], []
         for i, prompt in enumerate(prompts):
             try:
-                _, ids = self.engine.tokenize_prompt(prompt)
-                self.engine.verify(ids, SamplingParams(max_tokens=1))
+                ids = self.engine.prepare(prompt, SamplingParams(max_tokens=1)).prompt_token_ids
             except InvalidParameter as exc:
                 raise InvalidParameter(exc.param, f"prompts[{i}]: {exc}") from None
             # The context bounds the search like any request's max_tokens.
@@ -118,23 +117,20 @@ class LLM:
             from dataclasses import replace
 
             params_list = [p if n is None else replace(p, lora_name=n) for p, n in zip(params_list, names)]
-        tokenized = []
+        prepared = []
         compiled: dict[int, SamplingParams] = {}  # one compile per distinct params object
         for i, (prompt, params) in enumerate(zip(prompts, params_list)):
-            try:  # the same checks add_request makes, for every prompt before the first is added
-                text, ids = self.engine.tokenize_prompt(prompt)
-                self.engine.verify(ids, params)
+            try:  # every prompt checked before the first is queued (the front's one verification)
                 if id(params) not in compiled:
                     compiled[id(params)] = self.engine.compile_constraint(params)
+                prepared.append(self.engine.prepare(prompt, compiled[id(params)]))
             except InvalidParameter as exc:
                 raise InvalidParameter(exc.param, f"prompts[{i}]: {exc}") from None
-            tokenized.append({"prompt": text, "prompt_token_ids": ids})
-        params_list = [compiled[id(p)] for p in params_list]
 
         request_ids = []
-        for item, params in zip(tokenized, params_list):
+        for request in prepared:
             rid = f"offline-{next(self._ids)}"
-            self.engine.add_request(rid, item, params)
+            self.engine.add_request(rid, request)
             request_ids.append(rid)
         results: dict[str, RequestOutput] = {}
         bar = None

@@ -19,16 +19,16 @@ import time
 from kvserve.runtime.config import EngineConfig, make_engine_config
 from kvserve.runtime.engine.client import PromptInput
 from kvserve.runtime.engine.engine_core import EngineCore
+from kvserve.runtime.engine.front import EngineFront
 from kvserve.runtime.engine.request_tracker import RequestTracker
-from kvserve.runtime.errors import InvalidParameter
 from kvserve.runtime.outputs import EngineStats, RequestOutput
-from kvserve.runtime.sampling_params import SamplingParams, is_valid_text
+from kvserve.runtime.sampling_params import SamplingParams
 from kvserve.runtime.tokenizer import load_tokenizer
 
 logger = logging.getLogger("kvserve.engine")
 
 
-class LLMEngine:
+class LLMEngine(EngineFront):
     """An EngineClient (engine/client.py) with the core in this process."""
 
     def __init__(self, config: EngineConfig):
@@ -36,7 +36,6 @@ class LLMEngine:
         self.core = EngineCore(config, tokenizer_vocab_size=len(self.tokenizer))
         self.config = self.core.config
         self.tracker = RequestTracker(self.tokenizer)
-        self._grammar_compiler = None
         m, c = self.config.model, self.config.cache
         logger.info(
             "engine ready: %s, max_model_len=%d, %d KV blocks (+1 reserved null block) x %d tokens (%.1f MiB), "
@@ -79,48 +78,6 @@ class LLMEngine:
         self.core.dead_error = value
 
     # -- requests -------------------------------------------------------------------------------------------
-    def tokenize_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                ids = prompt["prompt_token_ids"]
-                if not isinstance(ids, (list, tuple)):
-                    raise InvalidParameter("prompt", "prompt_token_ids must be a list of token ids")
-                return prompt.get("prompt"), list(ids)
-            if "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise InvalidParameter("prompt", "a dict prompt needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, str):
-            if not is_valid_text(prompt):
-                raise InvalidParameter("prompt", "prompt is not valid Unicode text (it holds lone surrogates)")
-            return prompt, list(self.tokenizer(prompt).input_ids)
-        if isinstance(prompt, (list, tuple)):
-            return None, list(prompt)
-        raise InvalidParameter(
-            "prompt", f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}"
-        )
-
-    def verify(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise InvalidParameter (naming the field) if this engine can never serve the request."""
-        self.core.verify(prompt_token_ids, params)
-
-    @property
-    def grammar_compiler(self):
-        """Compiles structured-output specs for this model (created on first use: xgrammar loads lazily)."""
-        if self._grammar_compiler is None:
-            from kvserve.runtime.structured_output.compiler import GrammarCompiler
-
-            self._grammar_compiler = GrammarCompiler.for_engine(self.tokenizer, self.config)
-        return self._grammar_compiler
-
-    def compile_constraint(self, params: SamplingParams) -> SamplingParams:
-        """params with its structured-output grammar compiled (a copy; the same object when there is none)."""
-        if params.structured_outputs is None or params.compiled_constraint is not None:
-            return params
-        from dataclasses import replace
-
-        return replace(params, compiled_constraint=self.grammar_compiler.compile(params.structured_outputs))
-
     def add_request(
         self,
         request_id: str,
@@ -128,9 +85,10 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
     ) -> None:
-        text, token_ids, params, arrival = self.admit(request_id, prompt, params, arrival_time)
-        self.core.verify(token_ids, params)  # the request as a whole (n included), before any child is queued
-        parent = self.tracker.add(request_id, text, token_ids, params, arrival)
+        request = self.admit(request_id, prompt, params)  # tokenised, verified (once), grammar compiled
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        token_ids = request.prompt_token_ids
+        parent = self.tracker.add(request_id, request.prompt, token_ids, request.params, arrival)
         try:
             for child in parent.children:  # back to back: the later ones hit the first one's prompt blocks
                 self.core.add_request(
@@ -140,19 +98,6 @@ class LLMEngine:
             for child_id in self.tracker.forget(request_id):
                 self.core.abort_request(child_id)
             raise
-
-    def admit(
-        self, request_id: str, prompt: PromptInput, params: SamplingParams | None, arrival_time: float | None
-    ) -> tuple[str | None, list[int], SamplingParams, float]:
-        """add_request's front half, shared with CoreClient (the engine core in its own process): refuse when
-        dead or on a duplicate id, compile the grammar, tokenise. -> (text, token ids, params, arrival)."""
-        if self.dead_error is not None:
-            raise self.dead_error
-        params = self.compile_constraint(params or SamplingParams())
-        if request_id in self.tracker.states:
-            raise InvalidParameter("request_id", f"request id {request_id!r} is already in use")
-        text, token_ids = self.tokenize_prompt(prompt)
-        return text, token_ids, params, time.monotonic() if arrival_time is None else arrival_time
 
     def abort_request(self, request_id: str) -> None:
         for child_id in self.tracker.forget(request_id):

@@ -1,7 +1,7 @@
 """The FastAPI app: OpenAI-compatible completions and chat completions (streaming or not), /v1/models,
 /health, /metrics, /tokenize, /detokenize, and vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter.
 
-Routes and wiring; the handling itself is OpenAIServing in serving.py.
+Routes and wiring; the handling itself is in completions.py and chat.py over OpenAIServing (serving.py).
 
 Request path: auth -> drain/ready check -> parse + validate (400 naming the field) -> model name (404) ->
 queue depth (429 + Retry-After) -> tokenize off the event loop -> AsyncEngine.add_request (the engine's
@@ -21,6 +21,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvserve.runtime.lora.errors import LoraRequestError
 from kvserve.runtime.metrics import CONTENT_TYPE
+from kvserve.runtime.server import chat as chat_endpoint
+from kvserve.runtime.server import completions as completions_endpoint
 from kvserve.runtime.server import lora_remote, lora_routes
 from kvserve.runtime.server.errors import APIError, error_response
 from kvserve.runtime.server.serving import OpenAIServing
@@ -167,11 +169,11 @@ def build_app(config: ServerConfig, *, engine: Any = None, engine_factory: Calla
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await serving.completions(request)
+        return await completions_endpoint.create_completion(serving, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await serving.chat_completions(request)
+        return await chat_endpoint.create_chat_completion(serving, request)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> JSONResponse:

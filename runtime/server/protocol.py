@@ -23,11 +23,17 @@ from kvserve.runtime.sampling_params import (
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
+    SamplingParams,
 )
 
 TokenId = Annotated[StrictInt, Field(ge=0, le=INT64_MAX)]
 StopString = Annotated[StrictStr, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 Number = Union[StrictInt, float]  # JSON numbers; strings such as "0.5" are rejected
+
+
+# The sampling defaults have one home, SamplingParams: the request models show the same values (so the OpenAPI
+# schema documents them), and the server passes on only the fields a client set (serving.client_sampling_fields).
+_DEFAULT = SamplingParams()
 
 
 class _Base(BaseModel):
@@ -43,15 +49,15 @@ class _SamplingFields(_Base):
     """Fields shared by completions and chat completions."""
 
     model: StrictStr | None = None
-    n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = 1
+    n: Annotated[StrictInt, Field(ge=1, le=MAX_N)] = _DEFAULT.n
     best_of: Annotated[StrictInt, Field(ge=1, le=MAX_N)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
-    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] = _DEFAULT.presence_penalty
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = _DEFAULT.frequency_penalty
     seed: Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)] | None = None
     user: StrictStr | None = None
     logit_bias: dict[str, float] | None = None
@@ -59,11 +65,11 @@ class _SamplingFields(_Base):
     top_k: StrictInt | None = None
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0, le=2)] | None = None
-    ignore_eos: StrictBool = False
-    min_tokens: Annotated[StrictInt, Field(ge=0, le=INT64_MAX)] = 0
+    ignore_eos: StrictBool = _DEFAULT.ignore_eos
+    min_tokens: Annotated[StrictInt, Field(ge=0, le=INT64_MAX)] = _DEFAULT.min_tokens
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
-    skip_special_tokens: StrictBool = True
-    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = _DEFAULT.skip_special_tokens
+    include_stop_str_in_output: StrictBool = _DEFAULT.include_stop_str_in_output
     # Beam search (vLLM's extra fields; `n` is the beam width; early_stopping as HF: true, false, "never")
     use_beam_search: StrictBool = False
     length_penalty: float = 1.0
@@ -106,7 +112,7 @@ class CompletionRequest(_SamplingFields):
     prompt: Annotated[
         StrictStr | list[TokenId] | list[StrictStr] | list[list[TokenId]], Field(union_mode="left_to_right")
     ]
-    max_tokens: Annotated[StrictInt, Field(le=INT64_MAX)] | None = 16
+    max_tokens: Annotated[StrictInt, Field(le=INT64_MAX)] | None = _DEFAULT.max_tokens  # OpenAI's 16 too
     logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: StrictBool = False
     suffix: StrictStr | None = None

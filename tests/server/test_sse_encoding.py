@@ -1,4 +1,4 @@
-"""The streamed chunk encoder (serving._ChunkEncoder) gives byte for byte what json.dumps of the whole chunk
+"""The streamed chunk encoder (server/sse.py's ChunkEncoder) gives byte for byte what json.dumps of the whole chunk
 gave before it: the wire format of /v1/completions and /v1/chat/completions streams is unchanged."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ import random
 
 import pytest
 
-from kvserve.runtime.server.serving import _ChunkEncoder, _sse
+from kvserve.runtime.server.sse import ChunkEncoder as _ChunkEncoder
+from kvserve.runtime.server.sse import sse as _sse
 
 
 def _reference(base: dict, field: str, include_usage: bool, index, value, logprobs, finish, stop_reason) -> str:

@@ -268,6 +268,7 @@ def _run(args: argparse.Namespace, name: str, seed: int) -> dict[str, Any]:
     ]
     n = 1 if name == "single" else args.replicas
     events = [None] * n  # router-events: each replica's (endpoint, replay endpoint)
+    events_dir = None
     if name == "router-events":
         import tempfile
 
@@ -373,6 +374,10 @@ def _run(args: argparse.Namespace, name: str, seed: int) -> dict[str, Any]:
     finally:
         for proc in routers + replicas:
             proc.stop()
+        if events_dir is not None:
+            import shutil
+
+            shutil.rmtree(events_dir, ignore_errors=True)
 
 
 def _events_flag(endpoint: str, replay: str) -> list[str]:

@@ -21,6 +21,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=3,
         help="repetitions of the router/random comparison (alternating order; goals use medians)",
     )
+    parser.add_argument(
+        "--routers",
+        type=int,
+        default=1,
+        help="router instances per router run, each request sent to one at random (active-active routers)",
+    )
     parser.add_argument("--tenants", type=int, default=4, help="tenants, each with its own system prompt")
     parser.add_argument("--system-tokens", type=int, default=500, help="tokens in each tenant's system prompt")
     parser.add_argument("--conversations", type=int, default=24, help="multi-turn conversations")

@@ -268,13 +268,14 @@ def _run(args: argparse.Namespace, name: str, seed: int) -> dict[str, Any]:
     ]
     n = 1 if name == "single" else args.replicas
     events = [None] * n  # router-events: each replica's (endpoint, replay endpoint)
+    events_dir = None
     if name == "router-events":
         import tempfile
 
         events_dir = tempfile.mkdtemp(prefix="kvserve-bench-events-")  # ipc: local sockets, nothing listens on tcp
         events = [(f"ipc://{events_dir}/r{i}", f"ipc://{events_dir}/r{i}-replay") for i in range(n)]
     replicas = [_Proc(serve_args + (_events_flag(*ev) if ev else [])) for ev in events]
-    router = None
+    router, routers = None, []
     try:
         for r in replicas:
             r.wait_healthy()
@@ -298,24 +299,33 @@ def _run(args: argparse.Namespace, name: str, seed: int) -> dict[str, Any]:
                 if name == "random-proxy"
                 else []
             )
-            router = _Proc(
-                [
-                    "router",
-                    *sum((["--backend", u] for u in urls), []),
-                    "--tokenizer",
-                    root,
-                    *weights,
-                    *sum((["--kv-events-endpoint", f"{u}={ev[0]},{ev[1]}"] for u, ev in zip(urls, events) if ev), []),
-                    *args.router_args.split(),
-                ],
-                threads=1,
-            )
-            router.wait_healthy(60)
+            # --routers N: N router instances that never talk to each other, each request to one at random
+            # (N pods behind one Service): an estimating router then sees only its share of the traffic.
+            routers = [
+                _Proc(
+                    [
+                        "router",
+                        *sum((["--backend", u] for u in urls), []),
+                        "--tokenizer",
+                        root,
+                        *weights,
+                        *sum(
+                            (["--kv-events-endpoint", f"{u}={ev[0]},{ev[1]}"] for u, ev in zip(urls, events) if ev), []
+                        ),
+                        *args.router_args.split(),
+                    ],
+                    threads=1,
+                )
+                for _ in range(max(1, args.routers))
+            ]
+            router = routers[0]
+            for r in routers:
+                r.wait_healthy(60)
         rng = random.Random(seed)
-        target = router.url if router else None
+        targets = [r.url for r in routers]
 
         def pick(conv: dict) -> str:
-            return target or rng.choice(urls)
+            return rng.choice(targets or urls)
 
         for url in urls:  # one warm-up request per replica (first-call costs), unrelated to the workload
             httpx.post(
@@ -362,8 +372,12 @@ def _run(args: argparse.Namespace, name: str, seed: int) -> dict[str, Any]:
         ]
         return result
     finally:
-        for proc in ([router] if router else []) + replicas:
+        for proc in routers + replicas:
             proc.stop()
+        if events_dir is not None:
+            import shutil
+
+            shutil.rmtree(events_dir, ignore_errors=True)
 
 
 def _events_flag(endpoint: str, replay: str) -> list[str]:
@@ -381,9 +395,11 @@ def _router_summary(text: str) -> dict[str, float]:
                 "kvserve_router:requests_total",
                 "kvserve_router:retries_total",
                 "kvserve_router:ejections_total",
+                "kvserve_router:kv_events_fresh",  # summed: replicas scored from their events at the end
+                "kvserve_router:kv_events_recoveries_total",
             ):
                 key = s.name.split(":")[1].removesuffix("_total")
-                label = s.labels.get("reason") or s.labels.get("cause") or ""
+                label = s.labels.get("reason") or s.labels.get("cause") or s.labels.get("what") or ""
                 out[f"{key}[{label}]"] = out.get(f"{key}[{label}]", 0.0) + s.value
     return out
 

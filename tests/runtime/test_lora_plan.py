@@ -12,8 +12,12 @@ import pytest
 from kvserve.cli.main import main
 
 LORA = ["--enable-lora", "--max-loras", "3", "--max-lora-rank", "8"]
-# A small "GPU" with no activation / overhead reserve, so the KV cache this test allocates on CPU stays small.
-GPU = ["--gpu", "a100-80gb", "--gpu-memory-mib", "16", "--activation-reserve-mib", "0", "--runtime-overhead-mib", "0"]
+# A small budget (the CRD's smallest GPU, 1 GiB, at its lowest utilization 0.1: 102 MiB) with no activation / overhead
+# reserve, so the KV cache this test allocates on CPU stays small.
+GPU = [
+    *("--gpu", "a100-80gb", "--gpu-memory-mib", "1024", "--gpu-memory-utilization", "0.1"),
+    *("--activation-reserve-mib", "0", "--runtime-overhead-mib", "0"),
+]
 
 
 def _plan(model_dir: str, flags: list[str], capsys) -> dict:

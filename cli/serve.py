@@ -17,7 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "model_dir",
         nargs="?",
         metavar="MODEL_DIR",
-        help="HF-format model directory (config.json, *.safetensors, tokenizer). "
+        help="HF-format model directory (config.json, *.safetensors, tokenizer) or a GGUF file (MODEL.gguf). "
         "Omit to serve the built-in demo model with random weights.",
     )
     parser.add_argument("--host", default="0.0.0.0", help="bind address (default: all interfaces)")
@@ -151,6 +151,16 @@ def run(args: argparse.Namespace) -> int:
     phases: dict[str, float] = {}  # start-up phases timed here (runtime/startup_phases.py)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("kvserve.serve")
+    model_arg = args.model_dir  # as given: the default served name
+    if model_arg is not None:  # MODEL.gguf -> its prepared directory (runtime/gguf_model_dir.py)
+        from kvserve.runtime import gguf_model_dir
+        from kvserve.runtime.errors import InvalidParameter
+
+        try:
+            args.model_dir = gguf_model_dir.resolve(model_arg, args.tokenizer)
+        except InvalidParameter as exc:
+            print(f"kvserve serve: {exc}", file=sys.stderr)
+            return 2
     if args.model_dir is not None and not os.path.isfile(os.path.join(args.model_dir, "config.json")):
         print(f"kvserve serve: MODEL_DIR {args.model_dir!r} is not a model directory (no config.json)", file=sys.stderr)
         return 2
@@ -175,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         model_dir = args.model_dir  # checked above; downloads (hf://, s3://) are `kvserve download`'s job
         phases["model_resolve"] = time.monotonic() - started_monotonic
-        served = args.served_model_name or [model_dir]
+        served = args.served_model_name or [model_arg]
     random_weights = is_demo_model_dir(model_dir)
     if args.otlp_traces_endpoint:
         import importlib.util

@@ -188,12 +188,14 @@ def _generation_config(model_dir: str) -> dict:
 def make_engine_config(model: str, **kwargs) -> EngineConfig:
     """`LLM(model, **kwargs)` / `LLMEngine.from_kwargs`: kwargs are EngineArgs fields (their defaults live
     there, once)."""
+    from kvserve.runtime import gguf_model_dir
     from kvserve.runtime.engine_args import EngineArgs, UnknownEngineArgument
 
     try:
         args = EngineArgs.from_kwargs(model, **kwargs)
     except UnknownEngineArgument as exc:
         raise InvalidParameter(exc.name, str(exc)) from None
+    args.model = gguf_model_dir.resolve(args.model, args.tokenizer)  # MODEL.gguf -> its prepared directory
     if args.api_server_count != 1:  # a process layout of `kvserve serve`; an engine built here has no HTTP side
         raise InvalidParameter(
             "api_server_count",

@@ -107,7 +107,12 @@ class _StoreExplicit(argparse.Action):
 
 @dataclass
 class EngineArgs:
-    model: str = _setting(None, "HF-format model directory", hidden=True)
+    model: str = _setting(None, "HF-format model directory, or a GGUF file (MODEL.gguf)", hidden=True)
+    tokenizer: str | None = _setting(
+        None,
+        "for a GGUF model: a tokenizer directory to use instead of the one in the file's metadata",
+        type=str,
+    )
     dtype: str = _setting(
         "auto",
         f"weights dtype: {', '.join(capacity.WEIGHT_DTYPES)} (auto: the dtype config.json declares, float32 "

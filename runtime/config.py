@@ -62,12 +62,38 @@ class LoraConfig:
     max_cpu_loras: int = 1
 
 
+def _lora_module_pairs(value) -> list[tuple[str, str]]:
+    """vLLM's --lora-modules items (a list: "name=path", or JSON {"name", "path", "base_model_name"}), kvserve's
+    "a=/p/a,b=/p/b" string, or a {name: path} dict -> [(name, path), ...]."""
+    if isinstance(value, dict):
+        return list(value.items())
+    pairs = []
+    for item in value if isinstance(value, (list, tuple)) else [value]:
+        text = item if isinstance(item, dict) else str(item).strip()
+        if isinstance(text, str) and text.startswith("{"):
+            try:
+                text = json.loads(text)
+            except ValueError as exc:
+                raise InvalidParameter("lora_modules", f"lora_modules: {item!r} is not valid JSON: {exc}") from None
+        if isinstance(text, dict):  # vLLM's LoRAModulePath; base_model_name only labels the adapter there
+            unknown = set(text) - {"name", "path", "base_model_name"}
+            if unknown or "name" not in text or "path" not in text:
+                raise InvalidParameter(
+                    "lora_modules",
+                    f'lora_modules: a JSON item needs "name" and "path" (and at most "base_model_name"), got {item!r}',
+                )
+            pairs.append((text["name"], text["path"]))
+        else:
+            pairs += [part.partition("=")[::2] for part in text.split(",")]
+    return pairs
+
+
 def parse_lora_modules(value) -> tuple[tuple[str, str], ...]:
-    """ "a=/p/a,b=/p/b" or {"a": "/p/a"} -> ((name, path), ...); InvalidParameter naming lora_modules."""
+    """--lora-modules in any of vLLM's forms (see _lora_module_pairs) -> ((name, path), ...); InvalidParameter
+    naming lora_modules."""
     if not value:
         return ()
-    items = value.items() if isinstance(value, dict) else [part.partition("=")[::2] for part in str(value).split(",")]
-    out = tuple((str(n).strip(), str(p).strip()) for n, p in items)
+    out = tuple((str(n).strip(), str(p).strip()) for n, p in _lora_module_pairs(value))
     names = [n for n, _ in out]
     if any(not n or not p for n, p in out) or len(set(names)) != len(names):
         raise InvalidParameter("lora_modules", f"lora_modules must be distinct name=path pairs, got {value!r}")

@@ -10,7 +10,14 @@ HELP = "per-step host overhead: scheduler, input preparation and output bookkeep
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="local HF model dir (default: the built-in demo model)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="local HF model dir or MODEL.gguf (default: SmolLM2-135M-Instruct, as `kvserve serve`; offline the demo)",
+    )
+    parser.add_argument(
+        "--random-prompts", action="store_true", help="random token ids instead of chat-templated real text"
+    )
     parser.add_argument(
         "--batch-sizes", type=int, nargs="+", default=[64, 256, 512], help="numbers of running decodes to measure at"
     )
@@ -56,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         seed=args.seed,
         json_out=args.json_out,
+        random_prompts=args.random_prompts,
         **engine_kwargs,
     )
     return 0

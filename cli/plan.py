@@ -45,8 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model-config",
         metavar="FILE|URI",
-        help="plan a model from its own config.json: a file, a model folder, or hf://ORG/NAME[@REV], "
-        "s3://BUCKET/PREFIX, file:///DIR (only config.json is fetched; HF_TOKEN, HF_ENDPOINT and "
+        help="plan a model from its own config.json: a file, a model folder, a GGUF file (its header), or "
+        "hf://ORG/NAME[@REV], s3://BUCKET/PREFIX, file:///DIR (only config.json is fetched; HF_TOKEN, HF_ENDPOINT and "
         "AWS_* from the environment)",
     )
     parser.add_argument("--gpu", help="catalog entry or GFD product label, e.g. a100-80gb")
@@ -100,6 +100,14 @@ def load_model_config(where: str) -> dict:
     try:
         if "://" in where:
             return model_config.fetch_config(source_uri.parse(where, field="--model-config"))
+        if where.lower().endswith(".gguf"):  # the shape from the GGUF header (the tensors are not read)
+            from kvserve.runtime import gguf_config
+            from kvserve.runtime.errors import InvalidParameter
+
+            try:
+                return gguf_config.hf_config(where)
+            except InvalidParameter as exc:
+                raise SystemExit(f"error: --model-config: {exc}") from None
         path = os.path.join(where, "config.json") if os.path.isdir(where) else where
         with open(path) as f:
             config = json.load(f)

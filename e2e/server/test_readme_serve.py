@@ -26,7 +26,7 @@ def test_kvserve_serve_no_args_fresh_cache(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "KVSERVE_CACHE_DIR": str(tmp_path / "cache")}
+    env = {**os.environ, "KVSERVE_CACHE_DIR": str(tmp_path / "cache"), "KVSERVE_DEFAULT_MODEL": "demo"}
     log_path = tmp_path / "serve.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(

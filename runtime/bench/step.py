@@ -141,6 +141,7 @@ def run_batch(
     warmup_steps: int,
     block_size: int,
     seed: int,
+    random_prompts: bool = False,
     **engine_kwargs,
 ) -> BatchResult:
     import random
@@ -166,12 +167,17 @@ def run_batch(
     engine = LLMEngine.from_kwargs(model_dir, **kwargs)
     vocab = engine.config.model.vocab_size
     rng = random.Random(seed)
-    # Distinct random prompts (no prefix sharing) and outputs long enough to outlast the measured steps.
+    # Distinct prompts (no prefix sharing): chat-templated real text (runtime/bench/real_prompts.py), or random
+    # token ids; outputs long enough to outlast the measured steps.
     params = SamplingParams(temperature=0, max_tokens=max_model_len - prompt_len, ignore_eos=True)
-    for i in range(num_decodes):
-        engine.add_request(
-            f"step-{i}", {"prompt_token_ids": [rng.randrange(3, vocab) for _ in range(prompt_len)]}, params
-        )
+    if random_prompts:
+        prompts = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(num_decodes)]
+    else:
+        from kvserve.runtime.bench.real_prompts import chat_prompt_ids
+
+        prompts = chat_prompt_ids(engine.tokenizer, num_decodes, prompt_len, seed)
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"step-{i}", {"prompt_token_ids": ids}, params)
     acc, model_s = _instrument(engine)
     times = StepTimes()
     num_decode_steps = 0
@@ -223,22 +229,26 @@ def main(
     block_size: int = engine_args.default("block_size"),
     seed: int = 0,
     json_out: str | None = None,
+    random_prompts: bool = False,
     **engine_kwargs,
 ) -> list[BatchResult]:
     import torch
 
-    if model_dir is None:
-        from kvserve.runtime.demo_model import ensure_demo_model
+    if model_dir is None:  # the default model (SmolLM2-135M-Instruct), or offline the random-weights demo
+        from kvserve.runtime.default_model import resolve_default_model
 
-        model_dir = str(ensure_demo_model())
+        model_dir = resolve_default_model()[0]
     print(
-        f"model {model_dir}; prompts {prompt_len} tokens; {num_steps} measured decode steps after {warmup_steps} "
-        f"warm-up; torch threads {torch.get_num_threads()}",
+        f"model {model_dir}; prompts {prompt_len} tokens "
+        f"({'random ids' if random_prompts else 'chat-templated text'}); "
+        f"{num_steps} measured decode steps after {warmup_steps} warm-up; torch threads {torch.get_num_threads()}",
         flush=True,
     )
     results = []
     for n in batch_sizes:
-        r = run_batch(model_dir, n, prompt_len, num_steps, warmup_steps, block_size, seed, **engine_kwargs)
+        r = run_batch(
+            model_dir, n, prompt_len, num_steps, warmup_steps, block_size, seed, random_prompts, **engine_kwargs
+        )
         results.append(r)
         print(f"  {n} decodes: core host {r.core_host_ms:.2f} ms, model {r.model_ms:.2f} ms", flush=True)
     print_table(results)

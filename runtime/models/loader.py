@@ -1,4 +1,5 @@
-"""Build a model from a local Hugging Face directory: config.json + one or more *.safetensors files."""
+"""Build a model from a local Hugging Face directory: config.json + one or more *.safetensors files, or a GGUF
+file's prepared directory (runtime/gguf_model_dir.py), whose weights come dequantised from the file."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from typing import Any
 
 import torch
 
+from kvserve.runtime import gguf_model_dir
 from kvserve.runtime.config import ModelConfig
-from kvserve.runtime.models import fp8, pipeline_stage
+from kvserve.runtime.models import fp8, gguf_weights, pipeline_stage
 from kvserve.runtime.models.llama import LlamaForCausalLM
 from kvserve.runtime.models.moe import convert_experts_to_fp8
 from kvserve.runtime.models.parallel_layers import SINGLE, ColumnParallelLinear, ParallelContext, RowParallelLinear
@@ -82,9 +84,13 @@ def load_model(
     if load_format == "dummy":
         init_dummy_weights(model, seed=parallel.rank)
     else:
-        weights = iter_safetensors(
-            model_config.model_dir, show_progress=parallel.rank == 0, lazy=parallel.size > 1 or stage is not None
-        )
+        gguf = gguf_model_dir.gguf_file(model_config.model_dir)
+        if gguf is not None:  # a GGUF model's prepared directory: the weights are the file's, dequantised here
+            weights = gguf_weights.iter_gguf(gguf, show_progress=parallel.rank == 0)
+        else:
+            weights = iter_safetensors(
+                model_config.model_dir, show_progress=parallel.rank == 0, lazy=parallel.size > 1 or stage is not None
+            )
         if stage is not None:
             weights = ((name, src) for name, src in weights if pipeline_stage.owns_weight(name, model, stage))
         model.load_weights(weights)

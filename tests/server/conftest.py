@@ -3,6 +3,7 @@ demo model (built once per session into a temp dir) or examples/models/stories26
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -10,6 +11,10 @@ import time
 import httpx
 import pytest
 from kvserve_testing import STORIES_DIR  # noqa: F401  (the server tests import it from here)
+
+# `kvserve serve` with no model fetches the default model (runtime/default_model.py); the server tests run their
+# no-model servers on the random-weights demo instead (tests/runtime/test_default_model.py tests the default).
+os.environ.setdefault("KVSERVE_DEFAULT_MODEL", "demo")
 
 # Small KV budget: the tests want preemption and a fast start, not capacity.
 DEMO_ENGINE_KWARGS = dict(

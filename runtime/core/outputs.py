@@ -48,14 +48,18 @@ class KVTransfer:
 
     block_ids: list[int]  # device blocks of KV cache group 0, in the request's block-table order
     num_tokens: int  # tokens of KV those blocks hold (the last block may be partly filled)
+    # The host tier (core/tier_connector.py): the host pool's slots, parallel to block_ids. Empty for a
+    # connector that addresses its far side otherwise.
+    host_block_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
 class KVConnectorStep:
     """The KV connector's section of one step (vLLM's KVConnectorMetadata, scheduler -> executor): per
     request, the KV to load into its blocks before this step's forward and the KV to save from its blocks
-    after it. Empty while no connector is configured: nothing fills it yet. A tiered KV cache or prefill/decode
-    disaggregation fills it in the scheduler and acts on it in the executor; the executor answers with
+    after it. Empty while no connector is configured. The host KV tier (--kv-offloading-size,
+    core/tier_connector.py) fills it in the scheduler and the runner acts on it (executor/host_tier.py);
+    prefill/decode disaggregation would do the same; the executor answers with
     ModelRunnerOutput.finished_sending / finished_receiving (docs/architecture.md, "Where a KV feature plugs
     in")."""
 

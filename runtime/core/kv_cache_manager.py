@@ -26,6 +26,7 @@ from kvserve.runtime.core import kv_cache_events as kv_events
 from kvserve.runtime.core import sliding_window
 from kvserve.runtime.core.block_hash import extend_block_hashes, root_hash
 from kvserve.runtime.core.block_pool import BlockPool, KVCacheBlock
+from kvserve.runtime.core.disk_index import DiskIndex
 from kvserve.runtime.core.host_pool import HostBlockPool
 from kvserve.runtime.core.outputs import KVConnectorStep
 from kvserve.runtime.core.tier_connector import HostTierConnector
@@ -58,6 +59,7 @@ class KVCacheManager:
         num_host_blocks: int = 0,
         group_windows: tuple[int, ...] = (),
         host_tier: bool = False,
+        disk_index: DiskIndex | None = None,
     ):
         """group_windows: sliding window per KV cache group (0 = full attention; group 0 must be full);
         empty = one full-attention group. host_tier: keep evicted prefix blocks in the host pool too."""
@@ -80,7 +82,7 @@ class KVCacheManager:
             raise ValueError("the host KV tier needs prefix caching and one KV cache group (full attention)")
         self.host = HostBlockPool(num_host_blocks, tier_enabled=host_tier)
         self.host.event_source = self.pool
-        self.tier = HostTierConnector(self.host, self.pool, block_size) if self.host.tier_enabled else None
+        self.tier = HostTierConnector(self.host, self.pool, block_size, disk_index) if self.host.tier_enabled else None
         self.req_to_host_blocks: dict[str, list[int]] = {}
         self._pending_swap_out: list[tuple[int, int]] = []  # (device block, host block)
         self._pending_swap_in: list[tuple[int, int]] = []  # (host block, device block)
@@ -255,9 +257,10 @@ class KVCacheManager:
         return self.host.num_free_blocks + self.host.num_tier_blocks
 
     # -- the host KV tier (core/tier_connector.py) -------------------------------------------------------
-    def match_offloaded(self, request: Request, num_device_blocks: int) -> int:
+    def match_offloaded(self, request: Request, num_device_blocks: int) -> int | None:
         """Full blocks after a device hit of num_device_blocks that the host tier can load (0: tier off);
-        then either load_offloaded (admitted) or unmatch_offloaded (not)."""
+        then either load_offloaded (admitted) or unmatch_offloaded (not). None: the disk tier is fetching
+        more of this prefix, schedule the request in a later step."""
         if self.tier is None:
             return 0
         self._update_block_hashes(request)
@@ -290,9 +293,11 @@ class KVCacheManager:
     def take_connector_step(self) -> KVConnectorStep:
         return KVConnectorStep() if self.tier is None else self.tier.take_step()
 
-    def connector_step_done(self, step: KVConnectorStep, finished_sending: set, finished_receiving: set) -> None:
+    def connector_step_done(
+        self, step: KVConnectorStep, finished_sending, finished_receiving, failed_receiving
+    ) -> None:
         if self.tier is not None:
-            self.tier.step_done(step, finished_sending, finished_receiving)
+            self.tier.step_done(step, finished_sending, finished_receiving, failed_receiving)
 
     def abort_connector_steps(self) -> None:
         if self.tier is not None:

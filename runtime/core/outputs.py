@@ -51,6 +51,9 @@ class KVTransfer:
     # The host tier (core/tier_connector.py): the host pool's slots, parallel to block_ids. Empty for a
     # connector that addresses its far side otherwise.
     host_block_ids: list[int] = field(default_factory=list)
+    # The blocks' chained hashes, parallel to block_ids, where a store below the host tier files them (the
+    # disk tier, core/disk_index.py): a save writes the ones given (b"": not this one), a fetch reads them.
+    block_hashes: list[bytes] = field(default_factory=list)
 
 
 @dataclass
@@ -65,10 +68,14 @@ class KVConnectorStep:
 
     load: dict[str, KVTransfer] = field(default_factory=dict)  # req id -> KV to bring in before the forward
     save: dict[str, KVTransfer] = field(default_factory=dict)  # req id -> KV to send out after the forward
+    # The disk tier: req id -> blocks to read from disk into host slots (no device blocks: block_ids empty),
+    # for a load in a later step; and the hashes of blocks the disk tier evicted (files to delete).
+    fetch: dict[str, KVTransfer] = field(default_factory=dict)
+    drop: list[bytes] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return not self.load and not self.save
+        return not self.load and not self.save and not self.fetch and not self.drop
 
 
 @dataclass
@@ -113,6 +120,9 @@ class ModelRunnerOutput:
     # until it appears in finished_sending.
     finished_sending: set[str] = field(default_factory=set)
     finished_receiving: set[str] = field(default_factory=set)
+    # Requests whose received KV is incomplete -> positions in their transfer (KVConnectorStep.fetch) that did
+    # not arrive (a missing or corrupt disk block): the scheduler recomputes from there.
+    failed_receiving: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass

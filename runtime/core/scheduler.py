@@ -264,7 +264,11 @@ class Scheduler:
             if request.num_computed_tokens == 0:
                 hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
                 # The host KV tier: blocks past the device hit load before the forward, costing no budget.
-                num_loaded = self.kv.match_offloaded(request, len(hit_blocks)) * self.kv.block_size
+                num_matched = self.kv.match_offloaded(request, len(hit_blocks))
+                if num_matched is None:  # the disk tier brings more of its prefix up first: next step
+                    idx += 1
+                    continue
+                num_loaded = num_matched * self.kv.block_size
             num_remaining = request.num_tokens - num_hit_tokens - num_loaded
             num_new = self._cap(num_remaining, budget)
             if (not cfg.enable_chunked_prefill and num_remaining > budget) or self.kv.allocate_slots(
@@ -412,7 +416,10 @@ class Scheduler:
             self.release_in_flight(scheduler_output)
         if not scheduler_output.kv_connector.is_empty:
             self.kv.connector_step_done(
-                scheduler_output.kv_connector, runner_output.finished_sending, runner_output.finished_receiving
+                scheduler_output.kv_connector,
+                runner_output.finished_sending,
+                runner_output.finished_receiving,
+                runner_output.failed_receiving,
             )
         # Hoisted lookups: this loop runs once per scheduled request per step (a hot path at 256+ decodes).
         requests, running = self.requests, RequestStatus.RUNNING

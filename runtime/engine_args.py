@@ -193,6 +193,14 @@ class EngineArgs:
         "0 or unset: off",
         type=float,
     )
+    kv_offloading_disk_dir: str | None = _setting(
+        None,
+        "a local disk KV tier below the host tier (needs --kv-offloading-size, one rank): one checksummed file "
+        "per block, written by a thread, reused by a later engine of the same model and KV layout",
+    )
+    kv_offloading_disk_size: float | None = _setting(
+        None, "the disk KV tier's size in GiB (with --kv-offloading-disk-dir)", type=float
+    )
     attention_backend: str | None = _setting(
         None,
         "torch, triton or cpu (default: triton on CUDA; on CPU the compiled 'cpu' ops when they build, "

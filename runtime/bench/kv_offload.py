@@ -24,6 +24,8 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 
+from kvserve.runtime import engine_args
+
 
 @dataclass
 class Row:
@@ -92,7 +94,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     ap.add_argument("--question-len", type=int, default=64)
     ap.add_argument("--answer-len", type=int, default=32)
     ap.add_argument("--ratio", type=float, default=4.0, help="working set / device KV pool")
-    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--block-size", type=int, default=engine_args.default("block_size"))
     ap.add_argument("--offload-gib", type=float, default=1.0, help="--kv-offloading-size of the 'on' run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json-out")

@@ -91,6 +91,12 @@ class HostBlockPool:
         """Held in any state (a save of it is pointless)."""
         return block_hash in self._lru or block_hash in self._pending
 
+    def touch(self, hashes: list[bytes]) -> None:
+        """Most recently used now (committed entries only)."""
+        for h in hashes:
+            if h in self._lru:
+                self._lru.move_to_end(h)
+
     def pin_for_load(self, hashes: list[bytes]) -> list[int]:
         """The slots of committed entries a step loads from: pinned until unpin(), promoted in the LRU."""
         slots = []

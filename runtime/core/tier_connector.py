@@ -34,6 +34,7 @@ class HostTierConnector:
         self.host = host
         self.disk = disk
         self._fetching: set[str] = set()  # requests waiting for a fetch from disk into the host tier
+        self._fetched: set[str] = set()  # requests whose fetch is done: their next match fetches nothing
         self.device = device
         self.block_size = block_size
         self._step = KVConnectorStep()
@@ -57,13 +58,18 @@ class HostTierConnector:
         hashes = request.block_hashes[num_device_blocks:end]
         tokens = [tuple(ids[i * bs : (i + 1) * bs]) for i in range(num_device_blocks, end)]
         num = self.host.lookup(hashes, tokens)
-        if self.disk is not None and num < len(hashes) and self._fetch(request, num_device_blocks + num, end):
-            return None
+        if self.disk is not None and num < len(hashes):
+            # One fetch per admission: a prefix longer than the host tier would otherwise evict its own
+            # fetched blocks fetching the rest, forever. The host run is promoted first for the same reason.
+            if request.request_id in self._fetched:
+                self._fetched.discard(request.request_id)
+            elif self._fetch(request, num_device_blocks + num, end, hashes[:num]):
+                return None
         if num:
             self._matched[request.request_id] = self.host.pin_for_load(hashes[:num])
         return num
 
-    def _fetch(self, request: Request, first: int, end: int) -> bool:
+    def _fetch(self, request: Request, first: int, end: int, host_run: list[bytes]) -> bool:
         """Blocks first.. of the prefix that the disk holds: record their fetch into host slots; True when the
         request must wait for it (a step)."""
         rid = request.request_id
@@ -71,6 +77,8 @@ class HostTierConnector:
             return True
         bs, hashes, ids = self.block_size, request.block_hashes, request.all_token_ids
         num = self.disk.lookup(hashes[first:end])
+        if num:
+            self.host.touch(host_run)
         transfer = KVTransfer([], 0, host_block_ids=[], block_hashes=[])
         for i in range(first, first + num):
             slot = self.host.reserve_for_save(
@@ -160,6 +168,7 @@ class HostTierConnector:
                 self.host.abort(transfer.host_block_ids)
         for rid, transfer in step.fetch.items():
             self._fetching.discard(rid)
+            self._fetched.add(rid)
             failed = (
                 set(failed_receiving.get(rid, ()))
                 if rid in finished_receiving

@@ -38,6 +38,7 @@ from kvserve.runtime.errors import (
 )
 from kvserve.runtime.executor import kv_sizing
 from kvserve.runtime.executor.base import Executor, create_executor
+from kvserve.runtime.executor.disk_store import open_disk_index
 from kvserve.runtime.kv_events.step import make_step_publisher
 from kvserve.runtime.outputs import EngineStats
 from kvserve.runtime.request import Request, RequestStatus
@@ -81,6 +82,7 @@ class EngineCore:
             num_host_blocks=self.executor.num_host_blocks,
             group_windows=kv_sizing.layout(config).group_windows,
             host_tier=config.cache.kv_offloading_bytes > 0,
+            disk_index=open_disk_index(config, self.executor),
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, micro_batches=self.batch_slots)
         # --kv-events-config: the cache's stored/removed blocks, one batch per step (runtime/kv_events/)

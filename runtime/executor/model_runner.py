@@ -78,6 +78,12 @@ class ModelRunner:
             host_bytes = config.cache.swap_space_bytes + config.cache.kv_offloading_bytes // config.world_size
             self.num_host_blocks = host_bytes // self.kv_bytes_per_block()
             self.host_kv = self._allocate_host_kv_cache(self.num_host_blocks) if self.num_host_blocks else None
+            self.disk_store = None  # --kv-offloading-disk-dir: the disk tier's files (executor/disk_store.py)
+            if config.cache.kv_offloading_disk_dir:
+                from kvserve.runtime.executor import disk_store
+                from kvserve.runtime.executor.disk_store import DiskStore
+
+                self.disk_store = DiskStore(disk_store.store_dir(config), disk_store.layout_facts(config))
             self._sync_for_timing()
         self.states: dict[str, RequestSamplingState] = {}
         self.plain_greedy: set[str] = set()  # requests whose sampling is a bare argmax (sampling.is_plain_greedy)
@@ -187,9 +193,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Swaps and the KV connector's loads before the forward, its saves after it (executor/host_tier.py)."""
-        host_tier.before_forward(self._swap, sched)
+        failed = host_tier.before_forward(self._swap, sched, self.disk_store, self.host_kv)
         out = self._execute(sched)
-        host_tier.after_forward(self._swap, sched, out)
+        host_tier.after_forward(self._swap, sched, out, failed, self.disk_store, self.host_kv)
         return out
 
     def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:

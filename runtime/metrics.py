@@ -189,6 +189,9 @@ class ServerMetrics:
         self._kv_offload_evictions = tier_metric(
             Counter, "kvserve:kv_offload_evicted_blocks", "Blocks an offload tier evicted (LRU)."
         )
+        self._kv_offload_failed = tier_metric(
+            Counter, "kvserve:kv_offload_failed_blocks", "Blocks an offload tier failed to return (missing, corrupt)."
+        )
         self._kv_offload_used = tier_metric(Gauge, "kvserve:kv_offload_used_blocks", "Blocks an offload tier holds.")
         self._kv_offload_capacity = tier_metric(
             Gauge, "kvserve:kv_offload_capacity_blocks", "Blocks an offload tier can hold."
@@ -381,7 +384,7 @@ class ServerMetrics:
         self._kv_offload_used.labels(**tier).set(stats.kv_offload_used_blocks)
         self._kv_offload_capacity.labels(**tier).set(stats.kv_offload_capacity_blocks)
         block_bytes = stats.kv_offload_block_bytes
-        for key, value, metric in (
+        counters = [
             ("hits", stats.kv_offload_loaded_blocks, self._kv_offload_hits.labels(**tier)),
             ("lookups", stats.kv_offload_lookup_blocks, self._kv_offload_lookups.labels(**tier)),
             ("evictions", stats.kv_offload_evicted_blocks, self._kv_offload_evictions.labels(**tier)),
@@ -395,8 +398,20 @@ class ServerMetrics:
                 stats.kv_offload_saved_blocks * block_bytes,
                 self._kv_offload_bytes.labels(op="save", **tier),
             ),
-        ):
-            name = f"kv_offload_cpu_{key}"
+        ]
+        if getattr(stats, "kv_offload_disk_capacity_blocks", 0):
+            disk = dict(tier="disk", **self._label_values)
+            self._kv_offload_used.labels(**disk).set(stats.kv_offload_disk_used_blocks)
+            self._kv_offload_capacity.labels(**disk).set(stats.kv_offload_disk_capacity_blocks)
+            hits, written = stats.kv_offload_disk_hit_blocks, stats.kv_offload_disk_written_blocks
+            counters += [
+                ("disk_hits", hits, self._kv_offload_hits.labels(**disk)),
+                ("disk_failed", stats.kv_offload_disk_failed_blocks, self._kv_offload_failed.labels(**disk)),
+                ("disk_load_bytes", hits * block_bytes, self._kv_offload_bytes.labels(op="load", **disk)),
+                ("disk_save_bytes", written * block_bytes, self._kv_offload_bytes.labels(op="save", **disk)),
+            ]
+        for key, value, metric in counters:
+            name = f"kv_offload_{key}"
             delta = value - self._last_counters.get(name, 0)
             self._last_counters[name] = value
             if delta > 0:

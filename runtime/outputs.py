@@ -93,3 +93,10 @@ class EngineStats:
     kv_offload_saved_blocks: int = 0
     kv_offload_evicted_blocks: int = 0
     kv_offload_block_bytes: int = 0
+    # --kv-offloading-disk-dir: the disk tier below ("disk"; core/disk_index.py). Blocks: capacity and held
+    # now, then cumulative -- fetched into the host tier, written, failed to read (missing or corrupt).
+    kv_offload_disk_capacity_blocks: int = 0
+    kv_offload_disk_used_blocks: int = 0
+    kv_offload_disk_hit_blocks: int = 0
+    kv_offload_disk_written_blocks: int = 0
+    kv_offload_disk_failed_blocks: int = 0

@@ -17,7 +17,10 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 
+from kvserve.runtime.core import kv_cache_events as kv_events
+
 BLOCK_FILE_SUFFIX = ".kvblock"
+MEDIUM_DISK = "STORAGE"  # vLLM's medium for its file-system / object tiers (KV events)
 
 
 def block_file_name(block_hash: bytes) -> str:
@@ -32,6 +35,11 @@ class DiskIndex:
         self.capacity_blocks = capacity_blocks
         self._lru: OrderedDict[bytes, None] = OrderedDict()
         self._to_delete: list[bytes] = []
+        # --kv-events-config: the device BlockPool whose collector takes this tier's records (medium STORAGE).
+        # Only blocks this engine wrote are announced (a restored block's tokens are unknown here), and so
+        # only their removals.
+        self.event_source = None
+        self._announced: set[bytes] = set()
         self.num_restored_blocks = 0
         self.num_hit_blocks = 0
         self.num_written_blocks = 0
@@ -75,22 +83,55 @@ class DiskIndex:
             if h in self._lru:
                 self._lru.move_to_end(h)
 
-    def add(self, block_hash: bytes) -> None:
+    def add(self, block_hash: bytes, token_ids: list[int] | None = None, parent_hash: bytes | None = None) -> None:
         """A block handed to the writer (or found at start); the least recently used ones beyond the
         capacity are listed for deletion."""
         self._lru[block_hash] = None
         self._lru.move_to_end(block_hash)
         self.num_written_blocks += 1
+        events = self._events()
+        if events is not None and token_ids is not None:
+            events.stored(
+                kv_events.StoredBlocks(
+                    block_hashes=[kv_events.external_block_hash(block_hash)],
+                    parent_block_hash=kv_events.external_block_hash(parent_hash) if parent_hash else None,
+                    token_ids=list(token_ids),
+                    block_size=len(token_ids),
+                    medium=MEDIUM_DISK,
+                )
+            )
+            self._announced.add(block_hash)
         while len(self._lru) > self.capacity_blocks:
             old, _ = self._lru.popitem(last=False)
-            self._to_delete.append(old)
+            self._forget(old)
 
     def discard(self, hashes: list[bytes]) -> None:
         """Blocks whose read failed (missing or corrupt file): forgotten, and their files deleted."""
         for h in hashes:
             if self._lru.pop(h, False) is None:
-                self._to_delete.append(h)
+                self._forget(h)
         self.num_failed_blocks += len(hashes)
+
+    def _forget(self, block_hash: bytes) -> None:
+        self._to_delete.append(block_hash)
+        events = self._events()
+        if block_hash in self._announced:
+            self._announced.discard(block_hash)
+            if events is not None:
+                events.removed(kv_events.external_block_hash(block_hash), medium=MEDIUM_DISK)
+
+    def _events(self) -> kv_events.KVEventCollector | None:
+        return None if self.event_source is None else self.event_source.events
+
+    def stats(self) -> dict[str, int]:
+        """EngineStats' kv_offload_disk_* fields."""
+        return dict(
+            kv_offload_disk_capacity_blocks=self.capacity_blocks,
+            kv_offload_disk_used_blocks=len(self._lru),
+            kv_offload_disk_hit_blocks=self.num_hit_blocks,
+            kv_offload_disk_written_blocks=self.num_written_blocks,
+            kv_offload_disk_failed_blocks=self.num_failed_blocks,
+        )
 
     def take_deletions(self) -> list[bytes]:
         out, self._to_delete = self._to_delete, []

@@ -83,6 +83,8 @@ class KVCacheManager:
         self.host = HostBlockPool(num_host_blocks, tier_enabled=host_tier)
         self.host.event_source = self.pool
         self.tier = HostTierConnector(self.host, self.pool, block_size, disk_index) if self.host.tier_enabled else None
+        if disk_index is not None:
+            disk_index.event_source = self.pool
         self.req_to_host_blocks: dict[str, list[int]] = {}
         self._pending_swap_out: list[tuple[int, int]] = []  # (device block, host block)
         self._pending_swap_in: list[tuple[int, int]] = []  # (host block, device block)
@@ -288,6 +290,7 @@ class KVCacheManager:
             kv_offload_saved_blocks=host.num_saved_blocks,
             kv_offload_evicted_blocks=host.num_evicted_blocks,
             kv_offload_block_bytes=block_bytes,
+            **(self.tier.disk.stats() if self.tier.disk is not None else {}),
         )
 
     def take_connector_step(self) -> KVConnectorStep:

@@ -133,7 +133,7 @@ class HostTierConnector:
             if self.disk is not None:  # write through to disk, unless it has the block already
                 transfer.block_hashes.append(b"" if h in self.disk else h)
                 if h not in self.disk:
-                    self.disk.add(h)
+                    self.disk.add(h, ids[i * bs : (i + 1) * bs], hashes[i - 1] if i else None)
 
     def take_step(self) -> KVConnectorStep:
         step, self._step = self._step, KVConnectorStep()
@@ -176,6 +176,7 @@ class HostTierConnector:
             )
             slots = transfer.host_block_ids
             self.host.commit([s for i, s in enumerate(slots) if i not in failed])
+            self.disk.num_hit_blocks += len(slots) - len(failed)
             self.host.abort([s for i, s in enumerate(slots) if i in failed])
             self.disk.discard([transfer.block_hashes[i] for i in sorted(failed)])
 

@@ -8,9 +8,12 @@ import os
 import pytest
 import torch
 from kv_offload_testing import BLOCK, BYTES_PER_BLOCK, GIB, conversations, run_rounds
+from prometheus_client import generate_latest
 
 from kvserve.runtime.core.disk_index import BLOCK_FILE_SUFFIX, DiskIndex, block_file_name
+from kvserve.runtime.core.kv_cache_events import StoredBlocks
 from kvserve.runtime.executor.disk_store import DiskStore
+from kvserve.runtime.metrics import ServerMetrics
 
 
 def test_store_round_trip_and_a_corrupt_file_fails(tmp_path):
@@ -62,6 +65,7 @@ def test_disk_tier_matches_off_survives_restart_and_recomputes_corrupt_blocks(mo
     assert on == off
     index = engine.kv_cache_manager.tier.disk
     assert index.num_written_blocks > 0 and engine.scheduler.num_offload_loaded_tokens > 0
+    assert {e.medium for e in engine.events if isinstance(e, StoredBlocks)} == {None, "CPU", "STORAGE"}
     engine.executor.runner.disk_store.flush()
     files = _block_files(tmp_path)
     assert len(files) == index.num_blocks
@@ -71,6 +75,13 @@ def test_disk_tier_matches_off_survives_restart_and_recomputes_corrupt_blocks(mo
     assert again == [off[1]]
     index2 = engine2.kv_cache_manager.tier.disk
     assert index2.num_restored_blocks == len(files) and engine2.scheduler.num_offload_loaded_tokens > 0
+    metrics = ServerMetrics("m", 256)
+    metrics.update_from_stats(engine2.get_stats())
+    text = generate_latest(metrics.registry).decode()
+    hits = (
+        f'kvserve:kv_offload_hit_blocks_total{{engine="0",model_name="m",tier="disk"}} {float(index2.num_hit_blocks)}'
+    )
+    assert index2.num_hit_blocks > 0 and hits in text
     engine2.executor.runner.disk_store.flush()
 
     # Every file corrupted: a third engine recomputes instead (same tokens), and drops the bad files.

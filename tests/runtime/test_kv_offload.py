@@ -9,7 +9,9 @@ from kv_offload_testing import BLOCK, BYTES_PER_BLOCK, conversations, run_rounds
 from kvserve_testing import STORIES_DIR
 from prometheus_client import generate_latest
 
+from kvserve.runtime.config import make_engine_config
 from kvserve.runtime.core.kv_cache_events import StoredBlocks
+from kvserve.runtime.errors import InvalidParameter
 from kvserve.runtime.metrics import ServerMetrics
 from kvserve.runtime.models.synthetic import make_random_adapter_dir
 
@@ -83,3 +85,28 @@ def test_tier_with_lora_adapters(tmp_path):
     assert on == off
     assert on[0][0] != on[0][3] != on[0][6]  # the adapters change the tokens
     assert engine.scheduler.num_offload_loaded_tokens > 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(kv_offloading_size=-1.0), "kv_offloading_size"),
+        (dict(kv_offloading_size=1.0, enable_prefix_caching=False), "kv_offloading_size"),
+        (dict(kv_offloading_disk_dir="/tmp/x"), "kv_offloading_disk_dir"),
+        (dict(kv_offloading_size=1.0, kv_offloading_disk_dir="/tmp/x"), "kv_offloading_disk_size"),
+        (dict(kv_offloading_disk_size=1.0), "kv_offloading_disk_size"),
+        (
+            dict(
+                kv_offloading_size=1.0,
+                kv_offloading_disk_dir="/tmp/x",
+                kv_offloading_disk_size=1.0,
+                tensor_parallel_size=2,
+            ),
+            "kv_offloading_disk_dir",
+        ),
+    ],
+)
+def test_bad_offload_settings_name_their_field(model_dir, kwargs, field):
+    with pytest.raises(InvalidParameter) as info:
+        make_engine_config(model_dir, **kwargs)
+    assert info.value.param == field

@@ -13,6 +13,8 @@ prefix-cache hit rate. A check keeps it honest: greedy tokens must be identical 
 printed. Run it on a quiet machine (timings on a shared one are noise):
 
     python -m kvserve.runtime.bench.kv_offload MODEL_DIR --conversations 32 --turns 4 --ratio 4
+
+The cost of the tier when nothing is reused (saves only; must be within noise): `--turns 1 --system-len 0`.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ def _run(model_dir: str, system, questions, answer_len: int, offload_gib: float 
             histories[i] = prompts[i] + answer
             tokens.append(answer)
             out_tokens += len(answer)
-            if turn:
+            if turn or len(questions[0]) == 1:  # turn 1 only: the no-reuse cost run
                 ttfts.append(o.metrics.first_token_time - o.metrics.arrival_time)
     seconds = time.perf_counter() - start
     stats = llm.engine.get_stats()

@@ -83,7 +83,13 @@ class DiskIndex:
             if h in self._lru:
                 self._lru.move_to_end(h)
 
-    def add(self, block_hash: bytes, token_ids: list[int] | None = None, parent_hash: bytes | None = None) -> None:
+    def add(
+        self,
+        block_hash: bytes,
+        token_ids: list[int] | None = None,
+        parent_hash: bytes | None = None,
+        lora_name: str | None = None,
+    ) -> None:
         """A block handed to the writer (or found at start); the least recently used ones beyond the
         capacity are listed for deletion."""
         self._lru[block_hash] = None
@@ -98,6 +104,7 @@ class DiskIndex:
                     token_ids=list(token_ids),
                     block_size=len(token_ids),
                     medium=MEDIUM_DISK,
+                    lora_name=lora_name,
                 )
             )
             self._announced.add(block_hash)

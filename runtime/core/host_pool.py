@@ -37,7 +37,8 @@ class HostBlockPool:
         self._pending: set[bytes] = set()  # hashes whose saves are recorded, not reported done yet
         self._slot_hash: dict[int, bytes] = {}  # every tier entry's slot -> its hash
         self._tokens: dict[int, tuple[int, ...]] = {}  # tier entry's slot -> its token ids (collision guard)
-        self._parents: dict[int, bytes | None] = {}  # tier entry's slot -> the hash of the block before it
+        # tier entry's slot -> (the hash of the block before it, its request's LoRA adapter): for KV events
+        self._parents: dict[int, tuple[bytes | None, str | None]] = {}
         self._pinned: dict[int, int] = {}  # slot -> loads in flight
         # --kv-events-config: the device BlockPool whose `events` collector (set by the publisher) also takes
         # this tier's records, with medium CPU, so one step's batch holds both tiers in order.
@@ -115,7 +116,9 @@ class HostBlockPool:
             else:
                 del self._pinned[slot]
 
-    def reserve_for_save(self, block_hash: bytes, token_ids: tuple[int, ...], parent_hash: bytes | None) -> int | None:
+    def reserve_for_save(
+        self, block_hash: bytes, token_ids: tuple[int, ...], parent_hash: bytes | None, lora_name: str | None = None
+    ) -> int | None:
         """A pending entry for a block to save, or None when every slot is taken (swapped requests, pending or
         pinned entries): the block is simply not offloaded."""
         if not self._free and not any(s not in self._pinned for s in self._lru.values()):
@@ -124,7 +127,7 @@ class HostBlockPool:
         self._pending.add(block_hash)
         self._slot_hash[slot] = block_hash
         self._tokens[slot] = token_ids
-        self._parents[slot] = parent_hash
+        self._parents[slot] = (parent_hash, lora_name)
         return slot
 
     def commit(self, slots: list[int]) -> None:
@@ -136,7 +139,7 @@ class HostBlockPool:
             self._pending.discard(h)
             self._lru[h] = slot
             if events is not None:
-                parent = self._parents[slot]
+                parent, lora_name = self._parents[slot]
                 events.stored(
                     kv_events.StoredBlocks(
                         block_hashes=[kv_events.external_block_hash(h)],
@@ -144,6 +147,7 @@ class HostBlockPool:
                         token_ids=list(self._tokens[slot]),
                         block_size=len(self._tokens[slot]),
                         medium=MEDIUM_HOST,
+                        lora_name=lora_name,
                     )
                 )
         self.num_saved_blocks += len(slots)

@@ -82,7 +82,7 @@ class HostTierConnector:
         transfer = KVTransfer([], 0, host_block_ids=[], block_hashes=[])
         for i in range(first, first + num):
             slot = self.host.reserve_for_save(
-                hashes[i], tuple(ids[i * bs : (i + 1) * bs]), hashes[i - 1] if i else None
+                hashes[i], tuple(ids[i * bs : (i + 1) * bs]), hashes[i - 1] if i else None, request.lora_name
             )
             if slot is None:
                 break
@@ -120,7 +120,9 @@ class HostTierConnector:
             h = hashes[i]
             if self.host.contains(h):
                 continue
-            slot = self.host.reserve_for_save(h, tuple(ids[i * bs : (i + 1) * bs]), hashes[i - 1] if i else None)
+            slot = self.host.reserve_for_save(
+                h, tuple(ids[i * bs : (i + 1) * bs]), hashes[i - 1] if i else None, request.lora_name
+            )
             if slot is None:  # the host pool is all swapped requests and in-flight copies: skip
                 return
             if transfer is None:
@@ -133,7 +135,7 @@ class HostTierConnector:
             if self.disk is not None:  # write through to disk, unless it has the block already
                 transfer.block_hashes.append(b"" if h in self.disk else h)
                 if h not in self.disk:
-                    self.disk.add(h, ids[i * bs : (i + 1) * bs], hashes[i - 1] if i else None)
+                    self.disk.add(h, ids[i * bs : (i + 1) * bs], hashes[i - 1] if i else None, request.lora_name)
 
     def take_step(self) -> KVConnectorStep:
         step, self._step = self._step, KVConnectorStep()

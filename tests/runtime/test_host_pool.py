@@ -70,17 +70,24 @@ def test_swap_evicts_tier_entries_and_aborted_saves_free_their_slots():
         pool.allocate(4)
 
 
-def test_events_carry_medium_cpu():
+def test_events_carry_medium_cpu_on_the_wire():
+    from kvserve.runtime.kv_events.events import BlockRemoved, BlockStored, to_wire
+
     device = BlockPool(4)
     device.events = KVEventCollector()
     pool = HostBlockPool(1, tier_enabled=True)
     pool.event_source = device
-    saved(pool, 1)
+    pool.commit([pool.reserve_for_save(h(1), (1,), None, lora_name="sql")])
     saved(pool, 2)  # evicts 1
-    stored1, removed, stored2 = device.events.take()
+    records = device.events.take()
+    stored1, removed, stored2 = records
     assert isinstance(stored1, StoredBlocks) and stored1.medium == MEDIUM_HOST and stored1.token_ids == [1]
+    assert stored1.lora_name == "sql"
     assert isinstance(removed, RemovedBlocks) and removed.medium == MEDIUM_HOST
     assert isinstance(stored2, StoredBlocks)
+    wire = to_wire([*records, StoredBlocks([7], None, [1], 1)], "GPU")
+    assert [type(e) for e in wire] == [BlockStored, BlockRemoved, BlockStored, BlockStored]
+    assert [e.medium for e in wire] == ["CPU", "CPU", "CPU", "GPU"]  # a device record keeps the batch's medium
 
 
 def _request(rid: str, tokens: list[int]) -> Request:

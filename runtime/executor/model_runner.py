@@ -84,6 +84,7 @@ class ModelRunner:
                 from kvserve.runtime.executor.disk_store import DiskStore
 
                 self.disk_store = DiskStore(disk_store.store_dir(config), disk_store.layout_facts(config))
+            self.kv_transfer = host_tier.HostTierWorker(self._swap, self.host_kv, self.disk_store)
             self._sync_for_timing()
         self.states: dict[str, RequestSamplingState] = {}
         self.plain_greedy: set[str] = set()  # requests whose sampling is a bare argmax (sampling.is_plain_greedy)
@@ -193,9 +194,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Swaps and the KV connector's loads before the forward, its saves after it (executor/host_tier.py)."""
-        failed = host_tier.before_forward(self._swap, sched, self.disk_store, self.host_kv)
+        failed = self.kv_transfer.before_forward(sched)
         out = self._execute(sched)
-        host_tier.after_forward(self._swap, sched, out, failed, self.disk_store, self.host_kv)
+        self.kv_transfer.after_forward(sched, out, failed)
         return out
 
     def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:

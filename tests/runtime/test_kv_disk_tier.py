@@ -66,7 +66,7 @@ def test_disk_tier_matches_off_survives_restart_and_recomputes_corrupt_blocks(mo
     index = engine.kv_cache_manager.tier.disk
     assert index.num_written_blocks > 0 and engine.scheduler.num_offload_loaded_tokens > 0
     assert {e.medium for e in engine.events if isinstance(e, StoredBlocks)} == {None, "CPU", "STORAGE"}
-    engine.executor.runner.disk_store.flush()
+    engine.executor.runner.kv_transfer.flush()
     files = _block_files(tmp_path)
     assert len(files) == index.num_blocks
 
@@ -82,7 +82,7 @@ def test_disk_tier_matches_off_survives_restart_and_recomputes_corrupt_blocks(mo
         f'kvserve:kv_offload_hit_blocks_total{{engine="0",model_name="m",tier="disk"}} {float(index2.num_hit_blocks)}'
     )
     assert index2.num_hit_blocks > 0 and hits in text
-    engine2.executor.runner.disk_store.flush()
+    engine2.executor.runner.kv_transfer.flush()
 
     # Every file corrupted: a third engine recomputes instead (same tokens), and drops the bad files.
     for path in _block_files(tmp_path):

@@ -51,6 +51,9 @@ class CacheConfig:
     gpu_memory_utilization: float = engine_args.default("gpu_memory_utilization")
     kv_cache_dtype: str = engine_args.default("kv_cache_dtype")
     swap_space_bytes: int = 0  # host RAM for preemption_mode="swap" (resolved: 0 without swap)
+    kv_offloading_bytes: int = 0  # the host KV tier, in total over the ranks (--kv-offloading-size; 0: off)
+    kv_offloading_disk_dir: str | None = None  # the disk tier below it (--kv-offloading-disk-dir)
+    kv_offloading_disk_bytes: int = 0
     num_blocks: int = 0  # filled in (a new frozen object) once the runner has sized the cache
 
 
@@ -254,6 +257,28 @@ def build_engine_config(args) -> EngineConfig:
         raise InvalidParameter("preemption_mode", preemption_error)
     if swap_space_bytes is None:
         swap_space_bytes = engine_args.DEFAULT_SWAP_SPACE_BYTES if a.preemption_mode == "swap" else 0
+    if a.kv_offloading_size is not None and not a.kv_offloading_size >= 0:
+        raise InvalidParameter(
+            "kv_offloading_size", f"kv_offloading_size must be >= 0 GiB, got {a.kv_offloading_size!r}"
+        )
+    if a.kv_offloading_size and not a.enable_prefix_caching:
+        raise InvalidParameter("kv_offloading_size", "kv_offloading_size needs enable_prefix_caching")
+    if a.kv_offloading_disk_dir:
+        if not a.kv_offloading_size:
+            raise InvalidParameter(
+                "kv_offloading_disk_dir", "the disk tier is staged through the host tier: it needs kv_offloading_size"
+            )
+        if not a.kv_offloading_disk_size or a.kv_offloading_disk_size <= 0:
+            raise InvalidParameter(
+                "kv_offloading_disk_size", "kv_offloading_disk_dir needs kv_offloading_disk_size > 0 GiB"
+            )
+        if a.tensor_parallel_size * a.pipeline_parallel_size > 1:
+            raise InvalidParameter(
+                "kv_offloading_disk_dir",
+                "the disk KV tier runs with one rank only (a rank's failed read would go unseen)",
+            )
+    elif a.kv_offloading_disk_size:
+        raise InvalidParameter("kv_offloading_disk_size", "kv_offloading_disk_size needs kv_offloading_disk_dir")
     if swap_space_bytes < 0:
         raise InvalidParameter("swap_space_bytes", f"swap_space_bytes must be >= 0, got {swap_space_bytes}")
     # The model-dependent defaults (dtype auto, max_model_len, max_num_batched_tokens) and the settings a plan
@@ -305,6 +330,9 @@ def build_engine_config(args) -> EngineConfig:
         gpu_memory_utilization=a.gpu_memory_utilization,
         kv_cache_dtype=kv_cache_dtype,
         swap_space_bytes=swap_space_bytes,
+        kv_offloading_bytes=engine_args.kv_offloading_bytes(a.kv_offloading_size),
+        kv_offloading_disk_dir=a.kv_offloading_disk_dir,
+        kv_offloading_disk_bytes=engine_args.kv_offloading_bytes(a.kv_offloading_disk_size),
     )
     return EngineConfig(
         model=model_config,

@@ -68,6 +68,11 @@ def positive_int_list(text: str) -> list[int]:
     return values
 
 
+def kv_offloading_bytes(size_gib: float | None) -> int:
+    """--kv-offloading-size (GiB, None = off) as bytes."""
+    return int((size_gib or 0) * (1 << 30))
+
+
 def _setting(
     default: Any,
     help: str,
@@ -187,6 +192,21 @@ class EngineArgs:
         "host RAM for --preemption-mode swap, in bytes (suffixes like 4GiB accepted; default 4GiB)",
         type=parse_bytes,
         flag="--swap-space",
+    )
+    kv_offloading_size: float | None = _setting(
+        None,
+        "host KV tier in GiB, in total over the tensor/pipeline-parallel ranks (vLLM's flag): full prefix blocks "
+        "are copied to host RAM as they are cached and loaded back on a prefix hit instead of recomputed; "
+        "0 or unset: off",
+        type=float,
+    )
+    kv_offloading_disk_dir: str | None = _setting(
+        None,
+        "a local disk KV tier below the host tier (needs --kv-offloading-size, one rank): one checksummed file "
+        "per block, written by a thread, reused by a later engine of the same model and KV layout",
+    )
+    kv_offloading_disk_size: float | None = _setting(
+        None, "the disk KV tier's size in GiB (with --kv-offloading-disk-dir)", type=float
     )
     attention_backend: str | None = _setting(
         None,

@@ -170,6 +170,32 @@ class ServerMetrics:
         # Swap preemption (vLLM V1 has no swapping, hence kvserve: names)
         self.num_swap_outs = counter("kvserve:num_swap_outs", "Requests preempted by swapping their KV to host memory.")
         self.num_swap_ins = counter("kvserve:num_swap_ins", "Swapped-out requests brought back to device memory.")
+
+        # The host KV tier (--kv-offloading-size), per tier (label tier="cpu"; kvserve: names, vLLM exports none)
+        def tier_metric(kind, name: str, doc: str, extra: tuple[str, ...] = ()):
+            return kind(name, doc, [*labels, "tier", *extra], registry=registry)
+
+        self._kv_offload_hits = tier_metric(
+            Counter, "kvserve:kv_offload_hit_blocks", "Prefix blocks loaded back from an offload tier, not recomputed."
+        )
+        self._kv_offload_lookups = tier_metric(
+            Counter,
+            "kvserve:kv_offload_lookup_blocks",
+            "Prefix blocks looked up in an offload tier past a device miss.",
+        )
+        self._kv_offload_bytes = tier_metric(
+            Counter, "kvserve:kv_offload_bytes", "KV bytes moved to (save) and from (load) an offload tier.", ("op",)
+        )
+        self._kv_offload_evictions = tier_metric(
+            Counter, "kvserve:kv_offload_evicted_blocks", "Blocks an offload tier evicted (LRU)."
+        )
+        self._kv_offload_failed = tier_metric(
+            Counter, "kvserve:kv_offload_failed_blocks", "Blocks an offload tier failed to return (missing, corrupt)."
+        )
+        self._kv_offload_used = tier_metric(Gauge, "kvserve:kv_offload_used_blocks", "Blocks an offload tier holds.")
+        self._kv_offload_capacity = tier_metric(
+            Gauge, "kvserve:kv_offload_capacity_blocks", "Blocks an offload tier can hold."
+        )
         self._request_success = Counter(
             "vllm:request_success",
             "Count of successfully processed requests.",
@@ -344,12 +370,52 @@ class ServerMetrics:
                     iteration_tokens += delta
         if iteration_tokens:
             self.iteration_tokens.observe(iteration_tokens)
+        if getattr(stats, "kv_offload_capacity_blocks", 0):
+            self._update_kv_offload(stats)
         for position, value in enumerate(getattr(stats, "spec_accepted_per_pos", ())):
             key = f"spec_accepted_pos_{position}"
             delta = value - self._last_counters.get(key, 0)
             self._last_counters[key] = value
             if delta > 0:
                 self._spec_per_pos.labels(position=str(position), **self._label_values).inc(delta)
+
+    def _update_kv_offload(self, stats: Any) -> None:
+        tier = dict(tier="cpu", **self._label_values)
+        self._kv_offload_used.labels(**tier).set(stats.kv_offload_used_blocks)
+        self._kv_offload_capacity.labels(**tier).set(stats.kv_offload_capacity_blocks)
+        block_bytes = stats.kv_offload_block_bytes
+        counters = [
+            ("hits", stats.kv_offload_loaded_blocks, self._kv_offload_hits.labels(**tier)),
+            ("lookups", stats.kv_offload_lookup_blocks, self._kv_offload_lookups.labels(**tier)),
+            ("evictions", stats.kv_offload_evicted_blocks, self._kv_offload_evictions.labels(**tier)),
+            (
+                "load_bytes",
+                stats.kv_offload_loaded_blocks * block_bytes,
+                self._kv_offload_bytes.labels(op="load", **tier),
+            ),
+            (
+                "save_bytes",
+                stats.kv_offload_saved_blocks * block_bytes,
+                self._kv_offload_bytes.labels(op="save", **tier),
+            ),
+        ]
+        if getattr(stats, "kv_offload_disk_capacity_blocks", 0):
+            disk = dict(tier="disk", **self._label_values)
+            self._kv_offload_used.labels(**disk).set(stats.kv_offload_disk_used_blocks)
+            self._kv_offload_capacity.labels(**disk).set(stats.kv_offload_disk_capacity_blocks)
+            hits, written = stats.kv_offload_disk_hit_blocks, stats.kv_offload_disk_written_blocks
+            counters += [
+                ("disk_hits", hits, self._kv_offload_hits.labels(**disk)),
+                ("disk_failed", stats.kv_offload_disk_failed_blocks, self._kv_offload_failed.labels(**disk)),
+                ("disk_load_bytes", hits * block_bytes, self._kv_offload_bytes.labels(op="load", **disk)),
+                ("disk_save_bytes", written * block_bytes, self._kv_offload_bytes.labels(op="save", **disk)),
+            ]
+        for key, value, metric in counters:
+            name = f"kv_offload_{key}"
+            delta = value - self._last_counters.get(name, 0)
+            self._last_counters[name] = value
+            if delta > 0:
+                metric.inc(delta)
 
     def set_startup_phases(self, phases: dict[str, float]) -> None:
         for phase, seconds in phases.items():

@@ -82,3 +82,21 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
+    # --kv-offloading-size: the host KV tier ("cpu"; core/host_pool.py). Blocks: capacity and held now, then
+    # cumulative -- looked up past a device miss, found, loaded back, saved, evicted; bytes of one block
+    # summed over the ranks (each holds its shard), for bytes moved.
+    kv_offload_capacity_blocks: int = 0
+    kv_offload_used_blocks: int = 0
+    kv_offload_lookup_blocks: int = 0
+    kv_offload_hit_blocks: int = 0
+    kv_offload_loaded_blocks: int = 0
+    kv_offload_saved_blocks: int = 0
+    kv_offload_evicted_blocks: int = 0
+    kv_offload_block_bytes: int = 0
+    # --kv-offloading-disk-dir: the disk tier below ("disk"; core/disk_index.py). Blocks: capacity and held
+    # now, then cumulative -- fetched into the host tier, written, failed to read (missing or corrupt).
+    kv_offload_disk_capacity_blocks: int = 0
+    kv_offload_disk_used_blocks: int = 0
+    kv_offload_disk_hit_blocks: int = 0
+    kv_offload_disk_written_blocks: int = 0
+    kv_offload_disk_failed_blocks: int = 0

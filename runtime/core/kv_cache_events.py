@@ -35,11 +35,13 @@ class StoredBlocks:
     token_ids: list[int]
     block_size: int
     lora_name: str | None = None
+    medium: str | None = None  # None: the device pool (MEDIUM_DEVICE); "CPU": the host tier (core/host_pool.py)
 
 
 @dataclass(frozen=True)
 class RemovedBlocks:
     block_hashes: list[int]
+    medium: str | None = None
 
 
 @dataclass(frozen=True)
@@ -62,12 +64,12 @@ class KVEventCollector:
     def stored(self, record: StoredBlocks) -> None:
         self._events.append(record)
 
-    def removed(self, block_hash: int) -> None:
+    def removed(self, block_hash: int, medium: str | None = None) -> None:
         events = self._events
-        if events and isinstance(events[-1], RemovedBlocks):
+        if events and isinstance(events[-1], RemovedBlocks) and events[-1].medium == medium:
             events[-1].block_hashes.append(block_hash)
         else:
-            events.append(RemovedBlocks([block_hash]))
+            events.append(RemovedBlocks([block_hash], medium))
 
     def cleared(self) -> None:
         self._events.append(AllCleared())

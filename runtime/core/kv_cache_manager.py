@@ -12,6 +12,10 @@ group's table holds the null block where its blocks fell out of the window and w
 (core/sliding_window.py). Prefix-cache entries are per group (the group id is part of the key), and a hit
 is the longest length every group can serve. Swapping to host is off for multi-group models (the
 scheduler then recomputes: can_swap_out is False).
+
+Host RAM: one pool of host blocks (core/host_pool.py) serves swap preemption and, with `host_tier` on
+(--kv-offloading-size), the host KV tier whose scheduler half is core/tier_connector.py (single-group
+models with prefix caching only).
 """
 
 from __future__ import annotations
@@ -22,6 +26,10 @@ from kvserve.runtime.core import kv_cache_events as kv_events
 from kvserve.runtime.core import sliding_window
 from kvserve.runtime.core.block_hash import extend_block_hashes, root_hash
 from kvserve.runtime.core.block_pool import BlockPool, KVCacheBlock
+from kvserve.runtime.core.disk_index import DiskIndex
+from kvserve.runtime.core.host_pool import HostBlockPool
+from kvserve.runtime.core.outputs import KVConnectorStep
+from kvserve.runtime.core.tier_connector import HostTierConnector
 from kvserve.runtime.request import Request
 
 
@@ -50,9 +58,11 @@ class KVCacheManager:
         enable_caching: bool = True,
         num_host_blocks: int = 0,
         group_windows: tuple[int, ...] = (),
+        host_tier: bool = False,
+        disk_index: DiskIndex | None = None,
     ):
         """group_windows: sliding window per KV cache group (0 = full attention; group 0 must be full);
-        empty = one full-attention group."""
+        empty = one full-attention group. host_tier: keep evicted prefix blocks in the host pool too."""
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
@@ -68,7 +78,13 @@ class KVCacheManager:
         self.prefix_cache_hits = 0  # tokens found
         # Host (CPU RAM) swap space for preemption by swapping: plain block ids into the runner's host tensor.
         self.num_host_blocks = num_host_blocks
-        self.free_host_blocks: list[int] = list(range(num_host_blocks - 1, -1, -1))
+        if host_tier and (len(self.group_windows) > 1 or not enable_caching):
+            raise ValueError("the host KV tier needs prefix caching and one KV cache group (full attention)")
+        self.host = HostBlockPool(num_host_blocks, tier_enabled=host_tier)
+        self.host.event_source = self.pool
+        self.tier = HostTierConnector(self.host, self.pool, block_size, disk_index) if self.host.tier_enabled else None
+        if disk_index is not None:
+            disk_index.event_source = self.pool
         self.req_to_host_blocks: dict[str, list[int]] = {}
         self._pending_swap_out: list[tuple[int, int]] = []  # (device block, host block)
         self._pending_swap_in: list[tuple[int, int]] = []  # (host block, device block)
@@ -204,13 +220,13 @@ class KVCacheManager:
     def can_swap_out(self, request: Request) -> bool:
         if self.num_groups > 1:  # host copies of per-group tables are not implemented: recompute instead
             return False
-        return len(self.req_to_blocks.get(request.request_id, ())) <= len(self.free_host_blocks)
+        return len(self.req_to_blocks.get(request.request_id, ())) <= self.host.num_allocatable
 
     def swap_out(self, request: Request) -> None:
         """Copy the request's blocks to host memory (the runner does it before this step's forward, so
         the device blocks can be reused in the same step) and free the device blocks."""
         blocks = self.req_to_blocks.get(request.request_id, [])
-        host = [self.free_host_blocks.pop() for _ in blocks]
+        host = self.host.allocate(len(blocks))
         self._pending_swap_out += [(b.block_id, h) for b, h in zip(blocks, host)]
         self.req_to_host_blocks[request.request_id] = host
         self.num_swapped_out_blocks += len(host)
@@ -225,7 +241,7 @@ class KVCacheManager:
         host = self.req_to_host_blocks.pop(request.request_id)
         blocks = self.pool.get_new_blocks(len(host))
         self._pending_swap_in += [(h, b.block_id) for h, b in zip(host, blocks)]
-        self.free_host_blocks += host
+        self.host.release(host)
         self.num_swapped_in_blocks += len(host)
         self.req_to_blocks[request.request_id] = blocks
         self.num_cached_blocks[request.request_id] = 0
@@ -239,7 +255,56 @@ class KVCacheManager:
 
     @property
     def num_free_host_blocks(self) -> int:
-        return len(self.free_host_blocks)
+        """Host blocks no swapped request holds (the tier's entries are a cache: they count as free)."""
+        return self.host.num_free_blocks + self.host.num_tier_blocks
+
+    # -- the host KV tier (core/tier_connector.py) -------------------------------------------------------
+    def match_offloaded(self, request: Request, num_device_blocks: int) -> int | None:
+        """Full blocks after a device hit of num_device_blocks that the host tier can load (0: tier off);
+        then either load_offloaded (admitted) or unmatch_offloaded (not). None: the disk tier is fetching
+        more of this prefix, schedule the request in a later step."""
+        if self.tier is None:
+            return 0
+        self._update_block_hashes(request)
+        return self.tier.match(request, num_device_blocks)
+
+    def load_offloaded(self, request: Request, first: int) -> None:
+        """After allocate_slots covered them: the matched blocks, from blocks[first], load from the tier."""
+        self.tier.record_load(request, self.req_to_blocks[request.request_id], first)
+
+    def unmatch_offloaded(self, request: Request) -> None:
+        if self.tier is not None:
+            self.tier.unmatch(request)
+
+    def offload_stats(self, block_bytes: int) -> dict[str, int]:
+        """EngineStats' kv_offload_* fields (none while the tier is off)."""
+        host = self.host
+        if self.tier is None:
+            return {}
+        return dict(
+            kv_offload_capacity_blocks=host.num_blocks,
+            kv_offload_used_blocks=host.num_tier_blocks,
+            kv_offload_lookup_blocks=host.num_lookup_blocks,
+            kv_offload_hit_blocks=host.num_hit_blocks,
+            kv_offload_loaded_blocks=host.num_loaded_blocks,
+            kv_offload_saved_blocks=host.num_saved_blocks,
+            kv_offload_evicted_blocks=host.num_evicted_blocks,
+            kv_offload_block_bytes=block_bytes,
+            **(self.tier.disk.stats() if self.tier.disk is not None else {}),
+        )
+
+    def take_connector_step(self) -> KVConnectorStep:
+        return KVConnectorStep() if self.tier is None else self.tier.take_step()
+
+    def connector_step_done(
+        self, step: KVConnectorStep, finished_sending, finished_receiving, failed_receiving
+    ) -> None:
+        if self.tier is not None:
+            self.tier.step_done(step, finished_sending, finished_receiving, failed_receiving)
+
+    def abort_connector_steps(self) -> None:
+        if self.tier is not None:
+            self.tier.abort_outstanding()
 
     def free(self, request: Request, keep_host_blocks: bool = False) -> None:
         """Release a finished or preempted request's blocks, tail first (longest prefixes are the least
@@ -248,7 +313,7 @@ class KVCacheManager:
         also when another request took them as a hit in the same step (it was admitted into that step, so
         it fails with it: nobody computed them)."""
         if not keep_host_blocks:
-            self.free_host_blocks += self.req_to_host_blocks.pop(request.request_id, [])
+            self.host.release(self.req_to_host_blocks.pop(request.request_id, []))
         null = self.pool.null_block
         for table, num_cached in zip(self._tables, self._num_cached):
             blocks = table.pop(request.request_id, [])  # a sliding table's index i still covers block i
@@ -282,6 +347,8 @@ class KVCacheManager:
                     )
             if g == 0 and self.pool.events is not None:
                 kv_events.record_stored(self.pool, request, blocks, start, end, bs)
+            if g == 0 and self.tier is not None:
+                self.tier.record_saves(request, blocks, start, end)
             num_cached[rid] = end
 
 

@@ -48,23 +48,34 @@ class KVTransfer:
 
     block_ids: list[int]  # device blocks of KV cache group 0, in the request's block-table order
     num_tokens: int  # tokens of KV those blocks hold (the last block may be partly filled)
+    # The host tier (core/tier_connector.py): the host pool's slots, parallel to block_ids. Empty for a
+    # connector that addresses its far side otherwise.
+    host_block_ids: list[int] = field(default_factory=list)
+    # The blocks' chained hashes, parallel to block_ids, where a store below the host tier files them (the
+    # disk tier, core/disk_index.py): a save writes the ones given (b"": not this one), a fetch reads them.
+    block_hashes: list[bytes] = field(default_factory=list)
 
 
 @dataclass
 class KVConnectorStep:
     """The KV connector's section of one step (vLLM's KVConnectorMetadata, scheduler -> executor): per
     request, the KV to load into its blocks before this step's forward and the KV to save from its blocks
-    after it. Empty while no connector is configured: nothing fills it yet. A tiered KV cache or prefill/decode
-    disaggregation fills it in the scheduler and acts on it in the executor; the executor answers with
+    after it. Empty while no connector is configured. The host KV tier (--kv-offloading-size,
+    core/tier_connector.py) fills it in the scheduler and the runner acts on it (executor/host_tier.py);
+    prefill/decode disaggregation would do the same; the executor answers with
     ModelRunnerOutput.finished_sending / finished_receiving (docs/architecture.md, "Where a KV feature plugs
     in")."""
 
     load: dict[str, KVTransfer] = field(default_factory=dict)  # req id -> KV to bring in before the forward
     save: dict[str, KVTransfer] = field(default_factory=dict)  # req id -> KV to send out after the forward
+    # The disk tier: req id -> blocks to read from disk into host slots (no device blocks: block_ids empty),
+    # for a load in a later step; and the hashes of blocks the disk tier evicted (files to delete).
+    fetch: dict[str, KVTransfer] = field(default_factory=dict)
+    drop: list[bytes] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
-        return not self.load and not self.save
+        return not self.load and not self.save and not self.fetch and not self.drop
 
 
 @dataclass
@@ -109,6 +120,9 @@ class ModelRunnerOutput:
     # until it appears in finished_sending.
     finished_sending: set[str] = field(default_factory=set)
     finished_receiving: set[str] = field(default_factory=set)
+    # Requests whose received KV is incomplete -> positions in their transfer (KVConnectorStep.fetch) that did
+    # not arrive (a missing or corrupt disk block): the scheduler recomputes from there.
+    failed_receiving: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass

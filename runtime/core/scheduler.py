@@ -96,6 +96,7 @@ class Scheduler:
         self.spec_num_draft_tokens = 0
         self.spec_num_accepted_tokens = 0
         self.spec_accepted_per_pos: list[int] = []
+        self.num_offload_loaded_tokens = 0  # prompt tokens loaded from the host KV tier instead of computed
 
     # -- admission / removal ---------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -190,6 +191,8 @@ class Scheduler:
 
     def _schedule(self) -> SchedulerOutput:
         cfg = self.config
+        if self.micro_batches == 1:  # every earlier step's output was applied, or that step failed
+            self.kv.abort_connector_steps()
         num_held, limit = len(self._held), self._batch_seq_limit
         budget = cfg.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
@@ -257,15 +260,26 @@ class Scheduler:
                     lora_blocked = True
                     idx += 1
                     continue
-            hit_blocks, num_hit_tokens = ([], 0)
+            hit_blocks, num_hit_tokens, num_loaded = ([], 0, 0)
             if request.num_computed_tokens == 0:
                 hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
-            num_remaining = request.num_tokens - num_hit_tokens
-            if not cfg.enable_chunked_prefill and num_remaining > budget:
-                break
+                # The host KV tier: blocks past the device hit load before the forward, costing no budget.
+                num_matched = self.kv.match_offloaded(request, len(hit_blocks))
+                if num_matched is None:  # the disk tier brings more of its prefix up first: next step
+                    idx += 1
+                    continue
+                num_loaded = num_matched * self.kv.block_size
+            num_remaining = request.num_tokens - num_hit_tokens - num_loaded
             num_new = self._cap(num_remaining, budget)
-            if self.kv.allocate_slots(request, num_new, hit_blocks) is None:
+            if (not cfg.enable_chunked_prefill and num_remaining > budget) or self.kv.allocate_slots(
+                request, num_loaded + num_new, hit_blocks
+            ) is None:
+                self.kv.unmatch_offloaded(request)
                 break
+            if num_loaded:
+                self.kv.load_offloaded(request, len(hit_blocks))
+                num_hit_tokens += num_loaded
+                self.num_offload_loaded_tokens += num_loaded
             del self.waiting[idx]
             if request.lora_name is not None:
                 active_loras.add(request.lora_name)
@@ -296,6 +310,7 @@ class Scheduler:
             num_preempted=num_preempted,
             swap_out=swap_out,
             swap_in=swap_in,
+            kv_connector=self.kv.take_connector_step(),
         )
 
     def _schedule_decodes(self, scheduled: list[ScheduledRequest], scheduled_reqs: list[Request]) -> int:
@@ -399,6 +414,13 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         if self._in_flight:
             self.release_in_flight(scheduler_output)
+        if not scheduler_output.kv_connector.is_empty:
+            self.kv.connector_step_done(
+                scheduler_output.kv_connector,
+                runner_output.finished_sending,
+                runner_output.finished_receiving,
+                runner_output.failed_receiving,
+            )
         # Hoisted lookups: this loop runs once per scheduled request per step (a hot path at 256+ decodes).
         requests, running = self.requests, RequestStatus.RUNNING
         sampled, all_logprobs = runner_output.sampled_token_ids, runner_output.logprobs

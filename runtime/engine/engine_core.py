@@ -38,6 +38,7 @@ from kvserve.runtime.errors import (
 )
 from kvserve.runtime.executor import kv_sizing
 from kvserve.runtime.executor.base import Executor, create_executor
+from kvserve.runtime.executor.disk_store import open_disk_index
 from kvserve.runtime.kv_events.step import make_step_publisher
 from kvserve.runtime.outputs import EngineStats
 from kvserve.runtime.request import Request, RequestStatus
@@ -80,6 +81,8 @@ class EngineCore:
             config.cache.enable_prefix_caching,
             num_host_blocks=self.executor.num_host_blocks,
             group_windows=kv_sizing.layout(config).group_windows,
+            host_tier=config.cache.kv_offloading_bytes > 0,
+            disk_index=open_disk_index(config, self.executor),
         )
         self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, micro_batches=self.batch_slots)
         # --kv-events-config: the cache's stored/removed blocks, one batch per step (runtime/kv_events/)
@@ -414,4 +417,5 @@ class EngineCore:
             spec_num_draft_tokens=self.scheduler.spec_num_draft_tokens,
             spec_num_accepted_tokens=self.scheduler.spec_num_accepted_tokens,
             spec_accepted_per_pos=tuple(self.scheduler.spec_accepted_per_pos),
+            **kv.offload_stats(self.executor.kv_cache_bytes // self.executor.num_blocks * self.config.world_size),
         )

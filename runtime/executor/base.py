@@ -7,12 +7,13 @@ executor (another transport, a remote pool) is a class with these members.
 
 The step seam, and where a KV connector plugs in: the core sends one SchedulerOutput per step (`execute`, or
 `submit` then `collect` for pipelined micro-batches) and gets one ModelRunnerOutput back. Both carry a KV
-connector section that is empty today: SchedulerOutput.kv_connector lists, per request, the KV to load into its
-blocks before the forward and the KV to save after it (core/outputs.py, KVConnectorStep); the answer
-ModelRunnerOutput.finished_sending / finished_receiving names the requests whose asynchronous transfers
-completed. A tiered KV cache or prefill/decode disaggregation fills the first in the scheduler, acts on it in
-the runner (every rank, under the multiproc executor: the same SchedulerOutput reaches all of them) and reports
-through the second -- vLLM's KVConnectorBase_V1 split into a scheduler half and a worker half.
+connector section: SchedulerOutput.kv_connector lists, per request, the KV to load into its blocks before the
+forward and the KV to save after it (core/outputs.py, KVConnectorStep); the answer
+ModelRunnerOutput.finished_sending / finished_receiving names the requests whose transfers completed. The host
+KV tier (--kv-offloading-size, docs/kv_offload.md) fills the first in the scheduler (core/tier_connector.py),
+acts on it in the runner (executor/host_tier.py; every rank, under the multiproc executor: the same
+SchedulerOutput reaches all of them) and reports through the second -- vLLM's KVConnectorBase_V1 split into a
+scheduler half and a worker half; prefill/decode disaggregation would plug in the same way.
 """
 
 from __future__ import annotations

@@ -89,6 +89,9 @@ def draft_engine_config(config: EngineConfig, target_num_blocks: int) -> EngineC
         num_kv_blocks=max(num_blocks, 2),
         kv_cache_bytes=None,
         swap_space_bytes=0,
+        kv_offloading_bytes=0,  # the draft's KV is never offloaded: no host or disk tier of its own
+        kv_offloading_disk_dir=None,
+        kv_offloading_disk_bytes=0,
         enable_prefix_caching=False,
         num_blocks=0,
     )

@@ -19,7 +19,7 @@ import torch
 from kvserve.runtime import capacity
 from kvserve.runtime.config import EngineConfig
 from kvserve.runtime.core.outputs import ModelRunnerOutput, SchedulerOutput
-from kvserve.runtime.executor import kv_groups, kv_sizing
+from kvserve.runtime.executor import host_tier, kv_groups, kv_sizing
 from kvserve.runtime.executor.block_tables import BlockTables
 from kvserve.runtime.executor.cuda_graphs import DecodeGraphs
 from kvserve.runtime.models.attention import AttentionMetadata
@@ -73,8 +73,18 @@ class ModelRunner:
         self._check_one_sequence_fits(self.num_blocks)
         with timed(phases, "kv_cache_allocate"):
             self.kv_caches = self._allocate_kv_cache(self.num_blocks)
-            self.num_host_blocks = config.cache.swap_space_bytes // self.kv_bytes_per_block()
+            # One host pool for swap preemption and the host KV tier (core/host_pool.py); the tier's size is
+            # a total over the ranks (vLLM's --kv-offloading-size), each rank holding its shard's share.
+            host_bytes = config.cache.swap_space_bytes + config.cache.kv_offloading_bytes // config.world_size
+            self.num_host_blocks = host_bytes // self.kv_bytes_per_block()
             self.host_kv = self._allocate_host_kv_cache(self.num_host_blocks) if self.num_host_blocks else None
+            self.disk_store = None  # --kv-offloading-disk-dir: the disk tier's files (executor/disk_store.py)
+            if config.cache.kv_offloading_disk_dir:
+                from kvserve.runtime.executor import disk_store
+                from kvserve.runtime.executor.disk_store import DiskStore
+
+                self.disk_store = DiskStore(disk_store.store_dir(config), disk_store.layout_facts(config))
+            self.kv_transfer = host_tier.HostTierWorker(self._swap, self.host_kv, self.disk_store)
             self._sync_for_timing()
         self.states: dict[str, RequestSamplingState] = {}
         self.plain_greedy: set[str] = set()  # requests whose sampling is a bare argmax (sampling.is_plain_greedy)
@@ -168,6 +178,9 @@ class ModelRunner:
         return torch.zeros(shape, dtype=self.kv.dtype, pin_memory=self.device.type == "cuda")
 
     def _swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        """Copies between the device cache and the host pool, every layer (and KV cache group) of the listed
+        blocks at once: device -> host first, then host -> device. Swap preemption and the host KV tier's
+        saves and loads (executor/host_tier.py) both come here."""
         if swap_out:
             dev = torch.tensor([d for d, _ in swap_out], device=self.device)
             host = torch.tensor([h for _, h in swap_out])
@@ -180,6 +193,13 @@ class ModelRunner:
     # -- one step -----------------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Swaps and the KV connector's loads before the forward, its saves after it (executor/host_tier.py)."""
+        failed = self.kv_transfer.before_forward(sched)
+        out = self._execute(sched)
+        self.kv_transfer.after_forward(sched, out, failed)
+        return out
+
+    def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         for rid in sched.finished_req_ids:
             self.states.pop(rid, None)
             self.plain_greedy.discard(rid)
@@ -196,8 +216,6 @@ class ModelRunner:
                 self.lora_names[new.req_id] = new.lora_name
             if is_plain_greedy(state):
                 self.plain_greedy.add(new.req_id)
-        if sched.swap_out or sched.swap_in:
-            self._swap(sched.swap_out, sched.swap_in)
         if not sched.scheduled:
             return ModelRunnerOutput({})
 

@@ -61,15 +61,24 @@ class KVEventBatch(EventBatch):
 
 
 def to_wire(records: list[CacheEvent], medium: str) -> list[KVCacheEvent]:
-    """The core's records (core/kv_cache_events.py) as vLLM events of one tier."""
+    """The core's records (core/kv_cache_events.py) as vLLM events; `medium` is the tier of records that name
+    none (the device pool), a record of another tier (the host tier: "CPU") carries its own."""
     out: list[KVCacheEvent] = []
     for r in records:
         if isinstance(r, StoredBlocks):
             out.append(
-                BlockStored(r.block_hashes, r.parent_block_hash, r.token_ids, r.block_size, None, medium, r.lora_name)
+                BlockStored(
+                    r.block_hashes,
+                    r.parent_block_hash,
+                    r.token_ids,
+                    r.block_size,
+                    None,
+                    r.medium or medium,
+                    r.lora_name,
+                )
             )
         elif isinstance(r, RemovedBlocks):
-            out.append(BlockRemoved(r.block_hashes, medium))
+            out.append(BlockRemoved(r.block_hashes, r.medium or medium))
         elif isinstance(r, AllCleared):
             out.append(AllBlocksCleared())
         else:

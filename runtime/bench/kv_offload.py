@@ -1,0 +1,134 @@
+"""Host KV tier benchmark (issue 41 scope 5): a multi-turn chat workload whose working set is about `ratio`
+times the device KV pool, with --kv-offloading-size on and off, on the same engine settings.
+
+The workload: `conversations` chats that share one long system prompt; every turn re-asks each chat with
+its whole history (system prompt, earlier questions and the engine's own answers) plus a new question, one
+batch per turn. The device pool holds 1/ratio of the last turn's tokens, so a chat's history is evicted
+before it is asked again: with the tier off it is recomputed (past the shared system prompt, which stays
+hot), with the tier on it comes back from host RAM.
+
+Reported per setting: TTFT p50 / p90 (time.monotonic first token - arrival, over every request of turns 2..),
+output tokens/s over the whole run, tokens computed by the forward, tokens loaded from the tier, the device
+prefix-cache hit rate. A check keeps it honest: greedy tokens must be identical on and off, or no number is
+printed. Run it on a quiet machine (timings on a shared one are noise):
+
+    python -m kvserve.runtime.bench.kv_offload MODEL_DIR --conversations 32 --turns 4 --ratio 4
+
+The cost of the tier when nothing is reused (saves only; must be within noise): `--turns 1 --system-len 0`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+from kvserve.runtime import engine_args
+
+
+@dataclass
+class Row:
+    tier: str  # "off" or the --kv-offloading-size in GiB
+    ttft_p50_s: float
+    ttft_p90_s: float
+    output_tokens_per_s: float
+    computed_tokens: int
+    loaded_tokens: int
+    device_prefix_hit_rate: float
+    num_kv_blocks: int
+
+
+def _workload(num: int, turns: int, system_len: int, question_len: int, vocab: int, seed: int):
+    rng = random.Random(seed)
+    system = [rng.randrange(3, vocab) for _ in range(system_len)]
+    questions = [[[rng.randrange(3, vocab) for _ in range(question_len)] for _ in range(turns)] for _ in range(num)]
+    return system, questions
+
+
+def _run(model_dir: str, system, questions, answer_len: int, offload_gib: float | None, **engine_kwargs):
+    from kvserve.runtime import LLM, SamplingParams
+
+    llm = LLM(model_dir, kv_offloading_size=offload_gib, **engine_kwargs)
+    computed = []
+    llm.engine.core.step_observers.append(lambda sched, _s: computed.append(sum(len(s.token_ids) for s in sched)))
+    params = SamplingParams(temperature=0.0, max_tokens=answer_len, ignore_eos=True)
+    histories = [list(system) for _ in questions]
+    ttfts, tokens, out_tokens = [], [], 0
+    start = time.perf_counter()
+    for turn in range(len(questions[0])):
+        prompts = [h + q[turn] for h, q in zip(histories, questions)]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        for i, o in enumerate(outs):
+            answer = list(o.outputs[0].token_ids)
+            histories[i] = prompts[i] + answer
+            tokens.append(answer)
+            out_tokens += len(answer)
+            if turn or len(questions[0]) == 1:  # turn 1 only: the no-reuse cost run
+                ttfts.append(o.metrics.first_token_time - o.metrics.arrival_time)
+    seconds = time.perf_counter() - start
+    stats = llm.engine.get_stats()
+    loaded = llm.engine.scheduler.num_offload_loaded_tokens
+    num_blocks = llm.engine.config.cache.num_blocks
+    llm.shutdown()
+    deciles = statistics.quantiles(ttfts, n=10)
+    row = Row(
+        "off" if not offload_gib else f"{offload_gib:g} GiB",
+        statistics.median(ttfts),
+        deciles[8],
+        out_tokens / seconds,
+        sum(computed),
+        loaded,
+        stats.prefix_cache_hits / max(stats.prefix_cache_queries, 1),
+        num_blocks,
+    )
+    return row, tokens, max(len(h) for h in histories)
+
+
+def main(argv: list[str] | None = None) -> list[Row]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model_dir")
+    ap.add_argument("--conversations", type=int, default=32)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--system-len", type=int, default=256, help="tokens of the shared system prompt")
+    ap.add_argument("--question-len", type=int, default=64)
+    ap.add_argument("--answer-len", type=int, default=32)
+    ap.add_argument("--ratio", type=float, default=4.0, help="working set / device KV pool")
+    ap.add_argument("--block-size", type=int, default=engine_args.default("block_size"))
+    ap.add_argument("--offload-gib", type=float, default=1.0, help="--kv-offloading-size of the 'on' run")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json-out")
+    a = ap.parse_args(argv)
+    from kvserve.runtime.config import read_config_json
+
+    vocab = int(read_config_json(a.model_dir)["vocab_size"])
+    system, questions = _workload(a.conversations, a.turns, a.system_len, a.question_len, vocab, a.seed)
+    last_turn_len = a.system_len + a.turns * (a.question_len + a.answer_len)
+    working_set_blocks = a.conversations * -(-last_turn_len // a.block_size)
+    # At least two sequences of the longest turn, so the pool is never too small to run at all.
+    num_kv_blocks = max(int(working_set_blocks / a.ratio), 2 * -(-last_turn_len // a.block_size) + 1)
+    engine = dict(
+        block_size=a.block_size,
+        num_kv_blocks=num_kv_blocks,
+        max_model_len=-(-last_turn_len // a.block_size) * a.block_size,
+        seed=a.seed,
+    )
+    rows, outputs = [], []
+    for gib in (None, a.offload_gib):
+        row, tokens, _ = _run(a.model_dir, system, questions, a.answer_len, gib, **engine)
+        rows.append(row)
+        outputs.append(tokens)
+    if outputs[0] != outputs[1]:
+        raise SystemExit("greedy tokens differ with the tier on and off: no numbers")
+    for row in rows:
+        print(json.dumps(asdict(row)))
+    if a.json_out:
+        with open(a.json_out, "w") as f:
+            json.dump([asdict(r) for r in rows], f, indent=2)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

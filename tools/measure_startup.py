@@ -69,6 +69,16 @@ def timed_post(url: str, **kwargs) -> float:
     return time.monotonic() - started
 
 
+def phases(base: str) -> str:
+    """The server's own start-up phases (kvserve:startup_phase_seconds), as one line."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(httpx.get(base + "/metrics", timeout=10).text):
+        if family.name == "kvserve:startup_phase_seconds":
+            return ", ".join(f"{s.labels['phase']} {s.value:.2f}" for s in family.samples)
+    return "no phases exported"
+
+
 def first_request_s(base: str) -> float:
     body = {"model": "kvserve-demo", "prompt": "hello", "max_tokens": 8, "temperature": 0}
     models = httpx.get(base + "/v1/models", timeout=10).json()["data"]
@@ -95,6 +105,7 @@ def main() -> int:
     extra = ["--enable-sleep-mode", *args.extra]
     base = f"http://127.0.0.1:{args.port}"
     rows: list[tuple[str, float]] = []
+    phase_lines: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
 
         def env_for(name: str, mode: str | None) -> dict:
@@ -108,15 +119,18 @@ def main() -> int:
 
         proc, seconds = start(args.port, env_for("old", "wait"), extra)
         rows.append(("cold start, fresh caches, build first (KVSERVE_CPU_OPS_BUILD=wait)", seconds))
+        phase_lines.append("cold, build first: " + phases(base))
         stop(proc)
         env = env_for("new", None)
         proc, seconds = start(args.port, env, extra)
         rows.append(("cold start, fresh caches, background build (default)", seconds))
+        phase_lines.append("cold, background build: " + phases(base))
         rows.append(("  first request on the pure-torch path", first_request_s(base)))
         stop(proc)
         rows.append(("  background build finished after the server stopped, further", wait_built(env)))
         proc, seconds = start(args.port, env, extra)
         rows.append(("warm restart (caches kept, compiled ops loaded)", seconds))
+        phase_lines.append("warm restart: " + phases(base))
         try:
             rows.append(("  first request", first_request_s(base)))
             for level in (1, 2):
@@ -128,6 +142,7 @@ def main() -> int:
     width = max(len(name) for name, _ in rows)
     for name, seconds in rows:
         print(f"{name:<{width}}  {seconds:7.2f} s")
+    print("start-up phases (s):", *phase_lines, sep="\n  ")
     return 0
 
 

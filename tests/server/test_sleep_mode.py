@@ -4,6 +4,8 @@ tokens after a wake as before the sleep; 404 without the flag."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 
@@ -91,3 +93,30 @@ def test_routes_are_absent_without_the_flag(server):
     assert httpx.post(url + "/wake_up", timeout=10).status_code == 404
     assert httpx.get(url + "/is_sleeping", timeout=10).status_code == 404
     assert httpx.get(url + "/health", timeout=10).status_code == 200
+
+
+def test_sleep_waits_for_the_requests_in_flight(demo_model_dir):
+    """/sleep refuses new requests at once but lets the running one finish before the engine frees memory."""
+    import threading
+
+    srv = LiveServer(make_engine(demo_model_dir, enable_sleep_mode=True))
+    try:
+        url = srv.base_url
+        body = {"model": srv.model, "prompt": "a long answer", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+        result = {}
+        worker = threading.Thread(
+            target=lambda: result.update(r=httpx.post(url + "/v1/completions", json=body, timeout=120))
+        )
+        worker.start()
+        deadline = time.monotonic() + 30
+        while srv.state.engine.num_in_flight == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert srv.state.engine.num_in_flight == 1
+        assert httpx.post(url + "/sleep", params={"level": 1}, timeout=120).status_code == 200
+        worker.join(120)
+        r = result["r"]
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 400, r.text
+        assert httpx.get(url + "/is_sleeping", timeout=10).json() == {"is_sleeping": True}
+        assert httpx.post(url + "/wake_up", timeout=60).status_code == 200
+    finally:
+        srv.stop()

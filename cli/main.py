@@ -20,6 +20,7 @@ COMMANDS: dict[str, str] = {
     "plan": "kvserve.cli.plan",
     "calibrate": "kvserve.cli.calibrate",
     "download": "kvserve.cli.download",
+    "build-ops": "kvserve.cli.build_ops",
     "render": "kvserve.cli.render",
     "operator": "kvserve.cli.operator",
     "router": "kvserve.cli.router",

@@ -4,9 +4,14 @@
 (ATen + ``torch/library.h``, ``TORCH_LIBRARY``; no pybind, ``is_python_module=False``), flags
 ``-O3 -march=native -fopenmp -ffp-contract=off``. The library name carries an ISA tag plus a hash of the CPU's
 feature flags, because torch's build cache key covers sources and flags but not the CPU ``-march=native``
-compiled for, and a hash of the sources, so builds of different source versions never share a directory.
-Builds land in torch's extension directory (``$TORCH_EXTENSIONS_DIR`` when set); torch's ``FileBaton`` lock in
-that directory makes a second process wait for a build in progress instead of racing it.
+compiled for, and a hash of the sources, flags and torch version, so builds of different source versions never
+share a directory. A library already built under this name is loaded directly (``torch.ops.load_library``, well
+under a second), not through ninja's up-to-date check, which would rebuild for every checkout path.
+Builds land in ``$KVSERVE_CPU_OPS_DIR/<name>/`` when that is set (a volume a pod keeps: the build then happens
+once per node and CPU, not once per container), else in torch's extension directory (``$TORCH_EXTENSIONS_DIR``
+when set); torch's ``FileBaton`` lock in that directory makes a second process wait for a build in progress
+instead of racing it. :func:`is_built` says, without building, whether this CPU's library for these sources is
+there (``kvserve build-ops`` builds it ahead of time; kvkernels/cpu_ops_build.py builds it in the background).
 
 When the build or the load fails (no compiler, no ninja, a non-CPU torch build...), :func:`load` returns
 False and :func:`unavailable_reason` says why; callers fall back to pure torch. The ops, once loaded, are
@@ -65,9 +70,27 @@ def isa_tag(flags: set[str] | None = None) -> str:
     return "avx2" if "avx2" in flags else "generic"
 
 
+# Tuples: torch's load() edits the lists it is given, which would change the name's hash mid-process.
+_CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-DNDEBUG")
+_LDFLAGS = ("-fopenmp",)
+
+
+def _torch_version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def sources_digest() -> str:
-    """A hash of the C++ sources (names and bytes)."""
+    """A hash of what decides the built library besides the CPU: the C++ sources (names and bytes), the
+    compiler flags and the torch version it links against. A built library whose name matches is therefore
+    loaded as it is (no ninja check: worktrees or images at other paths would rewrite build.ninja and rebuild)."""
     h = hashlib.sha1()
+    h.update(" ".join(_CFLAGS + _LDFLAGS).encode())
+    h.update(_torch_version().encode())
     for path in sorted(glob.glob(os.path.join(_SRC_DIR, "*.cpp")) + glob.glob(os.path.join(_SRC_DIR, "*.h"))):
         h.update(os.path.basename(path).encode())
         with open(path, "rb") as f:
@@ -76,7 +99,7 @@ def sources_digest() -> str:
 
 
 def extension_name(flags: set[str] | None = None) -> str:
-    """kvserve_cpu_ops_<isa>_<cpu flags hash>_<sources hash>. The sources are in the name because torch's build
+    """kvserve_cpu_ops_<isa>_<cpu flags hash>_<sources_digest>. The sources are in the name because torch's build
     directory is keyed by the name alone: two checkouts or versions of kvserve on one machine (a CI runner, a
     developer's worktrees, an upgrade) would otherwise rebuild over each other's library, and a process could
     load the other tree's build, lacking an op its Python side calls."""
@@ -106,6 +129,41 @@ def _ensure_ninja_on_path() -> None:
             return
 
 
+BUILD_DIR_ENV = "KVSERVE_CPU_OPS_DIR"  # where builds go (a pod's volume); unset: torch's extension directory
+
+
+def build_directory(name: str | None = None) -> str:
+    """The directory `name`'s build lives in (created if missing): $KVSERVE_CPU_OPS_DIR/<name>, else torch's."""
+    name = extension_name() if name is None else name
+    root = os.environ.get(BUILD_DIR_ENV)
+    if root:
+        path = os.path.join(os.path.abspath(root), name)
+        os.makedirs(path, exist_ok=True)
+        return path
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return _get_build_directory(name, False)
+
+
+def library_path(name: str | None = None) -> str:
+    name = extension_name() if name is None else name
+    return os.path.join(build_directory(name), f"{name}.so")
+
+
+def is_built(name: str | None = None) -> bool:
+    """Whether this CPU's library for these sources is built and no build holds its lock: loading it then
+    takes a ninja no-op check, not a compile. A library of other sources or another CPU has another name (the
+    hashes in extension_name), so it never counts. A fresh lock means a build in progress (not built yet)."""
+    name = extension_name() if name is None else name
+    directory = build_directory(name)
+    return os.path.exists(os.path.join(directory, f"{name}.so")) and not os.path.exists(os.path.join(directory, "lock"))
+
+
+def enabled() -> bool:
+    """False when KVSERVE_CPU_OPS=0 refuses the library."""
+    return os.environ.get("KVSERVE_CPU_OPS", "1") != "0"
+
+
 # A build of the ops takes 20-100 s; a lock older than this was left by a process killed mid-build.
 STALE_LOCK_SECONDS = 600
 
@@ -117,9 +175,7 @@ def clear_stale_build_lock(name: str, now: float | None = None) -> bool:
     killed while it compiled the ops (a Ctrl-C, a pod deleted during its first start) leaves that file behind,
     and every later start on the machine then hangs before loading the model (seen here: two processes stuck
     on a lock a killed test replica left)."""
-    from torch.utils.cpp_extension import _get_build_directory
-
-    lock = os.path.join(_get_build_directory(name, False), "lock")
+    lock = os.path.join(build_directory(name), "lock")
     try:
         age = (time.time() if now is None else now) - os.path.getmtime(lock)
     except OSError:
@@ -146,15 +202,24 @@ def _build() -> None:
     _ensure_ninja_on_path()
     name = extension_name()
     clear_stale_build_lock(name)
-    cpp_load(
-        name=name,
-        sources=srcs,
-        extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-DNDEBUG"],
-        extra_ldflags=["-fopenmp"],
-        extra_include_paths=[_SRC_DIR],
-        is_python_module=False,
-        verbose=False,
-    )
+    loaded = False
+    if is_built(name):  # the name covers sources, flags, torch and CPU: load it without asking ninja
+        try:
+            torch.ops.load_library(library_path(name))
+            loaded = True
+        except (OSError, RuntimeError) as exc:  # a truncated library (a build killed mid-link): build again
+            logging.getLogger("kvserve.kernels").warning("rebuilding %s: loading it failed (%s)", name, exc)
+    if not loaded:
+        cpp_load(
+            name=name,
+            sources=srcs,
+            extra_cflags=list(_CFLAGS),
+            extra_ldflags=list(_LDFLAGS),
+            extra_include_paths=[_SRC_DIR],
+            build_directory=build_directory(name),
+            is_python_module=False,
+            verbose=False,
+        )
     for op in _OP_NAMES:
         if not hasattr(torch.ops.kvserve_cpu, op):
             raise RuntimeError(f"the extension loaded but torch.ops.kvserve_cpu.{op} is missing")
@@ -181,7 +246,7 @@ def load() -> bool:
     """Build (first time on this CPU) and load the ops; True when torch.ops.kvserve_cpu is usable. Never raises."""
     if "ok" in _STATE:
         return _STATE["ok"]
-    if os.environ.get("KVSERVE_CPU_OPS", "1") == "0":
+    if not enabled():
         _STATE.update(ok=False, reason="disabled by KVSERVE_CPU_OPS=0", seconds=0.0)
         return False
     t0 = time.perf_counter()
@@ -193,6 +258,12 @@ def load() -> bool:
         _STATE.update(ok=False, reason=f"{type(exc).__name__}: {msg[0] if msg else ''}"[:300])
     _STATE["seconds"] = time.perf_counter() - t0
     return _STATE["ok"]
+
+
+def load_seconds() -> float | None:
+    """Seconds load() spent in this process (a build, or the check and load of a built library); None when
+    load() never ran here."""
+    return _STATE.get("seconds")
 
 
 def available() -> bool:

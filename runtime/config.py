@@ -143,6 +143,7 @@ class EngineConfig:
     parallel: ParallelConfig = ParallelConfig()  # pipeline stages (tensor_parallel_size above is per stage)
     speculative: SpeculativeConfig | None = None  # --speculative-config (runtime/spec_decode/)
     kv_events: KVEventsConfig | None = None  # --kv-events-config (runtime/kv_events/)
+    enable_sleep_mode: bool = engine_args.default("enable_sleep_mode")  # /sleep, /wake_up (engine/sleep_control.py)
 
     @property
     def pipeline_parallel_size(self) -> int:
@@ -345,6 +346,7 @@ def build_engine_config(args) -> EngineConfig:
         structured_output_max_number_digits=a.structured_output_max_number_digits,
         max_consecutive_step_failures=a.max_consecutive_step_failures,
         load_format=a.load_format,
+        enable_sleep_mode=bool(a.enable_sleep_mode),
         cuda_graph_sizes=cuda_graph_sizes,
         lora=lora,
         parallel=parallel,
@@ -417,16 +419,37 @@ def _node_settings(a, world: int) -> dict:
     return dict(nnodes=nnodes, node_rank=node_rank, master_addr=str(a.master_addr), master_port=a.master_port)
 
 
+SLEEP_LEVELS = (1, 2)  # --enable-sleep-mode: 1 frees the KV cache, 2 the weights too (executor/sleep_mode.py)
+
 _DEFAULT_CPU: list[str] = []  # the choice, made once per process
 
 
 def default_cpu_backend() -> str:
     """The CPU attention default: 'cpu' (the compiled ops of kvserve.kernels.cpu_ops) when they build and
-    load, else 'torch'. Logs one line, once per process, saying which backend runs and why."""
-    if not _DEFAULT_CPU:
-        from kvserve.kernels import cpu_ops
+    load, else 'torch'. Logs one line, once per process, saying which backend runs and why.
 
-        if cpu_ops.load():
+    With KVSERVE_CPU_OPS_BUILD=background (`kvserve serve` sets it unless given) a library not built yet is
+    not waited for: this run takes 'torch' at once and a background process builds the library, which the next
+    start loads (kvkernels/cpu_ops_build.py says why not mid-run). The default, 'wait', builds first, so the
+    offline API, benchmarks and tests run the compiled path wherever it can build."""
+    if not _DEFAULT_CPU:
+        from kvserve.kernels import cpu_ops, cpu_ops_build
+
+        try:
+            mode = cpu_ops_build.build_mode()
+        except ValueError as exc:
+            raise InvalidParameter(cpu_ops_build.BUILD_MODE_ENV, str(exc)) from None
+        if mode == "background" and cpu_ops.enabled() and not cpu_ops.is_built():
+            proc, log_path = cpu_ops_build.start_background_build()
+            _DEFAULT_CPU.append("torch")
+            logger.warning(
+                "CPU attention backend 'torch' for this run: the compiled CPU ops %s are not built yet; %s "
+                "(log %s). The next start uses them once built (a failed build leaves the reason in that log).",
+                cpu_ops.extension_name(),
+                f"building them in the background (pid {proc.pid})" if proc else "another process is building them",
+                log_path,
+            )
+        elif cpu_ops.load():
             _DEFAULT_CPU.append("cpu")
             logger.info("CPU attention backend 'cpu': %s", cpu_ops.describe())
         else:

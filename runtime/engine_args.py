@@ -308,6 +308,12 @@ class EngineArgs:
         '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
         '"replay_endpoint": "tcp://*:5558", "topic": "kv"} (docs/router.md, KV events)',
     )
+    enable_sleep_mode: bool = _setting(
+        False,
+        "vLLM's sleep mode: POST /sleep?level=1|2 frees the KV cache (level 1 keeps the weights in host memory, "
+        "level 2 drops them and re-reads the checkpoint on wake), POST /wake_up restores, GET /is_sleeping; "
+        "while asleep readiness is 503 and requests get 503 with Retry-After (docs/serving.md, Sleep mode)",
+    )
     api_server_count: int = _setting(
         1,
         "`kvserve serve` only: run this many API-server processes (HTTP, tokenisation, detokenisation, "

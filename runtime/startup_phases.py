@@ -4,7 +4,9 @@ Each phase is timed where it runs and the timings travel to the API server, whic
 `kvserve:startup_phase_seconds{phase=...}` and logs them in one line once ready (runtime/server/state.py):
 
 - model_resolve: `kvserve serve` finds the model (MODEL_DIR checked, or the demo model built on first use);
-- engine_config: config.json read, the CPU attention backend resolved (builds the CPU ops the first time);
+- engine_config: config.json read, the CPU attention backend resolved (kernel_compile not included);
+- kernel_compile: the compiled CPU ops built (first start on a CPU, KVSERVE_CPU_OPS_BUILD=wait) or found built
+  and loaded; absent when they were not loaded in the serving process (GPU, or built in the background);
 - engine_process_start: engine-core process spawned until its entry point runs (interpreter + imports);
 - distributed_init: tensor/pipeline-parallel rank 0's process-group rendezvous (waits for every rank);
 - kernel_load: the attention backend loaded in the model runner;
@@ -26,6 +28,7 @@ from collections.abc import Iterator
 ORDER = (
     "model_resolve",
     "engine_config",
+    "kernel_compile",
     "engine_process_start",
     "distributed_init",
     "kernel_load",

@@ -11,6 +11,7 @@ import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from kvserve.runtime.engine import sleep_control
 from kvserve.runtime.engine.core_messages import LoraAdapters, MessageType, UtilityCall, UtilityResult
 from kvserve.runtime.lora.errors import LoraRequestError
 
@@ -22,7 +23,10 @@ _CHANGES_REGISTRY = ("load_lora_adapter", "unload_lora_adapter")
 
 def run_utility(core: Any, method: str, args: list) -> dict[str, str]:
     """Run one registry call against an EngineCore (any thread but the step loop's). LoraRequestError when
-    refused. Every call returns the served adapters afterwards (name -> directory)."""
+    refused. Every call returns the served adapters afterwards (name -> directory); the sleep-mode calls
+    (engine/sleep_control.py) return their own answers."""
+    if method in sleep_control.CALLS:
+        return sleep_control.run(core, method, args)
     registry = core.lora_registry
     if registry is None:
         raise LoraRequestError(404, None, "lora_disabled", "LoRA is off: start the server with --enable-lora")
@@ -44,7 +48,7 @@ def _result(call_id: int, future: Future) -> UtilityResult:
     exc = future.exception()
     if exc is None:
         return UtilityResult(call_id, value=future.result())
-    if isinstance(exc, LoraRequestError):
+    if isinstance(exc, LoraRequestError | sleep_control.SleepModeError):
         return UtilityResult(call_id, exc.status, exc.message, exc.param, exc.code)
     logger.error("engine-core call failed", exc_info=exc)
     return UtilityResult(call_id, 500, f"{type(exc).__name__}: {exc}", None, "internal_error")

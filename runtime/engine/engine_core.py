@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, replace
@@ -121,6 +122,8 @@ class EngineCore:
             num_usable_blocks=self.executor.num_blocks - 1,
         )
         self._requests: dict[str, _CoreRequest] = {}  # unfinished requests
+        self.sleep_level = 0  # --enable-sleep-mode: 0 awake, else asleep at that level (engine/sleep_control.py)
+        self.sleep_guard = threading.Lock()  # the sleep call's "no requests" check vs add_request
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.num_step_failures = 0  # steps that failed as a whole (cumulative, for metrics)
@@ -145,6 +148,19 @@ class EngineCore:
             raise self.dead_error
         if request_id in self._requests:
             raise InvalidParameter("request_id", f"request id {request_id!r} is already in use")
+        with self.sleep_guard:
+            if self.sleep_level:
+                raise InvalidParameter("request", "the engine is asleep (sleep mode): POST /wake_up first")
+            self._add_request(request_id, prompt_token_ids, params, arrival_time, count_prompt_tokens)
+
+    def _add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float,
+        count_prompt_tokens: bool,
+    ) -> None:
         if params.n != 1:
             raise InvalidParameter(
                 "n",

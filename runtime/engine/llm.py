@@ -6,6 +6,7 @@ import itertools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from kvserve.runtime.engine import sleep_control
 from kvserve.runtime.engine.client import PromptInput
 from kvserve.runtime.engine.llm_engine import LLMEngine
 from kvserve.runtime.errors import InvalidParameter
@@ -154,3 +155,15 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [results[rid] for rid in request_ids]
+
+    # -- sleep mode (vLLM's LLM.sleep / wake_up; needs enable_sleep_mode=True) -------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache (level 1: weights kept in host memory; level 2: weights dropped, re-read on wake).
+        Between generate() calls; engine/sleep_control.py."""
+        sleep_control.run(self.engine.core, "sleep", [level])
+
+    def wake_up(self) -> None:
+        sleep_control.run(self.engine.core, "wake_up", [])
+
+    def is_sleeping(self) -> bool:
+        return bool(sleep_control.run(self.engine.core, "is_sleeping", [])["is_sleeping"])

@@ -60,6 +60,13 @@ class Executor(Protocol):
     def describe_ranks(self) -> list[RankInfo]:
         """What each rank holds, measured there (parameter and KV bytes, layers, heads), in rank order."""
 
+    def sleep(self, level: int) -> None:
+        """--enable-sleep-mode, on every rank: free the KV cache; level 1 keeps the weights in host memory, level
+        2 drops them (executor/sleep_mode.py). Only with no step in flight; a no-op when asleep."""
+
+    def wake_up(self) -> None:
+        """Undo sleep() on every rank (weights back or re-read, a fresh KV cache); a no-op when awake."""
+
 
 def create_executor(config: EngineConfig) -> Executor:
     """One process per rank when the world has several (this process then only schedules), else the model

@@ -19,7 +19,7 @@ import torch
 from kvserve.runtime import capacity
 from kvserve.runtime.config import EngineConfig
 from kvserve.runtime.core.outputs import ModelRunnerOutput, SchedulerOutput
-from kvserve.runtime.executor import host_tier, kv_groups, kv_sizing
+from kvserve.runtime.executor import host_tier, kv_groups, kv_sizing, sleep_mode
 from kvserve.runtime.executor.block_tables import BlockTables
 from kvserve.runtime.executor.cuda_graphs import DecodeGraphs
 from kvserve.runtime.models.attention import AttentionMetadata
@@ -64,9 +64,9 @@ class ModelRunner:
 
                 dtype = getattr(torch, config.model.dtype)
                 self.lora = engine_hooks.build_manager(self.model, config.lora, dtype, self.device)
-            if self.device.type == "cpu":  # oneDNN with prepacked weights (models/cpu_linear.py)
-                pack_linears(self.model, (ColumnParallelLinear, RowParallelLinear))
+            self._pack_weights()
             self._sync_for_timing()
+        self.sleep_level = 0  # --enable-sleep-mode: 0 awake, else the level it sleeps at (executor/sleep_mode.py)
         self.num_kv_heads = self.model.shard.num_kv_heads  # on this rank
         with timed(phases, "memory_profile"):
             self.num_blocks = self.parallel.all_reduce_min(self.determine_num_blocks())  # ranks agree
@@ -95,15 +95,29 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         if config.cuda_graph_sizes:  # after the KV cache: the graphs capture its tensors
             with timed(phases, "cuda_graph_capture"):
-                self.decode_graphs = DecodeGraphs(
-                    self.model,
-                    self.kv_caches,
-                    self.device,
-                    config.cuda_graph_sizes,
-                    config.model.max_model_len,
-                    self.block_tables.table.shape[1],
-                )
-                self.decode_graphs.capture()
+                self._capture_decode_graphs()
+
+    def _pack_weights(self) -> None:
+        if self.device.type == "cpu":  # oneDNN with prepacked weights (models/cpu_linear.py)
+            pack_linears(self.model, (ColumnParallelLinear, RowParallelLinear))
+
+    def _capture_decode_graphs(self) -> None:
+        self.decode_graphs = DecodeGraphs(
+            self.model,
+            self.kv_caches,
+            self.device,
+            self.config.cuda_graph_sizes,
+            self.config.model.max_model_len,
+            self.block_tables.table.shape[1],
+        )
+        self.decode_graphs.capture()
+
+    def sleep(self, level: int) -> None:
+        """Free the KV cache (level 1: weights to host memory; level 2: weights dropped): executor/sleep_mode.py."""
+        sleep_mode.sleep(self, level)
+
+    def wake_up(self) -> None:
+        sleep_mode.wake_up(self)
 
     def _sync_for_timing(self) -> None:
         """CUDA copies and fills are asynchronous: wait for them, so a phase's time is its own."""

@@ -51,6 +51,8 @@ from kvserve.runtime.executor.worker_rpc import (
     Execute,
     ExecuteIntervals,
     Shutdown,
+    Sleep,
+    WakeUp,
     WorkerCall,
     WorkerFailure,
 )
@@ -236,6 +238,13 @@ class MultiprocExecutor:
     def describe_ranks(self) -> list[RankInfo]:
         """Measured per-rank parameter / KV bytes (a round trip to every worker)."""
         return self._call(DescribeRank())
+
+    def sleep(self, level: int) -> None:
+        """Every rank frees its KV cache (and weights at level 2): executor/sleep_mode.py."""
+        self._call(Sleep(level))
+
+    def wake_up(self) -> None:
+        self._call(WakeUp())
 
     def check_health(self) -> None:
         """Raise WorkerDiedError if the executor failed or any worker process is gone (cheap: no I/O)."""

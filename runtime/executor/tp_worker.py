@@ -36,6 +36,8 @@ from kvserve.runtime.executor.worker_rpc import (
     LoraRemove,
     Reply,
     Shutdown,
+    Sleep,
+    WakeUp,
     WorkerFailure,
 )
 
@@ -149,6 +151,10 @@ def worker_main(
                     value = measure_rank(runner, rank)
                 case LoraDescribe() | LoraAdd() | LoraRemove():  # the engine core's LoRA registry
                     value = lora_calls.handle(runner, call)
+                case Sleep(level):
+                    value = runner.sleep(level)
+                case WakeUp():
+                    value = runner.wake_up()
                 case _:
                     raise ValueError(f"unknown executor call {call!r}")
             conn.send_bytes(pickle.dumps(Reply(value), pickle.HIGHEST_PROTOCOL))

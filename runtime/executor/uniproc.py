@@ -50,3 +50,9 @@ class UniprocExecutor:
 
     def describe_ranks(self) -> list[RankInfo]:
         return [measure_rank(self.runner, 0, os.getpid())]
+
+    def sleep(self, level: int) -> None:
+        self.runner.sleep(level)
+
+    def wake_up(self) -> None:
+        self.runner.wake_up()

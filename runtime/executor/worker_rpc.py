@@ -38,11 +38,21 @@ class LoraRemove(msgspec.Struct, frozen=True):
     name: str
 
 
+class Sleep(msgspec.Struct, frozen=True):
+    """--enable-sleep-mode: free the rank's KV cache (and, at level 2, its weights); replies None."""
+
+    level: int
+
+
+class WakeUp(msgspec.Struct, frozen=True):
+    """Undo Sleep (weights back or re-read, a fresh KV cache); replies None."""
+
+
 class Shutdown(msgspec.Struct, frozen=True):
     """Exit cleanly (the rank replies None first)."""
 
 
-WorkerCall = Union[Execute, ExecuteIntervals, DescribeRank, LoraDescribe, LoraAdd, LoraRemove, Shutdown]
+WorkerCall = Union[Execute, ExecuteIntervals, DescribeRank, LoraDescribe, LoraAdd, LoraRemove, Sleep, WakeUp, Shutdown]
 
 
 class Reply(msgspec.Struct, frozen=True):

@@ -23,7 +23,7 @@ from kvserve.runtime.lora.errors import LoraRequestError
 from kvserve.runtime.metrics import CONTENT_TYPE
 from kvserve.runtime.server import chat as chat_endpoint
 from kvserve.runtime.server import completions as completions_endpoint
-from kvserve.runtime.server import lora_remote, lora_routes
+from kvserve.runtime.server import lora_remote, lora_routes, sleep_routes
 from kvserve.runtime.server.errors import APIError, error_response
 from kvserve.runtime.server.serving import OpenAIServing
 from kvserve.runtime.server.state import ServerConfig, ServerState
@@ -103,6 +103,8 @@ def build_app(config: ServerConfig, *, engine: Any = None, engine_factory: Calla
         status = (
             "draining"
             if state.stopping or state.draining
+            else "sleeping"
+            if state.sleeping
             else "failed"
             if state.load_error is not None
             else "loading"
@@ -166,6 +168,7 @@ def build_app(config: ServerConfig, *, engine: Any = None, engine_factory: Calla
         return JSONResponse({"object": "list", "data": data})
 
     lora_routes.add_routes(app, state, serving)  # /v1/load_lora_adapter, /v1/unload_lora_adapter
+    sleep_routes.add_routes(app, state, serving)  # /sleep, /wake_up, /is_sleeping (404 without the flag)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -75,6 +75,7 @@ class ServerState:
     chat_template: str | None = None
     stopping: bool = False  # a stop signal came: /health is 503; new requests are still accepted until draining
     draining: bool = False  # new requests get 503; in-flight ones finish
+    sleeping: bool = False  # --enable-sleep-mode: asleep or going to sleep (server/sleep_routes.py): not ready
     load_error: BaseException | None = None
     _group_ready: bool = False
     lora_modules: dict = field(default_factory=dict)  # --enable-lora: the start-up adapters (name -> directory)
@@ -100,7 +101,9 @@ class ServerState:
 
     @property
     def ready(self) -> bool:
-        return self.engine is not None and self.engine.is_running and not (self.stopping or self.draining)
+        return (
+            self.engine is not None and self.engine.is_running and not (self.stopping or self.draining or self.sleeping)
+        )
 
     @property
     def group_ready(self) -> bool:

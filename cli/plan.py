@@ -312,7 +312,7 @@ def list_catalog() -> str:
 
 def plan_file(path: str, output: str) -> int:
     """Each InferenceService in the file, resolved by the operator's own code; JSON carries status.plan's
-    fields (camelCase) beside the CapacityPlanned verdict."""
+    fields (camelCase) and the parallel layout (status.parallelism's fields) beside the CapacityPlanned verdict."""
     from kvserve.cli import manifests
     from kvserve.operator import fleet
     from kvserve.operator import spec as spec_mod
@@ -337,6 +337,9 @@ def plan_file(path: str, output: str) -> int:
                 "reason": plan.reason,
                 "message": plan.message,
                 "plan": plan_status(plan),
+                # The layout as data (the --model form's tensor/pipeline_parallel_size fields): pods per replica,
+                # TP per pod, PP stages, each stage's layers and why; status.parallelism's fields, for one pod too.
+                "parallelism": _layout(resolved),
                 "_table": plan.to_dict(),
             }
         )
@@ -352,6 +355,16 @@ def plan_file(path: str, output: str) -> int:
             if "fleet" in r:
                 print("fleet (spec.slo): " + ", ".join(f"{k} {v}" for k, v in r["fleet"].items()))
     return rc
+
+
+def _layout(resolved) -> dict | None:
+    """status.parallelism's fields for any layout; one pod is one stage holding every layer."""
+    if resolved.layout is None:
+        return None
+    out = resolved.layout.to_status()
+    if not resolved.layout.multinode:
+        out["stageLayers"] = [resolved.model.num_layers]
+    return out
 
 
 def _gb(num_bytes: int) -> str:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.operator import adapters as adapters_mod
-from kvserve.operator import catalog, fleet, parallelism, planner
+from kvserve.operator import catalog, crd_schema, fleet, parallelism, planner
 from kvserve.runtime import capacity, engine_args
 from kvserve.runtime.sources import uri as source_uri
 
@@ -160,8 +160,8 @@ def model_source(model_spec: dict) -> source_uri.ModelURI:
                 "InvalidModelSource",
                 f"spec.model.{key} applies to hf:// and s3:// sources only; {source.scheme}:// is mounted as it is",
             )
-    cache = model_spec.get("cache") or {}
-    if cache and bool(cache.get("claimName")) == bool(cache.get("hostPath")):
+    cache = model_spec.get("cache")
+    if cache is not None and bool((cache or {}).get("claimName")) == bool((cache or {}).get("hostPath")):
         raise SpecError(
             "InvalidModelSource",
             "spec.model.cache: set exactly one of claimName (a ReadWriteMany PVC) and hostPath (a node-local folder)",
@@ -325,11 +325,12 @@ def drain_timeout_seconds(spec: dict) -> int:
 
 def resolve(spec: dict, model_config: dict | None = None) -> Resolved:
     """Defaults + catalogs + planner. Raises SpecError for an unknown model/GPU, a bad model source, an engine
-    setting outside the CRD's enum or an API key in extraArgs. `model_config`: the model's config.json, for
-    models outside the catalog."""
+    setting outside the CRD's enum, an API key in extraArgs or any other break of the CRD's schema.
+    `model_config`: the model's config.json, for models outside the catalog."""
     # Which autoscaling bounds the user wrote (the CRD does not default them, so that they can win over spec.slo's
     # plan): read before the defaults fill the rest in.
     explicit_bounds = frozenset(((spec or {}).get("autoscaling") or {}).keys() & set(fleet.BOUND_FIELDS))
+    written = spec or {}
     spec = with_defaults(spec)
     check_enums(spec)
     check_no_api_key_in_args(spec)
@@ -411,6 +412,11 @@ def resolve(spec: dict, model_config: dict | None = None) -> Resolved:
         autoscaling = fleet.autoscaling_bounds(spec["autoscaling"], fleet_option, explicit_bounds)
     except ValueError as exc:
         raise SpecError("InvalidAutoscaling", str(exc)) from None
+    # The CRD's types, bounds, patterns and required fields on the spec as written, last: the named checks
+    # above say more about the fields they know.
+    schema_errors = crd_schema.check(written)
+    if schema_errors:
+        raise SpecError("InvalidSpec", "; ".join(schema_errors))
     return Resolved(
         spec=spec,
         source=source,

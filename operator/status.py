@@ -88,7 +88,8 @@ def compute_status(
         deployment, pod_failure = None, None
     previous_conditions = {c.get("type"): c for c in (previous or {}).get("conditions") or []}
     fits = plan is not None and plan.fits
-    desired = int(spec.get("replicas", 1))
+    # A spec that failed resolution (plan None) may hold anything in replicas: it deploys nothing then.
+    desired = int(spec.get("replicas", 1)) if plan is not None else 0
     dep_status = (deployment or {}).get("status") or {}
     ready = int(dep_status.get("readyReplicas") or 0)
     updated = int(dep_status.get("updatedReplicas") or 0)

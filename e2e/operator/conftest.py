@@ -176,3 +176,45 @@ def emulator(request: pytest.FixtureRequest) -> Iterator[Emulator]:
         thread.join(10)
         _server_url = None
         kube._client = None
+
+
+class Hybrid:
+    """The real API server (custom resources) and the emulator (everything else) behind one router URL, which
+    the operator under test talks to (e2e/operator/hybrid.py)."""
+
+    def __init__(self, server: Any, router: Any, emulator: Emulator):
+        self.server, self.router, self.emulator = server, router, emulator
+
+    def cr_path(self, namespace: str, name: str | None = None, subresource: str | None = None) -> str:
+        out = f"/apis/serving.kvserve.dev/v1alpha1/namespaces/{namespace}/inferenceservices"
+        return out + (f"/{name}" if name else "") + (f"/{subresource}" if subresource else "")
+
+
+@pytest.fixture()
+def hybrid(emulator: Emulator) -> Iterator[Hybrid]:
+    """The operator's API endpoint made of the real API server (tests/operator/apiserver.py: the InferenceService
+    and the upstream kinds, with their CRDs) and the emulator (Deployments, Services, HPAs, Events...). Skips
+    (fails in CI) where the real server cannot be had."""
+    global _server_url
+    import pathlib
+
+    import yaml
+
+    from e2e.operator import hybrid as hybrid_mod
+    from kvserve.operator import kube
+    from tests.operator import apiserver as apiserver_mod
+    from tests.operator import upstream_crds
+
+    server = apiserver_mod.shared()
+    root = pathlib.Path(__file__).resolve().parents[2]
+    server.apply_crd(yaml.safe_load((root / "crds" / "inferenceservices.serving.kvserve.dev.yaml").read_text()))
+    for crd in upstream_crds.crds():
+        server.apply_crd(crd)
+    router = hybrid_mod.Router(real_url=server.url, real_ssl=server.context, emulator_url=emulator.url)
+    router.start()
+    _server_url = router.url
+    kube.configure(host=router.url)
+    try:
+        yield Hybrid(server, router, emulator)
+    finally:
+        router.stop()

@@ -228,7 +228,7 @@ def _write_adapter(path: pathlib.Path, rank: int, seed: int) -> None:
     make_random_adapter_dir(str(STORIES_DIR), str(path), rank=rank, seed=seed)
 
 
-def test_the_engine_the_pod_command_starts_allocates_the_planned_slots_and_blocks(tmp_path):
+def test_the_engine_the_pod_command_starts_allocates_the_planned_slots_and_blocks(tmp_path, monkeypatch):
     """The real engine built from the rendered pod's command (stories260K on CPU, two file:// adapters): the
     slot bytes its LoraManager allocated and its block count are the plan's, and each adapter is served."""
     from kvserve.runtime import SamplingParams
@@ -246,6 +246,11 @@ def test_the_engine_the_pod_command_starts_allocates_the_planned_slots_and_block
             {"name": "b", "uri": f"file://{tmp_path / 'b'}", "rank": 8},
         ],
     }
+    # A 48 MiB "GPU" (a CPU-sized engine) is below the CRD's gpu.memoryMiB minimum of 1024: this drives the
+    # planner directly, past the CRD's bound, which resolve would otherwise refuse (InvalidSpec).
+    from kvserve.operator import crd_schema
+
+    monkeypatch.setattr(crd_schema, "check", lambda written: [])
     resolved = spec_mod.resolve(spec, model_config=json.loads((STORIES_DIR / "config.json").read_text()))
     plan = resolved.plan
     assert plan.fits and plan.lora_slot_bytes_per_gpu > 0
@@ -387,23 +392,22 @@ def test_all_adapters_served_and_no_adapters_no_status():
 @pytest.mark.parametrize(
     "entry,expect",
     [
-        ({"name": "a", "uri": "gs://bucket/a"}, "does not match"),
-        ({"name": "a=b", "uri": "s3://bkt/a"}, "does not match"),
-        ({"name": "a"}, "'uri' is a required property"),
-        ({"name": "a", "uri": "s3://bkt/a", "rank": 0}, "less than the minimum"),
-        ({"name": "a", "uri": "s3://bkt/a", "revision": "v1"}, "Additional properties"),
+        ({"name": "a", "uri": "gs://bucket/a"}, "should match"),
+        ({"name": "a=b", "uri": "s3://bkt/a"}, "should match"),
+        ({"name": "a"}, "uri: Required value"),
+        ({"name": "a", "uri": "s3://bkt/a", "rank": 0}, "greater than or equal to"),
+        ({"name": "a", "uri": "s3://bkt/a", "revision": "v1"}, "unknown field"),
     ],
 )
-def test_the_crd_refuses_bad_adapters(entry, expect):
-    import jsonschema
-
-    from tests.operator.test_crd import MINIMAL, admit
+def test_the_crd_refuses_bad_adapters(entry, expect, admit):
+    """The real API server's verdict (tests/operator/conftest.py admit)."""
+    from tests.operator.test_crd import MINIMAL
 
     obj = copy.deepcopy(MINIMAL)
     obj["spec"]["adapters"] = [{"name": "ok", "uri": "hf://org/ok"}]
     admit(obj)
     obj["spec"]["adapters"].append(entry)
-    with pytest.raises((jsonschema.ValidationError, ValueError), match=expect):
+    with pytest.raises(ValueError, match=expect):
         admit(obj)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import pathlib
 
+import pytest
 import yaml
 
 from kvserve.cli.main import main
@@ -114,3 +115,18 @@ def test_render_prints_the_operator_children(capsys, tmp_path):
     assert rc == 1 and "WeightsDoNotFit" in captured.err
     items = json.loads(captured.out)["items"]
     assert {i["metadata"]["name"] for i in items} == {"llama3-8b"}  # the fitting one still renders
+
+
+@pytest.mark.parametrize("example,nodes", [("llama405b-multinode.yaml", 2), ("llama3-8b-l4.yaml", 1)])
+def test_plan_file_json_carries_the_parallel_layout(example, nodes, capsys):
+    """`kvserve plan -f` JSON: pods per replica, TP per pod, PP stages and each stage's layers as data (the
+    --model form's tensor/pipeline_parallel_size), in status.parallelism's field names."""
+    path = ROOT / "examples" / example
+    assert main(["plan", "-f", str(path), "-o", "json"]) == 0
+    layout = json.loads(capsys.readouterr().out)["parallelism"]
+    resolved = spec_mod.resolve(yaml.safe_load(path.read_text())["spec"])
+    assert layout["nodes"] == nodes == layout["pipelineParallelSize"]
+    assert layout["gpusPerReplica"] == nodes * layout["tensorParallelSize"]
+    assert layout["tensorParallelSize"] == resolved.plan_input.tensor_parallel_size
+    assert len(layout["stageLayers"]) == nodes and sum(layout["stageLayers"]) == resolved.model.num_layers
+    assert layout["reason"]

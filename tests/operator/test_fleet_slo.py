@@ -11,7 +11,6 @@ import pytest
 from kvserve.operator import catalog, fleet, render
 from kvserve.operator import spec as spec_mod
 from tests.operator import upstream_crds
-from tests.operator.test_crd import admit
 
 SPEC = {
     "model": {"uri": "hf://meta-llama/Meta-Llama-3-8B-Instruct", "name": "llama-3-8b"},
@@ -26,13 +25,15 @@ def _objs(spec: dict) -> dict[str, dict]:
     return {o["kind"]: o for o in render.render(spec_mod.resolve(spec), "chat", "ns")}
 
 
-def _admit(spec: dict) -> dict:
-    return admit(
+@pytest.fixture()
+def _admit(admit):
+    """The spec as the real API server stores it (its defaults), through tests/operator/conftest.py admit."""
+    return lambda spec: admit(
         {"apiVersion": spec_mod.API_VERSION, "kind": spec_mod.KIND, "metadata": {"name": "chat"}, "spec": spec}
     )
 
 
-def test_hpa_bounds_come_from_the_planners_function():
+def test_hpa_bounds_come_from_the_planners_function(_admit):
     resolved = spec_mod.resolve(_admit(copy.deepcopy(SPEC))["spec"])
     target = fleet.target_from_spec(SPEC)
     direct = fleet.plan_replica(resolved.plan_input, resolved.plan, "h100-80gb", target)
@@ -56,7 +57,7 @@ def test_hpa_bounds_come_from_the_planners_function():
     assert status["usdPerHourAtMinReplicas"] == pytest.approx(h.min_replicas * price, abs=0.01)
 
 
-def test_the_gpu_price_comes_from_the_spec_when_given():
+def test_the_gpu_price_comes_from_the_spec_when_given(_admit):
     spec = copy.deepcopy(SPEC)
     spec["gpu"]["usdPerGpuHour"] = 2.25
     resolved = spec_mod.resolve(_admit(spec)["spec"])
@@ -99,7 +100,7 @@ def test_unreachable_slo_keeps_the_users_bounds_and_says_why():
     assert not status["feasible"] and "TTFT p90" in status["reason"] and "spec.autoscaling" in status["reason"]
 
 
-def test_the_users_explicit_bounds_win_over_the_plan():
+def test_the_users_explicit_bounds_win_over_the_plan(_admit):
     # The issue: the plan sets the HPA's queue-depth target, "the user's explicit target still wins". The CRD
     # does not default the bounds (test_crd), so a written value is told apart from a default.
     planned = spec_mod.resolve(_admit(copy.deepcopy(SPEC))["spec"]).fleet.hpa
@@ -150,7 +151,7 @@ def test_the_operator_names_the_bad_field(mutate, field):
     assert exc.value.reason == "InvalidSLO"
 
 
-def test_the_crd_admits_and_refuses_like_the_operator():
+def test_the_crd_admits_and_refuses_like_the_operator(_admit):
     stored = _admit(copy.deepcopy(SPEC))["spec"]
     assert stored["slo"] == SPEC["slo"] and stored["workload"]["promptLen"] == 512
     ranged = copy.deepcopy(SPEC)

@@ -72,7 +72,7 @@ def test_plan_conditions_and_replicas_per_inferenceservice(served):
     spec = yaml.safe_load((ROOT / "examples" / "llama3-8b-l4.yaml").read_text())["spec"]
     spec["autoscaling"] = {"enabled": True, "minReplicas": 2, "maxReplicas": 6, "targetQueueDepth": 3}
     plan, _ = _record("llama3-8b", "ml", spec, ready=1)
-    too_big = {**spec, "engine": {**spec["engine"], "maxModelLen": 10_000_000}, "autoscaling": {"enabled": False}}
+    too_big = {**spec, "engine": {**spec["engine"], "maxModelLen": 1_048_576}, "autoscaling": {"enabled": False}}
     bad_plan, _ = _record("huge", "ml", too_big)
     assert plan.fits and not bad_plan.fits
 

@@ -33,14 +33,14 @@ from kvserve.operator import (
     model_configs,
     pod_health,
     render,
-    render_multinode,
-    render_router,
-    render_security,
     transitions,
 )
 from kvserve.operator import spec as spec_mod
 from kvserve.operator import status as status_mod
 from kvserve.operator.pod_startup import last_replica_startup
+from kvserve.operator.render import multinode as render_multinode
+from kvserve.operator.render import router as render_router
+from kvserve.operator.render import security as render_security
 
 log = logging.getLogger("kvserve.operator")
 G, V, P = spec_mod.GROUP, spec_mod.VERSION, spec_mod.PLURAL

@@ -12,7 +12,7 @@ from kvserve.operator.labels import selector_string
 from kvserve.operator.planner import Plan
 from kvserve.operator.pod_health import PodFailure
 from kvserve.operator.render import service_url
-from kvserve.operator.render_router import url_service_name
+from kvserve.operator.render.router import url_service_name
 
 _PLAN_FIELDS = {
     "kvBytesPerToken": "kv_bytes_per_token",

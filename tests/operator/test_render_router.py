@@ -10,9 +10,10 @@ import kubernetes_validate
 import yaml
 
 from kvserve.cli import router as router_cli
-from kvserve.operator import labels, render, render_router
+from kvserve.operator import labels, render
 from kvserve.operator import spec as spec_mod
 from kvserve.operator import status as status_mod
+from kvserve.operator.render import router as render_router
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 K8S_VERSION = "1.33"

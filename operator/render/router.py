@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvserve.operator import render_security
 from kvserve.operator.labels import router_labels, router_selector
+from kvserve.operator.render import security as render_security
 from kvserve.operator.spec import Resolved, scales_to_zero
 
 SUFFIX = "-router"

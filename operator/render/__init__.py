@@ -9,19 +9,15 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from kvserve.operator import (
-    adapters,
-    fleet,
-    pod_resources,
-    render_model,
-    render_multinode,
-    render_router,
-    render_scaling,
-    render_security,
-)
+from kvserve.operator import adapters, fleet, pod_resources
 from kvserve.operator import spec as spec_mod
 from kvserve.operator.labels import engine_labels, engine_pod_selector, engine_selector
-from kvserve.operator.render_model import MODEL_MOUNT, model_source  # noqa: F401 - re-exported
+from kvserve.operator.render import model as render_model
+from kvserve.operator.render import multinode as render_multinode
+from kvserve.operator.render import router as render_router
+from kvserve.operator.render import scaling as render_scaling
+from kvserve.operator.render import security as render_security
+from kvserve.operator.render.model import MODEL_MOUNT, model_source  # noqa: F401 - re-exported
 from kvserve.operator.spec import API_VERSION, KIND, Resolved
 from kvserve.runtime import engine_args
 

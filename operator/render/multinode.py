@@ -26,8 +26,8 @@ import copy
 import re
 from typing import Any
 
-from kvserve.operator import render_security
 from kvserve.operator.labels import engine_labels
+from kvserve.operator.render import security as render_security
 from kvserve.operator.spec import Resolved, SpecError
 from kvserve.runtime import engine_args
 

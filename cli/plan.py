@@ -344,7 +344,7 @@ def plan_file(path: str, output: str) -> int:
             }
         )
         if resolved.fleet is not None:  # spec.slo: the operator's status.fleet, the same function
-            results[-1]["fleet"] = fleet.fleet_status(resolved.fleet, fleet.price_source(doc.get("spec") or {}))
+            results[-1]["fleet"] = fleet.fleet_status(resolved.fleet, fleet.price_source(resolved.spec))
     if output == "json":
         out = [{k: v for k, v in r.items() if k != "_table"} for r in results]
         print(json.dumps(out[0] if len(out) == 1 else out, indent=2))

@@ -256,3 +256,17 @@ class InferenceServiceSpec(_Part):
     def to_dict(self) -> dict[str, Any]:
         """The spec as the manifest's camelCase dict (every field this object holds, set or defaulted)."""
         return self.model_dump(by_alias=True, exclude_none=True)
+
+    def value_at(self, path: str) -> Any:
+        """The value at a CRD path ("engine.maxModelLen"): how engine_args' CRD table addresses a setting."""
+        node: Any = self
+        for key in path.split("."):
+            node = getattr(node, _field_name(type(node), key))
+        return node
+
+
+def _field_name(model: type[BaseModel], alias: str) -> str:
+    for name, field in model.model_fields.items():
+        if (field.alias or name) == alias:
+            return name
+    raise KeyError(f"{model.__name__} has no field {alias!r}")

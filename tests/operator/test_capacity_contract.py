@@ -294,8 +294,7 @@ def test_engine_args_and_crd_agree():
     )
     args = PARSER.parse_args(render.runtime_args(resolved, "x", "/m")[2:])
     for path, name in engine_args.crd_settings().items():
-        section, key = path.split(".")
-        assert getattr(args, name) == resolved.spec[section][key], path
+        assert getattr(args, name) == resolved.spec.value_at(path), path
 
 
 def test_runtime_weight_bytes_match_the_planner(tmp_path):

@@ -151,3 +151,35 @@ def test_defaults_are_the_crds():
     assert typed.engine.max_model_len == 8192 and typed.engine.kv_cache_dtype == "auto"
     assert typed.router.enabled is False and typed.pod_disruption_budget.max_unavailable == 1
     assert typed.parallelism.gpus_per_node == 8 and typed.gpu.resource_name == "nvidia.com/gpu"
+
+
+def test_resolve_hands_on_the_typed_spec_and_refuses_a_schema_break_naming_the_field():
+    from kvserve.operator import spec as spec_mod
+
+    spec = {"model": {"name": "llama-3-8b", "uri": "pvc://models/llama3"}, "gpu": {"product": "h100"}}
+    resolved = spec_mod.resolve(copy.deepcopy(spec))
+    assert isinstance(resolved.spec, spec_model.InferenceServiceSpec)
+    assert resolved.spec.engine.max_model_len == resolved.plan_input.max_model_len
+    with pytest.raises(spec_mod.SpecError, match=r"spec\.engine\.maxNumSeqs must be >= 1") as info:
+        spec_mod.resolve({**spec, "engine": {"maxNumSeqs": 0}})
+    assert info.value.reason == "InvalidSpec"
+
+
+def test_best_effort_reads_a_refused_spec_with_defaults_in_place_of_its_broken_values():
+    """The status of a spec resolve() refused still needs its router, port and replicas: what breaks the
+    schema reads as the default, the rest as written; a model without a uri reports InvalidModelSource."""
+    from kvserve.operator import spec as spec_mod
+
+    broken = {
+        "model": {"name": "llama-3-8b"},  # no uri
+        "gpu": {"product": "h100", "tensorParallelSize": 3},
+        "replicas": "two",
+        "port": 9000,
+        "router": {"enabled": True, "replicas": -1},
+    }
+    typed = spec_mod.best_effort(broken)
+    assert typed.replicas == 1 and typed.gpu.tensor_parallel_size == 1 and typed.gpu.product == "h100"
+    assert typed.port == 9000 and typed.router.enabled is True and typed.router.replicas == 1
+    with pytest.raises(spec_mod.SpecError) as info:
+        spec_mod.model_source(typed.model)
+    assert info.value.reason == "InvalidModelSource"

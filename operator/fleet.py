@@ -13,8 +13,9 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
-from kvserve.operator import catalog, planner
 from kvserve.operator.spec_model import InferenceServiceSpec
+from kvserve.runtime.planner import catalog
+from kvserve.runtime.planner import kv_plan as planner
 from kvserve.runtime.planner.fleet import Candidate, Deployment, Option, evaluate, search
 from kvserve.runtime.planner.simulator import EngineShape, LengthSpec, Workload
 from kvserve.runtime.planner.slo import SLO

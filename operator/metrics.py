@@ -25,8 +25,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvserve.operator.planner import Plan
 from kvserve.operator.spec_model import InferenceServiceSpec
+from kvserve.runtime.planner.kv_plan import Plan
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 # Reconciles are API round trips: tens of ms normally, seconds when the API server is slow.

@@ -23,9 +23,12 @@ from typing import Any
 import pydantic
 
 from kvserve.operator import adapters as adapters_mod
-from kvserve.operator import catalog, crd_schema, fleet, parallelism, planner, spec_model
+from kvserve.operator import crd_schema, fleet, spec_model
 from kvserve.operator.spec_model import InferenceServiceSpec
 from kvserve.runtime import capacity, engine_args
+from kvserve.runtime.planner import catalog
+from kvserve.runtime.planner import kv_plan as planner
+from kvserve.runtime.planner import layout as parallelism
 from kvserve.runtime.sources import uri as source_uri
 
 GROUP = "serving.kvserve.dev"

@@ -9,11 +9,11 @@ from __future__ import annotations
 from typing import Any
 
 from kvserve.operator.labels import selector_string
-from kvserve.operator.planner import Plan
 from kvserve.operator.pod_health import PodFailure
 from kvserve.operator.render import service_url
 from kvserve.operator.render.router import url_service_name
 from kvserve.operator.spec_model import InferenceServiceSpec
+from kvserve.runtime.planner.kv_plan import Plan
 
 _PLAN_FIELDS = {
     "kvBytesPerToken": "kv_bytes_per_token",

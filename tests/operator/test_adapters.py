@@ -84,7 +84,7 @@ def test_every_replica_loads_every_adapter_at_start_up():
 
 def _catalog_model_dir(tmp_path: pathlib.Path, key: str) -> str:
     """A folder with the config.json of a catalog model (no weights: the runtime config needs none)."""
-    from kvserve.operator import catalog
+    from kvserve.runtime.planner import catalog
     from tests.operator.test_capacity_contract import hf_config
 
     model_dir = tmp_path / key

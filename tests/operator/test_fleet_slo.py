@@ -8,8 +8,9 @@ import copy
 
 import pytest
 
-from kvserve.operator import catalog, fleet, render
+from kvserve.operator import fleet, render
 from kvserve.operator import spec as spec_mod
+from kvserve.runtime.planner import catalog
 from tests.operator import upstream_crds
 
 SPEC = {

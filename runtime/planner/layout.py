@@ -18,8 +18,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from kvserve.operator import planner
 from kvserve.runtime import capacity
+from kvserve.runtime.planner import kv_plan as planner
 
 DEFAULT_GPUS_PER_NODE = 8
 PIPELINE_ARCHITECTURES = capacity.PIPELINE_ARCHITECTURES  # the runtime's own list (config.py refuses the rest)

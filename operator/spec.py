@@ -386,7 +386,11 @@ def resolve(spec: dict, model_config: dict | None = None) -> Resolved:
     )
     try:
         plan, layout = parallelism.choose(
-            plan_input, planner.plan(plan_input), spec["parallelism"], engine.get("extraArgs") or []
+            plan_input,
+            planner.plan(plan_input),
+            nodes=None if (nodes := spec["parallelism"].get("nodes")) is None else int(nodes),
+            gpus_per_node=int(spec["parallelism"]["gpusPerNode"]),
+            extra_args=[str(a) for a in engine.get("extraArgs") or []],
         )
     except parallelism.ParallelismError as exc:
         raise SpecError("InvalidParallelism", str(exc)) from None

@@ -303,8 +303,8 @@ def _plan_cpu(args: argparse.Namespace) -> int | None:
 
 
 def list_catalog() -> str:
-    from kvserve.operator import catalog
     from kvserve.runtime import capacity
+    from kvserve.runtime.planner import catalog
 
     lines = [f"{'MODEL':<16} {'ARCHITECTURE':<20} {'PARAMS':>8} {'LAYERS':>6} {'KV HEADS':>8} {'POSITIONS':>9}  SERVED"]
     for key, m in sorted(catalog.MODELS.items()):
@@ -352,7 +352,7 @@ def plan_file(path: str, output: str) -> int:
             }
         )
         if resolved.fleet is not None:  # spec.slo: the operator's status.fleet, the same function
-            results[-1]["fleet"] = fleet.fleet_status(resolved.fleet, fleet.price_source(doc.get("spec") or {}))
+            results[-1]["fleet"] = fleet.fleet_status(resolved.fleet, fleet.price_source(resolved.spec))
     if output == "json":
         out = [{k: v for k, v in r.items() if k != "_table"} for r in results]
         print(json.dumps(out[0] if len(out) == 1 else out, indent=2))
@@ -384,7 +384,7 @@ def with_lora_slots(args: argparse.Namespace, resolved):
     budget (--max-loras x --max-lora-rank; the server this command line starts allocates exactly these)."""
     import dataclasses
 
-    from kvserve.operator import planner
+    from kvserve.runtime.planner import kv_plan as planner
 
     pin = resolved.plan_input
     # The operator's own verdict on the engine settings (InvalidEngineConfig) stays as it is.
@@ -398,8 +398,8 @@ def fitting_tensor_parallel_size(args, settings, shape, config) -> int | None:
     """The smallest larger --tensor-parallel-size (one node: <= --gpus-per-node) whose plan fits, else None."""
     import dataclasses
 
-    from kvserve.operator import planner
     from kvserve.operator import spec as spec_mod
+    from kvserve.runtime.planner import kv_plan as planner
 
     for tp in planner.valid_tensor_parallel_sizes(shape, limit=args.gpus_per_node):
         if tp <= settings.tensor_parallel_size:
@@ -413,8 +413,8 @@ def fitting_tensor_parallel_size(args, settings, shape, config) -> int | None:
 def fitting_gpu(args, settings, config) -> str | None:
     """The catalog GPU with the least memory above --gpu's whose plan fits at this --tensor-parallel-size (ties:
     the cheaper), else None: the other way out when no --tensor-parallel-size fits."""
-    from kvserve.operator import catalog
     from kvserve.operator import spec as spec_mod
+    from kvserve.runtime.planner import catalog
 
     current = catalog.lookup_gpu(args.gpu)
     if current is None:
@@ -521,7 +521,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc.param}: {exc}")
         return 2
     chosen = resolved.plan
-    # The spec path already chose one pod or a group of PP stages (operator/parallelism.py): say why.
+    # The spec path already chose one pod or a group of PP stages (runtime/planner/layout.py): say why.
     why = resolved.layout.reason if resolved.layout is not None and resolved.layout.multinode else ""
     # Only when a whole node (TP = GPUs per node) does not fit: a smaller TP's refusal stays a refusal.
     pin = resolved.plan_input
@@ -531,7 +531,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     chosen, pin = with_lora_slots(args, resolved)
     if not chosen.fits and not lora and pin is not None and pin.tensor_parallel_size >= args.gpus_per_node:
-        from kvserve.operator.planner import plan_multinode
+        from kvserve.runtime.planner.kv_plan import plan_multinode
 
         chosen, why = plan_multinode(pin, args.gpus_per_node)
     plan = chosen.to_dict()

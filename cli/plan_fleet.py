@@ -41,7 +41,7 @@ def wanted(args: argparse.Namespace) -> bool:
 
 
 def _prices(items: list[str]) -> dict[str, float]:
-    from kvserve.operator import catalog
+    from kvserve.runtime.planner import catalog
 
     out = {}
     for item in items:
@@ -58,7 +58,7 @@ def _prices(items: list[str]) -> dict[str, float]:
 
 
 def _gpu_keys(text: str | None) -> list[str] | None:
-    from kvserve.operator import catalog
+    from kvserve.runtime.planner import catalog
 
     if not text:
         return None
@@ -78,9 +78,9 @@ def anchor_gpu(args: argparse.Namespace) -> str:
 def fleet(args: argparse.Namespace, base, calibration: dict | None) -> dict:
     """The search's JSON: slo, workload, choice (None when nothing meets the SLO) and every option.
     Raises ValueError naming the flag."""
-    from kvserve.operator import catalog
     from kvserve.operator import fleet as fleet_mod
     from kvserve.runtime.engine_args import EngineArgs
+    from kvserve.runtime.planner import catalog
     from kvserve.runtime.planner.step_time import StepTimeModel
 
     if args.slo_ttft_p90 is None or args.slo_tpot_p99 is None:

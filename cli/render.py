@@ -71,7 +71,7 @@ def planned_status(doc: dict, name: str, namespace: str, resolved, error) -> dic
     return status_mod.compute_status(
         name=name,
         namespace=namespace,
-        spec=resolved.spec if resolved is not None else spec_mod.with_defaults(doc.get("spec") or {}),
+        spec=resolved.spec if resolved is not None else spec_mod.best_effort(doc.get("spec")),
         generation=(doc.get("metadata") or {}).get("generation"),
         plan=resolved.plan if resolved is not None else None,
         plan_reason=resolved.plan.reason if resolved is not None else error.reason,

@@ -13,7 +13,9 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
-from kvserve.operator import catalog, planner
+from kvserve.operator.spec_model import InferenceServiceSpec
+from kvserve.runtime.planner import catalog
+from kvserve.runtime.planner import kv_plan as planner
 from kvserve.runtime.planner.fleet import Candidate, Deployment, Option, evaluate, search
 from kvserve.runtime.planner.simulator import EngineShape, LengthSpec, Workload
 from kvserve.runtime.planner.slo import SLO
@@ -261,8 +263,8 @@ def gpu_price(spec: dict) -> float | None:
     return float(value)
 
 
-def price_source(spec: dict) -> str:
-    return PRICE_FIELD if (spec.get("gpu") or {}).get("usdPerGpuHour") is not None else catalog.PRICE_SOURCE
+def price_source(spec: InferenceServiceSpec) -> str:
+    return PRICE_FIELD if spec.gpu.usd_per_gpu_hour is not None else catalog.PRICE_SOURCE
 
 
 def fleet_status(option: Option, source: str = catalog.PRICE_SOURCE) -> dict:

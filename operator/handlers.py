@@ -33,14 +33,15 @@ from kvserve.operator import (
     model_configs,
     pod_health,
     render,
-    render_multinode,
-    render_router,
-    render_security,
     transitions,
 )
 from kvserve.operator import spec as spec_mod
 from kvserve.operator import status as status_mod
 from kvserve.operator.pod_startup import last_replica_startup
+from kvserve.operator.render import multinode as render_multinode
+from kvserve.operator.render import router as render_router
+from kvserve.operator.render import security as render_security
+from kvserve.operator.spec_model import InferenceServiceSpec
 
 log = logging.getLogger("kvserve.operator")
 G, V, P = spec_mod.GROUP, spec_mod.VERSION, spec_mod.PLURAL
@@ -84,10 +85,10 @@ def reconcile(namespace: str, name: str) -> dict[str, str]:
             desired = render.render(resolved, name, namespace)
         except spec_mod.SpecError as exc:
             resolved, plan, reason, message, desired = None, None, exc.reason, exc.message, []
-            spec = spec_mod.with_defaults(parent.get("spec") or {})
+            spec = spec_mod.best_effort(parent.get("spec"))
         except (KeyError, TypeError, ValueError) as exc:  # only without the CRD's validation (e.g. no CRD)
             resolved, plan, reason, message, desired = None, None, "InvalidSpec", f"{type(exc).__name__}: {exc}", []
-            spec = spec_mod.with_defaults(parent.get("spec") or {})
+            spec = spec_mod.best_effort(parent.get("spec"))
 
         desired = _with_api_key_digest(desired, spec, namespace)
         previous = parent.get("status") or {}
@@ -198,10 +199,12 @@ def _apply_child(obj: dict, live: dict | None) -> str:
     return kube.apply(obj, live)
 
 
-def _model_ready(spec: dict, pods: list[dict], failure: pod_health.PodFailure | None) -> tuple[bool, str, str]:
+def _model_ready(
+    spec: InferenceServiceSpec, pods: list[dict], failure: pod_health.PodFailure | None
+) -> tuple[bool, str, str]:
     try:
-        remote = spec_mod.model_source(spec["model"]).remote
-    except (spec_mod.SpecError, KeyError):
+        remote = spec_mod.model_source(spec.model).remote
+    except spec_mod.SpecError:
         return False, "InvalidModelSource", "spec.model.uri is not a model source (see CapacityPlanned)"
     return pod_health.model_ready(pods, remote, failure)
 
@@ -218,14 +221,14 @@ def _label(key: tuple[str, str], name: str) -> str:
     return key[0] if key[1] == name else f"{key[0]}/{key[1]}"
 
 
-def _with_api_key_digest(desired: list[dict], spec: dict, namespace: str) -> list[dict]:
+def _with_api_key_digest(desired: list[dict], spec: InferenceServiceSpec, namespace: str) -> list[dict]:
     """Stamp the API-key Secret's digest on the pod templates, so a rotated key rolls the pods."""
     ref = render_security.api_key_ref(spec)
     if ref is None or not desired:
         return desired
-    digest = render_security.secret_digest(kube.get("Secret", namespace, ref["name"]), ref["key"])
+    digest = render_security.secret_digest(kube.get("Secret", namespace, ref.name), ref.key)
     if digest is None:  # the pods fail with CreateContainerConfigError, which pod_health reports as Degraded
-        log.warning("%s: Secret %r or its key %r is missing", namespace, ref["name"], ref["key"])
+        log.warning("%s: Secret %r or its key %r is missing", namespace, ref.name, ref.key)
     return render_security.with_api_key_hash(desired, digest)
 
 

@@ -30,7 +30,7 @@ RESOURCES: dict[str, tuple[str, str]] = {
     # From optional CRDs (KEDA, Gateway API Inference Extension): a cluster without them answers 404.
     "ScaledObject": ("/apis/keda.sh/v1alpha1", "scaledobjects"),
     "InferencePool": ("/apis/inference.networking.k8s.io/v1", "inferencepools"),
-    # Replicas of several pods (operator/render_multinode.py), from github.com/kubernetes-sigs/lws.
+    # Replicas of several pods (operator/render/multinode.py), from github.com/kubernetes-sigs/lws.
     "LeaderWorkerSet": ("/apis/leaderworkerset.x-k8s.io/v1", "leaderworkersets"),
     KIND: (f"/apis/{API_VERSION}", PLURAL),
     # Read only: pod statuses for failure reasons, the API-key Secret for its rotation digest.

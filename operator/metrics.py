@@ -25,7 +25,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvserve.operator.planner import Plan
+from kvserve.operator.spec_model import InferenceServiceSpec
+from kvserve.runtime.planner.kv_plan import Plan
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 # Reconciles are API round trips: tens of ms normally, seconds when the API server is slow.
@@ -146,20 +147,26 @@ REGISTRY.register(INFERENCE_SERVICES)
 
 
 def record(
-    namespace: str, name: str, *, spec: dict, plan: Plan | None, status: dict, bounds: dict | None = None
+    namespace: str,
+    name: str,
+    *,
+    spec: InferenceServiceSpec,
+    plan: Plan | None,
+    status: dict,
+    bounds: dict | None = None,
 ) -> None:
     """Called at the end of each reconcile with the spec (defaults applied), the plan, the new status and the
     HPA's bounds (Resolved.autoscaling; spec.autoscaling's own values when the spec did not resolve)."""
-    autoscaling = {**(spec.get("autoscaling") or {}), **(bounds or {})}
+    autoscaling = {**spec.autoscaling.model_dump(by_alias=True, exclude_none=True), **(bounds or {})}
     INFERENCE_SERVICES.record(
         namespace,
         name,
         Snapshot(
             plan=plan,
             conditions=tuple((c["type"], c["status"]) for c in status.get("conditions") or []),
-            desired_replicas=int(spec.get("replicas", 1)),
+            desired_replicas=spec.replicas,
             ready_replicas=int(status.get("readyReplicas") or 0),
-            autoscaling=autoscaling if autoscaling.get("enabled") else None,
+            autoscaling=autoscaling if spec.autoscaling.enabled else None,
         ),
     )
 

@@ -19,7 +19,7 @@ PLAN_REJECTED_PREFIX = "kvserve: plan rejected: "
 DOWNLOAD_FAILED_PREFIX = "kvserve: download failed: "
 DOWNLOAD_CONTAINER = "model-download"
 STARTUP_FAILED_PREFIX = "kvserve: startup failed: "
-# spec.adapters (issue 24): a download init container per remote adapter (render_model.ADAPTER_DOWNLOAD_PREFIX +
+# spec.adapters (issue 24): a download init container per remote adapter (render/model.py ADAPTER_DOWNLOAD_PREFIX +
 # its index), and the engine's start-up failure for a --lora-modules adapter it cannot load, which
 # runtime/lora/adapter.LoraLoadError words "adapter 'NAME': ..." (tests/operator/test_adapters.py runs it).
 ADAPTER_DOWNLOAD_PREFIX = "adapter-download-"

@@ -46,10 +46,6 @@ def swap_space_bytes(extra_args: list[str]) -> int:
 
 
 def default_requests(resolved: Resolved) -> dict[str, str]:
-    ranks = int(resolved.spec["gpu"]["tensorParallelSize"])
-    memory = (
-        FRONT_PROCESS_BYTES
-        + ranks * HOST_BYTES_PER_RANK
-        + swap_space_bytes(resolved.spec["engine"].get("extraArgs") or [])
-    )
+    ranks = resolved.spec.gpu.tensor_parallel_size
+    memory = FRONT_PROCESS_BYTES + ranks * HOST_BYTES_PER_RANK + swap_space_bytes(resolved.spec.engine.extra_args or [])
     return {"cpu": str(FRONT_PROCESS_CPU + ranks * CPU_PER_RANK), "memory": f"{math.ceil(memory / MiB)}Mi"}

@@ -5,6 +5,10 @@ e2e tests do not, so `with_defaults` applies the same ones (tests/operator/test_
 default here equals the CRD's). Validation that needs the catalogs (unknown model or GPU, TP split) lives
 here, and so does the enum check of engine settings (`check_enums`, from the same EngineArgs definition the
 CRD's enums are tested against); shape/range validation is the CRD schema's job.
+
+`resolve` reads the manifest as written (its checks name the user's fields, and run before the typed parse
+so that their words win), then hands on the typed spec (spec_model.InferenceServiceSpec): everything after
+it, the renderers, status and metrics, reads attributes, not string keys.
 """
 
 from __future__ import annotations
@@ -16,9 +20,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import pydantic
+
 from kvserve.operator import adapters as adapters_mod
-from kvserve.operator import catalog, crd_schema, fleet, parallelism, planner
+from kvserve.operator import crd_schema, fleet, spec_model
+from kvserve.operator.spec_model import InferenceServiceSpec
 from kvserve.runtime import capacity, engine_args
+from kvserve.runtime.planner import catalog
+from kvserve.runtime.planner import kv_plan as planner
+from kvserve.runtime.planner import layout as parallelism
 from kvserve.runtime.sources import uri as source_uri
 
 GROUP = "serving.kvserve.dev"
@@ -103,7 +113,7 @@ def with_defaults(spec: dict) -> dict:
 
 @dataclass(frozen=True)
 class Resolved:
-    spec: dict  # defaults applied
+    spec: InferenceServiceSpec  # defaults applied, typed: what everything after resolve() reads
     source: source_uri.ModelURI  # spec.model.uri (+ revision), parsed
     model: catalog.ModelShape
     gpu_memory_bytes: int
@@ -148,8 +158,10 @@ _OPTIONAL_SHAPE_FIELDS = {
 }
 
 
-def model_source(model_spec: dict) -> source_uri.ModelURI:
+def model_source(model_spec: dict | spec_model.ModelSpec) -> source_uri.ModelURI:
     """spec.model.uri + revision, validated (the CRD checks the grammar too; this names the field)."""
+    if isinstance(model_spec, spec_model.ModelSpec):
+        model_spec = model_spec.model_dump(by_alias=True, exclude_none=True)
     try:
         source = source_uri.parse(model_spec.get("uri", ""), model_spec.get("revision"))
     except source_uri.SourceError as exc:
@@ -249,15 +261,14 @@ def check_enums(spec: dict) -> None:
             )
 
 
-def scales_to_zero(spec: dict) -> bool:
-    auto = spec.get("autoscaling") or {}
-    return bool(auto.get("enabled")) and auto.get("minReplicas", 1) == 0
+def scales_to_zero(spec: InferenceServiceSpec) -> bool:
+    return spec.autoscaling.enabled and spec.autoscaling.min_replicas == 0
 
 
-def check_scale_to_zero(spec: dict) -> None:
+def check_scale_to_zero(spec: InferenceServiceSpec) -> None:
     """minReplicas 0 works only through the router: at zero replicas something must accept the requests,
     hold them and export their count, which is what scales the model up (the CRD refuses it too, with CEL)."""
-    if scales_to_zero(spec) and not (spec.get("router") or {}).get("enabled"):
+    if scales_to_zero(spec) and not spec.router.enabled:
         raise SpecError(
             "ScaleToZeroNeedsRouter",
             "spec.autoscaling.minReplicas 0 (scale from zero) needs spec.router.enabled: true: with no "
@@ -306,10 +317,10 @@ def check_gateway(spec: dict) -> None:
 KILL_MARGIN_SECONDS = 10  # left to the kubelet after the drain, before its SIGKILL
 
 
-def drain_timeout_seconds(spec: dict) -> int:
+def drain_timeout_seconds(spec: InferenceServiceSpec) -> int:
     """The pod's --drain-timeout: the grace period (which starts with the preStop sleep) less the preStop sleep
     and KILL_MARGIN_SECONDS. Raises SpecError when less than 1 s of drain would be left."""
-    grace, pre_stop = spec["terminationGracePeriodSeconds"], spec["drain"]["preStopSeconds"]
+    grace, pre_stop = spec.termination_grace_period_seconds, spec.drain.pre_stop_seconds
     drain = grace - pre_stop - KILL_MARGIN_SECONDS
     if drain < 1:
         raise SpecError(
@@ -334,9 +345,7 @@ def resolve(spec: dict, model_config: dict | None = None) -> Resolved:
     spec = with_defaults(spec)
     check_enums(spec)
     check_no_api_key_in_args(spec)
-    check_scale_to_zero(spec)
     check_gateway(spec)
-    drain_timeout_seconds(spec)
     source = model_source(spec["model"])
     try:
         adapters = tuple(adapters_mod.parse(spec))
@@ -377,7 +386,11 @@ def resolve(spec: dict, model_config: dict | None = None) -> Resolved:
     )
     try:
         plan, layout = parallelism.choose(
-            plan_input, planner.plan(plan_input), spec["parallelism"], engine.get("extraArgs") or []
+            plan_input,
+            planner.plan(plan_input),
+            nodes=None if (nodes := spec["parallelism"].get("nodes")) is None else int(nodes),
+            gpus_per_node=int(spec["parallelism"]["gpusPerNode"]),
+            extra_args=[str(a) for a in engine.get("extraArgs") or []],
         )
     except parallelism.ParallelismError as exc:
         raise SpecError("InvalidParallelism", str(exc)) from None
@@ -412,13 +425,13 @@ def resolve(spec: dict, model_config: dict | None = None) -> Resolved:
         autoscaling = fleet.autoscaling_bounds(spec["autoscaling"], fleet_option, explicit_bounds)
     except ValueError as exc:
         raise SpecError("InvalidAutoscaling", str(exc)) from None
-    # The CRD's types, bounds, patterns and required fields on the spec as written, last: the named checks
-    # above say more about the fields they know.
-    schema_errors = crd_schema.check(written)
-    if schema_errors:
-        raise SpecError("InvalidSpec", "; ".join(schema_errors))
+    # The CRD's types, bounds, patterns and required fields, last: the named checks above say more about the
+    # fields they know. From here on the spec is typed.
+    typed = parse(written)
+    check_scale_to_zero(typed)
+    drain_timeout_seconds(typed)
     return Resolved(
-        spec=spec,
+        spec=typed,
         source=source,
         model=model,
         gpu_memory_bytes=memory_bytes,
@@ -430,6 +443,65 @@ def resolve(spec: dict, model_config: dict | None = None) -> Resolved:
         fleet=fleet_option,
         autoscaling=autoscaling,
     )
+
+
+def parse(spec: dict | None) -> InferenceServiceSpec:
+    """The spec as written, defaults applied, as the typed model. Raises SpecError InvalidSpec naming every
+    field that breaks the CRD's schema (in crd_schema.check's words where the CRD ships, else pydantic's)."""
+    try:
+        return InferenceServiceSpec.model_validate(with_defaults(spec))
+    except pydantic.ValidationError as exc:
+        found = crd_schema.check(spec or {}) or [
+            f"spec.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
+        ]
+        raise SpecError("InvalidSpec", "; ".join(found)) from None
+
+
+def best_effort(spec: dict | None) -> InferenceServiceSpec:
+    """The typed spec of one resolve() refused, for the status and metrics of what still runs: each value that
+    breaks the schema reads as its default (an object missing a required field as absent), and a model
+    without a usable uri keeps uri "" (model_source then reports InvalidModelSource, as the status says)."""
+    data = with_defaults(spec)
+    for _ in range(64):  # each pass drops at least one value
+        try:
+            return InferenceServiceSpec.model_validate(data)
+        except pydantic.ValidationError as exc:
+            errors = exc.errors()
+        dropped = False
+        for err in reversed(errors):  # deepest list items last-first: earlier indices stay valid
+            loc = list(err["loc"])[:-1] if err["type"] == "missing" else list(err["loc"])
+            if loc[:1] == ["model"] and (len(loc) == 1 or loc[1] == "uri"):
+                data["model"] = spec_model.ModelSpec.model_construct(uri="")
+                dropped = True
+            else:
+                dropped = _drop(data, loc) or dropped
+        if not dropped:
+            break
+    return InferenceServiceSpec.model_construct(
+        model=spec_model.ModelSpec.model_construct(uri=""), gpu=spec_model.GPUSpec()
+    )
+
+
+def _drop(data: dict, loc: list) -> bool:
+    """Delete the deepest value of `loc` present in `data` (a union's member tags in loc are skipped)."""
+    parent: Any = None
+    node: Any = data
+    key: Any = None
+    for part in loc:
+        if (
+            isinstance(node, dict)
+            and part in node
+            or isinstance(node, list)
+            and isinstance(part, int)
+            and part < len(node)
+        ):
+            parent, key, node = node, part, node[part]
+        else:
+            break
+    if parent is None:
+        return False
+    del parent[key]
+    return True
 
 
 def _plan_fleet(

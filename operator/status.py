@@ -9,10 +9,11 @@ from __future__ import annotations
 from typing import Any
 
 from kvserve.operator.labels import selector_string
-from kvserve.operator.planner import Plan
 from kvserve.operator.pod_health import PodFailure
 from kvserve.operator.render import service_url
-from kvserve.operator.render_router import url_service_name
+from kvserve.operator.render.router import url_service_name
+from kvserve.operator.spec_model import InferenceServiceSpec
+from kvserve.runtime.planner.kv_plan import Plan
 
 _PLAN_FIELDS = {
     "kvBytesPerToken": "kv_bytes_per_token",
@@ -55,7 +56,7 @@ def compute_status(
     *,
     name: str,
     namespace: str,
-    spec: dict,
+    spec: InferenceServiceSpec,
     generation: int | None,
     plan: Plan | None,
     plan_reason: str,
@@ -89,7 +90,7 @@ def compute_status(
     previous_conditions = {c.get("type"): c for c in (previous or {}).get("conditions") or []}
     fits = plan is not None and plan.fits
     # A spec that failed resolution (plan None) may hold anything in replicas: it deploys nothing then.
-    desired = int(spec.get("replicas", 1)) if plan is not None else 0
+    desired = spec.replicas if plan is not None else 0
     dep_status = (deployment or {}).get("status") or {}
     ready = int(dep_status.get("readyReplicas") or 0)
     updated = int(dep_status.get("updatedReplicas") or 0)
@@ -188,7 +189,7 @@ def compute_status(
     if adapters is not None and adapters[1] > 0:
         status["adapters"] = f"{adapters[0]}/{adapters[1]}"
     if fits and not conflicts:
-        status["url"] = service_url(url_service_name(spec, name), namespace, int(spec.get("port", 8000)))
+        status["url"] = service_url(url_service_name(spec, name), namespace, spec.port)
     return status
 
 

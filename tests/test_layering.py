@@ -52,8 +52,8 @@ def test_layering_contracts_hold(tmp_path):
 
 def test_a_forbidden_import_breaks_the_contract(tmp_path):
     pkg = _stage(tmp_path)
-    planner = pkg / "operator" / "planner.py"
-    planner.write_text(planner.read_text() + "\nfrom kvserve.runtime.executor import kv_sizing  # noqa\n")
+    spec = pkg / "operator" / "spec.py"
+    spec.write_text(spec.read_text() + "\nfrom kvserve.runtime.executor import kv_sizing  # noqa\n")
     result = _lint(tmp_path)
     assert result.returncode != 0 and "operator-seams" not in result.stderr
     assert "BROKEN" in result.stdout and "kvserve.runtime.executor" in result.stdout
@@ -61,7 +61,7 @@ def test_a_forbidden_import_breaks_the_contract(tmp_path):
 
 def test_operator_modules_import_without_torch():
     code = (
-        "import sys; import kvserve.operator.planner, kvserve.operator.render, kvserve.operator.spec, "
+        "import sys; import kvserve.runtime.planner.kv_plan, kvserve.operator.render, kvserve.operator.spec, "
         "kvserve.operator.status, kvserve.cli.plan; "
         "bad = [m for m in ('torch', 'transformers', 'numpy') if m in sys.modules]; assert not bad, bad"
     )

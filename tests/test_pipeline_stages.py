@@ -4,7 +4,6 @@ import dataclasses
 
 import pytest
 
-from kvserve.operator.catalog import MODELS
 from kvserve.runtime import capacity
 from kvserve.runtime.capacity import (
     kv_tokens_per_rank,
@@ -12,6 +11,7 @@ from kvserve.runtime.capacity import (
     stage_layer_ranges,
     stage_weight_bytes_per_rank,
 )
+from kvserve.runtime.planner.catalog import MODELS
 
 
 def test_balanced_split_by_layer_count():
@@ -68,8 +68,8 @@ def test_kv_per_stage_is_its_own_layers_and_the_smallest_stage_decides():
 
 
 def test_plan_for_405b_chooses_pp_x_tp_instead_of_refusing():
-    from kvserve.operator.catalog import GiB
-    from kvserve.operator.planner import PlanInput, plan, plan_multinode
+    from kvserve.runtime.planner.catalog import GiB
+    from kvserve.runtime.planner.kv_plan import PlanInput, plan, plan_multinode
 
     inp = PlanInput(MODELS["llama-3.1-405b"], 80 * GiB, tensor_parallel_size=8, max_model_len=8192)
     assert not plan(inp).fits

@@ -5,8 +5,9 @@ import math
 
 import pytest
 
-from kvserve.operator import catalog, planner
 from kvserve.operator import fleet as fleet_mod
+from kvserve.runtime.planner import catalog
+from kvserve.runtime.planner import kv_plan as planner
 from kvserve.runtime.planner.fleet import Candidate, Deployment, evaluate, search, tune
 from kvserve.runtime.planner.fleet import _cost_floor as fleet_cost_floor
 from kvserve.runtime.planner.fleet import sequences_that_fit as fleet_sequences_that_fit

@@ -18,7 +18,8 @@ import pytest
 import yaml
 from kopf.testing import KopfRunner
 
-from kvserve.operator import labels, leader, render_security
+from kvserve.operator import labels, leader
+from kvserve.operator.render import security as render_security
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 NS, NAME = "default", "llama70b"

@@ -14,8 +14,8 @@ import pytest
 import yaml
 from kopf.testing import KopfRunner
 
-from kvserve.operator import render_multinode
 from kvserve.operator import spec as spec_mod
+from kvserve.operator.render import multinode as render_multinode
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLE = yaml.safe_load((ROOT / "examples" / "llama405b-multinode.yaml").read_text())

@@ -1,6 +1,6 @@
 """KV-cache capacity: the one model of "how much fits" shared by the runtime and the operator.
 
-The runtime's KV sizing (worker/model_runner.py), the operator's planner (operator/planner.py) and the
+The runtime's KV sizing (worker/model_runner.py), the operator's planner (runtime/planner/kv_plan.py) and the
 router's index sizing all call these functions, so a plan the operator accepts is exactly what the pod
 allocates. Pure Python, no torch: the operator image imports it without the runtime's dependencies
 (tests/test_layering.py checks that with import-linter).

@@ -84,7 +84,7 @@ def test_every_replica_loads_every_adapter_at_start_up():
 
 def _catalog_model_dir(tmp_path: pathlib.Path, key: str) -> str:
     """A folder with the config.json of a catalog model (no weights: the runtime config needs none)."""
-    from kvserve.operator import catalog
+    from kvserve.runtime.planner import catalog
     from tests.operator.test_capacity_contract import hf_config
 
     model_dir = tmp_path / key
@@ -248,9 +248,15 @@ def test_the_engine_the_pod_command_starts_allocates_the_planned_slots_and_block
     }
     # A 48 MiB "GPU" (a CPU-sized engine) is below the CRD's gpu.memoryMiB minimum of 1024: this drives the
     # planner directly, past the CRD's bound, which resolve would otherwise refuse (InvalidSpec).
-    from kvserve.operator import crd_schema
+    import pydantic
 
-    monkeypatch.setattr(crd_schema, "check", lambda written: [])
+    from kvserve.operator import spec_model
+
+    cpu_gpu = pydantic.create_model(
+        "CPUSizedGPU", __base__=spec_model.GPUSpec, memory_mib=(int, pydantic.Field(alias="memoryMiB"))
+    )
+    unbounded = pydantic.create_model("UnboundedSpec", __base__=spec_model.InferenceServiceSpec, gpu=(cpu_gpu, ...))
+    monkeypatch.setattr(spec_mod, "InferenceServiceSpec", unbounded)
     resolved = spec_mod.resolve(spec, model_config=json.loads((STORIES_DIR / "config.json").read_text()))
     plan = resolved.plan
     assert plan.fits and plan.lora_slot_bytes_per_gpu > 0

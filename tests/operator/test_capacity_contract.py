@@ -16,7 +16,7 @@ import json
 import pytest
 
 from kvserve.cli import serve
-from kvserve.operator import catalog, planner, render
+from kvserve.operator import render
 from kvserve.operator import spec as spec_mod
 from kvserve.runtime import capacity
 from kvserve.runtime.config import build_engine_config
@@ -24,6 +24,8 @@ from kvserve.runtime.engine_args import EngineArgs
 from kvserve.runtime.errors import InvalidParameter
 from kvserve.runtime.executor import kv_sizing
 from kvserve.runtime.executor.pipeline import stage_engine_config
+from kvserve.runtime.planner import catalog
+from kvserve.runtime.planner import kv_plan as planner
 
 MODEL_TYPES = {
     "LlamaForCausalLM": "llama",
@@ -294,8 +296,7 @@ def test_engine_args_and_crd_agree():
     )
     args = PARSER.parse_args(render.runtime_args(resolved, "x", "/m")[2:])
     for path, name in engine_args.crd_settings().items():
-        section, key = path.split(".")
-        assert getattr(args, name) == resolved.spec[section][key], path
+        assert getattr(args, name) == resolved.spec.value_at(path), path
 
 
 def test_runtime_weight_bytes_match_the_planner(tmp_path):

@@ -8,8 +8,9 @@ import copy
 
 import pytest
 
-from kvserve.operator import catalog, fleet, render
+from kvserve.operator import fleet, render
 from kvserve.operator import spec as spec_mod
+from kvserve.runtime.planner import catalog
 from tests.operator import upstream_crds
 
 SPEC = {
@@ -46,7 +47,7 @@ def test_hpa_bounds_come_from_the_planners_function(_admit):
     hpa = _objs(SPEC)["HorizontalPodAutoscaler"]["spec"]
     assert (hpa["minReplicas"], hpa["maxReplicas"]) == (h.min_replicas, h.max_replicas)
     assert hpa["metrics"][0]["pods"]["target"]["averageValue"] == str(h.target_queue_depth)
-    status = fleet.fleet_status(direct, fleet.price_source(SPEC))
+    status = fleet.fleet_status(direct, fleet.price_source(spec_mod.parse(SPEC)))
     assert status["feasible"] and status["maxReplicas"] == h.max_replicas
     assert status["replicaRequestsPerSecond"] == pytest.approx(direct.replica_requests_per_s, abs=1e-3)
     assert "roofline" in status["stepTimeSource"]
@@ -61,7 +62,7 @@ def test_the_gpu_price_comes_from_the_spec_when_given(_admit):
     spec = copy.deepcopy(SPEC)
     spec["gpu"]["usdPerGpuHour"] = 2.25
     resolved = spec_mod.resolve(_admit(spec)["spec"])
-    status = fleet.fleet_status(resolved.fleet, fleet.price_source(spec))
+    status = fleet.fleet_status(resolved.fleet, fleet.price_source(resolved.spec))
     h = resolved.fleet.hpa
     assert status["usdPerGpuHour"] == 2.25 and status["priceSource"] == "spec.gpu.usdPerGpuHour"
     assert status["usdPerHourAtMaxReplicas"] == pytest.approx(h.max_replicas * 2.25, abs=0.01)
@@ -176,6 +177,8 @@ def test_plan_file_prints_the_operators_fleet_status(tmp_path, capsys):
     path.write_text(yaml.safe_dump(doc))
     assert main(["plan", "-f", str(path), "-o", "json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["fleet"] == fleet.fleet_status(spec_mod.resolve(copy.deepcopy(SPEC)).fleet, fleet.price_source(SPEC))
+    assert out["fleet"] == fleet.fleet_status(
+        spec_mod.resolve(copy.deepcopy(SPEC)).fleet, fleet.price_source(spec_mod.parse(SPEC))
+    )
     assert main(["plan", "-f", str(path)]) == 0
     assert "fleet (spec.slo): feasible True" in capsys.readouterr().out

@@ -10,8 +10,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from kvserve.operator import labels, pod_resources, render, render_security
+from kvserve.operator import labels, pod_resources, render
 from kvserve.operator import spec as spec_mod
+from kvserve.operator.render import security as render_security
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 K8S_VERSION = "1.33"

@@ -173,7 +173,7 @@ def _operator_calls() -> dict[tuple[str, str], set[str]]:
         }
     )
     # spec.router's own kinds, and what its Role grants (RBAC lets the operator grant only what it holds).
-    from kvserve.operator import render_router
+    from kvserve.operator.render import router as render_router
 
     calls.update(
         {

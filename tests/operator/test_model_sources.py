@@ -155,7 +155,7 @@ def test_download_failed_posts_one_event_and_downloading_none():
         return status_mod.compute_status(
             name="m",
             namespace="ml",
-            spec=spec_mod.with_defaults(BASE),
+            spec=spec_mod.parse(BASE),
             generation=1,
             plan=None,
             plan_reason="x",

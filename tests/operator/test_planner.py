@@ -8,9 +8,10 @@ import re
 
 import pytest
 
-from kvserve.operator import catalog, planner
-from kvserve.operator.catalog import GiB, MiB
 from kvserve.runtime import capacity
+from kvserve.runtime.planner import catalog
+from kvserve.runtime.planner import kv_plan as planner
+from kvserve.runtime.planner.catalog import GiB, MiB
 
 L70 = catalog.MODELS["llama-3-70b"]
 

@@ -7,8 +7,9 @@ import dataclasses
 import json
 
 from kvserve.cli import plan as plan_cli
-from kvserve.operator import catalog, planner
 from kvserve.runtime import capacity
+from kvserve.runtime.planner import catalog
+from kvserve.runtime.planner import kv_plan as planner
 
 # Gemma-3-27B's text stack (not in the catalog: its checkpoint is multimodal): 62 layers, 10 global.
 GEMMA3_27B = capacity.ModelShape(

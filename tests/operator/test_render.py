@@ -224,7 +224,7 @@ def test_pre_stop_sleep_and_drain_fit_in_the_grace_period():
     doc = _load(ROOT / "examples" / "llama70b.yaml")
     resolved, objs = _render(doc)
     c = _engine_container(objs)
-    grace = resolved.spec["terminationGracePeriodSeconds"]
+    grace = resolved.spec.termination_grace_period_seconds
     assert c["lifecycle"] == {"preStop": {"sleep": {"seconds": 5}}}  # the default
     assert int(_flag(c["command"], "--drain-timeout")) == grace - 5 - spec_mod.KILL_MARGIN_SECONDS
     doc["spec"]["drain"] = {"preStopSeconds": 20}
@@ -248,4 +248,4 @@ def test_a_pre_stop_that_leaves_no_drain_is_refused_naming_the_field(grace, pre_
     assert info.value.reason == "InvalidDrain"
     assert "spec.drain.preStopSeconds" in info.value.message and "terminationGracePeriodSeconds" in info.value.message
     doc["spec"]["drain"] = {"preStopSeconds": grace - spec_mod.KILL_MARGIN_SECONDS - 1}  # the largest that fits
-    assert spec_mod.resolve(doc["spec"]).spec["drain"]["preStopSeconds"] == grace - 11
+    assert spec_mod.resolve(doc["spec"]).spec.drain.pre_stop_seconds == grace - 11

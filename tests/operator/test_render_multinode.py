@@ -13,9 +13,13 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from kvserve.operator import catalog, parallelism, render, render_multinode, render_security, status
+from kvserve.operator import render, status
 from kvserve.operator import spec as spec_mod
+from kvserve.operator.render import multinode as render_multinode
+from kvserve.operator.render import security as render_security
 from kvserve.runtime import capacity
+from kvserve.runtime.planner import catalog
+from kvserve.runtime.planner import layout as parallelism
 from tests.operator import upstream_crds
 from tests.operator.test_capacity_contract import hf_config, runtime_config_from_pod
 

@@ -10,9 +10,10 @@ import kubernetes_validate
 import yaml
 
 from kvserve.cli import router as router_cli
-from kvserve.operator import labels, render, render_router
+from kvserve.operator import labels, render
 from kvserve.operator import spec as spec_mod
 from kvserve.operator import status as status_mod
+from kvserve.operator.render import router as render_router
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 K8S_VERSION = "1.33"
@@ -76,8 +77,8 @@ def test_router_objects_validate_and_are_wired_to_the_engine():
     assert cmd[:2] == ["kvserve", "router"]
     assert (args.service, args.namespace, args.port_name) == ("llama70b", "prod", "http")
     engine_cmd = by[("Deployment", "llama70b")]["spec"]["template"]["spec"]["containers"][0]["command"]
-    assert args.tokenizer == engine_cmd[2] and args.port == resolved.spec["port"]
-    assert args.block_size == resolved.spec["engine"]["blockSize"]
+    assert args.tokenizer == engine_cmd[2] and args.port == resolved.spec.port
+    assert args.block_size == resolved.spec.engine.block_size
     assert args.default_capacity_tokens == resolved.plan.kv_tokens
     engine_mounts = by[("Deployment", "llama70b")]["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]
     assert [m for m in container["volumeMounts"] if m["name"] == "model"] == [

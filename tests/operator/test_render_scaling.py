@@ -12,8 +12,9 @@ import jsonschema
 import pytest
 import yaml
 
-from kvserve.operator import labels, render, render_router
+from kvserve.operator import labels, render
 from kvserve.operator import spec as spec_mod
+from kvserve.operator.render import router as render_router
 from tests.operator import upstream_crds
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

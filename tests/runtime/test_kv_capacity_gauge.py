@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from prometheus_client import generate_latest
 
-from kvserve.operator import catalog
 from kvserve.runtime import capacity
 from kvserve.runtime.metrics import ServerMetrics
+from kvserve.runtime.planner import catalog
 
 
 def _gauge(metrics: ServerMetrics) -> float:

@@ -26,9 +26,10 @@ import copy
 import re
 from typing import Any
 
-from kvserve.operator import render_security
 from kvserve.operator.labels import engine_labels
+from kvserve.operator.render import security as render_security
 from kvserve.operator.spec import Resolved, SpecError
+from kvserve.operator.spec_model import InferenceServiceSpec, SecretKeyRef
 from kvserve.runtime import engine_args
 
 API_VERSION = "leaderworkerset.x-k8s.io/v1"
@@ -71,14 +72,13 @@ def check_name(name: str) -> None:
         )
 
 
-def authkey_ref(spec: dict) -> dict:
-    """{name, key} of the group's shared key: spec.parallelism.authKeySecretRef, else the operator's own Secret."""
-    ref = (spec.get("parallelism") or {}).get("authKeySecretRef")
-    return dict(ref) if ref else {"name": "", "key": AUTHKEY_KEY}
+def authkey_ref(spec: InferenceServiceSpec) -> SecretKeyRef | None:
+    """The group's shared key: spec.parallelism.authKeySecretRef; None: the operator's own Secret."""
+    return spec.parallelism.auth_key_secret_ref
 
 
-def owns_authkey(spec: dict) -> bool:
-    return not (spec.get("parallelism") or {}).get("authKeySecretRef")
+def owns_authkey(spec: InferenceServiceSpec) -> bool:
+    return authkey_ref(spec) is None
 
 
 def authkey_secret_name(name: str) -> str:
@@ -100,10 +100,9 @@ def with_generated_key(secret: dict, key: str) -> dict:
     return {**secret, "stringData": {AUTHKEY_KEY: key}}
 
 
-def _authkey_env(spec: dict, name: str) -> dict:
-    ref = authkey_ref(spec)
-    secret = ref["name"] or authkey_secret_name(name)
-    return {"name": AUTHKEY_ENV, "valueFrom": {"secretKeyRef": {"name": secret, "key": ref["key"]}}}
+def _authkey_env(spec: InferenceServiceSpec, name: str) -> dict:
+    ref = authkey_ref(spec) or SecretKeyRef(name=authkey_secret_name(name), key=AUTHKEY_KEY)
+    return {"name": AUTHKEY_ENV, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
 
 
 def node_settings(resolved: Resolved, node_rank: str) -> dict[str, Any]:
@@ -156,10 +155,10 @@ def leader_worker_set(resolved: Resolved, name: str, namespace: str, leader: dic
     spec, layout = resolved.spec, resolved.layout
     assert layout is not None
     lws_spec: dict[str, Any] = {}
-    if not spec["autoscaling"]["enabled"]:
+    if not spec.autoscaling.enabled:
         # With autoscaling the HPA (or KEDA) owns spec.replicas through the LWS's /scale: not rendered, so
         # the operator's compare-then-patch never fights it (the LWS defaults it to 1 at creation).
-        lws_spec["replicas"] = spec["replicas"]
+        lws_spec["replicas"] = spec.replicas
     lws_spec.update(
         {
             # Workers start with the leader; LeaderReady would deadlock: the leader is Ready only once they joined.

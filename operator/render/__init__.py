@@ -9,20 +9,17 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from kvserve.operator import (
-    adapters,
-    fleet,
-    pod_resources,
-    render_model,
-    render_multinode,
-    render_router,
-    render_scaling,
-    render_security,
-)
+from kvserve.operator import adapters, fleet, pod_resources, spec_model
 from kvserve.operator import spec as spec_mod
 from kvserve.operator.labels import engine_labels, engine_pod_selector, engine_selector
-from kvserve.operator.render_model import MODEL_MOUNT, model_source  # noqa: F401 - re-exported
+from kvserve.operator.render import model as render_model
+from kvserve.operator.render import multinode as render_multinode
+from kvserve.operator.render import router as render_router
+from kvserve.operator.render import scaling as render_scaling
+from kvserve.operator.render import security as render_security
+from kvserve.operator.render.model import MODEL_MOUNT, model_source  # noqa: F401 - re-exported
 from kvserve.operator.spec import API_VERSION, KIND, Resolved
+from kvserve.operator.spec_model import InferenceServiceSpec
 from kvserve.runtime import engine_args
 
 METRIC_NAME = "vllm_num_requests_waiting"  # prometheus-adapter's name for vllm:num_requests_waiting
@@ -48,14 +45,14 @@ def service_url(name: str, namespace: str, port: int) -> str:
     return f"http://{name}.{namespace}.svc.cluster.local:{port}"
 
 
-def served_model_name(spec: dict, name: str) -> str:
-    return spec["model"].get("servedName") or spec["model"].get("name") or name
+def served_model_name(spec: InferenceServiceSpec, name: str) -> str:
+    return spec.model.served_name or spec.model.name or name
 
 
 def engine_settings(resolved: Resolved) -> dict[str, Any]:
     """The spec's engine settings (every CRD field EngineArgs maps) plus the planned KV budget per rank."""
     spec = resolved.spec
-    values = {name: spec[path.split(".")[0]][path.split(".")[1]] for path, name in engine_args.crd_settings().items()}
+    values = {name: spec.value_at(path) for path, name in engine_args.crd_settings().items()}
     # The planned budget per GPU rank, in whole blocks: the pod never allocates more KV than planned.
     values["kv_cache_bytes"] = resolved.plan.kv_cache_bytes_per_gpu
     # spec.adapters: --enable-lora --lora-modules --max-loras --max-lora-rank (the slots the plan charged)
@@ -67,7 +64,7 @@ def runtime_args(resolved: Resolved, name: str, model_dir: str, extra_settings: 
     """`kvserve serve` with the engine flags generated from EngineArgs (the same definition the runtime
     parses them with), so a setting is never spelled twice. `extra_settings`: more EngineArgs values (a
     LeaderWorkerSet member's pipeline and node flags), placed in EngineArgs' order like the others."""
-    spec, engine = resolved.spec, resolved.spec["engine"]
+    spec = resolved.spec
     args = [
         "kvserve",
         "serve",
@@ -75,7 +72,7 @@ def runtime_args(resolved: Resolved, name: str, model_dir: str, extra_settings: 
         "--host",
         "0.0.0.0",
         "--port",
-        str(spec["port"]),
+        str(spec.port),
         "--served-model-name",
         served_model_name(spec, name),
         *engine_args.cli_args({**engine_settings(resolved), **(extra_settings or {})}),
@@ -83,28 +80,28 @@ def runtime_args(resolved: Resolved, name: str, model_dir: str, extra_settings: 
         "--drain-timeout",
         str(spec_mod.drain_timeout_seconds(spec)),
     ]
-    return args + [str(a) for a in engine.get("extraArgs", [])]
+    return args + [str(a) for a in spec.engine.extra_args or []]
 
 
 def _resources(resolved: Resolved) -> dict:
     spec = resolved.spec
-    gpus = str(spec["gpu"]["tensorParallelSize"])
-    resource = spec["gpu"]["resourceName"]
-    user = spec.get("resources") or {}
+    gpus = str(spec.gpu.tensor_parallel_size)
+    resource = spec.gpu.resource_name
+    user = spec.resources or spec_model.Resources()
     requests = {
         **pod_resources.default_requests(resolved),
-        **{k: str(v) for k, v in (user.get("requests") or {}).items()},
+        **{k: str(v) for k, v in (user.requests or {}).items()},
     }
     # nvidia.com/gpu cannot be overcommitted: requests must equal limits.
     return {
         "requests": {**requests, resource: gpus},
-        "limits": {**{k: str(v) for k, v in (user.get("limits") or {}).items()}, resource: gpus},
+        "limits": {**{k: str(v) for k, v in (user.limits or {}).items()}, resource: gpus},
     }
 
 
-def _tolerations(spec: dict) -> list[dict]:
-    gpu_toleration = {"key": spec["gpu"]["resourceName"], "operator": "Exists", "effect": "NoSchedule"}
-    user = list(spec.get("tolerations") or [])
+def _tolerations(spec: InferenceServiceSpec) -> list[dict]:
+    gpu_toleration = {"key": spec.gpu.resource_name, "operator": "Exists", "effect": "NoSchedule"}
+    user = [t.model_dump(by_alias=True, exclude_none=True) for t in spec.tolerations or []]
     return user if any(t.get("key") == gpu_toleration["key"] for t in user) else user + [gpu_toleration]
 
 
@@ -124,9 +121,9 @@ def deployment(resolved: Resolved, name: str, namespace: str) -> dict:
         "kind": "Deployment",
         "metadata": {"name": name, "namespace": namespace, "labels": engine_labels(name)},
         "spec": {
-            "replicas": spec["replicas"],
+            "replicas": spec.replicas,
             "revisionHistoryLimit": 3,
-            "progressDeadlineSeconds": spec["startupTimeoutSeconds"] + 600,
+            "progressDeadlineSeconds": spec.startup_timeout_seconds + 600,
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
             "selector": {"matchLabels": engine_selector(name)},
             "template": pod_template(resolved, name),
@@ -142,18 +139,18 @@ def pod_template(resolved: Resolved, name: str, extra_settings: dict | None = No
     adapter_volumes, adapter_mounts, adapter_inits = render_model.adapter_sources(resolved)
     volumes, mounts = volumes + adapter_volumes, mounts + adapter_mounts
     volumes = volumes + [
-        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec["shmSize"]}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.shm_size}},
         {"name": "tmp", "emptyDir": {}},
     ]
     mounts = mounts + [{"name": "dshm", "mountPath": "/dev/shm"}, {"name": "tmp", "mountPath": "/tmp"}]
     node_selector = {"nvidia.com/gpu.product": resolved.gpu_product} if resolved.gpu_product else {}
-    node_selector.update(spec.get("nodeSelector") or {})
+    node_selector.update(spec.node_selector or {})
     container = {
         "name": "kvserve",
-        "image": spec["image"],
-        "imagePullPolicy": spec["imagePullPolicy"],
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
         "command": runtime_args(resolved, name, model_dir, extra_settings),
-        "ports": [{"name": "http", "containerPort": spec["port"], "protocol": "TCP"}],
+        "ports": [{"name": "http", "containerPort": spec.port, "protocol": "TCP"}],
         "env": [{"name": "HOME", "value": "/tmp"}, *render_security.api_key_env(spec)],
         "resources": _resources(resolved),
         "volumeMounts": mounts,
@@ -162,7 +159,7 @@ def pod_template(resolved: Resolved, name: str, extra_settings: dict | None = No
         "terminationMessagePolicy": "FallbackToLogsOnError",
         # Weights for a 70B model take many minutes to load: the startup probe holds off liveness until then.
         "startupProbe": _probe(
-            "http", STARTUP_PERIOD_SECONDS, math.ceil(spec["startupTimeoutSeconds"] / STARTUP_PERIOD_SECONDS)
+            "http", STARTUP_PERIOD_SECONDS, math.ceil(spec.startup_timeout_seconds / STARTUP_PERIOD_SECONDS)
         ),
         "readinessProbe": _probe("http", 5, 3),
         # /health answers 503 while draining; 6 x 20 s outlasts the drain so liveness never kills a draining pod.
@@ -171,8 +168,8 @@ def pod_template(resolved: Resolved, name: str, extra_settings: dict | None = No
         # drain's 503s, comes only after this sleep. The kubelet's own sleep action (Kubernetes >= 1.30; the
         # chart needs 1.31): no binary in the image, no exec.
         **(
-            {"lifecycle": {"preStop": {"sleep": {"seconds": spec["drain"]["preStopSeconds"]}}}}
-            if spec["drain"]["preStopSeconds"] > 0
+            {"lifecycle": {"preStop": {"sleep": {"seconds": spec.drain.pre_stop_seconds}}}}
+            if spec.drain.pre_stop_seconds > 0
             else {}
         ),
         "securityContext": {
@@ -192,7 +189,7 @@ def pod_template(resolved: Resolved, name: str, extra_settings: dict | None = No
             "fsGroup": 1000,
             "seccompProfile": {"type": "RuntimeDefault"},
         },
-        "terminationGracePeriodSeconds": spec["terminationGracePeriodSeconds"],
+        "terminationGracePeriodSeconds": spec.termination_grace_period_seconds,
         # The engine never talks to the Kubernetes API: no token to steal from a compromised pod.
         "automountServiceAccountToken": False,
         "tolerations": _tolerations(spec),
@@ -208,18 +205,18 @@ def pod_template(resolved: Resolved, name: str, extra_settings: dict | None = No
     }
     if node_selector:
         pod_spec["nodeSelector"] = node_selector
-    if spec.get("serviceAccountName"):
-        pod_spec["serviceAccountName"] = spec["serviceAccountName"]
-    if spec.get("imagePullSecrets"):
-        pod_spec["imagePullSecrets"] = spec["imagePullSecrets"]
-    if spec.get("priorityClassName"):
-        pod_spec["priorityClassName"] = spec["priorityClassName"]
+    if spec.service_account_name:
+        pod_spec["serviceAccountName"] = spec.service_account_name
+    if spec.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = render_security.pull_secrets(spec)
+    if spec.priority_class_name:
+        pod_spec["priorityClassName"] = spec.priority_class_name
     return {
         "metadata": {
             "labels": engine_labels(name),
             "annotations": {
                 "prometheus.io/scrape": "true",
-                "prometheus.io/port": str(spec["port"]),
+                "prometheus.io/port": str(spec.port),
                 "prometheus.io/path": "/metrics",
                 # The adapters this pod serves once ready (status.adapters counts those every ready pod has).
                 **(
@@ -239,14 +236,13 @@ def service(resolved: Resolved, name: str, namespace: str, selector: dict[str, s
         "spec": {
             "type": "ClusterIP",
             "selector": selector or engine_selector(name),
-            "ports": [{"name": "http", "port": resolved.spec["port"], "targetPort": "http", "protocol": "TCP"}],
+            "ports": [{"name": "http", "port": resolved.spec.port, "targetPort": "http", "protocol": "TCP"}],
         },
     }
 
 
 def autoscaler(resolved: Resolved, name: str, namespace: str, target: dict | None = None) -> dict:
     """`target`: the scaled object (default this InferenceService's /scale; a LeaderWorkerSet's for groups)."""
-    auto = resolved.spec["autoscaling"]
     bounds = resolved.autoscaling  # explicit spec.autoscaling, else spec.slo's plan, else the defaults
     min_replicas, max_replicas, queue_depth = (bounds[k] for k in fleet.BOUND_FIELDS)
     return {
@@ -268,7 +264,7 @@ def autoscaler(resolved: Resolved, name: str, namespace: str, target: dict | Non
                     },
                 }
             ],
-            "behavior": auto.get("behavior") or DEFAULT_BEHAVIOR,
+            "behavior": resolved.spec.autoscaling.behavior or DEFAULT_BEHAVIOR,
         },
     }
 
@@ -279,7 +275,7 @@ def disruption_budget(resolved: Resolved, name: str, namespace: str) -> dict:
         "kind": "PodDisruptionBudget",
         "metadata": {"name": name, "namespace": namespace, "labels": engine_labels(name)},
         "spec": {
-            "maxUnavailable": resolved.spec["podDisruptionBudget"]["maxUnavailable"],
+            "maxUnavailable": resolved.spec.pod_disruption_budget.max_unavailable,
             "selector": {"matchLabels": engine_selector(name)},
             # Pods still loading weights are not Ready; without this they would block node drains.
             "unhealthyPodEvictionPolicy": "AlwaysAllow",
@@ -295,17 +291,17 @@ def render(resolved: Resolved, name: str, namespace: str) -> list[dict]:
         return render_groups(resolved, name, namespace)
     objs = [deployment(resolved, name, namespace), service(resolved, name, namespace)]
     scale_to_zero = spec_mod.scales_to_zero(resolved.spec)
-    if resolved.spec["autoscaling"]["enabled"] and not scale_to_zero:
+    if resolved.spec.autoscaling.enabled and not scale_to_zero:
         objs.append(autoscaler(resolved, name, namespace))
-    if resolved.spec["podDisruptionBudget"]["enabled"]:
+    if resolved.spec.pod_disruption_budget.enabled:
         objs.append(disruption_budget(resolved, name, namespace))
     *router_source, router_inits = render_model.router_model_source(resolved)
     objs += render_router.render(resolved, name, namespace, tuple(router_source), router_inits)
-    if resolved.spec["networkPolicy"]["enabled"]:
+    if resolved.spec.network_policy.enabled:
         objs.append(render_security.network_policy(resolved, name, namespace))
     # Kinds from optional CRDs last: if the cluster lacks KEDA or GIE, everything else is applied first.
     if scale_to_zero:  # KEDA owns the HPA then (keda-hpa-<name>): no second one on the same target
-        behavior = resolved.spec["autoscaling"].get("behavior") or DEFAULT_BEHAVIOR
+        behavior = resolved.spec.autoscaling.behavior or DEFAULT_BEHAVIOR
         objs.append(render_scaling.scaled_object(resolved, name, namespace, behavior))
     pool = render_scaling.inference_pool(resolved, name, namespace)
     if pool is not None:
@@ -333,22 +329,22 @@ def render_groups(resolved: Resolved, name: str, namespace: str) -> list[dict]:
     objs.append(service(resolved, name, namespace, selector=leaders))  # the API: leaders only
     scale_to_zero = spec_mod.scales_to_zero(spec)
     target = render_multinode.scale_target(name)
-    if spec["autoscaling"]["enabled"] and not scale_to_zero:
+    if spec.autoscaling.enabled and not scale_to_zero:
         objs.append(autoscaler(resolved, name, namespace, target=target))
-    if spec["podDisruptionBudget"]["enabled"]:
+    if spec.pod_disruption_budget.enabled:
         # Over every member of every group: evicting any member recreates its whole group, whose pods then
         # count as unavailable until it is back, so maxUnavailable pods bounds the groups disrupted at once
         # (one PDB per group could not: groups come and go with the autoscaler, and each would allow one).
         objs.append(disruption_budget(resolved, name, namespace))
     *router_source, router_inits = render_model.router_model_source(resolved)
     objs += render_router.render(resolved, name, namespace, tuple(router_source), router_inits)
-    if spec["networkPolicy"]["enabled"]:
+    if spec.network_policy.enabled:
         group = render_multinode.group_ingress(name, engine_pod_selector(name))
         objs.append(render_security.network_policy(resolved, name, namespace, extra_ingress=(group,)))
     # Kinds from optional CRDs last (LeaderWorkerSet, KEDA, GIE): everything else is applied first.
     objs.append(render_multinode.leader_worker_set(resolved, name, namespace, leader, worker))
     if scale_to_zero:
-        behavior = spec["autoscaling"].get("behavior") or DEFAULT_BEHAVIOR
+        behavior = spec.autoscaling.behavior or DEFAULT_BEHAVIOR
         objs.append(
             render_scaling.scaled_object(
                 resolved, name, namespace, behavior, target=target, pods=render_multinode.leader_pods_regex(name)

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
 
-from kvserve.operator.catalog import GiB, ModelShape
 from kvserve.runtime import capacity, engine_args
+from kvserve.runtime.planner.catalog import GiB, ModelShape
 
 FIXED_RESERVE_BYTES = 1 * GiB  # CUDA graphs, NCCL buffers, allocator fragmentation
 RUNTIME_OVERHEAD_TP1_BYTES = int(0.15 * GiB)

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvserve.operator import render_security
 from kvserve.operator.labels import router_labels, router_selector
+from kvserve.operator.render import security as render_security
 from kvserve.operator.spec import Resolved, scales_to_zero
+from kvserve.operator.spec_model import InferenceServiceSpec
 
 SUFFIX = "-router"
 # Kinds only the router has (its Deployment, Service and PDB share kinds with the engine's children).
@@ -26,16 +27,16 @@ def router_name(name: str) -> str:
     return name + SUFFIX
 
 
-def enabled(spec: dict) -> bool:
-    return bool((spec.get("router") or {}).get("enabled"))
+def enabled(spec: InferenceServiceSpec) -> bool:
+    return spec.router.enabled
 
 
-def url_service_name(spec: dict, name: str) -> str:
+def url_service_name(spec: InferenceServiceSpec, name: str) -> str:
     """The Service clients should use: the router's when there is one."""
     return router_name(name) if enabled(spec) else name
 
 
-def child_keys(name: str, spec: dict, previous_status: dict) -> list[tuple[str, str]]:
+def child_keys(name: str, spec: InferenceServiceSpec, previous_status: dict) -> list[tuple[str, str]]:
     """(kind, name) of the router objects the operator must look at: all of them while the router is enabled
     or while the last status still points at it (so a router switched off is pruned); none otherwise, which
     spares InferenceServices without a router six GETs per reconcile."""
@@ -62,10 +63,10 @@ def router_args(resolved: Resolved, name: str, namespace: str, model_dir: str) -
         "--host",
         "0.0.0.0",
         "--port",
-        str(spec["port"]),
+        str(spec.port),
         # Fallbacks only: replicas report block size and KV capacity on /metrics.
         "--block-size",
-        str(spec["engine"]["blockSize"]),
+        str(spec.engine.block_size),
         "--default-capacity-tokens",
         str(max(1, resolved.plan.kv_tokens)),
         *hold_args(spec),
@@ -76,18 +77,15 @@ DEFAULT_MAX_HELD_REQUESTS = 256
 DEFAULT_HOLD_TIMEOUT_SECONDS = 600  # a GPU cold start: node, image pull, weight load; the OpenAI SDK waits 600 s
 
 
-def hold_args(spec: dict) -> list[str]:
+def hold_args(spec: InferenceServiceSpec) -> list[str]:
     """Scale from zero: the router holds requests while no replica is ready (and is ready itself at zero
     replicas, so the Service takes them). Only with autoscaling.minReplicas 0, where that is the design."""
     if not scales_to_zero(spec):
         return []
-    router = spec["router"]
-    return [
-        "--max-held-requests",
-        str(router.get("maxHeldRequests", DEFAULT_MAX_HELD_REQUESTS)),
-        "--hold-timeout",
-        str(router.get("holdTimeoutSeconds", DEFAULT_HOLD_TIMEOUT_SECONDS)),
-    ]
+    router = spec.router
+    held = router.max_held_requests if router.max_held_requests is not None else DEFAULT_MAX_HELD_REQUESTS
+    timeout = router.hold_timeout_seconds if router.hold_timeout_seconds is not None else DEFAULT_HOLD_TIMEOUT_SECONDS
+    return ["--max-held-requests", str(held), "--hold-timeout", str(timeout)]
 
 
 def render(
@@ -102,12 +100,12 @@ def render(
     spec = resolved.spec
     if not enabled(spec):
         return []
-    router = spec["router"]
+    router = spec.router
     rname = router_name(name)
     labels = router_labels(name)
     meta = {"name": rname, "namespace": namespace, "labels": labels}
     volumes, mounts, model_dir = model_source
-    port = spec["port"]
+    port = spec.port
     probe: dict[str, Any] = {
         "httpGet": {"path": "/health", "port": "http"},
         "periodSeconds": 5,
@@ -116,14 +114,15 @@ def render(
     }
     container = {
         "name": "router",
-        "image": spec["image"],
-        "imagePullPolicy": spec["imagePullPolicy"],
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
         "command": router_args(resolved, name, namespace, model_dir),
         "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
         # The engines' API key (spec.auth), so the router can read their /v1/models for adapter affinity; it
         # is used for that poll only, never added to proxied requests (clients still send their own).
         "env": [{"name": "HOME", "value": "/tmp"}, *render_security.api_key_env(spec)],
-        "resources": router.get("resources") or DEFAULT_RESOURCES,
+        "resources": (router.resources.model_dump(exclude_none=True) if router.resources else None)
+        or DEFAULT_RESOURCES,
         "volumeMounts": mounts + [{"name": "tmp", "mountPath": "/tmp"}],
         # Ready once it knows at least one routable replica; alive as long as it accepts connections (a
         # router with no replicas must not be restarted for it).
@@ -154,8 +153,8 @@ def render(
         },
         "terminationGracePeriodSeconds": 30,
     }
-    if spec.get("imagePullSecrets"):
-        pod_spec["imagePullSecrets"] = spec["imagePullSecrets"]
+    if spec.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = render_security.pull_secrets(spec)
     selector = router_selector(name)
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta},
@@ -179,7 +178,7 @@ def render(
             "kind": "Deployment",
             "metadata": meta,
             "spec": {
-                "replicas": router["replicas"],
+                "replicas": router.replicas,
                 "revisionHistoryLimit": 3,
                 "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
                 "selector": {"matchLabels": selector},

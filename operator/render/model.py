@@ -7,9 +7,11 @@ only by the init containers (staging + rename under a flock beside it), mounted 
 
 from __future__ import annotations
 
+from kvserve.operator import spec_model
 from kvserve.operator.adapters import ADAPTER_MOUNT
 from kvserve.operator.pod_health import ADAPTER_DOWNLOAD_PREFIX  # + the adapter's index in spec.adapters
 from kvserve.operator.spec import Resolved
+from kvserve.operator.spec_model import InferenceServiceSpec
 from kvserve.runtime.sources import uri as source_uri
 
 MODEL_MOUNT = "/mnt/models"
@@ -29,24 +31,25 @@ DOWNLOAD_ENV = [
 _SECURITY = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]}}
 
 
-def credentials_secret(spec: dict) -> str | None:
-    return (((spec["model"].get("credentials") or {}).get("secretRef")) or {}).get("name")
+def credentials_secret(spec: InferenceServiceSpec) -> str | None:
+    credentials = spec.model.credentials
+    return credentials.secret_ref.name if credentials is not None else None
 
 
-def model_source(spec: dict) -> tuple[list[dict], list[dict], str]:
+def model_source(spec: InferenceServiceSpec) -> tuple[list[dict], list[dict], str]:
     """(volumes, the engine's read-only volumeMounts, model directory inside the container)."""
-    source = source_uri.parse(spec["model"]["uri"], spec["model"].get("revision"))
+    source = source_uri.parse(spec.model.uri, spec.model.revision)
     if source.scheme == "pvc":
         volume = {"name": "model", "persistentVolumeClaim": {"claimName": source.location, "readOnly": True}}
         mount = {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
         return [volume], [mount], f"{MODEL_MOUNT}/{source.path}".rstrip("/")
     if source.scheme == "file":
         return [], [], source.path
-    cache = spec["model"].get("cache") or {}
-    if cache.get("claimName"):
-        volume = {"name": "model-cache", "persistentVolumeClaim": {"claimName": cache["claimName"]}}
-    elif cache.get("hostPath"):
-        volume = {"name": "model-cache", "hostPath": {"path": cache["hostPath"], "type": "DirectoryOrCreate"}}
+    cache = spec.model.cache or spec_model.ModelCache()
+    if cache.claim_name:
+        volume = {"name": "model-cache", "persistentVolumeClaim": {"claimName": cache.claim_name}}
+    elif cache.host_path:
+        volume = {"name": "model-cache", "hostPath": {"path": cache.host_path, "type": "DirectoryOrCreate"}}
     else:  # no cache: every pod downloads into its own emptyDir (on the node's disk)
         volume = {"name": "model", "emptyDir": {}}
         return [volume], [{"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}], f"{MODEL_MOUNT}/model"
@@ -80,8 +83,8 @@ def _download_container(resolved: Resolved, mounts: list[dict], model_dir: str, 
     writable = [{**m, "readOnly": False} for m in mounts]
     container = {
         "name": DOWNLOAD_CONTAINER,
-        "image": spec["image"],
-        "imagePullPolicy": spec["imagePullPolicy"],
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
         # str(source) carries the revision (hf://org/name@rev): one argument, the same one the cache key hashes.
         "command": ["kvserve", "download", str(source), "--dest", model_dir] + ([] if weights else ["--no-weights"]),
         "env": list(DOWNLOAD_ENV),
@@ -139,8 +142,8 @@ def adapter_sources(resolved: Resolved) -> tuple[list[dict], list[dict], list[di
     for adapter in remote:
         container = {
             "name": f"{ADAPTER_DOWNLOAD_PREFIX}{adapter.index}",
-            "image": spec["image"],
-            "imagePullPolicy": spec["imagePullPolicy"],
+            "image": spec.image,
+            "imagePullPolicy": spec.image_pull_policy,
             "command": ["kvserve", "download", str(adapter.source), "--dest", adapter.directory, "--adapter"],
             "env": list(DOWNLOAD_ENV),
             "resources": ADAPTER_DOWNLOAD_RESOURCES,

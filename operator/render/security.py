@@ -14,6 +14,7 @@ from typing import Any
 
 from kvserve.operator.labels import OWNER_LABEL, engine_labels, engine_pod_selector
 from kvserve.operator.spec import Resolved
+from kvserve.operator.spec_model import InferenceServiceSpec, SecretKeyRef
 
 API_KEY_ENV = "KVSERVE_API_KEY"  # cli/serve.py reads it when --api-key is not given
 API_KEY_HASH_ANNOTATION = "serving.kvserve.dev/api-key-hash"
@@ -22,17 +23,22 @@ API_KEY_HASH_ANNOTATION = "serving.kvserve.dev/api-key-hash"
 DEFAULT_METRICS_NAMESPACE_SELECTOR = {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}
 
 
-def api_key_ref(spec: dict) -> dict | None:
+def api_key_ref(spec: InferenceServiceSpec) -> SecretKeyRef | None:
     """spec.auth.apiKeySecretRef ({name, key}) or None when the service is unauthenticated."""
-    return ((spec.get("auth") or {}).get("apiKeySecretRef")) or None
+    return spec.auth.api_key_secret_ref if spec.auth is not None else None
 
 
-def api_key_env(spec: dict) -> list[dict]:
+def api_key_env(spec: InferenceServiceSpec) -> list[dict]:
     """The container env entries that hand the API key to a kvserve process (engine or router)."""
     ref = api_key_ref(spec)
     if ref is None:
         return []
-    return [{"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": ref["name"], "key": ref["key"]}}}]
+    return [{"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}]
+
+
+def pull_secrets(spec: InferenceServiceSpec) -> list[dict]:
+    """spec.imagePullSecrets as the pod spec's [{name}] (the registry credentials the kubelet pulls with)."""
+    return [s.model_dump(by_alias=True) for s in spec.image_pull_secrets or []]
 
 
 def secret_digest(secret: dict | None, key: str) -> str | None:
@@ -85,14 +91,14 @@ def network_policy(resolved: Resolved, name: str, namespace: str, extra_ingress:
     the same namespace (allowSameNamespace) and the listed peers; the same port from the monitoring namespace
     for /metrics. NetworkPolicy is L4: the metrics peers can also open /v1, which the API key still guards.
     `extra_ingress`: more rules (a multi-pod replica's members reaching each other, render_multinode)."""
-    policy, port = resolved.spec["networkPolicy"], resolved.spec["port"]
+    policy, port = resolved.spec.network_policy, resolved.spec.port
     api_peers: list[dict[str, Any]] = (
         [{"podSelector": {}}]
-        if policy["allowSameNamespace"]
+        if policy.allow_same_namespace
         else [{"podSelector": {"matchLabels": {OWNER_LABEL: name}}}]
     )
-    api_peers += list(policy.get("from") or [])
-    metrics_selector = policy.get("metricsNamespaceSelector") or DEFAULT_METRICS_NAMESPACE_SELECTOR
+    api_peers += [peer.model_dump(by_alias=True, exclude_none=True) for peer in policy.from_ or []]
+    metrics_selector = policy.metrics_namespace_selector or DEFAULT_METRICS_NAMESPACE_SELECTOR
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",

@@ -16,10 +16,11 @@ weights decides (planner.plan with pipeline_parallel_size, all from runtime/capa
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvserve.operator import planner
 from kvserve.runtime import capacity
+from kvserve.runtime.planner import kv_plan as planner
 
 DEFAULT_GPUS_PER_NODE = 8
 PIPELINE_ARCHITECTURES = capacity.PIPELINE_ARCHITECTURES  # the runtime's own list (config.py refuses the rest)
@@ -87,7 +88,7 @@ def _layout(inp: planner.PlanInput, plan: planner.Plan, nodes: int, gpus_per_nod
     return Layout(nodes, inp.tensor_parallel_size, nodes, gpus_per_node, reason, stage_list, deciding)
 
 
-def pipeline_error(inp: planner.PlanInput, extra_args: list[str]) -> str | None:
+def pipeline_error(inp: planner.PlanInput, extra_args: Sequence[str]) -> str | None:
     """What the runtime would refuse about a pipelined replica, before any pod starts."""
     m = inp.model
     if m.architecture not in PIPELINE_ARCHITECTURES:
@@ -128,20 +129,23 @@ def _wider_hint(inp: planner.PlanInput, gpus_per_node: int) -> str:
 
 
 def choose(
-    inp: planner.PlanInput, first: planner.Plan, parallelism: dict, extra_args: list[str]
+    inp: planner.PlanInput,
+    first: planner.Plan,
+    *,
+    nodes: int | None = None,
+    gpus_per_node: int = DEFAULT_GPUS_PER_NODE,
+    extra_args: Sequence[str] = (),
 ) -> tuple[planner.Plan, Layout]:
-    """(the plan to serve, its layout). `first` is planner.plan(inp) for one pod; `parallelism` is
-    spec.parallelism with defaults. Raises ParallelismError for settings no plan can serve."""
+    """(the plan to serve, its layout). `first` is planner.plan(inp) for one pod; `nodes` and `gpus_per_node`
+    are spec.parallelism's (None: choose), `extra_args` spec.engine.extraArgs. Raises ParallelismError for
+    settings no plan can serve."""
     t = inp.tensor_parallel_size
-    gpus_per_node = int(parallelism.get("gpusPerNode", DEFAULT_GPUS_PER_NODE))
     if t > gpus_per_node:
         raise ParallelismError(
             f"gpu.tensorParallelSize {t} exceeds spec.parallelism.gpusPerNode {gpus_per_node}: a pod's GPUs "
             "come from one node"
         )
-    nodes = parallelism.get("nodes")
     if nodes is not None:
-        nodes = int(nodes)
         if nodes < 1 or nodes > inp.model.num_layers:
             raise ParallelismError(
                 f"spec.parallelism.nodes {nodes} must be between 1 and the model's {inp.model.num_layers} "

@@ -63,8 +63,8 @@ def scaled_object(
     """`target` / `pods`: the scaled object and the PromQL regex of its serving pods (default this
     InferenceService's /scale and its Deployment's pods; a LeaderWorkerSet's /scale and leaders for groups)."""
     spec = resolved.spec
-    auto = spec["autoscaling"]
-    address = auto.get("prometheusAddress") or DEFAULT_PROMETHEUS
+    auto = spec.autoscaling
+    address = auto.prometheus_address or DEFAULT_PROMETHEUS
     max_replicas, queue_depth = resolved.autoscaling["maxReplicas"], resolved.autoscaling["targetQueueDepth"]
     where = f'namespace="{namespace}",pod=~"{pods or _pods(name)}"'
     router_where = f'namespace="{namespace}",pod=~"{_pods(name + "-router")}"'
@@ -79,7 +79,9 @@ def scaled_object(
             "minReplicaCount": 0,
             "maxReplicaCount": max_replicas,
             "pollingInterval": POLLING_INTERVAL_SECONDS,
-            "cooldownPeriod": auto.get("idlePeriodSeconds", DEFAULT_IDLE_PERIOD_SECONDS),
+            "cooldownPeriod": auto.idle_period_seconds
+            if auto.idle_period_seconds is not None
+            else DEFAULT_IDLE_PERIOD_SECONDS,
             "advanced": {"horizontalPodAutoscalerConfig": {"behavior": behavior}},
             "triggers": [
                 _prometheus("held-requests", address, f"sum({HELD_METRIC}{{{router_where}}})", queue_depth),
@@ -88,7 +90,7 @@ def scaled_object(
                     "running-requests",
                     address,
                     f"sum(vllm:num_requests_running{{{where}}})",
-                    spec["engine"]["maxNumSeqs"],
+                    spec.engine.max_num_seqs,
                 ),
             ],
         },
@@ -98,7 +100,7 @@ def scaled_object(
 def inference_pool(
     resolved: Resolved, name: str, namespace: str, selector: dict[str, str] | None = None
 ) -> dict | None:
-    pool = (resolved.spec.get("gateway") or {}).get("inferencePool")
+    pool = resolved.spec.gateway.inference_pool if resolved.spec.gateway is not None else None
     if pool is None:
         return None
     return {
@@ -108,7 +110,7 @@ def inference_pool(
         "spec": {
             # The engine pods only: the router's pods share the instance label but not the component.
             "selector": {"matchLabels": selector or engine_pod_selector(name)},
-            "targetPorts": [{"number": resolved.spec["port"]}],
-            "endpointPickerRef": dict(pool["endpointPickerRef"]),
+            "targetPorts": [{"number": resolved.spec.port}],
+            "endpointPickerRef": pool.endpoint_picker_ref.model_dump(by_alias=True, exclude_none=True),
         },
     }

@@ -153,6 +153,13 @@ def tune(
         if best is not None and best.hpa is not None:
             if _replicas_to_beat(best) < 1:
                 return best  # one replica already: nothing to save
+            floor = min_replicas(
+                peak_requests_per_s,
+                min_request_seconds(c.step_model, workload, c.shape.max_num_batched_tokens, c.shape.max_model_len),
+            )
+            if floor > _replicas_to_beat(best):  # its cost floor alone rules it out (bounds.py): no simulation
+                tried.append((seqs, tokens, None))
+                return best
             rate = peak_requests_per_s / _replicas_to_beat(best)
             check = at_rate(workload, c.shape, c.step_model, rate, slo)  # one simulation, not the search
             if not slo.met_by(check):

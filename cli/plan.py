@@ -148,6 +148,16 @@ def shape_line(shape) -> str:
     )
 
 
+def model_and_settings(args: argparse.Namespace) -> tuple[dict | None, object, engine_args.ResolvedSettings]:
+    """--model-config's config.json (None for a catalog --model), the model's shape and the resolved engine
+    settings. Raises SpecError / InvalidParameter naming the field."""
+    from kvserve.operator import spec as spec_mod
+
+    config = load_model_config(args.model_config) if args.model_config else None
+    shape = spec_mod.model_shape({"name": args.model}, config)
+    return config, shape, resolve_settings(args, config, shape)
+
+
 def resolve_settings(args: argparse.Namespace, config: dict | None, shape) -> engine_args.ResolvedSettings:
     """The engine settings this plan describes, resolved as `kvserve serve` resolves them: from the model's
     config.json when there is one, else from the catalog shape (its positions; the operator's dtype default
@@ -274,10 +284,8 @@ def _plan_cpu(args: argparse.Namespace) -> int | None:
     if not (args.model or args.model_config):
         print("error: give --model-config (or --model) for the calibrated model")
         return 2
-    config = load_model_config(args.model_config) if args.model_config else None
     try:
-        shape = spec_mod.model_shape({"name": args.model}, config)
-        settings = resolve_settings(args, config, shape)
+        config, shape, settings = model_and_settings(args)
         plan = plan_cpu.cpu_plan(settings, shape, args.kv_cache_bytes)
         plan["prediction"] = _predict(args, plan, settings.__dict__)
     except spec_mod.SpecError as exc:
@@ -509,10 +517,8 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.operator import spec as spec_mod
     from kvserve.runtime.errors import InvalidParameter
 
-    config = load_model_config(args.model_config) if args.model_config else None
     try:
-        shape = spec_mod.model_shape({"name": args.model}, config)
-        settings = resolve_settings(args, config, shape)
+        config, shape, settings = model_and_settings(args)
         resolved = spec_mod.resolve(_spec(args, settings), model_config=config)
     except spec_mod.SpecError as exc:
         print(f"error: {exc.message}")

@@ -74,9 +74,6 @@ KNOWN = {
     ("runtime/planner/kv_plan.py", "PlanInput", "pipeline_parallel_size"): "issue 38 item 6 (planning package)",
     ("runtime/planner/kv_plan.py", "PlanInput", "max_lora_rank"): "issue 38 item 6 (planning package)",
     ("runtime/planner/kv_plan.py", "Plan", "pipeline_parallel_size"): "issue 38 item 6 (planning package)",
-    ("runtime/engine/async_engine.py", "__init__", "log_interval_s"): "engine/server split of issue 38",
-    ("runtime/models/loader.py", "load_model", "load_format"): "engine/server split of issue 38",
-    ("runtime/server/state.py", "ServerConfig", "api_server_count"): "engine/server split of issue 38",
 }
 
 

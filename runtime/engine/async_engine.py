@@ -143,7 +143,8 @@ class AsyncEngine:
         self,
         engine: EngineClient,
         metrics: ServerMetrics | None = None,
-        log_interval_s: float = 5.0,
+        *,
+        log_interval_s: float,  # ServerConfig.log_interval_s (the server's setting, no second default here)
         tracer: RequestTracer | None = None,
         on_dead: Callable[[BaseException], None] | None = None,
     ):

@@ -68,7 +68,8 @@ def load_model(
     attention_backend,
     device: str,
     parallel: ParallelContext = SINGLE,
-    load_format: str = "auto",
+    *,
+    load_format: str,  # EngineArgs.load_format, resolved into EngineConfig (no second default here)
 ) -> LlamaForCausalLM:
     """The model, or with a tensor-parallel `parallel` this rank's shard of it (only the shard is allocated
     and only the shard's bytes are read from the safetensors files). load_format "dummy": random weights,

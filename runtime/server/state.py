@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from kvserve.runtime import engine_args
 from kvserve.runtime.engine.async_engine import AsyncEngine
 from kvserve.runtime.engine.client import EngineClient
 from kvserve.runtime.executor import kv_sizing
@@ -45,7 +46,7 @@ class ServerConfig:
     # --api-server-count N: this is API server `api_server_index` of N sharing one engine core
     # (runtime/server/api_server_group.py): group-wide metrics, and an x-kvserve-api-server response header.
     api_server_index: int = 0
-    api_server_count: int = 1
+    api_server_count: int = engine_args.default("api_server_count")
     # The group launcher's directory: each server marks itself ready there and /health is 200 only once every
     # server of the group is ready (one port, kernel-balanced: a probe answered by a ready server must not
     # send traffic to one that is still attaching to the core).

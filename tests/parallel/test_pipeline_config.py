@@ -84,7 +84,9 @@ def test_a_stage_loads_only_its_own_tensors(model_dirs):
     stage = PipelineStage(index=1, size=2, layers=range(2, 4), prev_rank=0)
     try:
         loader.iter_safetensors = recording
-        model = loader.load_model(cfg.model, get_attention_backend("torch"), "cpu", ParallelContext(stage=stage))
+        model = loader.load_model(
+            cfg.model, get_attention_backend("torch"), "cpu", ParallelContext(stage=stage), load_format="auto"
+        )
     finally:
         loader.iter_safetensors = real
     assert isinstance(model, PipelineStageModel)

@@ -81,7 +81,7 @@ def test_moe_slots_are_the_dense_layers_and_attention_only(model_factory, key):
 
     model_dir, _ = model_factory(key)
     config = load_model_config(model_dir, "float32")
-    model = load_model(config, get_attention_backend("torch"), "cpu")
+    model = load_model(config, get_attention_backend("torch"), "cpu", load_format="auto")
     manager = build_manager(model, LoraConfig((), 2, 4, 2), torch.float32, torch.device("cpu"))
     allocated = sum(t.numel() * t.element_size() for s in manager.slots.values() for t in (s.a, s.b))
     assert allocated == capacity.lora_slot_bytes_per_rank(config.shape, 2, 4, "float32")

@@ -50,8 +50,8 @@ def test_every_rank_computes_its_share_of_the_merged_model(dirs, t):
     gen = torch.Generator().manual_seed(0)
     for rank in range(t):
         parallel = _PartialSums(rank=rank, size=t)
-        base = load_model(load_model_config(model_dir, "float32"), backend, "cpu", parallel)
-        merged = load_model(load_model_config(merged_dir, "float32"), backend, "cpu", parallel)
+        base = load_model(load_model_config(model_dir, "float32"), backend, "cpu", parallel, load_format="auto")
+        merged = load_model(load_model_config(merged_dir, "float32"), backend, "cpu", parallel, load_format="auto")
         manager = build_manager(base, LoraConfig((("a", adapter_dir),), 1, 4, 1), torch.float32, torch.device("cpu"))
         manager.token_slots = torch.full((5,), manager.activate("a"), dtype=torch.long)
         # The slot memory this rank allocated is what the planner takes off its KV budget

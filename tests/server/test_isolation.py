@@ -142,7 +142,7 @@ def test_slow_reader_holds_one_output_not_one_per_step(demo_model_dir):
     from kvserve.runtime.outputs import RequestOutput
 
     async def scenario() -> tuple[int, list]:
-        engine = AsyncEngine(make_engine(demo_model_dir, in_process=True, max_num_seqs=4))
+        engine = AsyncEngine(make_engine(demo_model_dir, in_process=True, max_num_seqs=4), log_interval_s=5.0)
         engine.start()
         try:
             params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)

@@ -265,6 +265,19 @@ def _predict(args: argparse.Namespace, plan: dict, settings: dict) -> dict:
     return predict.predict(plan, settings, predict.load_calibration(args.calibration), workload)
 
 
+def _error_text(exc: Exception) -> str:
+    """One error line's text: a SpecError's message (it names the spec field), an InvalidParameter with its
+    setting, anything else as it reads."""
+    from kvserve.operator import spec as spec_mod
+    from kvserve.runtime.errors import InvalidParameter
+
+    if isinstance(exc, spec_mod.SpecError):
+        return exc.message
+    if isinstance(exc, InvalidParameter):
+        return f"{exc.param}: {exc}"
+    return str(exc)
+
+
 def _plan_cpu(args: argparse.Namespace) -> int | None:
     """The CPU server a CPU calibration measured (plan_cpu.py); None when the calibration is a GPU's."""
     from kvserve.cli import plan_cpu
@@ -288,14 +301,8 @@ def _plan_cpu(args: argparse.Namespace) -> int | None:
         config, shape, settings = model_and_settings(args)
         plan = plan_cpu.cpu_plan(settings, shape, args.kv_cache_bytes)
         plan["prediction"] = _predict(args, plan, settings.__dict__)
-    except spec_mod.SpecError as exc:
-        print(f"error: {exc.message}")
-        return 2
-    except InvalidParameter as exc:
-        print(f"error: {exc.param}: {exc}")
-        return 2
-    except (ValueError, RuntimeError) as exc:
-        print(f"error: {exc}")
+    except (spec_mod.SpecError, InvalidParameter, ValueError, RuntimeError) as exc:
+        print(f"error: {_error_text(exc)}")
         return 2
     if args.output == "json":
         print(json.dumps({**plan, "engine": settings.__dict__}, indent=2))
@@ -520,11 +527,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         config, shape, settings = model_and_settings(args)
         resolved = spec_mod.resolve(_spec(args, settings), model_config=config)
-    except spec_mod.SpecError as exc:
-        print(f"error: {exc.message}")
-        return 2
-    except InvalidParameter as exc:
-        print(f"error: {exc.param}: {exc}")
+    except (spec_mod.SpecError, InvalidParameter) as exc:
+        print(f"error: {_error_text(exc)}")
         return 2
     chosen = resolved.plan
     # The spec path already chose one pod or a group of PP stages (runtime/planner/layout.py): say why.

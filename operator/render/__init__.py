@@ -182,13 +182,7 @@ def pod_template(resolved: Resolved, name: str, extra_settings: dict | None = No
         **({"initContainers": inits} if (inits := render_model.init_containers(resolved) + adapter_inits) else {}),
         "containers": [container],
         "volumes": volumes,
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": 1000,
-            "runAsGroup": 1000,
-            "fsGroup": 1000,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": render_security.pod_security_context(),
         "terminationGracePeriodSeconds": spec.termination_grace_period_seconds,
         # The engine never talks to the Kubernetes API: no token to steal from a compromised pod.
         "automountServiceAccountToken": False,

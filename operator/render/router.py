@@ -144,13 +144,7 @@ def render(
         **({"initContainers": init_containers} if init_containers else {}),
         "containers": [container],
         "volumes": volumes + [{"name": "tmp", "emptyDir": {}}],
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": 1000,
-            "runAsGroup": 1000,
-            "fsGroup": 1000,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": render_security.pod_security_context(),
         "terminationGracePeriodSeconds": 30,
     }
     if spec.image_pull_secrets:

@@ -23,6 +23,18 @@ API_KEY_HASH_ANNOTATION = "serving.kvserve.dev/api-key-hash"
 DEFAULT_METRICS_NAMESPACE_SELECTOR = {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}
 
 
+def pod_security_context() -> dict[str, Any]:
+    """The pod-level securityContext of every pod the operator renders (Pod Security "restricted"): a fresh dict
+    each call, since callers may add to it."""
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": 1000,
+        "runAsGroup": 1000,
+        "fsGroup": 1000,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
 def api_key_ref(spec: InferenceServiceSpec) -> SecretKeyRef | None:
     """spec.auth.apiKeySecretRef ({name, key}) or None when the service is unauthenticated."""
     return spec.auth.api_key_secret_ref if spec.auth is not None else None

@@ -12,6 +12,7 @@ from typing import Any, Callable
 from kvserve.cli import router_kv_events
 from kvserve.runtime.engine_args import positive_int as _positive_int  # one definition of the flag type
 from kvserve.runtime.router.config import RouterConfig
+from kvserve.runtime.router.pd import DECIDERS, check_decider
 from kvserve.runtime.router.scoring import Weights
 
 HELP = "cache- and load-aware router in front of several `kvserve serve` replicas"
@@ -35,6 +36,20 @@ def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def _decider(text: str) -> str:
+    try:
+        return check_decider(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _ratio(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
     return value
 
 
@@ -163,6 +178,49 @@ HOLD_FLAGS = (
 )
 
 
+# P/D mode (docs/router.md, "Router P/D mode"): on while any replica has the prefill role.
+PD_FLAGS = (
+    Flag(
+        "--pd-decider",
+        "pd_decider",
+        _decider,
+        f"per request, prefill on a prefill replica or not: {', '.join(DECIDERS)} -- conditional is Dynamo's "
+        "rule with the three settings below, always is llm-d's always-disagg decider (default: %(default)s)",
+    ),
+    Flag(
+        "--max-local-prefill-length",
+        "max_local_prefill_length",
+        _non_negative_int,
+        "conditional: an uncached prompt part (prompt minus the decode replica's cached prefix) shorter than "
+        "this many tokens is prefilled on the decode replica (Dynamo's eff_isl_threshold; default: %(default)s)",
+        metavar="TOKENS",
+    ),
+    Flag(
+        "--remote-prefill-min-uncached-ratio",
+        "remote_prefill_min_uncached_ratio",
+        _ratio,
+        "conditional: an uncached part under this fraction of the prompt is prefilled on the decode replica "
+        "(Dynamo's eff_isl_ratio_threshold; default: %(default)s)",
+        metavar="RATIO",
+    ),
+    Flag(
+        "--max-prefill-queue",
+        "max_prefill_queue",
+        _positive_int,
+        "conditional: the prefill pool is saturated (prefill locally) when its best replica has this many "
+        "requests waiting (Dynamo's max_prefill_queue_size; default: %(default)s)",
+        metavar="N",
+    ),
+    Flag(
+        "--prefill-timeout",
+        "prefill_timeout_s",
+        _positive_float,
+        "longest prefill leg; past it the request is served aggregated on the decode replica (default: %(default)s)",
+        metavar="SECONDS",
+    ),
+)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     where = parser.add_argument_group("replicas (one of)")
     where.add_argument(
@@ -173,12 +231,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a replica's base URL, e.g. http://127.0.0.1:8001 (repeatable)",
     )
     where.add_argument(
+        "--prefill-backend",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="P/D mode: a prefill replica's base URL (repeatable): it takes only prefill legs",
+    )
+    where.add_argument(
+        "--decode-backend",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="P/D mode: a decode replica's base URL (repeatable): decode legs and requests prefilled locally",
+    )
+    where.add_argument(
         "--service", default=None, help="in a cluster: route to the ready endpoints of this Service's EndpointSlices"
     )
     parser.add_argument(
         "--namespace", default=None, help="with --service: its namespace (default: the pod's own, else 'default')"
     )
     parser.add_argument("--port-name", default="http", help="with --service: the EndpointSlice port to use")
+    parser.add_argument(
+        "--role-label",
+        default=None,
+        metavar="LABEL",
+        help="with --service, P/D mode: the pod label naming each replica's role, as llm-d does (llm-d.ai/role: "
+        "prefill, decode, prefill-decode; no label: both); needs RBAC to list pods",
+    )
     parser.add_argument(
         "--tokenizer",
         default=None,
@@ -195,6 +274,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     hold = parser.add_argument_group("scale from zero: requests held while no replica is ready")
     for flag in HOLD_FLAGS:
         flag.add(hold, RouterConfig)
+    pd = parser.add_argument_group("P/D mode: disaggregated prefill and decode (vLLM kv_transfer_params)")
+    for flag in PD_FLAGS:
+        flag.add(pd, RouterConfig)
     router_kv_events.add_arguments(parser)
     parser.add_argument(
         "--log-level",
@@ -218,12 +300,24 @@ def run(args: argparse.Namespace) -> int:
     import logging
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if bool(args.backend) == bool(args.service):
-        print("kvserve router: give either --backend URL (repeatable) or --service NAME", file=sys.stderr)
+    static = args.backend + args.prefill_backend + args.decode_backend
+    if bool(static) == bool(args.service):
+        print(
+            "kvserve router: give either --backend/--prefill-backend/--decode-backend URL (repeatable) or "
+            "--service NAME",
+            file=sys.stderr,
+        )
         return 2
-    bad = [u for u in args.backend if not u.startswith(("http://", "https://"))]
-    if bad:
-        print(f"kvserve router: --backend must be an http(s) URL, got {bad[0]!r}", file=sys.stderr)
+    for flag in ("backend", "prefill_backend", "decode_backend"):
+        bad = [u for u in getattr(args, flag) if not u.startswith(("http://", "https://"))]
+        if bad:
+            print(f"kvserve router: --{flag.replace('_', '-')} must be an http(s) URL, got {bad[0]!r}", file=sys.stderr)
+            return 2
+    if args.prefill_backend and not (args.backend or args.decode_backend):
+        print("kvserve router: --prefill-backend needs a --decode-backend (or --backend) to decode", file=sys.stderr)
+        return 2
+    if args.role_label and not args.service:
+        print("kvserve router: --role-label needs --service (static replicas take --prefill-backend)", file=sys.stderr)
         return 2
 
     import uvicorn
@@ -249,11 +343,13 @@ def run(args: argparse.Namespace) -> int:
             return 2
     else:
         logging.getLogger("kvserve.router").warning("no --tokenizer: prefix affinity is off, routing on load only")
-    if args.backend:
-        found = discovery.static(args.backend)
+    if static:
+        found = discovery.static(args.backend, args.prefill_backend, args.decode_backend)
     else:
-        found = discovery.EndpointSliceWatcher(_namespace(args.namespace), args.service, args.port_name)
-    given = {flag.field: getattr(args, flag.dest) for flag in CONFIG_FLAGS + HOLD_FLAGS}
+        found = discovery.EndpointSliceWatcher(
+            _namespace(args.namespace), args.service, args.port_name, role_label=args.role_label
+        )
+    given = {flag.field: getattr(args, flag.dest) for flag in CONFIG_FLAGS + HOLD_FLAGS + PD_FLAGS}
     given["replica_api_key"] = given["replica_api_key"] or os.environ.get("KVSERVE_API_KEY") or None
     config = RouterConfig(weights=weights, **given)
     try:

@@ -48,6 +48,7 @@ ALIASES = {
     "read_timeout": "read_timeout_s",
     "hold_timeout": "hold_timeout_s",
     "hold_retry_after": "hold_retry_after_s",
+    "prefill_timeout": "prefill_timeout_s",
     **{f"weight_{f.name}": f.name for f in dataclasses.fields(Weights)},
 }
 # `kvserve serve` flags that set a ServerConfig field, by argparse dest.
@@ -189,7 +190,7 @@ def test_router_flags_take_their_defaults_from_router_config_and_weights():
     weight_fields = {f.name: f for f in dataclasses.fields(Weights)}
     for flag in cli_router.WEIGHT_FLAGS:
         assert actions[flag.dest].default == _field_default(weight_fields[flag.field]), flag.flag
-    for flag in cli_router.CONFIG_FLAGS + cli_router.HOLD_FLAGS:
+    for flag in cli_router.CONFIG_FLAGS + cli_router.HOLD_FLAGS + cli_router.PD_FLAGS:
         assert actions[flag.dest].default == _field_default(config_fields[flag.field]), flag.flag
     assert {flag.field for flag in cli_router.WEIGHT_FLAGS} == set(weight_fields)  # every weight is a flag
     assert actions["block_size"].default == engine_args.default("block_size") == RouterConfig().default_block_size

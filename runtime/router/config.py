@@ -32,3 +32,10 @@ class RouterConfig:
     max_held_requests: int = 0
     hold_timeout_s: float = 60.0
     hold_retry_after_s: int = 10
+    # P/D mode (router/pd.py), active while any replica has the prefill role. The decision per request:
+    # conditional (Dynamo's rule, with the three thresholds below), always (llm-d's always-disagg decider), never.
+    pd_decider: str = "conditional"
+    max_local_prefill_length: int = 2048  # Dynamo's eff_isl_threshold: shorter uncached parts prefill locally
+    remote_prefill_min_uncached_ratio: float = 0.7  # Dynamo's eff_isl_ratio_threshold: below it, locally
+    max_prefill_queue: int = 2  # Dynamo's max_prefill_queue_size: requests waiting on the best prefill replica
+    prefill_timeout_s: float = 60.0  # the whole P leg (a long prompt's prefill); past it, aggregated fallback

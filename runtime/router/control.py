@@ -40,8 +40,10 @@ class ReplicaControl:
         self.client: httpx.AsyncClient | None = None
 
     # ---- discovery -------------------------------------------------------------------------------------------
-    def set_endpoints(self, ready: set[str], draining: set[str] = frozenset()) -> None:
-        _, removed = self.replicas.set_endpoints(ready, draining)
+    def set_endpoints(
+        self, ready: set[str], draining: set[str] = frozenset(), roles: dict[str, str] | None = None
+    ) -> None:
+        _, removed = self.replicas.set_endpoints(ready, draining, roles)
         for url in removed:  # drop the per-replica series of replicas that are gone
             for gauge in (self.metrics.in_flight, self.metrics.index_blocks):
                 try:

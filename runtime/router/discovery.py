@@ -5,6 +5,11 @@ and hands each new endpoint set to the event loop; it never makes a network call
 Endpoint semantics follow discovery.k8s.io/v1: `ready` (nil = ready) takes new requests; `serving` and
 `terminating` but not ready = draining (in-flight requests finish, nothing new is routed there, as
 production-stack learnt in their #601); an address that disappears is removed at once.
+
+P/D mode: with a role label (llm-d's `llm-d.ai/role`), each endpoint's role is its pod's label value, read by
+listing the namespace's pods that carry the label whenever an address appears that the last listing did not
+cover (a pod's role is fixed when it is created). An address whose pod has no such label serves both; one
+whose value is not a serving role (llm-d's `encode`) is left out.
 """
 
 from __future__ import annotations
@@ -14,6 +19,9 @@ import logging
 import threading
 from collections.abc import Iterable
 from typing import Any, Callable
+from urllib.parse import urlsplit
+
+from kvserve.runtime.router.pd import BOTH, DECODE, PREFILL, role_from_label
 
 logger = logging.getLogger("kvserve.router")
 
@@ -50,9 +58,35 @@ def endpoints_from_slices(slices: Iterable[dict], port_name: str | None = None) 
     return ready, draining - ready
 
 
-def static(urls: list[str]) -> Callable[[Any], Any]:
+def roles_from_pods(pods: Iterable[dict], label: str) -> dict[str, str | None]:
+    """Pod IP -> role (pd.role_from_label of its `label`), from Pod dicts (camelCase, as the API serves them)."""
+    roles: dict[str, str | None] = {}
+    for pod in pods:
+        value = ((pod.get("metadata") or {}).get("labels") or {}).get(label)
+        status = pod.get("status") or {}
+        ips = {status.get("podIP")} | {p.get("ip") for p in status.get("podIPs") or []}
+        for ip in ips - {None, ""}:
+            roles[ip] = role_from_label(value)
+    return roles
+
+
+def with_roles(
+    ready: set[str], draining: set[str], roles_by_ip: dict[str, str | None]
+) -> tuple[set[str], set[str], dict[str, str]]:
+    """(ready, draining, URL -> role): unlabelled addresses serve both; unknown roles are dropped."""
+    roles = {url: roles_by_ip.get(urlsplit(url).hostname or "", BOTH) for url in ready | draining}
+    keep = {url for url, role in roles.items() if role is not None}
+    return ready & keep, draining & keep, {url: roles[url] for url in keep}
+
+
+def static(urls: list[str], prefill: list[str] = (), decode: list[str] = ()) -> Callable[[Any], Any]:
+    """A fixed set: `urls` serve both roles, `prefill` only P legs, `decode` D legs and aggregated requests."""
+    roles = {u.rstrip("/"): BOTH for u in urls}
+    roles.update({u.rstrip("/"): PREFILL for u in prefill})
+    roles.update({u.rstrip("/"): DECODE for u in decode})
+
     async def run(router: Any) -> None:
-        router.set_endpoints({u.rstrip("/") for u in urls})
+        router.set_endpoints(set(roles), roles=roles)
 
     return run
 
@@ -69,8 +103,11 @@ class EndpointSliceWatcher:
         api_client: Any = None,
         watch_timeout_s: int = 60,
         retry_s: float = 2.0,
+        role_label: str | None = None,  # P/D mode: the pods' role label, e.g. llm-d.ai/role
     ):
         self.namespace, self.service, self.port_name = namespace, service, port_name
+        self.role_label = role_label
+        self._roles_by_ip: dict[str, str | None] = {}
         self.api_client = api_client
         self.watch_timeout_s, self.retry_s = watch_timeout_s, retry_s
         self._stop = threading.Event()
@@ -78,8 +115,8 @@ class EndpointSliceWatcher:
     async def __call__(self, router: Any) -> None:
         loop = asyncio.get_running_loop()
 
-        def push(ready: set[str], draining: set[str]) -> None:
-            loop.call_soon_threadsafe(router.set_endpoints, ready, draining)
+        def push(ready: set[str], draining: set[str], roles: dict[str, str] | None = None) -> None:
+            loop.call_soon_threadsafe(router.set_endpoints, ready, draining, roles)
 
         thread = threading.Thread(
             target=self.run_blocking, args=(push,), daemon=True, name=f"kvserve-router-endpointslices-{self.service}"
@@ -143,9 +180,9 @@ class EndpointSliceWatcher:
     def _emit(
         self,
         slices: dict[str, dict],
-        push: Callable[[set[str], set[str]], None],
-        last: tuple[set[str], set[str]] | None,
-    ) -> tuple[set[str], set[str]]:
+        push: Callable[..., None],
+        last: tuple | None,
+    ) -> tuple:
         # The label selector is applied again here: a slice relabelled away from the Service must go too.
         ours = [
             s
@@ -153,6 +190,23 @@ class EndpointSliceWatcher:
             if ((s.get("metadata") or {}).get("labels") or {}).get(SERVICE_NAME_LABEL) == self.service
         ]
         current = endpoints_from_slices(ours, self.port_name)
+        if self.role_label is not None:
+            current = with_roles(*current, self._roles(current[0] | current[1]))
         if current != last:
             push(*current)
         return current
+
+    def _roles(self, urls: set[str]) -> dict[str, str | None]:
+        """Pod IP -> role, re-listing the labelled pods when an address is new since the last listing."""
+        hosts = {urlsplit(u).hostname for u in urls}
+        if hosts - set(self._roles_by_ip):
+            import kubernetes
+
+            core = kubernetes.client.CoreV1Api(self.api_client)
+            pods = core.list_namespaced_pod(self.namespace, label_selector=self.role_label)
+            found = roles_from_pods(
+                (self.api_client.sanitize_for_serialization(p) for p in pods.items), self.role_label
+            )
+            # An address no labelled pod has serves both; remembered so it does not re-list on every event.
+            self._roles_by_ip = {**{h: BOTH for h in hosts if h}, **found}
+        return self._roles_by_ip

@@ -90,5 +90,22 @@ class RouterMetrics:
             registry=r,
         )
 
+        # P/D mode (router/pd.py)
+        self.pd_requests = Counter(
+            "kvserve_router:pd_requests",
+            "Requests in P/D mode by path (remote_prefill, local, fallback) and why: local -- short, cached, "
+            "prefill_saturated, disabled, no_prefill_replica, same_replica; fallback -- the prefill leg's failure "
+            "(connect_error, reset, timeout, http_<code>, no_kv_transfer_params, bad_answer).",
+            ["path", "reason"],
+            registry=r,
+        )
+        self.prefill_leg_seconds = Histogram(
+            "kvserve_router:prefill_leg_seconds",
+            "P leg latency: dispatch to the prefill replica's whole answer (or its failure), by outcome.",
+            ["replica", "outcome"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -9,6 +9,12 @@ default). After that, bytes flow through untouched; a broken upstream ends an SS
 A client that disconnects closes the upstream connection, which makes the replica abort the request.
 What the router believes about each replica (scrapes, probes, ejections, held requests) is the control
 loop's (control.py): this side reads it and reports the failures it sees.
+
+P/D mode (some replica has the prefill role; rules in pd.py, the legs in pd_legs.py): the decode replica is
+ranked as above among decode and both replicas; the rule then decides whether to prefill remotely; if so the
+prefill replica is ranked with the same scorers among prefill and both replicas, the P leg runs to its end,
+and the D leg is dispatched as any request, with P's kv_transfer_params in its body. A failed P leg leaves
+the request aggregated on the decode replica.
 """
 
 from __future__ import annotations
@@ -18,7 +24,9 @@ import json
 import logging
 import random
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 import httpx
@@ -29,6 +37,19 @@ from kvserve.runtime.router.config import RouterConfig
 from kvserve.runtime.router.control import ReplicaControl
 from kvserve.runtime.router.hold import HoldRejected
 from kvserve.runtime.router.metrics import RouterMetrics
+from kvserve.runtime.router.pd import (
+    DECODE_CANDIDATES,
+    FALLBACK,
+    LOCAL,
+    PREFILL_CANDIDATES,
+    REMOTE,
+    PDRule,
+    decode_body,
+    estimate_prompt_tokens,
+    prefill_body,
+    prefill_queue,
+)
+from kvserve.runtime.router.pd_legs import PrefillFailed, prefill_leg, usage_rewritten
 from kvserve.runtime.router.scoring import Decision, HashCache, RequestFeatures, rank
 from kvserve.runtime.server.errors import error_response
 
@@ -63,6 +84,22 @@ class _ClientGone(Exception):
     pass
 
 
+@dataclass
+class _PDPlan:
+    """How a request is served in P/D mode: `path` (pd.REMOTE, LOCAL, FALLBACK) and, after a remote prefill,
+    the D leg's body and headers, the decode replica's prefill work (none: the KV is pulled) and the prefill
+    engine's cache hit for the usage rewrite."""
+
+    path: str
+    body: bytes | None = None
+    headers: dict[str, str] | None = None
+    cached_tokens: int | None = None
+
+    @property
+    def remote(self) -> bool:
+        return self.path == REMOTE
+
+
 class Router:
     """One router process: the data path here, the control loop in `self.control` (app.build_app puts HTTP
     routes in front of it)."""
@@ -87,6 +124,12 @@ class Router:
             self.replicas.index = kv_events.index_over(self.replicas.index)
         self.held = self.control.held
         self.rng = random.Random(config.seed)
+        self.pd_rule = PDRule(
+            config.pd_decider,
+            config.max_local_prefill_length,
+            config.remote_prefill_min_uncached_ratio,
+            config.max_prefill_queue,
+        )
         self.client: httpx.AsyncClient | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task] = []
@@ -123,8 +166,10 @@ class Router:
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- the control loop's entry points (discovery calls set_endpoints, tests drive poll_once) -------------
-    def set_endpoints(self, ready: set[str], draining: set[str] = frozenset()) -> None:
-        self.control.set_endpoints(ready, draining)
+    def set_endpoints(
+        self, ready: set[str], draining: set[str] = frozenset(), roles: dict[str, str] | None = None
+    ) -> None:
+        self.control.set_endpoints(ready, draining, roles)
 
     async def poll_once(self) -> None:
         await self.control.poll_once()
@@ -141,7 +186,8 @@ class Router:
             )
         hashes = HashCache(token_ids, adapter=adapter) if token_ids else None
         now = time.monotonic()
-        views = [self.replicas.view(r, now) for r in self.replicas.routable(now)]
+        # Prefill-only replicas never take a whole request (P/D mode); without roles every replica serves both.
+        views = [self.replicas.view(r, now) for r in self.replicas.routable(now, DECODE_CANDIDATES)]
         features = RequestFeatures(
             hashes_for=hashes,
             num_prompt_tokens=len(token_ids) if token_ids else 0,
@@ -177,6 +223,7 @@ class Router:
         adapter = model if model and model in self.replicas.adapter_names() else None
         deadline = time.monotonic() + self.config.hold_timeout_s
         reprobed = False
+        plan: _PDPlan | None = None  # P/D mode: decided once; a retry round reuses P's kv_transfer_params
         while True:
             if self.held is not None and not self.replicas.ready():
                 refused = await self._hold(request, model, deadline)
@@ -184,8 +231,25 @@ class Router:
                     return refused
             decision, hashes = await self.decide(path, payload, session_key, adapter)
             if decision.ranked:
+                if plan is None and isinstance(payload, dict) and self.replicas.pd_active():
+                    try:
+                        plan = await _race_disconnect(
+                            request, self._plan_pd(path, payload, headers, decision, hashes, adapter)
+                        )
+                    except _ClientGone:
+                        self.metrics.client_disconnects.inc()
+                        return Response(status_code=499)
+                remote = plan is not None and plan.remote
                 response, last_error = await self._dispatch(
-                    request, path, body, headers, decision, hashes, session_key, adapter
+                    request,
+                    path,
+                    plan.body if remote else body,
+                    plan.headers if remote else headers,
+                    decision,
+                    hashes,
+                    session_key,
+                    adapter,
+                    plan=plan,
                 )
                 if response is not None:
                     return response
@@ -200,6 +264,74 @@ class Router:
                 return error_response(502, f"no replica could take the request ({last_error})", type="server_error")
             # Holding: every replica tried failed before answering (each is ejected now), so nothing reached
             # the client: wait for a ready replica again, within the same deadline.
+
+    # ---- P/D mode ----------------------------------------------------------------------------------------------
+    async def _plan_pd(
+        self,
+        path: str,
+        payload: dict,
+        headers: dict[str, str],
+        decision: Decision,
+        hashes: HashCache | None,
+        adapter: str | None,
+    ) -> _PDPlan:
+        """Decide remote prefill or not for the best decode replica, and run the P leg when remote."""
+        best = decision.ranked[0]
+        if hashes is not None:
+            prompt_tokens, uncached = len(hashes.token_ids), best.uncached_tokens
+        else:  # no tokenizer (or an unreadable body): estimated length, nothing known to be cached
+            prompt_tokens = uncached = estimate_prompt_tokens(path, payload)
+        remote, reason = self.pd_rule.by_length(prompt_tokens, uncached)
+        if not remote:
+            return self._pd_path(LOCAL, reason)
+        now = time.monotonic()
+        views = {r.url: self.replicas.view(r, now) for r in self.replicas.routable(now, PREFILL_CANDIDATES)}
+        features = RequestFeatures(hashes_for=hashes, num_prompt_tokens=prompt_tokens, adapter=adapter)
+        ranked = rank(features, list(views.values()), self.replicas.index, self.config.weights, self.rng).ranked
+        if not ranked:
+            return self._pd_path(LOCAL, "no_prefill_replica")
+        chosen = ranked[0]
+        if chosen.url == best.url:  # a both replica is the best at both: prefilling there is local
+            return self._pd_path(LOCAL, "same_replica")
+        view = views[chosen.url]
+        room, why = self.pd_rule.by_queue(prefill_queue(view.waiting, view.in_flight))
+        if not room:
+            return self._pd_path(LOCAL, why)
+
+        url = chosen.url
+        replica = self.replicas.replicas.get(url)
+        if hashes is not None and replica is not None:  # P caches the prompt's blocks too
+            self.replicas.index.record(
+                url, hashes(self.replicas.block_size(replica)), self.replicas.capacity_blocks(replica)
+            )
+        leg_headers = {**headers, "x-request-id": str(uuid.uuid4())}  # one id for both legs (vLLM's toy proxy)
+        self.metrics.requests.labels(url, "prefill").inc()
+        lease = _Lease(self, url, chosen.uncached_tokens, adapter)
+        started = time.perf_counter()
+        try:
+            answer = await prefill_leg(
+                self.client,
+                url + path,
+                json.dumps(prefill_body(payload)).encode(),
+                leg_headers,
+                self.config.prefill_timeout_s,
+            )
+        except PrefillFailed as exc:
+            self.metrics.prefill_leg_seconds.labels(url, exc.cause).observe(time.perf_counter() - started)
+            if exc.cause in ("connect_error", "reset", "http_503"):
+                self.control.eject(url, f"prefill_{exc.cause}", exc)
+            logger.warning("prefill leg on %s failed (%s): serving %s aggregated", url, exc, path)
+            return self._pd_path(FALLBACK, exc.cause)
+        finally:
+            await lease.release()
+        self.metrics.prefill_leg_seconds.labels(url, "ok").observe(time.perf_counter() - started)
+        self.replicas.served(url)
+        body = json.dumps(decode_body(payload, answer.kv_transfer_params)).encode()
+        return self._pd_path(REMOTE, reason, body, leg_headers, answer.cached_tokens)
+
+    def _pd_path(self, path: str, reason: str, *rest) -> _PDPlan:
+        self.metrics.pd_requests.labels(path, reason).inc()
+        return _PDPlan(path, *rest)
 
     async def _hold(self, request: Request, model: str, deadline: float) -> Response | None:
         """Hold the request until a replica is ready (None) or answer it: 503 + Retry-After when the hold is
@@ -235,6 +367,7 @@ class Router:
         hashes: HashCache | None,
         session_key: str | None,
         adapter: str | None = None,
+        plan: _PDPlan | None = None,
     ) -> tuple[Response | None, str]:
         """Try the ranked replicas (at most max_attempts); (response, "") once one answers, (None, last error)
         when every attempt failed before any byte reached the client."""
@@ -250,7 +383,8 @@ class Router:
                     url, hashes(self.replicas.block_size(replica)), self.replicas.capacity_blocks(replica)
                 )
             self.metrics.requests.labels(url, decision.reason if attempt == 0 else "retry").inc()
-            lease = _Lease(self, url, score.uncached_tokens, adapter)
+            remote = plan is not None and plan.remote  # the D leg: the KV is pulled, not prefilled there
+            lease = _Lease(self, url, 0 if remote else score.uncached_tokens, adapter)
             upstream = self.client.build_request("POST", url + path, content=body, headers=headers)
             # The last replica's 503 (draining, loading) goes to the client, unless requests are held: then
             # the replica is ejected and the request waits for a ready one.
@@ -280,8 +414,11 @@ class Router:
             out_headers = {k: v for k, v in resp.headers.items() if k.lower() not in HOP_HEADERS}
             out_headers[ENDPOINT_HEADER] = url
             is_sse = resp.headers.get("content-type", "").startswith("text/event-stream")
+            content = _relay(self, url, resp, first_chunk, chunks, is_sse)
+            if remote and plan.cached_tokens is not None and resp.status_code == 200:
+                content = usage_rewritten(content, is_sse, plan.cached_tokens)
             response = _LeasedStreamingResponse(
-                _relay(self, url, resp, first_chunk, chunks, is_sse),
+                content,
                 lease,
                 status_code=resp.status_code,
                 headers=out_headers,

@@ -11,6 +11,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from kvserve.runtime.router.config import RouterConfig
+from kvserve.runtime.router.pd import BOTH, DECODE_CANDIDATES, PREFILL
 from kvserve.runtime.router.prefix_index import PrefixIndex
 from kvserve.runtime.router.replica_metrics import ReplicaMetrics
 from kvserve.runtime.router.replica_models import ReplicaModels
@@ -31,6 +32,7 @@ class Replica:
     draining: bool = False  # EndpointSlice says serving but terminating: finish, take nothing new
     models: ReplicaModels | None = None  # its last /v1/models (None: not read yet, or unreadable)
     in_flight_adapters: Counter[str] = field(default_factory=Counter)  # the router's requests there, by adapter
+    role: str = BOTH  # P/D mode (router/pd.py): prefill, decode or both
 
 
 class ReplicaSet:
@@ -46,9 +48,12 @@ class ReplicaSet:
         self.sessions = SessionTable()
 
     # ---- discovery ----------------------------------------------------------------------------------------
-    def set_endpoints(self, ready: set[str], draining: set[str] = frozenset()) -> tuple[set[str], set[str]]:
+    def set_endpoints(
+        self, ready: set[str], draining: set[str] = frozenset(), roles: dict[str, str] | None = None
+    ) -> tuple[set[str], set[str]]:
         """Replace the discovered set; returns (added, removed). A removed replica loses its index entries,
-        sessions and counters at once (a "ghost" endpoint would hang requests, production-stack #1008)."""
+        sessions and counters at once (a "ghost" endpoint would hang requests, production-stack #1008).
+        `roles`: URL -> prefill | decode | both (P/D mode); a URL not in it serves both."""
         wanted = set(ready) | set(draining)
         added = wanted - set(self.replicas)
         removed = set(self.replicas) - wanted
@@ -60,6 +65,7 @@ class ReplicaSet:
             self.sessions.forget_replica(url)
         for url, replica in self.replicas.items():
             replica.draining = url in draining and url not in ready
+            replica.role = (roles or {}).get(url, BOTH)
         if added or removed:
             logger.info("replicas: %s (added %s, removed %s)", sorted(self.replicas), sorted(added), sorted(removed))
         return added, removed
@@ -144,18 +150,24 @@ class ReplicaSet:
         )
         return max(1, tokens // self.block_size(replica))
 
-    def routable(self, now: float) -> list[Replica]:
+    def pd_active(self) -> bool:
+        """P/D mode: some replica is a prefill replica."""
+        return any(r.role == PREFILL for r in self.replicas.values())
+
+    def routable(self, now: float, roles: frozenset[str] | None = None) -> list[Replica]:
         """Healthy, non-draining replicas; if every one is ejected, all non-draining ones (fail open: a
         wrong ejection must not turn into a full outage). Draining: the EndpointSlice says terminating, or
         the replica's last scrape said `kvserve:draining 1` (a stop signal came: the router stops sending
-        first, while the replica still accepts through its preStop sleep or --drain-accept-seconds)."""
-        live = self._live()
+        first, while the replica still accepts through its preStop sleep or --drain-accept-seconds). `roles`:
+        only replicas of these roles (P/D mode), the fail-open applying among them."""
+        live = [r for r in self._live() if roles is None or r.role in roles]
         healthy = [r for r in live if r.ejected_until is None]
         return healthy or live
 
     def ready(self) -> list[Replica]:
-        """Healthy, non-draining replicas, without routable()'s fail-open: what held requests wait for."""
-        return [r for r in self._live() if r.ejected_until is None]
+        """Healthy, non-draining replicas that can serve a whole request (not prefill-only), without
+        routable()'s fail-open: what held requests wait for."""
+        return [r for r in self._live() if r.ejected_until is None and r.role in DECODE_CANDIDATES]
 
     def _live(self) -> list[Replica]:
         return [r for r in self.replicas.values() if not (r.draining or (r.metrics is not None and r.metrics.draining))]

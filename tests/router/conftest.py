@@ -125,7 +125,15 @@ class WordTokenizer:
 
 
 class LiveRouter(Threaded):
-    def __init__(self, backends: list[str], tokenizer: Any = None, kv_events: Any = None, **config: Any):
+    def __init__(
+        self,
+        backends: list[str],
+        tokenizer: Any = None,
+        kv_events: Any = None,
+        prefill: list[str] = (),
+        decode: list[str] = (),
+        **config: Any,
+    ):
         from kvserve.runtime.router import discovery
         from kvserve.runtime.router.app import build_app
         from kvserve.runtime.router.config import RouterConfig
@@ -133,10 +141,11 @@ class LiveRouter(Threaded):
 
         config.setdefault("poll_interval_s", 0)
         config.setdefault("default_block_size", 4)
-        self.router = Router(RouterConfig(seed=0, **config), tokenizer, discovery.static(backends), kv_events=kv_events)
+        found = discovery.static(backends, prefill, decode)
+        self.router = Router(RouterConfig(seed=0, **config), tokenizer, found, kv_events=kv_events)
         super().__init__(build_app(self.router))
         deadline = time.monotonic() + 10
-        while len(self.router.replicas.replicas) < len(backends):
+        while len(self.router.replicas.replicas) < len(set(backends) | set(prefill) | set(decode)):
             assert time.monotonic() < deadline
             time.sleep(0.02)
 
@@ -158,6 +167,16 @@ class LiveRouter(Threaded):
             time.sleep(0.02)
 
 
+class FakeEngine(Threaded):
+    """A fake engine speaking vLLM's P/D protocol (tests/pd_fake_engine.py); `state` has what it received."""
+
+    def __init__(self, name: str, mode: str = "ok"):
+        from pd_fake_engine import EngineState
+
+        self.state = EngineState(name, mode)
+        super().__init__(self.state.app())
+
+
 class Harness:
     """What the `fakes` fixture hands a test: factories for fake replicas and routers (stopped afterwards)."""
 
@@ -176,6 +195,11 @@ class Harness:
         replica = FakeReplica(name, port=port, **kwargs)
         self.made.append(replica)
         return replica
+
+    def engines(self, *names: str, mode: str = "ok") -> list[FakeEngine]:
+        out = [FakeEngine(n, mode) for n in names]
+        self.made.extend(out)
+        return out
 
     def router(self, backends: list[str], **kwargs: Any) -> LiveRouter:
         r = LiveRouter(backends, **kwargs)

@@ -10,6 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvserve.runtime.metrics import CONTENT_TYPE
+from kvserve.runtime.router.pd import DECODE_CANDIDATES
 from kvserve.runtime.router.proxy import ENDPOINT_HEADER, Router
 from kvserve.runtime.server.errors import error_response
 
@@ -54,7 +55,10 @@ def build_app(router: Router) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         replicas = router.replicas.replicas.values()
-        routable = sum(1 for r in replicas if r.ejected_until is None and not r.draining)
+        # A prefill-only replica (P/D mode) cannot serve a request alone: it does not make the router ready.
+        routable = sum(
+            1 for r in replicas if r.ejected_until is None and not r.draining and r.role in DECODE_CANDIDATES
+        )
         body = {
             "status": "ok" if routable else "holding" if router.held is not None else "no_replicas",
             "replicas": len(router.replicas.replicas),

@@ -114,7 +114,7 @@ def estimate_prompt_tokens(path: str, body: Any) -> int:
                 chars += sum(len(p.get("text") or "") for p in content if isinstance(p, dict))
         return chars // 4
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt:
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch: the first prompt, as the router's tokenizer reads it
     if isinstance(prompt, str):
         return len(prompt) // 4

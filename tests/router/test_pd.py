@@ -274,3 +274,23 @@ def test_prefill_replicas_never_take_a_whole_request_and_without_them_nothing_ch
     assert httpx.post(plain.url + "/v1/completions", json={"prompt": LONG}, timeout=20).status_code == 200
     assert a.state.received == [{"prompt": LONG}]
     assert plain.router.metrics.pd_requests.collect()[0].samples == []
+
+
+def test_a_client_leaving_during_the_prefill_leg_ends_it(fakes):
+    p, d = fakes.engines("p", "d")
+    p.state.mode = "hang"
+    router = _pd_router(fakes, [p.url], [d.url])
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(router.url + "/v1/completions", json={"prompt": LONG}, timeout=0.5)
+    assert router.in_flight() == 0  # the P leg's lease is released: the leg was cancelled
+    assert router.metric("kvserve_router:client_disconnects_total") == 1
+    assert d.state.received == [] and len(p.state.received) == 1
+
+
+def test_a_prefill_pool_alone_does_not_make_the_router_ready(fakes):
+    (p,) = fakes.engines("p")
+    router = fakes.router([], prefill=[p.url])
+    health = httpx.get(router.url + "/health", timeout=5)
+    assert health.status_code == 503 and health.json()["replicas"] == 1
+    assert httpx.post(router.url + "/v1/completions", json={"prompt": LONG}, timeout=5).status_code == 503
+    assert p.state.received == []

@@ -185,23 +185,15 @@ PD_FLAGS = (
         "pd_decider",
         _decider,
         f"per request, prefill on a prefill replica or not: {', '.join(DECIDERS)} -- conditional is Dynamo's "
-        "rule with the three settings below, always is llm-d's always-disagg decider (default: %(default)s)",
+        "rule with the settings below, always is llm-d's always-disagg decider (default: %(default)s)",
     ),
     Flag(
         "--max-local-prefill-length",
         "max_local_prefill_length",
         _non_negative_int,
-        "conditional: an uncached prompt part (prompt minus the decode replica's cached prefix) shorter than "
-        "this many tokens is prefilled on the decode replica (Dynamo's eff_isl_threshold; default: %(default)s)",
+        "conditional: an uncached prompt part (prompt minus the decode replica's cached prefix) of at most this "
+        "many tokens is prefilled on the decode replica (Dynamo's max_local_prefill_length; default: %(default)s)",
         metavar="TOKENS",
-    ),
-    Flag(
-        "--remote-prefill-min-uncached-ratio",
-        "remote_prefill_min_uncached_ratio",
-        _ratio,
-        "conditional: an uncached part under this fraction of the prompt is prefilled on the decode replica "
-        "(Dynamo's eff_isl_ratio_threshold; default: %(default)s)",
-        metavar="RATIO",
     ),
     Flag(
         "--max-prefill-queue",
@@ -210,6 +202,14 @@ PD_FLAGS = (
         "conditional: the prefill pool is saturated (prefill locally) when its best replica has this many "
         "requests waiting (Dynamo's max_prefill_queue_size; default: %(default)s)",
         metavar="N",
+    ),
+    Flag(
+        "--remote-prefill-min-uncached-ratio",
+        "remote_prefill_min_uncached_ratio",
+        _ratio,
+        "conditional: also prefill locally when the uncached part is under this fraction of the prompt "
+        "(0: off; default: %(default)s)",
+        metavar="RATIO",
     ),
     Flag(
         "--prefill-timeout",

@@ -33,9 +33,13 @@ class RouterConfig:
     hold_timeout_s: float = 60.0
     hold_retry_after_s: int = 10
     # P/D mode (router/pd.py), active while any replica has the prefill role. The decision per request:
-    # conditional (Dynamo's rule, with the three thresholds below), always (llm-d's always-disagg decider), never.
+    # conditional (Dynamo's disagg_router rule, with the settings below), always (llm-d's always-disagg decider),
+    # never. Remote prefill iff the uncached part is longer than max_local_prefill_length and the best prefill
+    # replica has fewer than max_prefill_queue requests waiting.
     pd_decider: str = "conditional"
-    max_local_prefill_length: int = 2048  # Dynamo's eff_isl_threshold: shorter uncached parts prefill locally
-    remote_prefill_min_uncached_ratio: float = 0.7  # Dynamo's eff_isl_ratio_threshold: below it, locally
-    max_prefill_queue: int = 2  # Dynamo's max_prefill_queue_size: requests waiting on the best prefill replica
+    max_local_prefill_length: int = 1000  # tokens; Dynamo's max_local_prefill_length
+    max_prefill_queue: int = 2  # requests waiting; Dynamo's max_prefill_queue_size
+    # Also local when the uncached part is under this fraction of the prompt (0: off): a mostly cached long
+    # prompt is not prefilled again on a prefill replica. Issue 42's reading of Dynamo's eff_isl_ratio (0.7).
+    remote_prefill_min_uncached_ratio: float = 0.0
     prefill_timeout_s: float = 60.0  # the whole P leg (a long prompt's prefill); past it, aggregated fallback

@@ -15,12 +15,15 @@ Roles are llm-d's `llm-d.ai/role` values: `prefill`, `decode`, `prefill-decode` 
 A replica without a role serves both. A prefill replica takes only P legs; decode and both take D legs and
 aggregated requests (a request prefilled where it decodes).
 
-The default decision is Dynamo's conditional disaggregation (lib/kv-router conditional_disagg.rs, IslOrLoad,
-as issue 42 states it): prefill locally on the decode replica when the uncached part of the prompt (prompt
-tokens minus the decode replica's cached prefix) is under `max_local_prefill_length` tokens (2048) or under
-`remote_prefill_min_uncached_ratio` (0.7) of the prompt -- the decode replica holds most of it already -- or
-when the prefill pool is saturated (its best replica has `max_prefill_queue` requests waiting); otherwise
-prefill remotely.
+The default decision is Dynamo's disaggregated router rule (examples/llm/components/disagg_router.py; the
+Rust DisaggregatedRouter's `prefill_length - prefix_hit_length > max_local_prefill_length`): prefill remotely
+only when the uncached part of the prompt (prompt tokens minus the decode replica's cached prefix, from the
+router's prefix or KV-event index) is longer than `max_local_prefill_length` (1000) tokens and the best prefill
+replica has fewer than `max_prefill_queue` (2) requests waiting; otherwise prefill on the decode replica.
+Optionally (`remote_prefill_min_uncached_ratio`, off by default) also locally when the uncached part is under
+that fraction of the prompt. Dynamo's newer conditional disaggregation (lib/kv-router conditional_disagg.rs)
+bypasses to local only when the uncached part is both under 2048 tokens and under 70% of the prompt, so a
+short fresh prompt goes remote there; issue 42 asks for short prompts to stay local, which the older rule does.
 """
 
 from __future__ import annotations
@@ -58,9 +61,9 @@ def check_decider(name: str) -> str:
 @dataclass(frozen=True)
 class PDRule:
     decider: str
-    max_local_prefill_length: int  # tokens: an uncached part shorter than this is prefilled locally
-    remote_prefill_min_uncached_ratio: float  # uncached / prompt below this: prefilled locally (mostly cached)
+    max_local_prefill_length: int  # tokens: an uncached part no longer than this is prefilled locally
     max_prefill_queue: int  # requests waiting on the best prefill replica at which the pool counts as saturated
+    remote_prefill_min_uncached_ratio: float  # uncached / prompt below this: prefilled locally (0: off)
 
     def __post_init__(self) -> None:
         check_decider(self.decider)
@@ -79,9 +82,9 @@ class PDRule:
             return False, "disabled"
         if self.decider == "always":
             return True, "always"
-        if prompt_tokens < self.max_local_prefill_length:
+        if prompt_tokens <= self.max_local_prefill_length:
             return False, "short"
-        if uncached_tokens < self.max_local_prefill_length:
+        if uncached_tokens <= self.max_local_prefill_length:
             return False, "cached"  # long, but the decode replica holds all but a short tail
         if uncached_tokens < self.remote_prefill_min_uncached_ratio * prompt_tokens:
             return False, "cached"

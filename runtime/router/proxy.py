@@ -127,8 +127,8 @@ class Router:
         self.pd_rule = PDRule(
             config.pd_decider,
             config.max_local_prefill_length,
-            config.remote_prefill_min_uncached_ratio,
             config.max_prefill_queue,
+            config.remote_prefill_min_uncached_ratio,
         )
         self.client: httpx.AsyncClient | None = None
         self.loop: asyncio.AbstractEventLoop | None = None

@@ -29,27 +29,27 @@ from kvserve.runtime.router.replicas import ReplicaSet
 
 def _rule(**kw) -> PDRule:
     c = RouterConfig(**kw)
-    return PDRule(c.pd_decider, c.max_local_prefill_length, c.remote_prefill_min_uncached_ratio, c.max_prefill_queue)
+    return PDRule(c.pd_decider, c.max_local_prefill_length, c.max_prefill_queue, c.remote_prefill_min_uncached_ratio)
 
 
 def test_dynamos_rule_with_its_defaults():
     rule = _rule()
-    assert (rule.max_local_prefill_length, rule.remote_prefill_min_uncached_ratio) == (2048, 0.7)
+    assert (rule.max_local_prefill_length, rule.max_prefill_queue) == (1000, 2)  # Dynamo's disagg_router
     assert rule.by_length(500, 500) == (False, "short")
-    assert rule.by_length(2047, 2047) == (False, "short")
-    assert rule.by_length(2048, 2048) == (True, "long_uncached")
+    assert rule.by_length(1000, 1000) == (False, "short")
+    assert rule.by_length(1001, 1001) == (True, "long_uncached")
     assert rule.by_length(10_000, 10_000) == (True, "long_uncached")
     # Long, but the decode replica holds all but a short tail: local.
-    assert rule.by_length(10_000, 2000) == (False, "cached")
-    # Long and a long tail, but under 70% of the prompt uncached: local.
-    assert rule.by_length(10_000, 6999) == (False, "cached")
-    assert rule.by_length(10_000, 7000) == (True, "long_uncached")
+    assert rule.by_length(10_000, 1000) == (False, "cached")
+    assert rule.by_length(10_000, 1001) == (True, "long_uncached")  # the ratio rule is off by default
     assert rule.by_queue(1) == (True, "ok") and rule.by_queue(2) == (False, "prefill_saturated")
 
 
 def test_the_rule_is_configurable():
-    assert _rule(remote_prefill_min_uncached_ratio=0.0).by_length(10_000, 2048) == (True, "long_uncached")
+    ratio = _rule(remote_prefill_min_uncached_ratio=0.7)
+    assert ratio.by_length(10_000, 6999) == (False, "cached") and ratio.by_length(10_000, 7000)[0]
     assert _rule(max_local_prefill_length=0).by_length(1, 1) == (True, "long_uncached")
+    assert _rule(max_prefill_queue=5).by_queue(4) == (True, "ok")
     always = _rule(pd_decider="always")
     assert always.by_length(1, 0) == (True, "always") and always.by_queue(100) == (True, "ok")
     assert _rule(pd_decider="never").by_length(10**6, 10**6) == (False, "disabled")

@@ -111,3 +111,55 @@ def test_watcher_follows_endpointslices_in_kmock(emulator):
     finally:
         watcher.stop()
         thread.join(10)  # the emulator ignores timeoutSeconds: the client's 5 s read timeout ends the watch
+
+
+def test_watcher_reads_pd_roles_from_the_pods_llm_d_label_in_kmock(emulator):
+    import kubernetes
+
+    api = kubernetes.client.DiscoveryV1Api(emulator)
+    core = kubernetes.client.CoreV1Api(emulator)
+
+    def pod(name: str, ip: str, role: str | None) -> dict:
+        labels = {"app": "llama", **({"llm-d.ai/role": role} if role else {})}
+        return {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name, "namespace": "ns", "labels": labels},
+            "spec": {"containers": [{"name": "engine", "image": "kvserve"}]},
+            "status": {"podIP": ip},
+        }
+
+    core.create_namespaced_pod("ns", pod("p-0", "10.0.0.1", "prefill"))
+    core.create_namespaced_pod("ns", pod("d-0", "10.0.0.2", "decode"))
+    api.create_namespaced_endpoint_slice("ns", _slice("llama-abc", "llama", [("10.0.0.1", READY), ("10.0.0.2", READY)]))
+    pushes: list[tuple] = []
+    watcher = EndpointSliceWatcher(
+        "ns", "llama", "http", api_client=emulator, watch_timeout_s=0, retry_s=0.2, role_label="llm-d.ai/role"
+    )
+    thread = threading.Thread(target=watcher.run_blocking, args=(lambda *a: pushes.append(a),), daemon=True)
+    thread.start()
+
+    def wait_for(expected: tuple) -> None:
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            if pushes and pushes[-1] == expected:
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"watcher never pushed {expected}; got {pushes}")
+
+    try:
+        both = {"http://10.0.0.1:8000", "http://10.0.0.2:8000"}
+        wait_for((both, set(), {"http://10.0.0.1:8000": "prefill", "http://10.0.0.2:8000": "decode"}))
+        # A new pod without the label serves both; the pods are listed again because its address is new.
+        core.create_namespaced_pod("ns", pod("x-0", "10.0.0.3", None))
+        api.create_namespaced_endpoint_slice("ns", _slice("llama-def", "llama", [("10.0.0.3", READY)]))
+        wait_for(
+            (
+                both | {"http://10.0.0.3:8000"},
+                set(),
+                {"http://10.0.0.1:8000": "prefill", "http://10.0.0.2:8000": "decode", "http://10.0.0.3:8000": "both"},
+            )
+        )
+    finally:
+        watcher.stop()
+        thread.join(10)

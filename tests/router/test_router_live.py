@@ -80,3 +80,44 @@ def test_conversations_through_the_router(stories_replicas, fakes):
         assert reported.capacity_tokens and reported.block_size == 16
         replica = router.router.replicas.replicas[url]
         assert router.router.replicas.capacity_blocks(replica) == reported.capacity_tokens // 16
+
+
+def test_pd_mode_in_front_of_real_replicas_answers_token_for_token(stories_replicas, fakes):
+    """P/D mode with one replica as the prefill pool and one as the decode pool. Whether the engines hand the
+    KV over (kv_transfer_params, remote_prefill) or not (a prefill answer without them: the aggregated
+    fallback), the client's greedy tokens equal a direct request's, streamed or not."""
+    from kvserve.runtime.router.prompt import PromptTokenizer
+
+    p, d = stories_replicas
+    router = fakes.router(
+        [],
+        prefill=[p.url],
+        decode=[d.url],
+        tokenizer=PromptTokenizer(p.model_dir),
+        default_block_size=16,
+        max_local_prefill_length=8,
+    )
+    for n, stream in ((0, False), (1, True)):
+        messages = _turns(n, 1)[0]
+        body = {"model": "stories", "messages": messages, "max_tokens": 8, "temperature": 0, "stream": stream}
+        via_router = httpx.post(router.url + "/v1/chat/completions", json=body, timeout=60)
+        direct = httpx.post(d.url + "/v1/chat/completions", json=body, timeout=60)
+        assert via_router.status_code == 200 and via_router.headers["x-kvserve-endpoint"] == d.url
+        if stream:
+            assert [line for line in via_router.text.splitlines() if '"content"' in line] != []
+            assert _stream_text(via_router) == _stream_text(direct)
+        else:
+            assert via_router.json()["choices"] == direct.json()["choices"]
+    remote = router.metric("kvserve_router:pd_requests_total", path="remote_prefill", reason="long_uncached")
+    fallback = router.metric("kvserve_router:pd_requests_total", path="fallback", reason="no_kv_transfer_params")
+    assert remote + fallback == 2
+
+
+def _stream_text(resp: httpx.Response) -> str:
+    import json
+
+    return "".join(
+        json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+        for line in resp.text.splitlines()
+        if line.startswith("data: {") and json.loads(line[6:]).get("choices")
+    )

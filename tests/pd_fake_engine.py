@@ -41,7 +41,7 @@ def prompt_tokens(body: dict) -> int:
 
 
 class EngineState:
-    """mode (prefill side): ok | 500 | 503 | no_params | bad_json | hang."""
+    """mode (prefill side): ok | 500 | 503 | no_params | bad_json | hang | flaky (every other prefill: 500)."""
 
     def __init__(self, name: str, mode: str = "ok"):
         self.name, self.mode = name, mode
@@ -78,6 +78,9 @@ class EngineState:
     async def prefill(self, body: dict, request_id: str | None) -> Response:
         if self.mode == "hang":
             await asyncio.sleep(60)
+        if self.mode == "flaky" and len(self.received) % 2 == 0:
+            return JSONResponse({"error": {"message": "prefill failed"}}, status_code=500)
+        await asyncio.sleep(0.05)  # a prefill takes a while: concurrent legs overlap
         if self.mode in ("500", "503"):
             return JSONResponse({"error": {"message": "prefill failed"}}, status_code=int(self.mode))
         if self.mode == "bad_json":

@@ -294,3 +294,56 @@ def test_a_prefill_pool_alone_does_not_make_the_router_ready(fakes):
     assert health.status_code == 503 and health.json()["replicas"] == 1
     assert httpx.post(router.url + "/v1/completions", json={"prompt": LONG}, timeout=5).status_code == 503
     assert p.state.received == []
+
+
+def test_concurrent_requests_with_a_flaky_prefill_replica_all_get_one_complete_answer(fakes):
+    p1, p2, d1, d2 = fakes.engines("p1", "p2", "d1", "d2")
+    p2.state.mode = "flaky"
+    router = _pd_router(fakes, [p1.url, p2.url], [d1.url, d2.url], max_prefill_queue=100)
+    bodies = [
+        {"prompt": " ".join(f"c{i}-{j}" for j in range(30 + i)), "max_tokens": 3, "stream": i % 2 == 0}
+        for i in range(16)
+    ]
+    results: list[httpx.Response | None] = [None] * len(bodies)
+
+    def client(i: int) -> None:
+        results[i] = httpx.post(router.url + "/v1/completions", json=bodies[i], timeout=30)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for body, resp in zip(bodies, results):
+        assert resp is not None and resp.status_code == 200
+        if body["stream"]:
+            texts = [e["choices"][0]["text"] for e in _events(resp.text)]
+        else:
+            texts = resp.json()["choices"][0]["text"].split()
+        assert texts == answer_tokens(body)
+    remote = _pd_metric(router, "remote_prefill", "long_uncached")
+    fallback = _pd_metric(router, "fallback", "http_500")
+    assert remote + fallback == len(bodies) and remote >= 1
+    assert fallback == len(p2.state.received) // 2 and fallback >= 1  # p2 fails its 2nd, 4th, ... leg
+    # Each request reached a decode replica exactly once: with P's params after a good leg, bare after a failed one.
+    decoded = d1.state.received + d2.state.received
+    assert len(decoded) == len(bodies)
+    assert sum(1 for b in decoded if "kv_transfer_params" in b) == remote
+    assert router.in_flight() == 0
+
+
+def test_local_when_the_best_prefill_replica_is_the_decode_replica_or_none_is_live(fakes):
+    p, b, d = fakes.engines("p", "b", "d")
+    router = fakes.router([b.url], prefill=[p.url], tokenizer=fakes.WordTokenizer(), **PD)
+    # The prefill replica is busy (its waiting gauge): the both replica, already the decode pick, ranks first.
+    p.state.waiting = 50
+    router.poll()
+    assert httpx.post(router.url + "/v1/completions", json={"prompt": LONG}, timeout=20).status_code == 200
+    assert _pd_metric(router, "local", "same_replica") == 1 and p.state.received == []
+    assert b.state.received == [{"prompt": LONG}]
+    # Decode-only replicas and a prefill pool whose one replica is draining (its EndpointSlice says so).
+    router = _pd_router(fakes, [p.url], [d.url])
+    router.router.replicas.replicas[p.url].draining = True
+    assert httpx.post(router.url + "/v1/completions", json={"prompt": LONG}, timeout=20).status_code == 200
+    assert _pd_metric(router, "local", "no_prefill_replica") == 1 and p.state.received == []
+    assert d.state.received == [{"prompt": LONG}]

@@ -1,0 +1,226 @@
+"""PlanDrift's I/O and memory: on each resync, scrape every ready engine pod's /metrics, keep each pod's last
+scrape and standing, and give reconcile the `PlanDrift` condition. The decisions are operator/plan_drift.py's.
+
+Only InferenceServices with spec.slo have a planned step-time model to compare with (status.fleet); the others
+carry no PlanDrift condition. The memory is the operator's own (a restarted operator starts measuring again and
+keeps the last written condition until a pod is judged). A replica of several pods is scraped on its leader
+(worker index 0), the pod that serves HTTP; the router's pods are not engines.
+
+Settings: plan_drift.DriftSettings' defaults, each overridable by an environment variable of the operator's
+Deployment (ENV below). The scrape of one InferenceService's pods runs in parallel, `scrape_timeout_s` each, so
+a resync waits for an unreachable pod at most that long.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvserve.operator import fleet, metrics
+from kvserve.operator.plan_drift import (
+    Counters,
+    DriftSettings,
+    PodDrift,
+    advance,
+    condition,
+    judge,
+    parse_counters,
+    predict,
+    window,
+)
+from kvserve.runtime.planner.fleet import Candidate
+from kvserve.runtime.planner.simulator import Workload
+
+CONDITION = "PlanDrift"
+# DriftSettings field -> the environment variable that overrides its default
+ENV = {
+    "tpot_tolerance": "KVSERVE_DRIFT_TPOT_TOLERANCE",
+    "ttft_tolerance": "KVSERVE_DRIFT_TTFT_TOLERANCE",
+    "resyncs": "KVSERVE_DRIFT_RESYNCS",
+    "min_requests": "KVSERVE_DRIFT_MIN_REQUESTS",
+    "scrape_timeout_s": "KVSERVE_DRIFT_SCRAPE_TIMEOUT_SECONDS",
+}
+WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"  # render/multinode.py's; "0" on leaders
+MAX_PARALLEL_SCRAPES = 16
+
+
+def settings_from_env(env: Mapping[str, str]) -> DriftSettings:
+    """DriftSettings with the overrides set in `env`; raises ValueError naming the variable."""
+    types = {f.name: f.type for f in dataclasses.fields(DriftSettings)}
+    values = {}
+    for name, var in ENV.items():
+        if var in env:
+            cast = int if types[name] in (int, "int") else float
+            try:
+                values[name] = cast(env[var])
+            except ValueError:
+                kind = "an integer" if cast is int else "a number"
+                raise ValueError(f"{var} must be {kind}, got {env[var]!r}") from None
+    try:
+        return DriftSettings(**values)
+    except ValueError as exc:
+        raise ValueError(f"{exc} (environment: {', '.join(f'{ENV[k]}={v}' for k, v in values.items())})") from None
+
+
+SETTINGS = settings_from_env(os.environ)
+
+
+@dataclass
+class _PodWatch:
+    baseline: Counters  # the window's start: the last scrape that began a window
+    standing: PodDrift = field(default_factory=PodDrift)
+
+
+@dataclass
+class _ObjectWatch:
+    plan: tuple[Candidate, Workload]  # what the pods are compared with; a new plan starts over
+    pods: dict[str, _PodWatch] = field(default_factory=dict)  # pod name -> its watch
+    waiting: str = ""  # why no pod could be judged at the last resync
+
+
+_objects: dict[tuple[str, str], _ObjectWatch] = {}
+_guard = threading.Lock()
+
+
+def _engine_pods(pods: list[dict], port: int) -> dict[str, str]:
+    """pod name -> its /metrics URL, for ready engine pods that serve HTTP (a multi-pod replica's leader)."""
+    out = {}
+    for pod in pods:
+        meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+        pod_labels = meta.get("labels") or {}
+        if meta.get("deletionTimestamp") or pod_labels.get("app.kubernetes.io/component") != "engine":
+            continue
+        if pod_labels.get(WORKER_INDEX_LABEL, "0") != "0" or not status.get("podIP"):
+            continue
+        if not any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []):
+            continue
+        out[meta.get("name", "?")] = f"http://{status['podIP']}:{port}/metrics"
+    return out
+
+
+def _scrape(url: str, timeout_s: float) -> tuple[str | None, str]:
+    """(the /metrics text, "") or (None, why not)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            return resp.read().decode("utf-8", errors="replace"), ""
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        return None, f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}"
+
+
+def planned(resolved_fleet: fleet.Option | None, raw_spec: dict) -> tuple[Candidate, Workload] | None:
+    """What a pod is compared with: the replica spec.slo's plan chose (engine shape, step-time model) and
+    spec.workload (request count, prefix, seed); None without spec.slo."""
+    if resolved_fleet is None:
+        return None
+    target = fleet.target_from_spec(raw_spec)
+    return (resolved_fleet.candidate, target.workload) if target is not None else None
+
+
+def observe(namespace: str, name: str, planned: tuple[Candidate, Workload] | None, pods: list[dict], port: int) -> None:
+    """One resync's measurement: scrape the ready engine pods, advance each pod's standing. `planned`: the
+    replica the plan chose and spec.workload (None: no spec.slo, nothing to compare with)."""
+    if planned is None:
+        forget(namespace, name)
+        return
+    urls = _engine_pods(pods, port)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(MAX_PARALLEL_SCRAPES, len(urls)))) as pool:
+        texts = dict(zip(urls, pool.map(lambda u: _scrape(u, SETTINGS.scrape_timeout_s), urls.values())))
+    now_s = time.monotonic()
+    with _guard:
+        watch = _objects.get((namespace, name))
+        if watch is None or watch.plan != planned:
+            watch = _objects[(namespace, name)] = _ObjectWatch(planned)
+        for gone in set(watch.pods) - set(urls):  # deleted, or not ready: its next window starts afresh
+            del watch.pods[gone]
+        failures = []
+        for pod, (text, why) in texts.items():
+            try:
+                counters = parse_counters(text, now_s) if text is not None else None
+            except ValueError as exc:
+                counters, why = None, f"not Prometheus text ({exc})"
+            if counters is None:
+                failures.append(f"pod {pod}: {urls[pod]}: {why}")
+                continue
+            current = watch.pods.get(pod)
+            if current is None:
+                watch.pods[pod] = _PodWatch(counters)
+                continue
+            measured = window(current.baseline, counters)
+            if measured is None:  # the engine restarted: its window starts again
+                current.baseline = counters
+                continue
+            judgement = judge(measured, predict(*planned, measured), SETTINGS)
+            if judgement is None:  # too few requests yet: the window grows until the next resync
+                continue
+            current.standing = advance(current.standing, judgement, SETTINGS)
+            current.baseline = counters
+        if failures:
+            watch.waiting = "cannot read /metrics of " + "; ".join(failures)
+        elif not urls:
+            watch.waiting = "no ready engine pod to measure"
+        else:
+            watch.waiting = ""
+
+
+def current(namespace: str, name: str, planned: object | None, previous: dict | None) -> tuple[bool, str, str] | None:
+    """The PlanDrift condition (status, reason, message) from what was measured; None without spec.slo.
+    `previous`: the condition as the status holds it, kept while nothing was judged since the operator started
+    (its memory is in-process)."""
+    if planned is None:
+        return None
+    with _guard:
+        watch = _objects.get((namespace, name))
+        standing = {pod: w.standing for pod, w in watch.pods.items()} if watch is not None else {}
+        waiting = watch.waiting if watch is not None else ""
+    status, reason, message = condition(standing, SETTINGS, waiting)
+    if reason == "NotMeasured" and watch is None and previous and previous.get("reason") not in (None, "NotMeasured"):
+        return previous.get("status") == "True", previous["reason"], previous.get("message", "")
+    if reason == "NotMeasured" and waiting:
+        message = f"{message}; waiting for {SETTINGS.min_requests} finished requests on a ready pod"
+    return status, reason, message
+
+
+def forget(namespace: str, name: str) -> None:
+    with _guard:
+        _objects.pop((namespace, name), None)
+
+
+def clear() -> None:
+    with _guard:
+        _objects.clear()
+
+
+class _DriftCollector(Collector):
+    """kvserve_inferenceservice_plan_drift_ratio{pod, metric}: measured / planned of each pod's last judged
+    window (1.0 is on plan), beside the PlanDrift condition gauge that operator/metrics.py exports."""
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "kvserve_inferenceservice_plan_drift_ratio",
+            "Measured over planned latency of each engine pod's last judged window (TPOT, TTFT); 1 is on plan.",
+            labels=["namespace", "inferenceservice", "pod", "metric"],
+        )
+        with _guard:
+            rows = [
+                (key, pod, d)
+                for key, watch in sorted(_objects.items())
+                for pod, w in sorted(watch.pods.items())
+                if w.standing.last is not None
+                for d in w.standing.last.deviations
+            ]
+        for (namespace, name), pod, d in rows:
+            family.add_metric([namespace, name, pod, d.metric], d.measured_s / d.planned_s)
+        yield family
+
+
+metrics.REGISTRY.register(_DriftCollector())

@@ -52,6 +52,7 @@ ENV = {
 }
 WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"  # render/multinode.py's; "0" on leaders
 MAX_PARALLEL_SCRAPES = 16
+NETWORK_POLICY_HINT = "add the operator's namespace to spec.networkPolicy.from (docs/operator.md, PlanDrift)"
 
 
 def settings_from_env(env: Mapping[str, str]) -> DriftSettings:
@@ -75,17 +76,28 @@ def settings_from_env(env: Mapping[str, str]) -> DriftSettings:
 SETTINGS = settings_from_env(os.environ)
 
 
-@dataclass
+@dataclass(frozen=True)
 class _PodWatch:
     baseline: Counters  # the window's start: the last scrape that began a window
-    standing: PodDrift = field(default_factory=PodDrift)
+    standing: PodDrift = PodDrift()
 
 
-@dataclass
+@dataclass(frozen=True)
 class _ObjectWatch:
     plan: tuple[Candidate, Workload]  # what the pods are compared with; a new plan starts over
     pods: dict[str, _PodWatch] = field(default_factory=dict)  # pod name -> its watch
-    waiting: str = ""  # why no pod could be judged at the last resync
+    waiting: str = ""  # why a pod could not be measured at the last resync
+    # pod name -> (scrapes failed in a row, resyncs left to skip it): an unreachable pod (a NetworkPolicy that
+    # does not admit the operator, a hung server) costs the resync its timeout ever more rarely
+    backoff: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+
+MAX_SKIPPED_RESYNCS = 15
+
+
+def _skip_after(failures: int) -> int:
+    """Resyncs to skip a pod after `failures` failed scrapes in a row: 0, 1, 3, 7, 15, 15, ..."""
+    return min(2 ** (failures - 1) - 1, MAX_SKIPPED_RESYNCS)
 
 
 _objects: dict[tuple[str, str], _ObjectWatch] = {}
@@ -128,48 +140,58 @@ def planned(resolved_fleet: fleet.Option | None, raw_spec: dict) -> tuple[Candid
 
 def observe(namespace: str, name: str, planned: tuple[Candidate, Workload] | None, pods: list[dict], port: int) -> None:
     """One resync's measurement: scrape the ready engine pods, advance each pod's standing. `planned`: the
-    replica the plan chose and spec.workload (None: no spec.slo, nothing to compare with)."""
+    replica the plan chose and spec.workload (None: no spec.slo, nothing to compare with). Called under the
+    InferenceService's reconcile lock; the module's lock is held only to read and swap the watch, not while
+    scraping or simulating."""
     if planned is None:
         forget(namespace, name)
         return
-    urls = _engine_pods(pods, port)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(MAX_PARALLEL_SCRAPES, len(urls)))) as pool:
-        texts = dict(zip(urls, pool.map(lambda u: _scrape(u, SETTINGS.scrape_timeout_s), urls.values())))
-    now_s = time.monotonic()
     with _guard:
-        watch = _objects.get((namespace, name))
-        if watch is None or watch.plan != planned:
-            watch = _objects[(namespace, name)] = _ObjectWatch(planned)
-        for gone in set(watch.pods) - set(urls):  # deleted, or not ready: its next window starts afresh
-            del watch.pods[gone]
-        failures = []
-        for pod, (text, why) in texts.items():
-            try:
-                counters = parse_counters(text, now_s) if text is not None else None
-            except ValueError as exc:
-                counters, why = None, f"not Prometheus text ({exc})"
-            if counters is None:
-                failures.append(f"pod {pod}: {urls[pod]}: {why}")
-                continue
-            current = watch.pods.get(pod)
-            if current is None:
-                watch.pods[pod] = _PodWatch(counters)
-                continue
-            measured = window(current.baseline, counters)
-            if measured is None:  # the engine restarted: its window starts again
-                current.baseline = counters
-                continue
-            judgement = judge(measured, predict(*planned, measured), SETTINGS)
-            if judgement is None:  # too few requests yet: the window grows until the next resync
-                continue
-            current.standing = advance(current.standing, judgement, SETTINGS)
-            current.baseline = counters
-        if failures:
-            watch.waiting = "cannot read /metrics of " + "; ".join(failures)
-        elif not urls:
-            watch.waiting = "no ready engine pod to measure"
-        else:
-            watch.waiting = ""
+        before = _objects.get((namespace, name))
+    if before is None or before.plan != planned:
+        before = _ObjectWatch(planned)
+    urls = _engine_pods(pods, port)
+    backoff = {pod: before.backoff[pod] for pod in urls if pod in before.backoff}
+    skipped = {pod for pod, (_, left) in backoff.items() if left > 0}
+    due = {pod: url for pod, url in urls.items() if pod not in skipped}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(MAX_PARALLEL_SCRAPES, len(due)))) as pool:
+        texts = dict(zip(due, pool.map(lambda u: _scrape(u, SETTINGS.scrape_timeout_s), due.values())))
+    now_s = time.monotonic()
+    # Pods gone (deleted, or no longer ready) are dropped: a pod's next window starts afresh.
+    after = {pod: w for pod, w in before.pods.items() if pod in urls}
+    problems = []
+    for pod in sorted(skipped):
+        failed, left = backoff[pod]
+        backoff[pod] = (failed, left - 1)
+        problems.append(f"pod {pod}: not scraped for {left} more resyncs after {failed} failed scrapes")
+    for pod, (text, why) in texts.items():
+        try:
+            counters = parse_counters(text, now_s) if text is not None else None
+        except ValueError as exc:
+            counters, why = None, f"not Prometheus text ({exc})"
+        if counters is None:
+            failed = backoff.get(pod, (0, 0))[0] + 1
+            backoff[pod] = (failed, _skip_after(failed))
+            problems.append(f"pod {pod}: cannot read {urls[pod]}: {why}")
+            continue
+        backoff.pop(pod, None)
+        current = after.get(pod)
+        if current is None:
+            after[pod] = _PodWatch(counters)
+            continue
+        measured = window(current.baseline, counters)
+        if measured is None:  # the engine restarted: its window starts again
+            after[pod] = dataclasses.replace(current, baseline=counters)
+            continue
+        judgement = judge(measured, predict(*planned, measured), SETTINGS)
+        if judgement is None:  # too few requests yet: the window grows until the next resync
+            continue
+        after[pod] = _PodWatch(counters, advance(current.standing, judgement, SETTINGS))
+    waiting = "; ".join(problems) if problems else ("" if urls else "no ready engine pod to measure")
+    if any("cannot read" in p for p in problems):
+        waiting += f" (is the operator admitted to the engine's port? {NETWORK_POLICY_HINT})"
+    with _guard:
+        _objects[(namespace, name)] = _ObjectWatch(planned, after, waiting, backoff)
 
 
 def current(namespace: str, name: str, planned: object | None, previous: dict | None) -> tuple[bool, str, str] | None:
@@ -182,12 +204,9 @@ def current(namespace: str, name: str, planned: object | None, previous: dict | 
         watch = _objects.get((namespace, name))
         standing = {pod: w.standing for pod, w in watch.pods.items()} if watch is not None else {}
         waiting = watch.waiting if watch is not None else ""
-    status, reason, message = condition(standing, SETTINGS, waiting)
-    if reason == "NotMeasured" and watch is None and previous and previous.get("reason") not in (None, "NotMeasured"):
+    if watch is None and previous and previous.get("reason") not in (None, "NotMeasured"):
         return previous.get("status") == "True", previous["reason"], previous.get("message", "")
-    if reason == "NotMeasured" and waiting:
-        message = f"{message}; waiting for {SETTINGS.min_requests} finished requests on a ready pod"
-    return status, reason, message
+    return condition(standing, SETTINGS, waiting)
 
 
 def forget(namespace: str, name: str) -> None:

@@ -214,3 +214,35 @@ def test_observe_scrapes_only_ready_engine_leaders():
 def test_counters_of_a_pod_without_the_histograms_are_zero():
     c = plan_drift.parse_counters("# nothing here\n", 1.0)
     assert isinstance(c, Counters) and set(c.counts.values()) == {0.0}
+
+
+def test_an_unreachable_pod_is_not_measured_says_why_and_is_scraped_ever_more_rarely(planned, monkeypatch):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on: connection refused at once
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    pod = {
+        "metadata": {"name": "p", "labels": {"app.kubernetes.io/component": "engine"}},
+        "status": {"podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]},
+    }
+    monkeypatch.setattr(drift, "_objects", {})
+    messages = []
+    for _ in range(4):
+        drift.observe("ns", "x", planned, [pod], port)
+        messages.append(drift.current("ns", "x", planned, None))
+    assert all(m[:2] == (False, "NotMeasured") for m in messages)
+    assert "cannot read http://127.0.0.1" in messages[0][2] and "spec.networkPolicy.from" in messages[0][2]
+    assert "cannot read" in messages[1][2]  # the second failure in a row: skip the next resync
+    assert "not scraped for 1 more resyncs after 2 failed scrapes" in messages[2][2]
+    assert "cannot read" in messages[3][2]
+    assert [drift._skip_after(n) for n in range(1, 7)] == [0, 1, 3, 7, 15, 15]
+
+
+def test_a_restarted_operator_keeps_the_written_condition_until_it_measures(planned, monkeypatch):
+    monkeypatch.setattr(drift, "_objects", {})
+    written = {"type": "PlanDrift", "status": "True", "reason": "SlowerThanPlanned", "message": "pod p: slow"}
+    assert drift.current("ns", "x", planned, written) == (True, "SlowerThanPlanned", "pod p: slow")
+    assert drift.current("ns", "x", None, written) is None  # spec.slo removed: no condition
+    drift.observe("ns", "x", planned, [], 8000)
+    assert drift.current("ns", "x", planned, written) == (False, "NotMeasured", "no ready engine pod to measure")

@@ -207,7 +207,7 @@ class Judgement:
         m = self.measured
         load = (
             f"at {m.requests_per_s:.3g} req/s, {m.mean_prompt_tokens:.0f} prompt / {m.mean_output_tokens:.0f} "
-            f"output tokens ({m.requests} requests over {m.seconds:.0f} s)"
+            f"output tokens ({m.requests} requests over {m.seconds:.3g} s)"
         )
         return "; ".join(d.text() for d in self.deviations) + " " + load
 

@@ -183,7 +183,12 @@ def observe(namespace: str, name: str, planned: tuple[Candidate, Workload] | Non
         if measured is None:  # the engine restarted: its window starts again
             after[pod] = dataclasses.replace(current, baseline=counters)
             continue
-        judgement = judge(measured, predict(*planned, measured), SETTINGS)
+        try:
+            predicted = predict(*planned, measured)
+        except (ValueError, RuntimeError) as exc:  # e.g. a measured prompt the planned KV pool cannot hold
+            problems.append(f"pod {pod}: no prediction for its load ({exc})")
+            continue
+        judgement = judge(measured, predicted, SETTINGS)
         if judgement is None:  # too few requests yet: the window grows until the next resync
             continue
         after[pod] = _PodWatch(counters, advance(current.standing, judgement, SETTINGS))

@@ -246,3 +246,44 @@ def test_a_restarted_operator_keeps_the_written_condition_until_it_measures(plan
     assert drift.current("ns", "x", None, written) is None  # spec.slo removed: no condition
     drift.observe("ns", "x", planned, [], 8000)
     assert drift.current("ns", "x", planned, written) == (False, "NotMeasured", "no ready engine pod to measure")
+
+
+def _ready_pod(name: str) -> dict:
+    return {
+        "metadata": {"name": name, "labels": {"app.kubernetes.io/component": "engine"}},
+        "status": {"podIP": "10.0.0.9", "conditions": [{"type": "Ready", "status": "True"}]},
+    }
+
+
+def test_observe_judges_a_window_once_it_holds_enough_requests(planned, monkeypatch):
+    m = ServerMetrics("m", 8192)
+    monkeypatch.setattr(drift, "_objects", {})
+    monkeypatch.setattr(drift, "_scrape", lambda url, timeout_s: (_text(m), ""))
+    monkeypatch.setattr(drift, "SETTINGS", DriftSettings(resyncs=1, min_requests=20))
+    drift.observe("ns", "x", planned, [_ready_pod("p")], 8000)  # the baseline
+    _serve(m, 10, 1.0, 1.0)
+    drift.observe("ns", "x", planned, [_ready_pod("p")], 8000)
+    assert drift.current("ns", "x", planned, None)[1] == "NotMeasured"  # 10 < 20 requests: the window grows
+    _serve(m, 10, 1.0, 1.0)  # a second per output token: far slower than an H100 plan
+    drift.observe("ns", "x", planned, [_ready_pod("p")], 8000)
+    status, reason, message = drift.current("ns", "x", planned, None)
+    assert (status, reason) == (True, "SlowerThanPlanned") and "(20 requests over" in message
+
+
+def test_a_load_the_planner_cannot_simulate_is_said_not_raised(planned, monkeypatch):
+    m = ServerMetrics("m", 8192)
+
+    def refuse(*_):
+        raise RuntimeError("simulation stalled: a request cannot be scheduled (KV pool too small?)")
+
+    monkeypatch.setattr(drift, "_objects", {})
+    monkeypatch.setattr(drift, "_scrape", lambda url, timeout_s: (_text(m), ""))
+    monkeypatch.setattr(drift, "predict", refuse)
+    drift.observe("ns", "x", planned, [_ready_pod("p")], 8000)
+    _serve(m, 30, 0.1, 0.01)
+    drift.observe("ns", "x", planned, [_ready_pod("p")], 8000)
+    status, reason, message = drift.current("ns", "x", planned, None)
+    assert (status, reason) == (
+        False,
+        "NotMeasured",
+    ) and "pod p: no prediction for its load (simulation stalled" in message

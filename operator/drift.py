@@ -52,6 +52,9 @@ ENV = {
 }
 WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"  # render/multinode.py's; "0" on leaders
 MAX_PARALLEL_SCRAPES = 16
+# Seconds of simulation one resync of one InferenceService may start (a new load level costs about half a second,
+# a repeated one nothing: plan_drift.predict is memoised); pods past it are judged at a later resync.
+PREDICTION_BUDGET_S = 1.0
 NETWORK_POLICY_HINT = "add the operator's namespace to spec.networkPolicy.from (docs/operator.md, PlanDrift)"
 
 
@@ -156,7 +159,7 @@ def observe(namespace: str, name: str, planned: tuple[Candidate, Workload] | Non
     due = {pod: url for pod, url in urls.items() if pod not in skipped}
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(MAX_PARALLEL_SCRAPES, len(due)))) as pool:
         texts = dict(zip(due, pool.map(lambda u: _scrape(u, SETTINGS.scrape_timeout_s), due.values())))
-    now_s = time.monotonic()
+    now_s = started_s = time.monotonic()
     # Pods gone (deleted, or no longer ready) are dropped: a pod's next window starts afresh.
     after = {pod: w for pod, w in before.pods.items() if pod in urls}
     problems = []
@@ -180,8 +183,12 @@ def observe(namespace: str, name: str, planned: tuple[Candidate, Workload] | Non
             after[pod] = _PodWatch(counters)
             continue
         measured = window(current.baseline, counters)
-        if measured is None:  # the engine restarted: its window starts again
-            after[pod] = dataclasses.replace(current, baseline=counters)
+        if measured is None or measured.requests == 0:  # restarted, or idle: the window starts again here, so
+            after[pod] = dataclasses.replace(current, baseline=counters)  # an idle spell never dilutes a busy one
+            continue
+        if measured.requests < SETTINGS.min_requests:  # too few requests yet: the window grows until the next resync
+            continue
+        if time.monotonic() - started_s > PREDICTION_BUDGET_S:  # judged at a later resync, its window grown
             continue
         try:
             predicted = predict(*planned, measured)
@@ -189,9 +196,8 @@ def observe(namespace: str, name: str, planned: tuple[Candidate, Workload] | Non
             problems.append(f"pod {pod}: no prediction for its load ({exc})")
             continue
         judgement = judge(measured, predicted, SETTINGS)
-        if judgement is None:  # too few requests yet: the window grows until the next resync
-            continue
-        after[pod] = _PodWatch(counters, advance(current.standing, judgement, SETTINGS))
+        if judgement is not None:
+            after[pod] = _PodWatch(counters, advance(current.standing, judgement, SETTINGS))
     waiting = "; ".join(problems) if problems else ("" if urls else "no ready engine pod to measure")
     if any("cannot read" in p for p in problems):
         waiting += f" (is the operator admitted to the engine's port? {NETWORK_POLICY_HINT})"

@@ -287,3 +287,25 @@ def test_a_load_the_planner_cannot_simulate_is_said_not_raised(planned, monkeypa
         False,
         "NotMeasured",
     ) and "pod p: no prediction for its load (simulation stalled" in message
+
+
+def test_an_idle_spell_restarts_the_window_and_the_simulation_budget_defers_judging(planned, monkeypatch):
+    m = ServerMetrics("m", 8192)
+    calls = []
+    monkeypatch.setattr(drift, "_objects", {})
+    monkeypatch.setattr(drift, "_scrape", lambda url, timeout_s: (_text(m), ""))
+    monkeypatch.setattr(drift, "predict", lambda *a: calls.append(a) or plan_drift.predict(*a))
+    drift.observe("ns", "x", planned, [_ready_pod("p")], 8000)
+    first = drift._objects[("ns", "x")].pods["p"].baseline.time_s
+    drift.observe("ns", "x", planned, [_ready_pod("p")], 8000)  # no request finished: idle
+    assert drift._objects[("ns", "x")].pods["p"].baseline.time_s > first
+    _serve(m, 5, 0.1, 0.01)
+    drift.observe("ns", "x", planned, [_ready_pod("p")], 8000)  # 5 < 20 requests: it grows, no simulation
+    assert calls == []
+    monkeypatch.setattr(drift, "PREDICTION_BUDGET_S", -1.0)  # spent: judged later
+    _serve(m, 30, 0.1, 0.01)
+    drift.observe("ns", "x", planned, [_ready_pod("p")], 8000)
+    assert calls == [] and drift.current("ns", "x", planned, None)[1] == "NotMeasured"
+    monkeypatch.setattr(drift, "PREDICTION_BUDGET_S", 1.0)
+    drift.observe("ns", "x", planned, [_ready_pod("p")], 8000)
+    assert len(calls) == 1 and calls[0][2].requests == 35  # the grown window, from the idle scrape on

@@ -2,9 +2,10 @@
 scrape and standing, and give reconcile the `PlanDrift` condition. The decisions are operator/plan_drift.py's.
 
 Only InferenceServices with spec.slo have a planned step-time model to compare with (status.fleet); the others
-carry no PlanDrift condition. The memory is the operator's own (a restarted operator starts measuring again and
-keeps the last written condition until a pod is judged). A replica of several pods is scraped on its leader
-(worker index 0), the pod that serves HTTP; the router's pods are not engines.
+carry no PlanDrift condition. The memory is the operator's own: a restarted operator starts measuring again and
+keeps the last written condition until a pod is judged; a changed plan starts over at NotMeasured. A replica of
+several pods is scraped on its leader (worker index 0), the pod that serves HTTP; the router's pods are not
+engines.
 
 Settings: plan_drift.DriftSettings' defaults, each overridable by an environment variable of the operator's
 Deployment (ENV below). The scrape of one InferenceService's pods runs in parallel, `scrape_timeout_s` each, so
@@ -93,6 +94,9 @@ class _ObjectWatch:
     # pod name -> (scrapes failed in a row, resyncs left to skip it): an unreachable pod (a NetworkPolicy that
     # does not admit the operator, a hung server) costs the resync its timeout ever more rarely
     backoff: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # Begun by this process without a plan change (operator start, leader hand-over): until a pod is judged, the
+    # condition the status already holds stands (the memory of the windows behind it went with the old process).
+    inherited: bool = True
 
 
 MAX_SKIPPED_RESYNCS = 15
@@ -152,7 +156,7 @@ def observe(namespace: str, name: str, planned: tuple[Candidate, Workload] | Non
     with _guard:
         before = _objects.get((namespace, name))
     if before is None or before.plan != planned:
-        before = _ObjectWatch(planned)
+        before = _ObjectWatch(planned, inherited=before is None)
     urls = _engine_pods(pods, port)
     backoff = {pod: before.backoff[pod] for pod in urls if pod in before.backoff}
     skipped = {pod for pod, (_, left) in backoff.items() if left > 0}
@@ -202,7 +206,7 @@ def observe(namespace: str, name: str, planned: tuple[Candidate, Workload] | Non
     if any("cannot read" in p for p in problems):
         waiting += f" (is the operator admitted to the engine's port? {NETWORK_POLICY_HINT})"
     with _guard:
-        _objects[(namespace, name)] = _ObjectWatch(planned, after, waiting, backoff)
+        _objects[(namespace, name)] = _ObjectWatch(planned, after, waiting, backoff, before.inherited)
 
 
 def current(namespace: str, name: str, planned: object | None, previous: dict | None) -> tuple[bool, str, str] | None:
@@ -215,7 +219,9 @@ def current(namespace: str, name: str, planned: object | None, previous: dict | 
         watch = _objects.get((namespace, name))
         standing = {pod: w.standing for pod, w in watch.pods.items()} if watch is not None else {}
         waiting = watch.waiting if watch is not None else ""
-    if watch is None and previous and previous.get("reason") not in (None, "NotMeasured"):
+        inherited = watch is None or watch.inherited
+    judged = any(p.last is not None for p in standing.values())
+    if inherited and not judged and previous and previous.get("reason") not in (None, "NotMeasured"):
         return previous.get("status") == "True", previous["reason"], previous.get("message", "")
     return condition(standing, SETTINGS, waiting)
 

@@ -244,8 +244,11 @@ def test_a_restarted_operator_keeps_the_written_condition_until_it_measures(plan
     written = {"type": "PlanDrift", "status": "True", "reason": "SlowerThanPlanned", "message": "pod p: slow"}
     assert drift.current("ns", "x", planned, written) == (True, "SlowerThanPlanned", "pod p: slow")
     assert drift.current("ns", "x", None, written) is None  # spec.slo removed: no condition
-    drift.observe("ns", "x", planned, [], 8000)
-    assert drift.current("ns", "x", planned, written) == (False, "NotMeasured", "no ready engine pod to measure")
+    drift.observe("ns", "x", planned, [], 8000)  # measuring, nothing judged yet: the written condition stands
+    assert drift.current("ns", "x", planned, written) == (True, "SlowerThanPlanned", "pod p: slow")
+    other_plan = (planned[0], dataclasses.replace(planned[1], seed=planned[1].seed + 1))
+    drift.observe("ns", "x", other_plan, [], 8000)  # a new plan: the old verdict is not about it
+    assert drift.current("ns", "x", other_plan, written) == (False, "NotMeasured", "no ready engine pod to measure")
 
 
 def _ready_pod(name: str) -> dict:

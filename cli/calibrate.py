@@ -44,11 +44,52 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="what a step covers: core = the engine core's step, what a served replica's core process runs "
         "(detokenising is the API server's); engine = LLMEngine.step with its outputs (offline, in-process)",
     )
+    parser.add_argument(
+        "--from-step-log",
+        default=None,
+        metavar="PATH",
+        help="fit the step log of a running replica (KVSERVE_STEP_LOG=PATH kvserve serve ...: the served core's "
+        "own steps beside its API server) instead of profiling an in-process engine; MODEL and the grid are unused",
+    )
+
+
+def from_step_log(path: str) -> dict:
+    """A calibration fitted on a served replica's step log (runtime/engine/step_log.py), in `kvserve calibrate`'s
+    format: what the replica's core measured while it served, rather than an offline profile. Raises CLIError
+    naming the flag when the log cannot be read or holds too few steps."""
+    from kvserve.runtime.engine import step_log
+    from kvserve.runtime.planner.predict import CALIBRATION_VERSION
+    from kvserve.runtime.planner.step_time import fit
+
+    try:
+        samples = step_log.read(path)
+    except OSError as exc:
+        raise CLIError(f"--from-step-log: cannot read {path}: {exc.strerror}") from None
+    except (KeyError, TypeError) as exc:
+        raise CLIError(f"--from-step-log: {path} is not a step log (a line lacks {exc})") from None
+    try:
+        model, residuals = fit(samples)
+    except ValueError as exc:
+        raise CLIError(f"--from-step-log: {path}: {exc}") from None
+    return {
+        "version": CALIBRATION_VERSION,
+        "device": "served engine core",
+        "clock": "wall",
+        "scope": "served",
+        "step_log": path,
+        "step_time_model": model.to_dict(),
+        "fit": residuals,
+    }
 
 
 def run(args: argparse.Namespace) -> int:
     from kvserve.runtime.bench import calibrate
 
+    if args.from_step_log is not None:
+        cal = from_step_log(args.from_step_log)
+        calibrate.write(cal, args.out)
+        print(f"wrote {args.out}: fitted on {cal['fit']['num_samples']} served steps of {args.from_step_log}")
+        return 0
     if args.decode_steps < 1:
         raise CLIError("--decode-steps: must be >= 1")
     grid = calibrate.Grid(

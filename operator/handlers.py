@@ -25,6 +25,7 @@ import kopf
 
 from kvserve.operator import (
     adapters,
+    drift,
     fleet,
     kube,
     labels,
@@ -62,8 +63,9 @@ def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def reconcile(namespace: str, name: str) -> dict[str, str]:
-    """Bring one InferenceService's children and status in line with its spec; returns what was done."""
+def reconcile(namespace: str, name: str, measure_drift: bool = False) -> dict[str, str]:
+    """Bring one InferenceService's children and status in line with its spec; returns what was done.
+    `measure_drift` (the resync's): scrape the engine pods and advance PlanDrift (operator/drift.py)."""
     actions: dict[str, str] = {}
     if not leader.may_write():  # a standby (or a leader that lost its Lease) must not write anything
         return actions
@@ -71,6 +73,7 @@ def reconcile(namespace: str, name: str) -> dict[str, str]:
         parent = kube.get(spec_mod.KIND, namespace, name)  # fresh: the triggering event may be stale
         if parent is None or parent["metadata"].get("deletionTimestamp"):
             metrics.forget(namespace, name)
+            drift.forget(namespace, name)
             return actions
         try:
             raw_spec = parent.get("spec") or {}
@@ -146,6 +149,11 @@ def reconcile(namespace: str, name: str) -> dict[str, str]:
         workload = live.get(lws_key) if use_lws else live[("Deployment", name)]
         pods = kube.list_labelled("Pod", namespace, {labels.OWNER_LABEL: name}) if workload else []
         failure = pod_health.diagnose(pods)
+        # PlanDrift (issue 44): measured on the resync only, so each judged window spans a resync interval.
+        planned = drift.planned(resolved.fleet, raw_spec) if resolved is not None and fits else None
+        if measure_drift:
+            drift.observe(namespace, name, planned, pods, spec.port)
+        previous_drift = next((c for c in previous.get("conditions") or [] if c.get("type") == drift.CONDITION), None)
         if multinode and fits:
             parallelism = layout.to_status()
         else:  # a multi-pod layout that still serves (a spec that does not fit changes nothing) keeps its entry
@@ -168,6 +176,7 @@ def reconcile(namespace: str, name: str) -> dict[str, str]:
             parallelism=parallelism,
             missing_crds=tuple(missing_crds),
             adapters=_adapters_served(resolved, pods),
+            plan_drift=drift.current(namespace, name, planned, previous_drift),
         )
         # Time to ready of the newest ready pod (kept while none is ready, e.g. scaled to zero): pod_startup.py
         startup = last_replica_startup(pods) or previous.get("lastReplicaStartup")
@@ -254,7 +263,7 @@ async def _resync_forever() -> None:
 
 def _reconcile_logged(namespace: str, name: str) -> None:
     with metrics.timed_reconcile("resync"):
-        actions = reconcile(namespace, name)
+        actions = reconcile(namespace, name, measure_drift=True)
     if any(v != "unchanged" for v in actions.values()):
         log.info("resync restored %s/%s: %s", namespace, name, actions)
 
@@ -277,6 +286,7 @@ def track(namespace: str, name: str, type: str | None, **_: Any) -> None:
     if type == "DELETED":
         _known.discard((namespace, name))
         metrics.forget(namespace, name)
+        drift.forget(namespace, name)
     else:
         _known.add((namespace, name))
 

@@ -71,6 +71,7 @@ def compute_status(
     parallelism: dict | None = None,
     missing_crds: tuple[str, ...] = (),
     adapters: tuple[int, int] | None = None,
+    plan_drift: tuple[bool, str, str] | None = None,
 ) -> dict[str, Any]:
     """`plan` is None when the spec could not be planned at all (unknown model/GPU); `spec` has defaults.
 
@@ -84,6 +85,8 @@ def compute_status(
     kinds this cluster does not serve (an optional CRD is not installed): Degraded, with the message.
     `adapters`: (served by every ready pod, in spec.adapters) -- status.adapters "ready/total" and the
     AdaptersReady condition (AdapterLoadFailed from `pod_failure`); None or a total of 0 leaves both out.
+    `plan_drift`: the PlanDrift condition (operator/drift.py: pods measured against spec.slo's plan); None
+    leaves it out (no spec.slo).
     """
     if conflicts:
         deployment, pod_failure = None, None
@@ -174,6 +177,8 @@ def compute_status(
                 "AdaptersReady", *_adapters_condition(*adapters, pod_failure), previous_conditions, now, generation
             )
         )
+    if plan_drift is not None:
+        conditions.append(_condition("PlanDrift", *plan_drift, previous_conditions, now, generation))
     status: dict[str, Any] = {
         "replicas": int(dep_status.get("replicas") or 0),
         "readyReplicas": ready,

@@ -4,7 +4,13 @@ reconcile (the resync recomputes the same status every minute; Events must not p
 from __future__ import annotations
 
 # condition type -> the status that is bad news
-BAD_STATUS = {"CapacityPlanned": "False", "Degraded": "True", "ChildConflict": "True", "ModelReady": "False"}
+BAD_STATUS = {
+    "CapacityPlanned": "False",
+    "Degraded": "True",
+    "ChildConflict": "True",
+    "ModelReady": "False",
+    "PlanDrift": "True",  # pods measured slower or faster than spec.slo's plan (operator/drift.py)
+}
 # Conditions whose bad status is news only for some reasons (ModelReady=False while Downloading is normal).
 BAD_REASONS = {"ModelReady": {"DownloadFailed"}}
 # Already announced by another condition's Event (CapacityPlanned=False says why the spec was not applied;

@@ -12,6 +12,8 @@ from typing import Any
 from kvserve.operator import adapters, fleet, pod_resources, spec_model
 from kvserve.operator import spec as spec_mod
 from kvserve.operator.labels import engine_labels, engine_pod_selector, engine_selector
+from kvserve.operator.render import kv_events as render_kv_events
+from kvserve.operator.render import kv_offload as render_kv_offload
 from kvserve.operator.render import model as render_model
 from kvserve.operator.render import multinode as render_multinode
 from kvserve.operator.render import router as render_router
@@ -57,6 +59,10 @@ def engine_settings(resolved: Resolved) -> dict[str, Any]:
     values["kv_cache_bytes"] = resolved.plan.kv_cache_bytes_per_gpu
     # spec.adapters: --enable-lora --lora-modules --max-loras --max-lora-rank (the slots the plan charged)
     values.update(adapters.engine_settings(list(resolved.adapters)))
+    # spec.router.kvEvents: --kv-events-config, the engine's event and replay sockets (issue 40)
+    values.update(render_kv_events.engine_settings(spec))
+    # spec.kvCache.offload: --kv-offloading-size, the disk tier's directory and size (issue 41)
+    values.update(render_kv_offload.engine_settings(spec))
     return values
 
 
@@ -89,7 +95,7 @@ def _resources(resolved: Resolved) -> dict:
     resource = spec.gpu.resource_name
     user = spec.resources or spec_model.Resources()
     requests = {
-        **pod_resources.default_requests(resolved),
+        **pod_resources.default_requests(spec, resolved.layout.nodes if resolved.layout is not None else 1),
         **{k: str(v) for k, v in (user.requests or {}).items()},
     }
     # nvidia.com/gpu cannot be overcommitted: requests must equal limits.
@@ -138,6 +144,8 @@ def pod_template(resolved: Resolved, name: str, extra_settings: dict | None = No
     volumes, mounts, model_dir = model_source(spec)
     adapter_volumes, adapter_mounts, adapter_inits = render_model.adapter_sources(resolved)
     volumes, mounts = volumes + adapter_volumes, mounts + adapter_mounts
+    offload_volumes, offload_mounts = render_kv_offload.volumes(spec)  # the disk KV tier (issue 41)
+    volumes, mounts = volumes + offload_volumes, mounts + offload_mounts
     volumes = volumes + [
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.shm_size}},
         {"name": "tmp", "emptyDir": {}},
@@ -150,7 +158,10 @@ def pod_template(resolved: Resolved, name: str, extra_settings: dict | None = No
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
         "command": runtime_args(resolved, name, model_dir, extra_settings),
-        "ports": [{"name": "http", "containerPort": spec.port, "protocol": "TCP"}],
+        "ports": [
+            {"name": "http", "containerPort": spec.port, "protocol": "TCP"},
+            *render_kv_events.container_ports(spec),
+        ],
         "env": [{"name": "HOME", "value": "/tmp"}, *render_security.api_key_env(spec)],
         "resources": _resources(resolved),
         "volumeMounts": mounts,

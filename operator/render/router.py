@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvserve.operator.labels import router_labels, router_selector
+from kvserve.operator.render import kv_events as render_kv_events
 from kvserve.operator.render import security as render_security
 from kvserve.operator.spec import Resolved, scales_to_zero
 from kvserve.operator.spec_model import InferenceServiceSpec
@@ -70,6 +71,8 @@ def router_args(resolved: Resolved, name: str, namespace: str, model_dir: str) -
         "--default-capacity-tokens",
         str(max(1, resolved.plan.kv_tokens)),
         *hold_args(spec),
+        # spec.router.kvEvents: subscribe to every engine pod's KV events (issue 40)
+        *render_kv_events.router_args(spec),
     ]
 
 
@@ -150,6 +153,15 @@ def render(
     if spec.image_pull_secrets:
         pod_spec["imagePullSecrets"] = render_security.pull_secrets(spec)
     selector = router_selector(name)
+    if router.replicas >= 2:  # active-active: a node's loss or drain should not take every router at once
+        pod_spec["topologySpreadConstraints"] = [
+            {
+                "maxSkew": 1,
+                "topologyKey": "kubernetes.io/hostname",
+                "whenUnsatisfiable": "ScheduleAnyway",
+                "labelSelector": {"matchLabels": selector},
+            }
+        ]
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta},
         {

@@ -78,7 +78,6 @@ DEFAULTS: dict[str, Any] = {
     **runtime_image_defaults(os.environ),
     "port": 8000,
     "shmSize": "16Gi",
-    "startupTimeoutSeconds": 3600,
     "terminationGracePeriodSeconds": 120,
     "drain": {"preStopSeconds": 5},
     "podDisruptionBudget": {"enabled": True, "maxUnavailable": 1},

@@ -265,7 +265,8 @@ class InferenceServiceSpec(_Part):
     priority_class_name: str | None = None
     port: Annotated[int, Field(ge=1, le=65535)] = 8000
     shm_size: Annotated[str, Field(pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?$")] = "16Gi"
-    startup_timeout_seconds: Annotated[int, Field(ge=60)] = 3600
+    # no CRD default: unset is the budget derived from the model and the start-up phases (startup_budget.py)
+    startup_timeout_seconds: Annotated[int, Field(ge=60)] | None = None
     termination_grace_period_seconds: Annotated[int, Field(ge=15)] = 120
     drain: DrainSpec = Field(default_factory=DrainSpec)
     pod_disruption_budget: PodDisruptionBudgetSpec = Field(default_factory=PodDisruptionBudgetSpec)

@@ -6,10 +6,9 @@ operator would create, and golden-file tests pin it.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-from kvserve.operator import adapters, fleet, pod_resources, spec_model
+from kvserve.operator import adapters, fleet, pod_resources, spec_model, startup_budget
 from kvserve.operator import spec as spec_mod
 from kvserve.operator.labels import engine_labels, engine_pod_selector, engine_selector
 from kvserve.operator.render import kv_events as render_kv_events
@@ -25,7 +24,6 @@ from kvserve.operator.spec_model import InferenceServiceSpec
 from kvserve.runtime import engine_args
 
 METRIC_NAME = "vllm_num_requests_waiting"  # prometheus-adapter's name for vllm:num_requests_waiting
-STARTUP_PERIOD_SECONDS = 10
 
 # Scale up by at most 2 pods a minute, down by 1 pod per 5 minutes after a 10-minute window: GPU pods take
 # minutes to load weights, so flapping costs far more than a slightly late scale-down.
@@ -120,6 +118,11 @@ def _probe(port_name: str, period: int, failures: int) -> dict:
     }
 
 
+def _startup_budget(resolved: Resolved) -> int:
+    pods = resolved.layout.nodes if resolved.layout is not None else 1
+    return startup_budget.budget_seconds(resolved.spec, resolved.plan, pods)
+
+
 def deployment(resolved: Resolved, name: str, namespace: str) -> dict:
     spec = resolved.spec
     return {
@@ -129,7 +132,7 @@ def deployment(resolved: Resolved, name: str, namespace: str) -> dict:
         "spec": {
             "replicas": spec.replicas,
             "revisionHistoryLimit": 3,
-            "progressDeadlineSeconds": spec.startup_timeout_seconds + 600,
+            "progressDeadlineSeconds": _startup_budget(resolved) + startup_budget.PROGRESS_MARGIN_SECONDS,
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
             "selector": {"matchLabels": engine_selector(name)},
             "template": pod_template(resolved, name),
@@ -168,9 +171,12 @@ def pod_template(resolved: Resolved, name: str, extra_settings: dict | None = No
         # A runtime that rejects its plan writes one line to /dev/termination-log; the operator shows it.
         "terminationMessagePath": "/dev/termination-log",
         "terminationMessagePolicy": "FallbackToLogsOnError",
-        # Weights for a 70B model take many minutes to load: the startup probe holds off liveness until then.
+        # Weights for a 70B model take many minutes to load: the startup probe holds off liveness until then,
+        # for as long as the model's size and the start-up phases say (operator/startup_budget.py).
         "startupProbe": _probe(
-            "http", STARTUP_PERIOD_SECONDS, math.ceil(spec.startup_timeout_seconds / STARTUP_PERIOD_SECONDS)
+            "http",
+            startup_budget.PERIOD_SECONDS,
+            startup_budget.failure_threshold(_startup_budget(resolved)),
         ),
         "readinessProbe": _probe("http", 5, 3),
         # /health answers 503 while draining; 6 x 20 s outlasts the drain so liveness never kills a draining pod.

@@ -5,6 +5,7 @@ pod, upstream-schema-valid objects, the status / `kvserve plan` entry, and refus
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import pathlib
 
@@ -176,3 +177,21 @@ def test_status_and_plan_line():
         "disk tier 100 GiB on emptyDir"
     )
     assert kv_offload.status(spec_mod.resolve(_doc()["spec"]).spec) is None
+
+
+def test_kvserve_plan_shows_the_tiers_and_the_startup_budget(tmp_path, capsys):
+    from kvserve.cli import plan as plan_cli
+    from kvserve.operator import startup_budget
+
+    doc = _doc(kvCache={"offload": {"hostSizeGiB": 16, "disk": {"sizeGiB": 100}}})
+    path = tmp_path / "isvc.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    assert plan_cli.plan_file(str(path), "json") == 0
+    out = json.loads(capsys.readouterr().out)
+    resolved = spec_mod.resolve(doc["spec"])
+    assert out["kvOffload"] == kv_offload.status(resolved.spec)
+    assert out["startup"]["budgetSeconds"] == startup_budget.budget_seconds(resolved.spec, resolved.plan)
+    assert plan_cli.plan_file(str(path), "table") == 0
+    text = capsys.readouterr().out
+    assert kv_offload.describe(out["kvOffload"]) in text
+    assert f"startup probe: {out['startup']['budgetSeconds']} s" in text

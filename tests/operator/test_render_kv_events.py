@@ -142,3 +142,23 @@ def test_extra_args_may_carry_the_flag_when_the_operator_renders_none():
     doc["spec"]["engine"] = {"extraArgs": ["--kv-events-config", '{"enable_kv_cache_events": true}']}
     engine = _container(_render(doc)[("Deployment", NAME)])
     assert engine["command"].count("--kv-events-config") == 1
+
+
+def test_a_multi_pod_replica_publishes_from_its_leader():
+    """The engine core (and with it the publisher) runs on the leader, the pod the engine Service and so the
+    router's EndpointSlices select; the workers (--headless: executor ranks only) open no ports."""
+    doc = yaml.safe_load((ROOT / "examples" / "llama405b-multinode.yaml").read_text())
+    doc["spec"]["router"] = {"enabled": True, "replicas": 2}
+    resolved = spec_mod.resolve(doc["spec"])
+    name = doc["metadata"]["name"]
+    objs = {(o["kind"], o["metadata"]["name"]): o for o in render.render(resolved, name, "prod")}
+    (lws,) = [o for (kind, _), o in objs.items() if kind == "LeaderWorkerSet"]
+    group = lws["spec"]["leaderWorkerTemplate"]
+    (leader,) = group["leaderTemplate"]["spec"]["containers"]
+    (worker,) = group["workerTemplate"]["spec"]["containers"]
+    assert {"kv-events", "kv-replay"} <= {p["name"] for p in leader["ports"]}
+    assert parse_kv_events_config(_engine_flags(leader["command"]).kv_events_config).active
+    assert "ports" not in worker and "--headless" in worker["command"]
+    assert objs[("Service", name)]["spec"]["selector"].items() <= group["leaderTemplate"]["metadata"]["labels"].items()
+    ports = {p["port"] for r in objs[("NetworkPolicy", name)]["spec"]["ingress"] for p in r["ports"]}
+    assert {5557, 5558} <= ports

@@ -5,7 +5,8 @@ a ServiceAccount with a Role (and RoleBinding) that can only read EndpointSlices
 PodDisruptionBudget. The router finds the engine pods through the engine Service's EndpointSlices, reads
 the tokenizer from the same model source as the engine, and `status.url` then points at the router Service.
 Router pods carry their own `app.kubernetes.io/name`, so the engine Service and the /scale selector never
-select them.
+select them. With spec.router.replicas >= 2 the routers run active-active on the engines' KV events
+(render/kv_events.py adds the subscription flags here) and their pods spread over nodes.
 """
 
 from __future__ import annotations

@@ -337,7 +337,7 @@ def plan_file(path: str, output: str) -> int:
     """Each InferenceService in the file, resolved by the operator's own code; JSON carries status.plan's
     fields (camelCase) and the parallel layout (status.parallelism's fields) beside the CapacityPlanned verdict."""
     from kvserve.cli import manifests
-    from kvserve.operator import fleet
+    from kvserve.operator import fleet, kv_offload, startup_budget
     from kvserve.operator import spec as spec_mod
     from kvserve.operator.status import plan_status
 
@@ -368,6 +368,16 @@ def plan_file(path: str, output: str) -> int:
         )
         if resolved.fleet is not None:  # spec.slo: the operator's status.fleet, the same function
             results[-1]["fleet"] = fleet.fleet_status(resolved.fleet, fleet.price_source(resolved.spec))
+        pods = resolved.layout.nodes if resolved.layout is not None else 1
+        if tier := kv_offload.status(resolved.spec, pods):  # spec.kvCache.offload: the operator's status.kvOffload
+            results[-1]["kvOffload"] = tier
+        if plan.fits:  # the engine's startupProbe budget and the phases it is made of (operator/startup_budget.py)
+            results[-1]["startup"] = {
+                "budgetSeconds": startup_budget.budget_seconds(resolved.spec, plan, pods),
+                "expectedPhaseSeconds": {
+                    k: round(v, 1) for k, v in startup_budget.expected_phase_seconds(resolved.spec, plan, pods).items()
+                },
+            }
     if output == "json":
         out = [{k: v for k, v in r.items() if k != "_table"} for r in results]
         print(json.dumps(out[0] if len(out) == 1 else out, indent=2))
@@ -377,6 +387,10 @@ def plan_file(path: str, output: str) -> int:
             print(format_table(r["_table"]) if "_table" in r else f"error: {r['message']}")
             if "fleet" in r:
                 print("fleet (spec.slo): " + ", ".join(f"{k} {v}" for k, v in r["fleet"].items()))
+            if "kvOffload" in r:
+                print(kv_offload.describe(r["kvOffload"]))
+            if "startup" in r:
+                print(f"startup probe: {r['startup']['budgetSeconds']} s (operator/startup_budget.py)")
     return rc
 
 

@@ -28,6 +28,7 @@ from kvserve.operator import (
     drift,
     fleet,
     kube,
+    kv_offload,
     labels,
     leader,
     metrics,
@@ -184,6 +185,9 @@ def reconcile(namespace: str, name: str, measure_drift: bool = False) -> dict[st
             new_status["lastReplicaStartup"] = startup
         if resolved is not None and resolved.fleet is not None:  # spec.slo: capacity per replica, HPA bounds
             new_status["fleet"] = fleet.fleet_status(resolved.fleet, fleet.price_source(spec))
+        tier = kv_offload.status(resolved.spec, layout.nodes if layout else 1) if resolved is not None else None
+        if tier:  # spec.kvCache.offload (issue 41): the tiers and what they cost each pod
+            new_status["kvOffload"] = tier
         bounds = resolved.autoscaling if resolved is not None else None
         metrics.record(namespace, name, spec=spec, plan=plan, status=new_status, bounds=bounds)
         if kube.patch_status(namespace, name, previous, new_status):

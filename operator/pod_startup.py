@@ -10,6 +10,7 @@ stamps the pod's Ready condition with the time it turned True, so no scrape is n
 
 A pod that crashed and came back reports its latest Ready transition, so restarts count in. Pure: dicts in,
 a dict out (the reconcile puts it in status.lastReplicaStartup; with no ready pod the last value stays).
+How long the startupProbe lets the runtime's part take before a restart: operator/startup_budget.py.
 """
 
 from __future__ import annotations

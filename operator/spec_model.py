@@ -145,12 +145,21 @@ class PodDisruptionBudgetSpec(_Part):
     max_unavailable: Annotated[int, Field(ge=1)] = 1
 
 
+# -- spec.router.kvEvents (issue 40): the engines publish KV events, the routers subscribe ------------------
+class RouterKVEventsSpec(_Part):
+    # no CRD default: unset is on with router.replicas >= 2 (render/kv_events.enabled says why)
+    enabled: bool | None = None
+    port: Annotated[int, Field(ge=1, le=65535)] = 5557
+    replay_port: Annotated[int, Field(ge=1, le=65535)] = 5558
+
+
 class RouterSpec(_Part):
     enabled: bool = False
     replicas: Annotated[int, Field(ge=0)] = 1
     max_held_requests: Annotated[int, Field(ge=1)] | None = None
     hold_timeout_seconds: Annotated[int, Field(ge=1)] | None = None
     resources: Resources | None = None
+    kv_events: RouterKVEventsSpec = Field(default_factory=RouterKVEventsSpec)
 
 
 class PortNumber(_Part):
@@ -221,6 +230,22 @@ class NetworkPolicySpec(_Part):
     metrics_namespace_selector: dict[str, Any] | None = None
 
 
+# -- spec.kvCache (issue 41): the tiered KV cache below the device pool --------------------------------------
+class KVOffloadDiskSpec(_Part):
+    size_gib: Annotated[float, Field(gt=0)] = Field(alias="sizeGiB")
+    # set: a generic ephemeral volume (a PVC per pod, of this class); unset: an emptyDir on the node's disk
+    storage_class_name: Annotated[str, Field(min_length=1, max_length=253)] | None = None
+
+
+class KVOffloadSpec(_Part):
+    host_size_gib: Annotated[float, Field(gt=0)] = Field(alias="hostSizeGiB")
+    disk: KVOffloadDiskSpec | None = None
+
+
+class KVCacheSpec(_Part):
+    offload: KVOffloadSpec | None = None
+
+
 class InferenceServiceSpec(_Part):
     """An InferenceService's .spec. The objects the CRD defaults to {} are default-constructed here too."""
 
@@ -240,7 +265,8 @@ class InferenceServiceSpec(_Part):
     priority_class_name: str | None = None
     port: Annotated[int, Field(ge=1, le=65535)] = 8000
     shm_size: Annotated[str, Field(pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|k|M|G|T)?$")] = "16Gi"
-    startup_timeout_seconds: Annotated[int, Field(ge=60)] = 3600
+    # no CRD default: unset is the budget derived from the model and the start-up phases (startup_budget.py)
+    startup_timeout_seconds: Annotated[int, Field(ge=60)] | None = None
     termination_grace_period_seconds: Annotated[int, Field(ge=15)] = 120
     drain: DrainSpec = Field(default_factory=DrainSpec)
     pod_disruption_budget: PodDisruptionBudgetSpec = Field(default_factory=PodDisruptionBudgetSpec)
@@ -252,6 +278,7 @@ class InferenceServiceSpec(_Part):
     slo: SLOSpec | None = None
     workload: WorkloadSpec | None = None
     network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
+    kv_cache: KVCacheSpec | None = None  # issue 41
 
     def to_dict(self) -> dict[str, Any]:
         """The spec as the manifest's camelCase dict (every field this object holds, set or defaulted)."""

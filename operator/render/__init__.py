@@ -6,12 +6,13 @@ operator would create, and golden-file tests pin it.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-from kvserve.operator import adapters, fleet, pod_resources, spec_model
+from kvserve.operator import adapters, fleet, pod_resources, spec_model, startup_budget
 from kvserve.operator import spec as spec_mod
 from kvserve.operator.labels import engine_labels, engine_pod_selector, engine_selector
+from kvserve.operator.render import kv_events as render_kv_events
+from kvserve.operator.render import kv_offload as render_kv_offload
 from kvserve.operator.render import model as render_model
 from kvserve.operator.render import multinode as render_multinode
 from kvserve.operator.render import router as render_router
@@ -23,7 +24,6 @@ from kvserve.operator.spec_model import InferenceServiceSpec
 from kvserve.runtime import engine_args
 
 METRIC_NAME = "vllm_num_requests_waiting"  # prometheus-adapter's name for vllm:num_requests_waiting
-STARTUP_PERIOD_SECONDS = 10
 
 # Scale up by at most 2 pods a minute, down by 1 pod per 5 minutes after a 10-minute window: GPU pods take
 # minutes to load weights, so flapping costs far more than a slightly late scale-down.
@@ -57,6 +57,10 @@ def engine_settings(resolved: Resolved) -> dict[str, Any]:
     values["kv_cache_bytes"] = resolved.plan.kv_cache_bytes_per_gpu
     # spec.adapters: --enable-lora --lora-modules --max-loras --max-lora-rank (the slots the plan charged)
     values.update(adapters.engine_settings(list(resolved.adapters)))
+    # spec.router.kvEvents: --kv-events-config, the engine's event and replay sockets (issue 40)
+    values.update(render_kv_events.engine_settings(spec))
+    # spec.kvCache.offload: --kv-offloading-size, the disk tier's directory and size (issue 41)
+    values.update(render_kv_offload.engine_settings(spec))
     return values
 
 
@@ -89,7 +93,7 @@ def _resources(resolved: Resolved) -> dict:
     resource = spec.gpu.resource_name
     user = spec.resources or spec_model.Resources()
     requests = {
-        **pod_resources.default_requests(resolved),
+        **pod_resources.default_requests(spec, resolved.layout.nodes if resolved.layout is not None else 1),
         **{k: str(v) for k, v in (user.requests or {}).items()},
     }
     # nvidia.com/gpu cannot be overcommitted: requests must equal limits.
@@ -114,6 +118,11 @@ def _probe(port_name: str, period: int, failures: int) -> dict:
     }
 
 
+def _startup_budget(resolved: Resolved) -> int:
+    pods = resolved.layout.nodes if resolved.layout is not None else 1
+    return startup_budget.budget_seconds(resolved.spec, resolved.plan, pods)
+
+
 def deployment(resolved: Resolved, name: str, namespace: str) -> dict:
     spec = resolved.spec
     return {
@@ -123,7 +132,7 @@ def deployment(resolved: Resolved, name: str, namespace: str) -> dict:
         "spec": {
             "replicas": spec.replicas,
             "revisionHistoryLimit": 3,
-            "progressDeadlineSeconds": spec.startup_timeout_seconds + 600,
+            "progressDeadlineSeconds": _startup_budget(resolved) + startup_budget.PROGRESS_MARGIN_SECONDS,
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
             "selector": {"matchLabels": engine_selector(name)},
             "template": pod_template(resolved, name),
@@ -138,6 +147,8 @@ def pod_template(resolved: Resolved, name: str, extra_settings: dict | None = No
     volumes, mounts, model_dir = model_source(spec)
     adapter_volumes, adapter_mounts, adapter_inits = render_model.adapter_sources(resolved)
     volumes, mounts = volumes + adapter_volumes, mounts + adapter_mounts
+    offload_volumes, offload_mounts = render_kv_offload.volumes(spec)  # the disk KV tier (issue 41)
+    volumes, mounts = volumes + offload_volumes, mounts + offload_mounts
     volumes = volumes + [
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.shm_size}},
         {"name": "tmp", "emptyDir": {}},
@@ -150,16 +161,22 @@ def pod_template(resolved: Resolved, name: str, extra_settings: dict | None = No
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
         "command": runtime_args(resolved, name, model_dir, extra_settings),
-        "ports": [{"name": "http", "containerPort": spec.port, "protocol": "TCP"}],
+        "ports": [
+            {"name": "http", "containerPort": spec.port, "protocol": "TCP"},
+            *render_kv_events.container_ports(spec),
+        ],
         "env": [{"name": "HOME", "value": "/tmp"}, *render_security.api_key_env(spec)],
         "resources": _resources(resolved),
         "volumeMounts": mounts,
         # A runtime that rejects its plan writes one line to /dev/termination-log; the operator shows it.
         "terminationMessagePath": "/dev/termination-log",
         "terminationMessagePolicy": "FallbackToLogsOnError",
-        # Weights for a 70B model take many minutes to load: the startup probe holds off liveness until then.
+        # Weights for a 70B model take many minutes to load: the startup probe holds off liveness until then,
+        # for as long as the model's size and the start-up phases say (operator/startup_budget.py).
         "startupProbe": _probe(
-            "http", STARTUP_PERIOD_SECONDS, math.ceil(spec.startup_timeout_seconds / STARTUP_PERIOD_SECONDS)
+            "http",
+            startup_budget.PERIOD_SECONDS,
+            startup_budget.failure_threshold(_startup_budget(resolved)),
         ),
         "readinessProbe": _probe("http", 5, 3),
         # /health answers 503 while draining; 6 x 20 s outlasts the drain so liveness never kills a draining pod.

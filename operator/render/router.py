@@ -5,7 +5,8 @@ a ServiceAccount with a Role (and RoleBinding) that can only read EndpointSlices
 PodDisruptionBudget. The router finds the engine pods through the engine Service's EndpointSlices, reads
 the tokenizer from the same model source as the engine, and `status.url` then points at the router Service.
 Router pods carry their own `app.kubernetes.io/name`, so the engine Service and the /scale selector never
-select them.
+select them. With spec.router.replicas >= 2 the routers run active-active on the engines' KV events
+(render/kv_events.py adds the subscription flags here) and their pods spread over nodes.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvserve.operator.labels import router_labels, router_selector
+from kvserve.operator.render import kv_events as render_kv_events
 from kvserve.operator.render import security as render_security
 from kvserve.operator.spec import Resolved, scales_to_zero
 from kvserve.operator.spec_model import InferenceServiceSpec
@@ -70,6 +72,8 @@ def router_args(resolved: Resolved, name: str, namespace: str, model_dir: str) -
         "--default-capacity-tokens",
         str(max(1, resolved.plan.kv_tokens)),
         *hold_args(spec),
+        # spec.router.kvEvents: subscribe to every engine pod's KV events (issue 40)
+        *render_kv_events.router_args(spec),
     ]
 
 
@@ -150,6 +154,15 @@ def render(
     if spec.image_pull_secrets:
         pod_spec["imagePullSecrets"] = render_security.pull_secrets(spec)
     selector = router_selector(name)
+    if router.replicas >= 2:  # active-active: a node's loss or drain should not take every router at once
+        pod_spec["topologySpreadConstraints"] = [
+            {
+                "maxSkew": 1,
+                "topologyKey": "kubernetes.io/hostname",
+                "whenUnsatisfiable": "ScheduleAnyway",
+                "labelSelector": {"matchLabels": selector},
+            }
+        ]
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta},
         {

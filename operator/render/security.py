@@ -13,6 +13,7 @@ import hashlib
 from typing import Any
 
 from kvserve.operator.labels import OWNER_LABEL, engine_labels, engine_pod_selector
+from kvserve.operator.render import kv_events as render_kv_events
 from kvserve.operator.spec import Resolved
 from kvserve.operator.spec_model import InferenceServiceSpec, SecretKeyRef
 
@@ -121,6 +122,7 @@ def network_policy(resolved: Resolved, name: str, namespace: str, extra_ingress:
             "ingress": [
                 {"from": api_peers, "ports": [{"protocol": "TCP", "port": port}]},
                 {"from": [{"namespaceSelector": metrics_selector}], "ports": [{"protocol": "TCP", "port": port}]},
+                *render_kv_events.network_policy_ingress(resolved.spec, name),  # the routers' event subscriptions
                 *extra_ingress,
             ],
         },

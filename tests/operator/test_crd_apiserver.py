@@ -228,6 +228,44 @@ TABLE: list[tuple[Callable[[dict], None], bool, str]] = [
         True,
         "unknown field",
     ),
+    # spec.router.kvEvents (issue 40): CEL both ways, bounds, types, unknown fields
+    (_set("router", {"enabled": True, "replicas": 2}), False, ""),
+    (_set("router", {"enabled": True, "replicas": 2, "kvEvents": {"port": 6000, "replayPort": 6001}}), False, ""),
+    (_set("router.kvEvents", {"port": 6000, "replayPort": 6000}), True, "kvEvents.port and router.kvEvents.replayPort"),
+    (_set("router.kvEvents", {"port": 8000}), True, "must differ from spec.port"),
+    (_set("router.kvEvents", {"replayPort": 8000}), True, "must differ from spec.port"),
+    (lambda s: s.update(port=9000, router={"kvEvents": {"port": 8000}}), False, ""),
+    (_set("router.kvEvents.port", 0), True, "should be greater than or equal to 1"),
+    (_set("router.kvEvents.replayPort", 65536), True, "should be less than or equal to 65535"),
+    (_set("router.kvEvents.enabled", "yes"), True, "must be of type boolean"),
+    (_set("router.kvEvents.topic", "kv"), True, 'unknown field "spec.router.kvEvents.topic"'),
+    # spec.kvCache.offload (issue 41): CEL both ways, bounds, required, unknown fields
+    (_set("kvCache.offload", {"hostSizeGiB": 16}), False, ""),
+    (_set("kvCache.offload", {"hostSizeGiB": 0.5, "disk": {"sizeGiB": 100}}), False, ""),
+    (_set("kvCache.offload", {"hostSizeGiB": 16, "disk": {"sizeGiB": 100, "storageClassName": "fast"}}), False, ""),
+    (_set("kvCache.offload", {"hostSizeGiB": 0}), True, "should be greater than 0"),
+    (_set("kvCache.offload", {}), True, "Required value"),
+    (_set("kvCache.offload", {"hostSizeGiB": 16, "disk": {}}), True, "Required value"),
+    (_set("kvCache.offload", {"hostSizeGiB": 16, "disk": {"sizeGiB": 0}}), True, "should be greater than 0"),
+    (_set("kvCache.offload", {"hostSizeGiB": 16, "disk": {"sizeGiB": 9, "storageClassName": ""}}), True, "at least 1"),
+    (
+        lambda s: s.update(
+            kvCache={"offload": {"hostSizeGiB": 16, "disk": {"sizeGiB": 9}}}, gpu={**s["gpu"], "tensorParallelSize": 2}
+        ),
+        True,
+        "kvCache.offload.disk runs with one GPU rank only",
+    ),
+    (
+        lambda s: s.update(kvCache={"offload": {"hostSizeGiB": 16}}, gpu={**s["gpu"], "tensorParallelSize": 2}),
+        False,
+        "",
+    ),
+    (
+        lambda s: s.update(kvCache={"offload": {"hostSizeGiB": 16}}, engine={"enablePrefixCaching": False}),
+        True,
+        "kvCache.offload needs engine.enablePrefixCaching true",
+    ),
+    (_set("kvCache.offload.hostBytes", 1), True, 'unknown field "spec.kvCache.offload.hostBytes"'),
 ]
 
 

@@ -116,7 +116,11 @@ def test_router_field_in_the_crd():
     schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["router"]
     assert schema["properties"]["enabled"]["default"] is False
     assert schema["properties"]["replicas"]["default"] == 1
-    assert spec_mod.with_defaults({})["router"] == {"enabled": False, "replicas": 1}
+    assert spec_mod.with_defaults({})["router"] == {
+        "enabled": False,
+        "replicas": 1,
+        "kvEvents": {"port": 5557, "replayPort": 5558},  # on or off by router.replicas: spec.kv_events_enabled
+    }
 
 
 def test_router_gets_the_engines_api_key_for_its_model_polls():

@@ -12,6 +12,7 @@ from typing import Any
 from kvserve.operator import adapters, fleet, pod_resources, spec_model
 from kvserve.operator import spec as spec_mod
 from kvserve.operator.labels import engine_labels, engine_pod_selector, engine_selector
+from kvserve.operator.render import disaggregation as render_disaggregation
 from kvserve.operator.render import model as render_model
 from kvserve.operator.render import multinode as render_multinode
 from kvserve.operator.render import router as render_router
@@ -281,6 +282,8 @@ def render(resolved: Resolved, name: str, namespace: str) -> list[dict]:
     """Every child the InferenceService should have; empty when the capacity plan does not fit."""
     if not resolved.plan.fits:
         return []
+    if resolved.pools is not None:  # spec.disaggregation: a prefill and a decode pool (issue 42)
+        return render_disaggregation.render(resolved, name, namespace)
     if resolved.layout is not None and resolved.layout.multinode:
         return render_groups(resolved, name, namespace)
     objs = [deployment(resolved, name, namespace), service(resolved, name, namespace)]

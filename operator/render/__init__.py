@@ -283,7 +283,7 @@ def render(resolved: Resolved, name: str, namespace: str) -> list[dict]:
     if not resolved.plan.fits:
         return []
     if resolved.pools is not None:  # spec.disaggregation: a prefill and a decode pool (issue 42)
-        return render_disaggregation.render(resolved, name, namespace)
+        return render_disaggregation.render(_ENGINE_PARTS, resolved, name, namespace)
     if resolved.layout is not None and resolved.layout.multinode:
         return render_groups(resolved, name, namespace)
     objs = [deployment(resolved, name, namespace), service(resolved, name, namespace)]
@@ -351,3 +351,14 @@ def render_groups(resolved: Resolved, name: str, namespace: str) -> list[dict]:
     if pool is not None:
         objs.append(pool)
     return objs
+
+
+# What the disaggregated renderer builds its pools from: this module's own engine renderers (issue 42).
+_ENGINE_PARTS = render_disaggregation.EngineParts(
+    deployment=deployment,
+    pod_template=pod_template,
+    service=service,
+    disruption_budget=disruption_budget,
+    default_behavior=DEFAULT_BEHAVIOR,
+    queue_metric=METRIC_NAME,
+)

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
-from kvserve.operator import render as base
 from kvserve.operator.labels import engine_labels, engine_pod_selector, engine_selector
 from kvserve.operator.pools import Pool, Pools
 from kvserve.operator.render import model as render_model
@@ -44,6 +44,19 @@ SIDE_CHANNEL_PORT_ENV = "VLLM_NIXL_SIDE_CHANNEL_PORT"
 TRANSFER_PORT_NAME = "kv-transfer"
 RUNNING_METRIC = "vllm_num_requests_running"  # prometheus-adapter's names for vllm:num_requests_running, ...
 KV_USAGE_METRIC = "vllm_kv_cache_usage_perc"
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineParts:
+    """The aggregated path's renderers (operator/render/__init__.py), handed in by its render(): that module
+    dispatches here, so importing it back would be an import cycle."""
+
+    deployment: Callable[..., dict]
+    pod_template: Callable[..., dict]
+    service: Callable[..., dict]
+    disruption_budget: Callable[..., dict]
+    default_behavior: dict
+    queue_metric: str  # prometheus-adapter's name for vllm:num_requests_waiting
 
 
 def pool_name(name: str, role: str) -> str:
@@ -123,12 +136,14 @@ def _serves_api(template: dict) -> dict:
     return template
 
 
-def pool_workload(resolved: Resolved, pools: Pools, pool: Pool, name: str, namespace: str) -> list[dict]:
+def pool_workload(
+    parts: EngineParts, resolved: Resolved, pools: Pools, pool: Pool, name: str, namespace: str
+) -> list[dict]:
     """The pool's Deployment, or its LeaderWorkerSet (whose group key Secret the caller renders once)."""
     pr = pool_resolved(resolved, pool)
     pname, role = pool_name(name, pool.role), pool.role
     if not pool.layout.multinode:
-        dep = base.deployment(pr, name, namespace)
+        dep = parts.deployment(pr, name, namespace)
         dep["metadata"] = {"name": pname, "namespace": namespace, "labels": pool_labels(name, role)}
         dep["spec"]["selector"] = {"matchLabels": pool_selector(name, role)}
         template = _with_transfer(dep["spec"]["template"], pools, pool, name)
@@ -143,7 +158,7 @@ def pool_workload(resolved: Resolved, pools: Pools, pool: Pool, name: str, names
         pr,
         name,
         _with_transfer(
-            base.pod_template(pr, name, render_multinode.node_settings(pr, "0")),
+            parts.pod_template(pr, name, render_multinode.node_settings(pr, "0")),
             pools,
             pool,
             name,
@@ -153,7 +168,7 @@ def pool_workload(resolved: Resolved, pools: Pools, pool: Pool, name: str, names
         pr,
         name,
         _with_transfer(
-            base.pod_template(pr, name, render_multinode.node_settings(pr, render_multinode.WORKER_INDEX)),
+            parts.pod_template(pr, name, render_multinode.node_settings(pr, render_multinode.WORKER_INDEX)),
             pools,
             pool,
             name,
@@ -182,12 +197,12 @@ def _pods_metric(metric: str, average: str) -> dict:
     }
 
 
-def pool_autoscaler(resolved: Resolved, pool: Pool, name: str, namespace: str) -> dict | None:
+def pool_autoscaler(parts: EngineParts, resolved: Resolved, pool: Pool, name: str, namespace: str) -> dict | None:
     bounds = pool.autoscaling
     if bounds is None:
         return None
     if pool.role == "prefill":  # its own queue: prompts waiting for a prefill slot
-        metrics = [_pods_metric(base.METRIC_NAME, str(bounds["targetWaitingRequests"]))]
+        metrics = [_pods_metric(parts.queue_metric, str(bounds["targetWaitingRequests"]))]
         behavior = resolved.spec.disaggregation.prefill.autoscaling.behavior
     else:  # streams in flight and the KV they hold (0..1 per pod, so a percent as milli-units)
         metrics = [
@@ -208,13 +223,13 @@ def pool_autoscaler(resolved: Resolved, pool: Pool, name: str, namespace: str) -
             "minReplicas": bounds["minReplicas"],
             "maxReplicas": bounds["maxReplicas"],
             "metrics": metrics,
-            "behavior": behavior or base.DEFAULT_BEHAVIOR,
+            "behavior": behavior or parts.default_behavior,
         },
     }
 
 
-def pool_disruption_budget(resolved: Resolved, pool: Pool, name: str, namespace: str) -> dict:
-    pdb = base.disruption_budget(resolved, name, namespace)
+def pool_disruption_budget(parts: EngineParts, resolved: Resolved, pool: Pool, name: str, namespace: str) -> dict:
+    pdb = parts.disruption_budget(resolved, name, namespace)
     pdb["metadata"] = {
         "name": pool_name(name, pool.role),
         "namespace": namespace,
@@ -252,7 +267,7 @@ def router_objects(resolved: Resolved, pools: Pools, name: str, namespace: str) 
     return objs
 
 
-def render(resolved: Resolved, name: str, namespace: str) -> list[dict]:
+def render(parts: EngineParts, resolved: Resolved, name: str, namespace: str) -> list[dict]:
     """Every child of a disaggregated InferenceService (resolved.pools set; the caller checked the plan fits)."""
     pools, spec = resolved.pools, resolved.spec
     assert pools is not None
@@ -260,13 +275,13 @@ def render(resolved: Resolved, name: str, namespace: str) -> list[dict]:
     objs: list[dict[str, Any]] = []
     if multinode and render_multinode.owns_authkey(spec):  # first: the pods read it at start (one for both pools)
         objs.append(render_multinode.authkey_secret(name, namespace))
-    objs.append(base.service(resolved, name, namespace, selector=serving_selector(name)))
+    objs.append(parts.service(resolved, name, namespace, selector=serving_selector(name)))
     for pool in pools:
-        hpa = pool_autoscaler(resolved, pool, name, namespace)
+        hpa = pool_autoscaler(parts, resolved, pool, name, namespace)
         if hpa is not None:
             objs.append(hpa)
         if spec.pod_disruption_budget.enabled:
-            objs.append(pool_disruption_budget(resolved, pool, name, namespace))
+            objs.append(pool_disruption_budget(parts, resolved, pool, name, namespace))
     objs += router_objects(resolved, pools, name, namespace)
     if spec.network_policy.enabled:
         extra = [transfer_ingress(name, pools)]
@@ -274,7 +289,7 @@ def render(resolved: Resolved, name: str, namespace: str) -> list[dict]:
             extra.append(render_multinode.group_ingress(name, engine_pod_selector(name)))
         objs.append(render_security.network_policy(resolved, name, namespace, extra_ingress=tuple(extra)))
     # Deployments before the optional CRDs' kinds (LeaderWorkerSet, GIE): everything else is applied first.
-    workloads = [obj for pool in pools for obj in pool_workload(resolved, pools, pool, name, namespace)]
+    workloads = [obj for pool in pools for obj in pool_workload(parts, resolved, pools, pool, name, namespace)]
     objs += [w for w in workloads if w["kind"] == "Deployment"] + [w for w in workloads if w["kind"] != "Deployment"]
     pool = render_scaling.inference_pool(resolved, name, namespace, selector=serving_selector(name))
     if pool is not None:

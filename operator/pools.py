@@ -85,6 +85,8 @@ def check_written(spec: dict) -> None:
     disagg = spec.get("disaggregation")
     if disagg is None:
         return
+    if not isinstance(disagg, dict):
+        raise PoolError(f"spec.disaggregation must be an object with prefill and decode, got {disagg!r}")
     if not (spec.get("router") or {}).get("enabled"):
         raise PoolError(
             "spec.disaggregation needs spec.router.enabled: true: the router sends each request to a prefill "
@@ -107,7 +109,7 @@ def check_written(spec: dict) -> None:
         )
     gpus_per_node = (spec.get("parallelism") or {}).get("gpusPerNode")
     for role in ROLES:
-        pool = (disagg or {}).get(role)
+        pool = disagg.get(role)
         if not isinstance(pool, dict):
             raise PoolError(f"spec.disaggregation.{role} is required (an object, may be empty)")
         tp = pool.get("tensorParallelSize")

@@ -240,6 +240,7 @@ def _refusal(spec: dict) -> spec_mod.SpecError:
         ),
         (lambda s: s["disaggregation"].pop("decode"), "spec.disaggregation.decode is required"),
         (lambda s: s["disaggregation"].update(connector="Mooncake"), "spec.disaggregation.connector"),
+        (lambda s: s.update(disaggregation="yes"), "spec.disaggregation must be an object"),
     ],
 )
 def test_a_bad_disaggregation_is_refused_naming_the_field(mutate, field):

@@ -140,3 +140,54 @@ def test_the_two_pool_service_is_reconciled_with_both_pools_in_the_status(emulat
         emulator.wait_for(lambda: "disaggregation" not in _cr(emulator).get("status", {}), what="status without pools")
     assert runner.exit_code == 0 and runner.exception is None
     assert "Traceback" not in runner.output, runner.output[-3000:]
+
+
+def _get_or_none(server, path: str) -> dict | None:
+    from tests.operator.apiserver import ApiError
+
+    try:
+        return server.request("GET", path)
+    except ApiError as exc:
+        if exc.status == 404:
+            return None
+        raise
+
+
+def test_pools_spanning_nodes_on_the_real_api_server(hybrid):
+    """The InferenceService and its LeaderWorkerSet pools on the real API server (the rest on the emulator): the
+    CR is admitted under strict validation, the status with both pools passes the CRD's status schema, and each
+    pool's LeaderWorkerSet is created against the upstream LWS CRD, owned by the CR."""
+    from tests.operator.test_render_disagg import PD_405B
+
+    ns, name = "kvs-pd", "pd405"
+    obj = {
+        "apiVersion": spec_mod.API_VERSION,
+        "kind": spec_mod.KIND,
+        "metadata": {"name": name, "namespace": ns},
+        "spec": copy.deepcopy(PD_405B),
+    }
+    with _operator() as runner:
+        created = hybrid.server.request("POST", hybrid.cr_path(ns), obj, query={"fieldValidation": "Strict"})
+
+        def settled() -> dict | None:
+            cr = hybrid.server.request("GET", hybrid.cr_path(ns, name))
+            return cr if (cr.get("status") or {}).get("disaggregation") else None
+
+        cr = hybrid.emulator.wait_for(settled, timeout=60, what="status with both pools")
+        pools = cr["status"]["disaggregation"]
+        assert pools["prefill"]["nodes"] == pools["decode"]["nodes"] == 2
+        assert pools["prefill"]["tensorParallelSize"] == pools["decode"]["tensorParallelSize"] == 8
+        paths = [
+            f"/apis/leaderworkerset.x-k8s.io/v1/namespaces/{ns}/leaderworkersets/{name}-{r}-lws"
+            for r in ("prefill", "decode")
+        ]
+        for path, role in zip(paths, ("prefill", "decode")):
+            lws = hybrid.emulator.wait_for(lambda p=path: _get_or_none(hybrid.server, p), what=f"the {role} LWS")
+            assert lws["metadata"]["ownerReferences"][0]["uid"] == created["metadata"]["uid"]
+            assert lws["metadata"]["labels"][render_pd.ROLE_LABEL] == role
+            assert lws["spec"]["leaderWorkerTemplate"]["size"] == 2
+        hybrid.server.request("DELETE", hybrid.cr_path(ns, name))
+        for path in paths:  # no garbage collector on this server
+            hybrid.server.request("DELETE", path)
+    assert runner.exit_code == 0 and runner.exception is None
+    assert "Traceback" not in runner.output, runner.output[-3000:]

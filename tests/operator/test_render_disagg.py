@@ -151,6 +151,18 @@ def test_hpas_scale_each_pool_on_its_own_signal():
     assert not _matches(selector, objs[("Deployment", f"{NAME}-prefill")]["spec"]["template"]["metadata"]["labels"])
 
 
+def test_a_pools_resources_apply_to_its_pods_only():
+    spec = copy.deepcopy(EXAMPLE["spec"])
+    spec["resources"] = {"requests": {"cpu": "2"}}
+    spec["disaggregation"]["prefill"]["resources"] = {"requests": {"cpu": "12", "memory": "96Gi"}}
+    _, objs = _render(spec)
+    pre = _container(objs[("Deployment", f"{NAME}-prefill")]["spec"]["template"])["resources"]
+    dec = _container(objs[("Deployment", f"{NAME}-decode")]["spec"]["template"])["resources"]
+    assert (pre["requests"]["cpu"], pre["requests"]["memory"]) == ("12", "96Gi")
+    assert dec["requests"]["cpu"] == "2"  # spec.resources, the default of a pool that names none
+    assert (pre["limits"]["nvidia.com/gpu"], dec["limits"]["nvidia.com/gpu"]) == ("4", "8")
+
+
 def test_without_pool_autoscaling_the_replicas_are_fixed():
     spec = copy.deepcopy(EXAMPLE["spec"])
     for role in ("prefill", "decode"):

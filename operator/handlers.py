@@ -40,6 +40,7 @@ from kvserve.operator import (
 from kvserve.operator import spec as spec_mod
 from kvserve.operator import status as status_mod
 from kvserve.operator.pod_startup import last_replica_startup
+from kvserve.operator.render import disaggregation as render_disaggregation
 from kvserve.operator.render import multinode as render_multinode
 from kvserve.operator.render import router as render_router
 from kvserve.operator.render import security as render_security
@@ -100,6 +101,7 @@ def reconcile(namespace: str, name: str, measure_drift: bool = False) -> dict[st
         multinode = layout is not None and layout.multinode
         # Children are keyed by (kind, name): the router's Deployment/Service/PDB share kinds with the engine's.
         keys = [(kind, name) for kind in kube.CHILD_KINDS] + render_router.child_keys(name, spec, previous)
+        keys += render_disaggregation.child_keys(name, spec, previous)  # spec.disaggregation's pools
         lws_key = ("LeaderWorkerSet", render_multinode.lws_name(name))
         if multinode or previous.get("parallelism"):  # a LeaderWorkerSet is wanted, or was (to prune it)
             keys += [lws_key, ("Secret", render_multinode.authkey_secret_name(name))]
@@ -148,6 +150,13 @@ def reconcile(namespace: str, name: str, measure_drift: bool = False) -> dict[st
         # The workload the status reads: what the plan renders; with a spec that does not fit, what still serves.
         use_lws = multinode if fits else live.get(lws_key) is not None
         workload = live.get(lws_key) if use_lws else live[("Deployment", name)]
+        # spec.disaggregation: the decode pool is the workload /scale and Ready read; status shows both pools.
+        pool_set = resolved.pools if resolved is not None and fits else None
+        pools_status = None
+        if pool_set is not None:
+            pool_live = {p.role: live.get(render_disaggregation.workload_key(name, p)) for p in pool_set}
+            use_lws, workload = pool_set.decode.layout.multinode, pool_live["decode"]
+            pools_status = status_mod.pools_status(pool_set, pool_live)
         pods = kube.list_labelled("Pod", namespace, {labels.OWNER_LABEL: name}) if workload else []
         failure = pod_health.diagnose(pods)
         # PlanDrift (issue 44): measured on the resync only, so each judged window spans a resync interval.
@@ -159,6 +168,8 @@ def reconcile(namespace: str, name: str, measure_drift: bool = False) -> dict[st
             parallelism = layout.to_status()
         else:  # a multi-pod layout that still serves (a spec that does not fit changes nothing) keeps its entry
             parallelism = previous.get("parallelism") if use_lws else None
+        if pool_set is not None:
+            parallelism = None  # each pool's pods per replica are in status.disaggregation
         new_status = status_mod.compute_status(
             name=name,
             namespace=namespace,
@@ -178,6 +189,8 @@ def reconcile(namespace: str, name: str, measure_drift: bool = False) -> dict[st
             missing_crds=tuple(missing_crds),
             adapters=_adapters_served(resolved, pods),
             plan_drift=drift.current(namespace, name, planned, previous_drift),
+            pools=pools_status,
+            selector=render_disaggregation.scale_selector(name) if pool_set is not None else None,
         )
         # Time to ready of the newest ready pod (kept while none is ready, e.g. scaled to zero): pod_startup.py
         startup = last_replica_startup(pods) or previous.get("lastReplicaStartup")

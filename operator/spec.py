@@ -23,7 +23,7 @@ from typing import Any
 import pydantic
 
 from kvserve.operator import adapters as adapters_mod
-from kvserve.operator import crd_schema, fleet, kv_offload, pod_resources, spec_model
+from kvserve.operator import crd_schema, fleet, kv_offload, pod_resources, pools, spec_model
 from kvserve.operator.spec_model import InferenceServiceSpec
 from kvserve.runtime import capacity, engine_args
 from kvserve.runtime.planner import catalog
@@ -128,6 +128,9 @@ class Resolved:
     # {minReplicas, maxReplicas, targetQueueDepth} the HPA / KEDA use: the user's explicit values, else the
     # SLO plan's, else the defaults (fleet.autoscaling_bounds)
     autoscaling: dict = dataclasses.field(default_factory=dict)
+    # spec.disaggregation (issue 42): the prefill and decode pools, each planned at its own TP (operator/pools.py);
+    # None for an aggregated service. With pools, `plan` is pools.plan() and `layout` None.
+    pools: pools.Pools | None = None
 
 
 _SHAPE_FIELDS = {
@@ -394,6 +397,10 @@ def resolve(spec: dict, model_config: dict | None = None) -> Resolved:
     check_enums(spec)
     check_no_api_key_in_args(spec)
     check_gateway(spec)
+    try:
+        pools.check_written(spec)
+    except pools.PoolError as exc:
+        raise SpecError("InvalidDisaggregation", str(exc)) from None
     source = model_source(spec["model"])
     try:
         adapters = tuple(adapters_mod.parse(spec))
@@ -480,6 +487,19 @@ def resolve(spec: dict, model_config: dict | None = None) -> Resolved:
     drain_timeout_seconds(typed)
     check_kv_events(typed)  # issue 40
     check_kv_offload(typed, layout, model)  # issue 41
+    # spec.disaggregation: each pool planned at its own TP by the same planner; the service's plan is theirs.
+    try:
+        pool_set = pools.resolve(
+            typed,
+            plan_input,
+            gpus_per_node=typed.parallelism.gpus_per_node,
+            extra_args=[str(a) for a in engine.get("extraArgs") or []],
+            refuse=budget_error,
+        )
+    except pools.PoolError as exc:
+        raise SpecError("InvalidDisaggregation", str(exc)) from None
+    if pool_set is not None:
+        plan, layout = pool_set.plan(), None
     return Resolved(
         spec=typed,
         source=source,
@@ -492,6 +512,7 @@ def resolve(spec: dict, model_config: dict | None = None) -> Resolved:
         adapters=adapters,
         fleet=fleet_option,
         autoscaling=autoscaling,
+        pools=pool_set,
     )
 
 

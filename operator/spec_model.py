@@ -245,6 +245,50 @@ class KVOffloadSpec(_Part):
 class KVCacheSpec(_Part):
     offload: KVOffloadSpec | None = None
 
+# spec.disaggregation (issue 42): prefill and decode pools. No CRD defaults below it (the operator's live in
+# operator/pools.py), so that an InferenceService without disaggregation carries no such object.
+class PrefillAutoscalingSpec(_Part):
+    """The prefill pool's HPA (present = enabled): it scales on the pool's own queue."""
+
+    min_replicas: Annotated[int, Field(ge=1)] | None = None
+    max_replicas: Annotated[int, Field(ge=1)]
+    target_waiting_requests: Annotated[int, Field(ge=1)] | None = None  # vllm:num_requests_waiting per pod
+    behavior: dict[str, Any] | None = None
+
+
+class DecodeAutoscalingSpec(_Part):
+    """The decode pool's HPA (present = enabled): it scales on running requests and KV-cache usage."""
+
+    min_replicas: Annotated[int, Field(ge=1)] | None = None
+    max_replicas: Annotated[int, Field(ge=1)]
+    target_running_requests: Annotated[int, Field(ge=1)] | None = None  # vllm:num_requests_running per pod
+    target_kv_cache_usage_percent: Annotated[int, Field(ge=1, le=100)] | None = Field(
+        None, alias="targetKVCacheUsagePercent"
+    )
+    behavior: dict[str, Any] | None = None
+
+
+class PrefillPoolSpec(_Part):
+    replicas: Annotated[int, Field(ge=1)] | None = None
+    tensor_parallel_size: Literal[1, 2, 4, 8] | None = None
+    autoscaling: PrefillAutoscalingSpec | None = None
+    resources: Resources | None = None
+
+
+class DecodePoolSpec(_Part):
+    """Its replica count is spec.replicas (what the /scale subresource writes)."""
+
+    tensor_parallel_size: Literal[1, 2, 4, 8] | None = None
+    autoscaling: DecodeAutoscalingSpec | None = None
+    resources: Resources | None = None
+
+
+class DisaggregationSpec(_Part):
+    connector: Literal["NixlConnector"] | None = None
+    transfer_port: Annotated[int, Field(ge=1024, le=65535)] | None = None
+    prefill: PrefillPoolSpec
+    decode: DecodePoolSpec
+
 
 class InferenceServiceSpec(_Part):
     """An InferenceService's .spec. The objects the CRD defaults to {} are default-constructed here too."""
@@ -279,6 +323,7 @@ class InferenceServiceSpec(_Part):
     workload: WorkloadSpec | None = None
     network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
     kv_cache: KVCacheSpec | None = None  # issue 41
+    disaggregation: DisaggregationSpec | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The spec as the manifest's camelCase dict (every field this object holds, set or defaulted)."""

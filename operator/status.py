@@ -10,6 +10,7 @@ from typing import Any
 
 from kvserve.operator.labels import selector_string
 from kvserve.operator.pod_health import PodFailure
+from kvserve.operator.pools import Pools
 from kvserve.operator.render import service_url
 from kvserve.operator.render.router import url_service_name
 from kvserve.operator.spec_model import InferenceServiceSpec
@@ -72,6 +73,8 @@ def compute_status(
     missing_crds: tuple[str, ...] = (),
     adapters: tuple[int, int] | None = None,
     plan_drift: tuple[bool, str, str] | None = None,
+    pools: dict | None = None,
+    selector: str | None = None,
 ) -> dict[str, Any]:
     """`plan` is None when the spec could not be planned at all (unknown model/GPU); `spec` has defaults.
 
@@ -87,6 +90,8 @@ def compute_status(
     AdaptersReady condition (AdapterLoadFailed from `pod_failure`); None or a total of 0 leaves both out.
     `plan_drift`: the PlanDrift condition (operator/drift.py: pods measured against spec.slo's plan); None
     leaves it out (no spec.slo).
+    `pools`: spec.disaggregation's status.disaggregation (pools_status); `deployment` is then the decode pool's
+    workload and `selector` its serving pods' (the /scale subresource's), and Ready needs the prefill pool too.
     """
     if conflicts:
         deployment, pod_failure = None, None
@@ -128,6 +133,13 @@ def compute_status(
     else:
         ready_c = (False, "ReplicasNotReady", f"{ready}/{desired} replicas ready, {updated} updated")
 
+    if pools is not None and ready_c[0] and not pools_ready(pools):
+        pre = pools["prefill"]
+        ready_c = (
+            False,
+            "PrefillNotReady",
+            f"decode {ready}/{desired} replicas ready, prefill {pre['readyReplicas']}/{pre['replicas']}",
+        )
     if fits and deployment is not None and not ready_c[0] and desired > 0:
         progressing_c = (True, "RollingOut", f"{updated}/{desired} replicas updated, {ready} ready")
     elif fits and deployment is None and not conflicts:
@@ -182,7 +194,7 @@ def compute_status(
     status: dict[str, Any] = {
         "replicas": int(dep_status.get("replicas") or 0),
         "readyReplicas": ready,
-        "selector": selector_string(name),
+        "selector": selector or selector_string(name),
         "conditions": conditions,
     }
     if generation is not None:
@@ -191,6 +203,8 @@ def compute_status(
         status["plan"] = plan_status(plan)
     if parallelism is not None:
         status["parallelism"] = parallelism
+    if pools is not None:
+        status["disaggregation"] = pools
     if adapters is not None and adapters[1] > 0:
         status["adapters"] = f"{adapters[0]}/{adapters[1]}"
     if fits and not conflicts:
@@ -208,3 +222,25 @@ def _adapters_condition(ready: int, total: int, pod_failure: PodFailure | None) 
         "AdaptersLoading",
         f"{ready}/{total} adapters served by every ready pod (pods starting or rolling out)",
     )
+
+
+def pools_status(pools: Pools, workloads: dict[str, dict | None]) -> dict[str, dict[str, int]]:
+    """status.disaggregation: per pool, replicas (the workload's desired count: its spec.replicas, which an HPA
+    may set, else the pool's), readyReplicas (the workload's status, groups for a LeaderWorkerSet), its pod
+    shape and the KV tokens one replica of it holds (its plan). `workloads`: role -> live workload or None."""
+    out = {}
+    for pool in pools:
+        live = workloads.get(pool.role) or {}
+        desired = (live.get("spec") or {}).get("replicas")
+        out[pool.role] = {
+            "replicas": int(desired if desired is not None else pool.replicas),
+            "readyReplicas": int((live.get("status") or {}).get("readyReplicas") or 0),
+            "tensorParallelSize": pool.tensor_parallel_size,
+            "nodes": pool.layout.nodes,
+            "kvTokens": pool.plan.kv_tokens,
+        }
+    return out
+
+
+def pools_ready(pools: dict[str, dict[str, int]]) -> bool:
+    return all(p["readyReplicas"] >= p["replicas"] for p in pools.values())

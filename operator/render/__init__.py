@@ -13,6 +13,7 @@ from kvserve.operator import spec as spec_mod
 from kvserve.operator.labels import engine_labels, engine_pod_selector, engine_selector
 from kvserve.operator.render import kv_events as render_kv_events
 from kvserve.operator.render import kv_offload as render_kv_offload
+from kvserve.operator.render import disaggregation as render_disaggregation
 from kvserve.operator.render import model as render_model
 from kvserve.operator.render import multinode as render_multinode
 from kvserve.operator.render import router as render_router
@@ -298,6 +299,8 @@ def render(resolved: Resolved, name: str, namespace: str) -> list[dict]:
     """Every child the InferenceService should have; empty when the capacity plan does not fit."""
     if not resolved.plan.fits:
         return []
+    if resolved.pools is not None:  # spec.disaggregation: a prefill and a decode pool (issue 42)
+        return render_disaggregation.render(_ENGINE_PARTS, resolved, name, namespace)
     if resolved.layout is not None and resolved.layout.multinode:
         return render_groups(resolved, name, namespace)
     objs = [deployment(resolved, name, namespace), service(resolved, name, namespace)]
@@ -365,3 +368,14 @@ def render_groups(resolved: Resolved, name: str, namespace: str) -> list[dict]:
     if pool is not None:
         objs.append(pool)
     return objs
+
+
+# What the disaggregated renderer builds its pools from: this module's own engine renderers (issue 42).
+_ENGINE_PARTS = render_disaggregation.EngineParts(
+    deployment=deployment,
+    pod_template=pod_template,
+    service=service,
+    disruption_budget=disruption_budget,
+    default_behavior=DEFAULT_BEHAVIOR,
+    queue_metric=METRIC_NAME,
+)

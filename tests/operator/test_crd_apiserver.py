@@ -144,6 +144,14 @@ def _pop(path: str) -> Callable[[dict], None]:
     return mutate
 
 
+_ON = {"enabled": True}
+_PD = {"prefill": {}, "decode": {}}
+
+
+def _pd(**pools: dict) -> dict:
+    return {**_PD, **pools}
+
+
 # (mutation of MINIMAL's spec, refused?, a fragment of the server's message when refused). Every CEL rule of the
 # CRD has a row each way, every bound a row at and past it, and unknown fields at several depths.
 TABLE: list[tuple[Callable[[dict], None], bool, str]] = [
@@ -220,6 +228,69 @@ TABLE: list[tuple[Callable[[dict], None], bool, str]] = [
     (_set("auth", {"apiKeySecretRef": {"name": "s"}}), True, "Required value"),
     (_set("networkPolicy", {"from": [{"ipBlock": {}}]}), True, "Required value"),
     (_set("replicas", "two"), True, "must be of type integer"),
+    # spec.disaggregation (issue 42): CEL and bounds, each way
+    (_set("disaggregation", {"prefill": {}, "decode": {}}), True, "disaggregation needs router.enabled"),
+    (lambda s: s.update(disaggregation=_PD, router={"enabled": True}), False, ""),
+    (lambda s: s.update(disaggregation=_pd(prefill={"replicas": 0}), router=_ON), True, "greater than or equal to 1"),
+    (
+        lambda s: s.update(disaggregation=_pd(decode={"autoscaling": {"maxReplicas": 0}}), router=_ON),
+        True,
+        "greater than or equal to 1",
+    ),
+    (lambda s: s.update(disaggregation=_pd(decode={"autoscaling": {}}), router=_ON), True, "Required value"),
+    (
+        lambda s: s.update(
+            disaggregation=_pd(prefill={"autoscaling": {"minReplicas": 3, "maxReplicas": 2}}), router=_ON
+        ),
+        True,
+        "prefill.autoscaling.minReplicas must be <= maxReplicas",
+    ),
+    (
+        lambda s: s.update(
+            disaggregation=_pd(decode={"autoscaling": {"minReplicas": 2, "maxReplicas": 2}}), router=_ON
+        ),
+        False,
+        "",
+    ),
+    (lambda s: s.update(disaggregation=_pd(prefill={"tensorParallelSize": 3}), router=_ON), True, "Unsupported value"),
+    (
+        lambda s: s.update(
+            disaggregation=_pd(decode={"tensorParallelSize": 4}), router=_ON, parallelism={"gpusPerNode": 2}
+        ),
+        True,
+        "decode.tensorParallelSize must be <= parallelism.gpusPerNode",
+    ),
+    (
+        lambda s: s.update(
+            disaggregation=_pd(prefill={"tensorParallelSize": 2}), router=_ON, parallelism={"gpusPerNode": 2}
+        ),
+        False,
+        "",
+    ),
+    (lambda s: s.update(disaggregation={"prefill": {}}, router=_ON), True, "Required value"),
+    (lambda s: s.update(disaggregation={**_PD, "connector": "Mooncake"}, router=_ON), True, "Unsupported value"),
+    (lambda s: s.update(disaggregation={**_PD, "transferPort": 80}, router=_ON), True, "greater than or equal to 1024"),
+    (
+        lambda s: s.update(disaggregation=_PD, router=_ON, autoscaling={"enabled": True}),
+        True,
+        "not autoscaling.enabled",
+    ),
+    (lambda s: s.update(disaggregation=_PD, router=_ON, parallelism={"nodes": 2}), True, "remove parallelism.nodes"),
+    (
+        lambda s: s.update(
+            disaggregation=_PD,
+            router=_ON,
+            slo={"ttftP90Seconds": 1, "tpotP99Seconds": 0.05},
+            workload={"requestRate": 5},
+        ),
+        True,
+        "spec.slo is not planned for disaggregated pools",
+    ),
+    (
+        lambda s: s.update(disaggregation={**_PD, "prefil": {}}, router=_ON),
+        True,
+        'unknown field "spec.disaggregation.prefil"',
+    ),
     # Unknown fields (strict field validation)
     (_set("replica", 2), True, 'unknown field "spec.replica"'),
     (_set("engine.maxModelLength", 4096), True, 'unknown field "spec.engine.maxModelLength"'),

@@ -74,7 +74,8 @@ def test_the_two_pool_service_is_reconciled_with_both_pools_in_the_status(emulat
         assert "replicas" not in prefill["spec"] and decode["spec"]["replicas"] == 2
         assert _get(emulator, "Deployment", NAME) is None  # no aggregated pool
         router = emulator.wait_for(lambda: _get(emulator, "Deployment", f"{NAME}-router"), what="the router")
-        assert _command(router)[-3:] == render_pd.router_pd_args(resolved.pools)
+        pd_args = render_pd.router_pd_args(resolved.pools)
+        assert _command(router)[-len(pd_args) :] == pd_args
         for pool in (PREFILL, DECODE):
             emulator.wait_for(lambda p=pool: _get(emulator, "HorizontalPodAutoscaler", p), what=f"HPA {pool}")
             emulator.wait_for(lambda p=pool: _get(emulator, "PodDisruptionBudget", p), what=f"PDB {pool}")

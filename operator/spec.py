@@ -23,7 +23,7 @@ from typing import Any
 import pydantic
 
 from kvserve.operator import adapters as adapters_mod
-from kvserve.operator import crd_schema, fleet, kv_offload, pod_resources, pools, spec_model
+from kvserve.operator import crd_schema, fleet, kv_events, kv_offload, pod_resources, pools, spec_model
 from kvserve.operator.spec_model import InferenceServiceSpec
 from kvserve.runtime import capacity, engine_args
 from kvserve.runtime.planner import catalog
@@ -279,44 +279,11 @@ def check_scale_to_zero(spec: InferenceServiceSpec) -> None:
         )
 
 
-# -- spec.router.kvEvents (issue 40; rendered by render/kv_events.py) ----------------------------------------
-KV_EVENTS_FLAG = "--kv-events-config"
-
-
-def kv_events_enabled(spec: InferenceServiceSpec) -> bool:
-    """Do the engines publish KV events and the routers subscribe? Only with a router: router.kvEvents.enabled
-    when set, else whether there are two or more router replicas. An estimating router learns only from its
-    own decisions, so N of them each see 1/N of the traffic (docs/router.md measured the hit rate falling from
-    0.81 to 0.72 with two); on the events they all see every engine's cache. One router may turn it on too
-    (it then follows evictions and restarts exactly); enabled false keeps estimating routers."""
-    if not spec.router.enabled:
-        return False
-    explicit = spec.router.kv_events.enabled
-    return explicit if explicit is not None else spec.router.replicas >= 2
-
-
+# -- spec.router.kvEvents (issue 40; operator/kv_events.py, rendered by render/kv_events.py) ----------------
 def check_kv_events(spec: InferenceServiceSpec) -> None:
-    """The CRD's CEL rules on router.kvEvents (for `kvserve render` and clusters without them), and a conflict
-    the CRD cannot see: --kv-events-config in extraArgs while the operator renders its own."""
-    events, port = spec.router.kv_events, spec.port
-    if events.port == events.replay_port:
-        raise SpecError(
-            "InvalidKVEvents",
-            f"spec.router.kvEvents.port and spec.router.kvEvents.replayPort must differ (both {events.port})",
-        )
-    for field, value in (("port", events.port), ("replayPort", events.replay_port)):
-        if value == port:
-            raise SpecError(
-                "InvalidKVEvents",
-                f"spec.router.kvEvents.{field} ({value}) must differ from spec.port: the engine serves HTTP there",
-            )
-    if kv_events_enabled(spec) and any(str(a).split("=", 1)[0] == KV_EVENTS_FLAG for a in spec.engine.extra_args or []):
-        raise SpecError(
-            "InvalidKVEvents",
-            f"spec.engine.extraArgs carries {KV_EVENTS_FLAG} while spec.router.kvEvents renders one (router.replicas "
-            ">= 2 or kvEvents.enabled): drop it from extraArgs (set router.kvEvents.port/replayPort instead), or "
-            "set router.kvEvents.enabled false",
-        )
+    problem = kv_events.check(spec)
+    if problem:
+        raise SpecError("InvalidKVEvents", problem)
 
 
 # -- spec.kvCache.offload (issue 41; operator/kv_offload.py) -------------------------------------------------

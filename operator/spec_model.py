@@ -245,6 +245,7 @@ class KVOffloadSpec(_Part):
 class KVCacheSpec(_Part):
     offload: KVOffloadSpec | None = None
 
+
 # spec.disaggregation (issue 42): prefill and decode pools. No CRD defaults below it (the operator's live in
 # operator/pools.py), so that an InferenceService without disaggregation carries no such object.
 class PrefillAutoscalingSpec(_Part):

@@ -11,9 +11,9 @@ from typing import Any
 from kvserve.operator import adapters, fleet, pod_resources, spec_model, startup_budget
 from kvserve.operator import spec as spec_mod
 from kvserve.operator.labels import engine_labels, engine_pod_selector, engine_selector
+from kvserve.operator.render import disaggregation as render_disaggregation
 from kvserve.operator.render import kv_events as render_kv_events
 from kvserve.operator.render import kv_offload as render_kv_offload
-from kvserve.operator.render import disaggregation as render_disaggregation
 from kvserve.operator.render import model as render_model
 from kvserve.operator.render import multinode as render_multinode
 from kvserve.operator.render import router as render_router

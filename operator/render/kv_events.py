@@ -9,7 +9,7 @@ What it adds to the rendered children, each piece called from where that child i
   engine pod it finds in the engine Service's EndpointSlices (cli/router_kv_events.py);
 - the engine NetworkPolicy: both ports open to this InferenceService's router pods only.
 
-When it is on and what the spec may not combine with it: spec.kv_events_enabled and spec.check_kv_events.
+When it is on and what the spec may not combine with it: operator/kv_events.py (enabled, check).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from kvserve.operator.kv_events import enabled
 from kvserve.operator.labels import router_selector
-from kvserve.operator.spec import kv_events_enabled as enabled
 from kvserve.operator.spec_model import InferenceServiceSpec
 
 EVENTS_PORT_NAME = "kv-events"  # container port names: at most 15 characters

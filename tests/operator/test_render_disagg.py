@@ -6,7 +6,6 @@ kinds validated with kubernetes-validate, LeaderWorkerSet pools against the vend
 from __future__ import annotations
 
 import argparse
-
 import copy
 import dataclasses
 import json

@@ -119,7 +119,7 @@ def test_router_field_in_the_crd():
     assert spec_mod.with_defaults({})["router"] == {
         "enabled": False,
         "replicas": 1,
-        "kvEvents": {"port": 5557, "replayPort": 5558},  # on or off by router.replicas: spec.kv_events_enabled
+        "kvEvents": {"port": 5557, "replayPort": 5558},  # on or off by router.replicas: operator.kv_events.enabled
     }
 
 

@@ -9,6 +9,7 @@ identical, so the prefix cache sees hits as the real engine would.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import json
 import random
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from kvserve.runtime import engine_args
+from kvserve.runtime.core.block_pool import KVCacheBlock
 from kvserve.runtime.core.kv_cache_manager import KVCacheManager
 from kvserve.runtime.core.outputs import ModelRunnerOutput
 from kvserve.runtime.core.scheduler import Scheduler, SchedulerConfig
@@ -168,9 +170,85 @@ def simulate(
 ) -> SimResult:
     """One replica's run of the workload. With `stop_when_missed`, the run ends as soon as enough requests have
     exceeded a limit that its percentile is certain to (`SimResult.stopped_on_miss`): a search that only asks
-    "is the SLO met?" then pays for an overloaded trial only until the answer is known."""
+    "is the SLO met?" then pays for an overloaded trial only until the answer is known.
+
+    Shortcuts that leave the result unchanged (tests/test_planner_sim.py compares them with the plain run):
+    - Without a shared prefix no prompt shares a block with another (`_token_ids`), so the prefix cache can
+      only hit a request's own blocks after a preemption. The run goes without it (hashing every block was a
+      third of a run's time) until a request is preempted, and then starts again with it.
+    - The KV pool starts small and grows, up to the replica's size, whenever an allocation would otherwise be
+      refused (`_GrowingPool`): the scheduler only asks it "can these blocks be allocated?", and it answers
+      exactly as the replica's pool would, so the schedule is the same. Building a pool of 30,000+ block
+      objects for every run cost a third of a passing run; most runs hold a few thousand. The peak usage is
+      reported against the replica's pool.
+    The prefix cache keeps freed blocks for later hits, which a pool that grows late would evict sooner: with a
+    shared prefix, or for the rerun after a preemption, the run has the replica's pool from the start."""
+    private = not (shape.enable_prefix_caching and workload.prefix_len > 0) and not _fills_the_pool(workload, shape)
+    run = functools.partial(_simulate, workload, shape, step_model, record_steps, stop_when_missed)
+    if private:
+        grown = functools.partial(_GrowingPool, initial_blocks=INITIAL_POOL_BLOCKS)
+        try:
+            return run(False, grown, shape.enable_prefix_caching)
+        except _Preempted:
+            pass
+    return run(shape.enable_prefix_caching, KVCacheManager)
+
+
+def _fills_the_pool(workload: Workload, shape: EngineShape) -> bool:
+    """A closed loop whose streams' shortest sequences already overfill the pool preempts for sure: the run
+    without the prefix cache would only be thrown away (the saturation run of slo.replica_capacity)."""
+    if workload.concurrency is None or workload.trace:
+        return False
+    streams = min(workload.concurrency, workload.num_requests, shape.max_num_seqs)
+    tokens = min(workload.prompt_len.lo + workload.output_len.lo, shape.max_model_len)
+    return streams * -(-tokens // shape.block_size) > shape.num_blocks - 1
+
+
+class _Preempted(Exception):
+    """A run without the prefix cache preempted a request: from here on the cache would change the schedule."""
+
+
+INITIAL_POOL_BLOCKS = 1024  # the growing pool's first size; it doubles (at most to the replica's pool)
+
+
+class _GrowingPool(KVCacheManager):
+    """The real KV manager over a pool that starts with `initial_blocks` and doubles, up to `num_blocks`, when
+    an allocation does not fit: an allocation is refused only when the full pool would refuse it. A refused
+    allocation changes nothing (KVCacheManager.allocate_slots), so it is simply asked again after growing."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, initial_blocks: int):
+        super().__init__(min(num_blocks, initial_blocks), block_size, enable_caching=enable_caching)
+        self.max_blocks = num_blocks
+
+    def allocate_slots(self, request, num_new_tokens, new_computed_blocks=()):
+        while True:
+            blocks = super().allocate_slots(request, num_new_tokens, new_computed_blocks)
+            if blocks is not None or self.pool.num_blocks >= self.max_blocks:
+                return blocks
+            self._grow()
+
+    def _grow(self) -> None:
+        pool = self.pool
+        size = min(self.max_blocks, 2 * pool.num_blocks)
+        for block_id in range(pool.num_blocks, size):
+            block = KVCacheBlock(block_id)
+            pool.blocks.append(block)
+            pool.free_queue.append(block)
+        pool.num_blocks = size
+
+
+def _simulate(
+    workload: Workload,
+    shape: EngineShape,
+    step_model: StepTimeModel,
+    record_steps: bool,
+    stop_when_missed: MissLimits | None,
+    enable_caching: bool,
+    kv_manager=KVCacheManager,
+    stop_on_preemption: bool = False,
+) -> SimResult:
     rng = random.Random(workload.seed)
-    kv = KVCacheManager(shape.num_blocks, shape.block_size, enable_caching=shape.enable_prefix_caching)
+    kv = kv_manager(shape.num_blocks, shape.block_size, enable_caching=enable_caching)
     sched = Scheduler(
         SchedulerConfig(
             max_num_seqs=shape.max_num_seqs,
@@ -252,6 +330,8 @@ def simulate(
             arrival[r.request_id] = r.arrival_time  # TTFT counts from the client's arrival, admission included
             sched.add_request(r)
         out = sched.schedule()
+        if stop_on_preemption and out.num_preempted:
+            raise _Preempted
         if out.is_empty:
             if not pending:
                 raise RuntimeError("simulation stalled: a request cannot be scheduled (KV pool too small?)")
@@ -264,7 +344,7 @@ def simulate(
         queue_area += sched.num_waiting * step_s
         now += step_s
         steps += 1
-        peak = max(peak, kv.usage)
+        peak = max(peak, kv.pool.num_blocks - 1 - kv.num_free_blocks)  # blocks held (block 0 is the null block)
         sampled = {s.req_id: 1 for s in out.scheduled if s.sample}
         for o in sched.update_from_output(out, ModelRunnerOutput(sampled_token_ids=sampled)):
             rid = o.req_id
@@ -294,7 +374,7 @@ def simulate(
         requests_per_s=total / duration,
         ttft_s={"p50": percentile(ttft, 50), "p90": percentile(ttft, 90), "p99": percentile(ttft, 99)},
         tpot_s={"p50": percentile(tpot, 50), "p99": percentile(tpot, 99)},
-        kv_peak_usage=peak,
+        kv_peak_usage=peak / (shape.num_blocks - 1),  # blocks held at the peak, of the replica's real pool
         num_preemptions=sched.num_preemptions,
         num_steps=steps,
         mean_queue_depth=queue_area / duration,

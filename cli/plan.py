@@ -578,5 +578,7 @@ def run(args: argparse.Namespace) -> int:
         if "fleet" in plan:
             print(plan_fleet.format_fleet(plan["fleet"]))
     if "fleet" in plan:  # the search's verdict: a chosen fleet, whatever --gpu's own plan said
+        if "disaggregation" in plan["fleet"]:
+            return 0 if plan["fleet"]["disaggregation"]["decision"] is not None else 1
         return 0 if plan["fleet"]["choice"] is not None else 1
     return 0 if plan["fits"] else 1

@@ -21,6 +21,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="GPU=USD",
         help="USD per GPU-hour for a catalog GPU (repeatable; default the catalog's indicative price)",
     )
+    g.add_argument(
+        "--disaggregation",
+        choices=("off", "auto", "on"),
+        default="off",
+        help="prefill/decode disaggregation (runtime/planner/disagg.py): off = aggregated replicas only; auto = "
+        "also plan each GPU x TP as a prefill and a decode pool and choose the cheaper; on = choose the P/D fleet",
+    )
+    g.add_argument(
+        "--kv-transfer-gb-s",
+        type=float,
+        default=None,
+        metavar="GB_PER_S",
+        help="the link P/D moves a prompt's KV over, GB/s per replica (default 25: one 200 Gb/s RDMA NIC)",
+    )
 
 
 # target_from_spec's field names -> this command's flags (longest first: requestRate is in minRequestRate)
@@ -124,6 +138,9 @@ def fleet(args: argparse.Namespace, base, calibration: dict | None) -> dict:
     )
     rows = [o.to_dict() for o in options]
     choice = rows[0] if rows and rows[0]["feasible"] else None
+    extra = {}
+    if args.disaggregation != "off":
+        extra["disaggregation"] = disaggregation(args, target, options)
     return {
         "slo": {"ttft_p90_s": target.slo.ttft_p90_s, "tpot_p99_s": target.slo.tpot_p99_s},
         "request_rate": target.request_rate,
@@ -131,6 +148,35 @@ def fleet(args: argparse.Namespace, base, calibration: dict | None) -> dict:
         "price_source": catalog.PRICE_SOURCE,
         "searched_engine_settings": sorted(searched),
         "choice": choice,
+        "options": rows,
+        **extra,
+    }
+
+
+def disaggregation(args: argparse.Namespace, target, options: list) -> dict:
+    """The same deployments as prefill + decode pools (runtime/planner/disagg.py), each at the engine settings
+    the aggregated search chose for it: both answers and the decision. Raises ValueError naming the flag."""
+    import math
+
+    from kvserve.runtime.planner import disagg
+
+    link = disagg.DEFAULT_KV_TRANSFER_GB_S if args.kv_transfer_gb_s is None else args.kv_transfer_gb_s
+    if not link > 0:
+        raise ValueError(f"--kv-transfer-gb-s must be > 0, got {link:g}")
+    aggregated = options[0].usd_per_hour if options and options[0].hpa is not None else math.inf
+    bound = aggregated if args.disaggregation == "auto" else math.inf  # auto: only a cheaper P/D fleet matters
+    found = disagg.search_disaggregated(
+        [o.candidate for o in options], target.workload, target.slo, target.request_rate, link, bound
+    )
+    rows = [o.to_dict() for o in found]
+    best = rows[0] if rows and rows[0]["feasible"] else None
+    decision = disagg.decide(args.disaggregation, aggregated, found[0].usd_per_hour if best else math.inf)
+    return {
+        "mode": args.disaggregation,
+        "kv_transfer_gb_s": link,
+        "decision": decision,
+        "aggregated_usd_per_hour": None if math.isinf(aggregated) else aggregated,
+        "disaggregated_choice": best,
         "options": rows,
     }
 
@@ -157,6 +203,27 @@ def format_fleet(f: dict) -> str:
             "SEQS/TOKENS: the best of --max-num-seqs / --max-num-batched-tokens per GPU x TP "
             f"(searched: {', '.join(f['searched_engine_settings'])}; a flag you give is kept)"
         )
+    d = f.get("disaggregation")
+    if d is not None:
+        lines.append(
+            f"prefill/decode pools (--disaggregation {d['mode']}, the prompt's KV over {d['kv_transfer_gb_s']:g} "
+            "GB/s; each GPU x TP at the engine settings above):"
+        )
+        lines.append(f"  {'GPU':<12} {'TP':>2} {'P:D':>7} {'USD/H':>8}  NOTE")
+        for o in d["options"]:
+            head = f"{o['gpu']:<12} {o['tensor_parallel_size']:>2}"
+            if o["feasible"]:
+                lines.append(f"  {head} {o['prefill_decode_ratio']:>7} {o['usd_per_hour']:>8.2f}")
+            else:
+                lines.append(f"  {head} {'-':>7} {'-':>8}  {o['reason']}")
+        b = d["disaggregated_choice"]
+        if b is not None:
+            lines.append(
+                f"P/D: {b['prefill_replicas']} prefill + {b['decode_replicas']} decode x {b['gpu']} TP "
+                f"{b['tensor_parallel_size']} (${b['usd_per_hour']:.2f}/h, TTFT p90 {b['ttft_p90_s']:.3f} s end "
+                f"to end with {b['kv_transfer_s'] * 1e3:.1f} ms KV transfer, TPOT p99 {b['tpot_p99_s'] * 1e3:.1f} ms)"
+            )
+        lines.append(f"decision: {d['decision'] or 'none meets the SLO'}")
     c = f["choice"]
     if c is None:
         lines.append("choice: none of the candidates meets the SLO")

@@ -93,7 +93,9 @@ def _build_candidate(
         step, source = calibrated[0], f"calibration ({calibrated[1]})"
     else:
         step, source = roofline_step_model(inp.model, catalog.GPUS[key], plan), roofline_source(key)
-    return Candidate(key, inp.tensor_parallel_size, price, engine_shape(at, plan), step, source)
+    return Candidate(
+        key, inp.tensor_parallel_size, price, engine_shape(at, plan), step, source, plan.kv_bytes_per_token
+    )
 
 
 def candidates(
@@ -209,6 +211,7 @@ def _plan_replica(
         engine_shape(inp, plan),
         roofline_step_model(inp.model, gpu, plan),
         roofline_source(gpu_key),
+        plan.kv_bytes_per_token,
     )
     return evaluate(candidate, target.workload, target.slo, target.request_rate, target.min_request_rate)
 

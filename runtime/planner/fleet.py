@@ -29,6 +29,7 @@ class Candidate:
     shape: EngineShape
     step_model: StepTimeModel
     step_time_source: str  # "calibration <device>" or "roofline ..." (an estimate, said so in the output)
+    kv_bytes_per_token: int = 0  # the whole model's (kv_plan.Plan, from runtime/capacity): what P/D moves
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import heapq
 import json
+import math
 import random
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -21,7 +22,7 @@ from kvserve.runtime.core.block_pool import KVCacheBlock
 from kvserve.runtime.core.kv_cache_manager import KVCacheManager
 from kvserve.runtime.core.outputs import ModelRunnerOutput
 from kvserve.runtime.core.scheduler import Scheduler, SchedulerConfig
-from kvserve.runtime.planner.step_time import StepTimeModel, step_work
+from kvserve.runtime.planner.step_time import StepTimeModel, StepWork, step_work
 from kvserve.runtime.request import Request
 from kvserve.runtime.sampling_params import SamplingParams
 
@@ -85,6 +86,9 @@ def load_trace(path: str) -> tuple[tuple[float, int, int], ...]:
     return tuple(sorted(out))
 
 
+ROLES = ("both", "prefill", "decode")
+
+
 @dataclass(frozen=True)
 class EngineShape:
     """What the replica's scheduler is configured with (the same fields the engine passes). The defaults are
@@ -100,6 +104,18 @@ class EngineShape:
     # request after another: a burst of N requests reaches the scheduler over N * admission_s, and the engine
     # starts stepping with the first ones. 0 = every request reaches the scheduler when it arrives (in-process).
     admission_s: float = 0.0
+    # Prefill/decode disaggregation (disagg.py): "both" is an aggregated replica. "prefill" runs each request's
+    # prompt and its first token only (max_tokens 1, as vLLM's P/D proxy sends it). "decode" receives each
+    # prompt's KV from a prefill replica: the pulled tokens cost no token budget and no compute (vLLM's external
+    # computed tokens), the replica computes only the last prompt token (the row that samples the first token)
+    # and the decodes. The scheduler here has no notion of pulled tokens, so it gets its budget raised by the
+    # longest prompt (a pulled prompt then never displaces a decode) and the step-time model is charged only
+    # what is computed (`pulled_step_work`).
+    role: str = "both"
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
 
 
 @dataclass
@@ -120,9 +136,12 @@ class SimResult:
     # simulate(..., stop_when_missed=...) stopped as soon as the SLO's verdict was certain to be a miss: the
     # percentiles above are of the requests measured so far, and the run does not meet any SLO at least as tight.
     stopped_on_miss: bool = False
+    # Each request's TTFT in the order the workload drew the requests (nan: no first token yet when the run
+    # stopped): disagg.py adds a prefill replica's to a decode replica's request by request.
+    ttfts_s: list[float] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        return dict(self.__dict__)
+        return {k: v for k, v in self.__dict__.items() if k != "ttfts_s"}
 
 
 class MissLimits(NamedTuple):
@@ -150,6 +169,23 @@ def percentile(values: list[float], q: float) -> float:
     lo = int(k)
     hi = min(lo + 1, len(s) - 1)
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def pulled_step_work(scheduled, prompt_lens: dict[str, int]) -> StepWork:
+    """StepWork of a decode replica's step (role "decode"): a request's prompt positions before its last one
+    were pulled from a prefill replica, so only the positions from its last prompt token on are computed."""
+    num_tokens = context_tokens = num_sampled = pairs = 0
+    for s in scheduled:
+        n, start = len(s.token_ids), s.start_position
+        first = max(start, prompt_lens[s.req_id] - 1)
+        computed = start + n - first
+        if computed <= 0:
+            continue
+        num_tokens += computed
+        context_tokens += start + n
+        num_sampled += 1 if s.sample else 0
+        pairs += computed * first + computed * (computed + 1) // 2
+    return StepWork(num_tokens, context_tokens, num_sampled, pairs)
 
 
 def _token_ids(shared: list[int], number: int, length: int) -> list[int]:
@@ -249,14 +285,19 @@ def _simulate(
 ) -> SimResult:
     rng = random.Random(workload.seed)
     kv = kv_manager(shape.num_blocks, shape.block_size, enable_caching=enable_caching)
+    budget = shape.max_num_batched_tokens
+    if shape.role == "decode":  # pulled prompts take no budget (EngineShape.role)
+        longest = max((p for _, p, _ in workload.trace), default=0) or workload.prompt_len.hi
+        budget += min(longest, shape.max_model_len - 1)
     sched = Scheduler(
         SchedulerConfig(
             max_num_seqs=shape.max_num_seqs,
-            max_num_batched_tokens=shape.max_num_batched_tokens,
+            max_num_batched_tokens=budget,
             max_model_len=shape.max_model_len,
         ),
         kv,
     )
+    prompt_lens: dict[str, int] = {}
     shared = [rng.randrange(1, 30000) for _ in range(workload.prefix_len)]
     seq = 0
 
@@ -264,6 +305,9 @@ def _simulate(
         nonlocal seq
         seq += 1
         plen = min(plen, shape.max_model_len - 1)
+        if shape.role == "prefill":
+            olen = 1
+        prompt_lens[f"r{seq}"] = plen
         req = Request(
             f"r{seq}",
             _token_ids(shared, seq, plen),
@@ -312,6 +356,7 @@ def _simulate(
     arrival: dict[str, float] = {}
     num_out: dict[str, int] = {}
     ttft, tpot = [], []
+    ttft_of: dict[str, float] = {}
     finished = peak = 0
     steps = 0
     total_out = 0
@@ -337,7 +382,7 @@ def _simulate(
                 raise RuntimeError("simulation stalled: a request cannot be scheduled (KV pool too small?)")
             now = max(now, pending[0][0])
             continue
-        work = step_work(out.scheduled)
+        work = pulled_step_work(out.scheduled, prompt_lens) if shape.role == "decode" else step_work(out.scheduled)
         if record_steps:
             step_tokens.append(work.num_tokens)
         step_s = step_model.step_seconds(*work)
@@ -353,6 +398,7 @@ def _simulate(
             if rid not in first_token:
                 first_token[rid] = now
                 ttft.append(now - arrival[rid])
+                ttft_of[rid] = ttft[-1]
                 if stop_when_missed is not None and ttft[-1] > stop_when_missed.ttft_p90_s:
                     ttft_over += 1
                     stopped = stopped or ttft_over >= ttft_misses_needed
@@ -380,4 +426,5 @@ def _simulate(
         mean_queue_depth=queue_area / duration,
         step_tokens=step_tokens,
         stopped_on_miss=stopped,
+        ttfts_s=[ttft_of.get(f"r{k}", math.nan) for k in range(1, seq + 1)],
     )

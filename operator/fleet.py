@@ -9,8 +9,12 @@ that every output labels as such.
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import dataclasses
 import functools
+import math
+import threading
 from dataclasses import dataclass
 
 from kvserve.operator.spec_model import InferenceServiceSpec
@@ -184,6 +188,24 @@ def target_from_spec(spec: dict) -> Target | None:
     return Target(target_slo, workload, rate, floor)
 
 
+# Planning off the reconcile (issue 44: "the operator's reconcile never blocks on planning"). A plan is seconds
+# of CPU; the first reconcile of a new spec.slo starts it on this thread and reads a pending Option (the HPA
+# keeps spec.autoscaling's bounds, status.fleet says it is planning); the plan's end starts the reconciles that
+# waited for it (`when_planned`), which read the result from `_plans`. `kvserve plan -f` waits (background=False).
+_planner = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-slo-plan")
+_plans: collections.OrderedDict[tuple, concurrent.futures.Future] = collections.OrderedDict()
+_plans_guard = threading.Lock()
+PLANS_KEPT = 64
+PLANNING = "planning: the SLO plan is being computed off the reconcile; the HPA keeps spec.autoscaling's bounds"
+_background = False
+
+
+def plan_in_background(enabled: bool) -> None:
+    """The operator plans off its reconciles (handlers' startup); the CLI waits for each plan (the default)."""
+    global _background
+    _background = enabled
+
+
 def plan_replica(
     inp: planner.PlanInput,
     plan: planner.Plan,
@@ -193,18 +215,42 @@ def plan_replica(
 ) -> Option:
     """The operator's view: this spec's own GPU, TP and engine settings (it chooses none of them), its SLO
     capacity and the HPA bounds for the workload; the fleet's cost at the catalog's price or `usd_per_gpu_hour`
-    (spec.gpu.usdPerGpuHour). Cached: reconciles repeat with the same inputs."""
-    return _plan_replica(inp, plan, gpu_key, target, usd_per_gpu_hour)
+    (spec.gpu.usdPerGpuHour). Cached per input: reconciles repeat with the same inputs. In the background
+    (`plan_in_background`), an Option with `pending` set while the plan runs."""
+    candidate = _replica_candidate(inp, plan, gpu_key, usd_per_gpu_hour)
+    key = (candidate, target)
+    with _plans_guard:
+        future = _plans.get(key)
+        if future is None:
+            future = _plans[key] = _planner.submit(
+                evaluate, candidate, target.workload, target.slo, target.request_rate, target.min_request_rate
+            )
+            while len(_plans) > PLANS_KEPT:
+                _plans.popitem(last=False)
+        _plans.move_to_end(key)
+    if _background and not future.done():
+        return Option(candidate, 0.0, 0, math.inf, None, math.nan, math.nan, PLANNING, pending=True)
+    return future.result()
 
 
-@functools.lru_cache(maxsize=64)
-def _plan_replica(
-    inp: planner.PlanInput, plan: planner.Plan, gpu_key: str | None, target: Target, usd_per_gpu_hour: float | None
-) -> Option:
+def when_planned(option: Option, callback) -> None:
+    """Call `callback()` (on its own thread) once the pending plan of `option` is done."""
+    with _plans_guard:
+        futures = [f for (c, _), f in _plans.items() if c == option.candidate and not f.done()]
+    if not futures:
+        threading.Thread(target=callback, daemon=True).start()
+        return
+    for future in futures:
+        future.add_done_callback(lambda _: threading.Thread(target=callback, daemon=True).start())
+
+
+def _replica_candidate(
+    inp: planner.PlanInput, plan: planner.Plan, gpu_key: str | None, usd_per_gpu_hour: float | None
+) -> Candidate:
     if gpu_key is None:
         raise ValueError("spec.slo needs a catalog GPU (spec.gpu.product) for its roofline step-time model")
     gpu = catalog.GPUS[gpu_key]
-    candidate = Candidate(
+    return Candidate(
         gpu_key,
         plan.tensor_parallel_size,
         usd_per_gpu_hour if usd_per_gpu_hour is not None else gpu.usd_per_gpu_hour,
@@ -213,7 +259,6 @@ def _plan_replica(
         roofline_source(gpu_key),
         plan.kv_bytes_per_token,
     )
-    return evaluate(candidate, target.workload, target.slo, target.request_rate, target.min_request_rate)
 
 
 BOUND_FIELDS = ("minReplicas", "maxReplicas", "targetQueueDepth")
@@ -274,6 +319,8 @@ def fleet_status(option: Option, source: str = catalog.PRICE_SOURCE) -> dict:
     """status.fleet: what one replica serves within spec.slo, the HPA bounds derived from it, and what the fleet
     costs an hour at those bounds (replicas x GPUs per replica x the GPU-hour price, said where it came from)."""
     c = option.candidate
+    if option.pending:  # no numbers yet (operator/fleet.plan_replica runs it off the reconcile)
+        return {"feasible": False, "planning": True, "stepTimeSource": c.step_time_source, "reason": option.reason}
     out = {
         "feasible": option.hpa is not None,
         "replicaRequestsPerSecond": round(option.replica_requests_per_s, 3),

@@ -175,6 +175,8 @@ def reconcile(namespace: str, name: str) -> dict[str, str]:
             new_status["lastReplicaStartup"] = startup
         if resolved is not None and resolved.fleet is not None:  # spec.slo: capacity per replica, HPA bounds
             new_status["fleet"] = fleet.fleet_status(resolved.fleet, fleet.price_source(spec))
+            if resolved.fleet.pending:  # planned off the reconcile (operator/fleet.py): reconcile again when done
+                fleet.when_planned(resolved.fleet, lambda: _reconcile_logged(namespace, name))
         bounds = resolved.autoscaling if resolved is not None else None
         metrics.record(namespace, name, spec=spec, plan=plan, status=new_status, bounds=bounds)
         if kube.patch_status(namespace, name, previous, new_status):
@@ -270,6 +272,7 @@ async def stop_resync(memo: kopf.Memo, **_: Any) -> None:
     task = getattr(memo, "resync_task", None)
     if task is not None:
         task.cancel()
+    fleet.plan_in_background(False)
 
 
 @kopf.on.event(G, V, P)
@@ -291,6 +294,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     )
     if kube._client is None:
         kube.configure()
+    fleet.plan_in_background(True)  # an SLO plan never holds a reconcile (operator/fleet.plan_replica)
 
 
 @kopf.on.resume(G, V, P)

@@ -48,6 +48,7 @@ class Option:
     # settings first; () when the settings were fixed.
     tried: tuple[tuple[int, int, float | None], ...] = ()
     pruned: bool = False  # not simulated: its cost floor is above the chosen fleet's cost (search's bound)
+    pending: bool = False  # not known yet: the operator's plan is still running (operator/fleet.plan_replica)
 
     def to_dict(self) -> dict:
         c = self.candidate

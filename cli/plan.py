@@ -399,14 +399,14 @@ def with_lora_slots(args: argparse.Namespace, resolved):
     budget (--max-loras x --max-lora-rank; the server this command line starts allocates exactly these)."""
     import dataclasses
 
-    from kvserve.runtime.planner import kv_plan as planner
+    from kvserve.runtime.planner import kv_plan
 
     pin = resolved.plan_input
     # The operator's own verdict on the engine settings (InvalidEngineConfig) stays as it is.
     if not getattr(args, "enable_lora", False) or pin is None or resolved.plan.reason == "InvalidEngineConfig":
         return resolved.plan, pin
     pin = dataclasses.replace(pin, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
-    return planner.plan(pin), pin
+    return kv_plan.plan(pin), pin
 
 
 def fitting_tensor_parallel_size(args, settings, shape, config) -> int | None:
@@ -414,9 +414,9 @@ def fitting_tensor_parallel_size(args, settings, shape, config) -> int | None:
     import dataclasses
 
     from kvserve.operator import spec as spec_mod
-    from kvserve.runtime.planner import kv_plan as planner
+    from kvserve.runtime.planner import kv_plan
 
-    for tp in planner.valid_tensor_parallel_sizes(shape, limit=args.gpus_per_node):
+    for tp in kv_plan.valid_tensor_parallel_sizes(shape, limit=args.gpus_per_node):
         if tp <= settings.tensor_parallel_size:
             continue
         wider = dataclasses.replace(settings, tensor_parallel_size=tp)

@@ -18,8 +18,7 @@ import threading
 from dataclasses import dataclass
 
 from kvserve.operator.spec_model import InferenceServiceSpec
-from kvserve.runtime.planner import catalog
-from kvserve.runtime.planner import kv_plan as planner
+from kvserve.runtime.planner import catalog, kv_plan
 from kvserve.runtime.planner.fleet import Candidate, Deployment, Option, evaluate, search
 from kvserve.runtime.planner.simulator import EngineShape, LengthSpec, Workload
 from kvserve.runtime.planner.slo import SLO
@@ -42,7 +41,7 @@ def roofline_source(gpu_key: str) -> str:
     )
 
 
-def roofline_step_model(model: catalog.ModelShape, gpu: catalog.GPU, plan: planner.Plan) -> StepTimeModel:
+def roofline_step_model(model: catalog.ModelShape, gpu: catalog.GPU, plan: kv_plan.Plan) -> StepTimeModel:
     """Per GPU rank: a step reads the rank's weights once, spends 2 x params / TP FLOPs per token and reads
     each context token's KV slice once; TP > 1 adds two all-reduces per layer."""
     if not (gpu.peak_bf16_tflops > 0 and gpu.memory_bandwidth_gb_s > 0):
@@ -61,7 +60,7 @@ def roofline_step_model(model: catalog.ModelShape, gpu: catalog.GPU, plan: plann
     )
 
 
-def engine_shape(inp: planner.PlanInput, plan: planner.Plan) -> EngineShape:
+def engine_shape(inp: kv_plan.PlanInput, plan: kv_plan.Plan) -> EngineShape:
     return EngineShape(
         num_blocks=plan.num_blocks_per_gpu,
         block_size=plan.block_size,
@@ -80,7 +79,7 @@ SEARCHED_SETTINGS = ("max_num_seqs", "max_num_batched_tokens")
 
 
 def _build_candidate(
-    inp: planner.PlanInput,
+    inp: kv_plan.PlanInput,
     key: str,
     price: float,
     calibrated: tuple[StepTimeModel, str] | None,
@@ -90,7 +89,7 @@ def _build_candidate(
     """The candidate on GPU `key` at TP inp.tensor_parallel_size with these engine settings (None: its KV plan
     does not fit). `calibrated`: (model, device) measured on this deployment, else the roofline."""
     at = dataclasses.replace(inp, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
-    plan = planner.plan(at)
+    plan = kv_plan.plan(at)
     if not plan.fits:
         return None
     if calibrated is not None:
@@ -103,7 +102,7 @@ def _build_candidate(
 
 
 def candidates(
-    base: planner.PlanInput,
+    base: kv_plan.PlanInput,
     gpu_keys: list[str],
     gpus_per_node: int,
     prices: dict[str, float] | None = None,
@@ -123,9 +122,9 @@ def candidates(
     for key in gpu_keys:
         gpu = catalog.GPUS[key]
         price = (prices or {}).get(key, gpu.usd_per_gpu_hour)
-        for tp in planner.valid_tensor_parallel_sizes(base.model, limit=gpus_per_node):
+        for tp in kv_plan.valid_tensor_parallel_sizes(base.model, limit=gpus_per_node):
             inp = dataclasses.replace(base, gpu_memory_bytes=gpu.memory_bytes, tensor_parallel_size=tp)
-            if not planner.plan(inp).fits:
+            if not kv_plan.plan(inp).fits:
                 continue
 
             own = calibrated[2:] if calibrated is not None and calibrated[:2] == (key, tp) else None
@@ -207,8 +206,8 @@ def plan_in_background(enabled: bool) -> None:
 
 
 def plan_replica(
-    inp: planner.PlanInput,
-    plan: planner.Plan,
+    inp: kv_plan.PlanInput,
+    plan: kv_plan.Plan,
     gpu_key: str | None,
     target: Target,
     usd_per_gpu_hour: float | None = None,
@@ -245,7 +244,7 @@ def when_planned(option: Option, callback) -> None:
 
 
 def _replica_candidate(
-    inp: planner.PlanInput, plan: planner.Plan, gpu_key: str | None, usd_per_gpu_hour: float | None
+    inp: kv_plan.PlanInput, plan: kv_plan.Plan, gpu_key: str | None, usd_per_gpu_hour: float | None
 ) -> Candidate:
     if gpu_key is None:
         raise ValueError("spec.slo needs a catalog GPU (spec.gpu.product) for its roofline step-time model")
@@ -345,7 +344,7 @@ def fleet_status(option: Option, source: str = catalog.PRICE_SOURCE) -> dict:
 
 
 def search_catalog(
-    base: planner.PlanInput,
+    base: kv_plan.PlanInput,
     target: Target,
     gpu_keys: list[str] | None = None,
     gpus_per_node: int = 8,

@@ -6,8 +6,7 @@ import math
 import pytest
 
 from kvserve.operator import fleet as fleet_mod
-from kvserve.runtime.planner import catalog
-from kvserve.runtime.planner import kv_plan as planner
+from kvserve.runtime.planner import catalog, kv_plan
 from kvserve.runtime.planner.fleet import Candidate, Deployment, evaluate, search, tune
 from kvserve.runtime.planner.fleet import _cost_floor as fleet_cost_floor
 from kvserve.runtime.planner.fleet import sequences_that_fit as fleet_sequences_that_fit
@@ -112,7 +111,7 @@ def test_search_prunes_only_what_cannot_win():
 
 
 def test_roofline_candidates_from_the_catalog():
-    base = planner.PlanInput(model=catalog.lookup_model("llama-3-70b"), gpu_memory_bytes=1)
+    base = kv_plan.PlanInput(model=catalog.lookup_model("llama-3-70b"), gpu_memory_bytes=1)
     deployments = fleet_mod.candidates(base, ["l4", "h100-80gb"], gpus_per_node=8)
     assert all(not d.max_num_seqs_grid and not d.max_num_batched_tokens_grid for d in deployments)  # none searched
     cands = [d.build(d.max_num_seqs, d.max_num_batched_tokens) for d in deployments]

@@ -1,5 +1,7 @@
 """`kvserve plan --slo-ttft-p90 S --slo-tpot-p99 S --request-rate R`: the fleet choice (cheapest GPU x TP x
-replicas meeting the SLO at the rate) and the HPA bounds, from operator/fleet.py (the operator's own code)."""
+replicas meeting the SLO at the rate) and the HPA bounds, from runtime/planner/catalog_search.py (what the
+operator plans with too); the flags become the planner's Target through operator/fleet.target_from_spec, the
+spec.slo parser, so the CLI and the CRD accept the same values."""
 
 from __future__ import annotations
 
@@ -94,7 +96,7 @@ def fleet(args: argparse.Namespace, base, calibration: dict | None) -> dict:
     Raises ValueError naming the flag."""
     from kvserve.operator import fleet as fleet_mod
     from kvserve.runtime.engine_args import EngineArgs
-    from kvserve.runtime.planner import catalog
+    from kvserve.runtime.planner import catalog, catalog_search
     from kvserve.runtime.planner.step_time import StepTimeModel
 
     if args.slo_ttft_p90 is None or args.slo_tpot_p99 is None:
@@ -124,9 +126,9 @@ def fleet(args: argparse.Namespace, base, calibration: dict | None) -> dict:
         if key is not None:
             model = StepTimeModel.from_dict(calibration["step_time_model"])
             calibrated = (key, base.tensor_parallel_size, model, calibration.get("device", "?"))
-    # The engine settings the user wrote stay; the others are chosen per GPU x TP (operator/fleet.py's grid).
-    searched = frozenset(fleet_mod.SEARCHED_SETTINGS) - EngineArgs.explicit(args)
-    options = fleet_mod.search_catalog(
+    # The engine settings the user wrote stay; the others are chosen per GPU x TP (catalog_search.py's grids).
+    searched = frozenset(catalog_search.SEARCHED_SETTINGS) - EngineArgs.explicit(args)
+    options = catalog_search.search_catalog(
         base,
         target,
         _gpu_keys(args.gpus),
@@ -140,7 +142,14 @@ def fleet(args: argparse.Namespace, base, calibration: dict | None) -> dict:
     choice = rows[0] if rows and rows[0]["feasible"] else None
     extra = {}
     if args.disaggregation != "off":
-        extra["disaggregation"] = disaggregation(args, target, options)
+        # Each GPU x TP at the settings the aggregated search chose and at the resolved ones: a decode pool has no
+        # prefill chunks to keep short, so the settings that held TPOT for an aggregated replica may starve it.
+        resolved = catalog_search.candidates(
+            base, _gpu_keys(args.gpus) or sorted(catalog.GPUS), args.gpus_per_node, _prices(args.gpu_price), calibrated
+        )
+        built = [d.build(d.max_num_seqs, d.max_num_batched_tokens) for d in resolved]
+        pool = list(dict.fromkeys([o.candidate for o in options] + [c for c in built if c is not None]))
+        extra["disaggregation"] = disaggregation(args, target, options, pool)
     return {
         "slo": {"ttft_p90_s": target.slo.ttft_p90_s, "tpot_p99_s": target.slo.tpot_p99_s},
         "request_rate": target.request_rate,
@@ -153,9 +162,9 @@ def fleet(args: argparse.Namespace, base, calibration: dict | None) -> dict:
     }
 
 
-def disaggregation(args: argparse.Namespace, target, options: list) -> dict:
-    """The same deployments as prefill + decode pools (runtime/planner/disagg.py), each at the engine settings
-    the aggregated search chose for it: both answers and the decision. Raises ValueError naming the flag."""
+def disaggregation(args: argparse.Namespace, target, options: list, candidates: list) -> dict:
+    """The `candidates` as prefill + decode pools (runtime/planner/disagg.py) against the aggregated `options`:
+    both answers and the decision. Raises ValueError naming the flag."""
     import math
 
     from kvserve.runtime.planner import disagg
@@ -165,9 +174,7 @@ def disaggregation(args: argparse.Namespace, target, options: list) -> dict:
         raise ValueError(f"--kv-transfer-gb-s must be > 0, got {link:g}")
     aggregated = options[0].usd_per_hour if options and options[0].hpa is not None else math.inf
     bound = aggregated if args.disaggregation == "auto" else math.inf  # auto: only a cheaper P/D fleet matters
-    found = disagg.search_disaggregated(
-        [o.candidate for o in options], target.workload, target.slo, target.request_rate, link, bound
-    )
+    found = disagg.search_disaggregated(candidates, target.workload, target.slo, target.request_rate, link, bound)
     rows = [o.to_dict() for o in found]
     best = rows[0] if rows and rows[0]["feasible"] else None
     decision = disagg.decide(args.disaggregation, aggregated, found[0].usd_per_hour if best else math.inf)
@@ -207,11 +214,13 @@ def format_fleet(f: dict) -> str:
     if d is not None:
         lines.append(
             f"prefill/decode pools (--disaggregation {d['mode']}, the prompt's KV over {d['kv_transfer_gb_s']:g} "
-            "GB/s; each GPU x TP at the engine settings above):"
+            "GB/s; each GPU x TP at the engine settings above and at the resolved ones):"
         )
-        lines.append(f"  {'GPU':<12} {'TP':>2} {'P:D':>7} {'USD/H':>8}  NOTE")
+        lines.append(f"  {'GPU':<12} {'TP':>2} {'SEQS':>4} {'TOKENS':>6} {'P:D':>7} {'USD/H':>8}  NOTE")
         for o in d["options"]:
-            head = f"{o['gpu']:<12} {o['tensor_parallel_size']:>2}"
+            head = (
+                f"{o['gpu']:<12} {o['tensor_parallel_size']:>2} {o['max_num_seqs']:>4} {o['max_num_batched_tokens']:>6}"
+            )
             if o["feasible"]:
                 lines.append(f"  {head} {o['prefill_decode_ratio']:>7} {o['usd_per_hour']:>8.2f}")
             else:
@@ -220,7 +229,8 @@ def format_fleet(f: dict) -> str:
         if b is not None:
             lines.append(
                 f"P/D: {b['prefill_replicas']} prefill + {b['decode_replicas']} decode x {b['gpu']} TP "
-                f"{b['tensor_parallel_size']} (${b['usd_per_hour']:.2f}/h, TTFT p90 {b['ttft_p90_s']:.3f} s end "
+                f"{b['tensor_parallel_size']} with --max-num-seqs {b['max_num_seqs']} --max-num-batched-tokens "
+                f"{b['max_num_batched_tokens']} (${b['usd_per_hour']:.2f}/h, TTFT p90 {b['ttft_p90_s']:.3f} s end "
                 f"to end with {b['kv_transfer_s'] * 1e3:.1f} ms KV transfer, TPOT p99 {b['tpot_p99_s'] * 1e3:.1f} ms)"
             )
         lines.append(f"decision: {d['decision'] or 'none meets the SLO'}")

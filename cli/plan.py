@@ -414,36 +414,30 @@ def fitting_tensor_parallel_size(args, settings, shape, config) -> int | None:
     import dataclasses
 
     from kvserve.operator import spec as spec_mod
-    from kvserve.runtime.planner import kv_plan
+    from kvserve.runtime.planner import suggest
 
-    for tp in kv_plan.valid_tensor_parallel_sizes(shape, limit=args.gpus_per_node):
-        if tp <= settings.tensor_parallel_size:
-            continue
+    def fits(tp: int) -> bool:
         wider = dataclasses.replace(settings, tensor_parallel_size=tp)
-        if with_lora_slots(args, spec_mod.resolve(_spec(args, wider), model_config=config))[0].fits:
-            return tp
-    return None
+        return with_lora_slots(args, spec_mod.resolve(_spec(args, wider), model_config=config))[0].fits
+
+    return suggest.wider_tensor_parallel_size(shape, settings.tensor_parallel_size, args.gpus_per_node, fits)
 
 
 def fitting_gpu(args, settings, config) -> str | None:
     """The catalog GPU with the least memory above --gpu's whose plan fits at this --tensor-parallel-size (ties:
     the cheaper), else None: the other way out when no --tensor-parallel-size fits."""
     from kvserve.operator import spec as spec_mod
-    from kvserve.runtime.planner import catalog
+    from kvserve.runtime.planner import catalog, suggest
 
     current = catalog.lookup_gpu(args.gpu)
     if current is None:
         return None
-    bigger = sorted(
-        (gpu.memory_mib, gpu.usd_per_gpu_hour, key)
-        for key, gpu in catalog.GPUS.items()
-        if gpu.memory_mib > current.memory_mib
-    )
-    for _, _, key in bigger:
+
+    def fits(key: str) -> bool:
         other = argparse.Namespace(**{**vars(args), "gpu": key})
-        if with_lora_slots(other, spec_mod.resolve(_spec(other, settings), model_config=config))[0].fits:
-            return key
-    return None
+        return with_lora_slots(other, spec_mod.resolve(_spec(other, settings), model_config=config))[0].fits
+
+    return suggest.bigger_gpu(current, fits)
 
 
 def _across_nodes(args, settings, tp: int, config) -> str:

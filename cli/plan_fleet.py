@@ -210,6 +210,19 @@ def format_fleet(f: dict) -> str:
             "SEQS/TOKENS: the best of --max-num-seqs / --max-num-batched-tokens per GPU x TP "
             f"(searched: {', '.join(f['searched_engine_settings'])}; a flag you give is kept)"
         )
+    c = f["choice"]
+    label = "aggregated choice" if f.get("disaggregation") else "choice"  # the decision follows the P/D pools
+    if c is None:
+        lines.append(f"{label}: none of the candidates meets the SLO")
+    else:
+        h = c["hpa"]
+        lines.append(
+            f"{label}: {c['replicas']} x {c['gpu']} TP {c['tensor_parallel_size']} ({c['gpus']} GPUs, "
+            f"${c['usd_per_hour']:.2f}/h) with --max-num-seqs {c['max_num_seqs']} --max-num-batched-tokens "
+            f"{c['max_num_batched_tokens']} (spec.engine.maxNumSeqs / maxNumBatchedTokens); HPA minReplicas "
+            f"{h['min_replicas']}, maxReplicas {h['max_replicas']}, targetQueueDepth {h['target_queue_depth']}; "
+            f"step times: {c['step_time_source']}"
+        )
     d = f.get("disaggregation")
     if d is not None:
         lines.append(
@@ -234,16 +247,4 @@ def format_fleet(f: dict) -> str:
                 f"to end with {b['kv_transfer_s'] * 1e3:.1f} ms KV transfer, TPOT p99 {b['tpot_p99_s'] * 1e3:.1f} ms)"
             )
         lines.append(f"decision: {d['decision'] or 'none meets the SLO'}")
-    c = f["choice"]
-    if c is None:
-        lines.append("choice: none of the candidates meets the SLO")
-    else:
-        h = c["hpa"]
-        lines.append(
-            f"choice: {c['replicas']} x {c['gpu']} TP {c['tensor_parallel_size']} ({c['gpus']} GPUs, "
-            f"${c['usd_per_hour']:.2f}/h) with --max-num-seqs {c['max_num_seqs']} --max-num-batched-tokens "
-            f"{c['max_num_batched_tokens']} (spec.engine.maxNumSeqs / maxNumBatchedTokens); HPA minReplicas "
-            f"{h['min_replicas']}, maxReplicas {h['max_replicas']}, targetQueueDepth {h['target_queue_depth']}; "
-            f"step times: {c['step_time_source']}"
-        )
     return "\n".join(lines)

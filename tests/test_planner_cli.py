@@ -184,6 +184,14 @@ def test_disaggregation_auto_shows_both_answers_and_decides(capsys):
     assert best["kv_transfer_s"] == 4096 * 131_072 / 25e9  # Llama-3-8B's KV bytes per token over 25 GB/s
     cheaper = "disaggregated" if best["usd_per_hour"] < f["choice"]["usd_per_hour"] else "aggregated"
     assert d["decision"] == cheaper
+    # The table: the aggregated choice, then the pools and the decision last.
+    from kvserve.cli import plan_fleet
+
+    table = plan_fleet.format_fleet(f).splitlines()
+    assert table[-1] == f"decision: {cheaper}" and any(line.startswith("aggregated choice: ") for line in table)
+    assert any(
+        line.startswith(f"P/D: {best['prefill_replicas']} prefill + {best['decode_replicas']} decode") for line in table
+    )
     rc = cli_main.main(["plan", "--model", "llama-3-8b", "--slo-ttft-p90", "2", "--slo-tpot-p99", "0.03", *flags,
                         "--disaggregation", "on", "--kv-transfer-gb-s", "0"])  # fmt: skip
     assert rc == 2 and "--kv-transfer-gb-s must be > 0" in capsys.readouterr().out

@@ -413,14 +413,14 @@ def with_lora_slots(args: argparse.Namespace, resolved):
     budget (--max-loras x --max-lora-rank; the server this command line starts allocates exactly these)."""
     import dataclasses
 
-    from kvserve.runtime.planner import kv_plan as planner
+    from kvserve.runtime.planner import kv_plan
 
     pin = resolved.plan_input
     # The operator's own verdict on the engine settings (InvalidEngineConfig) stays as it is.
     if not getattr(args, "enable_lora", False) or pin is None or resolved.plan.reason == "InvalidEngineConfig":
         return resolved.plan, pin
     pin = dataclasses.replace(pin, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
-    return planner.plan(pin), pin
+    return kv_plan.plan(pin), pin
 
 
 def fitting_tensor_parallel_size(args, settings, shape, config) -> int | None:
@@ -428,36 +428,30 @@ def fitting_tensor_parallel_size(args, settings, shape, config) -> int | None:
     import dataclasses
 
     from kvserve.operator import spec as spec_mod
-    from kvserve.runtime.planner import kv_plan as planner
+    from kvserve.runtime.planner import suggest
 
-    for tp in planner.valid_tensor_parallel_sizes(shape, limit=args.gpus_per_node):
-        if tp <= settings.tensor_parallel_size:
-            continue
+    def fits(tp: int) -> bool:
         wider = dataclasses.replace(settings, tensor_parallel_size=tp)
-        if with_lora_slots(args, spec_mod.resolve(_spec(args, wider), model_config=config))[0].fits:
-            return tp
-    return None
+        return with_lora_slots(args, spec_mod.resolve(_spec(args, wider), model_config=config))[0].fits
+
+    return suggest.wider_tensor_parallel_size(shape, settings.tensor_parallel_size, args.gpus_per_node, fits)
 
 
 def fitting_gpu(args, settings, config) -> str | None:
     """The catalog GPU with the least memory above --gpu's whose plan fits at this --tensor-parallel-size (ties:
     the cheaper), else None: the other way out when no --tensor-parallel-size fits."""
     from kvserve.operator import spec as spec_mod
-    from kvserve.runtime.planner import catalog
+    from kvserve.runtime.planner import catalog, suggest
 
     current = catalog.lookup_gpu(args.gpu)
     if current is None:
         return None
-    bigger = sorted(
-        (gpu.memory_mib, gpu.usd_per_gpu_hour, key)
-        for key, gpu in catalog.GPUS.items()
-        if gpu.memory_mib > current.memory_mib
-    )
-    for _, _, key in bigger:
+
+    def fits(key: str) -> bool:
         other = argparse.Namespace(**{**vars(args), "gpu": key})
-        if with_lora_slots(other, spec_mod.resolve(_spec(other, settings), model_config=config))[0].fits:
-            return key
-    return None
+        return with_lora_slots(other, spec_mod.resolve(_spec(other, settings), model_config=config))[0].fits
+
+    return suggest.bigger_gpu(current, fits)
 
 
 def _across_nodes(args, settings, tp: int, config) -> str:
@@ -592,5 +586,7 @@ def run(args: argparse.Namespace) -> int:
         if "fleet" in plan:
             print(plan_fleet.format_fleet(plan["fleet"]))
     if "fleet" in plan:  # the search's verdict: a chosen fleet, whatever --gpu's own plan said
+        if "disaggregation" in plan["fleet"]:
+            return 0 if plan["fleet"]["disaggregation"]["decision"] is not None else 1
         return 0 if plan["fleet"]["choice"] is not None else 1
     return 0 if plan["fits"] else 1

@@ -198,6 +198,8 @@ def reconcile(namespace: str, name: str, measure_drift: bool = False) -> dict[st
             new_status["lastReplicaStartup"] = startup
         if resolved is not None and resolved.fleet is not None:  # spec.slo: capacity per replica, HPA bounds
             new_status["fleet"] = fleet.fleet_status(resolved.fleet, fleet.price_source(spec))
+            if resolved.fleet.pending:  # planned off the reconcile (operator/fleet.py): reconcile again when done
+                fleet.when_planned(resolved.fleet, lambda: _reconcile_logged(namespace, name))
         tier = kv_offload.status(resolved.spec, layout.nodes if layout else 1) if resolved is not None else None
         if tier:  # spec.kvCache.offload (issue 41): the tiers and what they cost each pod
             new_status["kvOffload"] = tier
@@ -296,6 +298,7 @@ async def stop_resync(memo: kopf.Memo, **_: Any) -> None:
     task = getattr(memo, "resync_task", None)
     if task is not None:
         task.cancel()
+    fleet.plan_in_background(False)
 
 
 @kopf.on.event(G, V, P)
@@ -318,6 +321,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     )
     if kube._client is None:
         kube.configure()
+    fleet.plan_in_background(True)  # an SLO plan never holds a reconcile (operator/fleet.plan_replica)
 
 
 @kopf.on.resume(G, V, P)

@@ -19,8 +19,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from kvserve.operator.spec_model import DisaggregationSpec, InferenceServiceSpec, Resources
-from kvserve.runtime.planner import kv_plan as planner
-from kvserve.runtime.planner import layout as parallelism
+from kvserve.runtime.planner import kv_plan
+from kvserve.runtime.planner.layout import Layout, ParallelismError, choose
 
 ROLES = ("prefill", "decode")
 # vLLM's kv_role per pool: prefill pods produce KV (compute the prompt, hold the blocks), decode pods consume it.
@@ -45,9 +45,9 @@ class Pool:
     role: str  # prefill | decode
     tensor_parallel_size: int
     replicas: int  # without autoscaling (decode: spec.replicas)
-    plan_input: planner.PlanInput
-    plan: planner.Plan  # one replica of this pool, from the one planner
-    layout: parallelism.Layout
+    plan_input: kv_plan.PlanInput
+    plan: kv_plan.Plan  # one replica of this pool, from the one planner
+    layout: Layout
     # {minReplicas, maxReplicas, <metric target>...} for the pool's HPA; None: no HPA
     autoscaling: dict | None
     resources: Resources | None
@@ -71,7 +71,7 @@ class Pools:
         """--kv-transfer-config: vLLM's KVTransferConfig JSON, one pool's role."""
         return json.dumps({"kv_connector": self.connector, "kv_role": pool.kv_role}, separators=(",", ":"))
 
-    def plan(self) -> planner.Plan:
+    def plan(self) -> kv_plan.Plan:
         """What status.plan and the CapacityPlanned condition report: the first pool that does not fit (its
         message naming the pool), else the decode pool's plan (the pool whose KV holds the running streams)."""
         for pool in self:
@@ -133,7 +133,7 @@ def check_written(spec: dict) -> None:
 
 def resolve(
     spec: InferenceServiceSpec,
-    plan_input: planner.PlanInput,
+    plan_input: kv_plan.PlanInput,
     *,
     gpus_per_node: int,
     extra_args: Sequence[str],
@@ -152,16 +152,16 @@ def resolve(
         where = f"spec.disaggregation.{role}.tensorParallelSize" + (
             "" if pool_spec.tensor_parallel_size else " (default spec.gpu.tensorParallelSize)"
         )
-        tp_error = planner.tensor_parallel_error(plan_input.model, tp)
+        tp_error = kv_plan.tensor_parallel_error(plan_input.model, tp)
         if tp_error:
-            valid = ", ".join(str(t) for t in planner.valid_tensor_parallel_sizes(plan_input.model))
+            valid = ", ".join(str(t) for t in kv_plan.valid_tensor_parallel_sizes(plan_input.model))
             raise PoolError(f"{where} {tp}: {tp_error} (valid for this model: {valid})")
         pool_input = dataclasses.replace(plan_input, tensor_parallel_size=tp, pipeline_parallel_size=1)
         try:
-            plan, layout = parallelism.choose(
-                pool_input, planner.plan(pool_input), nodes=None, gpus_per_node=gpus_per_node, extra_args=extra_args
+            plan, layout = choose(
+                pool_input, kv_plan.plan(pool_input), nodes=None, gpus_per_node=gpus_per_node, extra_args=extra_args
             )
-        except parallelism.ParallelismError as exc:
+        except ParallelismError as exc:
             raise PoolError(f"spec.disaggregation.{role}: {exc}") from None
         if layout.multinode:  # the plan the pods run: PP stages of TP GPUs each (as spec.resolve)
             pool_input = dataclasses.replace(pool_input, pipeline_parallel_size=layout.pipeline_parallel_size)

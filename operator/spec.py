@@ -26,9 +26,8 @@ from kvserve.operator import adapters as adapters_mod
 from kvserve.operator import crd_schema, fleet, kv_events, kv_offload, pod_resources, pools, spec_model
 from kvserve.operator.spec_model import InferenceServiceSpec
 from kvserve.runtime import capacity, engine_args
-from kvserve.runtime.planner import catalog
-from kvserve.runtime.planner import kv_plan as planner
-from kvserve.runtime.planner import layout as parallelism
+from kvserve.runtime.planner import catalog, kv_plan
+from kvserve.runtime.planner.layout import DEFAULT_GPUS_PER_NODE, Layout, ParallelismError, choose
 from kvserve.runtime.sources import uri as source_uri
 
 GROUP = "serving.kvserve.dev"
@@ -83,7 +82,7 @@ DEFAULTS: dict[str, Any] = {
     "podDisruptionBudget": {"enabled": True, "maxUnavailable": 1},
     "router": {"enabled": False, "replicas": 1, "kvEvents": {"port": 5557, "replayPort": 5558}},
     "networkPolicy": {"enabled": True, "allowSameNamespace": True},
-    "parallelism": {"gpusPerNode": parallelism.DEFAULT_GPUS_PER_NODE},
+    "parallelism": {"gpusPerNode": DEFAULT_GPUS_PER_NODE},
 }
 
 
@@ -117,10 +116,10 @@ class Resolved:
     model: catalog.ModelShape
     gpu_memory_bytes: int
     gpu_product: str | None  # node-selector value; None when the spec names no known product
-    plan: planner.Plan
-    plan_input: planner.PlanInput | None = None  # what `plan` was computed from (kvserve plan's multi-node retry)
+    plan: kv_plan.Plan
+    plan_input: kv_plan.PlanInput | None = None  # what `plan` was computed from (kvserve plan's multi-node retry)
     # Pods per replica and why (issue 28): one pod renders a Deployment, more a LeaderWorkerSet.
-    layout: parallelism.Layout | None = None
+    layout: Layout | None = None
     # spec.adapters, validated: LoRA adapters every replica loads at start-up (operator/adapters.py)
     adapters: tuple[adapters_mod.Adapter, ...] = ()
     # spec.slo + spec.workload (issue 25): one replica's SLO capacity and the HPA bounds (operator/fleet.py)
@@ -287,7 +286,7 @@ def check_kv_events(spec: InferenceServiceSpec) -> None:
 
 
 # -- spec.kvCache.offload (issue 41; operator/kv_offload.py) -------------------------------------------------
-def check_kv_offload(spec: InferenceServiceSpec, layout: parallelism.Layout, model: catalog.ModelShape) -> None:
+def check_kv_offload(spec: InferenceServiceSpec, layout: Layout, model: catalog.ModelShape) -> None:
     """The tiers the runtime would refuse, and a memory request or limit that cannot hold them."""
     pods = layout.nodes if layout.multinode else 1
     problem = kv_offload.check(spec, pods, model.num_sliding_layers or 0) or pod_resources.check_memory(spec, pods)
@@ -389,7 +388,7 @@ def resolve(spec: dict, model_config: dict | None = None) -> Resolved:
         )
     product = gpu_spec.get("nodeSelectorProduct") or (gpu.product if gpu else gpu_spec.get("product"))
     mib = catalog.MiB
-    plan_input = planner.PlanInput(
+    plan_input = kv_plan.PlanInput(
         model=model,
         gpu_memory_bytes=memory_bytes,
         tensor_parallel_size=gpu_spec["tensorParallelSize"],
@@ -407,14 +406,14 @@ def resolve(spec: dict, model_config: dict | None = None) -> Resolved:
         max_lora_rank=max_lora_rank,
     )
     try:
-        plan, layout = parallelism.choose(
+        plan, layout = choose(
             plan_input,
-            planner.plan(plan_input),
+            kv_plan.plan(plan_input),
             nodes=None if (nodes := spec["parallelism"].get("nodes")) is None else int(nodes),
             gpus_per_node=int(spec["parallelism"]["gpusPerNode"]),
             extra_args=[str(a) for a in engine.get("extraArgs") or []],
         )
-    except parallelism.ParallelismError as exc:
+    except ParallelismError as exc:
         raise SpecError("InvalidParallelism", str(exc)) from None
     if layout.multinode:  # the plan the pods run: PP stages of TP GPUs each
         plan_input = dataclasses.replace(plan_input, pipeline_parallel_size=layout.pipeline_parallel_size)
@@ -434,7 +433,7 @@ def resolve(spec: dict, model_config: dict | None = None) -> Resolved:
         names=("maxNumBatchedTokens", "maxModelLen"),
     )
     if plan.fits and budget_error:
-        plan = planner.Plan(
+        plan = kv_plan.Plan(
             **{
                 **plan.to_dict(),
                 "fits": False,
@@ -542,9 +541,7 @@ def _drop(data: dict, loc: list) -> bool:
     return True
 
 
-def _plan_fleet(
-    spec: dict, plan_input: planner.PlanInput, plan: planner.Plan, layout: parallelism.Layout
-) -> fleet.Option | None:
+def _plan_fleet(spec: dict, plan_input: kv_plan.PlanInput, plan: kv_plan.Plan, layout: Layout) -> fleet.Option | None:
     """spec.slo + spec.workload -> this replica's SLO capacity and HPA bounds (None without them or when the
     plan does not fit: nothing is deployed then). Raises SpecError InvalidSLO naming the field."""
     try:

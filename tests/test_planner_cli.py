@@ -165,3 +165,33 @@ def test_a_gpu_calibration_still_needs_its_gpu(tmp_path, capsys):
     assert rc == 2 and "measured on Intel Xeon (test): give --gpu" in out
     rc = cli_main.main(["plan", "--model", "llama-3-8b", "--gpu", "a100-80gb", "--kv-cache-bytes", "1GiB"])
     assert rc == 2 and "--kv-cache-bytes plans a CPU server" in capsys.readouterr().out
+
+
+def test_disaggregation_auto_shows_both_answers_and_decides(capsys):
+    """--disaggregation auto: every GPU x TP also as prefill + decode pools (runtime/planner/disagg.py); the JSON
+    carries the aggregated choice, the cheapest P/D fleet and the decision; a link of 0 GB/s is refused by name."""
+    flags = ["--request-rate", "20", "--prompt-len", "4096", "--output-len", "64", "--gpus", "h100"]
+    flags += ["--max-num-seqs", "64", "--max-num-batched-tokens", "2048", "--gpus-per-node", "2"]
+    rc = cli_main.main(["plan", "--model", "llama-3-8b", "--slo-ttft-p90", "2", "--slo-tpot-p99", "0.03", *flags,
+                        "--disaggregation", "auto", "--json"])  # fmt: skip
+    f = json.loads(capsys.readouterr().out)["fleet"]
+    d = f["disaggregation"]
+    assert rc == 0 and d["mode"] == "auto" and d["kv_transfer_gb_s"] == 25.0
+    assert d["aggregated_usd_per_hour"] == f["choice"]["usd_per_hour"]
+    best = d["disaggregated_choice"]
+    assert best is not None and best["prefill_decode_ratio"] == f"{best['prefill_replicas']}:{best['decode_replicas']}"
+    assert best["ttft_p90_s"] <= 2 and best["tpot_p99_s"] <= 0.03
+    assert best["kv_transfer_s"] == 4096 * 131_072 / 25e9  # Llama-3-8B's KV bytes per token over 25 GB/s
+    cheaper = "disaggregated" if best["usd_per_hour"] < f["choice"]["usd_per_hour"] else "aggregated"
+    assert d["decision"] == cheaper
+    # The table: the aggregated choice, then the pools and the decision last.
+    from kvserve.cli import plan_fleet
+
+    table = plan_fleet.format_fleet(f).splitlines()
+    assert table[-1] == f"decision: {cheaper}" and any(line.startswith("aggregated choice: ") for line in table)
+    assert any(
+        line.startswith(f"P/D: {best['prefill_replicas']} prefill + {best['decode_replicas']} decode") for line in table
+    )
+    rc = cli_main.main(["plan", "--model", "llama-3-8b", "--slo-ttft-p90", "2", "--slo-tpot-p99", "0.03", *flags,
+                        "--disaggregation", "on", "--kv-transfer-gb-s", "0"])  # fmt: skip
+    assert rc == 2 and "--kv-transfer-gb-s must be > 0" in capsys.readouterr().out

@@ -5,9 +5,7 @@ import math
 
 import pytest
 
-from kvserve.operator import fleet as fleet_mod
-from kvserve.runtime.planner import catalog
-from kvserve.runtime.planner import kv_plan as planner
+from kvserve.runtime.planner import catalog, catalog_search, kv_plan
 from kvserve.runtime.planner.fleet import Candidate, Deployment, evaluate, search, tune
 from kvserve.runtime.planner.fleet import _cost_floor as fleet_cost_floor
 from kvserve.runtime.planner.fleet import sequences_that_fit as fleet_sequences_that_fit
@@ -112,8 +110,8 @@ def test_search_prunes_only_what_cannot_win():
 
 
 def test_roofline_candidates_from_the_catalog():
-    base = planner.PlanInput(model=catalog.lookup_model("llama-3-70b"), gpu_memory_bytes=1)
-    deployments = fleet_mod.candidates(base, ["l4", "h100-80gb"], gpus_per_node=8)
+    base = kv_plan.PlanInput(model=catalog.lookup_model("llama-3-70b"), gpu_memory_bytes=1)
+    deployments = catalog_search.candidates(base, ["l4", "h100-80gb"], gpus_per_node=8)
     assert all(not d.max_num_seqs_grid and not d.max_num_batched_tokens_grid for d in deployments)  # none searched
     cands = [d.build(d.max_num_seqs, d.max_num_batched_tokens) for d in deployments]
     # 70B bf16 (141 GB) fits no single 80 GB GPU; H100 TP 2 (70.6 GB/GPU) and up fit, 24 GB L4s only at TP 8.
@@ -129,7 +127,7 @@ def test_roofline_candidates_from_the_catalog():
     assert h100_8.step_model.per_token_s == pytest.approx(h100_4.step_model.per_token_s / 2)
     assert "roofline" in h100_4.step_time_source and "not measured" in h100_4.step_time_source
     calibrated = StepTimeModel(0.02, 1e-5, 1e-8)
-    deployments = fleet_mod.candidates(
+    deployments = catalog_search.candidates(
         base,
         ["h100-80gb"],
         8,
@@ -143,9 +141,9 @@ def test_roofline_candidates_from_the_catalog():
     # The engine settings reach the KV plan: 512 sequences reserve more logits memory than 16, so fewer blocks.
     assert (c4.shape.max_num_seqs, c4.shape.max_num_batched_tokens) == (64, 2048)
     assert d4.build(512, 2048).shape.num_blocks < d4.build(16, 2048).shape.num_blocks
-    assert d4.max_num_seqs_grid == fleet_mod.MAX_NUM_SEQS_GRID and d4.max_num_batched_tokens_grid == ()
+    assert d4.max_num_seqs_grid == catalog_search.MAX_NUM_SEQS_GRID and d4.max_num_batched_tokens_grid == ()
     with pytest.raises(ValueError, match="cannot search engine settings"):
-        fleet_mod.candidates(base, ["h100-80gb"], 8, searched=frozenset({"block_size"}))
+        catalog_search.candidates(base, ["h100-80gb"], 8, searched=frozenset({"block_size"}))
 
 
 def _deployment(seqs_grid=(4, 8, 16), tokens_grid=(64, 128, 512)) -> Deployment:

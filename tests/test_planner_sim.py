@@ -242,3 +242,41 @@ def test_request_time_floor_is_below_every_simulation(prefix_len, concurrency):
     assert floor >= 5 * curve.per_sampled_s + (100 - prefix_len) * cheapest_token_seconds(curve, 64)
     # the GEMM curve's cheapest token is at the budget's end here (64 tokens between the knots 16 and 256)
     assert cheapest_token_seconds(curve, 64) == pytest.approx(curve.token_seconds(64) / 64)
+
+
+@pytest.mark.parametrize(
+    "workload, shape",
+    [
+        # Poisson, a pool far larger than 8 sequences fill (trimmed), no shared prefix (run without the cache)
+        (Workload(LengthSpec(300, 700), LengthSpec(5, 40), num_requests=60, request_rate=40.0), EngineShape(4096)),
+        # Poisson that preempts: the run starts again with the prefix cache (a recompute hits its own blocks)
+        (Workload(LengthSpec(200, 200), LengthSpec(200, 200), num_requests=40, request_rate=50.0), EngineShape(120)),
+        # a closed loop that overfills the pool: run with the cache from the start
+        (Workload(LengthSpec(200, 200), LengthSpec(200, 200), num_requests=40, concurrency=16), EngineShape(120)),
+        # a shared prefix: no shortcut
+        (
+            Workload(LengthSpec(256, 256), LengthSpec(8, 8), num_requests=30, concurrency=4, prefix_len=64),
+            EngineShape(512),
+        ),
+        # prefix caching off, chunked prompts, a trace
+        (
+            Workload(trace=((0.0, 90, 3), (0.01, 500, 9), (0.02, 33, 20), (0.5, 700, 2))),
+            EngineShape(4096, max_num_batched_tokens=128, enable_prefix_caching=False),
+        ),
+    ],
+)
+def test_shortcuts_leave_the_run_unchanged(workload, shape, monkeypatch):
+    """simulate's shortcuts (no prefix cache without a shared prefix, a pool that starts small and grows) give
+    the result of the plain run: the replica's whole pool from the start, the configured prefix cache."""
+    from kvserve.runtime.planner import simulator
+
+    plain = simulator._simulate(workload, shape, MODEL, True, None, shape.enable_prefix_caching)
+    assert simulate(workload, shape, MODEL, record_steps=True).to_dict() == plain.to_dict()
+    # Growing from 8 blocks (several doublings within the run) changes nothing either.
+    monkeypatch.setattr(simulator, "INITIAL_POOL_BLOCKS", 8)
+    assert simulate(workload, shape, MODEL, record_steps=True).to_dict() == plain.to_dict()
+    if workload.request_rate == 40.0:
+        assert plain.num_preemptions == 0 and plain.kv_peak_usage * (shape.num_blocks - 1) > 8
+    if shape.num_blocks == 120:
+        assert plain.num_preemptions > 0
+        assert simulator._simulate(workload, shape, MODEL, True, None, False).to_dict() != plain.to_dict()

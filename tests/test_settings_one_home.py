@@ -71,10 +71,6 @@ KNOWN = {
     # A layout's or a plan's own arithmetic default (one rank, one stage), not the engine's setting.
     ("runtime/capacity/kv.py", "KVLayout", "tensor_parallel_size"): "geometry of one rank",
     ("runtime/config.py", "kv_layout", "tensor_parallel_size"): "geometry of one rank",
-    # Owned by other work of issue 38 (the planning package, the engine/server split); listed so they are seen.
-    ("runtime/planner/kv_plan.py", "PlanInput", "pipeline_parallel_size"): "issue 38 item 6 (planning package)",
-    ("runtime/planner/kv_plan.py", "PlanInput", "max_lora_rank"): "issue 38 item 6 (planning package)",
-    ("runtime/planner/kv_plan.py", "Plan", "pipeline_parallel_size"): "issue 38 item 6 (planning package)",
 }
 
 

@@ -29,6 +29,7 @@ class Candidate:
     shape: EngineShape
     step_model: StepTimeModel
     step_time_source: str  # "calibration <device>" or "roofline ..." (an estimate, said so in the output)
+    kv_bytes_per_token: int = 0  # the whole model's (kv_plan.Plan, from runtime/capacity): what P/D moves
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class Option:
     # settings first; () when the settings were fixed.
     tried: tuple[tuple[int, int, float | None], ...] = ()
     pruned: bool = False  # not simulated: its cost floor is above the chosen fleet's cost (search's bound)
+    pending: bool = False  # not known yet: the operator's plan is still running (operator/fleet.plan_replica)
 
     def to_dict(self) -> dict:
         c = self.candidate

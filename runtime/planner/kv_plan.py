@@ -47,10 +47,11 @@ class PlanInput:
     max_num_seqs: int = _DEFAULTS["engine.maxNumSeqs"]
     activation_reserve_bytes: int | None = None  # None: `activation_reserve_bytes()` estimate
     runtime_overhead_bytes: int | None = None  # None: llm-d's non-torch constant for the TP size
-    pipeline_parallel_size: int = 1  # issue 28: stages of layers; world = TP x PP GPUs per replica
+    # issue 28: stages of layers; world = TP x PP GPUs per replica (EngineArgs' default: the one definition)
+    pipeline_parallel_size: int = engine_args.default("pipeline_parallel_size")
     # --enable-lora: adapter slots resident on each GPU (0: LoRA off) and their padded rank (issue 24)
     max_loras: int = 0
-    max_lora_rank: int = 16
+    max_lora_rank: int = engine_args.default("max_lora_rank")
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ class Plan:
     # Sliding-window models: 0 / what charging every layer for the full context would allow instead.
     sliding_window: int = 0
     num_kv_cache_groups: int = 1
-    pipeline_parallel_size: int = 1
+    pipeline_parallel_size: int = engine_args.default("pipeline_parallel_size")
     kv_bytes_per_block_per_gpu: int = 0  # one block id: block_size tokens of one group's layers
     max_concurrency_full_context: int = 0
     max_model_len_fit_full_context: int = 0

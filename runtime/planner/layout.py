@@ -5,12 +5,12 @@ The rule (issue 28), with the pod's GPU count gpu.tensorParallelSize and a node'
 - spec.parallelism.nodes set: PP = nodes, TP = gpu.tensorParallelSize GPUs per pod; the plan must fit that.
 - otherwise one pod when the plan fits. When it does not and the pod already has every GPU of a node
   (tensorParallelSize == gpusPerNode), the plan needs more GPUs than one pod may have: TP = gpusPerNode within
-  each pod (all-reduce over NVLink) x the fewest PP stages that fit (planner.plan_multinode), one per node.
+  each pod (all-reduce over NVLink) x the fewest PP stages that fit (kv_plan.plan_multinode), one per node.
 - a smaller pod that does not fit stays refused (the user asked for that many GPUs per replica); the message
   says what would fit: a wider pod, or the multi-node layout.
 The capacity of a PP plan is the runtime's: every rank gets the same --kv-cache-bytes, each stage turns it into
 blocks for its own layers, and the world takes the minimum, so the stage with the most layers and the heaviest
-weights decides (planner.plan with pipeline_parallel_size, all from runtime/capacity.py).
+weights decides (kv_plan.plan with pipeline_parallel_size, all from runtime/capacity.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvserve.runtime import capacity
-from kvserve.runtime.planner import kv_plan as planner
+from kvserve.runtime.planner import kv_plan
 
 DEFAULT_GPUS_PER_NODE = 8
 PIPELINE_ARCHITECTURES = capacity.PIPELINE_ARCHITECTURES  # the runtime's own list (config.py refuses the rest)
@@ -66,7 +66,7 @@ class Layout:
         }
 
 
-def stages(inp: planner.PlanInput, plan: planner.Plan) -> tuple[tuple[Stage, ...], int]:
+def stages(inp: kv_plan.PlanInput, plan: kv_plan.Plan) -> tuple[tuple[Stage, ...], int]:
     """Each stage's layers and weights per GPU, and the stage that decides the group's KV capacity
     (capacity.kv_tokens_per_rank: the least room per token after its weights, of what the plan leaves for
     weights + KV on each GPU)."""
@@ -81,14 +81,14 @@ def stages(inp: planner.PlanInput, plan: planner.Plan) -> tuple[tuple[Stage, ...
     return out, deciding
 
 
-def _layout(inp: planner.PlanInput, plan: planner.Plan, nodes: int, gpus_per_node: int, reason: str) -> Layout:
+def _layout(inp: kv_plan.PlanInput, plan: kv_plan.Plan, nodes: int, gpus_per_node: int, reason: str) -> Layout:
     if nodes == 1:
         return Layout(1, inp.tensor_parallel_size, 1, gpus_per_node, reason)
     stage_list, deciding = stages(dataclasses.replace(inp, pipeline_parallel_size=nodes), plan)
     return Layout(nodes, inp.tensor_parallel_size, nodes, gpus_per_node, reason, stage_list, deciding)
 
 
-def pipeline_error(inp: planner.PlanInput, extra_args: Sequence[str]) -> str | None:
+def pipeline_error(inp: kv_plan.PlanInput, extra_args: Sequence[str]) -> str | None:
     """What the runtime would refuse about a pipelined replica, before any pod starts."""
     m = inp.model
     if m.architecture not in PIPELINE_ARCHITECTURES:
@@ -107,18 +107,18 @@ def pipeline_error(inp: planner.PlanInput, extra_args: Sequence[str]) -> str | N
     return None
 
 
-def _refused(plan: planner.Plan, reason: str, message: str) -> planner.Plan:
+def _refused(plan: kv_plan.Plan, reason: str, message: str) -> kv_plan.Plan:
     return dataclasses.replace(plan, fits=False, reason=reason, message=message)
 
 
-def _wider_hint(inp: planner.PlanInput, gpus_per_node: int) -> str:
+def _wider_hint(inp: kv_plan.PlanInput, gpus_per_node: int) -> str:
     """For a refused pod smaller than a node: the smallest wider pod that fits, else the multi-node layout."""
-    for tp in planner.valid_tensor_parallel_sizes(inp.model, limit=gpus_per_node):
-        if tp > inp.tensor_parallel_size and planner.plan(dataclasses.replace(inp, tensor_parallel_size=tp)).fits:
+    for tp in kv_plan.valid_tensor_parallel_sizes(inp.model, limit=gpus_per_node):
+        if tp > inp.tensor_parallel_size and kv_plan.plan(dataclasses.replace(inp, tensor_parallel_size=tp)).fits:
             return f"gpu.tensorParallelSize {tp} fits one pod"
-    if planner.tensor_parallel_error(inp.model, gpus_per_node):
+    if kv_plan.tensor_parallel_error(inp.model, gpus_per_node):
         return ""
-    multi, _ = planner.plan_multinode(dataclasses.replace(inp, tensor_parallel_size=gpus_per_node), gpus_per_node)
+    multi, _ = kv_plan.plan_multinode(dataclasses.replace(inp, tensor_parallel_size=gpus_per_node), gpus_per_node)
     if not multi.fits:
         return ""
     pp = multi.pipeline_parallel_size
@@ -129,14 +129,14 @@ def _wider_hint(inp: planner.PlanInput, gpus_per_node: int) -> str:
 
 
 def choose(
-    inp: planner.PlanInput,
-    first: planner.Plan,
+    inp: kv_plan.PlanInput,
+    first: kv_plan.Plan,
     *,
     nodes: int | None = None,
     gpus_per_node: int = DEFAULT_GPUS_PER_NODE,
     extra_args: Sequence[str] = (),
-) -> tuple[planner.Plan, Layout]:
-    """(the plan to serve, its layout). `first` is planner.plan(inp) for one pod; `nodes` and `gpus_per_node`
+) -> tuple[kv_plan.Plan, Layout]:
+    """(the plan to serve, its layout). `first` is kv_plan.plan(inp) for one pod; `nodes` and `gpus_per_node`
     are spec.parallelism's (None: choose), `extra_args` spec.engine.extraArgs. Raises ParallelismError for
     settings no plan can serve."""
     t = inp.tensor_parallel_size
@@ -154,7 +154,7 @@ def choose(
         if nodes == 1:
             return first, _layout(inp, first, 1, gpus_per_node, "spec.parallelism.nodes 1: one pod per replica")
         error = pipeline_error(inp, extra_args)
-        staged = planner.plan(dataclasses.replace(inp, pipeline_parallel_size=nodes))
+        staged = kv_plan.plan(dataclasses.replace(inp, pipeline_parallel_size=nodes))
         reason = (
             f"spec.parallelism.nodes {nodes}: TP {t} per pod (gpu.tensorParallelSize) x PP {nodes}, one "
             "pipeline stage per pod (only activations cross nodes)"
@@ -168,7 +168,7 @@ def choose(
         hint = _wider_hint(inp, gpus_per_node)
         message = f"{first.message}; {hint}" if hint else first.message
         return dataclasses.replace(first, message=message), _layout(inp, first, 1, gpus_per_node, hint or first.reason)
-    multi, why = planner.plan_multinode(inp, gpus_per_node)
+    multi, why = kv_plan.plan_multinode(inp, gpus_per_node)
     if not multi.fits:
         return first, _layout(inp, first, 1, gpus_per_node, why)
     pp = multi.pipeline_parallel_size

@@ -9,17 +9,20 @@ identical, so the prefix cache sees hits as the real engine would.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import json
+import math
 import random
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from kvserve.runtime import engine_args
+from kvserve.runtime.core.block_pool import KVCacheBlock
 from kvserve.runtime.core.kv_cache_manager import KVCacheManager
 from kvserve.runtime.core.outputs import ModelRunnerOutput
 from kvserve.runtime.core.scheduler import Scheduler, SchedulerConfig
-from kvserve.runtime.planner.step_time import StepTimeModel, step_work
+from kvserve.runtime.planner.step_time import StepTimeModel, StepWork, step_work
 from kvserve.runtime.request import Request
 from kvserve.runtime.sampling_params import SamplingParams
 
@@ -83,6 +86,9 @@ def load_trace(path: str) -> tuple[tuple[float, int, int], ...]:
     return tuple(sorted(out))
 
 
+ROLES = ("both", "prefill", "decode")
+
+
 @dataclass(frozen=True)
 class EngineShape:
     """What the replica's scheduler is configured with (the same fields the engine passes). The defaults are
@@ -98,6 +104,18 @@ class EngineShape:
     # request after another: a burst of N requests reaches the scheduler over N * admission_s, and the engine
     # starts stepping with the first ones. 0 = every request reaches the scheduler when it arrives (in-process).
     admission_s: float = 0.0
+    # Prefill/decode disaggregation (disagg.py): "both" is an aggregated replica. "prefill" runs each request's
+    # prompt and its first token only (max_tokens 1, as vLLM's P/D proxy sends it). "decode" receives each
+    # prompt's KV from a prefill replica: the pulled tokens cost no token budget and no compute (vLLM's external
+    # computed tokens), the replica computes only the last prompt token (the row that samples the first token)
+    # and the decodes. The scheduler here has no notion of pulled tokens, so it gets its budget raised by the
+    # longest prompt (a pulled prompt then never displaces a decode) and the step-time model is charged only
+    # what is computed (`pulled_step_work`).
+    role: str = "both"
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
 
 
 @dataclass
@@ -118,9 +136,12 @@ class SimResult:
     # simulate(..., stop_when_missed=...) stopped as soon as the SLO's verdict was certain to be a miss: the
     # percentiles above are of the requests measured so far, and the run does not meet any SLO at least as tight.
     stopped_on_miss: bool = False
+    # Each request's TTFT in the order the workload drew the requests (nan: no first token yet when the run
+    # stopped): disagg.py adds a prefill replica's to a decode replica's request by request.
+    ttfts_s: list[float] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        return dict(self.__dict__)
+        return {k: v for k, v in self.__dict__.items() if k != "ttfts_s"}
 
 
 class MissLimits(NamedTuple):
@@ -150,6 +171,23 @@ def percentile(values: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
+def pulled_step_work(scheduled, prompt_lens: dict[str, int]) -> StepWork:
+    """StepWork of a decode replica's step (role "decode"): a request's prompt positions before its last one
+    were pulled from a prefill replica, so only the positions from its last prompt token on are computed."""
+    num_tokens = context_tokens = num_sampled = pairs = 0
+    for s in scheduled:
+        n, start = len(s.token_ids), s.start_position
+        first = max(start, prompt_lens[s.req_id] - 1)
+        computed = start + n - first
+        if computed <= 0:
+            continue
+        num_tokens += computed
+        context_tokens += start + n
+        num_sampled += 1 if s.sample else 0
+        pairs += computed * first + computed * (computed + 1) // 2
+    return StepWork(num_tokens, context_tokens, num_sampled, pairs)
+
+
 def _token_ids(shared: list[int], number: int, length: int) -> list[int]:
     """A prompt of `length` tokens: the shared prefix, then a tail that no other request has. The tail's first
     two tokens spell the request's number (so its first block's hash, and through the chain every later one,
@@ -168,17 +206,98 @@ def simulate(
 ) -> SimResult:
     """One replica's run of the workload. With `stop_when_missed`, the run ends as soon as enough requests have
     exceeded a limit that its percentile is certain to (`SimResult.stopped_on_miss`): a search that only asks
-    "is the SLO met?" then pays for an overloaded trial only until the answer is known."""
+    "is the SLO met?" then pays for an overloaded trial only until the answer is known.
+
+    Shortcuts that leave the result unchanged (tests/test_planner_sim.py compares them with the plain run):
+    - Without a shared prefix no prompt shares a block with another (`_token_ids`), so the prefix cache can
+      only hit a request's own blocks after a preemption. The run goes without it (hashing every block was a
+      third of a run's time) until a request is preempted, and then starts again with it.
+    - The KV pool starts small and grows, up to the replica's size, whenever an allocation would otherwise be
+      refused (`_GrowingPool`): the scheduler only asks it "can these blocks be allocated?", and it answers
+      exactly as the replica's pool would, so the schedule is the same. Building a pool of 30,000+ block
+      objects for every run cost a third of a passing run; most runs hold a few thousand. The peak usage is
+      reported against the replica's pool.
+    The prefix cache keeps freed blocks for later hits, which a pool that grows late would evict sooner: with a
+    shared prefix, or for the rerun after a preemption, the run has the replica's pool from the start."""
+    private = not (shape.enable_prefix_caching and workload.prefix_len > 0) and not _fills_the_pool(workload, shape)
+    run = functools.partial(_simulate, workload, shape, step_model, record_steps, stop_when_missed)
+    if private:
+        grown = functools.partial(_GrowingPool, initial_blocks=INITIAL_POOL_BLOCKS)
+        try:
+            return run(False, grown, shape.enable_prefix_caching)
+        except _Preempted:
+            pass
+    return run(shape.enable_prefix_caching, KVCacheManager)
+
+
+def _fills_the_pool(workload: Workload, shape: EngineShape) -> bool:
+    """A closed loop whose streams' shortest sequences already overfill the pool preempts for sure: the run
+    without the prefix cache would only be thrown away (the saturation run of slo.replica_capacity)."""
+    if workload.concurrency is None or workload.trace:
+        return False
+    streams = min(workload.concurrency, workload.num_requests, shape.max_num_seqs)
+    tokens = min(workload.prompt_len.lo + workload.output_len.lo, shape.max_model_len)
+    return streams * -(-tokens // shape.block_size) > shape.num_blocks - 1
+
+
+class _Preempted(Exception):
+    """A run without the prefix cache preempted a request: from here on the cache would change the schedule."""
+
+
+INITIAL_POOL_BLOCKS = 1024  # the growing pool's first size; it doubles (at most to the replica's pool)
+
+
+class _GrowingPool(KVCacheManager):
+    """The real KV manager over a pool that starts with `initial_blocks` and doubles, up to `num_blocks`, when
+    an allocation does not fit: an allocation is refused only when the full pool would refuse it. A refused
+    allocation changes nothing (KVCacheManager.allocate_slots), so it is simply asked again after growing."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, initial_blocks: int):
+        super().__init__(min(num_blocks, initial_blocks), block_size, enable_caching=enable_caching)
+        self.max_blocks = num_blocks
+
+    def allocate_slots(self, request, num_new_tokens, new_computed_blocks=()):
+        while True:
+            blocks = super().allocate_slots(request, num_new_tokens, new_computed_blocks)
+            if blocks is not None or self.pool.num_blocks >= self.max_blocks:
+                return blocks
+            self._grow()
+
+    def _grow(self) -> None:
+        pool = self.pool
+        size = min(self.max_blocks, 2 * pool.num_blocks)
+        for block_id in range(pool.num_blocks, size):
+            block = KVCacheBlock(block_id)
+            pool.blocks.append(block)
+            pool.free_queue.append(block)
+        pool.num_blocks = size
+
+
+def _simulate(
+    workload: Workload,
+    shape: EngineShape,
+    step_model: StepTimeModel,
+    record_steps: bool,
+    stop_when_missed: MissLimits | None,
+    enable_caching: bool,
+    kv_manager=KVCacheManager,
+    stop_on_preemption: bool = False,
+) -> SimResult:
     rng = random.Random(workload.seed)
-    kv = KVCacheManager(shape.num_blocks, shape.block_size, enable_caching=shape.enable_prefix_caching)
+    kv = kv_manager(shape.num_blocks, shape.block_size, enable_caching=enable_caching)
+    budget = shape.max_num_batched_tokens
+    if shape.role == "decode":  # pulled prompts take no budget (EngineShape.role)
+        longest = max((p for _, p, _ in workload.trace), default=0) or workload.prompt_len.hi
+        budget += min(longest, shape.max_model_len - 1)
     sched = Scheduler(
         SchedulerConfig(
             max_num_seqs=shape.max_num_seqs,
-            max_num_batched_tokens=shape.max_num_batched_tokens,
+            max_num_batched_tokens=budget,
             max_model_len=shape.max_model_len,
         ),
         kv,
     )
+    prompt_lens: dict[str, int] = {}
     shared = [rng.randrange(1, 30000) for _ in range(workload.prefix_len)]
     seq = 0
 
@@ -186,6 +305,9 @@ def simulate(
         nonlocal seq
         seq += 1
         plen = min(plen, shape.max_model_len - 1)
+        if shape.role == "prefill":
+            olen = 1
+        prompt_lens[f"r{seq}"] = plen
         req = Request(
             f"r{seq}",
             _token_ids(shared, seq, plen),
@@ -234,6 +356,7 @@ def simulate(
     arrival: dict[str, float] = {}
     num_out: dict[str, int] = {}
     ttft, tpot = [], []
+    ttft_of: dict[str, float] = {}
     finished = peak = 0
     steps = 0
     total_out = 0
@@ -252,19 +375,21 @@ def simulate(
             arrival[r.request_id] = r.arrival_time  # TTFT counts from the client's arrival, admission included
             sched.add_request(r)
         out = sched.schedule()
+        if stop_on_preemption and out.num_preempted:
+            raise _Preempted
         if out.is_empty:
             if not pending:
                 raise RuntimeError("simulation stalled: a request cannot be scheduled (KV pool too small?)")
             now = max(now, pending[0][0])
             continue
-        work = step_work(out.scheduled)
+        work = pulled_step_work(out.scheduled, prompt_lens) if shape.role == "decode" else step_work(out.scheduled)
         if record_steps:
             step_tokens.append(work.num_tokens)
         step_s = step_model.step_seconds(*work)
         queue_area += sched.num_waiting * step_s
         now += step_s
         steps += 1
-        peak = max(peak, kv.usage)
+        peak = max(peak, kv.pool.num_blocks - 1 - kv.num_free_blocks)  # blocks held (block 0 is the null block)
         sampled = {s.req_id: 1 for s in out.scheduled if s.sample}
         for o in sched.update_from_output(out, ModelRunnerOutput(sampled_token_ids=sampled)):
             rid = o.req_id
@@ -273,6 +398,7 @@ def simulate(
             if rid not in first_token:
                 first_token[rid] = now
                 ttft.append(now - arrival[rid])
+                ttft_of[rid] = ttft[-1]
                 if stop_when_missed is not None and ttft[-1] > stop_when_missed.ttft_p90_s:
                     ttft_over += 1
                     stopped = stopped or ttft_over >= ttft_misses_needed
@@ -294,10 +420,11 @@ def simulate(
         requests_per_s=total / duration,
         ttft_s={"p50": percentile(ttft, 50), "p90": percentile(ttft, 90), "p99": percentile(ttft, 99)},
         tpot_s={"p50": percentile(tpot, 50), "p99": percentile(tpot, 99)},
-        kv_peak_usage=peak,
+        kv_peak_usage=peak / (shape.num_blocks - 1),  # blocks held at the peak, of the replica's real pool
         num_preemptions=sched.num_preemptions,
         num_steps=steps,
         mean_queue_depth=queue_area / duration,
         step_tokens=step_tokens,
         stopped_on_miss=stopped,
+        ttfts_s=[ttft_of.get(f"r{k}", math.nan) for k in range(1, seq + 1)],
     )

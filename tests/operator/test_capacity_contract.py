@@ -24,8 +24,7 @@ from kvserve.runtime.engine_args import EngineArgs
 from kvserve.runtime.errors import InvalidParameter
 from kvserve.runtime.executor import kv_sizing
 from kvserve.runtime.executor.pipeline import stage_engine_config
-from kvserve.runtime.planner import catalog
-from kvserve.runtime.planner import kv_plan as planner
+from kvserve.runtime.planner import catalog, kv_plan
 
 MODEL_TYPES = {
     "LlamaForCausalLM": "llama",
@@ -229,9 +228,9 @@ def test_one_block_short_is_refused_by_both_with_the_same_reason(key, t, kv, dty
     overhead_mib = 64
     fixed = weights + overhead_mib * catalog.MiB
 
-    def plan_for(num_blocks: int) -> planner.Plan:
-        return planner.plan(
-            planner.PlanInput(
+    def plan_for(num_blocks: int) -> kv_plan.Plan:
+        return kv_plan.plan(
+            kv_plan.PlanInput(
                 model=m,
                 gpu_memory_bytes=fixed + layout.budget_for_blocks(num_blocks),
                 tensor_parallel_size=t,

@@ -9,8 +9,7 @@ import re
 import pytest
 
 from kvserve.runtime import capacity
-from kvserve.runtime.planner import catalog
-from kvserve.runtime.planner import kv_plan as planner
+from kvserve.runtime.planner import catalog, kv_plan
 from kvserve.runtime.planner.catalog import GiB, MiB
 
 L70 = catalog.MODELS["llama-3-70b"]
@@ -56,13 +55,13 @@ def test_seed_concurrency_when_everything_but_weights_is_kv():
         activation_reserve_bytes=0,
         runtime_overhead_bytes=0,
     )
-    assert planner.plan(planner.PlanInput(**ideal, max_model_len=32_000)).max_concurrency == 17
-    assert planner.plan(planner.PlanInput(**ideal, max_model_len=32_768)).max_concurrency == 16
+    assert kv_plan.plan(kv_plan.PlanInput(**ideal, max_model_len=32_000)).max_concurrency == 17
+    assert kv_plan.plan(kv_plan.PlanInput(**ideal, max_model_len=32_768)).max_concurrency == 16
 
 
 def test_realistic_figure_utilization_092_with_overheads():
-    p = planner.plan(
-        planner.PlanInput(
+    p = kv_plan.plan(
+        kv_plan.PlanInput(
             model=dataclasses.replace(L70, max_position_embeddings=32_768),
             gpu_memory_bytes=catalog.GPUS["a100-80gb"].memory_bytes,
             tensor_parallel_size=4,
@@ -102,8 +101,8 @@ def test_fp8_kv_cache_halves_bytes_per_token_and_doubles_tokens():
         runtime_overhead_bytes=0,
         gpu_memory_utilization=0.9,
     )
-    auto = planner.plan(planner.PlanInput(**base))
-    fp8 = planner.plan(planner.PlanInput(**base, kv_cache_dtype="fp8"))
+    auto = kv_plan.plan(kv_plan.PlanInput(**base))
+    fp8 = kv_plan.plan(kv_plan.PlanInput(**base, kv_cache_dtype="fp8"))
     assert fp8.kv_bytes_per_token * 2 == auto.kv_bytes_per_token == 327_680
     assert fp8.kv_bytes_per_token_per_gpu * 2 == auto.kv_bytes_per_token_per_gpu
     # usable = blocks - 1 (null block); fp8 buys 2x the blocks, or one more after rounding
@@ -112,13 +111,13 @@ def test_fp8_kv_cache_halves_bytes_per_token_and_doubles_tokens():
 
 
 def test_kv_heads_split_across_ranks_and_replicated_beyond():
-    one = planner.plan(planner.PlanInput(model=L70, gpu_memory_bytes=141 * GiB, tensor_parallel_size=1))
-    eight = planner.plan(planner.PlanInput(model=L70, gpu_memory_bytes=141 * GiB, tensor_parallel_size=8))
+    one = kv_plan.plan(kv_plan.PlanInput(model=L70, gpu_memory_bytes=141 * GiB, tensor_parallel_size=1))
+    eight = kv_plan.plan(kv_plan.PlanInput(model=L70, gpu_memory_bytes=141 * GiB, tensor_parallel_size=8))
     assert one.kv_bytes_per_token_per_gpu == 8 * eight.kv_bytes_per_token_per_gpu
     # Qwen2.5-7B has 4 KV heads: at TP=4 each rank holds 1; a hypothetical 2 KV-head model at TP=4 replicates.
     q7 = catalog.MODELS["qwen2.5-7b"]
-    assert planner.kv_heads_per_rank(q7, 4) == 1
-    assert planner.kv_heads_per_rank(dataclasses.replace(q7, num_kv_heads=2), 4) == 1
+    assert kv_plan.kv_heads_per_rank(q7, 4) == 1
+    assert kv_plan.kv_heads_per_rank(dataclasses.replace(q7, num_kv_heads=2), 4) == 1
 
 
 @pytest.mark.parametrize(
@@ -145,7 +144,7 @@ def test_kv_heads_split_across_ranks_and_replicated_beyond():
     ],
 )
 def test_impossible_specs_say_why_with_numbers(reason, kwargs):
-    p = planner.plan(planner.PlanInput(**kwargs))
+    p = kv_plan.plan(kv_plan.PlanInput(**kwargs))
     assert not p.fits and p.reason == reason
     assert re.search(r"\d", p.message)
     if reason == "ContextDoesNotFit":
@@ -190,11 +189,11 @@ def test_every_model_entry(key):
     assert abs(m.num_parameters / 1e9 - nominal) / nominal < 0.1, "parameter count far from the model's name"
     assert catalog.lookup_model(f"org/{key.upper()}-Instruct") == m
     # Every model fits somewhere: the smallest valid TP on B200s at 4k context.
-    sizes = planner.valid_tensor_parallel_sizes(m)
+    sizes = kv_plan.valid_tensor_parallel_sizes(m)
     assert 1 in sizes
     plans = [
-        planner.plan(
-            planner.PlanInput(
+        kv_plan.plan(
+            kv_plan.PlanInput(
                 model=m, gpu_memory_bytes=catalog.GPUS["b200"].memory_bytes, tensor_parallel_size=t, max_model_len=4096
             )
         )
@@ -228,8 +227,8 @@ def test_every_gpu_entry(key):
     assert catalog.lookup_gpu(gpu.product) == gpu  # GFD node label spelling
     assert catalog.gpu_key(gpu.product) == key
     # Llama-3-8B fits on every catalog GPU at 4k context.
-    p = planner.plan(
-        planner.PlanInput(model=catalog.MODELS["llama-3-8b"], gpu_memory_bytes=gpu.memory_bytes, max_model_len=4096)
+    p = kv_plan.plan(
+        kv_plan.PlanInput(model=catalog.MODELS["llama-3-8b"], gpu_memory_bytes=gpu.memory_bytes, max_model_len=4096)
     )
     assert p.fits, p.message
     assert p.kv_cache_bytes_per_gpu <= p.memory_budget_bytes_per_gpu - p.weight_bytes_per_gpu
@@ -243,10 +242,10 @@ def test_unknown_names():
 
 def test_memory_arithmetic_never_overcommits():
     for key, m in catalog.MODELS.items():
-        for t in planner.valid_tensor_parallel_sizes(m):
+        for t in kv_plan.valid_tensor_parallel_sizes(m):
             for gkey, gpu in catalog.GPUS.items():
-                p = planner.plan(
-                    planner.PlanInput(
+                p = kv_plan.plan(
+                    kv_plan.PlanInput(
                         model=m, gpu_memory_bytes=gpu.memory_bytes, tensor_parallel_size=t, max_model_len=2048
                     )
                 )

@@ -8,8 +8,7 @@ import json
 
 from kvserve.cli import plan as plan_cli
 from kvserve.runtime import capacity
-from kvserve.runtime.planner import catalog
-from kvserve.runtime.planner import kv_plan as planner
+from kvserve.runtime.planner import catalog, kv_plan
 
 # Gemma-3-27B's text stack (not in the catalog: its checkpoint is multimodal): 62 layers, 10 global.
 GEMMA3_27B = capacity.ModelShape(
@@ -60,13 +59,13 @@ def test_gemma3_27b_charge_matches_the_worked_example():
 
 
 def test_plan_reports_the_saving_next_to_the_full_context_charge():
-    inp = planner.PlanInput(
+    inp = kv_plan.PlanInput(
         model=catalog.MODELS["gemma-2-9b"],
         gpu_memory_bytes=catalog.GPUS["l40s"].memory_bytes,
         max_model_len=8192,
         max_num_batched_tokens=2048,
     )
-    p = planner.plan(inp)
+    p = kv_plan.plan(inp)
     assert p.fits and p.num_kv_cache_groups == 2 and p.sliding_window == 4096
     blocks = p.num_blocks_per_gpu - 1
     # 21 global layers x 512 blocks + 21 sliding layers x (ceil((4095 + 2048) / 16) + 1 = 385) blocks
@@ -75,7 +74,7 @@ def test_plan_reports_the_saving_next_to_the_full_context_charge():
     assert p.max_concurrency > p.max_concurrency_full_context
     assert "if every layer kept the full context" in p.message
     # Full-attention models are unchanged.
-    llama = planner.plan(dataclasses.replace(inp, model=catalog.MODELS["llama-3-8b"]))
+    llama = kv_plan.plan(dataclasses.replace(inp, model=catalog.MODELS["llama-3-8b"]))
     assert llama.num_kv_cache_groups == 1 and llama.max_concurrency == llama.max_concurrency_full_context
 
 

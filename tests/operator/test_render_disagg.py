@@ -22,8 +22,7 @@ from kvserve.operator import spec as spec_mod
 from kvserve.operator.render import disaggregation as render_pd
 from kvserve.operator.render import multinode as render_multinode
 from kvserve.runtime.executor import kv_sizing
-from kvserve.runtime.planner import catalog
-from kvserve.runtime.planner import kv_plan as planner
+from kvserve.runtime.planner import catalog, kv_plan
 from tests.operator import upstream_crds
 from tests.operator.test_capacity_contract import hf_config, runtime_config_from_pod
 
@@ -117,7 +116,7 @@ def test_each_pool_runs_the_plan_of_the_one_planner_at_its_own_tp(tmp_path):
     (model_dir / "config.json").write_text(json.dumps(hf_config(catalog.MODELS["llama-3-70b"])))
     plans = set()
     for pool in resolved.pools:
-        same = planner.plan(dataclasses.replace(resolved.plan_input, tensor_parallel_size=pool.tensor_parallel_size))
+        same = kv_plan.plan(dataclasses.replace(resolved.plan_input, tensor_parallel_size=pool.tensor_parallel_size))
         assert pool.plan == same  # no second formula
         plans.add(pool.plan.kv_cache_bytes_per_gpu)
         cmd = _container(objs[("Deployment", f"{NAME}-{pool.role}")]["spec"]["template"])["command"]

@@ -18,8 +18,7 @@ from kvserve.operator import spec as spec_mod
 from kvserve.operator.render import multinode as render_multinode
 from kvserve.operator.render import security as render_security
 from kvserve.runtime import capacity
-from kvserve.runtime.planner import catalog
-from kvserve.runtime.planner import layout as parallelism
+from kvserve.runtime.planner import catalog, layout
 from tests.operator import upstream_crds
 from tests.operator.test_capacity_contract import hf_config, runtime_config_from_pod
 
@@ -314,6 +313,6 @@ def test_mirrored_constants_equal_the_runtimes():
     from kvserve.runtime import config
     from kvserve.runtime.executor import multinode
 
-    assert parallelism.PIPELINE_ARCHITECTURES is config.PIPELINE_ARCHITECTURES  # one definition (capacity/support.py)
+    assert layout.PIPELINE_ARCHITECTURES is config.PIPELINE_ARCHITECTURES  # one definition (capacity/support.py)
     assert render_multinode.AUTHKEY_ENV == multinode.AUTHKEY_ENV
     assert render_multinode.CONTROL_PORT == render_multinode.MASTER_PORT + 1  # multinode.control_address

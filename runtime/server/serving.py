@@ -50,6 +50,7 @@ SAMPLING_FIELDS = (
     "repetition_penalty",
     "skip_special_tokens",
     "include_stop_str_in_output",
+    "kv_transfer_params",
 )
 
 
@@ -61,6 +62,15 @@ def client_sampling_fields(body: Any) -> dict[str, Any]:
         for name in SAMPLING_FIELDS
         if name in body.model_fields_set and getattr(body, name) is not None
     }
+
+
+@dataclass
+def kv_transfer_response(done: list) -> dict:
+    """P/D (vLLM's response field): a prefill engine's kv_transfer_params, from the first prompt's output;
+    {} when the request had none to return, so the response stays as it was."""
+    out = done[0].last_output if done else None
+    params = out.kv_transfer_params if out is not None else None
+    return {} if params is None else {"kv_transfer_params": params}
 
 
 @dataclass

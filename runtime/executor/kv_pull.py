@@ -1,0 +1,201 @@
+"""P/D disaggregation, the runner's half (vLLM's NixlConnector worker side; the scheduler's half is
+core/pd_connector.py): the KV tensor registered with a NIXL agent; on a prefill engine the side channel that
+hands out its metadata, and the notifications that end leases; on a decode engine the pulls.
+
+A pull (KVConnectorStep.pull) starts after the step's forward: a handshake with the prefill engine on a
+worker thread the first time (cached per engine), then one NIXL READ of every slab of the listed blocks,
+with the notification "{remote_request_id}:{tp_size}" the prefill engine waits for. Each later step polls it;
+DONE reports the request in finished_receiving, anything else -- a failed handshake, ERR, no progress within
+the transfer timeout -- in failed_receiving (the request recomputes). The pulled blocks belong to a request
+that is not scheduled until then, so no forward reads or writes them meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.runtime.core.outputs import KVTransfer, ModelRunnerOutput, SchedulerOutput
+from kvserve.runtime.kv_transfer import nixl_agent
+from kvserve.runtime.kv_transfer.config import KVTransferConfig
+from kvserve.runtime.kv_transfer.side_channel import HandshakeReply, SideChannelServer, compat_hash, fetch_metadata
+
+logger = logging.getLogger("kvserve.kv_transfer")
+
+TRANSFER_TIMEOUT_S = 60.0  # a READ still in progress after this is declared failed
+IDLE_POLL_S = 0.001  # a step that ran nothing only polls transfers: sleep this long instead of spinning
+
+
+@dataclass
+class _Remote:
+    name: str  # the NIXL agent name add_remote_agent returned
+    reply: HandshakeReply
+
+
+@dataclass
+class _Pull:
+    transfer: KVTransfer
+    handle: object = None
+    started: float = 0.0
+
+
+class KVPullWorker:
+    def __init__(self, kv: torch.Tensor, config: KVTransferConfig, tp_rank: int = 0, tp_size: int = 1):
+        """kv: the runner's KV tensor [2, layers, blocks, block_size, heads, head_dim], contiguous."""
+        if kv.device.type != "cpu":  # the VRAM path is the same calls with "VRAM", not exercised here
+            raise NotImplementedError("P/D disaggregation over NIXL is implemented for a CPU KV cache only")
+        self.config = config
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.agent = nixl_agent.make_agent(config.engine_id, config.backends)
+        self.kv = kv
+        self._registered = self.agent.register_memory(kv)
+        self.num_slabs = kv.shape[0] * kv.shape[1]
+        self.num_blocks = kv.shape[2]
+        self.block_bytes = kv[0, 0, 0].numel() * kv.element_size()
+        self.compat = compat_hash(tuple(kv.shape[:2]) + tuple(kv.shape[3:]), str(kv.dtype))
+        self.side_channel = None
+        if config.is_producer:
+            reply = HandshakeReply(
+                self.compat,
+                config.engine_id,
+                self.agent.get_agent_metadata(),
+                kv.data_ptr(),
+                self.num_slabs,
+                self.num_blocks,
+                self.block_bytes,
+            )
+            self.side_channel = SideChannelServer(config.side_channel_host, config.side_channel_port, reply)
+        self._remotes: dict[str, _Remote] = {}  # engine id -> handshake done
+        self._handshakes: dict[str, Future] = {}  # engine id -> handshake running
+        self._handshaker = ThreadPoolExecutor(2, thread_name_prefix="kvserve-nixl-handshake")
+        self._pulls: dict[str, _Pull] = {}  # req id -> pull not yet ended
+
+    # -- per step ------------------------------------------------------------------------------------------
+    def after_forward(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> None:
+        for rid, transfer in sched.kv_connector.pull.items():
+            self._pulls[rid] = _Pull(transfer)
+            self._handshake(transfer.remote)
+        done, failed = self._progress()
+        out.finished_receiving = out.finished_receiving | done
+        out.failed_receiving = {**out.failed_receiving, **failed}
+        released = self._notified()
+        if released:
+            out.finished_sending = out.finished_sending | released
+        if not sched.scheduled and not done and not failed and not released:
+            time.sleep(IDLE_POLL_S)
+
+    def _handshake(self, remote: dict) -> None:
+        engine = remote["remote_engine_id"]
+        if engine in self._remotes or engine in self._handshakes:
+            return
+        self._handshakes[engine] = self._handshaker.submit(
+            fetch_metadata,
+            remote["remote_host"],
+            remote["remote_port"],
+            self.tp_rank,
+            self.config.handshake_timeout_s,
+        )
+
+    def _progress(self) -> tuple[set[str], dict[str, list[int]]]:
+        done: set[str] = set()
+        failed: dict[str, list[int]] = {}
+        failed_engines: set[str] = set()
+        for engine, future in list(self._handshakes.items()):
+            if not future.done():
+                continue
+            del self._handshakes[engine]
+            try:
+                reply = future.result()
+                if reply.compat_hash != self.compat:
+                    raise ValueError(f"incompatible KV layout (compat hash {reply.compat_hash} != {self.compat})")
+                self._remotes[engine] = _Remote(self.agent.add_remote_agent(reply.agent_metadata), reply)
+            except Exception as exc:  # noqa: BLE001 -- any failure: the requests recompute locally
+                logger.warning("NIXL handshake with prefill engine %s failed: %s", engine, exc)
+                failed_engines.add(engine)
+        now = time.monotonic()
+        for rid, pull in list(self._pulls.items()):
+            engine = pull.transfer.remote["remote_engine_id"]
+            ok: bool | None = None
+            try:
+                if engine in failed_engines:
+                    ok = False
+                elif pull.handle is None and engine in self._remotes:
+                    ok = self._start(pull, self._remotes[engine], now)
+                elif pull.handle is not None:
+                    state = self.agent.check_xfer_state(pull.handle)
+                    if state == "DONE":
+                        ok = True
+                    elif state != "PROC" or now - pull.started > TRANSFER_TIMEOUT_S:
+                        logger.warning("NIXL READ for request %s ended in state %s", rid, state)
+                        ok = False
+            except Exception as exc:  # noqa: BLE001
+                logger.warning("NIXL pull for request %s failed: %s", rid, exc)
+                ok = False
+            if ok is None:
+                continue
+            del self._pulls[rid]
+            if pull.handle is not None:
+                try:
+                    self.agent.release_xfer_handle(pull.handle)
+                except Exception:  # noqa: BLE001 -- an errored handle may refuse release; nothing to keep
+                    pass
+            if ok:
+                done.add(rid)
+            else:
+                failed[rid] = list(range(len(pull.transfer.block_ids)))
+                self._forget(engine)
+        return done, failed
+
+    def _start(self, pull: _Pull, remote: _Remote, now: float) -> bool | None:
+        """Post the READ; True when there is nothing to read (only the notification to send)."""
+        t, reply = pull.transfer, remote.reply
+        notif = f"{t.remote['remote_request_id']}:{self.tp_size}".encode()
+        remote_ids = t.remote["remote_block_ids"]
+        if not t.block_ids:
+            self.agent.send_notif(remote.name, notif)
+            return True
+        if len(remote_ids) != len(t.block_ids) or max(remote_ids) >= reply.num_blocks:
+            raise ValueError(f"remote_block_ids {remote_ids} do not fit the prefill engine's {reply.num_blocks}")
+        local = nixl_agent.block_descs(
+            self.kv.data_ptr(), self.num_slabs, self.num_blocks, self.block_bytes, t.block_ids
+        )
+        far = nixl_agent.block_descs(reply.base_addr, reply.num_slabs, reply.num_blocks, reply.block_bytes, remote_ids)
+        handle = self.agent.initialize_xfer(
+            "READ",
+            self.agent.get_xfer_descs(local, "DRAM"),
+            self.agent.get_xfer_descs(far, "DRAM"),
+            remote.name,
+            notif,
+        )
+        pull.handle, pull.started = handle, now
+        state = self.agent.transfer(handle)
+        if state == "ERR":
+            return False
+        return True if state == "DONE" else None
+
+    def _forget(self, engine: str) -> None:
+        """After a failure, the next pull from this engine handshakes again (it may have restarted)."""
+        remote = self._remotes.pop(engine, None)
+        if remote is not None:
+            try:
+                self.agent.remove_remote_agent(remote.name)
+            except Exception:  # noqa: BLE001
+                pass
+
+    def _notified(self) -> set[str]:
+        """Prefill side: requests whose KV a decode engine finished reading ("{req id}:{tp size}")."""
+        released = set()
+        for messages in self.agent.get_new_notifs().values():
+            for msg in messages:
+                rid, _, _ = msg.decode(errors="replace").rpartition(":")
+                released.add(rid)
+        return released
+
+    def shutdown(self) -> None:
+        if self.side_channel is not None:
+            self.side_channel.close()
+        self._handshaker.shutdown(wait=False, cancel_futures=True)

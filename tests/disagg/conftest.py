@@ -1,0 +1,10 @@
+"""P/D disaggregation tests: two engines (prefill, decode) with NIXL agents in one process or two `kvserve
+serve` processes, random-weight models from the runtime tests' factory, everything on 127.0.0.1."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("nixl_cu12", reason="P/D disaggregation needs NIXL: pip install 'kvserve[disagg]'")
+
+from tests.runtime.conftest import model_factory  # noqa: E402,F401  (the session-scoped model builder)

@@ -64,7 +64,6 @@ def client_sampling_fields(body: Any) -> dict[str, Any]:
     }
 
 
-@dataclass
 def kv_transfer_response(done: list) -> dict:
     """P/D (vLLM's response field): a prefill engine's kv_transfer_params, from the first prompt's output;
     {} when the request had none to return, so the response stays as it was."""

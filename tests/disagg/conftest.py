@@ -3,7 +3,11 @@ serve` processes, random-weight models from the runtime tests' factory, everythi
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+os.environ.setdefault("UCX_NET_DEVICES", "lo")  # UCX listens on every interface otherwise: keep it on loopback
 
 pytest.importorskip("nixl_cu12", reason="P/D disaggregation needs NIXL: pip install 'kvserve[disagg]'")
 

@@ -50,7 +50,6 @@ SAMPLING_FIELDS = (
     "repetition_penalty",
     "skip_special_tokens",
     "include_stop_str_in_output",
-    "kv_transfer_params",
 )
 
 
@@ -248,6 +247,8 @@ class OpenAIServing:
             raise bad_request("logit_bias is not supported.", param="logit_bias")
         kwargs = client_sampling_fields(body)  # the rest: SamplingParams' own defaults
         kwargs.update(max_tokens=max_tokens, logprobs=logprobs, structured_outputs=structured, lora_name=lora_name)
+        if body.kv_transfer_params is not None:  # P/D (docs/disaggregation.md); SamplingParams checks it
+            kwargs["kv_transfer_params"] = body.kv_transfer_params
         try:
             params = SamplingParams(**kwargs)
             verify(prompt_ids, params, self.state.limits, prompt_param)  # the front's one verification

@@ -5,10 +5,6 @@ from __future__ import annotations
 
 import os
 
-import pytest
-
 os.environ.setdefault("UCX_NET_DEVICES", "lo")  # UCX listens on every interface otherwise: keep it on loopback
-
-pytest.importorskip("nixl_cu12", reason="P/D disaggregation needs NIXL: pip install 'kvserve[disagg]'")
 
 from tests.runtime.conftest import model_factory  # noqa: E402,F401  (the session-scoped model builder)

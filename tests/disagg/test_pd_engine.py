@@ -9,6 +9,8 @@ import time
 
 import pytest
 
+pytest.importorskip("nixl_cu12", reason="P/D disaggregation needs NIXL: pip install 'kvserve[disagg]'")
+
 from tests.disagg.pd_testing import drain, engine, free_port, greedy, run, transfer_config
 
 NUM_OUT = 12

@@ -11,6 +11,8 @@ import json
 import httpx
 import pytest
 
+pytest.importorskip("nixl_cu12", reason="P/D disaggregation needs NIXL: pip install 'kvserve[disagg]'")
+
 from tests.disagg.pd_testing import free_port, transfer_config
 from tests.server.serve_process import GroupServer
 

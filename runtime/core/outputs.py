@@ -66,7 +66,8 @@ class KVConnectorStep:
     request, the KV to load into its blocks before this step's forward and the KV to save from its blocks
     after it. Empty while no connector is configured. The host KV tier (--kv-offloading-size,
     core/tier_connector.py) fills it in the scheduler and the runner acts on it (executor/host_tier.py);
-    prefill/decode disaggregation would do the same; the executor answers with
+    prefill/decode disaggregation does the same with `pull` (core/pd_connector.py, executor/kv_pull.py); the
+    executor answers with
     ModelRunnerOutput.finished_sending / finished_receiving (docs/architecture.md, "Where a KV feature plugs
     in")."""
 

@@ -11,7 +11,8 @@ import pytest
 
 pytest.importorskip("nixl_cu12", reason="P/D disaggregation needs NIXL: pip install 'kvserve[disagg]'")
 
-from tests.disagg.pd_testing import drain, engine, free_port, greedy, run, transfer_config
+from kvserve.runtime.sampling_params import SamplingParams
+from tests.disagg.pd_testing import ENGINE_KWARGS, drain, engine, free_port, greedy, run, transfer_config
 
 NUM_OUT = 12
 
@@ -141,3 +142,35 @@ def test_abort_during_pull_frees_blocks_after_the_transfer(engines):
     drain(p)
     assert d.kv_cache_manager.num_free_blocks == free_before
     assert p.scheduler.pd.num_leased_blocks == 0
+
+
+def test_n2_decode_leg(engines):
+    """n=2 on the decode leg: the first sample pulls, the second takes the prompt from the prefix cache or
+    computes it; both equal the aggregated samples (greedy)."""
+    p, d, a = engines
+    prompt = _prompt(51, 60)
+    ref = run(a, "agg-n2", prompt, SamplingParams(n=2, temperature=0, max_tokens=NUM_OUT, ignore_eos=True))
+    first = run(p, "n2-p", prompt, greedy(1, {"do_remote_decode": True}))
+    params = SamplingParams(
+        n=2, temperature=0, max_tokens=NUM_OUT, ignore_eos=True, kv_transfer_params=first.kv_transfer_params
+    )
+    out = run(d, "n2-d", prompt, params, p)
+    assert [c.token_ids for c in out.outputs] == [c.token_ids for c in ref.outputs]
+    drain(p)
+    assert p.scheduler.pd.num_leased_blocks == 0
+
+
+def test_offline_generate_does_not_wait_out_the_lease(model_dir):
+    """LLM.generate on a prefill engine returns when its requests are done, not when their leases end."""
+    from kvserve.runtime.engine.llm import LLM
+
+    llm = LLM(
+        model_dir, kv_transfer_config=transfer_config("kv_producer", "prefill-offline", free_port()), **ENGINE_KWARGS
+    )
+    try:
+        start = time.monotonic()
+        (out,) = llm.generate([_prompt(61, 30)], greedy(1, {"do_remote_decode": True}), use_tqdm=False)
+        assert out.kv_transfer_params["do_remote_prefill"] is True
+        assert time.monotonic() - start < 60
+    finally:
+        llm.engine.shutdown()

@@ -327,9 +327,10 @@ def build_engine_config(args) -> EngineConfig:
     parallel = build_parallel_config(a, model_config, bool(cuda_graph_sizes))
     kv_transfer = parse_kv_transfer_config(a.kv_transfer_config)
     if kv_transfer is not None:
-        if a.tensor_parallel_size * a.pipeline_parallel_size > 1:
+        if a.pipeline_parallel_size > 1:
             raise InvalidParameter(
-                "kv_transfer_config", "kv_transfer_config runs with one rank only (per-rank pulls are not implemented)"
+                "kv_transfer_config",
+                "kv_transfer_config needs pipeline_parallel_size 1 (per-stage pulls are not implemented)",
             )
         if a.enable_sleep_mode:
             raise InvalidParameter(

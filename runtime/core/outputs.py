@@ -81,6 +81,9 @@ class KVConnectorStep:
     # finished in some later step (finished_receiving / failed_receiving name the request then): not part of
     # is_empty, which is the host tier's per-step bookkeeping.
     pull: dict[str, KVTransfer] = field(default_factory=dict)
+    # P/D, prefill engine: the requests whose blocks are leased now. Every tensor-parallel rank receives its own
+    # notification from the decode engine; a lease is released once all ranks have theirs (executor/kv_pull.py).
+    leased: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

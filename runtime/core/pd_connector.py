@@ -102,6 +102,9 @@ class PDConnector:
             self.num_leases_expired += 1
             self.pool.free_blocks(reversed(self._leases.pop(rid)[0]))
 
+    def leased_ids(self) -> list[str]:
+        return list(self._leases)
+
     @property
     def num_leased_blocks(self) -> int:
         return sum(len(blocks) for blocks, _ in self._leases.values())

@@ -345,6 +345,7 @@ class Scheduler:
         if self.pd is not None:
             self.pd.expire()
             connector_step.pull = self.pd.take_pulls()
+            connector_step.leased = self.pd.leased_ids()
         return SchedulerOutput(
             scheduled=scheduled,
             new_requests=new_requests,

@@ -216,7 +216,9 @@ class EngineCore:
         kt = config.kv_transfer
         if kt is None:
             return None
-        endpoint = PDEndpoint(kt.engine_id, kt.side_channel_host, kt.side_channel_port) if kt.is_producer else None
+        endpoint = None
+        if kt.is_producer:
+            endpoint = PDEndpoint(kt.engine_id, kt.side_channel_host, kt.side_channel_port, config.tensor_parallel_size)
         return PDConnector(endpoint, self.kv_cache_manager.pool, config.cache.block_size, kt.abort_request_timeout_s)
 
     def has_unfinished_requests(self) -> bool:

@@ -8,6 +8,12 @@ with the notification "{remote_request_id}:{tp_size}" the prefill engine waits f
 DONE reports the request in finished_receiving, anything else -- a failed handshake, ERR, no progress within
 the transfer timeout -- in failed_receiving (the request recomputes). The pulled blocks belong to a request
 that is not scheduled until then, so no forward reads or writes them meanwhile.
+
+Tensor parallelism: every rank holds its KV heads' shard, its own agent ("{engine_id}-tp{rank}") and side
+channel (side_channel_port + rank), and pulls from the prefill engine's rank of the same index (both engines
+run the same TP size; a different one fails the layout check and recomputes). The ranks agree before reporting
+(one all-reduce per step while anything is pending): a pull ends when it ended on every rank, failed if it
+failed on any; a lease is released once every rank got its notification.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from kvserve.runtime.core.outputs import KVTransfer, ModelRunnerOutput, Schedule
 from kvserve.runtime.kv_transfer import nixl_agent
 from kvserve.runtime.kv_transfer.config import KVTransferConfig
 from kvserve.runtime.kv_transfer.side_channel import HandshakeReply, SideChannelServer, compat_hash, fetch_metadata
+from kvserve.runtime.models.parallel_layers import SINGLE, ParallelContext
 
 logger = logging.getLogger("kvserve.kv_transfer")
 
@@ -44,16 +51,19 @@ class _Pull:
     transfer: KVTransfer
     handle: object = None
     started: float = 0.0
+    ok: bool | None = None  # None: not ended on this rank
 
 
 class KVPullWorker:
-    def __init__(self, kv: torch.Tensor, config: KVTransferConfig, tp_rank: int = 0, tp_size: int = 1):
-        """kv: the runner's KV tensor [2, layers, blocks, block_size, heads, head_dim], contiguous."""
+    def __init__(self, kv: torch.Tensor, config: KVTransferConfig, parallel: ParallelContext = SINGLE):
+        """kv: the runner's KV tensor [2, layers, blocks, block_size, heads, head_dim] (this rank's heads)."""
         if kv.device.type != "cpu":  # the VRAM path is the same calls with "VRAM", not exercised here
             raise NotImplementedError("P/D disaggregation over NIXL is implemented for a CPU KV cache only")
         self.config = config
-        self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.agent = nixl_agent.make_agent(config.engine_id, config.backends)
+        self.parallel = parallel
+        self.tp_rank, self.tp_size = parallel.rank, parallel.size
+        name = config.engine_id if parallel.size == 1 else f"{config.engine_id}-tp{parallel.rank}"
+        self.agent = nixl_agent.make_agent(name, config.backends)
         self.kv = kv
         self._registered = self.agent.register_memory(kv)
         self.num_slabs = kv.shape[0] * kv.shape[1]
@@ -71,21 +81,25 @@ class KVPullWorker:
                 self.num_blocks,
                 self.block_bytes,
             )
-            self.side_channel = SideChannelServer(config.side_channel_host, config.side_channel_port, reply)
+            self.side_channel = SideChannelServer(
+                config.side_channel_host, config.side_channel_port + self.tp_rank, reply
+            )
         self._remotes: dict[str, _Remote] = {}  # engine id -> handshake done
         self._handshakes: dict[str, Future] = {}  # engine id -> handshake running
         self._handshaker = ThreadPoolExecutor(2, thread_name_prefix="kvserve-nixl-handshake")
-        self._pulls: dict[str, _Pull] = {}  # req id -> pull not yet ended
+        self._pulls: dict[str, _Pull] = {}  # req id -> pull not yet reported
+        self._notified: set[str] = set()  # prefill: leases this rank got the notification for, not yet released
 
     # -- per step ------------------------------------------------------------------------------------------
     def after_forward(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> None:
         for rid, transfer in sched.kv_connector.pull.items():
             self._pulls[rid] = _Pull(transfer)
             self._handshake(transfer.remote)
-        done, failed = self._progress()
+        self._progress()
+        done, failed = self._agreed_pulls()
         out.finished_receiving = out.finished_receiving | done
         out.failed_receiving = {**out.failed_receiving, **failed}
-        released = self._notified()
+        released = self._agreed_releases(sched.kv_connector.leased)
         if released:
             out.finished_sending = out.finished_sending | released
         if not sched.scheduled and not done and not failed and not released:
@@ -98,14 +112,13 @@ class KVPullWorker:
         self._handshakes[engine] = self._handshaker.submit(
             fetch_metadata,
             remote["remote_host"],
-            remote["remote_port"],
+            remote["remote_port"] + self.tp_rank,
             self.tp_rank,
             self.config.handshake_timeout_s,
         )
 
-    def _progress(self) -> tuple[set[str], dict[str, list[int]]]:
-        done: set[str] = set()
-        failed: dict[str, list[int]] = {}
+    def _progress(self) -> None:
+        """Advance this rank's handshakes and pulls; a pull that ended gets its `ok`."""
         failed_engines: set[str] = set()
         for engine, future in list(self._handshakes.items()):
             if not future.done():
@@ -120,7 +133,9 @@ class KVPullWorker:
                 logger.warning("NIXL handshake with prefill engine %s failed: %s", engine, exc)
                 failed_engines.add(engine)
         now = time.monotonic()
-        for rid, pull in list(self._pulls.items()):
+        for rid, pull in self._pulls.items():
+            if pull.ok is not None:
+                continue
             engine = pull.transfer.remote["remote_engine_id"]
             ok: bool | None = None
             try:
@@ -140,18 +155,56 @@ class KVPullWorker:
                 ok = False
             if ok is None:
                 continue
-            del self._pulls[rid]
+            pull.ok = ok
             if pull.handle is not None:
                 try:
                     self.agent.release_xfer_handle(pull.handle)
                 except Exception:  # noqa: BLE001 -- an errored handle may refuse release; nothing to keep
                     pass
-            if ok:
+            if not ok:
+                self._forget(engine)
+
+    def _agreed_pulls(self) -> tuple[set[str], dict[str, list[int]]]:
+        """Pulls that ended on every rank: done, or failed (on any rank: then the request recomputes)."""
+        rids = sorted(self._pulls)  # the same pulls on every rank (the same SchedulerOutputs)
+        if not rids:
+            return set(), {}
+        ended = [int(self._pulls[r].ok is not None) for r in rids]
+        intact = [int(self._pulls[r].ok is not False) for r in rids]
+        ended, intact = self._all_min(ended), self._all_min(intact)
+        done: set[str] = set()
+        failed: dict[str, list[int]] = {}
+        for rid, e, i in zip(rids, ended, intact):
+            if not e:
+                continue
+            pull = self._pulls.pop(rid)
+            if i:
                 done.add(rid)
             else:
                 failed[rid] = list(range(len(pull.transfer.block_ids)))
-                self._forget(engine)
         return done, failed
+
+    def _agreed_releases(self, leased: list[str]) -> set[str]:
+        """Prefill side: leases every rank got the decode engine's notification for."""
+        self._notified |= self._new_notifications()
+        if not leased:
+            self._notified.clear()
+            return set()
+        self._notified &= set(leased)  # ended meanwhile (expired): forget
+        flags = self._all_min([int(rid in self._notified) for rid in leased])
+        released = {rid for rid, f in zip(leased, flags) if f}
+        self._notified -= released
+        return released
+
+    def _all_min(self, values: list[int]) -> list[int]:
+        """Element-wise minimum over the tensor-parallel ranks (the values themselves with one rank)."""
+        if self.parallel.size == 1:
+            return values
+        import torch.distributed as dist
+
+        t = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.parallel.group)
+        return t.tolist()
 
     def _start(self, pull: _Pull, remote: _Remote, now: float) -> bool | None:
         """Post the READ; True when there is nothing to read (only the notification to send)."""
@@ -189,8 +242,8 @@ class KVPullWorker:
             except Exception:  # noqa: BLE001
                 pass
 
-    def _notified(self) -> set[str]:
-        """Prefill side: requests whose KV a decode engine finished reading ("{req id}:{tp size}")."""
+    def _new_notifications(self) -> set[str]:
+        """Prefill side: requests whose KV a decode engine's rank finished reading ("{req id}:{tp size}")."""
         released = set()
         for messages in self.agent.get_new_notifs().values():
             for msg in messages:

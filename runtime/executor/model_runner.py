@@ -89,7 +89,7 @@ class ModelRunner:
             if config.kv_transfer is not None:
                 from kvserve.runtime.executor.kv_pull import KVPullWorker
 
-                self.kv_pull = KVPullWorker(self.kv, config.kv_transfer)
+                self.kv_pull = KVPullWorker(self.kv, config.kv_transfer, self.parallel)
             self._sync_for_timing()
         self.states: dict[str, RequestSamplingState] = {}
         self.plain_greedy: set[str] = set()  # requests whose sampling is a bare argmax (sampling.is_plain_greedy)

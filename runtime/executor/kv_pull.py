@@ -3,10 +3,16 @@ core/pd_connector.py): the KV tensor registered with a NIXL agent; on a prefill 
 hands out its metadata, and the notifications that end leases; on a decode engine the pulls.
 
 A pull (KVConnectorStep.pull) starts after the step's forward: a handshake with the prefill engine on a
-worker thread the first time (cached per engine), then one NIXL READ of every slab of the listed blocks,
-with the notification "{remote_request_id}:{tp_size}" the prefill engine waits for. Each later step polls it;
-DONE reports the request in finished_receiving, anything else -- a failed handshake, ERR, no progress within
-the transfer timeout -- in failed_receiving (the request recomputes). The pulled blocks belong to a request
+worker thread the first time (cached per engine), then one NIXL READ of every slab of the listed blocks.
+Each later step polls it. When it is DONE, a side-channel question on the same thread -- is the lease still
+held? (kv_transfer/side_channel.py) -- makes sure no block was reused while it was read; yes: the
+notification "{remote_request_id}:{tp_size}" the prefill engine waits for is sent and the request reported in
+finished_receiving. Anything else -- a failed handshake, ERR, no progress within the transfer timeout, a lease
+that had ended -- reports it in failed_receiving (the request recomputes).
+
+A prefill engine answers that question from the leases of the step it is running: the view is updated before
+each forward (before_forward), so a lease that ended -- whose blocks a forward may then overwrite -- is out of
+it before any such forward starts. The pulled blocks belong to a request
 that is not scheduled until then, so no forward reads or writes them meanwhile.
 
 Tensor parallelism: every rank holds its KV heads' shard, its own agent ("{engine_id}-tp{rank}") and side
@@ -28,11 +34,21 @@ import torch
 from kvserve.runtime.core.outputs import KVTransfer, ModelRunnerOutput, SchedulerOutput
 from kvserve.runtime.kv_transfer import nixl_agent
 from kvserve.runtime.kv_transfer.config import KVTransferConfig
-from kvserve.runtime.kv_transfer.side_channel import HandshakeReply, SideChannelServer, compat_hash, fetch_metadata
+from kvserve.runtime.kv_transfer.side_channel import (
+    LEASE_ENDED,
+    LEASE_HELD,
+    LEASE_UNKNOWN,
+    HandshakeReply,
+    SideChannelServer,
+    compat_hash,
+    fetch_metadata,
+    lease_held,
+)
 from kvserve.runtime.models.parallel_layers import SINGLE, ParallelContext
 
 logger = logging.getLogger("kvserve.kv_transfer")
 
+SEEN_LEASES_KEPT = 100_000
 TRANSFER_TIMEOUT_S = 60.0  # a READ still in progress after this is declared failed
 # A step that ran nothing only polls transfers (leases held, pulls in flight): it sleeps this long instead of
 # spinning, which bounds the idle engine loop (and its stats messages) to ~200 steps/s; a request arriving
@@ -51,6 +67,7 @@ class _Pull:
     transfer: KVTransfer
     handle: object = None
     started: float = 0.0
+    check: Future | None = None  # the lease check once the READ is done
     ok: bool | None = None  # None: not ended on this rank
 
 
@@ -71,6 +88,8 @@ class KVPullWorker:
         self.block_bytes = kv[0, 0, 0].numel() * kv.element_size()
         self.compat = compat_hash(tuple(kv.shape[:2]) + tuple(kv.shape[3:]), str(kv.dtype))
         self.side_channel = None
+        self._leased_view: frozenset[str] = frozenset()  # prefill: the leases of the step now running
+        self._seen: dict[str, None] = {}  # prefill: leases some step listed, most recent last (bounded)
         if config.is_producer:
             reply = HandshakeReply(
                 self.compat,
@@ -82,7 +101,7 @@ class KVPullWorker:
                 self.block_bytes,
             )
             self.side_channel = SideChannelServer(
-                config.side_channel_host, config.side_channel_port + self.tp_rank, reply
+                config.side_channel_host, config.side_channel_port + self.tp_rank, reply, self._is_leased
             )
         self._remotes: dict[str, _Remote] = {}  # engine id -> handshake done
         self._handshakes: dict[str, Future] = {}  # engine id -> handshake running
@@ -91,6 +110,20 @@ class KVPullWorker:
         self._notified: set[str] = set()  # prefill: leases this rank got the notification for, not yet released
 
     # -- per step ------------------------------------------------------------------------------------------
+    def before_forward(self, sched: SchedulerOutput) -> None:
+        """Before this step's forward can overwrite a block whose lease just ended, stop vouching for it."""
+        view = frozenset(sched.kv_connector.leased)
+        for rid in view - self._leased_view:
+            self._seen[rid] = None
+        while len(self._seen) > SEEN_LEASES_KEPT:  # forgotten ones answer UNKNOWN: the asker recomputes
+            del self._seen[next(iter(self._seen))]
+        self._leased_view = view
+
+    def _is_leased(self, request_id: str) -> int:  # the side channel's thread
+        if request_id in self._leased_view:
+            return LEASE_HELD
+        return LEASE_ENDED if request_id in self._seen else LEASE_UNKNOWN
+
     def after_forward(self, sched: SchedulerOutput, out: ModelRunnerOutput) -> None:
         for rid, transfer in sched.kv_connector.pull.items():
             self._pulls[rid] = _Pull(transfer)
@@ -143,10 +176,13 @@ class KVPullWorker:
                     ok = False
                 elif pull.handle is None and engine in self._remotes:
                     ok = self._start(pull, self._remotes[engine], now)
+                elif pull.check is not None:
+                    if pull.check.done():
+                        ok = self._checked(rid, pull)
                 elif pull.handle is not None:
                     state = self.agent.check_xfer_state(pull.handle)
                     if state == "DONE":
-                        ok = True
+                        self._check_lease(pull)
                     elif state != "PROC" or now - pull.started > TRANSFER_TIMEOUT_S:
                         logger.warning("NIXL READ for request %s ended in state %s", rid, state)
                         ok = False
@@ -206,13 +242,33 @@ class KVPullWorker:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.parallel.group)
         return t.tolist()
 
+    def _notification(self, pull: _Pull) -> bytes:
+        return f"{pull.transfer.remote['remote_request_id']}:{self.tp_size}".encode()
+
+    def _check_lease(self, pull: _Pull) -> None:
+        r = pull.transfer.remote
+        pull.check = self._handshaker.submit(
+            lease_held,
+            r["remote_host"],
+            r["remote_port"] + self.tp_rank,
+            r["remote_request_id"],
+            self.config.handshake_timeout_s,
+        )
+
+    def _checked(self, rid: str, pull: _Pull) -> bool:
+        """The READ is done and the lease check answered: notify and succeed if the lease was still held."""
+        if not pull.check.result():  # raises what the check raised (a timeout): the caller fails the pull
+            logger.warning("request %s: the prefill engine's lease ended before the pull was verified", rid)
+            return False
+        self.agent.send_notif(self._remotes[pull.transfer.remote["remote_engine_id"]].name, self._notification(pull))
+        return True
+
     def _start(self, pull: _Pull, remote: _Remote, now: float) -> bool | None:
         """Post the READ; True when there is nothing to read (only the notification to send)."""
         t, reply = pull.transfer, remote.reply
-        notif = f"{t.remote['remote_request_id']}:{self.tp_size}".encode()
         remote_ids = t.remote["remote_block_ids"]
         if not t.block_ids:
-            self.agent.send_notif(remote.name, notif)
+            self.agent.send_notif(remote.name, self._notification(pull))
             return True
         if len(remote_ids) != len(t.block_ids) or max(remote_ids) >= reply.num_blocks:
             raise ValueError(f"remote_block_ids {remote_ids} do not fit the prefill engine's {reply.num_blocks}")
@@ -225,13 +281,14 @@ class KVPullWorker:
             self.agent.get_xfer_descs(local, "DRAM"),
             self.agent.get_xfer_descs(far, "DRAM"),
             remote.name,
-            notif,
         )
         pull.handle, pull.started = handle, now
         state = self.agent.transfer(handle)
         if state == "ERR":
             return False
-        return True if state == "DONE" else None
+        if state == "DONE":
+            self._check_lease(pull)
+        return None
 
     def _forget(self, engine: str) -> None:
         """After a failure, the next pull from this engine handshakes again (it may have restarted)."""

@@ -214,6 +214,8 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Swaps and the KV connector's loads before the forward, its saves after it (executor/host_tier.py)."""
         failed = self.kv_transfer.before_forward(sched)
+        if self.kv_pull is not None:
+            self.kv_pull.before_forward(sched)
         out = self._execute(sched)
         self.kv_transfer.after_forward(sched, out, failed)
         if self.kv_pull is not None:

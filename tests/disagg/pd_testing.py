@@ -43,12 +43,15 @@ def run(eng: LLMEngine, rid: str, prompt: list[int], params: SamplingParams, *ot
     raise AssertionError(f"request {rid} did not finish in {max_steps} steps")
 
 
-def drain(eng: LLMEngine, max_steps: int = 5000) -> None:
-    """Step until no request, lease or pull is left."""
+def drain(*engines: LLMEngine, max_steps: int = 5000) -> None:
+    """Step (all of them, in turn: a pull needs the prefill engine's steps) until no request, lease or pull is
+    left."""
     for _ in range(max_steps):
-        if not eng.has_unfinished_requests():
+        busy = [e for e in engines if e.has_unfinished_requests()]
+        if not busy:
             return
-        eng.step()
+        for e in busy:
+            e.step()
     raise AssertionError("engine still busy")
 
 

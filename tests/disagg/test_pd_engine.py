@@ -138,8 +138,7 @@ def test_abort_during_pull_frees_blocks_after_the_transfer(engines):
     d.step()  # admitted: blocks allocated, the pull recorded
     assert "abort-d#0" in d.scheduler.receiving
     d.abort_request("abort-d")
-    drain(d)
-    drain(p)
+    drain(d, p)
     assert d.kv_cache_manager.num_free_blocks == free_before
     assert p.scheduler.pd.num_leased_blocks == 0
 
@@ -174,3 +173,31 @@ def test_offline_generate_does_not_wait_out_the_lease(model_dir):
         assert time.monotonic() - start < 60
     finally:
         llm.engine.shutdown()
+
+
+def test_pull_after_lease_expiry_recomputes(engines, model_dir):
+    """A decode leg that comes after the prefill's lease expired and its blocks were reused by another
+    request: the lease check fails the pull and the decode engine recomputes (without it, it would decode
+    from the other request's KV)."""
+    _, d, a = engines
+    p = engine(
+        model_dir,
+        transfer_config("kv_producer", "prefill-expiring", free_port(), abort_request_timeout=0.3),
+        num_kv_blocks=8,  # 7 usable: the next request must take the expired lease's blocks
+        max_model_len=112,
+    )
+    try:
+        prompt = _prompt(71, 40)
+        ref = run(a, "agg-expired", prompt, greedy(NUM_OUT)).outputs[0].token_ids
+        first = run(p, "expired-p", prompt, greedy(1, {"do_remote_decode": True}))
+        deadline = time.monotonic() + 10
+        while p.scheduler.pd.num_leases_expired == 0 and time.monotonic() < deadline:
+            p.step()
+        assert p.scheduler.pd.num_leases_expired == 1
+        run(p, "overwrite", _prompt(72, 110), greedy(1))  # 7 blocks: every block of the pool, rewritten
+        failed_before = d.scheduler.pd.num_failed_pulls
+        out = run(d, "expired-d", prompt, greedy(NUM_OUT, first.kv_transfer_params), p)
+        assert out.outputs[0].token_ids == ref
+        assert d.scheduler.pd.num_failed_pulls == failed_before + 1
+    finally:
+        p.shutdown()

@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from kvserve.runtime import engine_args
 from kvserve.runtime.kv_transfer import nixl_agent
 
 
@@ -110,7 +111,7 @@ def main(argv=None) -> None:
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=engine_args.default("block_size"))
     p.add_argument("--blocks", type=int, default=64, help="blocks pulled (a 1,024-token prompt at block size 16)")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--dtype", default="bfloat16")

@@ -125,3 +125,25 @@ def test_dead_prefill_server_decode_recomputes(servers):
     p.kill()
     out = _post(d, "/v1/completions", _completion(prompt=PROMPT + " The end.", kv_transfer_params=params))
     assert out["choices"][0]["text"] == ref["choices"][0]["text"]
+
+
+def test_bad_kv_transfer_config_exits_naming_the_field(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvserve.cli", "serve", "--host", "127.0.0.1", "--port", str(free_port())]
+        + [
+            "--kv-cache-bytes",
+            "32MiB",
+            "--kv-transfer-config",
+            '{"kv_connector": "NixlConnector", "kv_role": "prefill"}',
+        ],
+        env={**os.environ, "KVSERVE_CACHE_DIR": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode != 0
+    assert "kv_transfer_config.kv_role must be one of kv_producer, kv_consumer, kv_both" in proc.stdout + proc.stderr

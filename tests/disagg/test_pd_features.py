@@ -1,6 +1,6 @@
-"""P/D with a LoRA adapter on both legs: the prefill engine computes the prompt's KV with the adapter, the
-decode engine pulls it and decodes with the same adapter; tokens equal the aggregated engine's (and differ
-from the base model's, so the adapter is really applied on both sides)."""
+"""P/D with per-request features on both legs, each equal to the aggregated engine's tokens: a LoRA adapter
+(the prefill engine computes the prompt's KV with it, the decode engine pulls it and decodes with it; the tokens
+differ from the base model's, so it is really applied on both sides) and a structured-output grammar."""
 
 from __future__ import annotations
 
@@ -41,6 +41,36 @@ def test_pd_with_lora_adapter(tmp_path):
         assert d.scheduler.pd.num_pulled_tokens == len(prompt) - 1
         drain(p)
         assert p.scheduler.pd.num_leased_blocks == 0
+    finally:
+        for e in (p, d, a):
+            e.shutdown()
+
+
+def test_pd_with_structured_output(tmp_path):
+    """A grammar on both legs (the proxy forwards the body): the decode engine's constrained tokens equal the
+    aggregated engine's."""
+    from kvserve.runtime.structured_output.spec import StructuredOutputSpec
+
+    model = str(STORIES_DIR)
+    regex = StructuredOutputSpec.from_request(
+        "regex", r" (red|big) ball\. Tom had a (red|big) ball\.( Tom had a [a-z]+ ball\.)*", "regex"
+    )
+    prompt = "Tom had a red ball. Tom had a red ball. Tom had a"
+
+    def params(max_tokens, kv=None):
+        return SamplingParams(temperature=0, max_tokens=max_tokens, structured_outputs=regex, kv_transfer_params=kv)
+
+    p = engine(model, transfer_config("kv_producer", "prefill-grammar", free_port()), max_model_len=128)
+    d = engine(model, transfer_config("kv_consumer", "decode-grammar"), max_model_len=128)
+    a = engine(model, max_model_len=128)
+    try:
+        ref = run(a, "agg", prompt, params(30)).outputs[0]
+        first = run(p, "p", prompt, params(1, {"do_remote_decode": True}))
+        out = run(d, "d", prompt, params(30, first.kv_transfer_params), p).outputs[0]
+        assert out.token_ids == ref.token_ids and out.text == ref.text
+        assert ref.text.lstrip().startswith(("red ball.", "big ball."))  # the grammar holds
+        assert d.scheduler.pd.num_pulled_tokens > 0
+        drain(p)
     finally:
         for e in (p, d, a):
             e.shutdown()

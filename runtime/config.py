@@ -13,6 +13,7 @@ from kvserve.runtime.capacity import PIPELINE_ARCHITECTURES, SUPPORTED_ARCHITECT
 from kvserve.runtime.core.scheduler import SchedulerConfig
 from kvserve.runtime.errors import InvalidParameter
 from kvserve.runtime.kv_events.config import KVEventsConfig, parse_kv_events_config
+from kvserve.runtime.kv_transfer.config import KVTransferConfig, parse_kv_transfer_config
 from kvserve.runtime.speculative_config import SpeculativeConfig, parse_speculative_config
 
 logger = logging.getLogger(__name__)
@@ -143,6 +144,7 @@ class EngineConfig:
     parallel: ParallelConfig = ParallelConfig()  # pipeline stages (tensor_parallel_size above is per stage)
     speculative: SpeculativeConfig | None = None  # --speculative-config (runtime/spec_decode/)
     kv_events: KVEventsConfig | None = None  # --kv-events-config (runtime/kv_events/)
+    kv_transfer: KVTransferConfig | None = None  # --kv-transfer-config (runtime/kv_transfer/, P/D disaggregation)
     enable_sleep_mode: bool = engine_args.default("enable_sleep_mode")  # /sleep, /wake_up (engine/sleep_control.py)
 
     @property
@@ -323,6 +325,20 @@ def build_engine_config(args) -> EngineConfig:
     elif a.lora_modules:
         raise InvalidParameter("lora_modules", "lora_modules needs enable_lora")
     parallel = build_parallel_config(a, model_config, bool(cuda_graph_sizes))
+    kv_transfer = parse_kv_transfer_config(a.kv_transfer_config)
+    if kv_transfer is not None:
+        if a.pipeline_parallel_size > 1:
+            raise InvalidParameter(
+                "kv_transfer_config",
+                "kv_transfer_config needs pipeline_parallel_size 1 (per-stage pulls are not implemented)",
+            )
+        if a.enable_sleep_mode:
+            raise InvalidParameter(
+                "kv_transfer_config",
+                "kv_transfer_config cannot be combined with enable_sleep_mode (NIXL registers the KV cache)",
+            )
+        if device != "cpu":
+            raise InvalidParameter("kv_transfer_config", "kv_transfer_config is implemented for the CPU KV cache only")
     cache = CacheConfig(
         block_size=a.block_size,
         enable_prefix_caching=a.enable_prefix_caching,
@@ -352,6 +368,7 @@ def build_engine_config(args) -> EngineConfig:
         parallel=parallel,
         speculative=parse_speculative_config(a.speculative_config),
         kv_events=parse_kv_events_config(a.kv_events_config),
+        kv_transfer=kv_transfer,
     )
 
 

@@ -308,6 +308,13 @@ class EngineArgs:
         '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
         '"replay_endpoint": "tcp://*:5558", "topic": "kv"} (docs/router.md, KV events)',
     )
+    kv_transfer_config: Any = _setting(
+        None,
+        "prefill/decode disaggregation, vLLM's JSON: "
+        '{"kv_connector": "NixlConnector", "kv_role": "kv_producer" | "kv_consumer" | "kv_both", '
+        '"kv_connector_extra_config": {"side_channel_port": 5600}}; requests then take kv_transfer_params '
+        "(docs/disaggregation.md)",
+    )
     enable_sleep_mode: bool = _setting(
         False,
         "vLLM's sleep mode: POST /sleep?level=1|2 frees the KV cache (level 1 keeps the weights in host memory, "

@@ -51,6 +51,9 @@ class RequestOutput:
     # Set (with finished=True, finish_reason "error") when the engine failed this request: a
     # kvserve.runtime.errors.RequestError (message for the client, retryable or not).
     error: Any = None
+    # P/D disaggregation: a prefill engine's params for the decode engine (vLLM's RequestOutput field; the
+    # HTTP response returns it as kv_transfer_params). None otherwise.
+    kv_transfer_params: dict | None = None
 
 
 @dataclass

@@ -13,18 +13,28 @@ class RequestStatus(enum.IntEnum):
     RUNNING = 1
     SWAPPED = 2  # preempted by swapping its KV blocks to host memory; resumes where it stopped
     PREEMPTED = 3  # preempted by recompute: its KV was dropped
-    # Ordered so that `status > PREEMPTED` means finished.
-    FINISHED_STOPPED = 4
-    FINISHED_LENGTH = 5
-    FINISHED_ABORTED = 6
+    # P/D disaggregation (decode engine): blocks allocated, the prompt's KV being pulled from the prefill
+    # engine (vLLM's WAITING_FOR_REMOTE_KVS; core/pd_connector.py).
+    WAITING_FOR_REMOTE_KVS = 4
+    # Ordered so that `status > WAITING_FOR_REMOTE_KVS` means finished.
+    FINISHED_STOPPED = 5
+    FINISHED_LENGTH = 6
+    FINISHED_ABORTED = 7
 
     @property
     def is_finished(self) -> bool:
-        return self > RequestStatus.PREEMPTED
+        return self > RequestStatus.WAITING_FOR_REMOTE_KVS
 
     @property
     def finish_reason(self) -> str | None:
-        return {4: "stop", 5: "length", 6: "abort"}.get(int(self))
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
 
 
 class Request:
@@ -64,6 +74,10 @@ class Request:
         # Speculative decoding (spec_decode/): draft tokens for this step, set by the proposer before the
         # scheduler runs. Never part of all_token_ids (so never hashed or prefix-cached) until accepted.
         self.spec_token_ids: list[int] = []
+        # P/D disaggregation (core/pd_connector.py): the decode engine pulled (or tried to pull) this prompt's
+        # KV already; a prefill engine's kv_transfer_params for the response, set when it finishes.
+        self.remote_prefill_done = False
+        self.kv_transfer_params_out: dict | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

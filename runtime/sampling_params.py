@@ -53,6 +53,9 @@ class SamplingParams:
     compiled_constraint: Any = field(default=None, compare=False, repr=False)
     # --enable-lora: the adapter (a --lora-modules name) this request runs with; None: the base model.
     lora_name: str | None = None
+    # P/D disaggregation (vLLM's kv_transfer_params, docs/disaggregation.md): {"do_remote_decode": true} on a
+    # prefill engine; the prefill's returned params ({"do_remote_prefill": true, remote_*}) on a decode engine.
+    kv_transfer_params: dict | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -155,6 +158,8 @@ class SamplingParams:
             _check(not self.ignore_eos, "ignore_eos", "ignore_eos cannot be combined with structured outputs")
         for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             _check(isinstance(getattr(self, name), bool), name, f"{name} must be true or false")
+        if self.kv_transfer_params is not None:
+            _check_kv_transfer_params(self.kv_transfer_params)
 
     @property
     def greedy(self) -> bool:
@@ -168,7 +173,43 @@ class SamplingParams:
         """The params of the index-th of n parallel samples: n=1 and a distinct seed (vLLM: seed + i)."""
         from dataclasses import replace
 
-        return replace(self, n=1, seed=None if self.seed is None else self.seed + index)
+        # P/D: only the first sample pulls (or, on a prefill engine, leases) the prompt's KV; the others take
+        # it as a prefix-cache hit or compute it, so one lease is never read twice.
+        kv = self.kv_transfer_params if index == 0 else None
+        return replace(self, n=1, seed=None if self.seed is None else self.seed + index, kv_transfer_params=kv)
+
+
+def _check_kv_transfer_params(params: Any) -> None:
+    name = "kv_transfer_params"
+    _check(isinstance(params, dict), name, f"{name} must be an object, got {type(params).__name__}")
+    for flag in ("do_remote_decode", "do_remote_prefill"):
+        _check(params.get(flag) in (None, True, False), f"{name}.{flag}", f"{name}.{flag} must be true or false")
+    _check(
+        not (params.get("do_remote_decode") and params.get("do_remote_prefill")),
+        name,
+        f"{name}: do_remote_decode and do_remote_prefill cannot both be true",
+    )
+    if not params.get("do_remote_prefill"):
+        return
+    ids = params.get("remote_block_ids")
+    _check(
+        isinstance(ids, list) and all(_is_int(b) and b >= 0 for b in ids),
+        f"{name}.remote_block_ids",
+        f"{name}.remote_block_ids must be a list of block ids with do_remote_prefill, got {ids!r}",
+    )
+    for key in ("remote_engine_id", "remote_host", "remote_request_id"):
+        value = params.get(key)
+        _check(
+            isinstance(value, str) and bool(value),
+            f"{name}.{key}",
+            f"{name}.{key} must be a non-empty string with do_remote_prefill, got {value!r}",
+        )
+    port = params.get("remote_port")
+    _check(
+        _is_int(port) and 1 <= port <= 65535,
+        f"{name}.remote_port",
+        f"{name}.remote_port must be a port in [1, 65535] with do_remote_prefill, got {port!r}",
+    )
 
 
 @dataclass(frozen=True)

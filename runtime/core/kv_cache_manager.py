@@ -141,12 +141,17 @@ class KVCacheManager:
 
     # -- allocation ------------------------------------------------------------------------------------
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[KVCacheBlock] = ()
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock] = (),
+        defer_caching: bool = False,
     ) -> list[KVCacheBlock] | None:
         """Make room for `num_new_tokens` more tokens after the request's computed ones (plus the prefix
         hit `new_computed_blocks` on admission). Blocks that fell out of a sliding window are freed first.
         Returns group 0's newly allocated blocks, or None when the pool cannot supply them (nothing is
-        allocated then)."""
+        allocated then). defer_caching: the new blocks' KV arrives later than this step (a P/D pull), so they
+        enter the prefix cache only with the request's next allocation."""
         bs, rid = self.block_size, request.request_id
         if self.decode_fast_path and not new_computed_blocks and self.num_groups == 1:
             blocks = self.req_to_blocks.get(rid)
@@ -190,7 +195,7 @@ class KVCacheManager:
             blocks.extend(new_blocks)
             if g == 0:
                 result = new_blocks
-        if self.enable_caching:
+        if self.enable_caching and not defer_caching:
             # Cache now the blocks that will be full after this step, so later requests in the same
             # step can share them (their KV is written before any attention of that layer reads it).
             self._cache_full_blocks(request, min(num_total, request.num_tokens))
@@ -322,6 +327,13 @@ class KVCacheManager:
                 if block is not null:
                     self.pool.uncache_block(block)
             self.pool.free_blocks(b for b in reversed(blocks) if b is not null)
+
+    def take_blocks(self, request: Request) -> list[KVCacheBlock]:
+        """Group 0's blocks leave the request without being freed (P/D: a lease, or a pull still writing
+        them); the holder frees them later with pool.free_blocks. Single-group models only."""
+        self.host.release(self.req_to_host_blocks.pop(request.request_id, []))
+        self.num_cached_blocks.pop(request.request_id, None)
+        return self.req_to_blocks.pop(request.request_id, [])
 
     # -- hashing ---------------------------------------------------------------------------------------
     def _update_block_hashes(self, request: Request) -> None:

@@ -54,6 +54,10 @@ class KVTransfer:
     # The blocks' chained hashes, parallel to block_ids, where a store below the host tier files them (the
     # disk tier, core/disk_index.py): a save writes the ones given (b"": not this one), a fetch reads them.
     block_hashes: list[bytes] = field(default_factory=list)
+    # P/D disaggregation (core/pd_connector.py): where the KV comes from -- the prefill engine's
+    # kv_transfer_params (remote_engine_id, remote_host, remote_port, remote_request_id) with
+    # remote_block_ids cut to the blocks pulled, parallel to block_ids.
+    remote: dict | None = None
 
 
 @dataclass
@@ -62,7 +66,8 @@ class KVConnectorStep:
     request, the KV to load into its blocks before this step's forward and the KV to save from its blocks
     after it. Empty while no connector is configured. The host KV tier (--kv-offloading-size,
     core/tier_connector.py) fills it in the scheduler and the runner acts on it (executor/host_tier.py);
-    prefill/decode disaggregation would do the same; the executor answers with
+    prefill/decode disaggregation does the same with `pull` (core/pd_connector.py, executor/kv_pull.py); the
+    executor answers with
     ModelRunnerOutput.finished_sending / finished_receiving (docs/architecture.md, "Where a KV feature plugs
     in")."""
 
@@ -72,9 +77,17 @@ class KVConnectorStep:
     # for a load in a later step; and the hashes of blocks the disk tier evicted (files to delete).
     fetch: dict[str, KVTransfer] = field(default_factory=dict)
     drop: list[bytes] = field(default_factory=list)
+    # P/D disaggregation: req id -> remote blocks to READ into its blocks (core/pd_connector.py). Started now,
+    # finished in some later step (finished_receiving / failed_receiving name the request then): not part of
+    # is_empty, which is the host tier's per-step bookkeeping.
+    pull: dict[str, KVTransfer] = field(default_factory=dict)
+    # P/D, prefill engine: the requests whose blocks are leased now. Every tensor-parallel rank receives its own
+    # notification from the decode engine; a lease is released once all ranks have theirs (executor/kv_pull.py).
+    leased: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
+        """Nothing for the host tier (its loads and saves complete within the step)."""
         return not self.load and not self.save and not self.fetch and not self.drop
 
 
@@ -121,7 +134,8 @@ class ModelRunnerOutput:
     finished_sending: set[str] = field(default_factory=set)
     finished_receiving: set[str] = field(default_factory=set)
     # Requests whose received KV is incomplete -> positions in their transfer (KVConnectorStep.fetch) that did
-    # not arrive (a missing or corrupt disk block): the scheduler recomputes from there.
+    # not arrive (a missing or corrupt disk block): the scheduler recomputes from there. A P/D pull that failed
+    # (KVConnectorStep.pull) is here with every position: the request recomputes its prompt locally.
     failed_receiving: dict[str, list[int]] = field(default_factory=dict)
 
 
@@ -134,3 +148,6 @@ class EngineCoreOutput:
     new_logprobs: list[TokenLogprobs] | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # P/D disaggregation: a prefill that holds its blocks for a remote decode -> what the decode engine needs
+    # (core/pd_connector.py); returned to the client as the response's kv_transfer_params.
+    kv_transfer_params: dict | None = None

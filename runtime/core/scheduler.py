@@ -27,6 +27,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvserve.runtime import engine_args
+from kvserve.runtime.core import pd_connector
 from kvserve.runtime.core.block_table_diff import SentBlockTables
 from kvserve.runtime.core.kv_cache_manager import KVCacheManager
 from kvserve.runtime.core.outputs import (
@@ -36,6 +37,7 @@ from kvserve.runtime.core.outputs import (
     ScheduledRequest,
     SchedulerOutput,
 )
+from kvserve.runtime.core.pd_connector import PDConnector
 from kvserve.runtime.request import Request, RequestStatus
 
 
@@ -68,7 +70,13 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, micro_batches: int = 1):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        micro_batches: int = 1,
+        pd: PDConnector | None = None,
+    ):
         if micro_batches < 1:
             raise ValueError(f"micro_batches must be >= 1, got {micro_batches}")
         self.config = config
@@ -97,6 +105,10 @@ class Scheduler:
         self.spec_num_accepted_tokens = 0
         self.spec_accepted_per_pos: list[int] = []
         self.num_offload_loaded_tokens = 0  # prompt tokens loaded from the host KV tier instead of computed
+        # --kv-transfer-config (P/D disaggregation, core/pd_connector.py): the connector, and the requests
+        # whose prompt KV is being pulled from a prefill engine (status WAITING_FOR_REMOTE_KVS).
+        self.pd = pd
+        self.receiving: dict[str, Request] = {}
 
     # -- admission / removal ---------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -114,6 +126,9 @@ class Scheduler:
                 self.running.remove(request)
             elif request.status == RequestStatus.SWAPPED:
                 self.swapped.remove(request)
+            elif request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:  # its pull may still write its blocks
+                del self.receiving[rid]
+                self.pd.orphan(rid, self.kv.take_blocks(request))
             elif request in self.waiting:
                 self.waiting.remove(request)
             self._finish(request, status)
@@ -122,6 +137,14 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
+        if (
+            self.pd is not None
+            and self.pd.can_lease
+            and status == RequestStatus.FINISHED_LENGTH
+            and pd_connector.wants_remote_decode(request)
+            and self.kv.num_groups == 1
+        ):  # a prefill for a remote decode: its blocks stay, under a lease
+            request.kv_transfer_params_out = self.pd.lease(request, self.kv.take_blocks(request))
         self.kv.free(request)
         del self.requests[request.request_id]
         self._forget_tables(request.request_id)
@@ -130,12 +153,18 @@ class Scheduler:
             self._finished_since_last_step.append(request.request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
+        return bool(self.waiting or self.running or self.swapped or self.receiving)
+
+    @property
+    def has_kv_transfers(self) -> bool:
+        """P/D: leases or pulls that only further steps (the runner's polling) can end."""
+        return self.pd is not None and (self.pd.busy or bool(self.receiving))
 
     @property
     def num_waiting(self) -> int:
-        """Queue depth: requests not running, including ones swapped out to host memory."""
-        return len(self.waiting) + len(self.swapped)
+        """Queue depth: requests not running, including ones swapped out to host memory or waiting for their
+        prompt's KV from a prefill engine."""
+        return len(self.waiting) + len(self.swapped) + len(self.receiving)
 
     @property
     def num_running(self) -> int:
@@ -260,9 +289,18 @@ class Scheduler:
                     lora_blocked = True
                     idx += 1
                     continue
-            hit_blocks, num_hit_tokens, num_loaded = ([], 0, 0)
+            # A request back from a P/D pull has blocks and computed tokens already; any other waiting one
+            # starts from 0.
+            hit_blocks, num_hit_tokens, num_loaded = ([], request.num_computed_tokens, 0)
             if request.num_computed_tokens == 0:
                 hit_blocks, num_hit_tokens = self.kv.get_computed_blocks(request)
+                # (One KV cache group only: pulls of sliding-window tables are not implemented; such a
+                # request computes its prompt here.)
+                if self.pd is not None and self.kv.num_groups == 1 and pd_connector.wants_remote_prefill(request):
+                    if not self._admit_for_pull(request, hit_blocks, num_hit_tokens):
+                        break
+                    del self.waiting[idx]
+                    continue
                 # The host KV tier: blocks past the device hit load before the forward, costing no budget.
                 num_matched = self.kv.match_offloaded(request, len(hit_blocks))
                 if num_matched is None:  # the disk tier brings more of its prefix up first: next step
@@ -283,9 +321,9 @@ class Scheduler:
             del self.waiting[idx]
             if request.lora_name is not None:
                 active_loras.add(request.lora_name)
-            request.num_computed_tokens = num_hit_tokens
-            if request.status == RequestStatus.WAITING:
+            if request.status == RequestStatus.WAITING and not request.num_computed_tokens:
                 request.num_prefix_cache_hit_tokens = num_hit_tokens
+            request.num_computed_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled_reqs.append(request)
@@ -303,6 +341,11 @@ class Scheduler:
                 )
         finished, self._finished_since_last_step = self._finished_since_last_step, []
         swap_out, swap_in = self.kv.take_swaps()
+        connector_step = self.kv.take_connector_step()
+        if self.pd is not None:
+            self.pd.expire()
+            connector_step.pull = self.pd.take_pulls()
+            connector_step.leased = self.pd.leased_ids()
         return SchedulerOutput(
             scheduled=scheduled,
             new_requests=new_requests,
@@ -310,8 +353,41 @@ class Scheduler:
             num_preempted=num_preempted,
             swap_out=swap_out,
             swap_in=swap_in,
-            kv_connector=self.kv.take_connector_step(),
+            kv_connector=connector_step,
         )
+
+    def _admit_for_pull(self, request: Request, hit_blocks: list, num_hit_tokens: int) -> bool:
+        """A decode engine's request with a remote prefill: blocks for its whole prompt (its own prefix hit
+        kept), the rest pulled from the prefill engine; it waits for the pull outside the running set. False:
+        the pool cannot hold the prompt now (it stays queued)."""
+        if self.kv.allocate_slots(request, request.num_tokens - num_hit_tokens, hit_blocks, defer_caching=True) is None:
+            return False
+        request.num_computed_tokens = num_hit_tokens
+        request.num_prefix_cache_hit_tokens = num_hit_tokens
+        self.pd.record_pull(request, self.kv.req_to_blocks[request.request_id], len(hit_blocks))
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.receiving[request.request_id] = request
+        return True
+
+    def _pulls_ended(self, runner_output: ModelRunnerOutput) -> None:
+        """P/D: leases the decode engines released, pulls that ended. A pulled request counts every prompt
+        token but the last as computed (the last is computed here, for its logits); a failed pull recomputes
+        from its own prefix hit. Either way it goes to the front of the queue: its blocks are held already."""
+        self.pd.release(runner_output.finished_sending)
+        ended = runner_output.finished_receiving | set(runner_output.failed_receiving)
+        for rid in ended:
+            if self.pd.pull_ended(rid):
+                continue
+            request = self.receiving.pop(rid, None)
+            if request is None:
+                continue
+            if rid in runner_output.failed_receiving:
+                self.pd.num_failed_pulls += 1
+            else:
+                self.pd.num_pulled_tokens += request.num_prompt_tokens - 1 - request.num_computed_tokens
+                request.num_computed_tokens = request.num_prompt_tokens - 1
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)
 
     def _schedule_decodes(self, scheduled: list[ScheduledRequest], scheduled_reqs: list[Request]) -> int:
         """Fast path of the running loop for its leading requests that decode one token (all of them in a
@@ -421,6 +497,8 @@ class Scheduler:
                 runner_output.finished_receiving,
                 runner_output.failed_receiving,
             )
+        if self.pd is not None:
+            self._pulls_ended(runner_output)
         # Hoisted lookups: this loop runs once per scheduled request per step (a hot path at 256+ decodes).
         requests, running = self.requests, RequestStatus.RUNNING
         sampled, all_logprobs = runner_output.sampled_token_ids, runner_output.logprobs
@@ -449,6 +527,7 @@ class Scheduler:
                 self.running.remove(request)
                 self._finish(request, status)
                 out.finish_reason, out.stop_reason = status.finish_reason, request.stop_reason
+                out.kv_transfer_params = request.kv_transfer_params_out
             outputs.append(out)
         return outputs
 
@@ -487,6 +566,7 @@ class Scheduler:
             self.running.remove(request)
             self._finish(request, status)
             out.finish_reason, out.stop_reason = status.finish_reason, request.stop_reason
+            out.kv_transfer_params = request.kv_transfer_params_out
         return out
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:

@@ -89,6 +89,7 @@ class SampleDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False)
     new_logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None  # "stop" | "length" (stop strings are decided by the API server)
     stop_reason: int | str | None = None
+    kv_transfer_params: dict | None = None  # P/D: a prefill's params for the decode engine (core/pd_connector.py)
 
 
 class RequestFailure(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

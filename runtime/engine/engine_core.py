@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 from kvserve.runtime.config import EngineConfig
 from kvserve.runtime.core.kv_cache_manager import KVCacheManager
 from kvserve.runtime.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from kvserve.runtime.core.pd_connector import PDConnector, PDEndpoint
 from kvserve.runtime.core.scheduler import Scheduler
 from kvserve.runtime.engine.batch_queue import batches_in_flight
 from kvserve.runtime.engine.core_messages import EngineCoreOutputs, RequestFailure, SampleDelta
@@ -85,7 +86,9 @@ class EngineCore:
             host_tier=config.cache.kv_offloading_bytes > 0,
             disk_index=open_disk_index(config, self.executor),
         )
-        self.scheduler = Scheduler(config.scheduler, self.kv_cache_manager, micro_batches=self.batch_slots)
+        self.scheduler = Scheduler(
+            config.scheduler, self.kv_cache_manager, micro_batches=self.batch_slots, pd=self._pd_connector(config)
+        )
         # --kv-events-config: the cache's stored/removed blocks, one batch per step (runtime/kv_events/)
         self.kv_events = make_step_publisher(config.kv_events, self.kv_cache_manager.pool)
         self.lora_registry: LoraRegistry | None = None  # --enable-lora: the served adapters (lora/registry.py)
@@ -208,9 +211,20 @@ class EngineCore:
             if self.lora_registry is not None:
                 self.lora_registry.reap()
 
+    def _pd_connector(self, config: EngineConfig) -> PDConnector | None:
+        """--kv-transfer-config: the scheduler's half of P/D disaggregation (core/pd_connector.py)."""
+        kt = config.kv_transfer
+        if kt is None:
+            return None
+        endpoint = None
+        if kt.is_producer:
+            endpoint = PDEndpoint(kt.engine_id, kt.side_channel_host, kt.side_channel_port, config.tensor_parallel_size)
+        return PDConnector(endpoint, self.kv_cache_manager.pool, config.cache.block_size, kt.abort_request_timeout_s)
+
     def has_unfinished_requests(self) -> bool:
-        # A batch still in flight (its requests since aborted, say) is collected by the next steps.
-        return bool(self._requests) or bool(self.batches)
+        # A batch still in flight (its requests since aborted, say) is collected by the next steps; P/D leases
+        # and pulls end only in steps (the runner polls NIXL there).
+        return bool(self._requests) or bool(self.batches) or self.scheduler.has_kv_transfers
 
     def is_unfinished(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -365,7 +379,14 @@ class EngineCore:
                 entry.num_prompt_tokens = 0
             self.generation_tokens += len(out.new_token_ids)
             deltas.append(
-                SampleDelta(out.req_id, out.new_token_ids, out.new_logprobs, out.finish_reason, out.stop_reason)
+                SampleDelta(
+                    out.req_id,
+                    out.new_token_ids,
+                    out.new_logprobs,
+                    out.finish_reason,
+                    out.stop_reason,
+                    out.kv_transfer_params,
+                )
             )
             if out.finish_reason is not None:
                 del requests[out.req_id]

@@ -140,7 +140,9 @@ class LLM:
 
             bar = tqdm(total=len(request_ids), desc="Generating", unit="req", dynamic_ncols=True)
         try:
-            while self.engine.has_unfinished_requests():
+            # Until these requests are done: a P/D prefill engine keeps stepping while it holds leases
+            # (has_unfinished_requests), which generate() need not wait out.
+            while len(results) < len(request_ids) and self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     if out.finished:
                         results[out.request_id] = out

@@ -104,7 +104,8 @@ class LLMEngine(EngineFront):
             self.core.abort_request(child_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.tracker.states)
+        # P/D leases and pulls end only in steps (the runner polls NIXL there): the loop keeps stepping.
+        return bool(self.tracker.states) or self.core.scheduler.has_kv_transfers
 
     def check_health(self) -> None:
         """Raise the engine's fatal error if it is dead (a tensor-parallel worker gone: WorkerDiedError

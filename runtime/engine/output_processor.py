@@ -49,6 +49,7 @@ class RequestState:
             SampleState(i, logprobs=[] if params.logprobs is not None else None) for i in range(len(child_ids))
         ]
         self.metrics = RequestMetrics(arrival_time)
+        self.kv_transfer_params: dict | None = None  # P/D: set by the first sample's final delta
 
     def unfinished_child_ids(self) -> list[str]:
         return [cid for cid, s in zip(self.child_ids, self.samples) if s.finish_reason is None]
@@ -81,6 +82,7 @@ class RequestState:
             outs,
             self.finished,
             RequestMetrics(**vars(self.metrics)),
+            kv_transfer_params=self.kv_transfer_params,
         )
 
 
@@ -111,6 +113,8 @@ class OutputProcessor:
             sample.finish_reason, sample.stop_reason = "stop", stop
             return stop
         if out.finish_reason is not None:
+            if out.kv_transfer_params is not None:
+                state.kv_transfer_params = out.kv_transfer_params
             sample.text = full_text
             sample.finish_reason, sample.stop_reason = out.finish_reason, out.stop_reason
         else:

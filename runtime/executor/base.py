@@ -13,7 +13,9 @@ ModelRunnerOutput.finished_sending / finished_receiving names the requests whose
 KV tier (--kv-offloading-size, docs/kv_offload.md) fills the first in the scheduler (core/tier_connector.py),
 acts on it in the runner (executor/host_tier.py; every rank, under the multiproc executor: the same
 SchedulerOutput reaches all of them) and reports through the second -- vLLM's KVConnectorBase_V1 split into a
-scheduler half and a worker half; prefill/decode disaggregation would plug in the same way.
+scheduler half and a worker half. Prefill/decode disaggregation (--kv-transfer-config) plugs in the same
+way: core/pd_connector.py fills KVConnectorStep.pull, executor/kv_pull.py reads the blocks over NIXL and reports
+pulls in finished_receiving / failed_receiving and released leases in finished_sending.
 """
 
 from __future__ import annotations

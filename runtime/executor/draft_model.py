@@ -104,6 +104,7 @@ def draft_engine_config(config: EngineConfig, target_num_blocks: int) -> EngineC
         cuda_graph_sizes=(),
         lora=None,
         speculative=None,
+        kv_transfer=None,  # P/D pulls the target's KV only: the draft recomputes its own
     )
 
 

@@ -85,6 +85,11 @@ class ModelRunner:
 
                 self.disk_store = DiskStore(disk_store.store_dir(config), disk_store.layout_facts(config))
             self.kv_transfer = host_tier.HostTierWorker(self._swap, self.host_kv, self.disk_store)
+            self.kv_pull = None  # --kv-transfer-config: P/D pulls and leases over NIXL (executor/kv_pull.py)
+            if config.kv_transfer is not None:
+                from kvserve.runtime.executor.kv_pull import KVPullWorker
+
+                self.kv_pull = KVPullWorker(self.kv, config.kv_transfer, self.parallel)
             self._sync_for_timing()
         self.states: dict[str, RequestSamplingState] = {}
         self.plain_greedy: set[str] = set()  # requests whose sampling is a bare argmax (sampling.is_plain_greedy)
@@ -209,8 +214,12 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Swaps and the KV connector's loads before the forward, its saves after it (executor/host_tier.py)."""
         failed = self.kv_transfer.before_forward(sched)
+        if self.kv_pull is not None:
+            self.kv_pull.before_forward(sched)
         out = self._execute(sched)
         self.kv_transfer.after_forward(sched, out, failed)
+        if self.kv_pull is not None:
+            self.kv_pull.after_forward(sched, out)
         return out
 
     def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:

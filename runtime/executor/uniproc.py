@@ -46,7 +46,9 @@ class UniprocExecutor:
         """Nothing to check: the model runs in this process, so a failure is the step's own exception."""
 
     def shutdown(self) -> None:
-        """Nothing to stop: the runner's tensors go with the executor."""
+        """The runner's tensors go with the executor; a P/D side channel (a thread, a port) stops here."""
+        if self.runner.kv_pull is not None:
+            self.runner.kv_pull.shutdown()
 
     def describe_ranks(self) -> list[RankInfo]:
         return [measure_rank(self.runner, 0, os.getpid())]

@@ -16,7 +16,7 @@ from kvserve.runtime.server import beam, structured
 from kvserve.runtime.server.errors import bad_request
 from kvserve.runtime.server.logprobs import LogprobFormatter
 from kvserve.runtime.server.protocol import ChatCompletionRequest
-from kvserve.runtime.server.serving import OpenAIServing, Prepared
+from kvserve.runtime.server.serving import OpenAIServing, Prepared, kv_transfer_response
 from kvserve.runtime.server.sse import Choice, ChunkEncoder, choice_deltas, sse_stream
 
 
@@ -103,6 +103,7 @@ async def create_chat_completion(serving: OpenAIServing, request: Request) -> Re
             "model": model,
             "choices": choices,
             "usage": serving.usage(prepared, completion_tokens),
+            **kv_transfer_response(done),
         }
     )
 

@@ -81,6 +81,8 @@ class _SamplingFields(_Base):
     guided_regex: StrictStr | None = None
     guided_choice: list[StrictStr] | None = None
     guided_grammar: StrictStr | None = None
+    # P/D disaggregation (vLLM's field; sampling_params.py checks the contents, docs/disaggregation.md)
+    kv_transfer_params: dict[str, Any] | None = None
 
     @field_validator(
         "temperature",

@@ -63,6 +63,14 @@ def client_sampling_fields(body: Any) -> dict[str, Any]:
     }
 
 
+def kv_transfer_response(done: list) -> dict:
+    """P/D (vLLM's response field): a prefill engine's kv_transfer_params, from the first prompt's output;
+    {} when the request had none to return, so the response stays as it was."""
+    out = done[0].last_output if done else None
+    params = out.kv_transfer_params if out is not None else None
+    return {} if params is None else {"kv_transfer_params": params}
+
+
 @dataclass
 class Prepared:
     request_id: str
@@ -239,6 +247,8 @@ class OpenAIServing:
             raise bad_request("logit_bias is not supported.", param="logit_bias")
         kwargs = client_sampling_fields(body)  # the rest: SamplingParams' own defaults
         kwargs.update(max_tokens=max_tokens, logprobs=logprobs, structured_outputs=structured, lora_name=lora_name)
+        if body.kv_transfer_params is not None:  # P/D (docs/disaggregation.md); SamplingParams checks it
+            kwargs["kv_transfer_params"] = body.kv_transfer_params
         try:
             params = SamplingParams(**kwargs)
             verify(prompt_ids, params, self.state.limits, prompt_param)  # the front's one verification

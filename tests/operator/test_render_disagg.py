@@ -121,11 +121,11 @@ def test_each_pool_runs_the_plan_of_the_one_planner_at_its_own_tp(tmp_path):
         plans.add(pool.plan.kv_cache_bytes_per_gpu)
         cmd = _container(objs[("Deployment", f"{NAME}-{pool.role}")]["spec"]["template"])["command"]
         assert int(_flag(cmd, "--kv-cache-bytes")) == pool.plan.kv_cache_bytes_per_gpu
-        # What `kvserve serve` makes of the pod's command (its own parser; --kv-transfer-config is the P/D
-        # engine's flag, parsed by its owner's tests): exactly the planned blocks.
-        i = cmd.index("--kv-transfer-config")
-        config = runtime_config_from_pod(cmd[:i] + cmd[i + 2 :], str(model_dir))
+        # What `kvserve serve` makes of the pod's command (its own parser, --kv-transfer-config included):
+        # exactly the planned blocks, and the pool's transfer role.
+        config = runtime_config_from_pod(cmd, str(model_dir))
         assert kv_sizing.explicit_num_blocks(config) == pool.plan.num_blocks_per_gpu
+        assert config.kv_transfer.kv_role == pool.kv_role
     assert len(plans) == 2  # TP 4 and TP 8 hold different KV per GPU
     assert resolved.plan == resolved.pools.decode.plan
 

@@ -19,6 +19,9 @@ Each phase is timed where it runs and the timings travel to the API server, whic
 - memory_profile: the KV block count found (on CUDA a dummy forward at the token budget; free elsewhere);
 - kv_cache_allocate: the device KV cache (and host swap space) allocated;
 - cuda_graph_capture: decode CUDA graphs captured (only with --cuda-graphs);
+- warmup: one forward of each batch shape class (a prefill, a decode, a decode batch) before readiness, so
+  the first request does not pay for first-forward work (executor/warmup.py; bounded by
+  KVSERVE_WARMUP_BUDGET_S, off with KVSERVE_WARMUP=0);
 - total: `kvserve serve` started until the server is ready (the phases above, less the overlapped ones, plus
   everything between).
 
@@ -43,6 +46,7 @@ ORDER = (
     "memory_profile",
     "kv_cache_allocate",
     "cuda_graph_capture",
+    "warmup",
     "total",
 )
 OVERLAPPED = frozenset({"engine_preload"})  # run beside other phases: not part of the sum that total bounds

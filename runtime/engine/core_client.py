@@ -144,6 +144,8 @@ class CoreClient(EngineFront):
         lora = self.config.lora
         # --enable-lora: this server's view of the served adapters, kept current by the core's LORA_ADAPTERS
         self.lora_adapters: dict[str, str] = dict(lora.modules) if lora is not None else {}
+        # --enable-sleep-mode: the core asleep, as its SLEEP_STATE said (whichever API server put it to sleep)
+        self.sleeping = False
         logger.info("engine core process %d ready", self.core_pid)
 
     @classmethod
@@ -258,6 +260,8 @@ class CoreClient(EngineFront):
                 outputs += self._apply(body)
             elif kind is MessageType.LORA_ADAPTERS:
                 self.lora_adapters = dict(body.adapters)
+            elif kind is MessageType.SLEEP_STATE:
+                self.sleeping = body.is_sleeping
             elif kind is MessageType.UTILITY_RESULT:
                 future = self._calls.pop(body.call_id, None)
                 if future is not None and not future.done():

@@ -204,9 +204,10 @@ def run(args: argparse.Namespace) -> int:
 
     check_port_free(args.host, args.port)
     prestarted = None
-    if args.api_server_count == 1 and not args.inprocess_engine:
+    if args.api_server_count == 1 and not args.inprocess_engine and os.environ.get("KVSERVE_CORE_PRESTART") != "0":
         # The engine core's process starts now, importing torch and the model code while this process
         # imports the server and builds the config; load_engine hands it the config (issue 43).
+        # KVSERVE_CORE_PRESTART=0 spawns it after the config instead (A/B measurements).
         from kvserve.runtime.engine.core_client import PrestartedCore
 
         prestarted = PrestartedCore()

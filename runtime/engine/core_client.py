@@ -88,7 +88,12 @@ class CoreClient(EngineFront):
         )
         kwargs = {"spawned_monotonic": time.monotonic()}
         if prestarted is not None:
-            self.proc = prestarted.hand_over(args, kwargs)
+            try:
+                self.proc = prestarted.hand_over(args, kwargs)
+            except BaseException:
+                close_channel((self._input, self._output), self._ctx, (self._wake_r, self._wake_w))
+                shutil.rmtree(self._dir, ignore_errors=True)
+                raise
         else:
             # Not a daemon: daemonic processes may not start children (the tensor-parallel workers).
             self.proc = _core_mp_context().Process(
@@ -350,7 +355,13 @@ class PrestartedCore:
 
     def hand_over(self, args: tuple, kwargs: dict):
         """Send run_engine_core's arguments; the process (multiprocessing.Process) that now runs the core."""
-        self._writer.send((args, kwargs))
+        try:
+            self._writer.send((args, kwargs))
+        except OSError as exc:  # it died while importing (BrokenPipeError): say so, as a spawned core would
+            self.cancel()
+            raise RuntimeError(
+                f"the engine core process died while starting ({describe_exit(self.proc.exitcode)}); see its log above"
+            ) from exc
         self._writer.close()
         self.handed_over = True
         return self.proc

@@ -63,8 +63,8 @@ def run_prestarted_core(conn, parent_pid: int, log_level: int) -> None:
     for name in PRELOAD_MODULES:
         try:
             importlib.import_module(name)
-        except ImportError:  # an optional piece missing here fails later, where it is used, with its own error
-            pass
+        except Exception:  # noqa: BLE001 -- a piece that fails here fails again where it is used, with its context
+            logger.debug("preloading %s failed", name, exc_info=True)
     preload_s = time.monotonic() - entered_monotonic
     try:
         args, kwargs = conn.recv()

@@ -49,3 +49,13 @@ def test_handed_over_core_serves_and_reports_the_preload(demo_model_dir):
         assert outputs and outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 4
     finally:
         client.shutdown()
+
+
+def test_a_prestarted_core_that_died_is_a_clear_startup_error(demo_model_dir):
+    prestarted = PrestartedCore()
+    prestarted.proc.kill()
+    prestarted.proc.join(10)
+    with pytest.raises(RuntimeError, match="engine core process died while starting"):
+        CoreClient(
+            make_engine_config(str(demo_model_dir), kv_cache_bytes=8 << 20, max_model_len=512), prestarted=prestarted
+        )

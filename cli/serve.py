@@ -157,15 +157,12 @@ def run(args: argparse.Namespace) -> int:
     import logging
     import time
 
-    from kvserve.runtime.startup_phases import timed
-
     started_monotonic = time.monotonic()  # the "total" start-up phase runs from here to ready
     # No compile stall: a CPU-ops library not built yet is built in the background while this run serves on the
     # pure-torch path (config.default_cpu_backend); KVSERVE_CPU_OPS_BUILD=wait builds first instead.
     os.environ.setdefault("KVSERVE_CPU_OPS_BUILD", "background")
     phases: dict[str, float] = {}  # start-up phases timed here (runtime/startup_phases.py)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    log = logging.getLogger("kvserve.serve")
     model_arg = args.model_dir  # as given: the default served name
     if model_arg is not None:  # MODEL.gguf -> its prepared directory (runtime/gguf_model_dir.py)
         from kvserve.runtime import gguf_model_dir
@@ -181,7 +178,55 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.headless or args.node_rank != 0:
         return run_headless(args, model_dir=args.model_dir)
+    if args.otlp_traces_endpoint:
+        import importlib.util
+
+        if importlib.util.find_spec("opentelemetry.sdk") is None:
+            print(
+                "kvserve serve: --otlp-traces-endpoint needs the OpenTelemetry packages: "
+                "pip install 'kvserve[tracing]'",
+                file=sys.stderr,
+            )
+            return 2
+    if args.drain_timeout < 0:
+        print("kvserve serve: --drain-timeout must be >= 0", file=sys.stderr)
+        return 2
+    if args.drain_accept_seconds < 0:
+        print("kvserve serve: --drain-accept-seconds must be >= 0", file=sys.stderr)
+        return 2
+    if args.api_server_count > 1 and args.inprocess_engine:
+        print(
+            "kvserve serve: --inprocess-engine runs the engine inside the one API server; it cannot be "
+            "combined with --api-server-count > 1",
+            file=sys.stderr,
+        )
+        return 2
+
     check_port_free(args.host, args.port)
+    prestarted = None
+    if args.api_server_count == 1 and not args.inprocess_engine and os.environ.get("KVSERVE_CORE_PRESTART") != "0":
+        # The engine core's process starts now, importing torch and the model code while this process
+        # imports the server and builds the config; load_engine hands it the config (issue 43).
+        # KVSERVE_CORE_PRESTART=0 spawns it after the config instead (A/B measurements).
+        from kvserve.runtime.engine.core_client import PrestartedCore
+
+        prestarted = PrestartedCore()
+
+    try:
+        return serve(args, model_arg, phases, started_monotonic, prestarted)
+    finally:
+        if prestarted is not None:
+            prestarted.cancel()  # a no-op once handed over: only a start that failed before loading leaves one
+
+
+def serve(args: argparse.Namespace, model_arg, phases: dict[str, float], started_monotonic: float, prestarted) -> int:
+    """run()'s part after the checks: resolve the model, then serve until stopped."""
+    import logging
+    import time
+
+    from kvserve.runtime.startup_phases import timed
+
+    log = logging.getLogger("kvserve.serve")
 
     from kvserve.runtime.demo_model import is_demo_model_dir
     from kvserve.runtime.server.api_server import run_server
@@ -209,33 +254,17 @@ def run(args: argparse.Namespace) -> int:
         phases["model_resolve"] = time.monotonic() - started_monotonic
         served = args.served_model_name or [model_arg]
     random_weights = is_demo_model_dir(model_dir)
-    if args.otlp_traces_endpoint:
-        import importlib.util
-
-        if importlib.util.find_spec("opentelemetry.sdk") is None:
-            print(
-                "kvserve serve: --otlp-traces-endpoint needs the OpenTelemetry packages: "
-                "pip install 'kvserve[tracing]'",
-                file=sys.stderr,
-            )
-            return 2
-    if args.drain_timeout < 0:
-        print("kvserve serve: --drain-timeout must be >= 0", file=sys.stderr)
-        return 2
-    if args.drain_accept_seconds < 0:
-        print("kvserve serve: --drain-accept-seconds must be >= 0", file=sys.stderr)
-        return 2
-    if args.api_server_count > 1 and args.inprocess_engine:
-        print(
-            "kvserve serve: --inprocess-engine runs the engine inside the one API server; it cannot be "
-            "combined with --api-server-count > 1",
-            file=sys.stderr,
-        )
-        return 2
-
     engine_args = EngineArgs.from_cli_args(model_dir, args)
 
     def load_engine():
+        try:
+            return build_engine()
+        except BaseException:
+            if prestarted is not None:
+                prestarted.cancel()  # idempotent: CoreClient may have cancelled it already
+            raise
+
+    def build_engine():
         from kvserve.runtime.config import build_engine_config
 
         with timed(phases, "engine_config"):
@@ -252,7 +281,7 @@ def run(args: argparse.Namespace) -> int:
             return LLMEngine(engine_config)
         from kvserve.runtime.engine.core_client import CoreClient  # scheduler + model in their own process
 
-        return CoreClient(engine_config)
+        return CoreClient(engine_config, prestarted=prestarted)
 
     config = ServerConfig(
         served_model_names=served,

@@ -7,14 +7,23 @@ Each phase is timed where it runs and the timings travel to the API server, whic
 - engine_config: config.json read, the CPU attention backend resolved (kernel_compile not included);
 - kernel_compile: the compiled CPU ops built (first start on a CPU, KVSERVE_CPU_OPS_BUILD=wait) or found built
   and loaded; absent when they were not loaded in the serving process (GPU, or built in the background);
-- engine_process_start: engine-core process spawned until its entry point runs (interpreter + imports);
+- engine_preload: (overlapped) `kvserve serve` starts the engine-core process before it builds the config, and
+  that process imports torch, transformers' config classes and the model code meanwhile
+  (engine/core_client.PrestartedCore); these seconds run beside model_resolve and engine_config;
+- engine_process_start: the config handed to the engine-core process (or that process spawned, where it was
+  not prestarted) until its entry point runs: what the start still waited for (the rest of the preload,
+  unpickling the config);
 - distributed_init: tensor/pipeline-parallel rank 0's process-group rendezvous (waits for every rank);
 - kernel_load: the attention backend loaded in the model runner;
 - weight_load: the model built and its weights read (LoRA slots and CPU weight prepacking included);
 - memory_profile: the KV block count found (on CUDA a dummy forward at the token budget; free elsewhere);
 - kv_cache_allocate: the device KV cache (and host swap space) allocated;
 - cuda_graph_capture: decode CUDA graphs captured (only with --cuda-graphs);
-- total: `kvserve serve` started until the server is ready (the phases above plus everything between).
+- warmup: one forward of each batch shape class (a prefill, a decode, a decode batch) before readiness, so
+  the first request does not pay for first-forward work (executor/warmup.py; bounded by
+  KVSERVE_WARMUP_BUDGET_S, off with KVSERVE_WARMUP=0);
+- total: `kvserve serve` started until the server is ready (the phases above, less the overlapped ones, plus
+  everything between).
 
 A phase that did not run is absent. Pure Python (no torch): the operator's layer may import it.
 """
@@ -29,6 +38,7 @@ ORDER = (
     "model_resolve",
     "engine_config",
     "kernel_compile",
+    "engine_preload",
     "engine_process_start",
     "distributed_init",
     "kernel_load",
@@ -36,8 +46,10 @@ ORDER = (
     "memory_profile",
     "kv_cache_allocate",
     "cuda_graph_capture",
+    "warmup",
     "total",
 )
+OVERLAPPED = frozenset({"engine_preload"})  # run beside other phases: not part of the sum that total bounds
 
 
 @contextlib.contextmanager

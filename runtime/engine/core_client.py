@@ -57,31 +57,49 @@ class CoreClient(EngineFront):
     owns_core_process = True
     client_index = 0  # which of the core's API servers this is (runtime/server/api_server_group.py)
 
-    def __init__(self, config: EngineConfig, startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S):
+    def __init__(
+        self,
+        config: EngineConfig,
+        startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+        prestarted: PrestartedCore | None = None,
+    ):
+        """prestarted: a core process started earlier (PrestartedCore), which gets this config instead of a
+        new process being spawned now."""
         from kvserve.runtime.engine.core_process import run_engine_core
 
         exit_if_bootstrapping()  # before anything is created: a child re-importing an unguarded script leaves
-        self.tokenizer = load_tokenizer(config.model.model_dir)
+        try:
+            self.tokenizer = load_tokenizer(config.model.model_dir)
+        except BaseException:
+            if prestarted is not None:
+                prestarted.cancel()
+            raise
         self._dir = tempfile.mkdtemp(prefix="kvserve-core-")  # 0700: only this user reaches the sockets
         input_address, output_address = f"ipc://{self._dir}/input", f"ipc://{self._dir}/output"
         self._open_sockets(input_address, output_address)
 
-        mp = _core_mp_context()
-        # Not a daemon: daemonic processes may not start children (the tensor-parallel workers).
-        self.proc = mp.Process(
-            target=run_engine_core,
-            name="kvserve-engine-core",
-            args=(
-                config,
-                [input_address],
-                [output_address],
-                os.getpid(),
-                logging.getLogger("kvserve").getEffectiveLevel(),
-                len(self.tokenizer),
-            ),
-            kwargs={"spawned_monotonic": time.monotonic()},
+        args = (
+            config,
+            [input_address],
+            [output_address],
+            os.getpid(),
+            logging.getLogger("kvserve").getEffectiveLevel(),
+            len(self.tokenizer),
         )
-        self.proc.start()
+        kwargs = {"spawned_monotonic": time.monotonic()}
+        if prestarted is not None:
+            try:
+                self.proc = prestarted.hand_over(args, kwargs)
+            except BaseException:
+                close_channel((self._input, self._output), self._ctx, (self._wake_r, self._wake_w))
+                shutil.rmtree(self._dir, ignore_errors=True)
+                raise
+        else:
+            # Not a daemon: daemonic processes may not start children (the tensor-parallel workers).
+            self.proc = _core_mp_context().Process(
+                target=run_engine_core, name="kvserve-engine-core", args=args, kwargs=kwargs
+            )
+            self.proc.start()
         self._finalizer = weakref.finalize(
             self, _stop_core, self.proc, self._input, self._output, self._ctx, self._dir, (self._wake_r, self._wake_w)
         )
@@ -131,6 +149,8 @@ class CoreClient(EngineFront):
         lora = self.config.lora
         # --enable-lora: this server's view of the served adapters, kept current by the core's LORA_ADAPTERS
         self.lora_adapters: dict[str, str] = dict(lora.modules) if lora is not None else {}
+        # --enable-sleep-mode: the core asleep, as its SLEEP_STATE said (whichever API server put it to sleep)
+        self.sleeping = False
         logger.info("engine core process %d ready", self.core_pid)
 
     @classmethod
@@ -245,6 +265,8 @@ class CoreClient(EngineFront):
                 outputs += self._apply(body)
             elif kind is MessageType.LORA_ADAPTERS:
                 self.lora_adapters = dict(body.adapters)
+            elif kind is MessageType.SLEEP_STATE:
+                self.sleeping = body.is_sleeping
             elif kind is MessageType.UTILITY_RESULT:
                 future = self._calls.pop(body.call_id, None)
                 if future is not None and not future.done():
@@ -306,6 +328,53 @@ class CoreClient(EngineFront):
     def shutdown(self) -> None:
         """Stop the core process (idempotent): SHUTDOWN, then terminate / kill if it does not leave."""
         self._finalizer()
+
+
+class PrestartedCore:
+    """An engine-core process started before its config exists, so that its interpreter start and heavy
+    imports (torch, transformers, the model code: core_process.PRELOAD_MODULES) run while `kvserve serve`
+    still imports its own and builds the config, instead of after (issue 43: the start chain). CoreClient
+    hands it the config (hand_over); cancel() stops it when no config will come. Dropped unsent, the pipe
+    closes and the process leaves by itself."""
+
+    def __init__(self):
+        from kvserve.runtime.engine.core_process import run_prestarted_core
+
+        exit_if_bootstrapping()
+        mp = _core_mp_context()
+        reader, self._writer = mp.Pipe(duplex=False)
+        # Not a daemon: daemonic processes may not start children (the tensor-parallel workers).
+        self.proc = mp.Process(
+            target=run_prestarted_core,
+            name="kvserve-engine-core",
+            args=(reader, os.getpid(), logging.getLogger("kvserve").getEffectiveLevel()),
+        )
+        self.proc.start()
+        reader.close()  # the child's end: once the writer closes, the child reads EOF
+        self.handed_over = False
+
+    def hand_over(self, args: tuple, kwargs: dict):
+        """Send run_engine_core's arguments; the process (multiprocessing.Process) that now runs the core."""
+        try:
+            self._writer.send((args, kwargs))
+        except OSError as exc:  # it died while importing (BrokenPipeError): say so, as a spawned core would
+            self.cancel()
+            raise RuntimeError(
+                f"the engine core process died while starting ({describe_exit(self.proc.exitcode)}); see its log above"
+            ) from exc
+        self._writer.close()
+        self.handed_over = True
+        return self.proc
+
+    def cancel(self, grace_s: float = 2.0) -> None:
+        """No config will come: close the pipe and kill the process (it holds nothing yet: no sockets, no
+        children, and it ignores SIGTERM as every core does). A no-op once handed over (CoreClient owns it)."""
+        if self.handed_over:
+            return
+        self._writer.close()
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.proc.join(grace_s)
 
 
 def _core_mp_context():

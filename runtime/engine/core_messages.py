@@ -39,6 +39,7 @@ class MessageType(bytes, enum.Enum):
     STARTUP_FAILED = b"\x13"
     UTILITY_RESULT = b"\x14"  # to the API server that made the call
     LORA_ADAPTERS = b"\x15"  # to every API server, whenever the served adapters change
+    SLEEP_STATE = b"\x16"  # to every API server, whenever sleep mode's state changes (sleep, wake_up)
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -156,6 +157,13 @@ class LoraAdapters(msgspec.Struct, array_like=True, gc=False):
     adapters: list[tuple[str, str]]
 
 
+class SleepState(msgspec.Struct, array_like=True, gc=False):
+    """Whether the core is asleep now, sent to every API server after a sleep or wake_up call (issue 43: with
+    --api-server-count > 1 the others must refuse and answer not ready as well, or serve again)."""
+
+    is_sleeping: bool
+
+
 _BODY_TYPES = {
     MessageType.ADD: EngineCoreRequest,
     MessageType.ABORT: EngineCoreAbort,
@@ -166,6 +174,7 @@ _BODY_TYPES = {
     MessageType.UTILITY: UtilityCall,
     MessageType.UTILITY_RESULT: UtilityResult,
     MessageType.LORA_ADAPTERS: LoraAdapters,
+    MessageType.SLEEP_STATE: SleepState,
 }
 
 

@@ -14,6 +14,7 @@ server drives the shutdown (a SIGTERM drain still needs the core to finish the i
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import pickle
@@ -35,6 +36,42 @@ logger = logging.getLogger("kvserve.engine.core")
 PARENT_POLL_S = 0.5
 IDLE_POLL_MS = 500  # while idle: how often to look at the parent (a message wakes the loop at once)
 LINGER_MS = 4000  # how long a DEAD or STARTUP_FAILED message may take to leave at exit
+
+
+# What a prestarted core (core_client.PrestartedCore) imports while the API server still builds its config: the
+# modules the core's start-up needs anyway (torch, transformers' config classes, the model code), so these
+# seconds overlap the API server's own imports instead of following them.
+PRELOAD_MODULES = (
+    "torch",
+    "zmq",
+    "transformers.models.auto.configuration_auto",
+    "transformers.utils.type_validators",  # what every model's config class imports (seconds: torch.distributed)
+    "kvserve.runtime.engine.engine_core",
+    "kvserve.runtime.executor.model_runner",
+)
+
+
+def run_prestarted_core(conn, parent_pid: int, log_level: int) -> None:
+    """Process entry point of a core started before its config exists (core_client.PrestartedCore): import
+    PRELOAD_MODULES, then wait for run_engine_core's arguments on `conn` and run it. The pipe closed unsent
+    (the API server failed before its config was built, or died): leave quietly."""
+    entered_monotonic = time.monotonic()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, signal.SIGTERM))
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s")
+    for name in PRELOAD_MODULES:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 -- a piece that fails here fails again where it is used, with its context
+            logger.debug("preloading %s failed", name, exc_info=True)
+    preload_s = time.monotonic() - entered_monotonic
+    try:
+        args, kwargs = conn.recv()
+    except (EOFError, OSError):
+        os._exit(0)
+    conn.close()
+    run_engine_core(*args, **kwargs, preload_s=preload_s)
 
 
 def _watch_parent(api_server_pid: int) -> None:
@@ -67,12 +104,15 @@ def run_engine_core(
     tokenizer_vocab_size: int,
     status_address: str | None = None,
     spawned_monotonic: float | None = None,
+    preload_s: float | None = None,
 ) -> None:
     """Process entry point (spawned by core_client.CoreClient or the multi-API-server launcher).
     status_address: the launcher's socket, which gets READY / STARTUP_FAILED / DEAD too (never per-step
     outputs): an API server still starting may miss them, and the launcher writes the termination message.
     spawned_monotonic: time.monotonic() in the parent just before it started this process (one clock for
-    every process of a host), for the engine_process_start phase."""
+    every process of a host), for the engine_process_start phase; for a prestarted core (run_prestarted_core),
+    when the parent handed it these arguments, so the phase is what the start-up still waited for.
+    preload_s: a prestarted core's imports before that (the engine_preload phase, overlapped)."""
     entered_monotonic = time.monotonic()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -140,6 +180,8 @@ def run_engine_core(
         phases = dict(core.executor.startup_phases)
         if spawned_monotonic is not None:
             phases["engine_process_start"] = max(0.0, entered_monotonic - spawned_monotonic)
+        if preload_s is not None:
+            phases["engine_preload"] = preload_s
         ready = CoreReady(pickle.dumps(core.config), pickle.dumps(core.limits), os.getpid(), core.get_stats(), phases)
         send_all(codec.encode(MessageType.READY, ready))
         exit_code = _busy_loop(core, inp, outs, codec)

@@ -12,13 +12,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from kvserve.runtime.engine import sleep_control
-from kvserve.runtime.engine.core_messages import LoraAdapters, MessageType, UtilityCall, UtilityResult
+from kvserve.runtime.engine.core_messages import LoraAdapters, MessageType, SleepState, UtilityCall, UtilityResult
 from kvserve.runtime.lora.errors import LoraRequestError
 
 logger = logging.getLogger("kvserve.lora")
 
 UTILITY_POLL_MS = 5  # how often the core's loop looks for a finished call while one runs
 _CHANGES_REGISTRY = ("load_lora_adapter", "unload_lora_adapter")
+_CHANGES_SLEEP = ("sleep", "wake_up")
 
 
 def run_utility(core: Any, method: str, args: list) -> dict[str, str]:
@@ -78,6 +79,10 @@ class CoreUtilities:
             result = _result(call.call_id, future)
             if result.status == 0 and call.method in _CHANGES_REGISTRY:
                 frame = codec.encode(MessageType.LORA_ADAPTERS, LoraAdapters(sorted(result.value.items())))
+                for sock in outs:
+                    sock.send(frame, copy=False)
+            if result.status == 0 and call.method in _CHANGES_SLEEP:  # every API server, before the caller's result
+                frame = codec.encode(MessageType.SLEEP_STATE, SleepState(bool(result.value["is_sleeping"])))
                 for sock in outs:
                     sock.send(frame, copy=False)
             if 0 <= call.client_index < len(outs):

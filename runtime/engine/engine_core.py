@@ -38,13 +38,14 @@ from kvserve.runtime.errors import (
     WorkerDiedError,
     request_failed,
 )
-from kvserve.runtime.executor import kv_sizing
+from kvserve.runtime.executor import kv_sizing, warmup
 from kvserve.runtime.executor.base import Executor, create_executor
 from kvserve.runtime.executor.disk_store import open_disk_index
 from kvserve.runtime.kv_events.step import make_step_publisher
 from kvserve.runtime.outputs import EngineStats
 from kvserve.runtime.request import Request, RequestStatus
 from kvserve.runtime.sampling_params import RequestLimits, SamplingParams
+from kvserve.runtime.startup_phases import timed
 
 if TYPE_CHECKING:
     from kvserve.runtime.lora.registry import LoraRegistry
@@ -76,6 +77,8 @@ class EngineCore:
         self.batches: deque[tuple[SchedulerOutput, int]] = deque()  # (what was launched, executor handle)
         self.max_batches_in_flight = 0  # the most batches that were in flight at once (tests, debugging)
         self.executor: Executor = create_executor(config)
+        with timed(self.executor.startup_phases, "warmup"):  # a first forward of each shape class, before ready
+            warmup.warm_up(self.executor, config)
         self.config = replace(config, cache=replace(config.cache, num_blocks=self.executor.num_blocks))
         self.kv_cache_manager = KVCacheManager(
             self.executor.num_blocks,

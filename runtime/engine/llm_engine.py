@@ -57,6 +57,7 @@ class LLMEngine(EngineFront):
 
     # The core's parts, for tests and benchmarks that look inside.
     executor = property(lambda self: self.core.executor)
+    sleeping = property(lambda self: bool(self.core.sleep_level))  # --enable-sleep-mode (engine/sleep_control.py)
     startup_phases = property(lambda self: self.core.executor.startup_phases)  # (rank 0's with several ranks)
     scheduler = property(lambda self: self.core.scheduler)
     kv_cache_manager = property(lambda self: self.core.kv_cache_manager)

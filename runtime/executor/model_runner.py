@@ -182,12 +182,12 @@ class ModelRunner:
         # Sliding-window models: one slot per layer of a KV cache group, shared by the groups (kv_groups.py).
         slots = kv_groups.layer_slots(self.model, m.num_layers)
         shape = (2, max(slots) + 1, max(num_blocks, 1), self.block_size, self.num_kv_heads, m.head_dim)
-        kv = torch.empty(shape, dtype=dtype, device=self.device)
-        if self.device.type == "cpu":  # before the zeroing: the first touch decides the page size
-            from kvserve.runtime.executor.cpu_malloc import advise_huge_pages
+        if self.device.type == "cpu":  # zero pages from the kernel, touched when used (cpu_malloc.py)
+            from kvserve.runtime.executor.cpu_malloc import zeroed_cpu_tensor
 
-            advise_huge_pages(kv)
-        kv.zero_()
+            kv = zeroed_cpu_tensor(shape, dtype)
+        else:
+            kv = torch.zeros(shape, dtype=dtype, device=self.device)
         self.kv = kv
         return [(kv[0, slot], kv[1, slot]) for slot in slots]
 

@@ -18,11 +18,13 @@ import logging
 import re
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 
 from kvserve.runtime import gguf_config
+from kvserve.runtime.models import gguf_tensors
 
 logger = logging.getLogger("kvserve.loader")
 
@@ -76,21 +78,30 @@ def _to_float(tensor) -> np.ndarray:
     return quants.dequantize(data, kind)  # BF16 and every block quant -> float32
 
 
-def iter_gguf(path: str, show_progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf(path: str, show_progress: bool = True, config: dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) for every tensor of the GGUF file the model loads; InvalidParameter("model") for an
-    unsupported architecture or tensor type (checked for the whole file before the first tensor is read)."""
-    reader = gguf_config.open_reader(path)
-    config = gguf_config.hf_config(path, reader)  # checks the architecture and every tensor's type
+    unsupported architecture or tensor type (checked for the whole file before the first tensor is read).
+    config: the file's HF config as its prepared directory holds it (runtime/gguf_model_dir.py): then only the
+    tensor table is read (models/gguf_tensors.py, seconds faster than parsing the tokenizer's metadata again);
+    None: GGUFReader reads the file and the config comes from its header."""
+    reader = None
+    tensors = gguf_tensors.read_tensors(path) if config is not None else None
+    if tensors is None:
+        reader = gguf_config.open_reader(path)
+        config = gguf_config.hf_config(path, reader)  # checks the architecture and every tensor's type
+        tensors = reader.tensors
+    else:
+        gguf_config.check_tensor_types(SimpleNamespace(tensors=tensors), path)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     permuted = config["model_type"] == "llama"
     bar = None
     if show_progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(reader.tensors), desc="Dequantising GGUF tensors", unit="tensor")
+        bar = tqdm(total=len(tensors), desc="Dequantising GGUF tensors", unit="tensor")
     t0 = time.perf_counter()
     skipped = []
-    for tensor in reader.tensors:
+    for tensor in tensors:
         name = hf_name(tensor.name)
         if name is None:
             skipped.append(tensor.name)
@@ -108,4 +119,4 @@ def iter_gguf(path: str, show_progress: bool = True) -> Iterator[tuple[str, torc
         bar.close()
     if skipped:
         logger.info("GGUF tensors the model does not use: %s", ", ".join(skipped))
-    logger.info("dequantised %d GGUF tensors from %s in %.1f s", len(reader.tensors), path, time.perf_counter() - t0)
+    logger.info("dequantised %d GGUF tensors from %s in %.1f s", len(tensors), path, time.perf_counter() - t0)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from kvserve.runtime import gguf_model_dir
-from kvserve.runtime.config import ModelConfig
+from kvserve.runtime.config import ModelConfig, read_config_json
 from kvserve.runtime.models import fp8, gguf_weights, pipeline_stage
 from kvserve.runtime.models.llama import LlamaForCausalLM
 from kvserve.runtime.models.moe import convert_experts_to_fp8
@@ -87,7 +87,8 @@ def load_model(
     else:
         gguf = gguf_model_dir.gguf_file(model_config.model_dir)
         if gguf is not None:  # a GGUF model's prepared directory: the weights are the file's, dequantised here
-            weights = gguf_weights.iter_gguf(gguf, show_progress=parallel.rank == 0)
+            config = read_config_json(model_config.model_dir)  # written from the file's header when prepared
+            weights = gguf_weights.iter_gguf(gguf, show_progress=parallel.rank == 0, config=config)
         else:
             weights = iter_safetensors(
                 model_config.model_dir, show_progress=parallel.rank == 0, lazy=parallel.size > 1 or stage is not None

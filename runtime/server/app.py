@@ -75,8 +75,6 @@ def build_app(config: ServerConfig, *, engine: Any = None, engine_factory: Calla
 
     app = FastAPI(title="kvserve", lifespan=lifespan)
     app.state.kvserve = state
-    if config.api_server_count > 1:
-        app.add_middleware(_ServerIndexHeader, index=config.api_server_index)
     serving = OpenAIServing(state)
 
     @app.exception_handler(APIError)
@@ -104,7 +102,7 @@ def build_app(config: ServerConfig, *, engine: Any = None, engine_factory: Calla
             "draining"
             if state.stopping or state.draining
             else "sleeping"
-            if state.sleeping
+            if state.asleep
             else "failed"
             if state.load_error is not None
             else "loading"
@@ -186,6 +184,8 @@ def build_app(config: ServerConfig, *, engine: Any = None, engine_factory: Calla
     async def detokenize(request: Request) -> JSONResponse:
         return await serving.detokenize(request)
 
+    if config.api_server_count > 1:  # added last: the outermost middleware, so every answer carries it
+        app.add_middleware(_ServerIndexHeader, index=config.api_server_index)
     return app
 
 

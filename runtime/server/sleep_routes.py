@@ -2,11 +2,15 @@
 vLLM, where they exist only when enabled): `POST /sleep?level=1|2` (empty 200), `POST /wake_up` (empty 200),
 `GET /is_sleeping` (`{"is_sleeping": bool}`).
 
-Sleeping is first this server's state: readiness (/health, /ready) answers 503 `{"status": "sleeping"}` and
-every request that needs the model gets 503 with Retry-After (the middleware below) from the moment /sleep
-arrives, so a router or Service stops sending here; the requests already in flight finish, then the engine core
-frees its memory (engine/sleep_control.py, which refuses while any request is unfinished). /wake_up restores
-the engine, then this server serves again.
+Readiness (/health, /ready) answers 503 `{"status": "sleeping"}` and every request that needs the model gets
+503 with Retry-After (the middleware below) from the moment /sleep arrives here (`state.sleeping`, this
+server's sleep under way), so a router or Service stops sending here; the requests already in flight finish,
+then the engine core frees its memory (engine/sleep_control.py, which refuses while any request is unfinished).
+From then on the core's own state decides (`state.asleep`): after every sleep and wake_up the core sends
+SLEEP_STATE to every API server before the caller's answer, so with --api-server-count > 1 all of them answer
+not ready and refuse while it sleeps, and all serve again after a /wake_up sent to any one of them (an idle
+server reads it within its idle poll, 0.5 s). While a /sleep waits for the requests in flight, the other API
+servers still admit requests; the wait covers theirs too (SETTLE_TIMEOUT_S).
 """
 
 from __future__ import annotations
@@ -82,15 +86,14 @@ def add_routes(app: FastAPI, state: Any, serving: Any) -> None:
         try:
             while True:
                 try:
-                    await _call(state, "sleep", int(raw))
+                    await _call(state, "sleep", int(raw))  # the core's SLEEP_STATE arrived before its answer
                     break
                 except APIError as exc:  # requests still in flight: wait for them
                     if exc.status != 409 or time.monotonic() > deadline or not engine.is_running:
                         raise
                 await asyncio.sleep(SETTLE_POLL_S)
-        except BaseException:
-            state.sleeping = bool((await _call(state, "is_sleeping"))["is_sleeping"])
-            raise
+        finally:
+            state.sleeping = False  # the engine's reported state (state.asleep) holds from here
         return Response(status_code=200)
 
     @app.post("/wake_up")
@@ -98,7 +101,6 @@ def add_routes(app: FastAPI, state: Any, serving: Any) -> None:
         serving.check_auth(request)
         _engine(state, request)
         await _call(state, "wake_up")
-        state.sleeping = False
         return Response(status_code=200)
 
     @app.get("/is_sleeping")
@@ -116,7 +118,7 @@ class _RefuseWhileAsleep:
         self.app, self.state = app, state
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and self.state.sleeping and scope["path"] in GATED_PATHS:
+        if scope["type"] == "http" and scope["path"] in GATED_PATHS and self.state.asleep:
             response = error_response(
                 503,
                 "The server is asleep (sleep mode); retry shortly or POST /wake_up.",

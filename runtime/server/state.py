@@ -101,9 +101,15 @@ class ServerState:
     )
 
     @property
+    def asleep(self) -> bool:
+        """Sleep mode: this server's /sleep is under way (`sleeping`), or the engine core is asleep -- with
+        --api-server-count > 1 possibly put to sleep through another API server (its SLEEP_STATE)."""
+        return self.sleeping or bool(self.engine is not None and getattr(self.engine.engine, "sleeping", False))
+
+    @property
     def ready(self) -> bool:
         return (
-            self.engine is not None and self.engine.is_running and not (self.stopping or self.draining or self.sleeping)
+            self.engine is not None and self.engine.is_running and not (self.stopping or self.draining or self.asleep)
         )
 
     @property

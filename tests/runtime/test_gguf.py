@@ -214,3 +214,29 @@ def test_plan_reads_the_gguf_header(hf_dir, tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc in (0, None), out
     assert "LlamaForCausalLM, 2 layers, 4 heads / 2 KV heads x 64, hidden 256" in out
+
+
+@pytest.mark.parametrize("tensor_type", TENSOR_TYPES)
+def test_tensor_table_reader_equals_gguf_reader(hf_dir, tmp_path, tensor_type):
+    """models/gguf_tensors.py (the loader's fast path: no metadata values parsed) gives every tensor's name,
+    type and bytes exactly as gguf's GGUFReader, and iter_gguf yields the same tensors through either."""
+    import json
+
+    from gguf import GGUFReader
+
+    from kvserve.runtime import gguf_model_dir
+    from kvserve.runtime.models.gguf_tensors import read_tensors
+    from kvserve.runtime.models.gguf_weights import iter_gguf
+
+    path = write_gguf(hf_dir, str(tmp_path / "m.gguf"), tensor_type)
+    ref = GGUFReader(path).tensors
+    ours = read_tensors(path)
+    assert [(t.name, t.tensor_type) for t in ours] == [(t.name, t.tensor_type) for t in ref]
+    for mine, theirs in zip(ours, ref):
+        assert mine.data.dtype == theirs.data.dtype and np.array_equal(mine.data, theirs.data), mine.name
+    config = json.loads((Path(gguf_model_dir.resolve(path)) / "config.json").read_text())
+    slow, fast = dict(iter_gguf(path, show_progress=False)), dict(iter_gguf(path, show_progress=False, config=config))
+    assert slow.keys() == fast.keys() and all(torch.equal(slow[k], fast[k]) for k in slow)
+    not_gguf = tmp_path / "x.gguf"
+    not_gguf.write_bytes(b"GGML" + bytes(60))
+    assert read_tensors(str(not_gguf)) is None  # the caller falls back to GGUFReader (and its error)

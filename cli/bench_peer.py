@@ -7,7 +7,8 @@ import argparse
 
 HELP = (
     "peer benchmark against vLLM's CPU build (a separate venv, see tools/make_peer_venv.sh): same model, "
-    "same token-id workload, ABBA order, same cores; offline or served"
+    "same token-id workload (chat-templated real text on SmolLM2-135M-Instruct by default), ABBA order, "
+    "same cores; offline or served"
 )
 
 
@@ -32,7 +33,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma-separated; the first is A in the ABBA order (default vllm,kvserve); "
         "'kvserve' alone runs only this project's side (no peer venv needed)",
     )
-    parser.add_argument("--model", default=None, help="local HF model dir (default: build the 125M random Llama)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="local HF model dir (default: SmolLM2-135M-Instruct, the default model, dequantised to --dtype "
+        "safetensors: the same weights and dtype for both engines)",
+    )
+    parser.add_argument(
+        "--random-model",
+        action="store_true",
+        help="the random-weight 125M Llama (hidden 768, 12 layers) instead, with random token-id prompts",
+    )
+    parser.add_argument(
+        "--random-prompts", action="store_true", help="random token ids instead of chat-templated real text"
+    )
     parser.add_argument(
         "--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="weights dtype for both engines"
     )

@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model-dir",
         default=None,
         help="with --compare: MODEL_DIR for the launched servers (and the offline run) "
-        "(default: the built-in demo model)",
+        "(default: SmolLM2-135M-Instruct, as `kvserve serve` with no model; offline the random demo)",
     )
     parser.add_argument("--serve-args", default="", help="with --compare: extra `kvserve serve` flags for both runs")
     parser.add_argument("--on-args", default="", help="with --compare: extra flags for the feature-on run only")
@@ -56,6 +56,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --compare served-vs-offline: comma-separated `--api-server-count` values for the "
         "core-process server, each a served variant in the same ABBA run (e.g. 1,2); the "
         "goal is judged on the first",
+    )
+    parser.add_argument(
+        "--prompts",
+        choices=("text", "random"),
+        default="text",
+        help="text: chat-templated real text (runtime/bench/real_prompts.py), tokenized by the server's /tokenize "
+        "(vLLM's servers have it too), cut to each length; random: random token ids",
     )
     parser.add_argument("--num-prompts", type=int, default=64, help="requests to send")
     parser.add_argument(

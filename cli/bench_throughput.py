@@ -1,4 +1,5 @@
-"""`kvserve bench throughput`: offline throughput vs transformers generate on a random-weight model."""
+"""`kvserve bench throughput`: offline throughput vs transformers generate on SmolLM2-135M-Instruct (or
+--random-model)."""
 
 from __future__ import annotations
 
@@ -30,14 +31,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="random seed of the workload")
     parser.add_argument("--hf-batch-size", type=int, default=8, help="transformers generate batch size (the baseline)")
     parser.add_argument("--skip-hf", action="store_true", help="do not run the transformers baseline")
-    parser.add_argument("--model", default=None, help="local HF model dir (default: build the 125M random Llama)")
-    parser.add_argument("--hidden-size", type=int, default=None, help="shape of the built model (not with --model)")
-    parser.add_argument("--num-layers", type=int, default=None, help="shape of the built model (not with --model)")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="local HF model dir (default: SmolLM2-135M-Instruct, the default model, dequantised to --dtype "
+        "safetensors, with chat-templated real-text prompts)",
+    )
+    parser.add_argument(
+        "--random-model",
+        action="store_true",
+        help="build the random-weight 125M Llama instead (random token-id prompts; shape by the flags below)",
+    )
+    parser.add_argument(
+        "--random-prompts", action="store_true", help="random token ids instead of chat-templated real text"
+    )
+    parser.add_argument("--hidden-size", type=int, default=None, help="with --random-model: shape of the built model")
+    parser.add_argument("--num-layers", type=int, default=None, help="with --random-model: shape of the built model")
     parser.add_argument(
         "--vocab-size",
         type=int,
         default=None,
-        help="vocab of the built model; with --model, caps the workload's token ids",
+        help="with --random-model: vocab of the built model; otherwise caps random prompts' token ids",
     )
     parser.add_argument(
         "--block-size", type=int, default=engine_args.default("block_size"), help="KV block size in tokens"
@@ -71,8 +85,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvserve.runtime.bench.throughput import main
 
-    if args.model and (args.hidden_size or args.num_layers):
-        raise SystemExit("--hidden-size / --num-layers shape the built model; with --model its config.json does")
+    if args.model and args.random_model:
+        raise SystemExit("--model and --random-model exclude each other")
+    if not args.random_model and (args.hidden_size or args.num_layers):
+        raise SystemExit("--hidden-size / --num-layers shape the --random-model; a real model's config.json does")
     shape = {
         k: v
         for k, v in (
@@ -102,6 +118,8 @@ def run(args: argparse.Namespace) -> int:
         json_out=args.json_out,
         tensor_parallel_size=args.tensor_parallel_size,
         dtype=args.dtype,
+        random_model=args.random_model,
+        random_prompts=args.random_prompts,
         **engine_kwargs,
     )
     return 0

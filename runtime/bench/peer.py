@@ -183,6 +183,7 @@ def _report_base(opts: "Options", runs: list[dict]) -> dict:
             "num_requests": len(wl.prompts),
             "prompt_tokens": wl.num_prompt_tokens,
             "output_tokens": wl.num_output_tokens,
+            "prompts": opts.prompt_kind,
             "seed": opts.seed,
         },
         "machine": machine_info(),
@@ -337,6 +338,7 @@ class Options:
     model_dir: str
     model_label: str
     workload: object
+    prompt_kind: str
     settings: Settings
     seed: int
     workdir: str
@@ -356,9 +358,40 @@ MODE_DEFAULTS = {  # vLLM CPU's own defaults per usage context (LLM class / Open
 }
 
 
+def _bench_model(args, tmp: str) -> tuple[str, dict, str]:
+    """(model dir, shape, label): --model as given; --random-model the random-weight 125M Llama, built in tmp;
+    by default SmolLM2-135M-Instruct dequantised to --dtype (runtime/bench/real_model.py), the same folder for
+    both engines."""
+    from kvserve.runtime.bench.throughput import DEFAULT_SHAPE, shape_of_model_dir
+
+    if args.model and args.random_model:
+        raise SystemExit("kvserve bench peer: --model and --random-model exclude each other")
+    if args.model:
+        return os.path.abspath(args.model), shape_of_model_dir(args.model), args.model
+    if not args.random_model:
+        from kvserve.runtime.bench import real_model
+
+        print(f"model: {real_model.describe(args.dtype)} ...", flush=True)
+        model_dir = real_model.hf_dir(args.dtype)
+        return model_dir, shape_of_model_dir(model_dir), real_model.describe(args.dtype)
+    from kvserve.runtime.models.synthetic import make_random_model_dir
+
+    model_dir, shape = os.path.join(tmp, "model"), dict(DEFAULT_SHAPE)
+    print(
+        f"building the random-weight 125M Llama (hidden 768, 12 layers, 12/4 heads, head_dim 64) in {model_dir} ...",
+        flush=True,
+    )
+    make_random_model_dir(model_dir, "LlamaForCausalLM", seed=args.seed, **shape)
+    label = (
+        f"random 125M Llama (hidden {shape['hidden_size']}, {shape['num_hidden_layers']} "
+        f"layers, {shape['num_attention_heads']}/{shape.get('num_key_value_heads')} heads)"
+    )
+    return model_dir, shape, label
+
+
 def main(args) -> int:
     """args: the namespace cli/bench_peer.py builds. Returns the exit code (2: peer venv missing)."""
-    from kvserve.runtime.bench.throughput import DEFAULT_SHAPE, Workload, shape_of_model_dir
+    from kvserve.runtime.bench.throughput import Workload
 
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     if not engines or any(e not in ENGINES for e in engines) or len(set(engines)) != len(engines):
@@ -390,21 +423,13 @@ def main(args) -> int:
     tmp = tempfile.mkdtemp(prefix="kvserve-peer-")
     ok = False
     try:
-        if args.model:
-            model_dir, shape = os.path.abspath(args.model), shape_of_model_dir(args.model)
-        else:
-            from kvserve.runtime.models.synthetic import make_random_model_dir
-
-            model_dir, shape = os.path.join(tmp, "model"), dict(DEFAULT_SHAPE)
-            print(
-                f"building the random-weight 125M Llama (hidden 768, 12 layers, 12/4 heads, head_dim 64) in "
-                f"{model_dir} ...",
-                flush=True,
+        model_dir, shape, label = _bench_model(args, tmp)
+        if args.random_model or args.random_prompts:
+            wl = Workload.random(
+                num_requests, tuple(args.prompt_len), tuple(args.output_len), shape["vocab_size"], args.seed
             )
-            make_random_model_dir(model_dir, "LlamaForCausalLM", seed=args.seed, **shape)
-        wl = Workload.random(
-            num_requests, tuple(args.prompt_len), tuple(args.output_len), shape["vocab_size"], args.seed
-        )
+        else:
+            wl = Workload.chat(model_dir, num_requests, tuple(args.prompt_len), tuple(args.output_len), args.seed)
         max_model_len = args.max_model_len or max(len(p) for p in wl.prompts) + max(wl.output_lens)
         settings = Settings(
             dtype=args.dtype,
@@ -416,11 +441,6 @@ def main(args) -> int:
             seed=args.seed,
             cpus=format_cpus(engine_cpus),
         )
-        label = (
-            args.model
-            or f"random 125M Llama (hidden {shape['hidden_size']}, {shape['num_hidden_layers']} "
-            f"layers, {shape['num_attention_heads']}/{shape.get('num_key_value_heads')} heads)"
-        )
         opts = Options(
             mode=args.mode,
             engines=engines,
@@ -429,6 +449,7 @@ def main(args) -> int:
             model_dir=model_dir,
             model_label=label,
             workload=wl,
+            prompt_kind="random token ids" if args.random_model or args.random_prompts else "chat-templated text",
             settings=settings,
             seed=args.seed,
             workdir=args.log_dir or tmp,

@@ -42,7 +42,8 @@ def format_offline_table(report: dict) -> str:
     lines = [
         f"=== kvserve bench peer: offline, {s['dtype']} ===",
         f"model {report['model']}; {w['num_requests']} requests, {w['prompt_tokens']} prompt / "
-        f"{w['output_tokens']} output tokens (token-id prompts, greedy, ignore_eos, seed {w['seed']})",
+        f"{w['output_tokens']} output tokens ({w.get('prompts', 'random token ids')} as token ids, greedy, "
+        f"ignore_eos, seed {w['seed']})",
         settings_line(s),
         f"order: {' '.join(report['order'])} (ABBA); best of {report['runs_per_engine']} "
         f"runs per engine; warm-up and start-up not timed",
@@ -97,7 +98,8 @@ def format_served_table(report: dict) -> str:
     lines = [
         f"=== kvserve bench peer: served, {s['dtype']}, {report['concurrency']} concurrent streams ===",
         f"model {report['model']}; {w['num_requests']} requests, {w['prompt_tokens']} prompt / "
-        f"{w['output_tokens']} output tokens (token-id prompts in /v1/completions, stream, greedy, ignore_eos)",
+        f"{w['output_tokens']} output tokens ({w.get('prompts', 'random token ids')} as token ids in "
+        "/v1/completions, stream, greedy, ignore_eos)",
         settings_line(s) + f"; client on cores {report['client_cpus']}",
         f"order: {' '.join(report['order'])} (ABBA), each server started for its run; best of "
         f"{report['runs_per_engine']} runs per engine (by output tok/s)",

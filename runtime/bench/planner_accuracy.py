@@ -1,9 +1,11 @@
 """Planner accuracy (issue 25 item 5): predicted vs measured on this machine, per workload and metric.
 
-    python -m kvserve.runtime.bench.planner_accuracy [--model DIR] [--out result.json]
+    python -m kvserve.runtime.bench.planner_accuracy [--model DIR | --random-model] [--out result.json]
 
-Builds the random-weight 125M Llama (hidden 768, 12 layers, 12/4 heads, head_dim 64; throughput.DEFAULT_SHAPE)
-unless --model is given, calibrates it (`kvserve calibrate`'s code), then for every workload in WORKLOADS
+Runs SmolLM2-135M-Instruct, the default model, as an HF folder in float32 (runtime/bench/real_model.py; the
+dtype the random model ran in before), or with --random-model builds the random-weight 125M Llama (hidden 768,
+12 layers, 12/4 heads, head_dim 64; throughput.DEFAULT_SHAPE), or takes --model; calibrates it (`kvserve
+calibrate`'s code), then for every workload in WORKLOADS
 runs the real in-process engine (LLMEngine.step in a loop, wall clock) and the planner's simulator with the
 calibration, on the same request sequence: the same closed-loop protocol, or the same Poisson arrival times
 (given to the simulator as a trace), the same lengths and shared prefix. Prints output tok/s, TTFT p50 and
@@ -301,7 +303,14 @@ def _line(row: dict) -> str:
     )
 
 
-def default_model_dir(seed: int) -> str:
+def default_model_dir() -> str:
+    """SmolLM2-135M-Instruct's weights in float32 (fetched and dequantised once, then cached)."""
+    from kvserve.runtime.bench import real_model
+
+    return real_model.hf_dir("float32")
+
+
+def random_model_dir(seed: int) -> str:
     """The random-weight 125M Llama (throughput.DEFAULT_SHAPE) in a temporary folder."""
     from kvserve.runtime.bench.throughput import DEFAULT_SHAPE
     from kvserve.runtime.models.synthetic import make_random_model_dir
@@ -322,7 +331,8 @@ def finish(result: dict, out: str | None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", help="model folder (default: build the random-weight 125M Llama)")
+    ap.add_argument("--model", help="model folder (default: SmolLM2-135M-Instruct, float32)")
+    ap.add_argument("--random-model", action="store_true", help="build the random-weight 125M Llama instead")
     ap.add_argument("--calibration", help="reuse a `kvserve calibrate` JSON instead of calibrating")
     ap.add_argument("--out", help="write the result JSON here")
     ap.add_argument("--seed", type=int, default=0)
@@ -343,7 +353,9 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    model_dir = args.model or default_model_dir(args.seed)
+    if args.model and args.random_model:
+        ap.error("--model and --random-model exclude each other")
+    model_dir = args.model or (random_model_dir(args.seed) if args.random_model else default_model_dir())
     calibration = None
     if args.calibration:
         with open(args.calibration) as f:

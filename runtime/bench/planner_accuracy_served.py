@@ -1,7 +1,9 @@
 """Planner accuracy through the served engine (issue 25 item 5: "the real served engine, the project's streaming
 benchmark"):
 
-    python -m kvserve.runtime.bench.planner_accuracy_served [--model DIR] [--seed N] [--out result.json]
+    python -m kvserve.runtime.bench.planner_accuracy_served [--model DIR | --random-model] [--seed N] [--out ...]
+
+The model: SmolLM2-135M-Instruct in float32 by default, as planner_accuracy.py.
 
 
 The calibration is the server's own: `kvserve serve` starts on 127.0.0.1 with the benchmark's settings, KV pool
@@ -230,11 +232,14 @@ def run_served(model_dir: str, seed: int = 0, workloads: tuple[pa.Case, ...] = p
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", help="model folder (default: build the random-weight 125M Llama)")
+    ap.add_argument("--model", help="model folder (default: SmolLM2-135M-Instruct, float32)")
+    ap.add_argument("--random-model", action="store_true", help="build the random-weight 125M Llama instead")
     ap.add_argument("--out", help="write the result JSON here")
     ap.add_argument("--seed", type=int, default=0, help="seed of the model's weights and of every workload's prompts")
     args = ap.parse_args(argv)
-    model_dir = args.model or pa.default_model_dir(args.seed)
+    if args.model and args.random_model:
+        ap.error("--model and --random-model exclude each other")
+    model_dir = args.model or (pa.random_model_dir(args.seed) if args.random_model else pa.default_model_dir())
     print("workload                     predicted / measured (error)", flush=True)
     return pa.finish(run_served(model_dir, args.seed), args.out)
 

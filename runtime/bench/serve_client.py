@@ -172,22 +172,73 @@ def random_ids(rng, n: int, vocab: int) -> list[int]:
     return [rng.randrange(low, vocab) for _ in range(n)]
 
 
-def random_workload(args: argparse.Namespace, rng, vocab: int) -> tuple[list[Request], Request]:
+class Prompts:
+    """Where a workload's token ids come from: chat-templated real text (a TextPool, runtime/bench/real_prompts.py)
+    or random ids below `vocab`. `prompt(rng, n)`: a whole prompt; `piece(rng, n)`: a run to append (the unique
+    suffix after a shared prefix)."""
+
+    def __init__(self, vocab: int, pool=None):
+        self.vocab, self.pool = vocab, pool
+
+    @property
+    def kind(self) -> str:
+        return "random token ids" if self.pool is None else "chat-templated text"
+
+    def prompt(self, rng, n: int) -> list[int]:
+        return random_ids(rng, n, self.vocab) if self.pool is None else self.pool.prompt(rng, n)
+
+    def piece(self, rng, n: int) -> list[int]:
+        return random_ids(rng, n, self.vocab) if self.pool is None else self.pool.piece(rng, n)
+
+
+def longest_prompt(args: argparse.Namespace) -> int:
+    """The most prompt tokens the workload asks for at once (what a text pool's entries must hold)."""
+    if args.workload == "random":
+        return max(1, int(args.input_len * (1 + args.range_ratio)), 16)
+    if args.workload == "shared-prefix":
+        return max(args.prefix_len, args.suffix_len, 16)
+    return max(args.long_prompt_len, args.stream_prompt_len, 16)
+
+
+async def server_prompts(client, base_url: str, headers: dict, model: str, vocab: int, args) -> Prompts:
+    """Prompts for --prompts: with text, the pool tokenized by the server itself (/tokenize with `messages`, as
+    vLLM's server has it), so the ids and the chat template are the served model's own."""
+    if getattr(args, "prompts", "random") != "text":
+        return Prompts(vocab)
+    from kvserve.runtime.bench.real_prompts import TextPool, chars_for, pool_contents
+
+    max_len = longest_prompt(args)
+    min_chars = chars_for(max_len)
+    while True:
+        entries = []
+        for content in pool_contents(min_chars, args.seed):
+            body = {"model": model, "messages": [{"role": "user", "content": content}], "add_generation_prompt": True}
+            async with client.post(base_url + "/tokenize", json=body, headers=headers) as resp:
+                if resp.status != 200:
+                    raise RuntimeError(
+                        f"--prompts text: {base_url}/tokenize answered {resp.status}: {(await resp.text())[:200]}; "
+                        "use --prompts random for a server without /tokenize"
+                    )
+                entries.append((await resp.json())["tokens"])
+        if min(len(e) for e in entries) >= max_len:
+            return Prompts(vocab, TextPool(entries, max_len))
+        min_chars *= 2
+
+
+def random_workload(args: argparse.Namespace, rng, prompts: Prompts) -> tuple[list[Request], Request]:
     """The random / shared-prefix requests and one warm-up request (the offline comparison makes the same)."""
     requests = []
-    prefix = random_ids(rng, args.prefix_len, vocab) if args.workload == "shared-prefix" else []
+    prefix = prompts.prompt(rng, args.prefix_len) if args.workload == "shared-prefix" else []
     for _ in range(args.num_prompts):
         if args.workload == "random":
             lo, hi = int(args.input_len * (1 - args.range_ratio)), int(args.input_len * (1 + args.range_ratio))
             olo = max(1, int(args.output_len * (1 - args.range_ratio)))
             ohi = max(olo, int(args.output_len * (1 + args.range_ratio)))
-            requests.append(Request(random_ids(rng, max(1, rng.randint(lo, hi)), vocab), rng.randint(olo, ohi)))
+            requests.append(Request(prompts.prompt(rng, max(1, rng.randint(lo, hi))), rng.randint(olo, ohi)))
         else:
-            requests.append(Request(prefix + random_ids(rng, args.suffix_len, vocab), args.output_len))
+            requests.append(Request(prefix + prompts.piece(rng, args.suffix_len), args.output_len))
     # one warm-up request (as vLLM's initial test run); for shared-prefix it also fills the cache
-    warm = Request(
-        prefix + random_ids(rng, max(1, args.suffix_len), vocab) if prefix else random_ids(rng, 16, vocab), 2
-    )
+    warm = Request(prefix + prompts.piece(rng, max(1, args.suffix_len)) if prefix else prompts.prompt(rng, 16), 2)
     return requests, warm
 
 
@@ -202,12 +253,14 @@ async def run_workload(args: argparse.Namespace, base_url: str, slos: dict[str, 
     timeout = aiohttp.ClientTimeout(total=args.timeout)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
         model, vocab = await server_info(client, base_url, headers, args.model)
+        prompts = await server_prompts(client, base_url, headers, model, vocab, args)
         url = base_url + "/v1/completions"
         config = {k: v for k, v in vars(args).items() if not k.startswith("_") and k not in ("api_key",)}
         result = {"workload": args.workload, "label": label, "base_url": base_url, "model": model, "config": config}
+        result["prompts"] = prompts.kind
 
         if args.workload in ("random", "shared-prefix"):
-            requests, warm = random_workload(args, rng, vocab)
+            requests, warm = random_workload(args, rng, prompts)
             await send_request(client, url, model, warm, headers, args.timeout)
             delays = arrival_delays(len(requests), args.request_rate, args.burstiness, rng)
             outs, t0, t1 = await run_requests(
@@ -220,11 +273,11 @@ async def run_workload(args: argparse.Namespace, base_url: str, slos: dict[str, 
         # long-prompt: phase 1 (steady) = background streams alone; phase 2 = the same plus long prompts
         def streams() -> list[Request]:
             return [
-                Request(random_ids(rng, args.stream_prompt_len, vocab), args.stream_output_len, "stream")
+                Request(prompts.prompt(rng, args.stream_prompt_len), args.stream_output_len, "stream")
                 for _ in range(args.num_streams)
             ]
 
-        await send_request(client, url, model, Request(random_ids(rng, 16, vocab), 2), headers, args.timeout)
+        await send_request(client, url, model, Request(prompts.prompt(rng, 16), 2), headers, args.timeout)
         steady, s0, s1 = await run_requests(
             client, url, model, streams(), [0.0] * args.num_streams, headers, None, args.timeout
         )
@@ -233,7 +286,7 @@ async def run_workload(args: argparse.Namespace, base_url: str, slos: dict[str, 
         expected_duration = s1 - s0
         background = streams()
         longs = [
-            Request(random_ids(rng, args.long_prompt_len, vocab), args.long_output_len, "long")
+            Request(prompts.prompt(rng, args.long_prompt_len), args.long_output_len, "long")
             for _ in range(args.num_long_prompts)
         ]
         spacing = 0.7 * expected_duration / max(1, args.num_long_prompts)

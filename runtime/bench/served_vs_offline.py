@@ -22,6 +22,17 @@ import statistics
 import time
 
 
+def local_prompts(args: argparse.Namespace, tokenizer, vocab: int):
+    """The prompts the served runs' client makes (serve_client.server_prompts), made here with the same tokenizer
+    and chat template: the same token ids offline and served."""
+    from kvserve.runtime.bench.real_prompts import local_pool
+    from kvserve.runtime.bench.serve_client import Prompts, longest_prompt
+
+    if getattr(args, "prompts", "random") != "text":
+        return Prompts(vocab)
+    return Prompts(vocab, local_pool(tokenizer, longest_prompt(args), args.seed))
+
+
 def offline_run(args: argparse.Namespace, model_dir: str, serve_args: list[str], threads: int | None = None) -> dict:
     """threads: run with this many torch intra-op threads (then restore the default), e.g. the core process's."""
     import random
@@ -39,7 +50,7 @@ def offline_run(args: argparse.Namespace, model_dir: str, serve_args: list[str],
     engine = LLMEngine(build_engine_config(_engine_args(model_dir, serve_args)))
     try:
         vocab = len(engine.tokenizer)  # what the server reports in /v1/models: the same prompts
-        requests, warm = random_workload(args, random.Random(args.seed), vocab)
+        requests, warm = random_workload(args, random.Random(args.seed), local_prompts(args, engine.tokenizer, vocab))
         _generate(engine, [warm], SamplingParams)
         start = time.perf_counter()
         steps = _generate(engine, requests, SamplingParams)
@@ -88,7 +99,9 @@ def offline_core_process_run(args: argparse.Namespace, model_dir: str, serve_arg
 
     client = CoreClient(build_engine_config(_engine_args(model_dir, serve_args)))
     try:
-        requests, warm = random_workload(args, random.Random(args.seed), len(client.tokenizer))
+        requests, warm = random_workload(
+            args, random.Random(args.seed), local_prompts(args, client.tokenizer, len(client.tokenizer))
+        )
         _generate(client, [warm], SamplingParams)
         start = time.perf_counter()
         _generate(client, requests, SamplingParams)
@@ -124,11 +137,11 @@ def compare(args: argparse.Namespace, slos: dict[str, float]) -> dict:
     import shlex
 
     from kvserve.runtime.bench.serve_client import LaunchedServer, print_result, run_async, run_workload
-    from kvserve.runtime.demo_model import ensure_demo_model
+    from kvserve.runtime.default_model import resolve_default_model
 
     args.workload = "random"
     counts = _api_server_counts(getattr(args, "api_server_counts", "1"))  # a typo fails before the offline runs
-    model_dir = args.model_dir or str(ensure_demo_model())
+    model_dir = args.model_dir or resolve_default_model()[0]  # as `kvserve serve` with no model
     serve_args = shlex.split(args.serve_args)
     print(f"== offline: LLMEngine({model_dir}, {' '.join(serve_args)})")
     offline = offline_run(args, model_dir, serve_args)

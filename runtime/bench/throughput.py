@@ -1,7 +1,8 @@
 """Offline throughput benchmark: kvserve vs transformers `generate` (static batches, left padding) on the
-same random-weight model and the same requests, in one process. Prints useful output tokens/s of both,
-their ratio, the fraction of the FLOP roofline (peak measured here, in this run), peak KV slots allocated
-vs used, and preemptions."""
+same model and the same requests, in one process: by default SmolLM2-135M-Instruct with chat-templated real
+text (runtime/bench/real_model.py, real_prompts.py), or the random-weight 125M Llama (`--random-model`).
+Prints useful output tokens/s of both, their ratio, the fraction of the FLOP roofline (peak measured here, in
+this run), peak KV slots allocated vs used, and preemptions."""
 
 from __future__ import annotations
 
@@ -41,6 +42,20 @@ class Workload:
             [rng.randrange(3, vocab_size) for _ in range(rng.randint(*prompt_range))] for _ in range(num_requests)
         ]
         return cls(prompts, [rng.randint(*output_range) for _ in range(num_requests)])
+
+    @classmethod
+    def chat(
+        cls, model_dir: str, num_requests: int, prompt_range: tuple[int, int], output_range: tuple[int, int], seed: int
+    ) -> "Workload":
+        """Lengths drawn as `random` draws them; each prompt real text in the model's chat template, cut to its
+        length (runtime/bench/real_prompts.py)."""
+        from kvserve.runtime.bench.real_prompts import chat_prompts_of_lengths
+        from kvserve.runtime.tokenizer import load_tokenizer
+
+        rng = random.Random(seed)
+        prompt_lens = [rng.randint(*prompt_range) for _ in range(num_requests)]
+        output_lens = [rng.randint(*output_range) for _ in range(num_requests)]
+        return cls(chat_prompts_of_lengths(load_tokenizer(model_dir), prompt_lens, seed), output_lens)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -192,6 +207,8 @@ def main(
     json_out: str | None = None,
     tensor_parallel_size: int = engine_args.default("tensor_parallel_size"),
     dtype: str = "float32",
+    random_model: bool = False,
+    random_prompts: bool = False,
     **engine_kwargs,
 ) -> dict:
     import torch
@@ -199,6 +216,11 @@ def main(
     from kvserve.runtime.models.synthetic import make_random_model_dir
 
     tmp = None
+    if model_dir is None and not random_model:  # SmolLM2-135M-Instruct in `dtype`, for kvserve and transformers
+        from kvserve.runtime.bench import real_model
+
+        print(f"model: {real_model.describe(dtype)} ...", flush=True)
+        model_dir = real_model.hf_dir(dtype)
     if model_dir is not None:
         # The model's own shape for the roofline; an explicit vocab size only narrows the workload's token ids.
         overrides = shape or {}
@@ -216,10 +238,14 @@ def main(
             flush=True,
         )
         make_random_model_dir(model_dir, "LlamaForCausalLM", seed=seed, **shape)
-    wl = Workload.random(num_requests, prompt_range, output_range, workload_vocab, seed)
+    if random_model or random_prompts:
+        wl = Workload.random(num_requests, prompt_range, output_range, workload_vocab, seed)
+    else:
+        wl = Workload.chat(model_dir, num_requests, prompt_range, output_range, seed)
+    prompt_kind = "random token ids" if random_model or random_prompts else "chat-templated text"
     print(
-        f"workload: {num_requests} requests, {wl.num_prompt_tokens} prompt tokens, {wl.num_output_tokens} output "
-        f"tokens (ignore_eos), seed {seed}; torch threads {torch.get_num_threads()}",
+        f"workload: {num_requests} requests, {wl.num_prompt_tokens} prompt tokens ({prompt_kind}), "
+        f"{wl.num_output_tokens} output tokens (ignore_eos), seed {seed}; torch threads {torch.get_num_threads()}",
         flush=True,
     )
     engine_kwargs.setdefault("max_model_len", max(len(p) for p in wl.prompts) + max(wl.output_lens))
@@ -241,6 +267,7 @@ def main(
             num_requests=num_requests,
             prompt_tokens=wl.num_prompt_tokens,
             output_tokens=wl.num_output_tokens,
+            prompts=prompt_kind,
             seed=seed,
             dtype=dtype,
         ),

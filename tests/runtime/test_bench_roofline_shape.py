@@ -57,3 +57,23 @@ def test_incomplete_config_is_named(tmp_path):
         shape_of_model_dir(
             write_config(tmp_path, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, vocab_size=100)
         )
+
+
+@pytest.mark.parametrize("random_prompts", [False, True])
+def test_throughput_prompts_follow_the_flags(model_factory, random_prompts):
+    """With a model (the default one, or --model), prompts are chat-templated real text unless --random-prompts;
+    the lengths are the workload's either way."""
+    from kvserve.runtime.bench import throughput
+
+    model_dir, _ = model_factory("llama_gqa")
+    report = throughput.main(
+        num_requests=3,
+        prompt_range=(8, 16),
+        output_range=(2, 4),
+        skip_hf=True,
+        model_dir=model_dir,
+        random_prompts=random_prompts,
+        block_size=16,
+    )
+    assert report["workload"]["prompts"] == ("random token ids" if random_prompts else "chat-templated text")
+    assert 24 <= report["workload"]["prompt_tokens"] <= 48 and report["kvserve"]["useful_output_tokens"] >= 6

@@ -104,6 +104,7 @@ def test_bench_serve_workloads(server, tmp_path, workload):
     result = json.loads(out.read_text())
     metrics = result["metrics"]
     assert metrics["failed"] == 0
+    assert result["prompts"] == "chat-templated text"  # the default: real text through the server's /tokenize
     if workload == "long-prompt":
         assert metrics["completed"] == 4 and metrics["steady_state_itl_ms"] > 0
         assert result["mixed"]["p99_itl_ms"] > 0

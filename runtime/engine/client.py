@@ -28,6 +28,7 @@ class EngineClient(Protocol):
     tokenizer: Any  # the model's transformers tokenizer
     num_step_failures: int  # cumulative failed steps (the engine_step_failures counter)
     startup_phases: dict[str, float]  # seconds per start-up phase of the engine (runtime/startup_phases.py)
+    sleeping: bool  # the engine core is asleep (sleep mode), whichever API server put it to sleep
 
     def add_request(
         self,

@@ -104,7 +104,7 @@ class ServerState:
     def asleep(self) -> bool:
         """Sleep mode: this server's /sleep is under way (`sleeping`), or the engine core is asleep -- with
         --api-server-count > 1 possibly put to sleep through another API server (its SLEEP_STATE)."""
-        return self.sleeping or bool(self.engine is not None and getattr(self.engine.engine, "sleeping", False))
+        return self.sleeping or bool(self.engine is not None and self.engine.engine.sleeping)
 
     @property
     def ready(self) -> bool:

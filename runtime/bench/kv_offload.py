@@ -12,7 +12,12 @@ output tokens/s over the whole run, tokens computed by the forward, tokens loade
 prefix-cache hit rate. A check keeps it honest: greedy tokens must be identical on and off, or no number is
 printed. Run it on a quiet machine (timings on a shared one are noise):
 
-    python -m kvserve.runtime.bench.kv_offload MODEL_DIR --conversations 32 --turns 4 --ratio 4
+    python -m kvserve.runtime.bench.kv_offload MODEL --conversations 32 --turns 4 --ratio 4
+
+MODEL is a model folder or a .gguf file (prepared as `kvserve serve` prepares it: runtime/gguf_model_dir.py).
+Where TTFT goes: every request's TTFT splits into its queue wait (arrival -> first scheduled: waiting for
+device blocks while earlier requests decode) and its prefill (first scheduled -> first token: its own forward,
+the tier's loads included); `ttft_p90_queue_s` is the queue share of the request at the p90.
 
 The cost of the tier when nothing is reused (saves only; must be within noise): `--turns 1 --system-len 0`.
 """
@@ -34,6 +39,7 @@ class Row:
     tier: str  # "off" or the --kv-offloading-size in GiB
     ttft_p50_s: float
     ttft_p90_s: float
+    ttft_p90_queue_s: float  # of the request nearest the p90: its wait for admission (the rest is its prefill)
     output_tokens_per_s: float
     computed_tokens: int
     loaded_tokens: int
@@ -56,7 +62,7 @@ def _run(model_dir: str, system, questions, answer_len: int, offload_gib: float 
     llm.engine.core.step_observers.append(lambda sched, _s: computed.append(sum(len(s.token_ids) for s in sched)))
     params = SamplingParams(temperature=0.0, max_tokens=answer_len, ignore_eos=True)
     histories = [list(system) for _ in questions]
-    ttfts, tokens, out_tokens = [], [], 0
+    ttfts, queued, tokens, out_tokens = [], [], [], 0
     start = time.perf_counter()
     for turn in range(len(questions[0])):
         prompts = [h + q[turn] for h, q in zip(histories, questions)]
@@ -68,16 +74,19 @@ def _run(model_dir: str, system, questions, answer_len: int, offload_gib: float 
             out_tokens += len(answer)
             if turn or len(questions[0]) == 1:  # turn 1 only: the no-reuse cost run
                 ttfts.append(o.metrics.first_token_time - o.metrics.arrival_time)
+                queued.append(o.metrics.first_scheduled_time - o.metrics.arrival_time)
     seconds = time.perf_counter() - start
     stats = llm.engine.get_stats()
     loaded = llm.engine.scheduler.num_offload_loaded_tokens
     num_blocks = llm.engine.config.cache.num_blocks
     llm.shutdown()
     deciles = statistics.quantiles(ttfts, n=10)
+    at_p90 = min(range(len(ttfts)), key=lambda i: abs(ttfts[i] - deciles[8]))
     row = Row(
         "off" if not offload_gib else f"{offload_gib:g} GiB",
         statistics.median(ttfts),
         deciles[8],
+        queued[at_p90],
         out_tokens / seconds,
         sum(computed),
         loaded,
@@ -89,7 +98,7 @@ def _run(model_dir: str, system, questions, answer_len: int, offload_gib: float 
 
 def main(argv: list[str] | None = None) -> list[Row]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("model_dir")
+    ap.add_argument("model", help="a model folder or a .gguf file")
     ap.add_argument("--conversations", type=int, default=32)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--system-len", type=int, default=256, help="tokens of the shared system prompt")
@@ -101,9 +110,11 @@ def main(argv: list[str] | None = None) -> list[Row]:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json-out")
     a = ap.parse_args(argv)
+    from kvserve.runtime import gguf_model_dir
     from kvserve.runtime.config import read_config_json
 
-    vocab = int(read_config_json(a.model_dir)["vocab_size"])
+    model_dir = gguf_model_dir.resolve(a.model)  # a .gguf file: its prepared folder (config.json, tokenizer)
+    vocab = int(read_config_json(model_dir)["vocab_size"])
     system, questions = _workload(a.conversations, a.turns, a.system_len, a.question_len, vocab, a.seed)
     last_turn_len = a.system_len + a.turns * (a.question_len + a.answer_len)
     working_set_blocks = a.conversations * -(-last_turn_len // a.block_size)
@@ -117,7 +128,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     )
     rows, outputs = [], []
     for gib in (None, a.offload_gib):
-        row, tokens, _ = _run(a.model_dir, system, questions, a.answer_len, gib, **engine)
+        row, tokens, _ = _run(model_dir, system, questions, a.answer_len, gib, **engine)
         rows.append(row)
         outputs.append(tokens)
     if outputs[0] != outputs[1]:

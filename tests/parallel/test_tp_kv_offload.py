@@ -93,3 +93,20 @@ def test_tp2_disk_tier_files_each_shard_and_recomputes_a_bad_rank1_block(tp_mode
     assert again == [off[1]]
     assert restored == num_blocks
     assert failed > 0 and hit > 0
+
+
+@pytest.mark.timeout(900)
+def test_pp2_disk_tier_matches_off(tp_model_factory, tmp_path):
+    """Two pipeline stages, micro-batches in flight: each stage files its layers; the fetch steps' agreement
+    (a collective over both stages) neither deadlocks with the stages' sends nor changes a token."""
+    model_dir, _ = tp_model_factory("llama_gqa")
+    first, second = conversations(12, seed=3)
+    disk = dict(kv_offloading_disk_dir=str(tmp_path), kv_offloading_disk_size=1024 * BYTES_PER_BLOCK / GIB)
+    off, engine_off, _ = run_rounds(model_dir, (first, second), 0, pipeline_parallel_size=2)
+    engine_off.shutdown()
+    on, engine, _ = run_rounds(model_dir, (first, second), 8 * BYTES_PER_BLOCK, pipeline_parallel_size=2, **disk)
+    hits = engine.kv_cache_manager.tier.disk.num_hit_blocks
+    engine.shutdown()
+    assert on == off
+    assert hits > 0
+    assert sorted(_rank_dirs(tmp_path)) == [0, 1]

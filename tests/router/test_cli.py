@@ -39,3 +39,11 @@ def test_router_flags_and_weights():
 def test_bench_rejects_unknown_runs(capsys):
     assert main(["bench", "router", "--runs", "router,roundrobin"]) == 2
     assert "roundrobin" in capsys.readouterr().err
+
+
+def test_bench_knows_the_restart_runs():
+    from kvserve.runtime.bench.router import RUNS
+
+    assert {"restart", "restart-events"} <= set(RUNS)
+    bench = build_parser().parse_args(["bench", "router", "--runs", "restart,restart-events", "--restart-at", "0.3"])
+    assert bench.runs == "restart,restart-events" and bench.restart_at == 0.3

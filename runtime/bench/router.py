@@ -48,6 +48,7 @@ from typing import Any
 
 import httpx
 
+from kvserve.runtime.bench.router_plot import group as _group
 from kvserve.runtime.bench.serve_client import percentile
 from kvserve.runtime.router.replica_metrics import parse_metrics
 
@@ -456,8 +457,6 @@ def _router_summary(text: str) -> dict[str, float]:
 
 
 # ---- report -------------------------------------------------------------------------------------------------------
-def _group(runs: dict[str, dict], name: str) -> list[dict]:
-    return [run for key, run in runs.items() if key.split("#")[0] == name]
 
 
 def _goals(runs: dict[str, dict]) -> dict[str, Any]:
@@ -534,51 +533,6 @@ def _print(runs: dict[str, dict], goals: dict[str, Any]) -> None:
         print(f"{key:48} {value:.3f}" if isinstance(value, float) else f"{key:48} {value}")
 
 
-def _plot(runs: dict[str, dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(17, 4.6))
-    colors = {
-        "single": "grey",
-        "router": "tab:blue",
-        "router-events": "tab:purple",
-        "random": "tab:orange",
-        "random-proxy": "tab:green",
-    }
-    names = [n for n in colors if _group(runs, n)]
-    for name in names:  # pooled over repetitions
-        ttfts = sorted(r["ttft_s"] * 1000 for run in _group(runs, name) for r in run["records"] if r["ok"])
-        axes[0].plot(ttfts, [i / max(1, len(ttfts) - 1) for i in range(len(ttfts))], label=name, color=colors[name])
-    axes[0].set(title="TTFT CDF (all repetitions)", xlabel="ms", ylabel="fraction of requests", xscale="log")
-    for i, name in enumerate(names):
-        rates = [run.get("prefix_cache_hit_rate", 0) for run in _group(runs, name)]
-        axes[1].scatter([i] * len(rates), rates, color=colors[name], zorder=3)
-        axes[1].bar(i, statistics.median(rates), color=colors[name], alpha=0.5)
-    axes[1].set_xticks(range(len(names)), names)
-    axes[1].set(title="cluster prefix-cache hit rate (bar: median, dots: runs)", ylim=(0, 1))
-    if "kill" in runs:
-        kill = runs["kill"]
-        for ok, color, label in ((True, "tab:blue", "completed"), (False, "tab:red", "failed mid-stream")):
-            pts = [(r["start_s"], (r["ttft_s"] or 0) * 1000) for r in kill["records"] if r["ok"] is ok]
-            if pts:
-                axes[2].scatter(*zip(*pts), s=10, color=color, label=label)
-        if kill.get("killed"):
-            axes[2].axvline(kill["killed"]["at_s"], color="black", linestyle="--", label="replica killed")
-        axes[2].set(
-            title="router with a replica killed: TTFT per request", xlabel="request start (s)", ylabel="TTFT (ms)"
-        )
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
 def main(args: argparse.Namespace) -> int:
     runs_wanted = [r.strip() for r in args.runs.split(",") if r.strip()]
     bad = [r for r in runs_wanted if r not in RUNS]
@@ -611,6 +565,8 @@ def main(args: argparse.Namespace) -> int:
             json.dump({"config": config, "goals": goals, "runs": runs}, f, indent=1)
         print(f"wrote {args.result_json}")
     if args.plot:
-        _plot(runs, args.plot)
+        from kvserve.runtime.bench.router_plot import plot  # matplotlib only when asked
+
+        plot(runs, args.plot)
         print(f"wrote {args.plot}")
     return 0

@@ -54,7 +54,49 @@ def _workload(num: int, turns: int, system_len: int, question_len: int, vocab: i
     return system, questions
 
 
-def _run(model_dir: str, system, questions, answer_len: int, offload_gib: float | None, **engine_kwargs):
+def _paced(llm, histories: list[list[int]], questions, params, rate: float, think_s: float) -> dict:
+    """Conversations as clients: conversation i asks its first turn at i / rate seconds, and each next turn
+    think_s after its answer. Returns (conversation, turn) -> RequestOutput; histories grow as answers come."""
+    engine = llm.engine
+    num_turns = len(questions[0])
+    t0 = time.monotonic()
+    due = {i: t0 + i / rate for i in range(len(questions))}  # conversation -> when its next turn arrives
+    next_turn = [0] * len(questions)
+    asked: dict[str, tuple[int, int, list[int]]] = {}
+    results = {}
+    while due or engine.has_unfinished_requests():
+        now = time.monotonic()
+        for i, at in sorted(due.items(), key=lambda kv: kv[1]):
+            if at <= now:
+                prompt = histories[i] + questions[i][next_turn[i]]
+                rid = f"c{i}-t{next_turn[i]}"
+                asked[rid] = (i, next_turn[i], prompt)
+                engine.add_request(rid, engine.prepare({"prompt_token_ids": prompt}, params), arrival_time=at)
+                del due[i]
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, min(due.values()) - time.monotonic()))
+            continue
+        for out in engine.step():
+            if out.finished:
+                i, turn, prompt = asked[out.request_id]
+                results[(i, turn)] = out
+                histories[i] = prompt + list(out.outputs[0].token_ids)
+                next_turn[i] += 1
+                if next_turn[i] < num_turns:
+                    due[i] = time.monotonic() + think_s
+    return results
+
+
+def _run(
+    model_dir: str,
+    system,
+    questions,
+    answer_len: int,
+    offload_gib: float | None,
+    rate: float | None = None,
+    think_s: float = 0.0,
+    **engine_kwargs,
+):
     from kvserve.runtime import LLM, SamplingParams
 
     llm = LLM(model_dir, kv_offloading_size=offload_gib, **engine_kwargs)
@@ -64,12 +106,17 @@ def _run(model_dir: str, system, questions, answer_len: int, offload_gib: float 
     histories = [list(system) for _ in questions]
     ttfts, queued, tokens, out_tokens = [], [], [], 0
     start = time.perf_counter()
+    paced = _paced(llm, histories, questions, params, rate, think_s) if rate else None
     for turn in range(len(questions[0])):
-        prompts = [h + q[turn] for h, q in zip(histories, questions)]
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        if paced is not None:
+            outs = [paced[(i, turn)] for i in range(len(questions))]
+        else:
+            prompts = [h + q[turn] for h, q in zip(histories, questions)]
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         for i, o in enumerate(outs):
             answer = list(o.outputs[0].token_ids)
-            histories[i] = prompts[i] + answer
+            if paced is None:
+                histories[i] = prompts[i] + answer
             tokens.append(answer)
             out_tokens += len(answer)
             if turn or len(questions[0]) == 1:  # turn 1 only: the no-reuse cost run
@@ -109,6 +156,14 @@ def main(argv: list[str] | None = None) -> list[Row]:
     ap.add_argument("--offload-gib", type=float, default=1.0, help="--kv-offloading-size of the 'on' run")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
+        "--conversation-rate",
+        type=float,
+        default=None,
+        help="paced arrivals instead of one burst per turn: conversations start at this rate (per second) and "
+        "ask each next turn --think-time after the answer",
+    )
+    ap.add_argument("--think-time", type=float, default=0.0, help="seconds between an answer and the next turn")
+    ap.add_argument(
         "--order", choices=("off-on", "on-off"), default="off-on", help="which run first (ABBA on a shared machine)"
     )
     ap.add_argument("--json-out")
@@ -131,7 +186,9 @@ def main(argv: list[str] | None = None) -> list[Row]:
     )
     rows, outputs = [], []
     for gib in (None, a.offload_gib) if a.order == "off-on" else (a.offload_gib, None):
-        row, tokens, _ = _run(model_dir, system, questions, a.answer_len, gib, **engine)
+        row, tokens, _ = _run(
+            model_dir, system, questions, a.answer_len, gib, a.conversation_rate, a.think_time, **engine
+        )
         rows.append(row)
         outputs.append(tokens)
     if a.order == "on-off":  # rows are reported off first

@@ -53,3 +53,14 @@ def test_bench_runs_on_a_gguf_file(gguf_file):
     assert on.loaded_tokens > 0 and on.computed_tokens < off.computed_tokens
     for row in (off, on):
         assert 0 <= row.ttft_p90_queue_s < max(row.ttft_p90_s, row.ttft_p50_s) * 2
+
+
+@pytest.mark.timeout(300)
+def test_bench_paced_arrivals(gguf_file):
+    """--conversation-rate: conversations as clients (staggered starts, each next turn after its answer)."""
+    from kvserve.runtime.bench import kv_offload
+
+    argv = [gguf_file, "--conversations", "8", "--turns", "2", "--system-len", "32", "--question-len", "16"]
+    argv += ["--answer-len", "8", "--ratio", "4", "--offload-gib", "0.01", "--conversation-rate", "100"]
+    off, on = kv_offload.main(argv)
+    assert off.loaded_tokens == 0 and on.loaded_tokens > 0

@@ -61,6 +61,7 @@ def test_bench_paced_arrivals(gguf_file):
     from kvserve.runtime.bench import kv_offload
 
     argv = [gguf_file, "--conversations", "8", "--turns", "2", "--system-len", "32", "--question-len", "16"]
-    argv += ["--answer-len", "8", "--ratio", "4", "--offload-gib", "0.01", "--conversation-rate", "100"]
+    argv += ["--answer-len", "8", "--ratio", "8", "--offload-gib", "0.01", "--conversation-rate", "1000"]
+    argv += ["--think-time", "0.5"]  # every first turn done (and evicted) before the second turns come
     off, on = kv_offload.main(argv)
     assert off.loaded_tokens == 0 and on.loaded_tokens > 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-HELP = "benchmark kvserve router vs random spread on local replicas (multi-turn chat, a replica killed)"
+HELP = "benchmark kvserve router vs random spread on local replicas (multi-turn chat, a replica killed or restarted)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -13,7 +13,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--runs",
         default="single,router,random,kill",
-        help="comma-separated subset of single, router, router-events, random, random-proxy, kill",
+        help="comma-separated subset of single, router, router-events, random, random-proxy, kill, restart "
+        "(a replica restarted mid-run, the router's estimate), restart-events (the same, scoring from KV events)",
     )
     parser.add_argument(
         "--repeat",
@@ -38,6 +39,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-bytes", default="256MiB", help="KV budget per replica")
     parser.add_argument("--serve-args", default="", help="extra `kvserve serve` flags")
     parser.add_argument("--router-args", default="", help="extra `kvserve router` flags")
+    parser.add_argument(
+        "--restart-at",
+        type=float,
+        default=0.25,
+        help="restart runs: when the replica is restarted, as a fraction of the expected run time",
+    )
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
     parser.add_argument("--seed", type=int, default=0, help="random seed of the workload")
     parser.add_argument("--result-json", default=None, help="also write the results as JSON here")

@@ -275,11 +275,6 @@ def build_engine_config(args) -> EngineConfig:
             raise InvalidParameter(
                 "kv_offloading_disk_size", "kv_offloading_disk_dir needs kv_offloading_disk_size > 0 GiB"
             )
-        if a.tensor_parallel_size * a.pipeline_parallel_size > 1:
-            raise InvalidParameter(
-                "kv_offloading_disk_dir",
-                "the disk KV tier runs with one rank only (a rank's failed read would go unseen)",
-            )
     elif a.kv_offloading_disk_size:
         raise InvalidParameter("kv_offloading_disk_size", "kv_offloading_disk_size needs kv_offloading_disk_dir")
     if swap_space_bytes < 0:

@@ -202,8 +202,8 @@ class EngineArgs:
     )
     kv_offloading_disk_dir: str | None = _setting(
         None,
-        "a local disk KV tier below the host tier (needs --kv-offloading-size, one rank): one checksummed file "
-        "per block, written by a thread, reused by a later engine of the same model and KV layout",
+        "a local disk KV tier below the host tier (needs --kv-offloading-size): one checksummed file "
+        "per block and rank, written by a thread, reused by a later engine of the same model and KV layout",
     )
     kv_offloading_disk_size: float | None = _setting(
         None, "the disk KV tier's size in GiB (with --kv-offloading-disk-dir)", type=float

@@ -171,6 +171,15 @@ class ServerMetrics:
         self.num_swap_outs = counter("kvserve:num_swap_outs", "Requests preempted by swapping their KV to host memory.")
         self.num_swap_ins = counter("kvserve:num_swap_ins", "Swapped-out requests brought back to device memory.")
 
+        # KV events (--kv-events-config, runtime/kv_events/): batches the publisher dropped because its queue was
+        # full (subscribers see a sequence gap and replay or resync). vLLM exports no such counter: kvserve: name.
+        self.kv_events_dropped_batches = counter(
+            "kvserve:kv_events_dropped_batches", "KV event batches dropped because the publisher's queue was full."
+        )
+        self.kv_events_published_batches = counter(
+            "kvserve:kv_events_published_batches", "KV event batches the publisher sent."
+        )
+
         # The host KV tier (--kv-offloading-size), per tier (label tier="cpu"; kvserve: names, vLLM exports none)
         def tier_metric(kind, name: str, doc: str, extra: tuple[str, ...] = ()):
             return kind(name, doc, [*labels, "tier", *extra], registry=registry)
@@ -372,12 +381,22 @@ class ServerMetrics:
             self.iteration_tokens.observe(iteration_tokens)
         if getattr(stats, "kv_offload_capacity_blocks", 0):
             self._update_kv_offload(stats)
+        self._update_kv_events(stats)
         for position, value in enumerate(getattr(stats, "spec_accepted_per_pos", ())):
             key = f"spec_accepted_pos_{position}"
             delta = value - self._last_counters.get(key, 0)
             self._last_counters[key] = value
             if delta > 0:
                 self._spec_per_pos.labels(position=str(position), **self._label_values).inc(delta)
+
+    def _update_kv_events(self, stats: Any) -> None:
+        """--kv-events-config: the publisher's cumulative batch counts (absent or 0 without it)."""
+        for name in ("kv_events_published_batches", "kv_events_dropped_batches"):
+            value = getattr(stats, name, 0)
+            delta = value - self._last_counters.get(name, 0)
+            self._last_counters[name] = value
+            if delta > 0:
+                getattr(self, name).inc(delta)
 
     def _update_kv_offload(self, stats: Any) -> None:
         tier = dict(tier="cpu", **self._label_values)

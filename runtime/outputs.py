@@ -103,3 +103,7 @@ class EngineStats:
     kv_offload_disk_hit_blocks: int = 0
     kv_offload_disk_written_blocks: int = 0
     kv_offload_disk_failed_blocks: int = 0
+    # --kv-events-config (runtime/kv_events/): cumulative batches the publisher sent on, and batches it dropped
+    # because its queue was full (its thread fell behind the engine steps: subscribers then see a sequence gap).
+    kv_events_published_batches: int = 0
+    kv_events_dropped_batches: int = 0

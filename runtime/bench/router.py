@@ -13,6 +13,12 @@ and wait an exponential think time between turns. Runs, each on freshly started 
   router-events  through the router scoring from the replicas' KV events (--kv-events-config on each
           replica over ipc:// sockets, --kv-events-endpoint on the router) instead of its estimate
   kill    through the router, with one replica SIGKILLed halfway through the run
+  restart / restart-events  through the router (its estimate / the replicas' KV events), with one replica
+          SIGKILLed halfway through and started again on the same port: its cache is empty, which the
+          estimate does not know and the events say (the new publisher's opening AllBlocksCleared); the hit
+          rate and TTFT are reported for the whole run and for the requests sent once the replica is healthy
+          again (--restart-at: when, as a fraction of the expected run time). With --routers 2 each
+          request goes to one of two routers that never talk to each other.
   random-proxy  (optional) through the router with every weight 0: random picks behind the same proxy hop,
           which separates the routing policy from the proxy's own CPU cost on a small machine
 
@@ -42,10 +48,14 @@ from typing import Any
 
 import httpx
 
+from kvserve.runtime.bench.router_plot import group as _group
 from kvserve.runtime.bench.serve_client import percentile
 from kvserve.runtime.router.replica_metrics import parse_metrics
 
-RUNS = ("single", "router", "router-events", "random", "random-proxy", "kill")
+RUNS = ("single", "router", "router-events", "random", "random-proxy", "kill", "restart", "restart-events")
+RESTARTS = ("restart", "restart-events")  # one replica restarted mid-run
+ROUTED = ("router", "router-events", "kill", "random-proxy", *RESTARTS)  # runs through kvserve router
+EVENTS = ("router-events", "restart-events")  # the router scores from the replicas' KV events
 REPEATED = ("router", "router-events", "random", "random-proxy")  # the comparison runs, repeated --repeat times
 
 
@@ -62,7 +72,7 @@ class _Proc:
     def __init__(self, args: list[str], health_path: str = "/health", threads: int = 1):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+        self.env = env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
         self.cmd = [
             sys.executable,
             "-m",
@@ -95,6 +105,12 @@ class _Proc:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait()
+
+    def restart(self) -> None:
+        """SIGKILL, then the same command on the same port (a crashed pod's container restarting)."""
+        self.kill()
+        self.proc = subprocess.Popen(self.cmd, env=self.env)
+        self.wait_healthy()
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -214,7 +230,8 @@ async def _replay(
 
         async def killer() -> None:
             await asyncio.sleep(kill_at_s)
-            on_kill(time.perf_counter() - t0)
+            # In a thread: a restart waits for the replica's health while the conversations go on.
+            await asyncio.to_thread(on_kill, time.perf_counter() - t0)
 
         tasks = [conversation(c) for c in workload["conversations"]]
         if kill_at_s is not None:
@@ -235,6 +252,10 @@ def _cache_counters(urls: list[str]) -> tuple[float, float]:
     return hits, queries
 
 
+def _cache_counters_by_url(urls: list[str]) -> dict[str, tuple[float, float]]:
+    return {u: _cache_counters([u]) for u in urls}
+
+
 def _summary(records: list[dict], duration_s: float) -> dict[str, Any]:
     ok = [r for r in records if r["ok"]]
     ttfts = sorted(r["ttft_s"] * 1000 for r in ok)
@@ -249,6 +270,7 @@ def _summary(records: list[dict], duration_s: float) -> dict[str, Any]:
         "duration_s": duration_s,
         "mean_ttft_ms": statistics.fmean(ttfts) if ttfts else 0.0,
         "p50_ttft_ms": percentile(ttfts, 50),
+        "p90_ttft_ms": percentile(ttfts, 90),
         "p99_ttft_ms": percentile(ttfts, 99),
         "output_tok_s": sum(r["completion_tokens"] for r in ok) / duration_s if duration_s else 0.0,
         "requests_s": len(ok) / duration_s if duration_s else 0.0,
@@ -269,7 +291,7 @@ def _run(args: argparse.Namespace, name: str, seed: int) -> dict[str, Any]:
     n = 1 if name == "single" else args.replicas
     events = [None] * n  # router-events: each replica's (endpoint, replay endpoint)
     events_dir = None
-    if name == "router-events":
+    if name in EVENTS:
         import tempfile
 
         events_dir = tempfile.mkdtemp(prefix="kvserve-bench-events-")  # ipc: local sockets, nothing listens on tcp
@@ -282,7 +304,7 @@ def _run(args: argparse.Namespace, name: str, seed: int) -> dict[str, Any]:
         urls = [r.url for r in replicas]
         model = httpx.get(urls[0] + "/v1/models", timeout=10).json()["data"][0]["id"]
         root = httpx.get(urls[0] + "/v1/models", timeout=10).json()["data"][0].get("root")
-        if name in ("router", "router-events", "kill", "random-proxy"):
+        if name in ROUTED:
             weights = (
                 [
                     "--weight-prefill",
@@ -337,9 +359,19 @@ def _run(args: argparse.Namespace, name: str, seed: int) -> dict[str, Any]:
         workload = _workload(args, seed)
         expected_s = workload["conversations"][-1]["start_s"] + args.turns * (args.think_time + 1.0)
         killed: dict[str, Any] = {}
+        at_restart: dict[str, tuple[float, float]] = {}  # every replica's counters when the restart began
+        at_up: dict[str, tuple[float, float]] = {}  # ... and when the restarted replica was healthy again
 
         def on_kill(at_s: float) -> None:
             victim = replicas[-1]
+            if name in RESTARTS:
+                at_restart.update(_cache_counters_by_url(urls))  # the victim's last counters before they reset
+                victim.restart()
+                up_s = time.perf_counter() - t_replay
+                at_up.update(_cache_counters_by_url(urls))
+                killed.update(replica=victim.url, at_s=at_s, restarted_at_s=up_s)
+                print(f"   restarted replica {victim.url} at t={at_s:.1f}s, healthy at t={up_s:.1f}s", flush=True)
+                return
             victim.kill()
             killed.update(replica=victim.url, at_s=at_s)
             print(f"   killed replica {victim.url} at t={at_s:.1f}s", flush=True)
@@ -349,13 +381,33 @@ def _run(args: argparse.Namespace, name: str, seed: int) -> dict[str, Any]:
             f"{len(workload['conversations'])} conversations x {args.turns} turns",
             flush=True,
         )
-        records, duration = asyncio.run(
-            _replay(args, workload, pick, model, kill_at_s=expected_s / 2 if name == "kill" else None, on_kill=on_kill)
-        )
-        live = [u for u in urls if u != killed.get("replica")]
+        t_replay = time.perf_counter()  # (the replay's own t0 is taken a moment later: within milliseconds)
+        # A restart early enough that the replica is back (a start takes tens of seconds on a small machine)
+        # while the conversations go on: --restart-at of the expected run time.
+        kill_at_s = expected_s / 2 if name == "kill" else expected_s * args.restart_at if name in RESTARTS else None
+        records, duration = asyncio.run(_replay(args, workload, pick, model, kill_at_s=kill_at_s, on_kill=on_kill))
+        live = [u for u in urls if name != "kill" or u != killed.get("replica")]
         hits1, queries1 = _cache_counters(live)
         result = _summary(records, duration)
-        if name != "kill":  # a killed replica takes its counters with it
+        if name in RESTARTS:
+            # The restarted replica's counters began again at 0: add what it had counted before.
+            victim_hits, victim_queries = at_restart.get(killed.get("replica"), (0.0, 0.0))
+            hits, queries = hits1 - hits0 + victim_hits, queries1 - queries0 + victim_queries
+            result["prefix_cache_hit_rate"] = hits / queries if queries else 0.0
+            # Once the restarted replica is healthy again: every replica's growth since then.
+            after_hits = hits1 - sum(h for h, _ in at_up.values())
+            after_queries = queries1 - sum(q for _, q in at_up.values())
+            result["hit_rate_after_restart"] = after_hits / after_queries if after_queries else 0.0
+            after = [r for r in records if r["start_s"] >= killed.get("restarted_at_s", 0)]
+            after_summary = _summary(after, duration)
+            result.update(
+                restarted=killed,
+                requests_after_restart=len(after),
+                p50_ttft_ms_after_restart=after_summary["p50_ttft_ms"],
+                p90_ttft_ms_after_restart=after_summary["p90_ttft_ms"],
+                to_restarted_replica_after=sum(1 for r in after if r["replica"] == killed.get("replica")),
+            )
+        elif name != "kill":  # a killed replica takes its counters with it
             result["prefix_cache_hit_rate"] = (hits1 - hits0) / (queries1 - queries0) if queries1 > queries0 else 0.0
         else:
             result["killed"] = killed
@@ -405,8 +457,6 @@ def _router_summary(text: str) -> dict[str, float]:
 
 
 # ---- report -------------------------------------------------------------------------------------------------------
-def _group(runs: dict[str, dict], name: str) -> list[dict]:
-    return [run for key, run in runs.items() if key.split("#")[0] == name]
 
 
 def _goals(runs: dict[str, dict]) -> dict[str, Any]:
@@ -431,6 +481,12 @@ def _goals(runs: dict[str, dict]) -> dict[str, Any]:
         if router and other:
             reductions = [1 - a["mean_ttft_ms"] / b["mean_ttft_ms"] for a, b in zip(router, other) if b["mean_ttft_ms"]]
             goals[f"mean_ttft_reduction_vs_{name} (median)"] = statistics.median(reductions)
+    for name in RESTARTS:
+        if name in runs and single and single[0].get("prefix_cache_hit_rate"):
+            ideal = single[0]["prefix_cache_hit_rate"]
+            goals[f"hit_rate_{name}_over_single"] = runs[name]["prefix_cache_hit_rate"] / ideal
+            goals[f"hit_rate_after_restart_{name}_over_single"] = runs[name]["hit_rate_after_restart"] / ideal
+            goals[f"{name}_failed"] = runs[name]["failed"]
     if "kill" in runs:
         goals["kill_failed_before_first_byte"] = runs["kill"]["failed_before_first_byte"]
         goals["kill_goal_met (== 0)"] = runs["kill"]["failed_before_first_byte"] == 0
@@ -445,9 +501,15 @@ def _print(runs: dict[str, dict], goals: dict[str, Any]) -> None:
         "failed_before_first_byte",
         "failed_mid_stream",
         "prefix_cache_hit_rate",
+        "hit_rate_after_restart",
         "mean_ttft_ms",
         "p50_ttft_ms",
+        "p90_ttft_ms",
         "p99_ttft_ms",
+        "p50_ttft_ms_after_restart",
+        "p90_ttft_ms_after_restart",
+        "requests_after_restart",
+        "to_restarted_replica_after",
         "output_tok_s",
         "requests_s",
         "mean_prompt_tokens",
@@ -471,51 +533,6 @@ def _print(runs: dict[str, dict], goals: dict[str, Any]) -> None:
         print(f"{key:48} {value:.3f}" if isinstance(value, float) else f"{key:48} {value}")
 
 
-def _plot(runs: dict[str, dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(17, 4.6))
-    colors = {
-        "single": "grey",
-        "router": "tab:blue",
-        "router-events": "tab:purple",
-        "random": "tab:orange",
-        "random-proxy": "tab:green",
-    }
-    names = [n for n in colors if _group(runs, n)]
-    for name in names:  # pooled over repetitions
-        ttfts = sorted(r["ttft_s"] * 1000 for run in _group(runs, name) for r in run["records"] if r["ok"])
-        axes[0].plot(ttfts, [i / max(1, len(ttfts) - 1) for i in range(len(ttfts))], label=name, color=colors[name])
-    axes[0].set(title="TTFT CDF (all repetitions)", xlabel="ms", ylabel="fraction of requests", xscale="log")
-    for i, name in enumerate(names):
-        rates = [run.get("prefix_cache_hit_rate", 0) for run in _group(runs, name)]
-        axes[1].scatter([i] * len(rates), rates, color=colors[name], zorder=3)
-        axes[1].bar(i, statistics.median(rates), color=colors[name], alpha=0.5)
-    axes[1].set_xticks(range(len(names)), names)
-    axes[1].set(title="cluster prefix-cache hit rate (bar: median, dots: runs)", ylim=(0, 1))
-    if "kill" in runs:
-        kill = runs["kill"]
-        for ok, color, label in ((True, "tab:blue", "completed"), (False, "tab:red", "failed mid-stream")):
-            pts = [(r["start_s"], (r["ttft_s"] or 0) * 1000) for r in kill["records"] if r["ok"] is ok]
-            if pts:
-                axes[2].scatter(*zip(*pts), s=10, color=color, label=label)
-        if kill.get("killed"):
-            axes[2].axvline(kill["killed"]["at_s"], color="black", linestyle="--", label="replica killed")
-        axes[2].set(
-            title="router with a replica killed: TTFT per request", xlabel="request start (s)", ylabel="TTFT (ms)"
-        )
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
 def main(args: argparse.Namespace) -> int:
     runs_wanted = [r.strip() for r in args.runs.split(",") if r.strip()]
     bad = [r for r in runs_wanted if r not in RUNS]
@@ -537,6 +554,9 @@ def main(args: argparse.Namespace) -> int:
             runs[f"{name}#{rep}"] = _run(args, name, args.seed)
     if "kill" in runs_wanted:
         runs["kill"] = _run(args, "kill", args.seed)
+    wanted_restarts = [r for r in RESTARTS if r in runs_wanted]
+    for name in wanted_restarts:
+        runs[name] = _run(args, name, args.seed)
     goals = _goals(runs)
     _print(runs, goals)
     if args.result_json:
@@ -545,6 +565,8 @@ def main(args: argparse.Namespace) -> int:
             json.dump({"config": config, "goals": goals, "runs": runs}, f, indent=1)
         print(f"wrote {args.result_json}")
     if args.plot:
-        _plot(runs, args.plot)
+        from kvserve.runtime.bench.router_plot import plot  # matplotlib only when asked
+
+        plot(runs, args.plot)
         print(f"wrote {args.plot}")
     return 0

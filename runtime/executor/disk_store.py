@@ -32,8 +32,9 @@ DIGEST_BYTES = 32
 HEADER_BYTES = len(MAGIC) + 8 + DIGEST_BYTES
 
 
-def layout_facts(config: EngineConfig) -> dict:
-    """What must match for a block file to be reusable: the model, the KV layout and the rank's shard."""
+def layout_facts(config: EngineConfig, rank: int = 0) -> dict:
+    """What must match for a block file to be reusable: the model, the KV layout, the ranks' layout and which
+    rank's shard (global rank: its KV heads under tensor parallelism, its layers under pipeline parallelism)."""
     layout = kv_sizing.layout(config)
     model_dir = config.model.model_dir
     return {
@@ -48,7 +49,8 @@ def layout_facts(config: EngineConfig) -> dict:
         "num_kv_heads": layout.num_kv_heads,
         "head_dim": layout.head_dim,
         "tensor_parallel_size": layout.tensor_parallel_size,
-        "rank": 0,
+        "pipeline_parallel_size": config.parallel.pipeline_parallel_size,
+        "rank": rank,
     }
 
 
@@ -64,10 +66,12 @@ def _weight_files(model_dir: str) -> list:
     return out
 
 
-def store_dir(config: EngineConfig) -> str:
-    """<--kv-offloading-disk-dir>/kvserve-<fingerprint>: one directory per layout, so engines of other models
-    or layouts sharing the disk never read each other's blocks."""
-    facts = layout_facts(config)
+def store_dir(config: EngineConfig, rank: int = 0) -> str:
+    """<--kv-offloading-disk-dir>/kvserve-<fingerprint>: one directory per layout and rank, so engines of other
+    models or layouts sharing the disk never read each other's blocks, and each rank files its own shard. The
+    scheduler's index lists rank 0's directory: a block another rank lacks fails that rank's read, and the
+    ranks' agreement (executor/host_tier.py) turns it into a recompute on all of them."""
+    facts = layout_facts(config, rank)
     digest = hashlib.blake2b(json.dumps(facts, sort_keys=True).encode(), digest_size=8).hexdigest()
     return os.path.join(config.cache.kv_offloading_disk_dir, f"kvserve-{digest}")
 
@@ -77,8 +81,10 @@ def open_disk_index(config: EngineConfig, executor) -> DiskIndex | None:
     engine of this layout left there included); None without a disk tier."""
     if not config.cache.kv_offloading_disk_dir:
         return None
-    block_bytes = executor.kv_cache_bytes // executor.num_blocks
-    return DiskIndex(store_dir(config), config.cache.kv_offloading_disk_bytes // block_bytes)
+    block_bytes = executor.kv_cache_bytes // executor.num_blocks  # one rank's shard of a block
+    # The size is a total over the ranks, as --kv-offloading-size's is: each rank's share holds its shards.
+    per_rank_bytes = config.cache.kv_offloading_disk_bytes // config.world_size
+    return DiskIndex(store_dir(config), per_rank_bytes // block_bytes)
 
 
 class DiskStore:

@@ -23,13 +23,17 @@ from kvserve.runtime.core.outputs import ModelRunnerOutput, SchedulerOutput
 
 # ModelRunner._swap(device_to_host, host_to_device), each a list of (from block, to block)
 CopyBlocks = Callable[[list[tuple[int, int]], list[tuple[int, int]]], None]
+# With more than one rank: this rank's per-block read results in, every rank's AND out (a collective every rank
+# calls in the same steps: they all run the same fetches), so a block one rank failed to read fails on all.
+AgreeOnReads = Callable[[list[bool]], list[bool]]
 
 
 class HostTierWorker:
-    def __init__(self, copy_blocks: CopyBlocks, host_kv, disk=None):
+    def __init__(self, copy_blocks: CopyBlocks, host_kv, disk=None, agree: AgreeOnReads | None = None):
         self.copy_blocks = copy_blocks
         self.host_kv = host_kv
         self.disk = disk  # DiskStore or None
+        self.agree = agree  # None: one rank
         self._saver: ThreadPoolExecutor | None = None  # started on the first save
         self._saving: Future | None = None
 
@@ -51,11 +55,22 @@ class HostTierWorker:
         self.wait_for_saves()
         conn = sched.kv_connector
         failed: dict[str, list[int]] = {}
-        for rid, t in conn.fetch.items():
-            slots = zip(t.host_block_ids, t.block_hashes)
-            bad = [i for i, (slot, h) in enumerate(slots) if not self.disk.read_into(h, self.host_kv[:, :, slot])]
-            if bad:
-                failed[rid] = bad
+        if conn.fetch:
+            # Every rank reads its own shard of each block; only the sampling rank's output reaches the
+            # scheduler, so the ranks agree first: a block is fetched only if every rank read its shard.
+            reads = [
+                self.disk.read_into(h, self.host_kv[:, :, slot])
+                for t in conn.fetch.values()
+                for slot, h in zip(t.host_block_ids, t.block_hashes)
+            ]
+            if self.agree is not None:
+                reads = self.agree(reads)
+            at = 0
+            for rid, t in conn.fetch.items():
+                bad = [i for i in range(len(t.host_block_ids)) if not reads[at + i]]
+                at += len(t.host_block_ids)
+                if bad:
+                    failed[rid] = bad
         swap_in = sched.swap_in
         if conn.load:
             swap_in = swap_in + [(h, d) for t in conn.load.values() for d, h in zip(t.block_ids, t.host_block_ids)]

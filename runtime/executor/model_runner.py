@@ -83,8 +83,10 @@ class ModelRunner:
                 from kvserve.runtime.executor import disk_store
                 from kvserve.runtime.executor.disk_store import DiskStore
 
-                self.disk_store = DiskStore(disk_store.store_dir(config), disk_store.layout_facts(config))
-            self.kv_transfer = host_tier.HostTierWorker(self._swap, self.host_kv, self.disk_store)
+                rank = self._global_rank()  # each rank files its own shard, in its own directory
+                self.disk_store = DiskStore(disk_store.store_dir(config, rank), disk_store.layout_facts(config, rank))
+            agree = self._agree_on_reads if config.world_size > 1 else None
+            self.kv_transfer = host_tier.HostTierWorker(self._swap, self.host_kv, self.disk_store, agree)
             self.kv_pull = None  # --kv-transfer-config: P/D pulls and leases over NIXL (executor/kv_pull.py)
             if config.kv_transfer is not None:
                 from kvserve.runtime.executor.kv_pull import KVPullWorker
@@ -195,6 +197,24 @@ class ModelRunner:
         """Swap space in host RAM, same layout as the device cache (pinned on CUDA for async copies)."""
         shape = (2,) + tuple(self.kv.shape[1:2]) + (num_blocks,) + tuple(self.kv.shape[3:])
         return torch.zeros(shape, dtype=self.kv.dtype, pin_memory=self.device.type == "cuda")
+
+    def _global_rank(self) -> int:
+        if self.config.world_size == 1:
+            return 0
+        import torch.distributed as dist
+
+        return dist.get_rank()
+
+    def _agree_on_reads(self, reads: list[bool]) -> list[bool]:
+        """The disk tier's reads of one step, AND-ed over every rank of the world (tensor-parallel ranks and
+        pipeline stages: each read its own shard of the same blocks)."""
+        import torch.distributed as dist
+
+        t = torch.tensor(reads, dtype=torch.int32)
+        if dist.get_backend() == "nccl":
+            t = t.to(self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return [bool(v) for v in t.tolist()]
 
     def _swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
         """Copies between the device cache and the host pool, every layer (and KV cache group) of the listed

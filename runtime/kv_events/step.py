@@ -23,6 +23,13 @@ class StepEventPublisher:
         if len(self.collector):
             self.publisher.publish(self.collector.take())
 
+    def stats(self) -> dict[str, int]:
+        """EngineStats' kv_events_* fields (cumulative)."""
+        return {
+            "kv_events_published_batches": self.publisher.sent_batches,
+            "kv_events_dropped_batches": self.publisher.dropped_batches,
+        }
+
     def shutdown(self) -> None:
         self.publisher.shutdown()
 

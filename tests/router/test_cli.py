@@ -84,3 +84,11 @@ def test_router_pd_flags(capsys):
     assert "--role-label needs --service" in capsys.readouterr().err
     assert main(["router", "--prefill-backend", "p:1", "--decode-backend", "http://d:1"]) == 2
     assert "--prefill-backend must be an http(s) URL" in capsys.readouterr().err
+
+
+def test_bench_knows_the_restart_runs():
+    from kvserve.runtime.bench.router import RUNS
+
+    assert {"restart", "restart-events"} <= set(RUNS)
+    bench = build_parser().parse_args(["bench", "router", "--runs", "restart,restart-events", "--restart-at", "0.3"])
+    assert bench.runs == "restart,restart-events" and bench.restart_at == 0.3

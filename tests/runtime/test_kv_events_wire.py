@@ -250,3 +250,36 @@ def test_live_engine_events_read_from_vllms_format(model_factory):
         sub.close()
     finally:
         llm.shutdown()
+
+
+def test_dropped_batches_reach_the_engine_metrics(model_factory):
+    """The publisher's dropped-batch count is an engine stat and a Prometheus counter on /metrics."""
+    from prometheus_client import generate_latest
+
+    from kvserve.runtime.engine.llm import LLM
+    from kvserve.runtime.metrics import ServerMetrics
+    from kvserve.runtime.sampling_params import SamplingParams
+
+    model_dir, _ = model_factory("llama_gqa")
+    config = (
+        '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:0", "max_queue_size": 1}'
+    )
+    llm = LLM(model_dir, max_model_len=128, num_kv_blocks=16, block_size=16, kv_events_config=config)
+    try:
+        llm.generate(
+            [(7 * i) % 500 + 1 for i in range(40)], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False
+        )
+        publisher = llm.engine.core.kv_events.publisher
+        for i in range(200):  # faster than its thread sends: a queue of one overflows
+            publisher.publish([RemovedBlocks([i])])
+        stats = llm.engine.get_stats()
+    finally:
+        llm.shutdown()
+    assert stats.kv_events_dropped_batches == publisher.dropped_batches > 0
+    assert stats.kv_events_published_batches > 0
+    metrics = ServerMetrics("m", 128)
+    metrics.update_from_stats(stats)
+    text = generate_latest(metrics.registry).decode()
+    dropped = float(stats.kv_events_dropped_batches)
+    assert f'kvserve:kv_events_dropped_batches_total{{engine="0",model_name="m"}} {dropped}' in text
+    assert 'kvserve:kv_events_published_batches_total{engine="0",model_name="m"}' in text

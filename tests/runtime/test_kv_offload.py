@@ -95,15 +95,6 @@ def test_tier_with_lora_adapters(tmp_path):
         (dict(kv_offloading_disk_dir="/tmp/x"), "kv_offloading_disk_dir"),
         (dict(kv_offloading_size=1.0, kv_offloading_disk_dir="/tmp/x"), "kv_offloading_disk_size"),
         (dict(kv_offloading_disk_size=1.0), "kv_offloading_disk_size"),
-        (
-            dict(
-                kv_offloading_size=1.0,
-                kv_offloading_disk_dir="/tmp/x",
-                kv_offloading_disk_size=1.0,
-                tensor_parallel_size=2,
-            ),
-            "kv_offloading_disk_dir",
-        ),
     ],
 )
 def test_bad_offload_settings_name_their_field(model_dir, kwargs, field):

@@ -10,9 +10,14 @@ from kvserve.runtime.server.app import build_app
 from kvserve.runtime.server.state import ServerConfig, _ready_marker
 
 
+class _AwakeClient:  # the engine client's part the readiness check reads (EngineClient.sleeping)
+    sleeping = False
+
+
 class _RunningEngine:
     is_running = True
     num_in_flight = 0
+    engine = _AwakeClient()
 
 
 def test_health_waits_for_every_api_server_of_the_group(tmp_path):

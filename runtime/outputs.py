@@ -103,3 +103,11 @@ class EngineStats:
     kv_offload_disk_hit_blocks: int = 0
     kv_offload_disk_written_blocks: int = 0
     kv_offload_disk_failed_blocks: int = 0
+    # --kv-transfer-config (P/D, core/pd_connector.py): 1 when the connector is on; leases held now and their
+    # blocks; cumulative leases expired, prompt tokens pulled, failed pulls (recomputed locally).
+    pd_enabled: int = 0
+    pd_leases_held: int = 0
+    pd_leased_blocks: int = 0
+    pd_leases_expired: int = 0
+    pd_pulled_tokens: int = 0
+    pd_failed_pulls: int = 0

@@ -458,4 +458,5 @@ class EngineCore:
             spec_num_accepted_tokens=self.scheduler.spec_num_accepted_tokens,
             spec_accepted_per_pos=tuple(self.scheduler.spec_accepted_per_pos),
             **kv.offload_stats(self.executor.kv_cache_bytes // self.executor.num_blocks * self.config.world_size),
+            **(self.scheduler.pd.stats() if self.scheduler.pd is not None else {}),
         )

@@ -31,6 +31,7 @@ COMMANDS: dict[str, str] = {
     "bench peer": "kvserve.cli.bench_peer",
     "bench spec": "kvserve.cli.bench_spec",
     "bench lora": "kvserve.cli.bench_lora",
+    "bench pd": "kvserve.cli.bench_pd",
 }
 
 

@@ -69,6 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-bytes", default="512MiB", help="KV budget per engine")
     parser.add_argument("--max-model-len", type=int, default=4096, help="per engine")
     parser.add_argument("--serve-args", default="", help="extra `kvserve serve` flags for every engine")
+    parser.add_argument("--router-args", default="", help="extra `kvserve router` flags (both stacks)")
     parser.add_argument("--ready-timeout", type=float, default=300.0, help="seconds for a server to be ready")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per request, and per stack's window")
     parser.add_argument("--seed", type=int, default=0, help="random seed of the prompts")
@@ -265,6 +266,7 @@ def run_mode(args, mode: str, tmp: str) -> dict:
 
 
 def _measure(args, backends: list[str], tmp: str, mode: str, layout: str) -> dict:
+    backends = [*backends, *args.router_args.split()]
     with _Router(backends, os.path.join(tmp, f"router-{mode}.log"), args.ready_timeout) as router:
         load_before = load_average()
         raw = asyncio.run(_workload(args, router.url))

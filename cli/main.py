@@ -32,6 +32,7 @@ COMMANDS: dict[str, str] = {
     "bench spec": "kvserve.cli.bench_spec",
     "bench lora": "kvserve.cli.bench_lora",
     "bench peaky": "kvserve.cli.bench_peaky",
+    "bench pd": "kvserve.cli.bench_pd",
 }
 
 

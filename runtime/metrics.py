@@ -205,6 +205,32 @@ class ServerMetrics:
         self._kv_offload_capacity = tier_metric(
             Gauge, "kvserve:kv_offload_capacity_blocks", "Blocks an offload tier can hold."
         )
+
+        # P/D disaggregation (--kv-transfer-config, core/pd_connector.py): vLLM's NixlConnector names where it
+        # has one (vllm:nixl_num_kv_expired_reqs, vllm:nixl_num_failed_transfers), kvserve: names for the rest.
+        # Families without samples until the engine reports the connector on (pd_enabled).
+        def pd_metric(kind, name: str, doc: str):
+            return kind(name, doc, labels, registry=registry)
+
+        self._pd_leases_held = pd_metric(
+            Gauge, "kvserve:pd_leases_held", "Prefill engine: finished prefills whose blocks wait for a decode pull."
+        )
+        self._pd_leased_blocks = pd_metric(Gauge, "kvserve:pd_leased_blocks", "Prefill engine: KV blocks under lease.")
+        self._pd_leases_expired = pd_metric(
+            Counter,
+            "vllm:nixl_num_kv_expired_reqs",
+            "Prefill engine: leases freed after abort_request_timeout without the decode engine's notification.",
+        )
+        self._pd_pulled_tokens = pd_metric(
+            Counter,
+            "kvserve:pd_pulled_tokens",
+            "Decode engine: prompt tokens whose KV was pulled from a prefill engine.",
+        )
+        self._pd_failed_pulls = pd_metric(
+            Counter,
+            "vllm:nixl_num_failed_transfers",
+            "Decode engine: pulls that failed (handshake, READ, or lease ended); the prompt was recomputed locally.",
+        )
         self._request_success = Counter(
             "vllm:request_success",
             "Count of successfully processed requests.",
@@ -382,6 +408,8 @@ class ServerMetrics:
         if getattr(stats, "kv_offload_capacity_blocks", 0):
             self._update_kv_offload(stats)
         self._update_kv_events(stats)
+        if stats.pd_enabled:
+            self._update_pd(stats)
         for position, value in enumerate(getattr(stats, "spec_accepted_per_pos", ())):
             key = f"spec_accepted_pos_{position}"
             delta = value - self._last_counters.get(key, 0)
@@ -435,6 +463,21 @@ class ServerMetrics:
             self._last_counters[name] = value
             if delta > 0:
                 metric.inc(delta)
+
+    def _update_pd(self, stats: Any) -> None:
+        self._pd_leases_held.labels(**self._label_values).set(stats.pd_leases_held)
+        self._pd_leased_blocks.labels(**self._label_values).set(stats.pd_leased_blocks)
+        for key, metric in (
+            ("pd_leases_expired", self._pd_leases_expired),
+            ("pd_pulled_tokens", self._pd_pulled_tokens),
+            ("pd_failed_pulls", self._pd_failed_pulls),
+        ):
+            value = getattr(stats, key)
+            delta = value - self._last_counters.get(key, 0)
+            self._last_counters[key] = value
+            counter = metric.labels(**self._label_values)  # the series shows 0 before the first event
+            if delta > 0:
+                counter.inc(delta)
 
     def set_startup_phases(self, phases: dict[str, float]) -> None:
         for phase, seconds in phases.items():

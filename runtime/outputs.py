@@ -107,3 +107,11 @@ class EngineStats:
     # because its queue was full (its thread fell behind the engine steps: subscribers then see a sequence gap).
     kv_events_published_batches: int = 0
     kv_events_dropped_batches: int = 0
+    # --kv-transfer-config (P/D, core/pd_connector.py): 1 when the connector is on; leases held now and their
+    # blocks; cumulative leases expired, prompt tokens pulled, failed pulls (recomputed locally).
+    pd_enabled: int = 0
+    pd_leases_held: int = 0
+    pd_leased_blocks: int = 0
+    pd_leases_expired: int = 0
+    pd_pulled_tokens: int = 0
+    pd_failed_pulls: int = 0

@@ -147,6 +147,18 @@ class PDConnector:
         self.pool.free_blocks(reversed(blocks))
         return True
 
+    def stats(self) -> dict[str, int]:
+        """EngineStats' pd_* fields (runtime/metrics.py exports them): leases held now and their blocks, then
+        cumulative -- leases expired without a notification, prompt tokens pulled, pulls that failed."""
+        return dict(
+            pd_enabled=1,
+            pd_leases_held=len(self._leases),
+            pd_leased_blocks=self.num_leased_blocks,
+            pd_leases_expired=self.num_leases_expired,
+            pd_pulled_tokens=self.num_pulled_tokens,
+            pd_failed_pulls=self.num_failed_pulls,
+        )
+
     @property
     def busy(self) -> bool:
         """Work only the runner's polling can finish: leases, pulls in flight or not yet started."""

@@ -459,4 +459,5 @@ class EngineCore:
             spec_accepted_per_pos=tuple(self.scheduler.spec_accepted_per_pos),
             **kv.offload_stats(self.executor.kv_cache_bytes // self.executor.num_blocks * self.config.world_size),
             **(self.kv_events.stats() if self.kv_events is not None else {}),
+            **(self.scheduler.pd.stats() if self.scheduler.pd is not None else {}),
         )

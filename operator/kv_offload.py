@@ -35,7 +35,8 @@ DISK_HEADROOM = 1.1
 FLAGS = ("--kv-offloading-size", "--kv-offloading-disk-dir", "--kv-offloading-disk-size")
 
 
-def _flag_value(args: list[str], flag: str) -> str | None:
+def flag_value(args: list[str], flag: str) -> str | None:
+    """The value of `--flag V` or `--flag=V` in an engine command line (extraArgs); None when absent."""
     for i, arg in enumerate(args):
         if arg == flag and i + 1 < len(args):
             return args[i + 1]
@@ -54,7 +55,7 @@ def host_bytes_per_replica(spec: InferenceServiceSpec) -> int:
     tier = offload(spec)
     if tier is not None:
         return int(tier.host_size_gib * GiB)
-    value = _flag_value([str(a) for a in spec.engine.extra_args or []], "--kv-offloading-size")
+    value = flag_value([str(a) for a in spec.engine.extra_args or []], "--kv-offloading-size")
     try:
         return max(0, int(float(value) * GiB)) if value is not None else 0
     except ValueError:

@@ -32,21 +32,12 @@ FRONT_PROCESS_CPU = 1
 CPU_PER_RANK = 1
 
 
-def _flag_value(args: list[str], flag: str) -> str | None:
-    for i, arg in enumerate(args):
-        if arg == flag and i + 1 < len(args):
-            return args[i + 1]
-        if arg.startswith(flag + "="):
-            return arg.split("=", 1)[1]
-    return None
-
-
 def swap_space_bytes(extra_args: list[str]) -> int:
     """Host RAM the runtime reserves for swapped KV blocks, from the pod's extra arguments."""
     args = [str(a) for a in extra_args]
-    if _flag_value(args, "--preemption-mode") != "swap":
+    if kv_offload.flag_value(args, "--preemption-mode") != "swap":
         return 0
-    value = _flag_value(args, "--swap-space")
+    value = kv_offload.flag_value(args, "--swap-space")
     return parse_bytes(value) if value is not None else RUNTIME_DEFAULT_SWAP_SPACE_BYTES
 
 

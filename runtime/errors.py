@@ -16,6 +16,7 @@ Messages are written for clients: they never carry Python reprs or tracebacks (t
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 
@@ -26,6 +27,19 @@ class InvalidParameter(ValueError):
     def __init__(self, param: str, message: str):
         super().__init__(message)
         self.param = param
+
+
+def json_object(value: str | dict, field: str) -> dict:
+    """A vLLM-style JSON flag's value (--kv-events-config, --kv-transfer-config: a JSON string, or a dict from
+    LLM(...)) as a dict; InvalidParameter naming `field` when it is not JSON or not an object."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise InvalidParameter(field, f"{field} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise InvalidParameter(field, f"{field} must be a JSON object, got {type(value).__name__}")
+    return value
 
 
 @dataclass(frozen=True)

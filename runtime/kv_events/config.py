@@ -5,11 +5,10 @@ Stdlib only: runtime.config (the shared floor) parses it when it builds the engi
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 from typing import Any
 
-from kvserve.runtime.errors import InvalidParameter
+from kvserve.runtime.errors import InvalidParameter, json_object
 
 PUBLISHERS = ("null", "zmq")
 
@@ -45,13 +44,7 @@ def parse_kv_events_config(value: Any) -> KVEventsConfig | None:
         return None
     if isinstance(value, KVEventsConfig):
         return value
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise InvalidParameter(_FIELD, f"{_FIELD} is not valid JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise InvalidParameter(_FIELD, f"{_FIELD} must be a JSON object, got {type(value).__name__}")
+    value = json_object(value, _FIELD)
     known = {f.name for f in fields(KVEventsConfig)}
     unknown = sorted(set(value) - known)
     if unknown:

@@ -6,13 +6,12 @@ implemented, vLLM's NixlConnector (prefill/decode disaggregation over NIXL, docs
 
 from __future__ import annotations
 
-import json
 import os
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvserve.runtime.errors import InvalidParameter
+from kvserve.runtime.errors import InvalidParameter, json_object
 
 CONNECTORS = ("NixlConnector",)
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -86,13 +85,7 @@ def parse_kv_transfer_config(value: Any) -> KVTransferConfig | None:
         return None
     if isinstance(value, KVTransferConfig):
         return value
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise InvalidParameter(_FIELD, f"{_FIELD} is not valid JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise InvalidParameter(_FIELD, f"{_FIELD} must be a JSON object, got {type(value).__name__}")
+    value = json_object(value, _FIELD)
     unknown = sorted(set(value) - set(_TYPES))
     if unknown:
         raise InvalidParameter(_FIELD, f"{_FIELD}: unknown field {unknown[0]!r}; known: {', '.join(sorted(_TYPES))}")

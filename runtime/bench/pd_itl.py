@@ -29,7 +29,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,7 +36,7 @@ import time
 import httpx
 
 from kvserve.runtime.bench.cpu_pinning import format_cpus, load_average, machine_info, parse_cpus
-from kvserve.runtime.bench.processes import Server, free_port, stop_process_group, tail
+from kvserve.runtime.bench.processes import Server, free_port
 
 MODES = ("pd", "agg")
 # Plain words: about one token each in a BPE vocabulary, about 4-5 characters each (the router's estimate
@@ -105,50 +104,6 @@ def _transfer_config(role: str, engine_id: str, side_port: int | None = None) ->
     return json.dumps(
         {"kv_connector": "NixlConnector", "kv_role": role, "engine_id": engine_id, "kv_connector_extra_config": extra}
     )
-
-
-class _Router:
-    """`kvserve router` on 127.0.0.1, healthy on entry, stopped on exit."""
-
-    def __init__(self, backends: list[str], log_path: str, ready_timeout: float):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [sys.executable, "-m", "kvserve.cli", "router", "--host", "127.0.0.1", "--port", str(self.port)]
-        self.cmd += backends
-        self.log_path, self.ready_timeout = log_path, ready_timeout
-
-    def __enter__(self) -> "_Router":
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + self.ready_timeout
-        try:
-            while True:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"kvserve router exited; log {self.log_path}:\n{tail(self.log_path)}")
-                try:
-                    if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                        return self
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"kvserve router not healthy; log {self.log_path}:\n{tail(self.log_path)}")
-                time.sleep(0.3)
-        except BaseException:
-            self.__exit__()
-            raise
-
-    def __exit__(self, *exc) -> None:
-        stop_process_group(self.proc)
-        self._log.close()
-
-    def pd_paths(self) -> dict[str, float]:
-        """kvserve_router:pd_requests_total summed per path (remote_prefill, local, fallback)."""
-        paths: dict[str, float] = {}
-        for line in httpx.get(self.url + "/metrics", timeout=10).text.splitlines():
-            if line.startswith("kvserve_router:pd_requests_total{"):
-                path = line.split('path="', 1)[1].split('"', 1)[0]
-                paths[path] = paths.get(path, 0.0) + float(line.rsplit(" ", 1)[1])
-        return paths
 
 
 async def _stream(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int, timeout: float) -> dict:
@@ -265,14 +220,30 @@ def run_mode(args, mode: str, tmp: str) -> dict:
     raise ValueError(f"--modes: unknown mode {mode!r} (choose from {', '.join(MODES)})")
 
 
+def _router_paths(router_url: str) -> dict[str, float]:
+    """kvserve_router:pd_requests_total summed per path (remote_prefill, local, fallback)."""
+    paths: dict[str, float] = {}
+    for line in httpx.get(router_url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("kvserve_router:pd_requests_total{"):
+            path = line.split('path="', 1)[1].split('"', 1)[0]
+            paths[path] = paths.get(path, 0.0) + float(line.rsplit(" ", 1)[1])
+    return paths
+
+
 def _measure(args, backends: list[str], tmp: str, mode: str, layout: str) -> dict:
-    backends = [*backends, *args.router_args.split()]
-    with _Router(backends, os.path.join(tmp, f"router-{mode}.log"), args.ready_timeout) as router:
+    # `kvserve router` through the benches' one process launcher (processes.Server: healthy on entry, its
+    # process group stopped on exit), on every CPU this process may use: the router is not pinned.
+    port = free_port()
+    cmd = [sys.executable, "-m", "kvserve.cli", "router", "--host", "127.0.0.1", "--port", str(port)]
+    cmd += [*backends, *args.router_args.split()]
+    log = os.path.join(tmp, f"router-{mode}.log")
+    cpus = sorted(os.sched_getaffinity(0))
+    with Server("kvserve router", cmd, dict(os.environ), cpus, port, log, args.ready_timeout) as router:
         load_before = load_average()
-        raw = asyncio.run(_workload(args, router.url))
+        raw = asyncio.run(_workload(args, router.base_url))
         result = {"mode": mode, "layout": layout, **summarize(raw)}
         result["load_avg_1m_before"], result["load_avg_1m_after"] = load_before, load_average()
-        result["router_pd_paths"] = router.pd_paths()
+        result["router_pd_paths"] = _router_paths(router.base_url)
     return result
 
 

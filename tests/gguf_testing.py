@@ -121,3 +121,31 @@ def _add_tokenizer(w, model_dir: str) -> None:
         w.add_pad_token_id(ids["pad_token"])
     w.add_add_bos_token(False)
     w.add_chat_template(cfg["chat_template"])
+
+
+def random_llama_dir(d, **shape) -> str:
+    """A random-weight Llama folder at `d` with the demo model's byte-level BPE tokenizer (what a GGUF carries):
+    GQA 4/2, 2 layers, tied embeddings; `shape` overrides the config (hidden_size, head_dim, ...)."""
+    import glob
+
+    from kvserve.runtime import demo_model
+    from kvserve.runtime.models.synthetic import make_random_model_dir
+
+    vocab = demo_model._build_tokenizer(d)
+    config = dict(
+        seed=0,
+        vocab_size=vocab,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+    )
+    make_random_model_dir(str(d), "LlamaForCausalLM", **{**config, **shape})
+    for f in {*glob.glob(f"{d}/*token*"), *glob.glob(f"{d}/special*")}:  # the word tokenizer it wrote
+        os.remove(f)
+    demo_model._build_tokenizer(d)
+    return str(d)

@@ -5,7 +5,6 @@ tokens from the folder equal those from the GGUF file itself."""
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 
@@ -13,34 +12,12 @@ import pytest
 
 pytest.importorskip("gguf")
 
-from gguf_testing import write_gguf  # noqa: E402  (tests/ is on pythonpath)
+from gguf_testing import random_llama_dir, write_gguf  # noqa: E402  (tests/ is on pythonpath)
 
 
 @pytest.fixture(scope="module")
 def gguf_file(tmp_path_factory) -> str:
-    from kvserve.runtime import demo_model
-    from kvserve.runtime.models.synthetic import make_random_model_dir
-
-    d = tmp_path_factory.mktemp("hf")
-    vocab = demo_model._build_tokenizer(d)
-    make_random_model_dir(
-        str(d),
-        "LlamaForCausalLM",
-        seed=0,
-        vocab_size=vocab,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=512,
-        initializer_range=0.2,  # clear greedy winners
-        tie_word_embeddings=True,
-    )
-    for f in {*glob.glob(f"{d}/*token*"), *glob.glob(f"{d}/special*")}:
-        os.remove(f)
-    demo_model._build_tokenizer(d)
+    d = random_llama_dir(tmp_path_factory.mktemp("hf"), initializer_range=0.2)  # clear greedy winners
     out = tmp_path_factory.mktemp("gguf") / "model-Q4_1.gguf"
     return write_gguf(str(d), str(out), "Q4_1")
 

@@ -8,7 +8,6 @@ and a ChatML template, so nothing is downloaded. The real SmolLM2 GGUF is tested
 
 from __future__ import annotations
 
-import glob
 import os
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import torch
 
 pytest.importorskip("gguf")
 
-from gguf_testing import write_gguf  # noqa: E402  (tests/ is on pythonpath)
+from gguf_testing import random_llama_dir, write_gguf  # noqa: E402  (tests/ is on pythonpath)
 
 from kvserve.runtime.errors import InvalidParameter  # noqa: E402
 
@@ -33,30 +32,8 @@ MESSAGES = [
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory) -> str:
     """A random Llama (GQA 4/2, head_dim 64: rows of 256 for the K-quants) with the demo's BPE tokenizer."""
-    from kvserve.runtime import demo_model
-    from kvserve.runtime.models.synthetic import make_random_model_dir
-
-    d = tmp_path_factory.mktemp("hf")
-    vocab = demo_model._build_tokenizer(d)
-    make_random_model_dir(
-        str(d),
-        "LlamaForCausalLM",
-        seed=0,
-        vocab_size=vocab,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=512,
-        initializer_range=0.2,  # peaked logits: clear greedy winners, no near-ties
-        tie_word_embeddings=True,
-    )
-    for f in {*glob.glob(f"{d}/*token*"), *glob.glob(f"{d}/special*")}:  # the word tokenizer it wrote
-        os.remove(f)
-    demo_model._build_tokenizer(d)
-    return str(d)
+    # initializer_range 0.2: peaked logits, clear greedy winners, no near-ties
+    return random_llama_dir(tmp_path_factory.mktemp("hf"), initializer_range=0.2)
 
 
 @pytest.fixture(autouse=True)

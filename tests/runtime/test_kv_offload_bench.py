@@ -4,42 +4,19 @@ only with the tier on and a TTFT split into queue wait and prefill."""
 
 from __future__ import annotations
 
-import glob
-import os
-
 import pytest
 
 pytest.importorskip("gguf")
 
-from gguf_testing import write_gguf  # noqa: E402  (tests/ is on pythonpath)
+from gguf_testing import random_llama_dir, write_gguf  # noqa: E402  (tests/ is on pythonpath)
 
 
 @pytest.fixture
 def gguf_file(tmp_path, monkeypatch) -> str:
-    from kvserve.runtime import demo_model
-    from kvserve.runtime.models.synthetic import make_random_model_dir
-
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path / "cache"))
     d = tmp_path / "hf"
     d.mkdir()
-    vocab = demo_model._build_tokenizer(d)
-    make_random_model_dir(
-        str(d),
-        "LlamaForCausalLM",
-        seed=0,
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-    )
-    for f in {*glob.glob(f"{d}/*token*"), *glob.glob(f"{d}/special*")}:  # the word tokenizer it wrote
-        os.remove(f)
-    demo_model._build_tokenizer(d)
+    random_llama_dir(d, hidden_size=64, intermediate_size=128, head_dim=16)
     return write_gguf(str(d), str(tmp_path / "m.gguf"))
 
 

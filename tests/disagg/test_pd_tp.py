@@ -13,15 +13,25 @@ pytest.importorskip("nixl_cu12", reason="P/D disaggregation needs NIXL: pip inst
 from tests.disagg.pd_testing import drain, engine, free_port, greedy, run, transfer_config  # noqa: E402
 
 
+def _free_port_pair() -> int:
+    """A port p with p + 1 free too (rank 1's side channel); another test's socket may hold p + 1, so draw again."""
+    import socket
+
+    for _ in range(50):
+        port = free_port()
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise AssertionError("no two free consecutive ports on 127.0.0.1")
+
+
 @pytest.mark.timeout(600)
 def test_tp2_pd_equals_aggregated(model_factory):
     model_dir = model_factory("llama_gqa")[0]  # 2 KV heads: one per rank
-    port = free_port()
-    rank1_port = port + 1  # rank 1's side channel (side_channel_port + rank): checked free below
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", rank1_port))
+    port = _free_port_pair()  # rank r's side channel listens on side_channel_port + r
     p = engine(model_dir, transfer_config("kv_producer", "prefill-tp", port), tensor_parallel_size=2)
     d = None
     try:

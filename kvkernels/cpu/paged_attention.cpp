@@ -12,8 +12,9 @@
 // scores in fp32, online softmax in fp32, P.V accumulated in fp32, one rounding to the output dtype.
 // bf16 caches with head_dim % 32 == 0 compute Q.K with _mm512_dpbf16_ps when the compiler targets
 // AVX512-BF16 (both operands are bf16 already, so the products are exact and only the summation order
-// differs); other dtypes widen K to fp32 once per chunk. Sequences whose q_len exceeds max_q_len are
-// skipped (the Python backend runs those long prefills through SDPA, where GEMMs win).
+// differs); other dtypes widen K to fp32 once per chunk. Sequences whose q_len exceeds max_q_len, and fresh
+// prefills (no cached prefix) longer than max_fresh_q_len (when >= 0), are skipped: the Python backend runs those
+// through SDPA, where GEMMs win (AMX makes that from ~64 tokens in bf16).
 #include "ops.h"
 
 #include <ATen/Dispatch.h>
@@ -186,7 +187,7 @@ inline void pv_block(float* acc, int64_t acc_stride, const float* alpha, const f
 template <typename T>
 void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cu_seqlens_q,
-                    double scale_d, int64_t max_q_len) {
+                    double scale_d, int64_t max_q_len, int64_t max_fresh_q_len) {
   const int64_t num_seqs = seq_lens.size(0);
   const int64_t num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
@@ -209,16 +210,19 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
   // Work items. A token's KV heads are adjacent in the cache, so an item takes all KV heads of its
   // (sequence, query tile) and streams whole cache rows; only when there are too few items to keep every
   // thread busy are the heads split across items.
+  auto skipped = [&](int64_t q_len, int64_t ctx) {
+    return q_len <= 0 || q_len > max_q_len || (max_fresh_q_len >= 0 && q_len == ctx && q_len > max_fresh_q_len);
+  };
   int64_t tiles = 0;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t q_len = cu[s + 1] - cu[s];
-    if (q_len > 0 && q_len <= max_q_len) tiles += (q_len + tile - 1) / tile;
+    if (!skipped(q_len, lens[s])) tiles += (q_len + tile - 1) / tile;
   }
   const int64_t heads_per_item = tiles >= 4 * threads ? num_kv_heads : 1;
   std::vector<Item> items;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t q_len = cu[s + 1] - cu[s], ctx = lens[s];
-    if (q_len <= 0 || q_len > max_q_len) continue;
+    if (skipped(q_len, ctx)) continue;
     TORCH_CHECK(ctx >= q_len, "paged_attention: seq_lens[", s, "] = ", ctx, " < q_len ", q_len);
     TORCH_CHECK((ctx + block_size - 1) / block_size <= block_tables.size(1), "paged_attention: block table too short");
     for (int64_t t0 = 0; t0 < q_len; t0 += tile) {
@@ -410,7 +414,7 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
 
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cu_seqlens_q,
-                     double scale, int64_t max_q_len) {
+                     double scale, int64_t max_q_len, int64_t max_fresh_q_len) {
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "paged_attention: bad ranks");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type() &&
                   q.scalar_type() == out.scalar_type(),
@@ -426,7 +430,8 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
               "paged_attention: block_tables / seq_lens / cu_seqlens_q must be int32");
   TORCH_CHECK(cu_seqlens_q.size(0) == seq_lens.size(0) + 1, "paged_attention: cu_seqlens_q size");
   KVS_DISPATCH(q.scalar_type(), "kvserve_paged_attention", [&] {
-    attention_impl<scalar_t>(out, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, max_q_len);
+    attention_impl<scalar_t>(out, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, max_q_len,
+                             max_fresh_q_len);
   });
 }
 

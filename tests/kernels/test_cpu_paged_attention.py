@@ -119,14 +119,17 @@ def test_paged_attention_op_strided_q_and_fp16(gen):
     assert rel_err(out, dense_causal_attention(b)) <= TOL[torch.float16]
 
 
-@pytest.mark.parametrize("sdpa_above", [None, 48], ids=["default-split", "sdpa-above-48"])
+@pytest.mark.parametrize(
+    "sdpa_above", [None, 48, "fresh-39"], ids=["default-split", "sdpa-above-48", "fresh-sdpa-above-39"]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("heads", [(12, 4, 64), (8, 8, 128)], ids=lambda h: f"h{h[0]}kv{h[1]}d{h[2]}")
 def test_backend_matches_torch_backend(heads, dtype, sdpa_above, seed, gen):
     """The whole backend (store + paged op + SDPA for long prefills), padding slots included, against the torch
     backend on identical caches: same outputs within tolerance, identical caches afterwards. With the default
-    split every prefill here (<= 130 tokens) runs in the paged kernel; with sdpa_above=48 the 60-130-token
-    ones (fresh and over a cached prefix) take the SDPA branches."""
+    split every prefill here (<= 130 tokens) runs in the paged kernel (AMX off); with sdpa_above=48 the 60-130-token
+    ones (fresh and over a cached prefix) take the SDPA branches; with "fresh-39" (bf16 on an AMX CPU) only the
+    fresh ones do, and the paged kernel skips them."""
     num_heads, num_kv_heads, head_dim = heads
     q_lens, ctx = _lengths(gen, 16)
     b = make_paged_batch(
@@ -146,9 +149,14 @@ def test_backend_matches_torch_backend(heads, dtype, sdpa_above, seed, gen):
     assert meta.has_padding_slots
     kc1, vc1, kc2, vc2 = b.k_cache.clone(), b.v_cache.clone(), b.k_cache.clone(), b.v_cache.clone()
     backend = CpuAttentionBackend()
-    if sdpa_above is not None:
+    backend._has_amx = sdpa_above == "fresh-39"
+    if sdpa_above == "fresh-39":
+        backend.PAGED_MAX_FRESH_Q_BF16_AMX = 39
+        fresh = [q for q, c in zip(meta.query_lens_list, meta.seq_lens_list) if q == c]
+        assert max(fresh) > 39 and (backend.paged_max_fresh_q(dtype) == 39) == (dtype == torch.bfloat16)
+    elif sdpa_above is not None:
         backend.PAGED_MAX_Q_FP32 = backend.PAGED_MAX_Q_BF16_DPBF16 = backend.PAGED_MAX_Q_OTHER = sdpa_above
-    assert (meta.max_seqlen_q > backend.paged_max_q(dtype, head_dim)) == (sdpa_above is not None)
+    assert (meta.max_seqlen_q > backend.paged_max_q(dtype, head_dim)) == (sdpa_above == 48)
     out_cpu = backend.forward(b.q, b.k_new, b.v_new, kc1, vc1, meta, b.scale)
     out_ref = TorchAttentionBackend().forward(b.q, b.k_new, b.v_new, kc2, vc2, meta, b.scale)
     assert torch.equal(kc1, kc2) and torch.equal(vc1, vc2), "store_kv wrote different caches"
@@ -168,6 +176,34 @@ def test_paged_kernel_limit_per_dtype(monkeypatch):
     assert backend.paged_max_q(torch.bfloat16, 80) == 48  # head_dim not a multiple of 32: no dpbf16 path
     backend._has_dpbf16 = False
     assert backend.paged_max_q(torch.bfloat16, 64) == 48
+    backend._has_amx = True  # fresh bf16 prefills go to SDPA (AMX tiles) from 56 tokens; other dtypes: no extra split
+    assert backend.paged_max_fresh_q(torch.bfloat16) == 56
+    assert backend.paged_max_fresh_q(torch.float32) == backend.paged_max_fresh_q(torch.float16) == -1
+    backend._has_amx = False
+    assert backend.paged_max_fresh_q(torch.bfloat16) == -1
+
+
+def test_paged_op_skips_only_long_fresh_prefills(gen):
+    """max_fresh_q_len: a fresh prefill above it is left untouched (the backend runs it through SDPA); a prefill
+    chunk of the same length over a cached prefix, and a decode, are still computed."""
+    b = make_paged_batch(
+        [40, 40, 1],
+        [0, 32, 49],
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        dtype=torch.float32,
+        generator=gen,
+        prefilled_new=True,
+    )
+    out = torch.full_like(b.q, 7.0)
+    torch.ops.kvserve_cpu.paged_attention(
+        out, b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.cu_seqlens_q, b.scale, 512, 32
+    )
+    ref = dense_causal_attention(b)
+    assert torch.all(out[:40] == 7.0), "the fresh 40-token prefill above the fresh limit was computed"
+    assert rel_err(out[40:81], ref[40:81]) <= TOL[torch.float32]
 
 
 def test_store_kv_skips_padding_slots(gen):

@@ -129,6 +129,32 @@ def test_scheduler_saves_on_store_and_loads_after_device_eviction():
     assert kv.host.num_allocatable == kv.host.num_blocks  # unpinned once the step reported the load
 
 
+def test_a_tier_hit_costs_no_token_budget_and_loads_in_its_admission_step():
+    """Loaded tokens are a copy, not a forward: with a 4-token budget (chunked prefill) the 13-token prompt
+    first takes 4 steps, and its repeat after device eviction one step -- 12 tokens loaded, the last
+    computed, its first token sampled in the very step that admits it."""
+    bs = 4
+    kv = KVCacheManager(num_blocks=5, block_size=bs, num_host_blocks=8, host_tier=True)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=bs, max_model_len=64), kv)
+    prompt = list(range(10, 23))
+    scheduler.add_request(_request("a", prompt))
+    num_steps = 0
+    while scheduler.has_unfinished_requests():
+        _step(scheduler)
+        num_steps += 1
+    assert num_steps == 4  # the budget binds: 4 + 4 + 4 + 1 tokens
+    scheduler.add_request(_request("b", list(range(100, 116))))  # evicts a's blocks from the device
+    while scheduler.has_unfinished_requests():
+        _step(scheduler)
+    assert kv.get_computed_blocks(_request("probe", prompt))[1] == 0
+    scheduler.add_request(_request("c", prompt))
+    step = _step(scheduler)
+    (sched_c,) = step.scheduled
+    assert step.kv_connector.load["c"].num_tokens == 3 * bs
+    assert sched_c.start_position == 3 * bs and sched_c.token_ids == prompt[3 * bs :] and sched_c.sample
+    assert not scheduler.has_unfinished_requests()  # max_tokens=1: finished in its admission step
+
+
 def test_a_step_without_output_is_aborted():
     bs = 4
     kv = KVCacheManager(num_blocks=5, block_size=bs, num_host_blocks=8, host_tier=True)

@@ -50,6 +50,7 @@ class Replay:
     p90_first_token_steps: float
     p90_queue_steps: int  # steps between its arrival and its first scheduled step
     p90_tokens_before: int  # tokens those steps computed (the prefills and decodes it waited behind)
+    p90_tokens_to_first: int  # tokens of the steps from its first scheduled one to its first token (its prefill's)
     model_ttft_p50_s: float | None = None  # paced only: the step-cost model's seconds
     model_ttft_p90_s: float | None = None
     admissions: list[list[tuple[int, int]]] = field(default_factory=list)  # burst: per turn (step, admitted)
@@ -173,6 +174,7 @@ def replay(
         p90_first_token_steps=deciles[8],
         p90_queue_steps=at_p90[2],
         p90_tokens_before=sum(step_tokens[at_p90[3] : at_p90[3] + at_p90[2]]),
+        p90_tokens_to_first=sum(step_tokens[at_p90[3] + at_p90[2] : at_p90[3] + at_p90[1]]),
         model_ttft_p50_s=statistics.median(r[0] for r in rows) if rate else None,
         model_ttft_p90_s=p90 if rate else None,
         admissions=[] if rate else admissions,

@@ -30,7 +30,7 @@ def test_a_burst_per_turn_is_admission_bound_the_same_with_the_tier_on_and_off()
     assert on.admissions == off.admissions and on.steps == off.steps
     assert [step for step, _ in on.admissions[2]][:3] == [1, 33, 65]  # turn 3: waves every answer_len steps
     assert on.p90_queue_steps == off.p90_queue_steps >= 64
-    assert on.p90_tokens_before < off.p90_tokens_before
+    assert on.p90_tokens_before < off.p90_tokens_before and on.p90_tokens_to_first < off.p90_tokens_to_first
 
 
 def test_loaded_tokens_cost_no_budget():

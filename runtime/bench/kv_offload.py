@@ -3,9 +3,11 @@ times the device KV pool, with --kv-offloading-size on and off, on the same engi
 
 The workload: `conversations` chats that share one long system prompt; every turn re-asks each chat with
 its whole history (system prompt, earlier questions and the engine's own answers) plus a new question, one
-batch per turn. The device pool holds 1/ratio of the last turn's tokens, so a chat's history is evicted
-before it is asked again: with the tier off it is recomputed (past the shared system prompt, which stays
-hot), with the tier on it comes back from host RAM.
+batch per turn (or paced: --conversation-rate, --think-time). The device pool holds 1/ratio of the last
+turn's distinct KV (the shared system prompt counted once), so a chat's history is evicted before it is asked
+again: with the tier off it is recomputed (past the shared system prompt, which stays hot), with the tier on
+it comes back from host RAM. kv_offload_replay.py replays the same workload through the real scheduler
+without a model: step counts, deterministic.
 
 Reported per setting: TTFT p50 / p90 (time.monotonic first token - arrival, over every request of turns 2..),
 output tokens/s over the whole run, tokens computed by the forward, tokens loaded from the tier, the device
@@ -45,6 +47,28 @@ class Row:
     loaded_tokens: int
     device_prefix_hit_rate: float
     num_kv_blocks: int
+    working_set_blocks: int = 0  # distinct KV blocks of the last turn (PoolShape)
+
+
+@dataclass(frozen=True)
+class PoolShape:
+    working_set_blocks: int  # distinct KV blocks of the last turn: the shared system prompt's full blocks once
+    num_kv_blocks: int  # the device pool: working_set_blocks / ratio
+    max_model_len: int
+
+
+def pool_shape(
+    conversations: int, turns: int, system_len: int, question_len: int, answer_len: int, block_size: int, ratio: float
+) -> PoolShape:
+    """The device pool for a working set `ratio` times its size. The working set counts the system prompt's
+    full blocks once (every conversation shares them: the prefix cache holds one copy), so a ratio of 4
+    means the conversations' distinct KV is 4x the pool, not 4x counting the shared prompt per chat."""
+    last_turn_blocks = -(-(system_len + turns * (question_len + answer_len)) // block_size)
+    shared = system_len // block_size
+    working_set = shared + conversations * (last_turn_blocks - shared)
+    # At least two sequences of the longest turn, so the pool is never too small to run at all.
+    num_kv_blocks = max(int(working_set / ratio), 2 * last_turn_blocks + 1)
+    return PoolShape(working_set, num_kv_blocks, last_turn_blocks * block_size)
 
 
 def _workload(num: int, turns: int, system_len: int, question_len: int, vocab: int, seed: int):
@@ -174,21 +198,16 @@ def main(argv: list[str] | None = None) -> list[Row]:
     model_dir = gguf_model_dir.resolve(a.model)  # a .gguf file: its prepared folder (config.json, tokenizer)
     vocab = int(read_config_json(model_dir)["vocab_size"])
     system, questions = _workload(a.conversations, a.turns, a.system_len, a.question_len, vocab, a.seed)
-    last_turn_len = a.system_len + a.turns * (a.question_len + a.answer_len)
-    working_set_blocks = a.conversations * -(-last_turn_len // a.block_size)
-    # At least two sequences of the longest turn, so the pool is never too small to run at all.
-    num_kv_blocks = max(int(working_set_blocks / a.ratio), 2 * -(-last_turn_len // a.block_size) + 1)
+    pool = pool_shape(a.conversations, a.turns, a.system_len, a.question_len, a.answer_len, a.block_size, a.ratio)
     engine = dict(
-        block_size=a.block_size,
-        num_kv_blocks=num_kv_blocks,
-        max_model_len=-(-last_turn_len // a.block_size) * a.block_size,
-        seed=a.seed,
+        block_size=a.block_size, num_kv_blocks=pool.num_kv_blocks, max_model_len=pool.max_model_len, seed=a.seed
     )
     rows, outputs = [], []
     for gib in (None, a.offload_gib) if a.order == "off-on" else (a.offload_gib, None):
         row, tokens, _ = _run(
             model_dir, system, questions, a.answer_len, gib, a.conversation_rate, a.think_time, **engine
         )
+        row.working_set_blocks = pool.working_set_blocks
         rows.append(row)
         outputs.append(tokens)
     if a.order == "on-off":  # rows are reported off first

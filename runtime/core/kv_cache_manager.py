@@ -13,9 +13,10 @@ group's table holds the null block where its blocks fell out of the window and w
 is the longest length every group can serve. Swapping to host is off for multi-group models (the
 scheduler then recomputes: can_swap_out is False).
 
-Host RAM: one pool of host blocks (core/host_pool.py) serves swap preemption and, with `host_tier` on
+Host RAM: one pool of host blocks (core/host_pool.py) serves swap preemption or, with `host_tier` on
 (--kv-offloading-size), the host KV tier whose scheduler half is core/tier_connector.py (single-group
-models with prefix caching only).
+models with prefix caching only). With the tier on, a swap preemption goes through the tier instead
+(can_swap_out): the swap space only adds to the tier's room.
 """
 
 from __future__ import annotations
@@ -224,6 +225,12 @@ class KVCacheManager:
     # -- swap to host ----------------------------------------------------------------------------------
     def can_swap_out(self, request: Request) -> bool:
         if self.num_groups > 1:  # host copies of per-group tables are not implemented: recompute instead
+            return False
+        if self.tier is not None:
+            # One mechanism (issue 41): the victim's full blocks are in the host tier already (saved on store),
+            # so it is freed and comes back as a device prefix hit plus tier loads, recomputing only its last
+            # partial block. A swap would copy out every block again -- the shared prompt's too, which
+            # swap_in then holds as private copies, costing the device pool what the prefix cache shares.
             return False
         return len(self.req_to_blocks.get(request.request_id, ())) <= self.host.num_allocatable
 

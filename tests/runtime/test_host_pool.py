@@ -129,6 +129,59 @@ def test_scheduler_saves_on_store_and_loads_after_device_eviction():
     assert kv.host.num_allocatable == kv.host.num_blocks  # unpinned once the step reported the load
 
 
+def test_a_tier_hit_costs_no_token_budget_and_loads_in_its_admission_step():
+    """Loaded tokens are a copy, not a forward: with a 4-token budget (chunked prefill) the 13-token prompt
+    first takes 4 steps, and its repeat after device eviction one step -- 12 tokens loaded, the last
+    computed, its first token sampled in the very step that admits it."""
+    bs = 4
+    kv = KVCacheManager(num_blocks=5, block_size=bs, num_host_blocks=8, host_tier=True)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=bs, max_model_len=64), kv)
+    prompt = list(range(10, 23))
+    scheduler.add_request(_request("a", prompt))
+    num_steps = 0
+    while scheduler.has_unfinished_requests():
+        _step(scheduler)
+        num_steps += 1
+    assert num_steps == 4  # the budget binds: 4 + 4 + 4 + 1 tokens
+    scheduler.add_request(_request("b", list(range(100, 116))))  # evicts a's blocks from the device
+    while scheduler.has_unfinished_requests():
+        _step(scheduler)
+    assert kv.get_computed_blocks(_request("probe", prompt))[1] == 0
+    scheduler.add_request(_request("c", prompt))
+    step = _step(scheduler)
+    (sched_c,) = step.scheduled
+    assert step.kv_connector.load["c"].num_tokens == 3 * bs
+    assert sched_c.start_position == 3 * bs and sched_c.token_ids == prompt[3 * bs :] and sched_c.sample
+    assert not scheduler.has_unfinished_requests()  # max_tokens=1: finished in its admission step
+
+
+@pytest.mark.parametrize("tier", [False, True])
+def test_with_the_tier_a_swap_preemption_goes_through_the_tier(tier):
+    """--preemption-mode swap: without the tier the victim is swapped out and in; with it (one mechanism) it
+    is freed -- its full blocks are in the tier -- and comes back as a load, resuming where it stopped."""
+    bs = 4
+    kv = KVCacheManager(num_blocks=5, block_size=bs, num_host_blocks=8, host_tier=tier)
+    config = SchedulerConfig(max_num_batched_tokens=64, max_model_len=64, preemption_mode="swap")
+    scheduler = Scheduler(config, kv)
+    for rid, first in (("a", 10), ("b", 40)):
+        scheduler.add_request(
+            Request(rid, list(range(first, first + 7)), SamplingParams(max_tokens=8), eos_token_ids=frozenset())
+        )
+    steps = [_step(scheduler) for _ in range(3)]  # both prefill and decode; b (newest) is preempted in step 3
+    assert steps[2].num_preempted == 1 and [s.req_id for s in steps[2].scheduled] == ["a"]
+    assert bool(steps[2].swap_out) is not tier and scheduler.num_swap_outs == (0 if tier else 1)
+    for _ in range(20):  # a decodes alone until it finishes, then b comes back
+        resumed = _step(scheduler)
+        if "b" in resumed.kv_connector.load or resumed.swap_in:
+            break
+    else:
+        pytest.fail("b never came back")
+    (sched_b,) = resumed.scheduled
+    assert sched_b.start_position == 2 * bs  # nothing recomputed: its two full blocks came back
+    if tier:
+        assert resumed.kv_connector.load["b"].num_tokens == 2 * bs and not kv.req_to_host_blocks
+
+
 def test_a_step_without_output_is_aborted():
     bs = 4
     kv = KVCacheManager(num_blocks=5, block_size=bs, num_host_blocks=8, host_tier=True)

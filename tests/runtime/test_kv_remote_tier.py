@@ -124,7 +124,8 @@ def test_remote_tier_matches_off_and_serves_a_second_engine(model_dir, redis_ser
     metrics = ServerMetrics("m", 256)
     metrics.update_from_stats(engine2.get_stats())
     text = generate_latest(metrics.registry).decode()
-    hits = f'kvserve:kv_offload_hit_blocks_total{{engine="0",model_name="m",tier="remote"}} {float(remote2.num_hit_blocks)}'
+    labels = 'engine="0",model_name="m",tier="remote"'
+    hits = f"kvserve:kv_offload_hit_blocks_total{{{labels}}} {float(remote2.num_hit_blocks)}"
     assert hits in text
 
 

@@ -384,6 +384,12 @@ def _check_remote_url(a) -> None:
             "kv_offloading_remote_url",
             f"kv_offloading_remote_url must be a redis://, rediss:// or unix:// URL (Redis / Valkey), got {url!r}",
         )
+    import importlib.util
+
+    if importlib.util.find_spec("redis") is None:
+        raise InvalidParameter(
+            "kv_offloading_remote_url", "the remote tier needs the redis client: pip install 'kvserve[kvremote]'"
+        )
 
 
 def build_parallel_config(a, model_config: ModelConfig, cuda_graphs: bool) -> ParallelConfig:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -71,6 +72,18 @@ class RedisServer:
         import redis
 
         return redis.Redis.from_url(self.url, socket_timeout=2)
+
+    def _server_pid(self) -> int:
+        """redis-server's pid (a child of `timeout`)."""
+        with open(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children") as f:
+            return int(f.read().split()[0])
+
+    def pause(self) -> None:
+        """SIGSTOP: the socket stays open and nothing answers (a hung store: clients time out)."""
+        os.kill(self._server_pid(), signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.kill(self._server_pid(), signal.SIGCONT)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -81,9 +81,18 @@ class StoreLink:
             options["socket_connect_timeout"] = DEFAULT_SOCKET_TIMEOUT_S
         # No retries inside the client: a failed call fails its blocks (recompute) and starts the back-off.
         self.client = redis.Redis.from_url(url, retry=Retry(NoBackoff(), 0), **options)
-        self.url = url
+        self.where = _without_credentials(url)  # for logs: a URL may carry a password
         self._down_until = 0.0
         self.num_errors = 0
+
+    def check_reachable(self) -> None:
+        """At start: an unreachable store is logged, not fatal (the tier finds nothing until it answers)."""
+        import redis
+
+        try:
+            self.client.ping()
+        except (redis.RedisError, OSError) as e:
+            self.failed("ping", e)
 
     @property
     def up(self) -> bool:
@@ -93,8 +102,15 @@ class StoreLink:
         self.num_errors += 1
         self._down_until = time.monotonic() + RETRY_AFTER_S
         logger.warning(
-            "KV remote tier: %s at %s failed (%s); not asked again for %.0f s", what, self.url, error, RETRY_AFTER_S
+            "KV remote tier: %s at %s failed (%s); not asked again for %.0f s", what, self.where, error, RETRY_AFTER_S
         )
+
+
+def _without_credentials(url: str) -> str:
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    return parts._replace(netloc=parts.netloc.rpartition("@")[2], query="").geturl()
 
 
 def make_probe(link: StoreLink, prefix: str):
@@ -125,7 +141,9 @@ def open_lower_tiers(config: EngineConfig, executor):
         return disk
     # The scheduler asks with rank 0's keys; a block another rank lacks fails that rank's read, and the ranks'
     # agreement on reads (executor/host_tier.py) turns it into a recompute on all of them.
-    return LowerTiers(disk, RemoteIndex(make_probe(StoreLink(url), key_prefix(config))))
+    link = StoreLink(url)
+    link.check_reachable()
+    return LowerTiers(disk, RemoteIndex(make_probe(link, key_prefix(config))))
 
 
 class RemoteStore:

@@ -34,7 +34,7 @@ def model_dir(model_factory):
     return model_factory("llama_gqa")[0]
 
 
-def test_value_round_trip_corrupt_missing_and_dead_store(redis_server):
+def test_value_round_trip_corrupt_missing_hung_and_dead_store(redis_server):
     block = torch.arange(2 * 3 * 4 * 5, dtype=torch.float32).view(2, 3, 4, 5)
     store = RemoteStore(redis_server.url, "kvserve:kv:test:", block.numel() * 4)
     h = b"\x01" * 16
@@ -55,13 +55,20 @@ def test_value_round_trip_corrupt_missing_and_dead_store(redis_server):
     client.set(key, bytes(value[:-4]))
     assert not store.read_into(h, torch.zeros_like(block))  # short
 
+    redis_server.pause()  # hung: the read times out (socket_timeout, 0.5 s by default)
+    t0 = time.monotonic()
+    assert not store.read_into(h, torch.zeros_like(block))
+    assert time.monotonic() - t0 < 3 and store.link.num_errors == 1
+    redis_server.resume()
+
     redis_server.stop()
+    store.link._down_until = 0.0  # past the back-off the timeout started
     t0 = time.monotonic()
     assert not store.read_into(h, torch.zeros_like(block))  # refused: a failed read, then the back-off
     assert probe([h]) == [False]
     store.write_async(h, block.clone())  # in back-off: dropped, counted
     store.flush()
-    assert time.monotonic() - t0 < 5 and store.num_dropped_writes >= 1 and store.link.num_errors == 1
+    assert time.monotonic() - t0 < 5 and store.num_dropped_writes >= 1 and store.link.num_errors == 2
 
 
 def test_lower_tiers_stack_disk_over_remote_and_count_per_tier(tmp_path):
@@ -184,3 +191,7 @@ def test_store_down_mid_run_requests_still_complete(model_dir, redis_server):
     assert time.monotonic() - t0 < 15
     remote = core.kv_cache_manager.tier.disk.remote
     assert remote.num_failed_blocks > 0 and remote.num_hit_blocks == 0 and store.link.num_errors >= 1
+
+    # An engine started while the store is down: it starts, logs it, and serves (recomputing).
+    again, engine3, _ = run_rounds(model_dir, (second,), HOST_BLOCKS * BYTES_PER_BLOCK, **_remote(redis_server.url))
+    assert again == [off[1]] and engine3.kv_cache_manager.tier.disk.remote.num_hit_blocks == 0

@@ -206,6 +206,9 @@ class RemoteStore:
             except (redis.RedisError, OSError) as e:  # the blocks are lost: their reads fail, and recompute
                 self.num_failed_writes += len(batch)
                 self.link.failed("write", e)
+            except Exception:  # a bug must not kill the thread: flush() would wait for it forever
+                self.num_failed_writes += len(batch)
+                logger.exception("KV remote tier: a write batch failed")
             finally:
                 for _ in batch:
                     self._queue.task_done()

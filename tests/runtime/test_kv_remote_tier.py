@@ -13,6 +13,7 @@ from prometheus_client import generate_latest
 from redis_testing import RedisServer
 
 from kvserve.runtime.config import make_engine_config
+from kvserve.runtime.core.kv_cache_events import StoredBlocks
 from kvserve.runtime.core.remote_index import LowerTiers, RemoteIndex
 from kvserve.runtime.errors import InvalidParameter
 from kvserve.runtime.executor import remote_store
@@ -134,6 +135,39 @@ def test_remote_tier_matches_off_and_serves_a_second_engine(model_dir, redis_ser
     labels = 'engine="0",model_name="m",tier="remote"'
     hits = f"kvserve:kv_offload_hit_blocks_total{{{labels}}} {float(remote2.num_hit_blocks)}"
     assert hits in text
+
+
+def test_disk_and_remote_stacked(model_dir, redis_server, tmp_path):
+    """Both lower tiers: written through to both; a new engine with an empty disk gets the store's blocks, one
+    with the first engine's disk gets them from its disk first (the store is asked only past it); same tokens."""
+    first, second = conversations(12, seed=13)
+    off, _, _ = run_rounds(model_dir, (first, second), 0)
+    size = 1024 * BYTES_PER_BLOCK / GIB
+    tiers = dict(kv_offloading_disk_size=size, **_remote(redis_server.url))
+    on, engine, _ = run_rounds(
+        model_dir, (first, second), HOST_BLOCKS * BYTES_PER_BLOCK, kv_offloading_disk_dir=str(tmp_path / "a"), **tiers
+    )
+    assert on == off
+    lower = engine.kv_cache_manager.tier.disk
+    assert lower.disk.num_written_blocks > 0 and lower.remote.num_written_blocks == lower.disk.num_written_blocks
+    assert "STORAGE" in {e.medium for e in engine.events if isinstance(e, StoredBlocks)}  # the disk's events
+    engine.executor.runner.kv_transfer.flush()
+
+    for directory, tier in (("b", "remote"), ("a", "disk")):
+        again, engine2, _ = run_rounds(
+            model_dir,
+            (second,),
+            HOST_BLOCKS * BYTES_PER_BLOCK,
+            kv_offloading_disk_dir=str(tmp_path / directory),
+            **tiers,
+        )
+        assert again == [off[1]], directory
+        lower2 = engine2.kv_cache_manager.tier.disk
+        hits = {"disk": lower2.disk.num_hit_blocks, "remote": lower2.remote.num_hit_blocks}
+        # b (empty disk): everything from the store. a: from the disk first; the store may still add a block
+        # or two the first engine never saved (a save is skipped when the host pool has no slot for it).
+        assert hits[tier] > 0 and hits[tier] > sum(hits.values()) - hits[tier], (directory, hits)
+        engine2.executor.runner.kv_transfer.flush()
 
 
 def test_corrupt_values_cost_a_recompute_never_a_wrong_token(model_dir, redis_server):

@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 from kv_offload_testing import BYTES_PER_BLOCK, GIB, conversations, run_rounds
+from kvserve_testing import STORIES_DIR
 from prometheus_client import generate_latest
 from redis_testing import RedisServer
 
@@ -19,6 +20,7 @@ from kvserve.runtime.errors import InvalidParameter
 from kvserve.runtime.executor import remote_store
 from kvserve.runtime.executor.remote_store import RemoteStore, StoreLink, make_probe
 from kvserve.runtime.metrics import ServerMetrics
+from kvserve.runtime.models.synthetic import make_random_adapter_dir
 
 HOST_BLOCKS = 8  # a small host tier: most of the history only the lower tiers keep
 
@@ -229,3 +231,23 @@ def test_store_down_mid_run_requests_still_complete(model_dir, redis_server):
     # An engine started while the store is down: it starts, logs it, and serves (recomputing).
     again, engine3, _ = run_rounds(model_dir, (second,), HOST_BLOCKS * BYTES_PER_BLOCK, **_remote(redis_server.url))
     assert again == [off[1]] and engine3.kv_cache_manager.tier.disk.remote.num_hit_blocks == 0
+
+
+def test_lora_adapters_never_share_blocks_through_the_store(redis_server, tmp_path):
+    """The same prompts under two adapters and the base model; a second engine gets round 2's prefixes from the
+    store: the adapter is in every block's key, so it never gets one adapter's KV for another (same tokens)."""
+    modules = ",".join(
+        f"{n}={make_random_adapter_dir(str(STORIES_DIR), str(tmp_path / n), rank=4, seed=s)}"
+        for n, s in (("a", 1), ("b", 2))
+    )
+    lora = dict(enable_lora=True, lora_modules=modules, max_loras=2, max_lora_rank=4, dtype="float32", seed=0)
+    lora.update(names=[n for n in ("a", None, "b") for _ in range(3)], max_model_len=128, num_kv_blocks=10)
+    first, second = conversations(3, seed=9)
+    first, second = [p[:60] for p in first] * 3, [p[:64] for p in second] * 3  # the same prompts per adapter
+    off, _, _ = run_rounds(str(STORIES_DIR), (first, second), 0, **lora)
+    assert off[0][0] != off[0][3] != off[0][6]  # the adapters change the tokens
+    _, engine, _ = run_rounds(str(STORIES_DIR), (first,), 32 << 20, **lora, **_remote(redis_server.url))
+    engine.executor.runner.kv_transfer.flush()
+    again, engine2, _ = run_rounds(str(STORIES_DIR), (second,), 32 << 20, **lora, **_remote(redis_server.url))
+    assert again == [off[1]]
+    assert engine2.kv_cache_manager.tier.disk.remote.num_hit_blocks > 0

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -47,9 +48,38 @@ WRITE_BATCH_BLOCKS = 32  # SETs sent in one pipeline (one round trip)
 
 
 def key_prefix(config: EngineConfig, rank: int = 0) -> str:
+    """kvserve:kv:<fingerprint>: -- the disk tier's layout facts, with the model's path and weight-file mtimes
+    replaced by the download manifest's sha256 per file where `kvserve download` left one (content_identity):
+    pods that each downloaded the same model then share blocks, which a path and mtimes never would."""
     facts = disk_store.layout_facts(config, rank)
+    files = content_identity(config.model.model_dir)
+    if files is not None:
+        facts.pop("model")
+        facts["weights"] = files
     fingerprint = hashlib.blake2b(json.dumps(facts, sort_keys=True).encode(), digest_size=8).hexdigest()
     return f"kvserve:kv:{fingerprint}:"
+
+
+def content_identity(model_dir: str) -> dict[str, str] | None:
+    """{file: sha256} from the folder's download manifest (runtime/sources/download.py), or None when there is
+    none or a file no longer matches it (missing, another size, or modified after the manifest was written)."""
+    from kvserve.runtime.sources.download import MARKER
+
+    path = os.path.join(model_dir, MARKER)
+    try:
+        with open(path) as f:
+            files = json.load(f)["files"]
+        written_ns = os.stat(path).st_mtime_ns
+        out = {}
+        for name, entry in files.items():
+            st = os.stat(os.path.join(model_dir, name))
+            if st.st_size != entry["size"] or st.st_mtime_ns > written_ns:
+                return None
+            out[name] = str(entry["sha256"])
+        weights = [n for n in os.listdir(model_dir) if n.endswith(disk_store.WEIGHT_SUFFIXES)]
+        return out if all(n in out for n in weights) else None  # weights added after the download: not it
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def encode(payload: bytes) -> bytes:

@@ -251,3 +251,42 @@ def test_lora_adapters_never_share_blocks_through_the_store(redis_server, tmp_pa
     again, engine2, _ = run_rounds(str(STORIES_DIR), (second,), 32 << 20, **lora, **_remote(redis_server.url))
     assert again == [off[1]]
     assert engine2.kv_cache_manager.tier.disk.remote.num_hit_blocks > 0
+
+
+def _manifest(folder) -> None:
+    """What `kvserve download` leaves beside the files (runtime/sources/download.py): size and sha256 per file."""
+    import hashlib
+    import json
+
+    from kvserve.runtime.sources.download import MARKER
+
+    files = {
+        p.name: {"size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+        for p in sorted(folder.iterdir())
+        if p.is_file()
+    }
+    (folder / MARKER).write_text(json.dumps({"source": "hf://x/y", "commit": "c", "files": files}))
+
+
+def test_downloaded_copies_of_a_model_share_keys_a_modified_one_does_not(model_dir, tmp_path):
+    """Two pods' downloads of one model: other paths, other mtimes, the same manifest -> the same keys."""
+    import os
+    import shutil
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(model_dir, a)
+    shutil.copytree(model_dir, b)
+    for p in b.iterdir():
+        os.utime(p, (1_000_000, 1_000_000))
+
+    def prefix(folder) -> str:
+        return remote_store.key_prefix(make_engine_config(str(folder)))
+
+    assert prefix(a) != prefix(b)  # without a manifest: the disk tier's path and mtimes
+    _manifest(a)
+    _manifest(b)
+    assert prefix(a) == prefix(b)
+    weights = next(p for p in b.iterdir() if p.name.endswith(".safetensors"))
+    with open(weights, "ab") as f:  # changed after the download: its own keys again
+        f.write(b"\0")
+    assert prefix(a) != prefix(b)

@@ -98,6 +98,8 @@ class LowerTiers:
             self.disk.event_source = pool
 
     def lookup(self, hashes: list[bytes]) -> int:
+        """The leading run of `hashes` the disk or the store holds; the store is asked (one round trip) only for
+        the blocks past the disk's own leading run that the disk lacks."""
         on_disk = [h in self.disk for h in hashes] if self.disk is not None else [False] * len(hashes)
         first_gap = on_disk.index(False) if False in on_disk else len(hashes)
         rest = [h for h, d in zip(hashes[first_gap:], on_disk[first_gap:]) if not d]

@@ -131,8 +131,15 @@ class StoreLink:
     def failed(self, what: str, error: Exception) -> None:
         self.num_errors += 1
         self._down_until = time.monotonic() + RETRY_AFTER_S
+        # A pipeline's error quotes the command, block bytes included: only the store's own words are logged.
+        words = str(error).rpartition("caused error:")[2].strip()[:200]
         logger.warning(
-            "KV remote tier: %s at %s failed (%s); not asked again for %.0f s", what, self.where, error, RETRY_AFTER_S
+            "KV remote tier: %s at %s failed (%s: %s); not asked again for %.0f s",
+            what,
+            self.where,
+            type(error).__name__,
+            words,
+            RETRY_AFTER_S,
         )
 
 

@@ -290,3 +290,19 @@ def test_downloaded_copies_of_a_model_share_keys_a_modified_one_does_not(model_d
     with open(weights, "ab") as f:  # changed after the download: its own keys again
         f.write(b"\0")
     assert prefix(a) != prefix(b)
+
+
+def test_a_store_that_evicts_costs_misses_not_errors(model_dir, redis_server):
+    """The store's LRU (allkeys-lru, maxmemory about 48 blocks past its own use; values, keys and pipelined
+    writes count against it) evicts most of what the first engine wrote: a second engine gets misses for the
+    evicted blocks, no errors, and the same tokens."""
+    first, second = conversations(12, seed=15)
+    off, _, _ = run_rounds(model_dir, (first, second), 0)
+    client = redis_server.client()
+    client.config_set("maxmemory", client.info("memory")["used_memory"] + 48 * (BYTES_PER_BLOCK + 200))
+    _, engine, _ = run_rounds(model_dir, (first, second), HOST_BLOCKS * BYTES_PER_BLOCK, **_remote(redis_server.url))
+    engine.executor.runner.kv_transfer.flush()
+    written = engine.kv_cache_manager.tier.disk.remote.num_written_blocks
+    assert client.info("stats")["evicted_keys"] > 0 and client.dbsize() < written
+    again, engine2, _ = run_rounds(model_dir, (second,), HOST_BLOCKS * BYTES_PER_BLOCK, **_remote(redis_server.url))
+    assert again == [off[1]]

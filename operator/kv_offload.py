@@ -12,6 +12,8 @@ volume (render/kv_offload.py), the checks (spec.resolve) and the status / `kvser
   engine's (its index and LRU are in that engine's memory), so two pods must never share a directory. A volume
   per pod survives the engine's restarts inside the pod (the runtime reuses files of the same model and KV
   layout), not the pod's replacement.
+- remote tier: `remoteUrl` -> `--kv-offloading-remote-url`, an existing Redis / Valkey the pods share (not
+  deployed here); it costs the pod nothing beyond the host tier it is staged through.
 Without spec.kvCache.offload, `--kv-offloading-size` in extraArgs is counted the same way (like --swap-space).
 
 Pure: spec in, numbers and messages out. `check` returns the first problem naming the field (spec.resolve
@@ -32,7 +34,7 @@ DISK_VOLUME = "kv-offload"
 # the layout file, and the index trimming only after a write (runtime/executor/disk_store.py).
 DISK_HEADROOM = 1.1
 # Flags spec.kvCache.offload renders (extraArgs must not carry them as well: the last one would win silently).
-FLAGS = ("--kv-offloading-size", "--kv-offloading-disk-dir", "--kv-offloading-disk-size")
+FLAGS = ("--kv-offloading-size", "--kv-offloading-disk-dir", "--kv-offloading-disk-size", "--kv-offloading-remote-url")
 
 
 def flag_value(args: list[str], flag: str) -> str | None:

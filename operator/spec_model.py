@@ -240,6 +240,8 @@ class KVOffloadDiskSpec(_Part):
 class KVOffloadSpec(_Part):
     host_size_gib: Annotated[float, Field(gt=0)] = Field(alias="hostSizeGiB")
     disk: KVOffloadDiskSpec | None = None
+    # an existing Redis / Valkey every pod reaches (--kv-offloading-remote-url): the store is not deployed here
+    remote_url: Annotated[str, Field(max_length=2048, pattern=r"^(redis|rediss|unix)://.+")] | None = None
 
 
 class KVCacheSpec(_Part):

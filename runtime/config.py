@@ -55,6 +55,7 @@ class CacheConfig:
     kv_offloading_bytes: int = 0  # the host KV tier, in total over the ranks (--kv-offloading-size; 0: off)
     kv_offloading_disk_dir: str | None = None  # the disk tier below it (--kv-offloading-disk-dir)
     kv_offloading_disk_bytes: int = 0
+    kv_offloading_remote_url: str | None = None  # the remote tier (--kv-offloading-remote-url; Redis / Valkey)
     num_blocks: int = 0  # filled in (a new frozen object) once the runner has sized the cache
 
 
@@ -277,6 +278,7 @@ def build_engine_config(args) -> EngineConfig:
             )
     elif a.kv_offloading_disk_size:
         raise InvalidParameter("kv_offloading_disk_size", "kv_offloading_disk_size needs kv_offloading_disk_dir")
+    _check_remote_url(a)
     if swap_space_bytes < 0:
         raise InvalidParameter("swap_space_bytes", f"swap_space_bytes must be >= 0, got {swap_space_bytes}")
     # The model-dependent defaults (dtype auto, max_model_len, max_num_batched_tokens) and the settings a plan
@@ -345,6 +347,7 @@ def build_engine_config(args) -> EngineConfig:
         kv_offloading_bytes=engine_args.kv_offloading_bytes(a.kv_offloading_size),
         kv_offloading_disk_dir=a.kv_offloading_disk_dir,
         kv_offloading_disk_bytes=engine_args.kv_offloading_bytes(a.kv_offloading_disk_size),
+        kv_offloading_remote_url=a.kv_offloading_remote_url or None,
     )
     return EngineConfig(
         model=model_config,
@@ -365,6 +368,28 @@ def build_engine_config(args) -> EngineConfig:
         kv_events=parse_kv_events_config(a.kv_events_config),
         kv_transfer=kv_transfer,
     )
+
+
+def _check_remote_url(a) -> None:
+    """--kv-offloading-remote-url: a redis:// (or rediss://, unix://) URL, staged through the host tier."""
+    url = a.kv_offloading_remote_url
+    if not url:
+        return
+    if not a.kv_offloading_size:
+        raise InvalidParameter(
+            "kv_offloading_remote_url", "the remote tier is staged through the host tier: it needs kv_offloading_size"
+        )
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        raise InvalidParameter(
+            "kv_offloading_remote_url",
+            f"kv_offloading_remote_url must be a redis://, rediss:// or unix:// URL (Redis / Valkey), got {url!r}",
+        )
+    import importlib.util
+
+    if importlib.util.find_spec("redis") is None:
+        raise InvalidParameter(
+            "kv_offloading_remote_url", "the remote tier needs the redis client: pip install 'kvserve[kvremote]'"
+        )
 
 
 def build_parallel_config(a, model_config: ModelConfig, cuda_graphs: bool) -> ParallelConfig:

@@ -208,6 +208,12 @@ class EngineArgs:
     kv_offloading_disk_size: float | None = _setting(
         None, "the disk KV tier's size in GiB (with --kv-offloading-disk-dir)", type=float
     )
+    kv_offloading_remote_url: str | None = _setting(
+        None,
+        "a remote KV tier in an existing Redis / Valkey store, e.g. redis://127.0.0.1:6379/0 (LMCache's "
+        "remote_url; needs --kv-offloading-size): blocks are written through by a thread, found by any engine "
+        "of the same model and KV layout, and evicted by the store (maxmemory-policy allkeys-lru)",
+    )
     attention_backend: str | None = _setting(
         None,
         "torch, triton or cpu (default: triton on CUDA; on CPU the compiled 'cpu' ops when they build, "

@@ -457,6 +457,16 @@ class ServerMetrics:
                 ("disk_load_bytes", hits * block_bytes, self._kv_offload_bytes.labels(op="load", **disk)),
                 ("disk_save_bytes", written * block_bytes, self._kv_offload_bytes.labels(op="save", **disk)),
             ]
+        if getattr(stats, "kv_offload_remote_enabled", 0):  # the store's capacity and occupancy are its own
+            remote = dict(tier="remote", **self._label_values)
+            hits, written = stats.kv_offload_remote_hit_blocks, stats.kv_offload_remote_written_blocks
+            counters += [
+                ("remote_hits", hits, self._kv_offload_hits.labels(**remote)),
+                ("remote_lookups", stats.kv_offload_remote_lookup_blocks, self._kv_offload_lookups.labels(**remote)),
+                ("remote_failed", stats.kv_offload_remote_failed_blocks, self._kv_offload_failed.labels(**remote)),
+                ("remote_load_bytes", hits * block_bytes, self._kv_offload_bytes.labels(op="load", **remote)),
+                ("remote_save_bytes", written * block_bytes, self._kv_offload_bytes.labels(op="save", **remote)),
+            ]
         for key, value, metric in counters:
             name = f"kv_offload_{key}"
             delta = value - self._last_counters.get(name, 0)

@@ -103,6 +103,14 @@ class EngineStats:
     kv_offload_disk_hit_blocks: int = 0
     kv_offload_disk_written_blocks: int = 0
     kv_offload_disk_failed_blocks: int = 0
+    # --kv-offloading-remote-url: the remote tier (Redis / Valkey; core/remote_index.py), cumulative blocks --
+    # asked of the store, fetched from it into the host tier, handed to the writer, failed to read (missing,
+    # corrupt, timed out, store down). Its capacity and occupancy are the store's (INFO memory there).
+    kv_offload_remote_enabled: int = 0
+    kv_offload_remote_lookup_blocks: int = 0
+    kv_offload_remote_hit_blocks: int = 0
+    kv_offload_remote_written_blocks: int = 0
+    kv_offload_remote_failed_blocks: int = 0
     # --kv-events-config (runtime/kv_events/): cumulative batches the publisher sent on, and batches it dropped
     # because its queue was full (its thread fell behind the engine steps: subscribers then see a sequence gap).
     kv_events_published_batches: int = 0

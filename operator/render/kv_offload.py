@@ -21,6 +21,8 @@ def engine_settings(spec: InferenceServiceSpec) -> dict[str, Any]:
     if tier.disk is not None:
         out["kv_offloading_disk_dir"] = kv_offload.DISK_MOUNT
         out["kv_offloading_disk_size"] = tier.disk.size_gib
+    if tier.remote_url:
+        out["kv_offloading_remote_url"] = tier.remote_url
     return out
 
 

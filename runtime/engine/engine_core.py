@@ -40,7 +40,7 @@ from kvserve.runtime.errors import (
 )
 from kvserve.runtime.executor import kv_sizing, warmup
 from kvserve.runtime.executor.base import Executor, create_executor
-from kvserve.runtime.executor.disk_store import open_disk_index
+from kvserve.runtime.executor.remote_store import open_lower_tiers
 from kvserve.runtime.kv_events.step import make_step_publisher
 from kvserve.runtime.outputs import EngineStats
 from kvserve.runtime.request import Request, RequestStatus
@@ -87,7 +87,7 @@ class EngineCore:
             num_host_blocks=self.executor.num_host_blocks,
             group_windows=kv_sizing.layout(config).group_windows,
             host_tier=config.cache.kv_offloading_bytes > 0,
-            disk_index=open_disk_index(config, self.executor),
+            disk_index=open_lower_tiers(config, self.executor),  # the disk and/or remote tiers, or None
         )
         self.scheduler = Scheduler(
             config.scheduler, self.kv_cache_manager, micro_batches=self.batch_slots, pd=self._pd_connector(config)

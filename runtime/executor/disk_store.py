@@ -54,13 +54,16 @@ def layout_facts(config: EngineConfig, rank: int = 0) -> dict:
     }
 
 
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")
+
+
 def _weight_files(model_dir: str) -> list:
     """(name, size, mtime) of the weight files: new weights at the same path are another model."""
     if not os.path.isdir(model_dir):
         return []
     out = []
     for name in sorted(os.listdir(model_dir)):
-        if name.endswith((".safetensors", ".bin", ".gguf", ".pt")):
+        if name.endswith(WEIGHT_SUFFIXES):
             st = os.stat(os.path.join(model_dir, name))
             out.append([name, st.st_size, st.st_mtime_ns])
     return out

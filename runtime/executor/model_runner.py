@@ -85,6 +85,18 @@ class ModelRunner:
 
                 rank = self._global_rank()  # each rank files its own shard, in its own directory
                 self.disk_store = DiskStore(disk_store.store_dir(config, rank), disk_store.layout_facts(config, rank))
+            if config.cache.kv_offloading_remote_url:  # the remote tier below it (executor/remote_store.py)
+                from kvserve.runtime.executor import remote_store
+
+                rank = self._global_rank()  # each rank stores its own shard, under its own keys
+                self.disk_store = remote_store.LowerTierStores(
+                    self.disk_store,
+                    remote_store.RemoteStore(
+                        config.cache.kv_offloading_remote_url,
+                        remote_store.key_prefix(config, rank),
+                        self.kv_bytes_per_block(),
+                    ),
+                )
             agree = self._agree_on_reads if config.world_size > 1 else None
             self.kv_transfer = host_tier.HostTierWorker(self._swap, self.host_kv, self.disk_store, agree)
             self.kv_pull = None  # --kv-transfer-config: P/D pulls and leases over NIXL (executor/kv_pull.py)

@@ -319,6 +319,8 @@ TABLE: list[tuple[Callable[[dict], None], bool, str]] = [
     (_set("kvCache.offload", {"hostSizeGiB": 16, "disk": {}}), True, "Required value"),
     (_set("kvCache.offload", {"hostSizeGiB": 16, "disk": {"sizeGiB": 0}}), True, "should be greater than 0"),
     (_set("kvCache.offload", {"hostSizeGiB": 16, "disk": {"sizeGiB": 9, "storageClassName": ""}}), True, "at least 1"),
+    (_set("kvCache.offload", {"hostSizeGiB": 16, "remoteUrl": "redis://kv.cache.svc:6379/0"}), False, ""),
+    (_set("kvCache.offload", {"hostSizeGiB": 16, "remoteUrl": "http://kv:6379"}), True, "should match"),
     (
         lambda s: s.update(
             kvCache={"offload": {"hostSizeGiB": 16, "disk": {"sizeGiB": 9}}}, gpu={**s["gpu"], "tensorParallelSize": 2}

@@ -91,6 +91,20 @@ def test_a_disk_tier_on_a_storage_class_is_a_claim_per_pod():
     assert "ephemeral-storage" not in pod["containers"][0]["resources"]["requests"]
 
 
+def test_a_remote_tier_is_the_flag_and_costs_the_pod_nothing_more():
+    url = "redis://kv-cache.cache.svc:6379/0"
+    _, _, host_only = _engine_pod(_doc(kvCache={"offload": {"hostSizeGiB": 4}}))
+    _, objs, pod = _engine_pod(_doc(kvCache={"offload": {"hostSizeGiB": 4, "remoteUrl": url}}))
+    for obj in objs:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+    assert _flags(pod["containers"][0]["command"]).kv_offloading_remote_url == url
+    assert _flags(host_only["containers"][0]["command"]).kv_offloading_remote_url is None
+    assert _request_bytes(pod) == _request_bytes(host_only)
+    assert not [v for v in pod["volumes"] if v["name"] == kv_offload.DISK_VOLUME]
+    with pytest.raises(spec_mod.SpecError, match="remoteUrl"):
+        spec_mod.resolve(_doc(kvCache={"offload": {"hostSizeGiB": 4, "remoteUrl": "http://x:6379"}})["spec"])
+
+
 def test_a_multi_pod_replica_counts_each_pods_share():
     _, _, off = _engine_pod(_doc("llama405b-multinode"))
     resolved, _, on = _engine_pod(_doc("llama405b-multinode", kvCache={"offload": {"hostSizeGiB": 64}}))

@@ -33,7 +33,7 @@ void silu_mul_impl(at::Tensor& out, const at::Tensor& x) {
   const T* xp = x.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const int64_t xs = x.stride(0), os = out.stride(0);
-  at::parallel_for(0, rows, 4, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, rows, grain_rows(3 * inter), [&](int64_t b, int64_t e) {
     const FlushDenormalsScope no_subnormals;  // per worker thread: see cpu_vec.h
     std::vector<float> g(inter), u(inter);
     for (int64_t r = b; r < e; ++r) {

@@ -6,6 +6,8 @@
 
 #include <cstring>
 
+#include "cpu_vec.h"
+
 namespace kvserve_cpu {
 
 void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
@@ -30,7 +32,7 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(slots[t] < num_slots, "store_kv: slot ", slots[t], " out of range (", num_slots, " slots)");
-  at::parallel_for(0, tokens, 64, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, tokens, grain_rows(2 * heads * head_dim), [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       const int64_t slot = slots[t];
       if (slot < 0) continue;

@@ -34,7 +34,7 @@ void norm_impl(at::Tensor& out, at::Tensor* residual, const at::Tensor& x, const
   const T* xp = x.data_ptr<T>();
   T* op = out.data_ptr<T>();
   T* rp = residual ? residual->data_ptr<T>() : nullptr;
-  at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, rows, grain_rows(hidden), [&](int64_t b, int64_t e) {
     const FlushDenormalsScope no_subnormals;  // per worker thread: see cpu_vec.h
     std::vector<float> buf(hidden), tmp(hidden);
     for (int64_t i = b; i < e; ++i) {

@@ -82,7 +82,7 @@ void rotary_impl(const at::Tensor& positions, at::Tensor& q, at::Tensor& k, cons
   T* kp = k.data_ptr<T>();
   const T* cp = cos.data_ptr<T>();
   const T* sp = sin.data_ptr<T>();
-  at::parallel_for(0, tokens, 16, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, tokens, grain_rows((hq + hk) * head_dim), [&](int64_t b, int64_t e) {
     const FlushDenormalsScope no_subnormals;  // per worker thread: see cpu_vec.h
     std::vector<float> c(head_dim), s(head_dim), x(2 * head_dim);
     for (int64_t t = b; t < e; ++t) {

@@ -278,10 +278,17 @@ def serve(args: argparse.Namespace, model_arg, phases: dict[str, float], started
         if args.inprocess_engine:
             from kvserve.runtime.engine.llm_engine import LLMEngine
 
-            return LLMEngine(engine_config)
-        from kvserve.runtime.engine.core_client import CoreClient  # scheduler + model in their own process
+            engine = LLMEngine(engine_config)
+        else:
+            from kvserve.runtime.engine.core_client import CoreClient  # scheduler + model in their own process
 
-        return CoreClient(engine_config, prestarted=prestarted)
+            engine = CoreClient(engine_config, prestarted=prestarted)
+        from kvserve.runtime import tokenizer
+
+        tokenizer_s = tokenizer.first_load_seconds()  # the engine client's load, in this process
+        if tokenizer_s is not None:
+            phases["tokenizer_load"] = tokenizer_s
+        return engine
 
     config = ServerConfig(
         served_model_names=served,

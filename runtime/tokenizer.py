@@ -4,6 +4,8 @@ The engine, the API server and the router all go through here, so they see the s
 
 from __future__ import annotations
 
+import time
+
 from kvserve.runtime.errors import InvalidParameter
 
 # Used when the model ships no chat template (base models such as stories260K): role-prefixed turns.
@@ -19,13 +21,26 @@ FALLBACK_CHAT_TEMPLATE = (
 CONTEXT_TOKENS = 5  # as vLLM's initial incremental-detokenisation offset
 
 
+_FIRST_LOAD_S: list[float] = []  # this process's first load, transformers' imports included (one entry)
+
+
 def load_tokenizer(model_dir: str):
+    started = time.monotonic()
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     except Exception as exc:  # noqa: BLE001 -- transformers raises many types; name the field instead
         raise InvalidParameter("model", f"cannot load a tokenizer from {model_dir}: {exc}") from exc
+    if not _FIRST_LOAD_S:
+        _FIRST_LOAD_S.append(time.monotonic() - started)
+    return tokenizer
+
+
+def first_load_seconds() -> float | None:
+    """Seconds this process's first load_tokenizer took, importing transformers included (the API server's
+    `tokenizer_load` start-up phase); None before one succeeded."""
+    return _FIRST_LOAD_S[0] if _FIRST_LOAD_S else None
 
 
 def chat_template(tokenizer) -> str:

@@ -16,7 +16,7 @@ HELP = "run the OpenAI-compatible server (no MODEL_DIR: SmolLM2-135M-Instruct, o
 
 def server_default(name: str):
     """ServerConfig's default for one of its fields: a server flag's default comes from that one definition."""
-    from kvserve.runtime.server.state import ServerConfig
+    from kvserve.runtime.server.server_config import ServerConfig
 
     return next(f.default for f in dataclasses.fields(ServerConfig) if f.name == name)
 
@@ -230,7 +230,7 @@ def serve(args: argparse.Namespace, model_arg, phases: dict[str, float], started
 
     from kvserve.runtime.demo_model import is_demo_model_dir
     from kvserve.runtime.server.api_server import run_server
-    from kvserve.runtime.server.state import ServerConfig
+    from kvserve.runtime.server.server_config import ServerConfig
 
     if args.model_dir is None:  # the default model (runtime/default_model.py), else the random-weights demo
         from kvserve.runtime import gguf_model_dir
@@ -278,10 +278,17 @@ def serve(args: argparse.Namespace, model_arg, phases: dict[str, float], started
         if args.inprocess_engine:
             from kvserve.runtime.engine.llm_engine import LLMEngine
 
-            return LLMEngine(engine_config)
-        from kvserve.runtime.engine.core_client import CoreClient  # scheduler + model in their own process
+            engine = LLMEngine(engine_config)
+        else:
+            from kvserve.runtime.engine.core_client import CoreClient  # scheduler + model in their own process
 
-        return CoreClient(engine_config, prestarted=prestarted)
+            engine = CoreClient(engine_config, prestarted=prestarted)
+        from kvserve.runtime import tokenizer
+
+        tokenizer_s = tokenizer.first_load_seconds()  # the engine client's load, in this process
+        if tokenizer_s is not None:
+            phases["tokenizer_load"] = tokenizer_s
+        return engine
 
     config = ServerConfig(
         served_model_names=served,

@@ -24,9 +24,15 @@ DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """The model facts the engine needs, read from config.json as a dict (capacity's parsing, torch-free).
+
+    `hf_config`, transformers' config object the model code is built from, is loaded on first use in each
+    process and never pickled: importing transformers' config classes costs seconds (they pull in torch,
+    torch.distributed and accelerate), and the API server that builds this config never needs it, so a
+    `kvserve serve` hands the config to its engine-core process without paying for it (issue 43)."""
+
     model_dir: str
     architecture: str
-    hf_config: Any = field(compare=False, repr=False)
     dtype: str  # activations: "float32" | "bfloat16" | "float16"
     max_model_len: int
     num_layers: int
@@ -38,6 +44,19 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     shape: capacity.ModelShape = field(compare=False, repr=False, default=None)
     weight_dtype: str = ""  # "fp8" for online-quantised weights, else == dtype
+    _hf_config: Any = field(default=None, init=False, compare=False, repr=False)  # loaded by hf_config
+
+    @property
+    def hf_config(self) -> Any:
+        """transformers' AutoConfig of model_dir, loaded on first use in this process."""
+        if self._hf_config is None:
+            object.__setattr__(self, "_hf_config", load_hf_config(self.model_dir))
+        return self._hf_config
+
+    def __getstate__(self) -> dict:
+        """Pickled without hf_config: unpickling it would import transformers' config classes wherever the
+        config goes (the API server gets the core's config back in CoreReady); the receiver reloads it."""
+        return {**self.__dict__, "_hf_config": None}
 
     def kv_layout(self, kv_cache_dtype: str, block_size: int, tensor_parallel_size: int = 1) -> capacity.KVLayout:
         return capacity.kv_layout(self.shape, self.weight_dtype, kv_cache_dtype, block_size, tensor_parallel_size)
@@ -178,17 +197,19 @@ def load_model_config(
     error = capacity.unsupported_config_error(config, f"{model_dir}/config.json")
     if error:
         raise InvalidParameter("model", error)
-    from transformers import AutoConfig
-
-    hf_config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     arch = next(a for a in config["architectures"] if a in SUPPORTED_ARCHITECTURES)
     weight_dtype = engine_args.resolve_dtype(dtype, capacity.checkpoint_dtype(config))
     max_model_len = engine_args.resolve_max_model_len(max_model_len, capacity.context_limit(config))
     shape = capacity.shape_from_hf_config(config)
-    return ModelConfig(
+    hf_config = None  # loaded only where config.json leaves the EOS token to the architecture's default
+    if "eos_token_id" in config:
+        config_eos = config["eos_token_id"]
+    else:
+        hf_config = load_hf_config(model_dir)
+        config_eos = getattr(hf_config, "eos_token_id", None)
+    model = ModelConfig(
         model_dir=model_dir,
         architecture=arch,
-        hf_config=hf_config,
         dtype=capacity.activation_dtype(weight_dtype),
         max_model_len=max_model_len,
         num_layers=shape.num_layers,
@@ -197,15 +218,26 @@ def load_model_config(
         head_dim=shape.head_dim,
         hidden_size=shape.hidden_size,
         vocab_size=shape.vocab_size,
-        eos_token_ids=_eos_token_ids(model_dir, hf_config),
+        eos_token_ids=_eos_token_ids(model_dir, config_eos),
         shape=shape,
         weight_dtype=weight_dtype,
     )
+    if hf_config is not None:
+        object.__setattr__(model, "_hf_config", hf_config)
+    return model
 
 
-def _eos_token_ids(model_dir: str, hf_config: Any) -> tuple[int, ...]:
+def load_hf_config(model_dir: str) -> Any:
+    """transformers' AutoConfig of a local model directory (never a hub download)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_dir, local_files_only=True)
+
+
+def _eos_token_ids(model_dir: str, config_eos: Any) -> tuple[int, ...]:
+    """config.json's eos_token_id (transformers keeps the file's value as is) and generation_config.json's."""
     ids: set[int] = set()
-    for source in (getattr(hf_config, "eos_token_id", None), _generation_config(model_dir).get("eos_token_id")):
+    for source in (config_eos, _generation_config(model_dir).get("eos_token_id")):
         if isinstance(source, int):
             ids.add(source)
         elif isinstance(source, list):

@@ -4,9 +4,12 @@ Each phase is timed where it runs and the timings travel to the API server, whic
 `kvserve:startup_phase_seconds{phase=...}` and logs them in one line once ready (runtime/server/state.py):
 
 - model_resolve: `kvserve serve` finds the model (MODEL_DIR checked, or the demo model built on first use);
-- engine_config: config.json read, the CPU attention backend resolved (kernel_compile not included);
+- engine_config: config.json read (no transformers: ModelConfig.hf_config loads in the engine core), the CPU
+  attention backend resolved (kernel_compile not included);
 - kernel_compile: the compiled CPU ops built (first start on a CPU, KVSERVE_CPU_OPS_BUILD=wait) or found built
   and loaded; absent when they were not loaded in the serving process (GPU, or built in the background);
+- tokenizer_load: the API server's tokenizer loaded (transformers' AutoTokenizer, its imports included: most
+  of this phase on a warm restart); the engine-core process gets the config after it;
 - engine_preload: (overlapped) `kvserve serve` starts the engine-core process before it builds the config, and
   that process imports torch, transformers' config classes and the model code meanwhile
   (engine/core_client.PrestartedCore); these seconds run beside model_resolve and engine_config;
@@ -38,6 +41,7 @@ ORDER = (
     "model_resolve",
     "engine_config",
     "kernel_compile",
+    "tokenizer_load",
     "engine_preload",
     "engine_process_start",
     "distributed_init",

@@ -4,6 +4,8 @@ core's in CoreReady), exported as kvserve:startup_phase_seconds{phase=...} and l
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import time
 
 import httpx
@@ -61,7 +63,15 @@ def test_kvserve_serve_exports_every_phase_and_logs_them(tmp_path):
         phases = scraped_phases(server.base_url)
     finally:
         server.kill()
-    expected = RUNNER_PHASES | {"model_resolve", "engine_config", "engine_preload", "engine_process_start", "total"}
+    expected = RUNNER_PHASES | {
+        "model_resolve",
+        "engine_config",
+        "tokenizer_load",
+        "engine_preload",
+        "engine_process_start",
+        "warmup",
+        "total",
+    }
     assert expected <= set(phases), phases
     assert phases["engine_preload"] > 0.05  # the prestarted core's interpreter imported torch
     assert phases["weight_load"] > 0
@@ -72,3 +82,18 @@ def test_kvserve_serve_exports_every_phase_and_logs_them(tmp_path):
         assert re.search(rf"\b{phase} \d+\.\d\d s", lines[0]), lines[0]
     ready = next(line for line in server.log if "ready: model=" in line)
     assert re.search(r"kv_blocks=(\d+) \((\d+) usable \+ 1 reserved null block\)", ready), ready
+
+
+def test_serve_parses_its_flags_before_importing_the_server_or_torch():
+    """`kvserve serve` prestarts the engine core right after parsing its flags, so the parse stays light: no
+    server state (async engine, metrics), no torch, no transformers."""
+    code = (
+        "import sys\n"
+        "from kvserve.cli.main import build_parser\n"
+        "build_parser().parse_args(['serve'])\n"
+        "heavy = {'torch', 'transformers', 'fastapi', 'uvicorn', 'kvserve.runtime.server.state'}\n"
+        "print(sorted(heavy & (set(sys.modules) | {m.split('.')[0] for m in sys.modules})))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

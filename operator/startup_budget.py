@@ -42,6 +42,7 @@ CUDA_GRAPH_CAPTURE_SECONDS = 60
 OTHER_PHASE_SECONDS = {
     "model_resolve": 5,
     "engine_config": 10,
+    "tokenizer_load": 10,
     "engine_process_start": 30,
     "distributed_init": 30,
     "kernel_load": 5,

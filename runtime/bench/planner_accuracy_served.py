@@ -42,23 +42,27 @@ def _engine_facts(model_dir: str) -> tuple[int, int]:
     return layout.bytes_per_token * pa.ENGINE["block_size"] * pa.ENGINE["num_kv_blocks"], cfg.model.vocab_size
 
 
-def calibrate_served(base_url: str, step_log_path: str, vocab: int, seed: int, grid) -> dict:
+def calibrate_served(base_url: str, step_log_path: str, vocab: int, seed: int, grid, loop_gaps: bool = True) -> dict:
     """`kvserve calibrate`'s grid sent through the server, each point as one burst (`batch` requests of
     `prompt_len` random tokens, `decode_steps` output tokens), fitted on the server's own step log
     (KVSERVE_STEP_LOG, runtime/engine/step_log.py): the served core's steps, with the API server and the client
-    beside them. The same bursts give the front-end's admission time (fit_admission)."""
+    beside them. The same bursts give the front-end's admission time (fit_admission). `loop_gaps`: each step
+    with the core loop's time after it (served_steps.py; False: the steps alone, as before)."""
     from kvserve.runtime.engine import step_log
+    from kvserve.runtime.planner.served_steps import with_loop_gaps
 
     rng = random.Random(f"{seed}-calibrate")
-    seen = len(step_log.read(step_log_path))  # the warm-up's steps
+    seen = len(step_log.read_lines(step_log_path))  # the warm-up's steps
     bursts, samples = [], []  # bursts: (prompt_len, batch, the logged steps' token counts)
     for prompt_len, batch in grid.points():
         burst = pa.Case(f"cal-{prompt_len}x{batch}", prompt_len, grid.decode_steps, batch, concurrency=batch)
         measure_served(base_url, burst, pa._requests(burst, rng, vocab, None))
-        new = step_log.read(step_log_path)[seen:]
+        new = step_log.read_lines(step_log_path)[seen:]
         seen += len(new)
-        samples += new
-        bursts.append((prompt_len, batch, [s.num_tokens for s in new]))
+        # A burst keeps the core busy from its first step to its last: each step's seconds with the core
+        # loop's time before the next (served_steps.py), what the simulator's clock advances per step.
+        samples += with_loop_gaps(new, busy_to_end=True) if loop_gaps else [step_log.sample(d) for d in new]
+        bursts.append((prompt_len, batch, [d["num_tokens"] for d in new]))
     model, stats = fit(samples)
     admission_s, admission_error = fit_admission(bursts, grid.decode_steps, model)
     return {
@@ -68,6 +72,7 @@ def calibrate_served(base_url: str, step_log_path: str, vocab: int, seed: int, g
         "fit": stats,
         "admission_s": admission_s,
         "admission_fit_error": admission_error,
+        "loop_gaps": loop_gaps,
     }
 
 

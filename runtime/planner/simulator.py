@@ -61,6 +61,10 @@ class Workload:
     # the trace's lengths in order, its streams starting at the first `concurrency` arrivals (a ramp; the later
     # arrivals are unused), to replay a measured closed loop request for request.
     trace: tuple[tuple[float, int, int], ...] = ()
+    # With a trace: each request's prompt token ids, in the trace's order (a replay of measured requests whose
+    # prompts share prefixes other than one common prefix, e.g. multi-turn chats). The prefix cache then sees
+    # exactly the measured prompts' hits; their lengths override the trace's.
+    prompts: tuple[tuple[int, ...], ...] = ()
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -70,6 +74,8 @@ class Workload:
             raise ValueError(f"request_rate must be > 0, got {self.request_rate}")
         if self.concurrency is not None and self.concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
+        if self.prompts and len(self.prompts) != len(self.trace):
+            raise ValueError(f"prompts: one per trace entry, got {len(self.prompts)} for {len(self.trace)}")
 
 
 def load_trace(path: str) -> tuple[tuple[float, int, int], ...]:
@@ -125,7 +131,8 @@ class SimResult:
     output_tokens_per_s: float
     requests_per_s: float
     ttft_s: dict = field(default_factory=dict)  # p50/p90/p99
-    tpot_s: dict = field(default_factory=dict)  # p50/p99
+    tpot_s: dict = field(default_factory=dict)  # p50/p90/p99
+    e2e_s: dict = field(default_factory=dict)  # p50/p90/p99: arrival to last token
     kv_peak_usage: float = 0.0
     num_preemptions: int = 0
     num_steps: int = 0
@@ -197,6 +204,14 @@ def _token_ids(shared: list[int], number: int, length: int) -> list[int]:
     return (shared + tail + [7] * max(0, length - len(shared) - 2))[:length]
 
 
+def _replayed_prompt(workload: Workload, number: int, max_model_len: int) -> list[int]:
+    """Request `number`'s (1-based, in trace order) replayed prompt ids (Workload.prompts), cut to what the
+    replica admits; [] without replayed prompts."""
+    if not workload.prompts:
+        return []
+    return list(workload.prompts[number - 1][: max_model_len - 1])
+
+
 def simulate(
     workload: Workload,
     shape: EngineShape,
@@ -219,7 +234,8 @@ def simulate(
       reported against the replica's pool.
     The prefix cache keeps freed blocks for later hits, which a pool that grows late would evict sooner: with a
     shared prefix, or for the rerun after a preemption, the run has the replica's pool from the start."""
-    private = not (shape.enable_prefix_caching and workload.prefix_len > 0) and not _fills_the_pool(workload, shape)
+    shares = workload.prefix_len > 0 or bool(workload.prompts)
+    private = not (shape.enable_prefix_caching and shares) and not _fills_the_pool(workload, shape)
     run = functools.partial(_simulate, workload, shape, step_model, record_steps, stop_when_missed)
     if private:
         grown = functools.partial(_GrowingPool, initial_blocks=INITIAL_POOL_BLOCKS)
@@ -304,13 +320,16 @@ def _simulate(
     def make(arrival: float, plen: int, olen: int) -> tuple[float, Request]:
         nonlocal seq
         seq += 1
-        plen = min(plen, shape.max_model_len - 1)
+        ids = _replayed_prompt(workload, seq, shape.max_model_len) or _token_ids(
+            shared, seq, min(plen, shape.max_model_len - 1)
+        )
+        plen = len(ids)
         if shape.role == "prefill":
             olen = 1
         prompt_lens[f"r{seq}"] = plen
         req = Request(
             f"r{seq}",
-            _token_ids(shared, seq, plen),
+            ids,
             SamplingParams(max_tokens=olen, ignore_eos=True),
             arrival_time=arrival,
         )
@@ -355,7 +374,7 @@ def _simulate(
     first_token: dict[str, float] = {}
     arrival: dict[str, float] = {}
     num_out: dict[str, int] = {}
-    ttft, tpot = [], []
+    ttft, tpot, e2e = [], [], []
     ttft_of: dict[str, float] = {}
     finished = peak = 0
     steps = 0
@@ -404,6 +423,7 @@ def _simulate(
                     stopped = stopped or ttft_over >= ttft_misses_needed
             if o.finish_reason is not None:
                 finished += 1
+                e2e.append(now - arrival[rid])
                 if num_out[rid] > 1:
                     tpot.append((now - first_token[rid]) / (num_out[rid] - 1))
                     if stop_when_missed is not None and tpot[-1] > stop_when_missed.tpot_p99_s:
@@ -419,7 +439,8 @@ def _simulate(
         output_tokens_per_s=total_out / duration,
         requests_per_s=total / duration,
         ttft_s={"p50": percentile(ttft, 50), "p90": percentile(ttft, 90), "p99": percentile(ttft, 99)},
-        tpot_s={"p50": percentile(tpot, 50), "p99": percentile(tpot, 99)},
+        tpot_s={"p50": percentile(tpot, 50), "p90": percentile(tpot, 90), "p99": percentile(tpot, 99)},
+        e2e_s={"p50": percentile(e2e, 50), "p90": percentile(e2e, 90), "p99": percentile(e2e, 99)},
         kv_peak_usage=peak / (shape.num_blocks - 1),  # blocks held at the peak, of the replica's real pool
         num_preemptions=sched.num_preemptions,
         num_steps=steps,

@@ -34,6 +34,8 @@ def predict(plan: dict, settings: dict, calibration: dict, workload: Workload) -
         max_num_seqs=int(settings["max_num_seqs"]),
         max_num_batched_tokens=int(settings["max_num_batched_tokens"]),
         max_model_len=int(settings["max_model_len"]),
+        # A served calibration (`kvserve calibrate`'s default scope) measured the front-end's time per request.
+        admission_s=float(calibration.get("admission_s", 0.0)),
     )
     result = simulate(workload, shape, StepTimeModel.from_dict(calibration["step_time_model"]))
     return {"calibration_device": calibration.get("device"), "workload": _workload_dict(workload), **result.to_dict()}

@@ -138,3 +138,12 @@ def test_a_step_log_calibration_names_its_device_so_plan_plans_that_cpu_server(t
     out = capsys.readouterr().out
     assert rc == 0, out
     assert json.loads(out)["device"] == "cpu"
+
+
+def test_the_cli_lists_the_grid_and_names_a_bad_config(capsys):
+    from kvserve.cli.main import main
+
+    assert main(["bench", "planner-grid", "--list", "--configs", "llama-25m-tp2"]) == 0
+    assert capsys.readouterr().out.split() == [c.name for c in CONFIGS if c.model == "llama-25m-tp2"]
+    assert main(["bench", "planner-grid", "--configs", "nope"]) == 2
+    assert "--configs: no configuration 'nope'" in capsys.readouterr().err

@@ -118,10 +118,21 @@ class EngineShape:
     # longest prompt (a pulled prompt then never displaces a decode) and the step-time model is charged only
     # what is computed (`pulled_step_work`).
     role: str = "both"
+    # Speculative decoding (issue 44 scope 7): up to this many drafts per decoding request each step, as the
+    # engine's proposer sets them (spec_decode/proposer.py); the scheduler schedules them (1 + k tokens, which
+    # the step-time model charges as the target's verification) and each draft is accepted with probability
+    # spec_acceptance_rate while the ones before it were (vllm:spec_decode acceptance per position falls the
+    # same way). The draft model's own time is not modelled (n-gram and suffix drafts cost ~nothing).
+    num_speculative_tokens: int = 0
+    spec_acceptance_rate: float = 0.0
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+        if not 0.0 <= self.spec_acceptance_rate <= 1.0:
+            raise ValueError(f"spec_acceptance_rate must be in [0, 1], got {self.spec_acceptance_rate}")
 
 
 @dataclass
@@ -202,6 +213,41 @@ def _token_ids(shared: list[int], number: int, length: int) -> list[int]:
     drawing every token at random cost the planner's search a third of its time."""
     tail = [1 + number % 29_999, 1 + (number // 29_999) % 29_999]
     return (shared + tail + [7] * max(0, length - len(shared) - 2))[:length]
+
+
+def _propose_drafts(running: list[Request], k: int, max_model_len: int) -> None:
+    """Drafts on every running request about to decode, as the engine's proposer sets them before a schedule:
+    k of them, fewer where the context or the request's max_tokens leaves less room (the ids are dummies)."""
+    for request in running:
+        request.spec_token_ids = []
+        if request.num_tokens - request.num_computed_tokens != 1:
+            continue
+        room = min(k, max_model_len - request.num_tokens - 1, request.max_tokens - request.num_output_tokens - 1)
+        if room > 0:
+            request.spec_token_ids = [7] * room
+
+
+def accepted_drafts(rng: random.Random, num_drafts: int, acceptance_rate: float) -> int:
+    """How many of a request's drafts the target accepts: each with probability acceptance_rate, stopping at
+    the first rejection (expected sum of rate^i for i in 1..num_drafts)."""
+    n = 0
+    while n < num_drafts and rng.random() < acceptance_rate:
+        n += 1
+    return n
+
+
+def _spec_output(scheduled, rng: random.Random, acceptance_rate: float) -> ModelRunnerOutput:
+    """The runner's answer to a step with drafts: a verified request gets its accepted drafts and the token
+    after them (spec_token_ids), every other sampling request one token."""
+    sampled, spec = {}, {}
+    for s in scheduled:
+        if not s.sample:
+            continue
+        if s.num_spec_tokens:
+            spec[s.req_id] = [7] * (accepted_drafts(rng, s.num_spec_tokens, acceptance_rate) + 1)
+        else:
+            sampled[s.req_id] = 1
+    return ModelRunnerOutput(sampled_token_ids=sampled, spec_token_ids=spec)
 
 
 def _replayed_prompt(workload: Workload, number: int, max_model_len: int) -> list[int]:
@@ -388,11 +434,15 @@ def _simulate(
     stopped = False
     ttft_misses_needed = misses_needed(total, 90)
     tpot_misses_needed = misses_needed(total, 99)
+    drafting = shape.num_speculative_tokens > 0
+    spec_rng = random.Random(f"{workload.seed}-spec")
     while finished < total and not stopped:
         while pending and pending[0][0] <= now:
             _, _, r = heapq.heappop(pending)
             arrival[r.request_id] = r.arrival_time  # TTFT counts from the client's arrival, admission included
             sched.add_request(r)
+        if drafting:
+            _propose_drafts(sched.running, shape.num_speculative_tokens, shape.max_model_len)
         out = sched.schedule()
         if stop_on_preemption and out.num_preempted:
             raise _Preempted
@@ -409,8 +459,11 @@ def _simulate(
         now += step_s
         steps += 1
         peak = max(peak, kv.pool.num_blocks - 1 - kv.num_free_blocks)  # blocks held (block 0 is the null block)
-        sampled = {s.req_id: 1 for s in out.scheduled if s.sample}
-        for o in sched.update_from_output(out, ModelRunnerOutput(sampled_token_ids=sampled)):
+        if drafting:
+            runner_out = _spec_output(out.scheduled, spec_rng, shape.spec_acceptance_rate)
+        else:
+            runner_out = ModelRunnerOutput(sampled_token_ids={s.req_id: 1 for s in out.scheduled if s.sample})
+        for o in sched.update_from_output(out, runner_out):
             rid = o.req_id
             total_out += len(o.new_token_ids)
             num_out[rid] = num_out.get(rid, 0) + len(o.new_token_ids)

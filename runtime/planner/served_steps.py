@@ -4,9 +4,9 @@ runtime/engine/step_log.py) plus the engine core loop's time until the next step
 The step log times EngineCore.step (schedule, forward, sample, update). A served core's loop also spends time
 between steps, every step: it turns the step's outputs into messages and sends them to the API server, and
 receives and adds new requests (core_process._busy_loop). The simulator advances its clock by one step-time per
-step and nothing between them, so a model fitted on the steps alone runs the replica too fast: measured on
-the grid's 25M Llama here (2 shared cores), the gap was about 5% of a step at 1-8 sampled rows and 15% at 32+
-(docs/planner.md). Folding each gap into the step before it makes the fitted model the step-to-step period,
+step and nothing between them, so a model fitted on the steps alone runs the replica too fast: over the
+accuracy grid's replicas here (2 shared cores), the gap's median was 2-6% of a decode step, under 1% of a step
+with a prefill (docs/planner.md). Folding each gap into the step before it makes the fitted model the step-to-step period,
 which is what queueing and throughput depend on.
 
 An idle core's gap is waiting for work, not overhead: a gap is folded only when the core stayed busy, which a

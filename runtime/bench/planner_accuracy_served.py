@@ -67,6 +67,7 @@ def calibrate_served(
     start = time.perf_counter()
     seen = len(step_log.read_lines(step_log_path))  # the warm-up's steps
     bursts, samples = [], []  # bursts: (prompt_len, batch, the logged steps' token counts)
+    alone = []  # the same steps without the loop's gaps (the fit before served_steps, for comparison)
     points = grid.points()
     for n, (prompt_len, batch) in enumerate(points, 1):
         if max_seconds is not None and time.perf_counter() - start > max_seconds:
@@ -79,7 +80,8 @@ def calibrate_served(
         seen += len(new)
         # A burst keeps the core busy from its first step to its last: each step's seconds with the core
         # loop's time before the next (served_steps.py), what the simulator's clock advances per step.
-        samples += with_loop_gaps(new, busy_to_end=True) if loop_gaps else [step_log.sample(d) for d in new]
+        alone += [step_log.sample(d) for d in new]
+        samples += with_loop_gaps(new, busy_to_end=True) if loop_gaps else alone[-len(new) :]
         bursts.append((prompt_len, batch, [d["num_tokens"] for d in new]))
         if progress:
             progress(f"calibrate: [{n}/{len(points)}] prompt {prompt_len} x batch {batch}: {len(new)} served steps")
@@ -93,6 +95,7 @@ def calibrate_served(
         "admission_s": admission_s,
         "admission_fit_error": admission_error,
         "loop_gaps": loop_gaps,
+        "step_time_model_steps_alone": fit(alone)[0].to_dict() if loop_gaps else model.to_dict(),
     }
 
 

@@ -85,19 +85,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-requests", type=int, default=1000, help="requests to simulate")
     parser.add_argument("--prefix-len", type=int, default=0, help="tokens every prompt shares (prefix cache)")
     parser.add_argument("--seed", type=int, default=0, help="random seed of the simulated workload (--calibration)")
-    parser.add_argument(
-        "--num-speculative-tokens",
-        type=int,
-        default=0,
-        help="--calibration: speculative decoding with up to this many drafts per decoding request and step",
-    )
-    parser.add_argument(
-        "--spec-acceptance-rate",
-        type=float,
-        default=None,
-        help="with --num-speculative-tokens: the chance each draft is accepted (given the ones before it were), "
-        "e.g. vllm:spec_decode_num_accepted_tokens / num_draft_tokens of a running replica",
-    )
+    spec_help = "--calibration: speculative decoding, up to this many drafts per decoding request and step"
+    parser.add_argument("--num-speculative-tokens", type=int, default=0, help=spec_help)
+    rate_help = "with --num-speculative-tokens: each draft's acceptance (vllm:spec_decode accepted / draft tokens)"
+    parser.add_argument("--spec-acceptance-rate", type=float, default=None, help=rate_help)
     from kvserve.cli import plan_fleet
 
     plan_fleet.add_arguments(parser)

@@ -6,8 +6,8 @@ between steps, every step: it turns the step's outputs into messages and sends t
 receives and adds new requests (core_process._busy_loop). The simulator advances its clock by one step-time per
 step and nothing between them, so a model fitted on the steps alone runs the replica too fast: over the
 accuracy grid's replicas here (2 shared cores), the gap's median was 2-6% of a decode step, under 1% of a step
-with a prefill (docs/planner.md). Folding each gap into the step before it makes the fitted model the step-to-step period,
-which is what queueing and throughput depend on.
+with a prefill (docs/planner.md). Folding each gap into the step before it makes the fitted model the
+step-to-step period, which is what queueing and throughput depend on.
 
 An idle core's gap is waiting for work, not overhead: a gap is folded only when the core stayed busy, which a
 caller knows for a calibration burst (every step but the burst's last) and which a pod's log shows only

@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from kvserve.runtime import engine_args
 from kvserve.runtime.bench.planner_accuracy import Case
 
 # A small random shape's common fields: vocabularies of 8k keep the LM head (a large share of a small model's
@@ -27,7 +28,7 @@ class ServedModel:
     name: str
     architecture: str | None  # None: the real default model (SmolLM2-135M-Instruct, float32)
     config: tuple[tuple[str, object], ...] = ()  # HF config fields of a random shape
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = engine_args.default("tensor_parallel_size")
 
 
 MODELS = (

@@ -39,30 +39,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="random seed of the measured prompts")
     parser.add_argument(
         "--scope",
-        choices=["core", "engine"],
-        default="core",
-        help="what a step covers: core = the engine core's step, what a served replica's core process runs "
-        "(detokenising is the API server's); engine = LLMEngine.step with its outputs (offline, in-process)",
+        choices=["served", "core", "engine"],
+        default="served",
+        help="what is measured: served = a `kvserve serve` replica started on 127.0.0.1, the grid sent through "
+        "it, fitted on its core's logged steps with the core loop's time between them (what a served replica "
+        "runs beside its API server and clients); core = an in-process engine core's steps alone; engine = "
+        "LLMEngine.step with its outputs (the offline LLM, in-process)",
     )
     parser.add_argument(
         "--from-step-log",
         default=None,
         metavar="PATH",
         help="fit the step log of a running replica (KVSERVE_STEP_LOG=PATH kvserve serve ...: the served core's "
-        "own steps beside its API server) instead of profiling an in-process engine; MODEL and the grid are unused",
+        "own steps beside its API server) instead of profiling an in-process engine; MODEL and the grid are unused; "
+        "--device names the replica's device (default: this machine's, as kvserve serve picks it)",
     )
 
 
-def from_step_log(path: str) -> dict:
+def from_step_log(path: str, device: str | None = None) -> dict:
     """A calibration fitted on a served replica's step log (runtime/engine/step_log.py), in `kvserve calibrate`'s
-    format: what the replica's core measured while it served, rather than an offline profile. Raises CLIError
-    naming the flag when the log cannot be read or holds too few steps."""
+    format: what the replica's core measured while it served, rather than an offline profile; each step with
+    the core loop's time before the next where the core stayed busy (planner/served_steps.py). `device`: the
+    replica's (cpu, cuda; default: what `kvserve serve` picks on this machine), so `kvserve plan` knows
+    whether to plan a CPU server. Raises CLIError naming the flag when the log cannot be read or holds too few
+    steps."""
     from kvserve.runtime.engine import step_log
     from kvserve.runtime.planner.predict import CALIBRATION_VERSION
+    from kvserve.runtime.planner.served_steps import with_loop_gaps
     from kvserve.runtime.planner.step_time import fit
 
+    if device is None:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
-        samples = step_log.read(path)
+        samples = with_loop_gaps(step_log.read_lines(path))
     except OSError as exc:
         raise CLIError(f"--from-step-log: cannot read {path}: {exc.strerror}") from None
     except (KeyError, TypeError) as exc:
@@ -74,6 +85,7 @@ def from_step_log(path: str) -> dict:
     return {
         "version": CALIBRATION_VERSION,
         "device": "served engine core",
+        "engine_device": device,
         "clock": "wall",
         "scope": "served",
         "step_log": path,
@@ -82,11 +94,17 @@ def from_step_log(path: str) -> dict:
     }
 
 
+def _progress(msg: str) -> None:
+    import sys
+
+    print(msg, file=sys.stderr, flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
     from kvserve.runtime.bench import calibrate
 
     if args.from_step_log is not None:
-        cal = from_step_log(args.from_step_log)
+        cal = from_step_log(args.from_step_log, args.device)
         calibrate.write(cal, args.out)
         print(f"wrote {args.out}: fitted on {cal['fit']['num_samples']} served steps of {args.from_step_log}")
         return 0
@@ -98,10 +116,19 @@ def run(args: argparse.Namespace) -> int:
         decode_steps=args.decode_steps,
         max_prefill_tokens=args.max_prefill_tokens,
     )
-    engine_kwargs = {k: v for k, v in (("dtype", args.dtype), ("device", args.device)) if v}
-    cal = calibrate.calibrate(
-        args.model, grid, max_seconds=args.max_seconds, seed=args.seed, scope=args.scope, **engine_kwargs
-    )
+    if args.scope == "served":
+        from kvserve.runtime.bench import calibrate_served
+
+        if args.device:
+            raise CLIError("--device: the served scope runs `kvserve serve`'s device; give --scope core for another")
+        cal = calibrate_served.calibrate(
+            args.model, grid, max_seconds=args.max_seconds, seed=args.seed, dtype=args.dtype, progress=_progress
+        )
+    else:
+        engine_kwargs = {k: v for k, v in (("dtype", args.dtype), ("device", args.device)) if v}
+        cal = calibrate.calibrate(
+            args.model, grid, max_seconds=args.max_seconds, seed=args.seed, scope=args.scope, **engine_kwargs
+        )
     calibrate.write(cal, args.out)
     m, r = cal["step_time_model"], cal["fit"]
     curve = m.get("token_curve") or [[1, m["overhead_s"] + m["per_token_s"]]]

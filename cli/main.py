@@ -33,6 +33,7 @@ COMMANDS: dict[str, str] = {
     "bench lora": "kvserve.cli.bench_lora",
     "bench peaky": "kvserve.cli.bench_peaky",
     "bench pd": "kvserve.cli.bench_pd",
+    "bench planner-grid": "kvserve.cli.bench_planner_grid",
 }
 
 

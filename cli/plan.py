@@ -85,6 +85,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-requests", type=int, default=1000, help="requests to simulate")
     parser.add_argument("--prefix-len", type=int, default=0, help="tokens every prompt shares (prefix cache)")
     parser.add_argument("--seed", type=int, default=0, help="random seed of the simulated workload (--calibration)")
+    spec_help = "--calibration: speculative decoding, up to this many drafts per decoding request and step"
+    parser.add_argument("--num-speculative-tokens", type=int, default=0, help=spec_help)
+    rate_help = "with --num-speculative-tokens: each draft's acceptance (vllm:spec_decode accepted / draft tokens)"
+    parser.add_argument("--spec-acceptance-rate", type=float, default=None, help=rate_help)
     from kvserve.cli import plan_fleet
 
     plan_fleet.add_arguments(parser)
@@ -262,7 +266,8 @@ def _predict(args: argparse.Namespace, plan: dict, settings: dict) -> dict:
         trace=simulator.load_trace(args.trace) if args.trace else (),
         seed=args.seed,
     )
-    return predict.predict(plan, settings, predict.load_calibration(args.calibration), workload)
+    spec = predict.SpecDecoding.parse(args.num_speculative_tokens, args.spec_acceptance_rate)
+    return predict.predict(plan, settings, predict.load_calibration(args.calibration), workload, spec)
 
 
 def _error_text(exc: Exception) -> str:

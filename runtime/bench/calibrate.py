@@ -158,8 +158,6 @@ def calibrate(
     """Measure and fit; returns the calibration dict (version, device, model, coefficients, residuals).
     `clock`: what a step's seconds are read from (wall time; the accuracy benchmark can pass the process's
     CPU time, which other tenants of a shared machine do not move)."""
-    from importlib.metadata import PackageNotFoundError, version
-
     from kvserve.runtime.engine.llm_engine import LLMEngine
 
     if model_dir is None:
@@ -182,13 +180,28 @@ def calibrate(
     device = device_name(engine)
     engine.shutdown()
     model, residuals = fit(samples)
+    return {
+        **calibration_header(cfg, model_dir, grid),
+        "device": device,
+        "step_time_model": model.to_dict(),
+        "fit": residuals,
+        "measured_seconds": round(time.perf_counter() - start, 3),
+        "clock": getattr(clock, "__name__", str(clock)),
+        "scope": scope,
+    }
+
+
+def calibration_header(cfg, model_dir: str, grid: Grid) -> dict:
+    """What a calibration file says about what was measured, whichever scope measured it: the format version,
+    the engine's device kind (`kvserve plan` plans a CPU server for a CPU one), the model's shape, the grid."""
+    from importlib.metadata import PackageNotFoundError, version
+
     try:
         kvserve_version = version("kvserve")
     except PackageNotFoundError:
         kvserve_version = "unknown"
     return {
         "version": CALIBRATION_VERSION,
-        "device": device,
         "engine_device": cfg.device,
         "model": {
             "dir": model_dir,
@@ -207,11 +220,6 @@ def calibrate(
             "batch_sizes": list(grid.batch_sizes),
             "decode_steps": grid.decode_steps,
         },
-        "step_time_model": model.to_dict(),
-        "fit": residuals,
-        "measured_seconds": round(time.perf_counter() - start, 3),
-        "clock": getattr(clock, "__name__", str(clock)),
-        "scope": scope,
     }
 
 

@@ -42,25 +42,51 @@ def _engine_facts(model_dir: str) -> tuple[int, int]:
     return layout.bytes_per_token * pa.ENGINE["block_size"] * pa.ENGINE["num_kv_blocks"], cfg.model.vocab_size
 
 
-def calibrate_served(base_url: str, step_log_path: str, vocab: int, seed: int, grid) -> dict:
+def calibrate_served(
+    base_url: str,
+    step_log_path: str,
+    vocab: int,
+    seed: int,
+    grid,
+    loop_gaps: bool = True,
+    shape=None,
+    max_seconds: float | None = None,
+    progress=None,
+) -> dict:
     """`kvserve calibrate`'s grid sent through the server, each point as one burst (`batch` requests of
     `prompt_len` random tokens, `decode_steps` output tokens), fitted on the server's own step log
     (KVSERVE_STEP_LOG, runtime/engine/step_log.py): the served core's steps, with the API server and the client
-    beside them. The same bursts give the front-end's admission time (fit_admission)."""
+    beside them. The same bursts give the front-end's admission time (fit_admission). `loop_gaps`: each step
+    with the core loop's time after it (served_steps.py; False: the steps alone, as before). `shape`: the
+    server's scheduler settings (default planner_accuracy.SHAPE); `max_seconds`: send no further burst after
+    this long; `progress`: called with a line per burst."""
     from kvserve.runtime.engine import step_log
+    from kvserve.runtime.planner.served_steps import with_loop_gaps
 
     rng = random.Random(f"{seed}-calibrate")
-    seen = len(step_log.read(step_log_path))  # the warm-up's steps
+    start = time.perf_counter()
+    seen = len(step_log.read_lines(step_log_path))  # the warm-up's steps
     bursts, samples = [], []  # bursts: (prompt_len, batch, the logged steps' token counts)
-    for prompt_len, batch in grid.points():
+    alone = []  # the same steps without the loop's gaps (the fit before served_steps, for comparison)
+    points = grid.points()
+    for n, (prompt_len, batch) in enumerate(points, 1):
+        if max_seconds is not None and time.perf_counter() - start > max_seconds:
+            if progress:
+                progress(f"calibrate: max seconds {max_seconds:g} reached after {n - 1}/{len(points)} grid points")
+            break
         burst = pa.Case(f"cal-{prompt_len}x{batch}", prompt_len, grid.decode_steps, batch, concurrency=batch)
         measure_served(base_url, burst, pa._requests(burst, rng, vocab, None))
-        new = step_log.read(step_log_path)[seen:]
+        new = step_log.read_lines(step_log_path)[seen:]
         seen += len(new)
-        samples += new
-        bursts.append((prompt_len, batch, [s.num_tokens for s in new]))
+        # A burst keeps the core busy from its first step to its last: each step's seconds with the core
+        # loop's time before the next (served_steps.py), what the simulator's clock advances per step.
+        alone += [step_log.sample(d) for d in new]
+        samples += with_loop_gaps(new, busy_to_end=True) if loop_gaps else alone[-len(new) :]
+        bursts.append((prompt_len, batch, [d["num_tokens"] for d in new]))
+        if progress:
+            progress(f"calibrate: [{n}/{len(points)}] prompt {prompt_len} x batch {batch}: {len(new)} served steps")
     model, stats = fit(samples)
-    admission_s, admission_error = fit_admission(bursts, grid.decode_steps, model)
+    admission_s, admission_error = fit_admission(bursts, grid.decode_steps, model, shape or pa.SHAPE)
     return {
         "device": "served engine core",
         "clock": "wall",
@@ -68,6 +94,8 @@ def calibrate_served(base_url: str, step_log_path: str, vocab: int, seed: int, g
         "fit": stats,
         "admission_s": admission_s,
         "admission_fit_error": admission_error,
+        "loop_gaps": loop_gaps,
+        "step_time_model_steps_alone": fit(alone)[0].to_dict() if loop_gaps else model.to_dict(),
     }
 
 
@@ -75,7 +103,7 @@ def calibrate_served(base_url: str, step_log_path: str, vocab: int, seed: int, g
 ADMISSION_GRID_S = (0.0, 0.1e-3, 0.25e-3, 0.5e-3, 0.75e-3, 1e-3, 1.5e-3, 2e-3, 3e-3, 4e-3)
 
 
-def fit_admission(bursts, decode_steps: int, step_model: StepTimeModel) -> tuple[float, float]:
+def fit_admission(bursts, decode_steps: int, step_model: StepTimeModel, shape=None) -> tuple[float, float]:
     """The admission time whose simulated bursts batch their prefills like the logged ones: the error is the
     tokens of each burst's first three steps, simulated vs logged, over the burst's prompt tokens. A burst sent
     at once reaches the core over time (HTTP, validation, the hand-off, one request after another) and the core
@@ -85,12 +113,12 @@ def fit_admission(bursts, decode_steps: int, step_model: StepTimeModel) -> tuple
 
     def err(admission_s: float) -> float:
         total = 0.0
-        shape = dataclasses.replace(pa.SHAPE, admission_s=admission_s)
+        admitting = dataclasses.replace(shape or pa.SHAPE, admission_s=admission_s)
         for prompt_len, batch, logged in bursts:
             w = Workload(
                 LengthSpec(prompt_len, prompt_len), LengthSpec(decode_steps, decode_steps), batch, concurrency=batch
             )
-            sim = simulate(w, shape, step_model, record_steps=True).step_tokens
+            sim = simulate(w, admitting, step_model, record_steps=True).step_tokens
             total += sum(abs(a - b) for a, b in zip(sim[:3] + [0] * 3, logged[:3] + [0] * 3)) / (prompt_len * batch)
         return total / max(1, len(bursts))
 

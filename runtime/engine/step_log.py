@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 from kvserve.runtime.planner.step_time import StepSample, step_work
 
@@ -28,19 +29,29 @@ class StepLog:
     def record(self, scheduled, seconds: float) -> None:
         if scheduled:
             w = step_work(scheduled)
-            self._file.write(json.dumps({**w._asdict(), "seconds": seconds}) + "\n")
+            # end_s (monotonic): consecutive lines give the core loop's time between steps (outputs sent,
+            # requests received), which the served replica spends per step too (planner/served_steps.py).
+            end_s = time.monotonic()
+            self._file.write(json.dumps({**w._asdict(), "seconds": seconds, "end_s": end_s}) + "\n")
 
 
-def read(path: str) -> list[StepSample]:
-    """The samples of a step log (a partly written last line is skipped)."""
+def read_lines(path: str) -> list[dict]:
+    """The lines of a step log as dicts (a partly written last line is skipped)."""
     out = []
     with open(path) as f:
         for line in f:
             try:
-                d = json.loads(line)
+                out.append(json.loads(line))
             except ValueError:
                 continue
-            out.append(
-                StepSample(d["num_tokens"], d["context_tokens"], d["seconds"], d["num_sampled"], d["attention_pairs"])
-            )
     return out
+
+
+def sample(d: dict) -> StepSample:
+    """One line's StepSample (its own seconds, without the loop's time after it)."""
+    return StepSample(d["num_tokens"], d["context_tokens"], d["seconds"], d["num_sampled"], d["attention_pairs"])
+
+
+def read(path: str) -> list[StepSample]:
+    """The samples of a step log (a partly written last line is skipped)."""
+    return [sample(d) for d in read_lines(path)]

@@ -61,6 +61,10 @@ class Workload:
     # the trace's lengths in order, its streams starting at the first `concurrency` arrivals (a ramp; the later
     # arrivals are unused), to replay a measured closed loop request for request.
     trace: tuple[tuple[float, int, int], ...] = ()
+    # With a trace: each request's prompt token ids, in the trace's order (a replay of measured requests whose
+    # prompts share prefixes other than one common prefix, e.g. multi-turn chats). The prefix cache then sees
+    # exactly the measured prompts' hits; their lengths override the trace's.
+    prompts: tuple[tuple[int, ...], ...] = ()
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -70,6 +74,8 @@ class Workload:
             raise ValueError(f"request_rate must be > 0, got {self.request_rate}")
         if self.concurrency is not None and self.concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {self.concurrency}")
+        if self.prompts and len(self.prompts) != len(self.trace):
+            raise ValueError(f"prompts: one per trace entry, got {len(self.prompts)} for {len(self.trace)}")
 
 
 def load_trace(path: str) -> tuple[tuple[float, int, int], ...]:
@@ -112,10 +118,21 @@ class EngineShape:
     # longest prompt (a pulled prompt then never displaces a decode) and the step-time model is charged only
     # what is computed (`pulled_step_work`).
     role: str = "both"
+    # Speculative decoding (issue 44 scope 7): up to this many drafts per decoding request each step, as the
+    # engine's proposer sets them (spec_decode/proposer.py); the scheduler schedules them (1 + k tokens, which
+    # the step-time model charges as the target's verification) and each draft is accepted with probability
+    # spec_acceptance_rate while the ones before it were (vllm:spec_decode acceptance per position falls the
+    # same way). The draft model's own time is not modelled (n-gram and suffix drafts cost ~nothing).
+    num_speculative_tokens: int = 0
+    spec_acceptance_rate: float = 0.0
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+        if not 0.0 <= self.spec_acceptance_rate <= 1.0:
+            raise ValueError(f"spec_acceptance_rate must be in [0, 1], got {self.spec_acceptance_rate}")
 
 
 @dataclass
@@ -125,7 +142,8 @@ class SimResult:
     output_tokens_per_s: float
     requests_per_s: float
     ttft_s: dict = field(default_factory=dict)  # p50/p90/p99
-    tpot_s: dict = field(default_factory=dict)  # p50/p99
+    tpot_s: dict = field(default_factory=dict)  # p50/p90/p99
+    e2e_s: dict = field(default_factory=dict)  # p50/p90/p99: arrival to last token
     kv_peak_usage: float = 0.0
     num_preemptions: int = 0
     num_steps: int = 0
@@ -197,6 +215,91 @@ def _token_ids(shared: list[int], number: int, length: int) -> list[int]:
     return (shared + tail + [7] * max(0, length - len(shared) - 2))[:length]
 
 
+def _propose_drafts(running: list[Request], k: int, max_model_len: int) -> None:
+    """Drafts on every running request about to decode, as the engine's proposer sets them before a schedule:
+    k of them, fewer where the context or the request's max_tokens leaves less room (the ids are dummies)."""
+    for request in running:
+        request.spec_token_ids = []
+        if request.num_tokens - request.num_computed_tokens != 1:
+            continue
+        room = min(k, max_model_len - request.num_tokens - 1, request.max_tokens - request.num_output_tokens - 1)
+        if room > 0:
+            request.spec_token_ids = [7] * room
+
+
+def accepted_drafts(rng: random.Random, num_drafts: int, acceptance_rate: float) -> int:
+    """How many of a request's drafts the target accepts: each with probability acceptance_rate, stopping at
+    the first rejection (expected sum of rate^i for i in 1..num_drafts)."""
+    n = 0
+    while n < num_drafts and rng.random() < acceptance_rate:
+        n += 1
+    return n
+
+
+def _spec_output(scheduled, rng: random.Random, acceptance_rate: float) -> ModelRunnerOutput:
+    """The runner's answer to a step with drafts: a verified request gets its accepted drafts and the token
+    after them (spec_token_ids), every other sampling request one token."""
+    sampled, spec = {}, {}
+    for s in scheduled:
+        if not s.sample:
+            continue
+        if s.num_spec_tokens:
+            spec[s.req_id] = [7] * (accepted_drafts(rng, s.num_spec_tokens, acceptance_rate) + 1)
+        else:
+            sampled[s.req_id] = 1
+    return ModelRunnerOutput(sampled_token_ids=sampled, spec_token_ids=spec)
+
+
+class _FrontEnd:
+    """The API server's admission (EngineShape.admission_s): requests in the order the clients sent them, one
+    after another, each reaching the scheduler admission_s after the front-end took it (or after it arrived,
+    if the front-end was idle). Requests are taken in arrival order as the clock passes their arrival: a
+    closed loop's later stream starts (a ramp) are known from the start, and booking the front-end for them
+    up front queued every request sent before them behind them (a request sent at 0.1 s waited for a stream
+    starting at 0.23 s; TTFT p90 4x the measured on a 16-stream ramp of the accuracy grid)."""
+
+    def __init__(self, admission_s: float):
+        self.admission_s = admission_s
+        self.free_at = 0.0  # when the front-end has handed over every request taken so far
+        self.admitting: list[tuple[float, int, Request]] = []  # (when it reaches the scheduler, tiebreak, request)
+
+    def due(self, pending: list, now: float) -> list[Request]:
+        """The requests that reach the scheduler by `now`; takes every arrival up to `now` off `pending`."""
+        if self.admission_s <= 0:
+            out = []
+            while pending and pending[0][0] <= now:
+                out.append(heapq.heappop(pending)[2])
+            return out
+        while pending and pending[0][0] <= now:
+            self._take(pending)
+        out = []
+        while self.admitting and self.admitting[0][0] <= now:
+            out.append(heapq.heappop(self.admitting)[2])
+        return out
+
+    def next_time(self, pending: list) -> float | None:
+        """When the next request reaches the scheduler (None: no request left). Called when the scheduler is
+        idle, so no request can be sent before the next arrival in `pending`: taking it now keeps the order."""
+        if self.admission_s <= 0:
+            return pending[0][0] if pending else None
+        if not self.admitting and pending:
+            self._take(pending)
+        return self.admitting[0][0] if self.admitting else None
+
+    def _take(self, pending: list) -> None:
+        arrival, n, r = heapq.heappop(pending)
+        self.free_at = max(self.free_at, arrival) + self.admission_s
+        heapq.heappush(self.admitting, (self.free_at, n, r))
+
+
+def _replayed_prompt(workload: Workload, number: int, max_model_len: int) -> list[int]:
+    """Request `number`'s (1-based, in trace order) replayed prompt ids (Workload.prompts), cut to what the
+    replica admits; [] without replayed prompts."""
+    if not workload.prompts:
+        return []
+    return list(workload.prompts[number - 1][: max_model_len - 1])
+
+
 def simulate(
     workload: Workload,
     shape: EngineShape,
@@ -219,7 +322,8 @@ def simulate(
       reported against the replica's pool.
     The prefix cache keeps freed blocks for later hits, which a pool that grows late would evict sooner: with a
     shared prefix, or for the rerun after a preemption, the run has the replica's pool from the start."""
-    private = not (shape.enable_prefix_caching and workload.prefix_len > 0) and not _fills_the_pool(workload, shape)
+    shares = workload.prefix_len > 0 or bool(workload.prompts)
+    private = not (shape.enable_prefix_caching and shares) and not _fills_the_pool(workload, shape)
     run = functools.partial(_simulate, workload, shape, step_model, record_steps, stop_when_missed)
     if private:
         grown = functools.partial(_GrowingPool, initial_blocks=INITIAL_POOL_BLOCKS)
@@ -304,27 +408,23 @@ def _simulate(
     def make(arrival: float, plen: int, olen: int) -> tuple[float, Request]:
         nonlocal seq
         seq += 1
-        plen = min(plen, shape.max_model_len - 1)
+        ids = _replayed_prompt(workload, seq, shape.max_model_len) or _token_ids(
+            shared, seq, min(plen, shape.max_model_len - 1)
+        )
+        plen = len(ids)
         if shape.role == "prefill":
             olen = 1
         prompt_lens[f"r{seq}"] = plen
         req = Request(
             f"r{seq}",
-            _token_ids(shared, seq, plen),
+            ids,
             SamplingParams(max_tokens=olen, ignore_eos=True),
             arrival_time=arrival,
         )
         return arrival, req
 
-    pending: list[tuple[float, int, Request]] = []  # (time it reaches the scheduler, tiebreak, request) heap
-    front_end_free = 0.0  # when the front-end has admitted every request so far (FIFO, shape.admission_s each)
-
-    def admit(arrival: float) -> float:
-        nonlocal front_end_free
-        if shape.admission_s <= 0:
-            return arrival
-        front_end_free = max(front_end_free, arrival) + shape.admission_s
-        return front_end_free
+    pending: list[tuple[float, int, Request]] = []  # (client's arrival, tiebreak, request) heap
+    front_end = _FrontEnd(shape.admission_s)
 
     closed_lengths = iter([(p, o) for _, p, o in workload.trace])
 
@@ -336,26 +436,26 @@ def _simulate(
     if workload.trace and workload.concurrency is None:
         for t, p, o in workload.trace:
             a, r = make(t, p, o)
-            heapq.heappush(pending, (admit(a), seq, r))
+            heapq.heappush(pending, (a, seq, r))
         total = len(workload.trace)
     elif workload.request_rate is not None:
         t = 0.0
         for _ in range(workload.num_requests):
             t += rng.expovariate(workload.request_rate)
             a, r = make(t, workload.prompt_len.draw(rng), workload.output_len.draw(rng))
-            heapq.heappush(pending, (admit(a), seq, r))
+            heapq.heappush(pending, (a, seq, r))
         total = workload.num_requests
     else:
         total = len(workload.trace) or workload.num_requests
         for k in range(min(workload.concurrency, total)):
             a, r = make(workload.trace[k][0] if workload.trace else 0.0, *next_lengths())
-            heapq.heappush(pending, (admit(a), seq, r))
+            heapq.heappush(pending, (a, seq, r))
 
     now = 0.0
     first_token: dict[str, float] = {}
     arrival: dict[str, float] = {}
     num_out: dict[str, int] = {}
-    ttft, tpot = [], []
+    ttft, tpot, e2e = [], [], []
     ttft_of: dict[str, float] = {}
     finished = peak = 0
     steps = 0
@@ -369,18 +469,22 @@ def _simulate(
     stopped = False
     ttft_misses_needed = misses_needed(total, 90)
     tpot_misses_needed = misses_needed(total, 99)
+    drafting = shape.num_speculative_tokens > 0
+    spec_rng = random.Random(f"{workload.seed}-spec")
     while finished < total and not stopped:
-        while pending and pending[0][0] <= now:
-            _, _, r = heapq.heappop(pending)
+        for r in front_end.due(pending, now):
             arrival[r.request_id] = r.arrival_time  # TTFT counts from the client's arrival, admission included
             sched.add_request(r)
+        if drafting:
+            _propose_drafts(sched.running, shape.num_speculative_tokens, shape.max_model_len)
         out = sched.schedule()
         if stop_on_preemption and out.num_preempted:
             raise _Preempted
         if out.is_empty:
-            if not pending:
+            next_admission = front_end.next_time(pending)
+            if next_admission is None:
                 raise RuntimeError("simulation stalled: a request cannot be scheduled (KV pool too small?)")
-            now = max(now, pending[0][0])
+            now = max(now, next_admission)
             continue
         work = pulled_step_work(out.scheduled, prompt_lens) if shape.role == "decode" else step_work(out.scheduled)
         if record_steps:
@@ -390,8 +494,11 @@ def _simulate(
         now += step_s
         steps += 1
         peak = max(peak, kv.pool.num_blocks - 1 - kv.num_free_blocks)  # blocks held (block 0 is the null block)
-        sampled = {s.req_id: 1 for s in out.scheduled if s.sample}
-        for o in sched.update_from_output(out, ModelRunnerOutput(sampled_token_ids=sampled)):
+        if drafting:
+            runner_out = _spec_output(out.scheduled, spec_rng, shape.spec_acceptance_rate)
+        else:
+            runner_out = ModelRunnerOutput(sampled_token_ids={s.req_id: 1 for s in out.scheduled if s.sample})
+        for o in sched.update_from_output(out, runner_out):
             rid = o.req_id
             total_out += len(o.new_token_ids)
             num_out[rid] = num_out.get(rid, 0) + len(o.new_token_ids)
@@ -404,6 +511,7 @@ def _simulate(
                     stopped = stopped or ttft_over >= ttft_misses_needed
             if o.finish_reason is not None:
                 finished += 1
+                e2e.append(now - arrival[rid])
                 if num_out[rid] > 1:
                     tpot.append((now - first_token[rid]) / (num_out[rid] - 1))
                     if stop_when_missed is not None and tpot[-1] > stop_when_missed.tpot_p99_s:
@@ -411,7 +519,7 @@ def _simulate(
                         stopped = stopped or tpot_over >= tpot_misses_needed
                 if workload.concurrency is not None and seq < total:
                     a, r = make(now, *next_lengths())
-                    heapq.heappush(pending, (admit(a), seq, r))
+                    heapq.heappush(pending, (a, seq, r))
     duration = max(now, 1e-9)
     return SimResult(
         num_requests=total,
@@ -419,7 +527,8 @@ def _simulate(
         output_tokens_per_s=total_out / duration,
         requests_per_s=total / duration,
         ttft_s={"p50": percentile(ttft, 50), "p90": percentile(ttft, 90), "p99": percentile(ttft, 99)},
-        tpot_s={"p50": percentile(tpot, 50), "p99": percentile(tpot, 99)},
+        tpot_s={"p50": percentile(tpot, 50), "p90": percentile(tpot, 90), "p99": percentile(tpot, 99)},
+        e2e_s={"p50": percentile(e2e, 50), "p90": percentile(e2e, 90), "p99": percentile(e2e, 99)},
         kv_peak_usage=peak / (shape.num_blocks - 1),  # blocks held at the peak, of the replica's real pool
         num_preemptions=sched.num_preemptions,
         num_steps=steps,

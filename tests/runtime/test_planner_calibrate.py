@@ -128,8 +128,8 @@ def test_cli_is_registered():
 
 
 def test_core_scope_times_the_engine_cores_own_steps(tiny):
-    # `kvserve calibrate`'s default: the seconds come from the engine core's step observer (EngineCore.step),
-    # which runs on the wall clock, so another clock is refused rather than mixed in.
+    # calibrate()'s default scope "core" (the CLI's is "served"): the seconds come from the engine core's step
+    # observer (EngineCore.step), which runs on the wall clock, so another clock is refused rather than mixed in.
     from kvserve.runtime.bench.calibrate import profile
     from kvserve.runtime.engine.llm_engine import LLMEngine
 

@@ -72,7 +72,7 @@ def replay(
     tier: bool = True,
     host_blocks: int | None = None,
     max_num_batched_tokens: int = engine_args.CHUNKED_PREFILL_BATCHED_TOKENS,
-    preemption_mode: str = "recompute",
+    preemption_mode: str = engine_args.default("preemption_mode"),
     rate: float | None = None,
     think_s: float = 0.0,
     step_cost_s: tuple[float, float] = (0.025, 0.001),
@@ -192,7 +192,9 @@ def main(argv: list[str] | None = None) -> list[Replay]:
     ap.add_argument("--ratio", type=float, default=4.0, help="working set / device KV pool")
     ap.add_argument("--block-size", type=int, default=engine_args.default("block_size"))
     ap.add_argument("--num-kv-blocks", type=int, default=None, help="the device pool, instead of --ratio's")
-    ap.add_argument("--preemption-mode", choices=engine_args.PREEMPTION_MODES, default="recompute")
+    ap.add_argument(
+        "--preemption-mode", choices=engine_args.PREEMPTION_MODES, default=engine_args.default("preemption_mode")
+    )
     ap.add_argument("--conversation-rate", type=float, default=None)
     ap.add_argument("--think-time", type=float, default=0.0)
     ap.add_argument("--step-cost-s", default="0.025,0.001", help="paced only: A,B = A s per step + B s per token")

@@ -229,3 +229,34 @@ def test_capacity_search_stops_once_the_fleet_size_is_settled(peak, monkeypatch)
     assert settled.requests_per_s <= full.requests_per_s
     assert hpa_bounds(settled, peak, peak / 3).max_replicas == hpa_bounds(full, peak, peak / 3).max_replicas
     assert hpa_bounds(settled, peak, peak / 3).min_replicas == hpa_bounds(full, peak, peak / 3).min_replicas
+
+
+def test_tune_reuses_runs_without_changing_its_answer(monkeypatch):
+    """fleet.tune shares one simulator.Runs across the settings it tries: the same Option (settings, capacity,
+    every trial's numbers) as a search that simulates every run, from fewer simulations."""
+    import kvserve.runtime.planner.fleet as fleet_mod
+    from kvserve.runtime.planner.simulator import Runs
+
+    def build(seqs: int, tokens: int) -> Candidate:  # the pool shrinks a little with the settings, as a KV plan's
+        shape = dataclasses.replace(SHAPE, num_blocks=2000 - seqs - tokens // 64, max_num_seqs=seqs)
+        return Candidate("gpu", 1, 1.0, dataclasses.replace(shape, max_num_batched_tokens=tokens), STEP, "test")
+
+    deployment = Deployment(build, 16, 512, (4, 8, 32, 64, 128), (128, 1024))
+    made: list[Runs] = []
+
+    class Counted(Runs):
+        def __init__(self):
+            super().__init__()
+            made.append(self)
+
+    class Fresh(Counted):
+        def lookup(self, *args):
+            return None
+
+    slo = SLO(ttft_p90_s=1.0, tpot_p99_s=0.05)
+    monkeypatch.setattr(fleet_mod, "Runs", Fresh)
+    plain = tune(deployment, WORK, slo, peak_requests_per_s=300.0)
+    monkeypatch.setattr(fleet_mod, "Runs", Counted)
+    reused = tune(deployment, WORK, slo, peak_requests_per_s=300.0)
+    assert reused.to_dict() == plain.to_dict() and len(reused.tried) > 3
+    assert made[1].reused > 0 and made[1].simulated + made[1].reused == made[0].simulated

@@ -280,3 +280,40 @@ def test_shortcuts_leave_the_run_unchanged(workload, shape, monkeypatch):
     if shape.num_blocks == 120:
         assert plain.num_preemptions > 0
         assert simulator._simulate(workload, shape, MODEL, True, None, False).to_dict() != plain.to_dict()
+
+
+@pytest.mark.parametrize(
+    "workload",
+    [
+        Workload(LengthSpec(300, 700), LengthSpec(5, 40), num_requests=60, request_rate=40.0),
+        Workload(LengthSpec(200, 200), LengthSpec(30, 30), num_requests=40, concurrency=1),
+        Workload(LengthSpec(200, 200), LengthSpec(30, 30), num_requests=40, concurrency=64),  # streams: 40
+    ],
+)
+def test_runs_reuse_only_what_the_limits_did_not_decide(workload):
+    """simulator.Runs answers a run for another max_num_seqs / pool size only where that run, simulated afresh,
+    is the same; where the first run's sequence limit or pool bound something, it simulates again."""
+    from kvserve.runtime.planner.simulator import Runs
+
+    runs = Runs()
+    first = simulate(workload, EngineShape(4096, max_num_seqs=256), MODEL, runs=runs)
+    assert (runs.simulated, runs.reused) == (1, 0)
+    peak = round(first.kv_peak_usage * 4095)
+    # Limits above what the run reached: the same run, its peak usage against the other pool.
+    for seqs, blocks in ((128, 3000), (512, 8192), (64, peak + 1)):
+        shape = EngineShape(blocks, max_num_seqs=seqs)
+        reused = simulate(workload, shape, MODEL, runs=runs)
+        assert reused.to_dict() == simulate(workload, shape, MODEL).to_dict()
+    assert (runs.simulated, runs.reused) == (1, 3)
+    # A pool the run's peak does not fit, or a sequence limit it reaches: simulated, not reused.
+    alone = workload.concurrency == 1
+    if not alone:  # (one request at a time: a pool below its peak cannot hold the request)
+        simulate(workload, EngineShape(peak, max_num_seqs=256), MODEL, runs=runs)
+    running = 1 if alone else 8
+    simulate(workload, EngineShape(4096, max_num_seqs=running), MODEL, runs=runs)
+    assert (runs.simulated, runs.reused) == (2 if alone else 3, 3)
+    # A run its sequence limit bound answers no other limit.
+    bound = Runs()
+    simulate(workload, EngineShape(4096, max_num_seqs=running), MODEL, runs=bound)
+    simulate(workload, EngineShape(4096, max_num_seqs=running + 1), MODEL, runs=bound)
+    assert (bound.simulated, bound.reused) == (2, 0)

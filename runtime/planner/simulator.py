@@ -9,6 +9,7 @@ identical, so the prefix cache sees hits as the real engine would.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import heapq
 import json
@@ -203,6 +204,7 @@ def simulate(
     step_model: StepTimeModel,
     record_steps: bool = False,
     stop_when_missed: MissLimits | None = None,
+    runs: Runs | None = None,
 ) -> SimResult:
     """One replica's run of the workload. With `stop_when_missed`, the run ends as soon as enough requests have
     exceeded a limit that its percentile is certain to (`SimResult.stopped_on_miss`): a search that only asks
@@ -218,16 +220,89 @@ def simulate(
       objects for every run cost a third of a passing run; most runs hold a few thousand. The peak usage is
       reported against the replica's pool.
     The prefix cache keeps freed blocks for later hits, which a pool that grows late would evict sooner: with a
-    shared prefix, or for the rerun after a preemption, the run has the replica's pool from the start."""
+    shared prefix, or for the rerun after a preemption, the run has the replica's pool from the start.
+    - `runs`: a run its limits never touched is reused for another max_num_seqs or pool size (`Runs`)."""
+    if runs is not None:
+        known = runs.lookup(workload, shape, step_model, record_steps, stop_when_missed)
+        if known is not None:
+            return known
     private = not (shape.enable_prefix_caching and workload.prefix_len > 0) and not _fills_the_pool(workload, shape)
+    seen = _Seen()
     run = functools.partial(_simulate, workload, shape, step_model, record_steps, stop_when_missed)
+    result = None
     if private:
         grown = functools.partial(_GrowingPool, initial_blocks=INITIAL_POOL_BLOCKS)
         try:
-            return run(False, grown, shape.enable_prefix_caching)
+            result = run(False, grown, shape.enable_prefix_caching, seen=seen)
         except _Preempted:
-            pass
-    return run(shape.enable_prefix_caching, KVCacheManager)
+            seen = _Seen()  # the rerun's, with the prefix cache: not reused
+    if result is None:
+        result = run(shape.enable_prefix_caching, KVCacheManager, seen=seen)
+    if runs is not None:
+        runs.store(workload, shape, step_model, record_steps, stop_when_missed, result, seen)
+    return result
+
+
+@dataclass
+class _Seen:
+    """What a run's limits could have decided (`Runs`): the most requests running after a step's scheduling,
+    the most blocks held, and whether an allocation was refused by the replica's whole pool."""
+
+    max_running: int = 0
+    peak_blocks: int = 0
+    refused: bool = True  # unknown (the plain KV manager does not say): never reused
+
+
+class Runs:
+    """Simulations already run in one search, reused where a setting they differ in cannot matter.
+
+    The scheduler reads max_num_seqs only to refuse an admission (len(running) >= max_num_seqs), and the KV
+    pool's size only to refuse an allocation (more blocks asked than free). A run that never had more than M
+    requests running, never had an allocation refused, and never held more than P blocks is therefore the same
+    run, step for step, under any max_num_seqs above M and any pool of more than P usable blocks: every such
+    comparison goes the same way. Only runs without the prefix cache qualify (`simulate`'s private runs): with
+    it, the pool's size decides which freed blocks survive for later hits. A closed loop's streams count as
+    min(concurrency, requests). The tuning search (fleet.tune) tries max_num_seqs values (and their slightly
+    different pools) that such runs do not reach: their one-request-at-a-time runs, their saturation runs
+    beyond the requests' number, and the bisection trials that follow, are the same runs.
+    tests/test_planner_sim.py checks each reuse against a fresh run."""
+
+    def __init__(self) -> None:
+        self._runs: dict[tuple, list[tuple[int, int, int, SimResult]]] = {}
+        self.simulated = 0  # runs simulated through this cache
+        self.reused = 0  # runs answered from it
+        self.steps = 0  # steps simulated
+
+    @staticmethod
+    def _key(workload, shape, step_model, record_steps, stop_when_missed) -> tuple:
+        if workload.concurrency is not None:
+            total = len(workload.trace) or workload.num_requests
+            workload = dataclasses.replace(workload, concurrency=min(workload.concurrency, total))
+        shape = dataclasses.replace(shape, num_blocks=0, max_num_seqs=0)
+        return workload, shape, step_model, record_steps, stop_when_missed
+
+    def lookup(self, workload, shape, step_model, record_steps, stop_when_missed) -> SimResult | None:
+        for max_num_seqs, max_running, peak_blocks, result in self._runs.get(
+            self._key(workload, shape, step_model, record_steps, stop_when_missed), ()
+        ):
+            if max_running < min(max_num_seqs, shape.max_num_seqs) and peak_blocks <= shape.num_blocks - 1:
+                self.reused += 1
+                return dataclasses.replace(
+                    result,
+                    kv_peak_usage=peak_blocks / (shape.num_blocks - 1),
+                    ttft_s=dict(result.ttft_s),
+                    tpot_s=dict(result.tpot_s),
+                    step_tokens=list(result.step_tokens),
+                    ttfts_s=list(result.ttfts_s),
+                )
+        return None
+
+    def store(self, workload, shape, step_model, record_steps, stop_when_missed, result: SimResult, seen: _Seen):
+        self.simulated += 1
+        self.steps += result.num_steps
+        if not seen.refused and result.num_preemptions == 0:
+            key = self._key(workload, shape, step_model, record_steps, stop_when_missed)
+            self._runs.setdefault(key, []).append((shape.max_num_seqs, seen.max_running, seen.peak_blocks, result))
 
 
 def _fills_the_pool(workload: Workload, shape: EngineShape) -> bool:
@@ -255,11 +330,15 @@ class _GrowingPool(KVCacheManager):
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, initial_blocks: int):
         super().__init__(min(num_blocks, initial_blocks), block_size, enable_caching=enable_caching)
         self.max_blocks = num_blocks
+        self.refused = False  # an allocation the whole pool refused (Runs: the pool's size decided something)
 
     def allocate_slots(self, request, num_new_tokens, new_computed_blocks=()):
         while True:
             blocks = super().allocate_slots(request, num_new_tokens, new_computed_blocks)
-            if blocks is not None or self.pool.num_blocks >= self.max_blocks:
+            if blocks is not None:
+                return blocks
+            if self.pool.num_blocks >= self.max_blocks:
+                self.refused = True
                 return blocks
             self._grow()
 
@@ -282,6 +361,7 @@ def _simulate(
     enable_caching: bool,
     kv_manager=KVCacheManager,
     stop_on_preemption: bool = False,
+    seen: _Seen | None = None,
 ) -> SimResult:
     rng = random.Random(workload.seed)
     kv = kv_manager(shape.num_blocks, shape.block_size, enable_caching=enable_caching)
@@ -357,7 +437,7 @@ def _simulate(
     num_out: dict[str, int] = {}
     ttft, tpot = [], []
     ttft_of: dict[str, float] = {}
-    finished = peak = 0
+    finished = peak = max_running = 0
     steps = 0
     total_out = 0
     queue_area = 0.0  # integral of num_waiting over simulated seconds
@@ -390,6 +470,7 @@ def _simulate(
         now += step_s
         steps += 1
         peak = max(peak, kv.pool.num_blocks - 1 - kv.num_free_blocks)  # blocks held (block 0 is the null block)
+        max_running = max(max_running, len(sched.running))
         sampled = {s.req_id: 1 for s in out.scheduled if s.sample}
         for o in sched.update_from_output(out, ModelRunnerOutput(sampled_token_ids=sampled)):
             rid = o.req_id
@@ -413,6 +494,8 @@ def _simulate(
                     a, r = make(now, *next_lengths())
                     heapq.heappush(pending, (admit(a), seq, r))
     duration = max(now, 1e-9)
+    if seen is not None:
+        seen.max_running, seen.peak_blocks, seen.refused = max_running, peak, getattr(kv, "refused", True)
     return SimResult(
         num_requests=total,
         duration_s=duration,

@@ -260,3 +260,35 @@ def test_tune_reuses_runs_without_changing_its_answer(monkeypatch):
     reused = tune(deployment, WORK, slo, peak_requests_per_s=300.0)
     assert reused.to_dict() == plain.to_dict() and len(reused.tried) > 3
     assert made[1].reused > 0 and made[1].simulated + made[1].reused == made[0].simulated
+
+
+@pytest.mark.parametrize(
+    "slo, settle_for",
+    [
+        (SLO(5.0, 1.0), None),  # met at every rate below saturation: one leap instead of 7 trials
+        (SLO(5.0, 1.0), (40.0, 4.0)),
+        (SLO(0.03, 0.05), None),  # TTFT binds: the leap misses, then the bisection as before
+        (SLO(0.05, 0.05), (100.0, 10.0)),
+        (SLO(1.0, 0.013), None),  # TPOT binds
+    ],
+)
+def test_capacity_leap_gives_the_bisections_answer(slo, settle_for, monkeypatch):
+    """slo.LEAP: the capacity search first tries where the bisection would end if every trial met the SLO. Where
+    the SLO holds up to saturation that is one simulation; where it binds, the leap misses and the bisection runs
+    as before; the same capacity and the same run at it either way."""
+    import kvserve.runtime.planner.slo as slo_mod
+
+    calls = []
+    real = slo_mod.simulate
+    monkeypatch.setattr(slo_mod, "simulate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(slo_mod, "LEAP", False)
+    plain = replica_capacity(WORK, SHAPE, STEP, slo, settle_for=settle_for)
+    plain_calls, calls[:] = len(calls), []
+    monkeypatch.setattr(slo_mod, "LEAP", True)
+    leapt = replica_capacity(WORK, SHAPE, STEP, slo, settle_for=settle_for)
+    assert leapt.requests_per_s == plain.requests_per_s > 0
+    assert leapt.at_capacity.to_dict() == plain.at_capacity.to_dict()
+    if slo.ttft_p90_s == 5.0:  # alone, saturation, one leap
+        assert len(calls) == 3 < plain_calls
+    else:  # at most the one leap that missed more than the bisection
+        assert len(calls) <= plain_calls + 1

@@ -292,3 +292,39 @@ def test_capacity_leap_gives_the_bisections_answer(slo, settle_for, monkeypatch)
         assert len(calls) == 3 < plain_calls
     else:  # at most the one leap that missed more than the bisection
         assert len(calls) <= plain_calls + 1
+
+
+def test_catalog_search_shortcuts_keep_every_option(monkeypatch):
+    """The fleet search over catalog GPUs (what `kvserve plan --slo-*` runs) with its work-saving shortcuts --
+    runs reused across engine settings (simulator.Runs) and the capacity leap (slo.LEAP) -- gives every option
+    exactly as the search without them does, from fewer simulated runs and steps."""
+    import kvserve.runtime.planner.fleet as fleet_mod
+    import kvserve.runtime.planner.slo as slo_mod
+    from kvserve.runtime.planner import simulator
+    from kvserve.runtime.planner.simulator import Runs
+
+    base = kv_plan.PlanInput(model=catalog.lookup_model("llama-3-8b"), gpu_memory_bytes=1)
+    workload = Workload(LengthSpec(1024, 1024), LengthSpec(64, 64), num_requests=60, request_rate=80.0, seed=1)
+    target = catalog_search.Target(SLO(2.0, 0.1), workload, request_rate=80.0)
+    work = []
+    real = simulator._simulate
+    monkeypatch.setattr(simulator, "_simulate", lambda *a, **k: work.append(1) or real(*a, **k))
+    monkeypatch.setattr(fleet_mod.os, "cpu_count", lambda: 1)  # in this process, so the runs can be counted
+
+    def plan() -> tuple[list[dict], int]:
+        work.clear()
+        options = catalog_search.search_catalog(base, target, ["l40s", "h100-80gb"], gpus_per_node=2)
+        return [o.to_dict() for o in options], len(work)
+
+    class Fresh(Runs):
+        def lookup(self, *args):
+            return None
+
+    monkeypatch.setattr(fleet_mod, "Runs", Fresh)
+    monkeypatch.setattr(slo_mod, "LEAP", False)
+    plain, plain_runs = plan()
+    monkeypatch.setattr(fleet_mod, "Runs", Runs)
+    monkeypatch.setattr(slo_mod, "LEAP", True)
+    fast, fast_runs = plan()
+    assert fast == plain and plain[0]["feasible"]
+    assert fast_runs < plain_runs

@@ -317,3 +317,13 @@ def test_runs_reuse_only_what_the_limits_did_not_decide(workload):
     simulate(workload, EngineShape(4096, max_num_seqs=running), MODEL, runs=bound)
     simulate(workload, EngineShape(4096, max_num_seqs=running + 1), MODEL, runs=bound)
     assert (bound.simulated, bound.reused) == (2, 0)
+    # Token budgets: a run whose steps all stayed under its budget is the same under any budget above its
+    # largest step (one request at a time: a 200-token prompt per step); a budget that cut a step is not.
+    budgets = Runs()
+    largest = max(simulate(workload, EngineShape(4096), MODEL, record_steps=True, runs=budgets).step_tokens)
+    for budget in (largest + 1, 4 * largest, largest, largest // 2):
+        shape = EngineShape(4096, max_num_batched_tokens=budget)
+        reused = simulate(workload, shape, MODEL, record_steps=True, runs=budgets)
+        assert reused.to_dict() == simulate(workload, shape, MODEL, record_steps=True).to_dict()
+    first_budget = EngineShape(4096).max_num_batched_tokens
+    assert budgets.reused == (2 if largest < first_budget else 0) + (largest == first_budget)

@@ -246,10 +246,11 @@ def simulate(
 @dataclass
 class _Seen:
     """What a run's limits could have decided (`Runs`): the most requests running after a step's scheduling,
-    the most blocks held, and whether an allocation was refused by the replica's whole pool."""
+    the most blocks held, the largest step, and whether an allocation was refused by the replica's whole pool."""
 
     max_running: int = 0
     peak_blocks: int = 0
+    max_step_tokens: int = 0  # the most tokens one step scheduled
     refused: bool = True  # unknown (the plain KV manager does not say): never reused
 
 
@@ -260,15 +261,17 @@ class Runs:
     pool's size only to refuse an allocation (more blocks asked than free). A run that never had more than M
     requests running, never had an allocation refused, and never held more than P blocks is therefore the same
     run, step for step, under any max_num_seqs above M and any pool of more than P usable blocks: every such
-    comparison goes the same way. Only runs without the prefix cache qualify (`simulate`'s private runs): with
-    it, the pool's size decides which freed blocks survive for later hits. A closed loop's streams count as
-    min(concurrency, requests). The tuning search (fleet.tune) tries max_num_seqs values (and their slightly
-    different pools) that such runs do not reach: their one-request-at-a-time runs, their saturation runs
+    comparison goes the same way. Likewise the token budget (an aggregated replica's): a run whose every step
+    scheduled fewer tokens than its budget never had a request cut short or left waiting by it, so it is the same
+    under any budget above its largest step. Only runs without the prefix cache qualify (`simulate`'s private
+    runs): with it, the pool's size decides which freed blocks survive for later hits. A closed loop's streams
+    count as min(concurrency, requests). The tuning search (fleet.tune) tries settings that such runs do not
+    reach: their one-request-at-a-time runs (one prompt per step under any larger budget), their saturation runs
     beyond the requests' number, and the bisection trials that follow, are the same runs.
     tests/test_planner_sim.py checks each reuse against a fresh run."""
 
     def __init__(self) -> None:
-        self._runs: dict[tuple, list[tuple[int, int, int, SimResult]]] = {}
+        self._runs: dict[tuple, list[tuple[EngineShape, _Seen, SimResult]]] = {}
         self.simulated = 0  # runs simulated through this cache
         self.reused = 0  # runs answered from it
         self.steps = 0  # steps simulated
@@ -278,18 +281,24 @@ class Runs:
         if workload.concurrency is not None:
             total = len(workload.trace) or workload.num_requests
             workload = dataclasses.replace(workload, concurrency=min(workload.concurrency, total))
-        shape = dataclasses.replace(shape, num_blocks=0, max_num_seqs=0)
+        budget = shape.max_num_batched_tokens if shape.role != "both" else 0  # other roles change the budget
+        shape = dataclasses.replace(shape, num_blocks=0, max_num_seqs=0, max_num_batched_tokens=budget)
         return workload, shape, step_model, record_steps, stop_when_missed
 
     def lookup(self, workload, shape, step_model, record_steps, stop_when_missed) -> SimResult | None:
-        for max_num_seqs, max_running, peak_blocks, result in self._runs.get(
+        for ran, seen, result in self._runs.get(
             self._key(workload, shape, step_model, record_steps, stop_when_missed), ()
         ):
-            if max_running < min(max_num_seqs, shape.max_num_seqs) and peak_blocks <= shape.num_blocks - 1:
+            budget = min(ran.max_num_batched_tokens, shape.max_num_batched_tokens)
+            if (
+                seen.max_running < min(ran.max_num_seqs, shape.max_num_seqs)
+                and seen.peak_blocks <= shape.num_blocks - 1
+                and (seen.max_step_tokens < budget or ran.max_num_batched_tokens == shape.max_num_batched_tokens)
+            ):
                 self.reused += 1
                 return dataclasses.replace(
                     result,
-                    kv_peak_usage=peak_blocks / (shape.num_blocks - 1),
+                    kv_peak_usage=seen.peak_blocks / (shape.num_blocks - 1),
                     ttft_s=dict(result.ttft_s),
                     tpot_s=dict(result.tpot_s),
                     step_tokens=list(result.step_tokens),
@@ -302,7 +311,7 @@ class Runs:
         self.steps += result.num_steps
         if not seen.refused and result.num_preemptions == 0:
             key = self._key(workload, shape, step_model, record_steps, stop_when_missed)
-            self._runs.setdefault(key, []).append((shape.max_num_seqs, seen.max_running, seen.peak_blocks, result))
+            self._runs.setdefault(key, []).append((shape, seen, result))
 
 
 def _fills_the_pool(workload: Workload, shape: EngineShape) -> bool:
@@ -437,7 +446,7 @@ def _simulate(
     num_out: dict[str, int] = {}
     ttft, tpot = [], []
     ttft_of: dict[str, float] = {}
-    finished = peak = max_running = 0
+    finished = peak = max_running = max_step_tokens = 0
     steps = 0
     total_out = 0
     queue_area = 0.0  # integral of num_waiting over simulated seconds
@@ -471,6 +480,7 @@ def _simulate(
         steps += 1
         peak = max(peak, kv.pool.num_blocks - 1 - kv.num_free_blocks)  # blocks held (block 0 is the null block)
         max_running = max(max_running, len(sched.running))
+        max_step_tokens = max(max_step_tokens, work.num_tokens)
         sampled = {s.req_id: 1 for s in out.scheduled if s.sample}
         for o in sched.update_from_output(out, ModelRunnerOutput(sampled_token_ids=sampled)):
             rid = o.req_id
@@ -495,7 +505,8 @@ def _simulate(
                     heapq.heappush(pending, (admit(a), seq, r))
     duration = max(now, 1e-9)
     if seen is not None:
-        seen.max_running, seen.peak_blocks, seen.refused = max_running, peak, getattr(kv, "refused", True)
+        seen.max_running, seen.peak_blocks, seen.max_step_tokens = max_running, peak, max_step_tokens
+        seen.refused = getattr(kv, "refused", True)
     return SimResult(
         num_requests=total,
         duration_s=duration,

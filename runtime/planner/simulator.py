@@ -332,24 +332,24 @@ INITIAL_POOL_BLOCKS = 1024  # the growing pool's first size; it doubles (at most
 
 
 class _GrowingPool(KVCacheManager):
-    """The real KV manager over a pool that starts with `initial_blocks` and doubles, up to `num_blocks`, when
-    an allocation does not fit: an allocation is refused only when the full pool would refuse it. A refused
-    allocation changes nothing (KVCacheManager.allocate_slots), so it is simply asked again after growing."""
+    """The real KV manager over a pool that starts with `initial_blocks` and doubles, up to `num_blocks`, before
+    a step that could ask for more blocks than are free (`make_room`): an allocation is then refused only when the
+    full pool would refuse it (the schedule never sees the pool's size otherwise), and allocate_slots stays the
+    KV manager's own, uncounted by a wrapper on its every call."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, initial_blocks: int):
         super().__init__(min(num_blocks, initial_blocks), block_size, enable_caching=enable_caching)
         self.max_blocks = num_blocks
-        self.refused = False  # an allocation the whole pool refused (Runs: the pool's size decided something)
 
-    def allocate_slots(self, request, num_new_tokens, new_computed_blocks=()):
-        while True:
-            blocks = super().allocate_slots(request, num_new_tokens, new_computed_blocks)
-            if blocks is not None:
-                return blocks
-            if self.pool.num_blocks >= self.max_blocks:
-                self.refused = True
-                return blocks
+    def make_room(self, blocks: int) -> None:
+        """Grow until `blocks` are free, or to the replica's pool."""
+        while self.pool.num_free_blocks < blocks and self.pool.num_blocks < self.max_blocks:
             self._grow()
+
+    @property
+    def refused(self) -> bool:
+        """Whether an allocation may have been refused by the replica's whole pool (Runs): it grew to it."""
+        return self.pool.num_blocks >= self.max_blocks
 
     def _grow(self) -> None:
         pool = self.pool
@@ -458,7 +458,12 @@ def _simulate(
     stopped = False
     ttft_misses_needed = misses_needed(total, 90)
     tpot_misses_needed = misses_needed(total, 99)
+    # The most blocks one step can allocate: a request computing n tokens takes at most ceil(n / block_size) new
+    # blocks, the scheduled tokens stay within the budget and the scheduled requests within max_num_seqs.
+    make_room, step_blocks = getattr(kv, "make_room", None), budget // shape.block_size + shape.max_num_seqs + 1
     while finished < total and not stopped:
+        if make_room is not None:
+            make_room(step_blocks)
         while pending and pending[0][0] <= now:
             _, _, r = heapq.heappop(pending)
             arrival[r.request_id] = r.arrival_time  # TTFT counts from the client's arrival, admission included

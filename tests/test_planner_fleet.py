@@ -232,10 +232,10 @@ def test_capacity_search_stops_once_the_fleet_size_is_settled(peak, monkeypatch)
 
 
 def test_tune_reuses_runs_without_changing_its_answer(monkeypatch):
-    """fleet.tune shares one simulator.Runs across the settings it tries: the same Option (settings, capacity,
+    """fleet.tune shares one reuse.Runs across the settings it tries: the same Option (settings, capacity,
     every trial's numbers) as a search that simulates every run, from fewer simulations."""
     import kvserve.runtime.planner.fleet as fleet_mod
-    from kvserve.runtime.planner.simulator import Runs
+    from kvserve.runtime.planner.reuse import Runs
 
     def build(seqs: int, tokens: int) -> Candidate:  # the pool shrinks a little with the settings, as a KV plan's
         shape = dataclasses.replace(SHAPE, num_blocks=2000 - seqs - tokens // 64, max_num_seqs=seqs)
@@ -296,12 +296,12 @@ def test_capacity_leap_gives_the_bisections_answer(slo, settle_for, monkeypatch)
 
 def test_catalog_search_shortcuts_keep_every_option(monkeypatch):
     """The fleet search over catalog GPUs (what `kvserve plan --slo-*` runs) with its work-saving shortcuts --
-    runs reused across engine settings (simulator.Runs) and the capacity leap (slo.LEAP) -- gives every option
+    runs reused across engine settings (reuse.Runs) and the capacity leap (slo.LEAP) -- gives every option
     exactly as the search without them does, from fewer simulated runs and steps."""
     import kvserve.runtime.planner.fleet as fleet_mod
     import kvserve.runtime.planner.slo as slo_mod
     from kvserve.runtime.planner import simulator
-    from kvserve.runtime.planner.simulator import Runs
+    from kvserve.runtime.planner.reuse import Runs
 
     base = kv_plan.PlanInput(model=catalog.lookup_model("llama-3-8b"), gpu_memory_bytes=1)
     workload = Workload(LengthSpec(1024, 1024), LengthSpec(64, 64), num_requests=60, request_rate=80.0, seed=1)

@@ -291,9 +291,9 @@ def test_shortcuts_leave_the_run_unchanged(workload, shape, monkeypatch):
     ],
 )
 def test_runs_reuse_only_what_the_limits_did_not_decide(workload):
-    """simulator.Runs answers a run for another max_num_seqs / pool size only where that run, simulated afresh,
+    """reuse.Runs answers a run for another max_num_seqs / pool size only where that run, simulated afresh,
     is the same; where the first run's sequence limit or pool bound something, it simulates again."""
-    from kvserve.runtime.planner.simulator import Runs
+    from kvserve.runtime.planner.reuse import Runs
 
     runs = Runs()
     first = simulate(workload, EngineShape(4096, max_num_seqs=256), MODEL, runs=runs)

@@ -16,7 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvserve.runtime.planner.bounds import min_replicas, min_request_seconds
-from kvserve.runtime.planner.simulator import EngineShape, Runs, SimResult, Workload
+from kvserve.runtime.planner.reuse import Runs
+from kvserve.runtime.planner.simulator import EngineShape, SimResult, Workload
 from kvserve.runtime.planner.slo import SLO, HPABounds, at_rate, hpa_bounds, replica_capacity
 from kvserve.runtime.planner.step_time import StepTimeModel
 
@@ -87,7 +88,7 @@ def evaluate(
 ) -> Option:
     """The candidate's SLO capacity, searched only as far as it decides the fleet's replica counts for the peak
     and floor rates (slo.replica_capacity's settle_for); `met_at`: a full run at a rate that met the SLO; `runs`:
-    simulations to reuse (simulator.Runs)."""
+    simulations to reuse (reuse.Runs)."""
     settle = (peak_requests_per_s, min_requests_per_s)
     cap = replica_capacity(
         workload, candidate.shape, candidate.step_model, slo, settle_for=settle, met_at=met_at, runs=runs
@@ -147,7 +148,7 @@ def tune(
     SLO? Only a setting that does gets the full capacity search. None when no setting fits the GPU."""
     tried: list[tuple[int, int, float | None]] = []  # None: could not save a replica (not searched further)
     seen: set[tuple[int, int]] = set()
-    runs = Runs()  # the settings' runs that their differences cannot change (simulator.Runs)
+    runs = Runs()  # the settings' runs that their differences cannot change (reuse.Runs)
 
     def trial(best: Option | None, seqs: int, tokens: int) -> Option | None:
         if (seqs, tokens) in seen or tokens < seqs:

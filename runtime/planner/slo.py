@@ -11,7 +11,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from kvserve.runtime.planner.simulator import EngineShape, MissLimits, Runs, SimResult, Workload, simulate
+from kvserve.runtime.planner.reuse import Runs
+from kvserve.runtime.planner.simulator import EngineShape, MissLimits, SimResult, Workload, simulate
 from kvserve.runtime.planner.step_time import StepTimeModel
 
 ALONE_REQUESTS = 50
@@ -77,7 +78,7 @@ def at_rate(
 ) -> SimResult:
     """One replica under the workload's lengths with Poisson arrivals at this rate. With `slo`, the run stops as
     soon as it is certain to miss it (`SimResult.stopped_on_miss`): use that only to ask `slo.met_by`. `runs`:
-    simulations to reuse (simulator.Runs)."""
+    simulations to reuse (reuse.Runs)."""
     w = dataclasses.replace(workload, request_rate=requests_per_s, concurrency=None, trace=())
     return simulate(w, shape, step_model, stop_when_missed=slo.limits if slo is not None else None, runs=runs)
 
@@ -98,7 +99,7 @@ def replica_capacity(
     count for the peak and the floor rates (`hpa_bounds`): the fleet's size is then decided, and the capacity
     reported is the bracket's lower end, a rate that was simulated and met the SLO. `met_at=(rate, result)`: a
     full run (not stopped early) at that rate already met the SLO: the bisection starts above it. `runs`:
-    simulations to reuse (simulator.Runs)."""
+    simulations to reuse (reuse.Runs)."""
     # One request at a time: every request sees the same (empty) engine, so a few dozen give its percentiles.
     alone = dataclasses.replace(
         workload, request_rate=None, concurrency=1, trace=(), num_requests=min(workload.num_requests, ALONE_REQUESTS)

@@ -214,9 +214,9 @@ def simulate(
     - Without a shared prefix no prompt shares a block with another (`_token_ids`), so the prefix cache can
       only hit a request's own blocks after a preemption. The run goes without it (hashing every block was a
       third of a run's time) until a request is preempted, and then starts again with it.
-    - The KV pool starts small and grows, up to the replica's size, whenever an allocation would otherwise be
-      refused (`_GrowingPool`): the scheduler only asks it "can these blocks be allocated?", and it answers
-      exactly as the replica's pool would, so the schedule is the same. Building a pool of 30,000+ block
+    - The KV pool starts small and grows, up to the replica's size, before any step that could ask for more
+      blocks than it has free (`_GrowingPool`): the scheduler only asks it "can these blocks be allocated?", and
+      it answers exactly as the replica's pool would, so the schedule is the same. Building a pool of 30,000+ block
       objects for every run cost a third of a passing run; most runs hold a few thousand. The peak usage is
       reported against the replica's pool.
     The prefix cache keeps freed blocks for later hits, which a pool that grows late would evict sooner: with a
@@ -263,8 +263,8 @@ INITIAL_POOL_BLOCKS = 1024  # the growing pool's first size; it doubles (at most
 class _GrowingPool(KVCacheManager):
     """The real KV manager over a pool that starts with `initial_blocks` and doubles, up to `num_blocks`, before
     a step that could ask for more blocks than are free (`make_room`): an allocation is then refused only when the
-    full pool would refuse it (the schedule never sees the pool's size otherwise), and allocate_slots stays the
-    KV manager's own, uncounted by a wrapper on its every call."""
+    full pool would refuse it (the schedule never sees the pool's size otherwise). Growing before the step, not
+    inside allocate_slots, keeps that hot call the KV manager's own, without a wrapper around each of them."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, initial_blocks: int):
         super().__init__(min(num_blocks, initial_blocks), block_size, enable_caching=enable_caching)

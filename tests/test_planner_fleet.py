@@ -229,3 +229,102 @@ def test_capacity_search_stops_once_the_fleet_size_is_settled(peak, monkeypatch)
     assert settled.requests_per_s <= full.requests_per_s
     assert hpa_bounds(settled, peak, peak / 3).max_replicas == hpa_bounds(full, peak, peak / 3).max_replicas
     assert hpa_bounds(settled, peak, peak / 3).min_replicas == hpa_bounds(full, peak, peak / 3).min_replicas
+
+
+def test_tune_reuses_runs_without_changing_its_answer(monkeypatch):
+    """fleet.tune shares one reuse.Runs across the settings it tries: the same Option (settings, capacity,
+    every trial's numbers) as a search that simulates every run, from fewer simulations."""
+    import kvserve.runtime.planner.fleet as fleet_mod
+    from kvserve.runtime.planner.reuse import Runs
+
+    def build(seqs: int, tokens: int) -> Candidate:  # the pool shrinks a little with the settings, as a KV plan's
+        shape = dataclasses.replace(SHAPE, num_blocks=2000 - seqs - tokens // 64, max_num_seqs=seqs)
+        return Candidate("gpu", 1, 1.0, dataclasses.replace(shape, max_num_batched_tokens=tokens), STEP, "test")
+
+    deployment = Deployment(build, 16, 512, (4, 8, 32, 64, 128), (128, 1024))
+    made: list[Runs] = []
+
+    class Counted(Runs):
+        def __init__(self):
+            super().__init__()
+            made.append(self)
+
+    class Fresh(Counted):
+        def lookup(self, *args):
+            return None
+
+    slo = SLO(ttft_p90_s=1.0, tpot_p99_s=0.05)
+    monkeypatch.setattr(fleet_mod, "Runs", Fresh)
+    plain = tune(deployment, WORK, slo, peak_requests_per_s=300.0)
+    monkeypatch.setattr(fleet_mod, "Runs", Counted)
+    reused = tune(deployment, WORK, slo, peak_requests_per_s=300.0)
+    assert reused.to_dict() == plain.to_dict() and len(reused.tried) > 3
+    assert made[1].reused > 0 and made[1].simulated + made[1].reused == made[0].simulated
+
+
+@pytest.mark.parametrize(
+    "slo, settle_for",
+    [
+        (SLO(5.0, 1.0), None),  # met at every rate below saturation: one leap instead of 7 trials
+        (SLO(5.0, 1.0), (40.0, 4.0)),
+        (SLO(0.03, 0.05), None),  # TTFT binds: the leap misses, then the bisection as before
+        (SLO(0.05, 0.05), (100.0, 10.0)),
+        (SLO(1.0, 0.013), None),  # TPOT binds
+    ],
+)
+def test_capacity_leap_gives_the_bisections_answer(slo, settle_for, monkeypatch):
+    """slo.LEAP: the capacity search first tries where the bisection would end if every trial met the SLO. Where
+    the SLO holds up to saturation that is one simulation; where it binds, the leap misses and the bisection runs
+    as before; the same capacity and the same run at it either way."""
+    import kvserve.runtime.planner.slo as slo_mod
+
+    calls = []
+    real = slo_mod.simulate
+    monkeypatch.setattr(slo_mod, "simulate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(slo_mod, "LEAP", False)
+    plain = replica_capacity(WORK, SHAPE, STEP, slo, settle_for=settle_for)
+    plain_calls, calls[:] = len(calls), []
+    monkeypatch.setattr(slo_mod, "LEAP", True)
+    leapt = replica_capacity(WORK, SHAPE, STEP, slo, settle_for=settle_for)
+    assert leapt.requests_per_s == plain.requests_per_s > 0
+    assert leapt.at_capacity.to_dict() == plain.at_capacity.to_dict()
+    if slo.ttft_p90_s == 5.0:  # alone, saturation, one leap
+        assert len(calls) == 3 < plain_calls
+    else:  # at most the one leap that missed more than the bisection
+        assert len(calls) <= plain_calls + 1
+
+
+def test_catalog_search_shortcuts_keep_every_option(monkeypatch):
+    """The fleet search over catalog GPUs (what `kvserve plan --slo-*` runs) with its work-saving shortcuts --
+    runs reused across engine settings (reuse.Runs) and the capacity leap (slo.LEAP) -- gives every option
+    exactly as the search without them does, from fewer simulated runs and steps."""
+    import kvserve.runtime.planner.fleet as fleet_mod
+    import kvserve.runtime.planner.slo as slo_mod
+    from kvserve.runtime.planner import simulator
+    from kvserve.runtime.planner.reuse import Runs
+
+    base = kv_plan.PlanInput(model=catalog.lookup_model("llama-3-8b"), gpu_memory_bytes=1)
+    workload = Workload(LengthSpec(1024, 1024), LengthSpec(64, 64), num_requests=60, request_rate=80.0, seed=1)
+    target = catalog_search.Target(SLO(2.0, 0.1), workload, request_rate=80.0)
+    work = []
+    real = simulator._simulate
+    monkeypatch.setattr(simulator, "_simulate", lambda *a, **k: work.append(1) or real(*a, **k))
+    monkeypatch.setattr(fleet_mod.os, "cpu_count", lambda: 1)  # in this process, so the runs can be counted
+
+    def plan() -> tuple[list[dict], int]:
+        work.clear()
+        options = catalog_search.search_catalog(base, target, ["l40s", "h100-80gb"], gpus_per_node=2)
+        return [o.to_dict() for o in options], len(work)
+
+    class Fresh(Runs):
+        def lookup(self, *args):
+            return None
+
+    monkeypatch.setattr(fleet_mod, "Runs", Fresh)
+    monkeypatch.setattr(slo_mod, "LEAP", False)
+    plain, plain_runs = plan()
+    monkeypatch.setattr(fleet_mod, "Runs", Runs)
+    monkeypatch.setattr(slo_mod, "LEAP", True)
+    fast, fast_runs = plan()
+    assert fast == plain and plain[0]["feasible"]
+    assert fast_runs < plain_runs

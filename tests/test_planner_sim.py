@@ -296,3 +296,50 @@ def test_the_front_end_admits_in_the_order_requests_were_sent():
     # Every request but the late stream's first waits for at most its admission and a step or two.
     assert max(r.ttfts_s) < 0.05 and r.ttft_s["p90"] < 0.05
     assert r.duration_s > 1.0  # the late stream did start at 1 s
+
+
+@pytest.mark.parametrize(
+    "workload",
+    [
+        Workload(LengthSpec(300, 700), LengthSpec(5, 40), num_requests=60, request_rate=40.0),
+        Workload(LengthSpec(200, 200), LengthSpec(30, 30), num_requests=40, concurrency=1),
+        Workload(LengthSpec(200, 200), LengthSpec(30, 30), num_requests=40, concurrency=64),  # streams: 40
+    ],
+)
+def test_runs_reuse_only_what_the_limits_did_not_decide(workload):
+    """reuse.Runs answers a run for another max_num_seqs / pool size only where that run, simulated afresh,
+    is the same; where the first run's sequence limit or pool bound something, it simulates again."""
+    from kvserve.runtime.planner.reuse import Runs
+
+    runs = Runs()
+    first = simulate(workload, EngineShape(4096, max_num_seqs=256), MODEL, runs=runs)
+    assert (runs.simulated, runs.reused) == (1, 0)
+    peak = round(first.kv_peak_usage * 4095)
+    # Limits above what the run reached: the same run, its peak usage against the other pool.
+    for seqs, blocks in ((128, 3000), (512, 8192), (64, peak + 1)):
+        shape = EngineShape(blocks, max_num_seqs=seqs)
+        reused = simulate(workload, shape, MODEL, runs=runs)
+        assert reused.to_dict() == simulate(workload, shape, MODEL).to_dict()
+    assert (runs.simulated, runs.reused) == (1, 3)
+    # A pool the run's peak does not fit, or a sequence limit it reaches: simulated, not reused.
+    alone = workload.concurrency == 1
+    if not alone:  # (one request at a time: a pool below its peak cannot hold the request)
+        simulate(workload, EngineShape(peak, max_num_seqs=256), MODEL, runs=runs)
+    running = 1 if alone else 8
+    simulate(workload, EngineShape(4096, max_num_seqs=running), MODEL, runs=runs)
+    assert (runs.simulated, runs.reused) == (2 if alone else 3, 3)
+    # A run its sequence limit bound answers no other limit.
+    bound = Runs()
+    simulate(workload, EngineShape(4096, max_num_seqs=running), MODEL, runs=bound)
+    simulate(workload, EngineShape(4096, max_num_seqs=running + 1), MODEL, runs=bound)
+    assert (bound.simulated, bound.reused) == (2, 0)
+    # Token budgets: a run whose steps all stayed under its budget is the same under any budget above its
+    # largest step (one request at a time: a 200-token prompt per step); a budget that cut a step is not.
+    budgets = Runs()
+    largest = max(simulate(workload, EngineShape(4096), MODEL, record_steps=True, runs=budgets).step_tokens)
+    for budget in (largest + 1, 4 * largest, largest, largest // 2):
+        shape = EngineShape(4096, max_num_batched_tokens=budget)
+        reused = simulate(workload, shape, MODEL, record_steps=True, runs=budgets)
+        assert reused.to_dict() == simulate(workload, shape, MODEL, record_steps=True).to_dict()
+    first_budget = EngineShape(4096).max_num_batched_tokens
+    assert budgets.reused == (2 if largest < first_budget else 0) + (largest == first_budget)

@@ -10,6 +10,8 @@ template annotation, and a changed digest rolls the Deployment like any other te
 from __future__ import annotations
 
 import hashlib
+import os
+from collections.abc import Mapping
 from typing import Any
 
 from kvserve.operator.labels import OWNER_LABEL, engine_labels, engine_pod_selector
@@ -22,6 +24,11 @@ API_KEY_HASH_ANNOTATION = "serving.kvserve.dev/api-key-hash"
 # Prometheus usually runs in a namespace called "monitoring"; kubernetes.io/metadata.name is set by the API
 # server on every namespace (>= 1.22), so it selects a namespace by name without any labelling by hand.
 DEFAULT_METRICS_NAMESPACE_SELECTOR = {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}
+# The operator's own namespace, from the downward API (the chart's operator Deployment sets it; leader election
+# keeps its Lease there too). The operator scrapes every engine pod's /metrics for PlanDrift, so the engine
+# NetworkPolicy admits the operator's pods (the chart's component label) from there, on the metrics port.
+OPERATOR_NAMESPACE_ENV = "POD_NAMESPACE"
+OPERATOR_POD_LABELS = {"app.kubernetes.io/component": "operator"}  # charts/kvserve: kvserve.selectorLabels
 
 
 def pod_security_context() -> dict[str, Any]:
@@ -99,10 +106,25 @@ def with_api_key_hash(objs: list[dict], digest: str | None) -> list[dict]:
     return out
 
 
+def operator_peers(environ: Mapping[str, str]) -> list[dict[str, Any]]:
+    """The operator's pods in its own namespace ($POD_NAMESPACE), as a NetworkPolicy peer; none when the
+    operator does not know its namespace (run outside a pod: its scrapes do not come from a pod then)."""
+    namespace = (environ.get(OPERATOR_NAMESPACE_ENV) or "").strip()
+    if not namespace:
+        return []
+    return [
+        {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}},
+            "podSelector": {"matchLabels": dict(OPERATOR_POD_LABELS)},
+        }
+    ]
+
+
 def network_policy(resolved: Resolved, name: str, namespace: str, extra_ingress: tuple[dict, ...] = ()) -> dict:
     """Ingress to the engine pods: the API port from this InferenceService's own pods (the router), pods of
-    the same namespace (allowSameNamespace) and the listed peers; the same port from the monitoring namespace
-    for /metrics. NetworkPolicy is L4: the metrics peers can also open /v1, which the API key still guards.
+    the same namespace (allowSameNamespace) and the listed peers; the same port for /metrics from the
+    monitoring namespace and from the operator's pods in its namespace (`operator_peers`: its PlanDrift
+    scrapes). NetworkPolicy is L4: the metrics peers can also open /v1, which the API key still guards.
     `extra_ingress`: more rules (a multi-pod replica's members reaching each other, render_multinode)."""
     policy, port = resolved.spec.network_policy, resolved.spec.port
     api_peers: list[dict[str, Any]] = (
@@ -111,7 +133,10 @@ def network_policy(resolved: Resolved, name: str, namespace: str, extra_ingress:
         else [{"podSelector": {"matchLabels": {OWNER_LABEL: name}}}]
     )
     api_peers += [peer.model_dump(by_alias=True, exclude_none=True) for peer in policy.from_ or []]
-    metrics_selector = policy.metrics_namespace_selector or DEFAULT_METRICS_NAMESPACE_SELECTOR
+    metrics_peers: list[dict[str, Any]] = [
+        {"namespaceSelector": policy.metrics_namespace_selector or DEFAULT_METRICS_NAMESPACE_SELECTOR},
+        *operator_peers(os.environ),
+    ]
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -121,7 +146,7 @@ def network_policy(resolved: Resolved, name: str, namespace: str, extra_ingress:
             "policyTypes": ["Ingress"],  # egress stays open: DNS, and model downloads where configured
             "ingress": [
                 {"from": api_peers, "ports": [{"protocol": "TCP", "port": port}]},
-                {"from": [{"namespaceSelector": metrics_selector}], "ports": [{"protocol": "TCP", "port": port}]},
+                {"from": metrics_peers, "ports": [{"protocol": "TCP", "port": port}]},
                 *render_kv_events.network_policy_ingress(resolved.spec, name),  # the routers' event subscriptions
                 *extra_ingress,
             ],

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvserve.runtime.planner.bounds import min_replicas, min_request_seconds
+from kvserve.runtime.planner.reuse import Runs
 from kvserve.runtime.planner.simulator import EngineShape, SimResult, Workload
 from kvserve.runtime.planner.slo import SLO, HPABounds, at_rate, hpa_bounds, replica_capacity
 from kvserve.runtime.planner.step_time import StepTimeModel
@@ -83,11 +84,15 @@ def evaluate(
     peak_requests_per_s: float,
     min_requests_per_s: float = 0.0,
     met_at: tuple[float, SimResult] | None = None,
+    runs: Runs | None = None,
 ) -> Option:
     """The candidate's SLO capacity, searched only as far as it decides the fleet's replica counts for the peak
-    and floor rates (slo.replica_capacity's settle_for); `met_at`: a full run at a rate that met the SLO."""
+    and floor rates (slo.replica_capacity's settle_for); `met_at`: a full run at a rate that met the SLO; `runs`:
+    simulations to reuse (reuse.Runs)."""
     settle = (peak_requests_per_s, min_requests_per_s)
-    cap = replica_capacity(workload, candidate.shape, candidate.step_model, slo, settle_for=settle, met_at=met_at)
+    cap = replica_capacity(
+        workload, candidate.shape, candidate.step_model, slo, settle_for=settle, met_at=met_at, runs=runs
+    )
     ttft, tpot = cap.at_capacity.ttft_s["p90"], cap.at_capacity.tpot_s["p99"]
     if not cap.feasible:
         return Option(candidate, 0.0, 0, math.inf, None, ttft, tpot, cap.reason, cap.fails_alone)
@@ -143,6 +148,7 @@ def tune(
     SLO? Only a setting that does gets the full capacity search. None when no setting fits the GPU."""
     tried: list[tuple[int, int, float | None]] = []  # None: could not save a replica (not searched further)
     seen: set[tuple[int, int]] = set()
+    runs = Runs()  # the settings' runs that their differences cannot change (reuse.Runs)
 
     def trial(best: Option | None, seqs: int, tokens: int) -> Option | None:
         if (seqs, tokens) in seen or tokens < seqs:
@@ -163,12 +169,12 @@ def tune(
                 tried.append((seqs, tokens, None))
                 return best
             rate = peak_requests_per_s / _replicas_to_beat(best)
-            check = at_rate(workload, c.shape, c.step_model, rate, slo)  # one simulation, not the search
+            check = at_rate(workload, c.shape, c.step_model, rate, slo, runs)  # one simulation, not the search
             if not slo.met_by(check):
                 tried.append((seqs, tokens, None))
                 return best
             met_at = (rate, check)  # the capacity search starts above this rate
-        o = evaluate(c, workload, slo, peak_requests_per_s, min_requests_per_s, met_at)
+        o = evaluate(c, workload, slo, peak_requests_per_s, min_requests_per_s, met_at, runs)
         tried.append((seqs, tokens, o.replica_requests_per_s))
         if best is None or (best.hpa is None and o.hpa is not None):
             return o

@@ -22,6 +22,7 @@ from kvserve.runtime.core.block_pool import KVCacheBlock
 from kvserve.runtime.core.kv_cache_manager import KVCacheManager
 from kvserve.runtime.core.outputs import ModelRunnerOutput
 from kvserve.runtime.core.scheduler import Scheduler, SchedulerConfig
+from kvserve.runtime.planner.reuse import Runs, Seen
 from kvserve.runtime.planner.step_time import StepTimeModel, StepWork, step_work
 from kvserve.runtime.request import Request
 from kvserve.runtime.sampling_params import SamplingParams
@@ -306,6 +307,7 @@ def simulate(
     step_model: StepTimeModel,
     record_steps: bool = False,
     stop_when_missed: MissLimits | None = None,
+    runs: Runs | None = None,
 ) -> SimResult:
     """One replica's run of the workload. With `stop_when_missed`, the run ends as soon as enough requests have
     exceeded a limit that its percentile is certain to (`SimResult.stopped_on_miss`): a search that only asks
@@ -315,23 +317,34 @@ def simulate(
     - Without a shared prefix no prompt shares a block with another (`_token_ids`), so the prefix cache can
       only hit a request's own blocks after a preemption. The run goes without it (hashing every block was a
       third of a run's time) until a request is preempted, and then starts again with it.
-    - The KV pool starts small and grows, up to the replica's size, whenever an allocation would otherwise be
-      refused (`_GrowingPool`): the scheduler only asks it "can these blocks be allocated?", and it answers
-      exactly as the replica's pool would, so the schedule is the same. Building a pool of 30,000+ block
+    - The KV pool starts small and grows, up to the replica's size, before any step that could ask for more
+      blocks than it has free (`_GrowingPool`): the scheduler only asks it "can these blocks be allocated?", and
+      it answers exactly as the replica's pool would, so the schedule is the same. Building a pool of 30,000+ block
       objects for every run cost a third of a passing run; most runs hold a few thousand. The peak usage is
       reported against the replica's pool.
     The prefix cache keeps freed blocks for later hits, which a pool that grows late would evict sooner: with a
-    shared prefix, or for the rerun after a preemption, the run has the replica's pool from the start."""
+    shared prefix, or for the rerun after a preemption, the run has the replica's pool from the start.
+    - `runs`: a run its limits never touched is reused for another max_num_seqs or pool size (`Runs`)."""
+    if runs is not None:
+        known = runs.lookup(workload, shape, step_model, record_steps, stop_when_missed)
+        if known is not None:
+            return known
     shares = workload.prefix_len > 0 or bool(workload.prompts)
     private = not (shape.enable_prefix_caching and shares) and not _fills_the_pool(workload, shape)
+    seen = Seen()
     run = functools.partial(_simulate, workload, shape, step_model, record_steps, stop_when_missed)
+    result = None
     if private:
         grown = functools.partial(_GrowingPool, initial_blocks=INITIAL_POOL_BLOCKS)
         try:
-            return run(False, grown, shape.enable_prefix_caching)
+            result = run(False, grown, shape.enable_prefix_caching, seen=seen)
         except _Preempted:
-            pass
-    return run(shape.enable_prefix_caching, KVCacheManager)
+            seen = Seen()  # the rerun's, with the prefix cache: not reused
+    if result is None:
+        result = run(shape.enable_prefix_caching, KVCacheManager, seen=seen)
+    if runs is not None:
+        runs.store(workload, shape, step_model, record_steps, stop_when_missed, result, seen)
+    return result
 
 
 def _fills_the_pool(workload: Workload, shape: EngineShape) -> bool:
@@ -352,20 +365,24 @@ INITIAL_POOL_BLOCKS = 1024  # the growing pool's first size; it doubles (at most
 
 
 class _GrowingPool(KVCacheManager):
-    """The real KV manager over a pool that starts with `initial_blocks` and doubles, up to `num_blocks`, when
-    an allocation does not fit: an allocation is refused only when the full pool would refuse it. A refused
-    allocation changes nothing (KVCacheManager.allocate_slots), so it is simply asked again after growing."""
+    """The real KV manager over a pool that starts with `initial_blocks` and doubles, up to `num_blocks`, before
+    a step that could ask for more blocks than are free (`make_room`): an allocation is then refused only when the
+    full pool would refuse it (the schedule never sees the pool's size otherwise). Growing before the step, not
+    inside allocate_slots, keeps that hot call the KV manager's own, without a wrapper around each of them."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool, initial_blocks: int):
         super().__init__(min(num_blocks, initial_blocks), block_size, enable_caching=enable_caching)
         self.max_blocks = num_blocks
 
-    def allocate_slots(self, request, num_new_tokens, new_computed_blocks=()):
-        while True:
-            blocks = super().allocate_slots(request, num_new_tokens, new_computed_blocks)
-            if blocks is not None or self.pool.num_blocks >= self.max_blocks:
-                return blocks
+    def make_room(self, blocks: int) -> None:
+        """Grow until `blocks` are free, or to the replica's pool."""
+        while self.pool.num_free_blocks < blocks and self.pool.num_blocks < self.max_blocks:
             self._grow()
+
+    @property
+    def refused(self) -> bool:
+        """Whether an allocation may have been refused by the replica's whole pool (Runs): it grew to it."""
+        return self.pool.num_blocks >= self.max_blocks
 
     def _grow(self) -> None:
         pool = self.pool
@@ -386,6 +403,7 @@ def _simulate(
     enable_caching: bool,
     kv_manager=KVCacheManager,
     stop_on_preemption: bool = False,
+    seen: Seen | None = None,
 ) -> SimResult:
     rng = random.Random(workload.seed)
     kv = kv_manager(shape.num_blocks, shape.block_size, enable_caching=enable_caching)
@@ -457,7 +475,7 @@ def _simulate(
     num_out: dict[str, int] = {}
     ttft, tpot, e2e = [], [], []
     ttft_of: dict[str, float] = {}
-    finished = peak = 0
+    finished = peak = max_running = max_step_tokens = 0
     steps = 0
     total_out = 0
     queue_area = 0.0  # integral of num_waiting over simulated seconds
@@ -471,7 +489,12 @@ def _simulate(
     tpot_misses_needed = misses_needed(total, 99)
     drafting = shape.num_speculative_tokens > 0
     spec_rng = random.Random(f"{workload.seed}-spec")
+    # The most blocks one step can allocate: a request computing n tokens takes at most ceil(n / block_size) new
+    # blocks, the scheduled tokens stay within the budget and the scheduled requests within max_num_seqs.
+    make_room, step_blocks = getattr(kv, "make_room", None), budget // shape.block_size + shape.max_num_seqs + 1
     while finished < total and not stopped:
+        if make_room is not None:
+            make_room(step_blocks)
         for r in front_end.due(pending, now):
             arrival[r.request_id] = r.arrival_time  # TTFT counts from the client's arrival, admission included
             sched.add_request(r)
@@ -494,6 +517,8 @@ def _simulate(
         now += step_s
         steps += 1
         peak = max(peak, kv.pool.num_blocks - 1 - kv.num_free_blocks)  # blocks held (block 0 is the null block)
+        max_running = max(max_running, len(sched.running))
+        max_step_tokens = max(max_step_tokens, work.num_tokens)
         if drafting:
             runner_out = _spec_output(out.scheduled, spec_rng, shape.spec_acceptance_rate)
         else:
@@ -521,6 +546,9 @@ def _simulate(
                     a, r = make(now, *next_lengths())
                     heapq.heappush(pending, (a, seq, r))
     duration = max(now, 1e-9)
+    if seen is not None:
+        seen.max_running, seen.peak_blocks, seen.max_step_tokens = max_running, peak, max_step_tokens
+        seen.refused = getattr(kv, "refused", True)
     return SimResult(
         num_requests=total,
         duration_s=duration,

@@ -83,7 +83,8 @@ def test_rotating_the_secret_changes_the_pod_template():
     assert render_security.with_api_key_hash(plain, d1) == plain  # no key env: nothing to roll
 
 
-def test_network_policy_defaults_and_knobs():
+def test_network_policy_defaults_and_knobs(monkeypatch):
+    monkeypatch.delenv("POD_NAMESPACE", raising=False)  # an operator outside a pod: no peer of its own
     objs = _render(_doc())
     policy = _by_kind(objs)["NetworkPolicy"]
     kubernetes_validate.validate(policy, K8S_VERSION, strict=True)
@@ -120,6 +121,31 @@ def test_network_policy_defaults_and_knobs():
     assert api["ports"] == [{"protocol": "TCP", "port": 9000}]
     assert metrics["from"] == [{"namespaceSelector": {"matchLabels": {"team": "obs"}}}]
     assert "NetworkPolicy" not in _by_kind(_render(_doc(networkPolicy={"enabled": False})))
+
+
+def test_network_policy_admits_the_operators_pods_on_the_metrics_port(monkeypatch):
+    """The operator scrapes every engine pod's /metrics for PlanDrift: its pods, in its own namespace (the
+    downward API's POD_NAMESPACE), reach the engine port through the metrics rule, whatever the spec's peers."""
+    monkeypatch.setenv("POD_NAMESPACE", "kvserve-system")
+    for doc in (_doc(), _doc(networkPolicy={"allowSameNamespace": False})):
+        policy = _by_kind(_render(doc))["NetworkPolicy"]
+        kubernetes_validate.validate(policy, K8S_VERSION, strict=True)
+        api, metrics = policy["spec"]["ingress"]
+        operator = {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kvserve-system"}},
+            "podSelector": {"matchLabels": {"app.kubernetes.io/component": "operator"}},
+        }
+        assert metrics["from"][1:] == [operator] and metrics["ports"] == [{"protocol": "TCP", "port": 8000}]
+        assert operator not in api["from"]
+    # The chart's operator pods carry that label, and the chart gives the operator POD_NAMESPACE.
+    helpers = (ROOT / "charts/kvserve/templates/_helpers.tpl").read_text()
+    selector = helpers.split('define "kvserve.selectorLabels"')[1].split("end")[0]
+    assert "app.kubernetes.io/component: operator" in selector
+    operator_deployment = (ROOT / "charts/kvserve/templates/deployment-operator.yaml").read_text()
+    assert "- name: POD_NAMESPACE" in operator_deployment and "fieldPath: metadata.namespace" in operator_deployment
+    # Outside a pod the operator does not know its namespace: only the monitoring namespace.
+    monkeypatch.setenv("POD_NAMESPACE", " ")
+    assert len(_by_kind(_render(_doc()))["NetworkPolicy"]["spec"]["ingress"][1]["from"]) == 1
 
 
 def test_engine_pods_do_not_mount_a_service_account_token():

@@ -31,6 +31,12 @@ def _render(doc: dict) -> tuple[spec_mod.Resolved, list[dict]]:
     return resolved, render.render(resolved, doc["metadata"]["name"], doc["metadata"].get("namespace", "default"))
 
 
+@pytest.fixture(autouse=True)
+def operator_namespace(monkeypatch):
+    """The operator's namespace as the chart's downward API gives it: the engine NetworkPolicy admits its pods."""
+    monkeypatch.setenv("POD_NAMESPACE", "kvserve-system")
+
+
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_golden(path):
     _, objs = _render(_load(path))

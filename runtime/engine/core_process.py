@@ -233,6 +233,7 @@ def _busy_loop(core, inp, outs: list, codec: MessageCodec) -> int:
     from kvserve.runtime.engine.core_utilities import CoreUtilities
 
     owners: dict[str, int] = {}  # request id -> API-server index
+    last_sent: dict = {}  # the stats and failure count the API servers last got (_send_step)
     num_clients = len(outs)
     utilities = CoreUtilities(core)  # UTILITY calls (LoRA load/unload) run beside this loop, not in it
     while True:
@@ -281,7 +282,7 @@ def _busy_loop(core, inp, outs: list, codec: MessageCodec) -> int:
             step = EngineCoreOutputs()
         else:
             continue
-        _send_step(core, step, failures, owners, outs, codec)
+        _send_step(core, step, failures, owners, outs, codec, last_sent)
 
 
 def _send_step(
@@ -291,9 +292,21 @@ def _send_step(
     owners: dict[str, int],
     outs: list,
     codec: MessageCodec,
+    last_sent: dict,
 ) -> None:
-    """Route one step's deltas to the API server that owns each request; every server gets the stats."""
+    """Route one step's deltas to the API server that owns each request; every server gets the stats.
+
+    A step with nothing for anyone and the stats unchanged since the last message is not sent: a P/D prefill
+    engine holding leases steps only to poll NIXL (every few ms, for up to the lease timeout), and the API
+    servers would otherwise wake for each of those steps to read the same numbers."""
     stats = core.get_stats()
+    if (
+        not (step.deltas or step.failures or step.first_scheduled or any(failures))
+        and last_sent.get("stats") == stats
+        and last_sent.get("num_step_failures") == step.num_step_failures
+    ):
+        return
+    last_sent.update(stats=stats, num_step_failures=step.num_step_failures)
     if len(outs) == 1:
         per_client = [
             EngineCoreOutputs(

@@ -14,7 +14,8 @@ On a CPU with AMX, torch's SDPA runs bf16 through AMX tiles, and fresh bf16 pref
 ``PAGED_MAX_FRESH_Q_BF16_AMX`` tokens: measured on the 2-vCPU Sapphire Rapids Xeon (9/3 heads, head_dim 64, one
 thread, best of 60), the paged kernel is 1.3x faster at 48 tokens, SDPA 1.25x faster at 64, 1.8x at 128 and
 2.2x at 320. Prefill chunks over a cached prefix stay on the paged kernel up to the general limit: SDPA needs
-an explicit mask there (no flash path).
+an explicit mask there (no flash path). Inside the engine the gain mostly goes (an in-process A/B of offline
+bf16 at 2 threads: +1%, within noise; docs/performance.md): the paged kernel stays the place to win (AMX tiles).
 
 Falls back to TorchAttentionBackend for whole calls it does not cover: sliding window or softcap (Gemma),
 fp8 KV caches, dtypes other than float32/bfloat16/float16, and non-CPU tensors.

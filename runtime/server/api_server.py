@@ -66,15 +66,24 @@ class DrainingServer(uvicorn.Server):
 
     @contextlib.contextmanager
     def capture_signals(self):
-        with super().capture_signals():
-            if not self.group_member:
+        if not self.group_member:
+            with super().capture_signals():
                 yield
-                return
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, GROUP_STOP_SIGNALS)  # a pending stop is handled now
-            try:
-                yield
-            finally:
-                signal.pthread_sigmask(signal.SIG_BLOCK, GROUP_STOP_SIGNALS)
+            return
+        try:
+            with super().capture_signals():
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, GROUP_STOP_SIGNALS)  # a pending stop is handled now
+                try:
+                    yield
+                finally:
+                    signal.pthread_sigmask(signal.SIG_BLOCK, GROUP_STOP_SIGNALS)
+        finally:
+            # Served and exiting. Threads started while serving inherited the main thread's unblocked mask, and
+            # uvicorn has put the default handlers back: a stop signal reaching one of those threads now (a
+            # cgroup-wide SIGTERM sent twice) would kill the process mid-exit and fail the group's exit status.
+            # The launcher still ends a member that hangs here (SIGKILL after its grace).
+            for sig in GROUP_STOP_SIGNALS:
+                signal.signal(sig, signal.SIG_IGN)
 
     def _finish_fast_from_launcher(self) -> None:
         logger.warning("the launcher got a second signal: finishing fast (aborting what is in flight)")

@@ -88,10 +88,8 @@ def calibrate(
     kwargs = {"dtype": dtype} if dtype else {}
     cfg = make_engine_config(model_dir, max_model_len=max(grid.prompt_lens) + grid.decode_steps + 1, **kwargs)
     log_path = os.path.join(tempfile.mkdtemp(prefix="kvserve-calibrate-"), "steps.jsonl")
-    saved = os.environ.get(step_log.ENV)
-    os.environ[step_log.ENV] = log_path  # the server (a child process) inherits it
     start = time.perf_counter()
-    try:
+    with step_log.children_log_to(log_path):  # the server (a child process) inherits it
         with LaunchedServer(model_dir, serve_args(grid, dtype)) as server:
             progress(f"calibrate: kvserve serve up in {time.perf_counter() - start:.0f} s; warming up")
             warm_up(server.base_url, grid, cfg.model.vocab_size, seed, deadline=time.perf_counter() + max_seconds / 2)
@@ -105,11 +103,6 @@ def calibrate(
                 max_seconds=max_seconds,
                 progress=progress,
             )
-    finally:
-        if saved is None:
-            os.environ.pop(step_log.ENV, None)
-        else:
-            os.environ[step_log.ENV] = saved
     return {
         **calibration_header(cfg, model_dir, grid),
         "device": _device_name(cfg.device),

@@ -213,9 +213,7 @@ def run_served(model_dir: str, seed: int = 0, workloads: tuple[pa.Case, ...] = p
     kv_bytes, vocab = _engine_facts(model_dir)
     log_path = os.path.join(tempfile.mkdtemp(prefix="kvserve-steps-"), "steps.jsonl")
     rows = []
-    saved = os.environ.get(step_log.ENV)
-    os.environ[step_log.ENV] = log_path  # the server (a child process) inherits it
-    try:
+    with step_log.children_log_to(log_path):  # the server (a child process) inherits it
         with LaunchedServer(model_dir, serve_args(kv_bytes)) as server:
             _warm_server(server.base_url, vocab, seed)
             calibration = calibrate_served(server.base_url, log_path, vocab, seed, grid or pa._grid())
@@ -241,11 +239,6 @@ def run_served(model_dir: str, seed: int = 0, workloads: tuple[pa.Case, ...] = p
                     f"(steps: {steps_after - steps_before:.0f} served, {rows[-1]['predicted']['num_steps']} simulated)",
                     flush=True,
                 )
-    finally:
-        if saved is None:
-            os.environ.pop(step_log.ENV, None)
-        else:
-            os.environ[step_log.ENV] = saved
     return {
         "mode": "served",
         "clock": "wall",

@@ -189,10 +189,8 @@ def run_model(model, configs: list[GridConfig], model_dir: str, seed: int, progr
     if model.tensor_parallel_size > 1:
         args += ["--tensor-parallel-size", str(model.tensor_parallel_size)]
     log_path = os.path.join(tempfile.mkdtemp(prefix="kvserve-grid-steps-"), "steps.jsonl")
-    saved = os.environ.get(step_log.ENV)
-    os.environ[step_log.ENV] = log_path  # the server (a child process) inherits it
     rows = []
-    try:
+    with step_log.children_log_to(log_path):  # the server (a child process) inherits it
         t = time.perf_counter()
         with LaunchedServer(model_dir, args) as server:
             progress(f"[{model.name}] server up in {time.perf_counter() - t:.0f} s; warming up")
@@ -240,11 +238,6 @@ def run_model(model, configs: list[GridConfig], model_dir: str, seed: int, progr
                 rows.append(row)
                 progress(line(row))
                 progress(line(row, drift_removed=True))
-    finally:
-        if saved is None:
-            os.environ.pop(step_log.ENV, None)
-        else:
-            os.environ[step_log.ENV] = saved
     return {"model": model.name, "calibration": cal, "rows": rows}
 
 

@@ -8,6 +8,7 @@ clients), which is what the planner's served predictions need (docs/planner.md).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -33,6 +34,21 @@ class StepLog:
             # requests received), which the served replica spends per step too (planner/served_steps.py).
             end_s = time.monotonic()
             self._file.write(json.dumps({**w._asdict(), "seconds": seconds, "end_s": end_s}) + "\n")
+
+
+@contextlib.contextmanager
+def children_log_to(path: str):
+    """Processes started inside the block (a `kvserve serve` a benchmark launches) write their step log to `path`
+    (they inherit the environment); the variable is put back as it was on the way out."""
+    saved = os.environ.get(ENV)
+    os.environ[ENV] = path
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = saved
 
 
 def read_lines(path: str) -> list[dict]:

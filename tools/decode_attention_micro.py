@@ -3,12 +3,15 @@
 calls per sample, either on 30 separate layer caches (the engine's case: each layer's KV comes from memory) or
 30 times on one layer's cache (its 20 MB stays in cache: the kernel's own floor).
 
-    taskset -c 1 .venv/bin/python tools/decode_attention_micro.py
+    taskset -c 1 .venv/bin/python tools/decode_attention_micro.py [--no-amx]
+
+--no-amx keeps bf16 on the AVX-512 kernel on an AMX CPU (the op's allow_amx=False), for an A/B of the two.
 """
 
 from __future__ import annotations
 
 import random
+import sys
 import time
 
 import torch
@@ -18,6 +21,7 @@ def main() -> None:
     from kvserve.kernels import cpu_ops
     from kvserve.runtime.executor.cpu_malloc import zeroed_cpu_tensor
 
+    allow_amx = "--no-amx" not in sys.argv[1:]
     if not cpu_ops.load():
         raise SystemExit(cpu_ops.describe())
     torch.set_num_threads(1)
@@ -46,12 +50,14 @@ def main() -> None:
             t0 = time.perf_counter()
             for layer in range(layers):
                 torch.ops.kvserve_cpu.paged_attention(
-                    out, q, kc[layer % caches], vc[layer % caches], tables, seq_lens, cu, head_dim**-0.5, 4096, -1
+                    out, q, kc[layer % caches], vc[layer % caches], tables, seq_lens, cu, head_dim**-0.5, 4096, -1, allow_amx
                 )
             samples.append(time.perf_counter() - t0)
         samples = samples[1:]
         best = min(samples)
-        what = "30 layer caches" if caches == layers else "one layer cache x30"
+        what = ("AMX allowed, " if allow_amx else "AVX-512 kernel, ") + (
+            "30 layer caches" if caches == layers else "one layer cache x30"
+        )
         print(
             f"{what}: {best * 1e3:.1f} ms per decode step (best of 10; median {sorted(samples)[5] * 1e3:.1f}); "
             f"KV {kv_bytes / 1e6:.0f} MB -> {kv_bytes / best / 1e9:.1f} GB/s"

@@ -6,7 +6,8 @@
 
 TORCH_LIBRARY(kvserve_cpu, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor seq_lens, Tensor cu_seqlens_q, float scale, int max_q_len, int max_fresh_q_len=-1) -> ()");
+        "Tensor seq_lens, Tensor cu_seqlens_q, float scale, int max_q_len, int max_fresh_q_len=-1, "
+        "bool allow_amx=True) -> ()");
   m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
   m.def("add_rms_norm(Tensor(a!) out, Tensor(b!) residual, Tensor x, Tensor weight, float eps) -> ()");

@@ -7,10 +7,11 @@ namespace kvserve_cpu {
 
 // out[tokens, heads, head_dim] = causal attention of q over the paged cache. Skipped, their rows of out left
 // untouched: sequences with q_len > max_q_len, and fresh prefills (q_len == seq_len) with q_len > max_fresh_q_len
-// when that is >= 0 (the caller runs those through SDPA).
+// when that is >= 0 (the caller runs those through SDPA). allow_amx: bf16 may run on AMX tiles where the CPU and
+// the shapes allow it (paged_attention_amx.h); false keeps the AVX-512 kernel (A/B runs, KVSERVE_CPU_ATTENTION_AMX).
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cu_seqlens_q,
-                     double scale, int64_t max_q_len, int64_t max_fresh_q_len);
+                     double scale, int64_t max_q_len, int64_t max_fresh_q_len, bool allow_amx);
 
 // k_cache.view(-1, kv_heads, head_dim)[slot_mapping[t]] = k[t] (and v); slot -1 is skipped.
 void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,

@@ -12,9 +12,11 @@
 // scores in fp32, online softmax in fp32, P.V accumulated in fp32, one rounding to the output dtype.
 // bf16 caches with head_dim % 32 == 0 compute Q.K with _mm512_dpbf16_ps when the compiler targets
 // AVX512-BF16 (both operands are bf16 already, so the products are exact and only the summation order
-// differs); other dtypes widen K to fp32 once per chunk. Sequences whose q_len exceeds max_q_len, and fresh
-// prefills (no cached prefix) longer than max_fresh_q_len (when >= 0), are skipped: the Python backend runs those
-// through SDPA, where GEMMs win (AMX makes that from ~64 tokens in bf16).
+// differs); other dtypes widen K to fp32 once per chunk. On CPUs with AMX, bf16 items with at least
+// kAmxMinRowsPerKvHead query rows per KV head (prefills, extends, decodes of GQA groups >= 4) run both products on
+// AMX tiles instead (paged_attention_amx.cpp), in longer query tiles (kMaxRowsAmx). Sequences whose q_len exceeds
+// max_q_len, and fresh prefills (no cached prefix) longer than max_fresh_q_len (when >= 0), are skipped: the
+// Python backend runs those through SDPA, where its GEMMs win.
 #include "ops.h"
 
 #include <ATen/Dispatch.h>
@@ -22,20 +24,21 @@
 
 #include <algorithm>
 #include <atomic>
+#include <optional>
 #include <vector>
 
 #include "cpu_vec.h"
+#include "paged_attention_amx.h"
 
 namespace kvserve_cpu {
 namespace {
 
 constexpr int64_t kChunk = 64;     // keys per online-softmax step
 constexpr int64_t kMaxRows = 64;   // query rows (tokens x heads of one KV head) per work item
+// ... on AMX: an item packs its keys' V rows once for all its rows, so longer tiles amortise that packing.
+constexpr int64_t kMaxRowsAmx = 256;
 
-struct Item {
-  int32_t seq, h0, h1, t0, t1;
-  int64_t cost;
-};
+using Item = AttnItem;
 
 inline void prefetch_span(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
@@ -187,7 +190,7 @@ inline void pv_block(float* acc, int64_t acc_stride, const float* alpha, const f
 template <typename T>
 void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cu_seqlens_q,
-                    double scale_d, int64_t max_q_len, int64_t max_fresh_q_len) {
+                    double scale_d, int64_t max_q_len, int64_t max_fresh_q_len, bool allow_amx) {
   const int64_t num_seqs = seq_lens.size(0);
   const int64_t num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
@@ -204,7 +207,16 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
   const T* kc = k_cache.data_ptr<T>();
   const T* vc = v_cache.data_ptr<T>();
   const float scale = static_cast<float>(scale_d);
-  const int64_t tile = std::max<int64_t>(1, kMaxRows / group);
+  // bf16 on a CPU with AMX: items with enough query rows run both products on tiles (paged_attention_amx.cpp).
+  const bool use_amx =
+      std::is_same<T, c10::BFloat16>::value && allow_amx && amx_attention_usable(head_dim, block_size);
+  AmxAttnArgs amx{};
+  if (use_amx) {
+    amx = {reinterpret_cast<const c10::BFloat16*>(qp), reinterpret_cast<const c10::BFloat16*>(kc),
+           reinterpret_cast<const c10::BFloat16*>(vc), reinterpret_cast<c10::BFloat16*>(op), qs0, qs1, os0, os1, kb, kt,
+           kh, vb, vt, vh, bt, bts, lens, cu, group, head_dim, block_size, scale};
+  }
+  const int64_t tile = std::max<int64_t>(1, (use_amx ? kMaxRowsAmx : kMaxRows) / group);
   const int64_t threads = at::get_num_threads();
 
   // Work items. A token's KV heads are adjacent in the cache, so an item takes all KV heads of its
@@ -257,6 +269,7 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
   at::parallel_for(0, workers, 1, [&](int64_t wb, int64_t we) {
    const FlushDenormalsScope no_subnormals;  // per worker thread: see cpu_vec.h
    for (int64_t worker = wb; worker < we; ++worker) {
+    std::optional<AmxAttentionWorker> amx_worker;  // built at this worker's first AMX item
     std::vector<float> qf(max_rows * head_dim), acc(max_rows * head_dim), kf(kChunk * head_dim),
         vf(kChunk * head_dim), m(max_rows), l(max_rows), sc(4 * kChunk);
     std::vector<const T*> qrow(max_rows), kbase(kChunk), vbase(kChunk), nkbase(kChunk), nvbase(kChunk), krow(kChunk),
@@ -280,6 +293,11 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
     std::vector<const float*> kr32(kChunk), vr32(kChunk);
     for (int64_t it = worker; it < num_items; it += workers) {
       const Item& w = items[it];
+      if (use_amx && (w.t1 - w.t0) * group >= kAmxMinRowsPerKvHead) {
+        if (!amx_worker) amx_worker.emplace(amx);
+        amx_worker->run(w, it + workers < num_items ? &items[it + workers] : nullptr);
+        continue;
+      }
       const int64_t s = w.seq, h0 = w.h0, h1 = w.h1, t0 = w.t0, t1 = w.t1;
       const int64_t q_len = cu[s + 1] - cu[s], ctx = lens[s], start = ctx - q_len, tok0 = cu[s];
       const int64_t rows_per_head = (t1 - t0) * group, rows = rows_per_head * (h1 - h0);
@@ -414,7 +432,7 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
 
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cu_seqlens_q,
-                     double scale, int64_t max_q_len, int64_t max_fresh_q_len) {
+                     double scale, int64_t max_q_len, int64_t max_fresh_q_len, bool allow_amx) {
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "paged_attention: bad ranks");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type() &&
                   q.scalar_type() == out.scalar_type(),
@@ -431,7 +449,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
   TORCH_CHECK(cu_seqlens_q.size(0) == seq_lens.size(0) + 1, "paged_attention: cu_seqlens_q size");
   KVS_DISPATCH(q.scalar_type(), "kvserve_paged_attention", [&] {
     attention_impl<scalar_t>(out, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, max_q_len,
-                             max_fresh_q_len);
+                             max_fresh_q_len, allow_amx);
   });
 }
 

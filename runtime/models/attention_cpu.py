@@ -10,12 +10,14 @@ otherwise (a copy that is small next to the q_len x ctx work). The crossover, me
 (fresh causal prefill, 12/4 heads, head_dim 64, 1 and 2 threads): bf16 with the AVX512-BF16 dot product is
 1.9-2.0x faster than SDPA up to 320 tokens and level at 2048; fp32 is 1.1-1.3x faster up to 512, slower at
 768. The bf16 path without AVX512-BF16 (K widened per chunk) was not re-measured and keeps the old limit.
-On a CPU with AMX, torch's SDPA runs bf16 through AMX tiles, and fresh bf16 prefills go to it from
-``PAGED_MAX_FRESH_Q_BF16_AMX`` tokens: measured on the 2-vCPU Sapphire Rapids Xeon (9/3 heads, head_dim 64, one
-thread, best of 60), the paged kernel is 1.3x faster at 48 tokens, SDPA 1.25x faster at 64, 1.8x at 128 and
-2.2x at 320. Prefill chunks over a cached prefix stay on the paged kernel up to the general limit: SDPA needs
-an explicit mask there (no flash path). Inside the engine the gain mostly goes (an in-process A/B of offline
-bf16 at 2 threads: +1%, within noise; docs/performance.md): the paged kernel stays the place to win (AMX tiles).
+On a CPU with AMX, bf16 prefills, extends and decodes of GQA groups of 4+ run the paged kernel's AMX path
+(kvkernels/cpu/paged_attention_amx.cpp; ``KVSERVE_CPU_ATTENTION_AMX=0`` keeps them on AVX-512). Measured on the
+2-vCPU Sapphire Rapids Xeon (9/3 heads, head_dim 64, one thread, 30 layers): 8 fresh prompts of 32-320 tokens
+in 128 ms on AMX against 188 ms through SDPA and 259 ms on AVX-512; a 512-token prompt level with SDPA, 1024
+tokens 1.0-1.36x slower (so the 1024 limit stays). Fresh prefills therefore go to SDPA from
+``PAGED_MAX_FRESH_Q_BF16_AMX`` tokens only when the AMX path is off: then torch's SDPA (AMX tiles too) is 1.25x
+faster than the AVX-512 kernel at 64 tokens, 2.2x at 320. Prefill chunks over a cached prefix stay on the paged
+kernel up to the general limit: SDPA needs an explicit mask there (no flash path).
 
 Falls back to TorchAttentionBackend for whole calls it does not cover: sliding window or softcap (Gemma),
 fp8 KV caches, dtypes other than float32/bfloat16/float16, and non-CPU tensors.
@@ -50,7 +52,7 @@ class CpuAttentionBackend:
     PAGED_MAX_Q_BF16_DPBF16 = 1024
     PAGED_MAX_Q_FP32 = 512
     PAGED_MAX_Q_OTHER = 48
-    # fresh prefills (no cached prefix) above this: SDPA, on AMX CPUs in bf16 (see the module docstring)
+    # fresh prefills (no cached prefix) above this: SDPA, on AMX CPUs in bf16 with the AMX path off (see above)
     PAGED_MAX_FRESH_Q_BF16_AMX = 56
 
     def __init__(self) -> None:
@@ -58,6 +60,8 @@ class CpuAttentionBackend:
         self.fused_cpu_ops = os.environ.get("KVSERVE_CPU_FUSED_OPS", "1") != "0"
         self._has_dpbf16 = cpu_ops.isa_tag() == "avx512bf16"
         self._has_amx = torch.cpu._is_amx_tile_supported()
+        # the paged kernel may put bf16 on AMX tiles (it still checks its own build, the OS and the shapes)
+        self.amx_attention = self._has_amx and os.environ.get("KVSERVE_CPU_ATTENTION_AMX", "1") != "0"
 
     def paged_max_q(self, dtype: torch.dtype, head_dim: int) -> int:
         if dtype == torch.float32:
@@ -68,7 +72,8 @@ class CpuAttentionBackend:
 
     def paged_max_fresh_q(self, dtype: torch.dtype) -> int:
         """Fresh prefills longer than this go to SDPA; -1: only ``paged_max_q`` applies."""
-        return self.PAGED_MAX_FRESH_Q_BF16_AMX if dtype == torch.bfloat16 and self._has_amx else -1
+        sdpa_wins = dtype == torch.bfloat16 and self._has_amx and not self.amx_attention
+        return self.PAGED_MAX_FRESH_Q_BF16_AMX if sdpa_wins else -1
 
     def _supported(self, q: torch.Tensor, k_cache: torch.Tensor, sliding_window: int, softcap: float) -> bool:
         return (
@@ -110,7 +115,17 @@ class CpuAttentionBackend:
         limit = self.paged_max_q(q.dtype, q.shape[-1])
         fresh_limit = self.paged_max_fresh_q(q.dtype)
         _ops.paged_attention(
-            out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q, scale, limit, fresh_limit
+            out,
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.seq_lens,
+            meta.cu_seqlens_q,
+            scale,
+            limit,
+            fresh_limit,
+            self.amx_attention,
         )
         if meta.max_seqlen_q > min(limit, fresh_limit if fresh_limit >= 0 else limit):
             start = 0

@@ -127,9 +127,10 @@ def test_paged_attention_op_strided_q_and_fp16(gen):
 def test_backend_matches_torch_backend(heads, dtype, sdpa_above, seed, gen):
     """The whole backend (store + paged op + SDPA for long prefills), padding slots included, against the torch
     backend on identical caches: same outputs within tolerance, identical caches afterwards. With the default
-    split every prefill here (<= 130 tokens) runs in the paged kernel (AMX off); with sdpa_above=48 the 60-130-token
+    split every prefill here (<= 130 tokens) runs in the paged kernel (on AMX tiles where the CPU has them); with
+    sdpa_above=48 the 60-130-token
     ones (fresh and over a cached prefix) take the SDPA branches; with "fresh-39" (bf16 on an AMX CPU) only the
-    fresh ones do, and the paged kernel skips them."""
+    fresh ones do (AMX CPU, AMX attention off), and the paged kernel skips them."""
     num_heads, num_kv_heads, head_dim = heads
     q_lens, ctx = _lengths(gen, 16)
     b = make_paged_batch(
@@ -149,8 +150,9 @@ def test_backend_matches_torch_backend(heads, dtype, sdpa_above, seed, gen):
     assert meta.has_padding_slots
     kc1, vc1, kc2, vc2 = b.k_cache.clone(), b.v_cache.clone(), b.k_cache.clone(), b.v_cache.clone()
     backend = CpuAttentionBackend()
-    backend._has_amx = sdpa_above == "fresh-39"
-    if sdpa_above == "fresh-39":
+    # the AMX path where this CPU has it (test_cpu_paged_attention_amx.py tests it on its own), except in "fresh-39"
+    if sdpa_above == "fresh-39":  # an AMX CPU with the AMX attention path off: fresh bf16 prefills go to SDPA
+        backend._has_amx, backend.amx_attention = True, False
         backend.PAGED_MAX_FRESH_Q_BF16_AMX = 39
         fresh = [q for q, c in zip(meta.query_lens_list, meta.seq_lens_list) if q == c]
         assert max(fresh) > 39 and (backend.paged_max_fresh_q(dtype) == 39) == (dtype == torch.bfloat16)
@@ -176,8 +178,11 @@ def test_paged_kernel_limit_per_dtype(monkeypatch):
     assert backend.paged_max_q(torch.bfloat16, 80) == 48  # head_dim not a multiple of 32: no dpbf16 path
     backend._has_dpbf16 = False
     assert backend.paged_max_q(torch.bfloat16, 64) == 48
-    backend._has_amx = True  # fresh bf16 prefills go to SDPA (AMX tiles) from 56 tokens; other dtypes: no extra split
-    assert backend.paged_max_fresh_q(torch.bfloat16) == 56
+    backend._has_amx, backend.amx_attention = True, False  # AMX CPU, AMX attention off: fresh bf16 prefills
+    assert backend.paged_max_fresh_q(torch.bfloat16) == 56  # go to SDPA (AMX tiles) from 56 tokens
+    backend.amx_attention = True  # the paged kernel's AMX path beats SDPA on them: no split
+    assert backend.paged_max_fresh_q(torch.bfloat16) == -1
+    backend.amx_attention = False
     assert backend.paged_max_fresh_q(torch.float32) == backend.paged_max_fresh_q(torch.float16) == -1
     backend._has_amx = False
     assert backend.paged_max_fresh_q(torch.bfloat16) == -1

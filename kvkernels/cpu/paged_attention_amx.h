@@ -1,0 +1,73 @@
+// The AMX (Advanced Matrix Extensions) path of the CPU paged attention, bf16 caches only: the work items that
+// paged_attention.cpp builds and deals to its workers are run here with both matrix products on AMX tiles.
+// See paged_attention_amx.cpp for the formulation and why.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace kvserve_cpu {
+
+// One work item of the paged kernel: sequence `seq`, KV heads [h0, h1), query tokens [t0, t1) of the sequence's
+// new tokens; `cost` orders the items longest first.
+struct AttnItem {
+  int32_t seq, h0, h1, t0, t1;
+  int64_t cost;
+};
+
+// The paged kernel's operands, as raw pointers and element strides (see paged_attention.cpp for the layout).
+struct AmxAttnArgs {
+  const c10::BFloat16* q;
+  const c10::BFloat16* k_cache;
+  const c10::BFloat16* v_cache;
+  c10::BFloat16* out;
+  int64_t q_stride0, q_stride1, out_stride0, out_stride1;
+  int64_t k_stride_block, k_stride_token, k_stride_head;
+  int64_t v_stride_block, v_stride_token, v_stride_head;
+  const int32_t* block_tables;
+  int64_t block_tables_stride;
+  const int32_t* seq_lens;
+  const int32_t* cu_seqlens_q;
+  int64_t group;  // query heads per KV head
+  int64_t head_dim;
+  int64_t block_size;
+  float scale;
+};
+
+// True when this build has the AMX path (compiled for AMX-BF16), the OS lets this process use the tile data
+// (Linux arch_prctl ARCH_REQ_XCOMP_PERM, asked once) and the shapes fit it: head_dim a multiple of 32 (one tile
+// row of bf16) up to 256, block_size a multiple of 16 (a 16-key tile never straddles two cache blocks).
+bool amx_attention_usable(int64_t head_dim, int64_t block_size);
+
+// Items with at least this many query rows per KV head (tokens x query heads per KV head) run on AMX; fewer stay
+// on the AVX-512 kernel. Why: a tile product's latency (tens of cycles) is paid per 16 keys whatever the rows, so
+// with few rows the tiles do little per product. Measured on the 2-vCPU Sapphire Rapids (one thread, a decode step
+// of 128 sequences of 201-241 keys, KV in L2, 8 layers): 3 rows (9/3 heads of 64, SmolLM2) 23.6 ms on AMX against
+// 22.4 on AVX-512; 4 rows (8/2 of 128) 24.1 vs 29.5; 5 rows (20/4 of 64) 31.2 vs 42.9; 6 rows (12/2 of 128)
+// 28.7 vs 49.6; prefills run about 2x faster on AMX (docs/performance.md).
+constexpr int64_t kAmxMinRowsPerKvHead = 4;
+
+// The AMX kernel of one worker thread: scratch buffers and the thread's tile configuration live as long as it
+// does (the destructor releases the tiles).
+class AmxAttentionWorker {
+ public:
+  explicit AmxAttentionWorker(const AmxAttnArgs& args);
+  ~AmxAttentionWorker();
+  AmxAttentionWorker(const AmxAttentionWorker&) = delete;
+  AmxAttentionWorker& operator=(const AmxAttentionWorker&) = delete;
+  // Computes `item`'s rows of out; `next` (or null) is the worker's next item, whose first keys are prefetched.
+  void run(const AttnItem& item, const AttnItem* next);
+
+ private:
+  const AmxAttnArgs& a_;
+  int64_t configured_rows_ = -1;  // the rows of the tile configuration loaded on this thread, -1: none
+  std::vector<uint32_t> q_t_;     // [KV heads][row groups][D / 32][16 dim pairs][rows]: Q^T in VNNI pairs
+  std::vector<float> m_, l_, acc_;  // per (KV head, query row): running max, sum, and [D] accumulator
+  std::vector<uint16_t> v_pack_;    // [keys / 32][D / 16][16 key pairs][32]: a chunk's V in VNNI pairs
+  std::vector<uint16_t> p_;         // [16 rows][chunk keys] bf16 probabilities
+  std::vector<float> s_;            // [16 rows][chunk keys] scores
+};
+
+}  // namespace kvserve_cpu

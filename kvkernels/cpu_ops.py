@@ -17,7 +17,8 @@ When the build or the load fails (no compiler, no ninja, a non-CPU torch build..
 False and :func:`unavailable_reason` says why; callers fall back to pure torch. The ops, once loaded, are
 ``torch.ops.kvserve_cpu.*`` (fake implementations are registered, so torch.compile treats them as opaque):
 
-* ``paged_attention(out, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, max_q_len)``
+* ``paged_attention(out, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, max_q_len,
+  max_fresh_q_len=-1, allow_amx=True)`` (bf16 on AMX tiles where the CPU has them: cpu/paged_attention_amx.cpp)
 * ``store_kv(k, v, k_cache, v_cache, slot_mapping)``
 * ``rms_norm(out, x, weight, eps)``, ``add_rms_norm(out, residual, x, weight, eps)``
 * ``rotary_embedding(positions, q, k, cos, sin)`` (in place), ``silu_and_mul(out, x)``

@@ -50,7 +50,17 @@ def main() -> None:
             t0 = time.perf_counter()
             for layer in range(layers):
                 torch.ops.kvserve_cpu.paged_attention(
-                    out, q, kc[layer % caches], vc[layer % caches], tables, seq_lens, cu, head_dim**-0.5, 4096, -1, allow_amx
+                    out,
+                    q,
+                    kc[layer % caches],
+                    vc[layer % caches],
+                    tables,
+                    seq_lens,
+                    cu,
+                    head_dim**-0.5,
+                    4096,
+                    -1,
+                    allow_amx,
                 )
             samples.append(time.perf_counter() - t0)
         samples = samples[1:]

@@ -38,8 +38,10 @@ def main() -> None:
     args = ap.parse_args()
     if not cpu_ops.load():
         raise SystemExit(cpu_ops.describe())
-    if not torch.cpu._is_amx_tile_supported():
-        raise SystemExit("this CPU has no AMX tiles")
+    from kvserve.runtime.models.attention_cpu import amx_usable
+
+    if not amx_usable():
+        raise SystemExit("no AMX tiles here (CPU or OS)")
     torch.set_num_threads(args.threads)
     heads, kv_heads, head_dim = (int(x) for x in args.heads.split(","))
     rng = random.Random(0)

@@ -46,6 +46,13 @@ _ops = torch.ops.kvserve_cpu
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def amx_usable() -> bool:
+    """This CPU has AMX tiles and the OS lets this process use them (torch asks Linux once, as the compiled kernel
+    does; a container or kernel that refuses leaves both on their non-AMX paths)."""
+    init_amx = getattr(torch._C._cpu, "_init_amx", None)
+    return torch.cpu._is_amx_tile_supported() and (init_amx is None or bool(init_amx()))
+
+
 class CpuAttentionBackend:
     name = "cpu"
     # q_len above this: one SDPA call for the sequence instead of the paged kernel (see the module docstring)
@@ -59,7 +66,7 @@ class CpuAttentionBackend:
         self._torch = TorchAttentionBackend()
         self.fused_cpu_ops = os.environ.get("KVSERVE_CPU_FUSED_OPS", "1") != "0"
         self._has_dpbf16 = cpu_ops.isa_tag() == "avx512bf16"
-        self._has_amx = torch.cpu._is_amx_tile_supported()
+        self._has_amx = amx_usable()
         # the paged kernel may put bf16 on AMX tiles (it still checks its own build, the OS and the shapes)
         self.amx_attention = self._has_amx and os.environ.get("KVSERVE_CPU_ATTENTION_AMX", "1") != "0"
 

@@ -12,12 +12,13 @@ otherwise (a copy that is small next to the q_len x ctx work). The crossover, me
 768. The bf16 path without AVX512-BF16 (K widened per chunk) was not re-measured and keeps the old limit.
 On a CPU with AMX, bf16 prefills, extends and decodes of GQA groups of 4+ run the paged kernel's AMX path
 (kvkernels/cpu/paged_attention_amx.cpp; ``KVSERVE_CPU_ATTENTION_AMX=0`` keeps them on AVX-512). Measured on the
-2-vCPU Sapphire Rapids Xeon (9/3 heads, head_dim 64, one thread, 30 layers): 8 fresh prompts of 32-320 tokens
-in 128 ms on AMX against 188 ms through SDPA and 259 ms on AVX-512; a 512-token prompt level with SDPA, 1024
-tokens 1.0-1.36x slower (so the 1024 limit stays). Fresh prefills therefore go to SDPA from
-``PAGED_MAX_FRESH_Q_BF16_AMX`` tokens only when the AMX path is off: then torch's SDPA (AMX tiles too) is 1.25x
-faster than the AVX-512 kernel at 64 tokens, 2.2x at 320. Prefill chunks over a cached prefix stay on the paged
-kernel up to the general limit: SDPA needs an explicit mask there (no flash path).
+2-vCPU Sapphire Rapids Xeon (9/3 heads, head_dim 64, one thread, 30 layers, tools/attention_amx_ab.py): 8 fresh
+prompts of 32-320 tokens in 168 ms on AMX against 360 ms through SDPA and 382 ms on AVX-512; one 1024-token
+prompt 299 ms against SDPA's 260 ms (so the 1024 limit stays; docs/performance.md has the table). Fresh
+prefills therefore go to SDPA from ``PAGED_MAX_FRESH_Q_BF16_AMX`` tokens only when the AMX path is off: then
+torch's SDPA (AMX tiles too) is 1.25x faster than the AVX-512 kernel at 64 tokens, 2.2x at 320. Prefill chunks
+over a cached prefix stay on the paged kernel up to the general limit: SDPA needs an explicit mask there (no flash
+path).
 
 Falls back to TorchAttentionBackend for whole calls it does not cover: sliding window or softcap (Gemma),
 fp8 KV caches, dtypes other than float32/bfloat16/float16, and non-CPU tensors.

@@ -108,6 +108,11 @@ struct RowWalker {
 };
 
 AmxAttentionWorker::AmxAttentionWorker(const AmxAttnArgs& args) : a_(args) {
+  // V pairs: out[2d] = key 2kk's dim d, out[2d + 1] = key 2kk+1's (of 16 dims; lo: dims 0-15 of a 32-dim slice)
+  for (int d = 0; d < 16; ++d) {
+    pair_lo_[2 * d] = d, pair_lo_[2 * d + 1] = 32 + d;
+    pair_hi_[2 * d] = 16 + d, pair_hi_[2 * d + 1] = 48 + d;
+  }
   v_pack_.resize((kChunkKeys / 32) * (args.head_dim / 16) * kTileRows * 32);
   p_.assign(kTileRows * kChunkKeys, 0);
   s_.resize(kTileRows * kChunkKeys);
@@ -123,189 +128,180 @@ void AmxAttentionWorker::run(const AttnItem& item, const AttnItem* next) {
   const int64_t kt_bytes = a.k_stride_token * 2;
   alignas(64) float s_t[kTileRows * kTileRows];  // one stored S^T tile
   alignas(64) float o[kTileRows * 32];           // one pass of the P.V tiles
-  // V pairs: out[2d] = key 2kk's dim d, out[2d + 1] = key 2kk+1's (of 16 dims; _lo: dims 0-15 of a 32-dim slice)
-  alignas(64) uint16_t lo_idx[32], hi_idx[32];
-  for (int d = 0; d < 16; ++d) {
-    lo_idx[2 * d] = d, lo_idx[2 * d + 1] = 32 + d;
-    hi_idx[2 * d] = 16 + d, hi_idx[2 * d + 1] = 48 + d;
-  }
-  const __m512i vlo = _mm512_load_si512(lo_idx), vhi = _mm512_load_si512(hi_idx);
+  const __m512i vlo = _mm512_load_si512(pair_lo_), vhi = _mm512_load_si512(pair_hi_);
   const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const int64_t head_bytes = D * 2;
   auto key_end_of = [&](const AttnItem& x) {
     return a.seq_lens[x.seq] - (a.cu_seqlens_q[x.seq + 1] - a.cu_seqlens_q[x.seq]) + x.t1;
   };
+  const int64_t s = item.seq, t0 = item.t0, t1 = item.t1, h0 = item.h0, heads = item.h1 - item.h0;
+  const int64_t q_len = a.cu_seqlens_q[s + 1] - a.cu_seqlens_q[s], ctx = a.seq_lens[s];
+  const int64_t start = ctx - q_len, tok0 = a.cu_seqlens_q[s];
+  const int64_t rows = (t1 - t0) * G, groups = (rows + kTileRows - 1) / kTileRows;
+  const int64_t key_end = start + t1;  // the item's last row sees keys < key_end
+  const int32_t* table = a.block_tables + s * a.block_tables_stride;
+  // Per (KV head hb, row r): row r is token t0 + r / G, query head (h0 + hb) * G + r % G.
+  q_t_.resize(heads * groups * slices * kTileRows * kTileRows);
+  m_.assign(heads * rows, kNegInf);
+  l_.assign(heads * rows, 0.f);
+  acc_.assign(heads * rows * D, 0.f);
+  for (int64_t hb = 0; hb < heads; ++hb)
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t r0 = g * kTileRows, n = std::min(kTileRows, rows - r0);
+      uint32_t* qt = q_t_.data() + (hb * groups + g) * slices * kTileRows * kTileRows;
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t r = r0 + j;
+        const uint32_t* qr = reinterpret_cast<const uint32_t*>(a.q + (tok0 + t0 + r / G) * a.q_stride0 +
+                                                               ((h0 + hb) * G + r % G) * a.q_stride1);
+        for (int64_t pr = 0; pr < dpairs; ++pr) qt[(pr / 16) * kTileRows * n + (pr % 16) * n + j] = qr[pr];
+      }
+    }
 
-  {
-    const int64_t s = item.seq, t0 = item.t0, t1 = item.t1, h0 = item.h0, heads = item.h1 - item.h0;
-    const int64_t q_len = a.cu_seqlens_q[s + 1] - a.cu_seqlens_q[s], ctx = a.seq_lens[s];
-    const int64_t start = ctx - q_len, tok0 = a.cu_seqlens_q[s];
-    const int64_t rows = (t1 - t0) * G, groups = (rows + kTileRows - 1) / kTileRows;
-    const int64_t key_end = start + t1;  // the item's last row sees keys < key_end
-    const int32_t* table = a.block_tables + s * a.block_tables_stride;
-    // Per (KV head hb, row r): row r is token t0 + r / G, query head (h0 + hb) * G + r % G.
-    q_t_.resize(heads * groups * slices * kTileRows * kTileRows);
-    m_.assign(heads * rows, kNegInf);
-    l_.assign(heads * rows, 0.f);
-    acc_.assign(heads * rows * D, 0.f);
-    for (int64_t hb = 0; hb < heads; ++hb)
+  for (int64_t c0 = 0; c0 < key_end; c0 += kChunkKeys) {
+    const int64_t nk = std::min(kChunkKeys, key_end - c0), nk32 = (nk + 31) / 32 * 32;
+    // The next chunk of keys (this item's, else the first of this worker's next item) is fetched into L2 while
+    // this one computes, a few rows per row of V packed: a tile load waits for all its 16 rows, so without it
+    // every 16 keys would wait a memory latency. Row by row rather than all at once: a burst of prefetches
+    // would fill the line-fill buffers and stall the core instead.
+    RowWalker pf;
+    int64_t pf_left = 0, pf_h0 = 0, pf_heads = 0;
+    if (c0 + kChunkKeys < key_end) {
+      pf.start(table, a.block_size, c0 + kChunkKeys);
+      pf_left = std::min(kChunkKeys, key_end - c0 - kChunkKeys), pf_h0 = h0, pf_heads = heads;
+    } else if (next != nullptr) {
+      const AttnItem& nx = *next;
+      pf.start(a.block_tables + nx.seq * a.block_tables_stride, a.block_size, 0);
+      pf_left = std::min<int64_t>(kChunkKeys, key_end_of(nx)), pf_h0 = nx.h0, pf_heads = nx.h1 - nx.h0;
+    }
+    const int64_t pf_per_row = (pf_left + nk - 1) / std::max<int64_t>(1, nk);  // rows ahead per row packed
+    auto prefetch_some = [&](int64_t count) {
+      for (; count > 0 && pf_left > 0; --count, --pf_left) {
+        const auto [blk, off] = pf.next();
+        const char* kr = reinterpret_cast<const char*>(a.k_cache + blk * a.k_stride_block + off * a.k_stride_token +
+                                                       pf_h0 * a.k_stride_head);
+        const char* vr = reinterpret_cast<const char*>(a.v_cache + blk * a.v_stride_block + off * a.v_stride_token +
+                                                       pf_h0 * a.v_stride_head);
+        for (int64_t hb = 0; hb < pf_heads; ++hb)
+          for (int64_t o = 0; o < head_bytes; o += 64) {
+            _mm_prefetch(kr + hb * a.k_stride_head * 2 + o, _MM_HINT_T1);
+            _mm_prefetch(vr + hb * a.v_stride_head * 2 + o, _MM_HINT_T1);
+          }
+      }
+    };
+
+    for (int64_t hb = 0; hb < heads; ++hb) {
+      const int64_t h = h0 + hb;
+      const c10::BFloat16* k_h = a.k_cache + h * a.k_stride_head;
+      const c10::BFloat16* v_h = a.v_cache + h * a.v_stride_head;
+      // The chunk's V rows of this head, two keys interleaved per dimension; keys past nk are zero.
+      RowWalker vw;
+      vw.start(table, a.block_size, c0);
+      for (int64_t kp = 0; kp < nk32 / 2; ++kp) {
+        const c10::BFloat16* vr[2] = {nullptr, nullptr};
+        for (int e = 0; e < 2; ++e)
+          if (2 * kp + e < nk) {
+            const auto [blk, off] = vw.next();
+            vr[e] = v_h + blk * a.v_stride_block + off * a.v_stride_token;
+          }
+        if (hb == 0) prefetch_some(2 * pf_per_row);
+        uint16_t* dst = v_pack_.data() + ((kp / 16) * dtiles * kTileRows + kp % 16) * 32;
+        for (int64_t sl = 0; sl < slices; ++sl) {
+          const __m512i x0 = vr[0] ? _mm512_loadu_si512(vr[0] + 32 * sl) : _mm512_setzero_si512();
+          const __m512i x1 = vr[1] ? _mm512_loadu_si512(vr[1] + 32 * sl) : _mm512_setzero_si512();
+          _mm512_storeu_si512(dst + (2 * sl) * kTileRows * 32, _mm512_permutex2var_epi16(x0, vlo, x1));
+          _mm512_storeu_si512(dst + (2 * sl + 1) * kTileRows * 32, _mm512_permutex2var_epi16(x0, vhi, x1));
+        }
+      }
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t r0 = g * kTileRows, n = std::min(kTileRows, rows - r0);
-        uint32_t* qt = q_t_.data() + (hb * groups + g) * slices * kTileRows * kTileRows;
-        for (int64_t j = 0; j < n; ++j) {
-          const int64_t r = r0 + j;
-          const uint32_t* qr = reinterpret_cast<const uint32_t*>(a.q + (tok0 + t0 + r / G) * a.q_stride0 +
-                                                                 ((h0 + hb) * G + r % G) * a.q_stride1);
-          for (int64_t pr = 0; pr < dpairs; ++pr) qt[(pr / 16) * kTileRows * n + (pr % 16) * n + j] = qr[pr];
-        }
-      }
-
-    for (int64_t c0 = 0; c0 < key_end; c0 += kChunkKeys) {
-      const int64_t nk = std::min(kChunkKeys, key_end - c0), nk32 = (nk + 31) / 32 * 32;
-      // The next chunk of keys (this item's, else the first of this worker's next item) is fetched into L2 while
-      // this one computes, a few rows per row of V packed: a tile load waits for all its 16 rows, so without it
-      // every 16 keys would wait a memory latency. Row by row rather than all at once: a burst of prefetches
-      // would fill the line-fill buffers and stall the core instead.
-      RowWalker pf;
-      int64_t pf_left = 0, pf_h0 = 0, pf_heads = 0;
-      if (c0 + kChunkKeys < key_end) {
-        pf.start(table, a.block_size, c0 + kChunkKeys);
-        pf_left = std::min(kChunkKeys, key_end - c0 - kChunkKeys), pf_h0 = h0, pf_heads = heads;
-      } else if (next != nullptr) {
-        const AttnItem& nx = *next;
-        pf.start(a.block_tables + nx.seq * a.block_tables_stride, a.block_size, 0);
-        pf_left = std::min<int64_t>(kChunkKeys, key_end_of(nx)), pf_h0 = nx.h0, pf_heads = nx.h1 - nx.h0;
-      }
-      const int64_t pf_per_row = (pf_left + nk - 1) / std::max<int64_t>(1, nk);  // rows ahead per row packed
-      auto prefetch_some = [&](int64_t count) {
-        for (; count > 0 && pf_left > 0; --count, --pf_left) {
-          const auto [blk, off] = pf.next();
-          const char* kr = reinterpret_cast<const char*>(a.k_cache + blk * a.k_stride_block + off * a.k_stride_token +
-                                                         pf_h0 * a.k_stride_head);
-          const char* vr = reinterpret_cast<const char*>(a.v_cache + blk * a.v_stride_block + off * a.v_stride_token +
-                                                         pf_h0 * a.v_stride_head);
-          for (int64_t hb = 0; hb < pf_heads; ++hb)
-            for (int64_t o = 0; o < head_bytes; o += 64) {
-              _mm_prefetch(kr + hb * a.k_stride_head * 2 + o, _MM_HINT_T1);
-              _mm_prefetch(vr + hb * a.v_stride_head * 2 + o, _MM_HINT_T1);
-            }
-        }
-      };
-
-      for (int64_t hb = 0; hb < heads; ++hb) {
-        const int64_t h = h0 + hb;
-        const c10::BFloat16* k_h = a.k_cache + h * a.k_stride_head;
-        const c10::BFloat16* v_h = a.v_cache + h * a.v_stride_head;
-        // The chunk's V rows of this head, two keys interleaved per dimension; keys past nk are zero.
-        RowWalker vw;
-        vw.start(table, a.block_size, c0);
-        for (int64_t kp = 0; kp < nk32 / 2; ++kp) {
-          const c10::BFloat16* vr[2] = {nullptr, nullptr};
-          for (int e = 0; e < 2; ++e)
-            if (2 * kp + e < nk) {
-              const auto [blk, off] = vw.next();
-              vr[e] = v_h + blk * a.v_stride_block + off * a.v_stride_token;
-            }
-          if (hb == 0) prefetch_some(2 * pf_per_row);
-          uint16_t* dst = v_pack_.data() + ((kp / 16) * dtiles * kTileRows + kp % 16) * 32;
+        const int64_t group_end = start + t0 + (r0 + n - 1) / G + 1;  // the group's last row's causal limit
+        if (c0 >= group_end) continue;
+        const int64_t ng = std::min(nk, group_end - c0), ng32 = (ng + 31) / 32 * 32;
+        if (n != configured_rows_) load_tile_config(n), configured_rows_ = n;
+        const uint32_t* qt = q_t_.data() + (hb * groups + g) * slices * kTileRows * kTileRows;
+        // Scores: S^T per 16 keys, gathered back into per-row lines of s_.
+        const __m512i gather_idx = _mm512_mullo_epi32(lane, _mm512_set1_epi32(static_cast<int>(n)));
+        for (int64_t k16 = 0; k16 < ng; k16 += kTileRows) {
+          const int64_t key = c0 + k16;
+          const c10::BFloat16* kp =
+              k_h + table[key / a.block_size] * a.k_stride_block + (key % a.block_size) * a.k_stride_token;
+          KVS_TILE_ZERO(0);
           for (int64_t sl = 0; sl < slices; ++sl) {
-            const __m512i x0 = vr[0] ? _mm512_loadu_si512(vr[0] + 32 * sl) : _mm512_setzero_si512();
-            const __m512i x1 = vr[1] ? _mm512_loadu_si512(vr[1] + 32 * sl) : _mm512_setzero_si512();
-            _mm512_storeu_si512(dst + (2 * sl) * kTileRows * 32, _mm512_permutex2var_epi16(x0, vlo, x1));
-            _mm512_storeu_si512(dst + (2 * sl + 1) * kTileRows * 32, _mm512_permutex2var_epi16(x0, vhi, x1));
+            KVS_TILE_LOAD(1, kp + 32 * sl, kt_bytes);
+            KVS_TILE_LOAD(2, qt + sl * kTileRows * n, 4 * n);
+            KVS_TILE_DP_BF16(0, 1, 2);
           }
+          KVS_TILE_STORE(0, s_t, 4 * n);
+          for (int64_t j = 0; j < n; ++j)
+            _mm512_storeu_ps(s_.data() + j * kChunkKeys + k16, _mm512_i32gather_ps(gather_idx, s_t + j, 4));
         }
-        for (int64_t g = 0; g < groups; ++g) {
-          const int64_t r0 = g * kTileRows, n = std::min(kTileRows, rows - r0);
-          const int64_t group_end = start + t0 + (r0 + n - 1) / G + 1;  // the group's last row's causal limit
-          if (c0 >= group_end) continue;
-          const int64_t ng = std::min(nk, group_end - c0), ng32 = (ng + 31) / 32 * 32;
-          if (n != configured_rows_) load_tile_config(n), configured_rows_ = n;
-          const uint32_t* qt = q_t_.data() + (hb * groups + g) * slices * kTileRows * kTileRows;
-          // Scores: S^T per 16 keys, gathered back into per-row lines of s_.
-          const __m512i gather_idx = _mm512_mullo_epi32(lane, _mm512_set1_epi32(static_cast<int>(n)));
-          for (int64_t k16 = 0; k16 < ng; k16 += kTileRows) {
-            const int64_t key = c0 + k16;
-            const c10::BFloat16* kp =
-                k_h + table[key / a.block_size] * a.k_stride_block + (key % a.block_size) * a.k_stride_token;
-            KVS_TILE_ZERO(0);
-            for (int64_t sl = 0; sl < slices; ++sl) {
-              KVS_TILE_LOAD(1, kp + 32 * sl, kt_bytes);
-              KVS_TILE_LOAD(2, qt + sl * kTileRows * n, 4 * n);
-              KVS_TILE_DP_BF16(0, 1, 2);
-            }
-            KVS_TILE_STORE(0, s_t, 4 * n);
-            for (int64_t j = 0; j < n; ++j)
-              _mm512_storeu_ps(s_.data() + j * kChunkKeys + k16, _mm512_i32gather_ps(gather_idx, s_t + j, 4));
+        // Online softmax per row over its visible keys of this chunk; P in bf16, zero past them.
+        float alpha[kTileRows];
+        for (int64_t j = 0; j < n; ++j) {
+          const int64_t r = r0 + j, hr = hb * rows + r;
+          const int64_t visible = std::clamp<int64_t>(start + t0 + r / G + 1 - c0, 0, ng);
+          float* sr = s_.data() + j * kChunkKeys;
+          uint16_t* pr = p_.data() + j * kChunkKeys;
+          if (visible == 0) {
+            alpha[j] = 1.f;
+            std::fill(pr, pr + ng32, uint16_t(0));
+            continue;
           }
-          // Online softmax per row over its visible keys of this chunk; P in bf16, zero past them.
-          float alpha[kTileRows];
+          const __m512 vscale = _mm512_set1_ps(a.scale);
+          __m512 vmax = _mm512_set1_ps(kNegInf);
+          for (int64_t i = 0; i < visible; i += 16) {
+            const __mmask16 mk = tail_mask(visible - i);
+            const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, sr + i), vscale);
+            _mm512_mask_storeu_ps(sr + i, mk, x);
+            vmax = _mm512_mask_max_ps(vmax, mk, vmax, x);
+          }
+          const float m_new = std::max(m_[hr], _mm512_reduce_max_ps(vmax));
+          alpha[j] = m_[hr] == kNegInf ? 0.f : std::exp(m_[hr] - m_new);
+          const __m512 vm = _mm512_set1_ps(m_new);
+          __m512 vsum = _mm512_setzero_ps();
+          for (int64_t i = 0; i < ng32; i += 16) {
+            const __mmask16 mk = visible > i ? tail_mask(visible - i) : (__mmask16)0;  // zeros past `visible`
+            const __m512 e = _mm512_maskz_mov_ps(mk, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, sr + i), vm)));
+            vsum = _mm512_add_ps(vsum, e);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + i), (__m256i)_mm512_cvtneps_pbh(e));
+          }
+          l_[hr] = l_[hr] * alpha[j] + _mm512_reduce_add_ps(vsum);
+          m_[hr] = m_new;
+        }
+        // O += P . V, 32 dims (two tiles) per pass; the chunk's sum is added to the accumulators with alpha.
+        for (int64_t pass = 0; pass < slices; ++pass) {
+          KVS_TILE_ZERO(5);
+          KVS_TILE_ZERO(6);
+          for (int64_t k32 = 0; k32 < ng32; k32 += 32) {
+            const uint16_t* vb = v_pack_.data() + ((k32 / 32) * dtiles + 2 * pass) * kTileRows * 32;
+            KVS_TILE_LOAD(3, p_.data() + k32, kChunkKeys * 2);
+            KVS_TILE_LOAD(4, vb, 64);
+            KVS_TILE_DP_BF16(5, 3, 4);
+            KVS_TILE_LOAD(4, vb + kTileRows * 32, 64);
+            KVS_TILE_DP_BF16(6, 3, 4);
+          }
+          KVS_TILE_STORE(5, o, 128);
+          KVS_TILE_STORE(6, o + 16, 128);
           for (int64_t j = 0; j < n; ++j) {
-            const int64_t r = r0 + j, hr = hb * rows + r;
-            const int64_t visible = std::clamp<int64_t>(start + t0 + r / G + 1 - c0, 0, ng);
-            float* sr = s_.data() + j * kChunkKeys;
-            uint16_t* pr = p_.data() + j * kChunkKeys;
-            if (visible == 0) {
-              alpha[j] = 1.f;
-              std::fill(pr, pr + ng32, uint16_t(0));
-              continue;
-            }
-            const __m512 vscale = _mm512_set1_ps(a.scale);
-            __m512 vmax = _mm512_set1_ps(kNegInf);
-            for (int64_t i = 0; i < visible; i += 16) {
-              const __mmask16 mk = tail_mask(visible - i);
-              const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, sr + i), vscale);
-              _mm512_mask_storeu_ps(sr + i, mk, x);
-              vmax = _mm512_mask_max_ps(vmax, mk, vmax, x);
-            }
-            const float m_new = std::max(m_[hr], _mm512_reduce_max_ps(vmax));
-            alpha[j] = m_[hr] == kNegInf ? 0.f : std::exp(m_[hr] - m_new);
-            const __m512 vm = _mm512_set1_ps(m_new);
-            __m512 vsum = _mm512_setzero_ps();
-            for (int64_t i = 0; i < ng32; i += 16) {
-              const __mmask16 mk = visible > i ? tail_mask(visible - i) : (__mmask16)0;  // zeros past `visible`
-              const __m512 e = _mm512_maskz_mov_ps(mk, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, sr + i), vm)));
-              vsum = _mm512_add_ps(vsum, e);
-              _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + i), (__m256i)_mm512_cvtneps_pbh(e));
-            }
-            l_[hr] = l_[hr] * alpha[j] + _mm512_reduce_add_ps(vsum);
-            m_[hr] = m_new;
-          }
-          // O += P . V, 32 dims (two tiles) per pass; the chunk's sum is added to the accumulators with alpha.
-          for (int64_t pass = 0; pass < slices; ++pass) {
-            KVS_TILE_ZERO(5);
-            KVS_TILE_ZERO(6);
-            for (int64_t k32 = 0; k32 < ng32; k32 += 32) {
-              const uint16_t* vb = v_pack_.data() + ((k32 / 32) * dtiles + 2 * pass) * kTileRows * 32;
-              KVS_TILE_LOAD(3, p_.data() + k32, kChunkKeys * 2);
-              KVS_TILE_LOAD(4, vb, 64);
-              KVS_TILE_DP_BF16(5, 3, 4);
-              KVS_TILE_LOAD(4, vb + kTileRows * 32, 64);
-              KVS_TILE_DP_BF16(6, 3, 4);
-            }
-            KVS_TILE_STORE(5, o, 128);
-            KVS_TILE_STORE(6, o + 16, 128);
-            for (int64_t j = 0; j < n; ++j) {
-              float* acc = acc_.data() + (hb * rows + r0 + j) * D + 32 * pass;
-              const __m512 va = _mm512_set1_ps(alpha[j]);
-              _mm512_storeu_ps(acc, _mm512_fmadd_ps(_mm512_loadu_ps(acc), va, _mm512_loadu_ps(o + 32 * j)));
-              _mm512_storeu_ps(acc + 16,
-                               _mm512_fmadd_ps(_mm512_loadu_ps(acc + 16), va, _mm512_loadu_ps(o + 32 * j + 16)));
-            }
+            float* acc = acc_.data() + (hb * rows + r0 + j) * D + 32 * pass;
+            const __m512 va = _mm512_set1_ps(alpha[j]);
+            _mm512_storeu_ps(acc, _mm512_fmadd_ps(_mm512_loadu_ps(acc), va, _mm512_loadu_ps(o + 32 * j)));
+            _mm512_storeu_ps(acc + 16,
+                             _mm512_fmadd_ps(_mm512_loadu_ps(acc + 16), va, _mm512_loadu_ps(o + 32 * j + 16)));
           }
         }
       }
-      prefetch_some(pf_left);  // what the packing loop did not reach (a next chunk longer than this one)
     }
-    for (int64_t hb = 0; hb < heads; ++hb)
-      for (int64_t r = 0; r < rows; ++r) {
-        float* acc = acc_.data() + (hb * rows + r) * D;
-        const float inv = 1.f / l_[hb * rows + r];
-        for (int64_t d = 0; d < D; ++d) acc[d] *= inv;
-        store_row<c10::BFloat16>(
-            acc, a.out + (tok0 + t0 + r / G) * a.out_stride0 + ((h0 + hb) * G + r % G) * a.out_stride1, D);
-      }
+    prefetch_some(pf_left);  // what the packing loop did not reach (a next chunk longer than this one)
   }
+  for (int64_t hb = 0; hb < heads; ++hb)
+    for (int64_t r = 0; r < rows; ++r) {
+      float* acc = acc_.data() + (hb * rows + r) * D;
+      const float inv = 1.f / l_[hb * rows + r];
+      for (int64_t d = 0; d < D; ++d) acc[d] *= inv;
+      store_row<c10::BFloat16>(
+          acc, a.out + (tok0 + t0 + r / G) * a.out_stride0 + ((h0 + hb) * G + r % G) * a.out_stride1, D);
+    }
 }
 
 #else  // no AMX in this build: amx_attention_usable says so and the worker is never built

@@ -68,6 +68,7 @@ class AmxAttentionWorker {
   std::vector<uint16_t> v_pack_;    // [keys / 32][D / 16][16 key pairs][32]: a chunk's V in VNNI pairs
   std::vector<uint16_t> p_;         // [16 rows][chunk keys] bf16 probabilities
   std::vector<float> s_;            // [16 rows][chunk keys] scores
+  alignas(64) uint16_t pair_lo_[32], pair_hi_[32];  // permute indices that interleave two V rows (VNNI pairs)
 };
 
 }  // namespace kvserve_cpu

@@ -5,27 +5,36 @@
 
 #include <ATen/Parallel.h>
 
-#include <vector>
+#include <cmath>
 
 #include "cpu_vec.h"
 
 namespace kvserve_cpu {
 namespace {
 
-inline void silu_inplace(float* x, int64_t n) {
 #ifdef KVS_AVX512
-  const __m512 one = _mm512_set1_ps(1.f);
-  int64_t i = 0;
-  for (; i < n; i += 16) {
-    __mmask16 m = tail_mask(n - i);
-    __m512 g = _mm512_maskz_loadu_ps(m, x + i);
-    __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g));
-    _mm512_mask_storeu_ps(x + i, m, _mm512_div_ps(g, _mm512_add_ps(one, e)));
+// One pass over the row in registers (load gate and up, silu, round, multiply, store): the data is read and
+// written once, where converting whole rows through fp32 scratch touched it five times.
+template <typename T>
+inline void silu_mul_row(const T* gate, const T* up, T* out, int64_t n) {
+  const __m512 one = _mm512_set1_ps(1.f), zero = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = tail_mask(n - i);
+    const __m512 g = load16<T>(gate + i, m);
+    const __m512 silu = round_to<T>(_mm512_div_ps(g, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(zero, g)))));
+    store16<T>(out + i, _mm512_mul_ps(silu, load16<T>(up + i, m)), m);
   }
-#else
-  for (int64_t i = 0; i < n; ++i) x[i] = x[i] / (1.f + std::exp(-x[i]));
-#endif
 }
+#else
+template <typename T>
+inline void silu_mul_row(const T* gate, const T* up, T* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = to_f32(gate[i]);
+    const float silu = to_f32(from_f32<T>(g / (1.f + std::exp(-g))));  // rounded to the dtype first
+    out[i] = from_f32<T>(silu * to_f32(up[i]));
+  }
+}
+#endif
 
 template <typename T>
 void silu_mul_impl(at::Tensor& out, const at::Tensor& x) {
@@ -35,18 +44,7 @@ void silu_mul_impl(at::Tensor& out, const at::Tensor& x) {
   const int64_t xs = x.stride(0), os = out.stride(0);
   at::parallel_for(0, rows, grain_rows(3 * inter), [&](int64_t b, int64_t e) {
     const FlushDenormalsScope no_subnormals;  // per worker thread: see cpu_vec.h
-    std::vector<float> g(inter), u(inter);
-    for (int64_t r = b; r < e; ++r) {
-      load_row<T>(xp + r * xs, g.data(), inter);
-      load_row<T>(xp + r * xs + inter, u.data(), inter);
-      silu_inplace(g.data(), inter);
-      if constexpr (!std::is_same<T, float>::value) {
-        store_row<T>(g.data(), op + r * os, inter);  // silu rounded to the dtype first
-        load_row<T>(op + r * os, g.data(), inter);
-      }
-      for (int64_t i = 0; i < inter; ++i) g[i] *= u[i];
-      store_row<T>(g.data(), op + r * os, inter);
-    }
+    for (int64_t r = b; r < e; ++r) silu_mul_row<T>(xp + r * xs, xp + r * xs + inter, op + r * os, inter);
   });
 }
 

@@ -15,7 +15,7 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <xmmintrin.h>  // _mm_getcsr / _mm_setcsr
 #endif
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define KVS_AVX512 1
 #if defined(__AVX512BF16__)
@@ -159,6 +159,45 @@ inline __m512 exp_ps(__m512 x) {
 }
 
 inline __mmask16 tail_mask(int64_t n) { return n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1u); }
+
+// 16 lanes of T, masked, widened to fp32 / rounded and narrowed from fp32: the same bits as load_row/store_row,
+// so an element-wise op can work in registers in one pass instead of converting whole rows through scratch.
+template <typename T>
+inline __m512 load16(const T* p, __mmask16 m);
+template <>
+inline __m512 load16<float>(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+template <>
+inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p, __mmask16 m) {
+  return bf16x16_to_f32(_mm256_maskz_loadu_epi16(m, p));
+}
+template <>
+inline __m512 load16<c10::Half>(const c10::Half* p, __mmask16 m) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
+}
+template <typename T>
+inline void store16(T* p, __m512 v, __mmask16 m);
+template <>
+inline void store16<float>(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+template <>
+inline void store16<c10::BFloat16>(c10::BFloat16* p, __m512 v, __mmask16 m) {
+  _mm256_mask_storeu_epi16(p, m, f32_to_bf16x16(v));
+}
+template <>
+inline void store16<c10::Half>(c10::Half* p, __m512 v, __mmask16 m) {
+  _mm256_mask_storeu_epi16(p, m, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// v rounded to T and widened back (exact for float): what `to_f32(from_f32<T>(x))` does per lane.
+template <typename T>
+inline __m512 round_to(__m512 v);
+template <>
+inline __m512 round_to<float>(__m512 v) { return v; }
+template <>
+inline __m512 round_to<c10::BFloat16>(__m512 v) { return bf16x16_to_f32(f32_to_bf16x16(v)); }
+template <>
+inline __m512 round_to<c10::Half>(__m512 v) {
+  return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
 #endif  // KVS_AVX512
 
 // x[i] = exp(x[i] - sub); returns the sum of the results.

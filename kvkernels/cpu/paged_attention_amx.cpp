@@ -8,11 +8,12 @@
 // Per work item (sequence, query tokens, KV heads) and KV head, the item's query rows (tokens x the G heads that
 // share the KV head) go in groups of up to 16 rows (a tile's height), over the keys in chunks of kChunkKeys with an
 // online softmax between chunks:
-// * scores, transposed: S^T[16 keys x n rows] = K[16 keys x D] . Q^T. K is the tile's A operand loaded straight
-//   from the paged cache (16 consecutive key rows of one block at the cache's row stride: block_size is a multiple
-//   of 16 and the 16-key groups start at multiples of 16, so a group never straddles two blocks); Q^T is the B
-//   operand, packed once per item into AMX's pair-interleaved ("VNNI") layout. Computing S instead (Q as A) would
-//   need K transposed into that layout for every key. The stored S^T is read back per query row with a gather.
+// * scores: S[n rows x 16 keys] = Q[n x D] . K^T. Q is the tile's A operand, its rows copied once per item into a
+//   row-major buffer (the rows of a GQA group are not evenly spaced in q); K^T is the B operand, packed once per
+//   chunk and KV head into AMX's pair-interleaved ("VNNI") layout by a 16 x 16 transpose of 32-bit key pairs in
+//   registers. Every row group of the item reuses the packed chunk, and the S tile is stored straight into the
+//   per-row score lines. (The first version computed S^T = K . Q^T with K loaded straight from the cache and read
+//   S^T back per row with gathers; the gathers and Q^T's scalar packing were a third of its time in perf.)
 // * softmax in fp32 per row (max, exp, sum, the online rescale), keys past the row's causal limit never enter it;
 //   the probabilities are rounded to bf16 for the second product (as torch's own CPU flash attention does).
 // * O[n rows x D] += P[n x 32 keys] . V[32 keys x D]: P is the A operand as written; V is the B operand, packed per
@@ -53,8 +54,9 @@ constexpr int64_t kMaxHeadDim = 256;
   __asm__ volatile("tilestored %%tmm" #t ", (%0,%1,1)" ::"r"((void*)(base)), "r"((long)(stride_bytes)) : "memory")
 #define KVS_TILE_ZERO(t) __asm__ volatile("tilezero %%tmm" #t ::)
 #define KVS_TILE_DP_BF16(c, a, b) __asm__ volatile("tdpbf16ps %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::)
-// tmm0: S^T (16 keys x n fp32)   tmm1: K (16 keys x 32 bf16)   tmm2: Q^T (16 dim pairs x n)
-// tmm3: P (n rows x 32 keys)     tmm4: V (16 key pairs x 16 dims, interleaved)   tmm5, tmm6: O (n x 16 dims each)
+// tmm0: S (n rows x 16 keys fp32)   tmm1: Q (n rows x 32 dims bf16)   tmm2: K^T (16 dim pairs x 16 keys, interleaved)
+// tmm3: P (n rows x 32 keys)          tmm4: V (16 key pairs x 16 dims, interleaved)
+// tmm5, tmm6, tmm7 and (after the scores) tmm0: O (n x 16 dims each)
 
 struct alignas(64) TileConfig {
   uint8_t palette_id;
@@ -71,14 +73,41 @@ void load_tile_config(int64_t n) {
     c.rows[t] = static_cast<uint8_t>(rows);
     c.colsb[t] = static_cast<uint16_t>(colsb);
   };
-  set(0, kTileRows, 4 * n);
-  set(1, kTileRows, 64);
-  set(2, kTileRows, 4 * n);
+  set(0, n, 64);
+  set(1, n, 64);
+  set(2, kTileRows, 64);
   set(3, n, 64);
   set(4, kTileRows, 64);
   set(5, n, 64);
   set(6, n, 64);
+  set(7, n, 64);
   __asm__ volatile("ldtilecfg %0" ::"m"(c) : "memory");
+}
+
+// r[i] <- column i of the 16 x 16 matrix of 32-bit lanes whose rows are r[0..15] (unpack 32, unpack 64, then two
+// rounds of 128-bit lane shuffles: 64 shuffles for 256 values, where gathering them would take 16 gathers).
+inline void transpose16x16_epi32(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // r[4q + c], 128-bit lane L: column 4L + c of rows 4q..4q+3
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {  // column 4L + c = lane L of r[c], r[4 + c], r[8 + c], r[12 + c]
+    const __m512i x0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44), x1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xEE);
+    const __m512i x2 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44);
+    const __m512i x3 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xEE);
+    t[c] = _mm512_shuffle_i32x4(x0, x2, 0x88);
+    t[4 + c] = _mm512_shuffle_i32x4(x0, x2, 0xDD);
+    t[8 + c] = _mm512_shuffle_i32x4(x1, x3, 0x88);
+    t[12 + c] = _mm512_shuffle_i32x4(x1, x3, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
 }
 
 bool request_amx_permission() {
@@ -114,6 +143,7 @@ AmxAttentionWorker::AmxAttentionWorker(const AmxAttnArgs& args) : a_(args) {
     pair_hi_[2 * d] = 16 + d, pair_hi_[2 * d + 1] = 48 + d;
   }
   v_pack_.resize((kChunkKeys / 32) * (args.head_dim / 16) * kTileRows * 32);
+  k_pack_.resize((kChunkKeys / kTileRows) * (args.head_dim / 32) * kTileRows * kTileRows);
   p_.assign(kTileRows * kChunkKeys, 0);
   s_.resize(kTileRows * kChunkKeys);
 }
@@ -124,12 +154,9 @@ AmxAttentionWorker::~AmxAttentionWorker() {
 
 void AmxAttentionWorker::run(const AttnItem& item, const AttnItem* next) {
   const AmxAttnArgs& a = a_;
-  const int64_t D = a.head_dim, G = a.group, dpairs = D / 2, slices = D / 32, dtiles = D / 16;
-  const int64_t kt_bytes = a.k_stride_token * 2;
-  alignas(64) float s_t[kTileRows * kTileRows];  // one stored S^T tile
-  alignas(64) float o[kTileRows * 32];           // one pass of the P.V tiles
+  const int64_t D = a.head_dim, G = a.group, slices = D / 32, dtiles = D / 16;
+  alignas(64) float o[kTileRows * 64];  // one pass of the P.V tiles: [16 rows][64 dims]
   const __m512i vlo = _mm512_load_si512(pair_lo_), vhi = _mm512_load_si512(pair_hi_);
-  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const int64_t head_bytes = D * 2;
   auto key_end_of = [&](const AttnItem& x) {
     return a.seq_lens[x.seq] - (a.cu_seqlens_q[x.seq + 1] - a.cu_seqlens_q[x.seq]) + x.t1;
@@ -140,22 +167,17 @@ void AmxAttentionWorker::run(const AttnItem& item, const AttnItem* next) {
   const int64_t rows = (t1 - t0) * G, groups = (rows + kTileRows - 1) / kTileRows;
   const int64_t key_end = start + t1;  // the item's last row sees keys < key_end
   const int32_t* table = a.block_tables + s * a.block_tables_stride;
-  // Per (KV head hb, row r): row r is token t0 + r / G, query head (h0 + hb) * G + r % G.
-  q_t_.resize(heads * groups * slices * kTileRows * kTileRows);
+  // Per (KV head hb, row r): row r is token t0 + r / G, query head (h0 + hb) * G + r % G; copied to q_rows_.
+  q_rows_.resize(heads * rows * D);
+  for (int64_t hb = 0; hb < heads; ++hb)
+    for (int64_t r = 0; r < rows; ++r) {
+      const c10::BFloat16* qr = a.q + (tok0 + t0 + r / G) * a.q_stride0 + ((h0 + hb) * G + r % G) * a.q_stride1;
+      uint16_t* dst = q_rows_.data() + (hb * rows + r) * D;
+      for (int64_t d = 0; d < D; d += 32) _mm512_storeu_si512(dst + d, _mm512_loadu_si512(qr + d));
+    }
   m_.assign(heads * rows, kNegInf);
   l_.assign(heads * rows, 0.f);
   acc_.assign(heads * rows * D, 0.f);
-  for (int64_t hb = 0; hb < heads; ++hb)
-    for (int64_t g = 0; g < groups; ++g) {
-      const int64_t r0 = g * kTileRows, n = std::min(kTileRows, rows - r0);
-      uint32_t* qt = q_t_.data() + (hb * groups + g) * slices * kTileRows * kTileRows;
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t r = r0 + j;
-        const uint32_t* qr = reinterpret_cast<const uint32_t*>(a.q + (tok0 + t0 + r / G) * a.q_stride0 +
-                                                               ((h0 + hb) * G + r % G) * a.q_stride1);
-        for (int64_t pr = 0; pr < dpairs; ++pr) qt[(pr / 16) * kTileRows * n + (pr % 16) * n + j] = qr[pr];
-      }
-    }
 
   for (int64_t c0 = 0; c0 < key_end; c0 += kChunkKeys) {
     const int64_t nk = std::min(kChunkKeys, key_end - c0), nk32 = (nk + 31) / 32 * 32;
@@ -193,6 +215,21 @@ void AmxAttentionWorker::run(const AttnItem& item, const AttnItem* next) {
       const int64_t h = h0 + hb;
       const c10::BFloat16* k_h = a.k_cache + h * a.k_stride_head;
       const c10::BFloat16* v_h = a.v_cache + h * a.v_stride_head;
+      // The chunk's K^T of this head: per 16 keys (one block's consecutive rows) and 32-dim slice, the 16 x 16
+      // matrix [key][dim pair] transposed to [dim pair][key] (tile B's pair layout); keys past nk are zero.
+      for (int64_t k16 = 0; k16 < nk; k16 += kTileRows) {
+        const int64_t key = c0 + k16, nkeys = std::min(kTileRows, nk - k16);
+        const c10::BFloat16* kp =
+            k_h + table[key / a.block_size] * a.k_stride_block + (key % a.block_size) * a.k_stride_token;
+        for (int64_t sl = 0; sl < slices; ++sl) {
+          __m512i r[16];
+          for (int64_t i = 0; i < kTileRows; ++i)
+            r[i] = i < nkeys ? _mm512_loadu_si512(kp + i * a.k_stride_token + 32 * sl) : _mm512_setzero_si512();
+          transpose16x16_epi32(r);
+          uint32_t* dst = k_pack_.data() + ((k16 / kTileRows) * slices + sl) * kTileRows * kTileRows;
+          for (int64_t i = 0; i < kTileRows; ++i) _mm512_storeu_si512(dst + i * kTileRows, r[i]);
+        }
+      }
       // The chunk's V rows of this head, two keys interleaved per dimension; keys past nk are zero.
       RowWalker vw;
       vw.start(table, a.block_size, c0);
@@ -218,22 +255,16 @@ void AmxAttentionWorker::run(const AttnItem& item, const AttnItem* next) {
         if (c0 >= group_end) continue;
         const int64_t ng = std::min(nk, group_end - c0), ng32 = (ng + 31) / 32 * 32;
         if (n != configured_rows_) load_tile_config(n), configured_rows_ = n;
-        const uint32_t* qt = q_t_.data() + (hb * groups + g) * slices * kTileRows * kTileRows;
-        // Scores: S^T per 16 keys, gathered back into per-row lines of s_.
-        const __m512i gather_idx = _mm512_mullo_epi32(lane, _mm512_set1_epi32(static_cast<int>(n)));
+        const uint16_t* qg = q_rows_.data() + (hb * rows + r0) * D;
+        // Scores: S per 16 keys, stored straight into the rows' score lines.
         for (int64_t k16 = 0; k16 < ng; k16 += kTileRows) {
-          const int64_t key = c0 + k16;
-          const c10::BFloat16* kp =
-              k_h + table[key / a.block_size] * a.k_stride_block + (key % a.block_size) * a.k_stride_token;
           KVS_TILE_ZERO(0);
           for (int64_t sl = 0; sl < slices; ++sl) {
-            KVS_TILE_LOAD(1, kp + 32 * sl, kt_bytes);
-            KVS_TILE_LOAD(2, qt + sl * kTileRows * n, 4 * n);
+            KVS_TILE_LOAD(1, qg + 32 * sl, head_bytes);
+            KVS_TILE_LOAD(2, k_pack_.data() + ((k16 / kTileRows) * slices + sl) * kTileRows * kTileRows, 64);
             KVS_TILE_DP_BF16(0, 1, 2);
           }
-          KVS_TILE_STORE(0, s_t, 4 * n);
-          for (int64_t j = 0; j < n; ++j)
-            _mm512_storeu_ps(s_.data() + j * kChunkKeys + k16, _mm512_i32gather_ps(gather_idx, s_t + j, 4));
+          KVS_TILE_STORE(0, s_.data() + k16, kChunkKeys * 4);
         }
         // Online softmax per row over its visible keys of this chunk; P in bf16, zero past them.
         float alpha[kTileRows];
@@ -247,47 +278,73 @@ void AmxAttentionWorker::run(const AttnItem& item, const AttnItem* next) {
             std::fill(pr, pr + ng32, uint16_t(0));
             continue;
           }
-          const __m512 vscale = _mm512_set1_ps(a.scale);
+          // The scale is folded into the exponent, exp(s * scale - max * scale) as one fused multiply-add: the
+          // max of the raw scores times a positive scale is the max of the scaled ones, and the scores are read
+          // twice instead of scaled, stored and read again.
           __m512 vmax = _mm512_set1_ps(kNegInf);
           for (int64_t i = 0; i < visible; i += 16) {
             const __mmask16 mk = tail_mask(visible - i);
-            const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(mk, sr + i), vscale);
-            _mm512_mask_storeu_ps(sr + i, mk, x);
-            vmax = _mm512_mask_max_ps(vmax, mk, vmax, x);
+            vmax = _mm512_mask_max_ps(vmax, mk, vmax, _mm512_maskz_loadu_ps(mk, sr + i));
           }
-          const float m_new = std::max(m_[hr], _mm512_reduce_max_ps(vmax));
+          const float m_new = std::max(m_[hr], _mm512_reduce_max_ps(vmax) * a.scale);
           alpha[j] = m_[hr] == kNegInf ? 0.f : std::exp(m_[hr] - m_new);
-          const __m512 vm = _mm512_set1_ps(m_new);
+          const __m512 vscale = _mm512_set1_ps(a.scale), vneg_m = _mm512_set1_ps(-m_new);
           __m512 vsum = _mm512_setzero_ps();
-          for (int64_t i = 0; i < ng32; i += 16) {
-            const __mmask16 mk = visible > i ? tail_mask(visible - i) : (__mmask16)0;  // zeros past `visible`
-            const __m512 e = _mm512_maskz_mov_ps(mk, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, sr + i), vm)));
+          int64_t i = 0;
+          for (; i < visible; i += 16) {
+            const __mmask16 mk = tail_mask(visible - i);
+            const __m512 x = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, sr + i), vscale, vneg_m);
+            const __m512 e = _mm512_maskz_mov_ps(mk, exp_ps(x));  // zeros past `visible`
             vsum = _mm512_add_ps(vsum, e);
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + i), (__m256i)_mm512_cvtneps_pbh(e));
           }
+          for (; i < ng32; i += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + i), _mm256_setzero_si256());
           l_[hr] = l_[hr] * alpha[j] + _mm512_reduce_add_ps(vsum);
           m_[hr] = m_new;
         }
-        // O += P . V, 32 dims (two tiles) per pass; the chunk's sum is added to the accumulators with alpha.
-        for (int64_t pass = 0; pass < slices; ++pass) {
+        // O += P . V, 64 dims (four accumulator tiles) per pass, or 32 (two) when D is not a multiple of 64: P is
+        // loaded once per 32 keys for four products, and four independent accumulators keep the tile unit busy
+        // (a product's latency is longer than its issue interval). The chunk's sum is added to the fp32
+        // accumulators with alpha.
+        const int64_t dims_per_pass = D % 64 == 0 ? 64 : 32;
+        for (int64_t d0 = 0; d0 < D; d0 += dims_per_pass) {
+          const int64_t dt0 = d0 / 16;
           KVS_TILE_ZERO(5);
           KVS_TILE_ZERO(6);
-          for (int64_t k32 = 0; k32 < ng32; k32 += 32) {
-            const uint16_t* vb = v_pack_.data() + ((k32 / 32) * dtiles + 2 * pass) * kTileRows * 32;
-            KVS_TILE_LOAD(3, p_.data() + k32, kChunkKeys * 2);
-            KVS_TILE_LOAD(4, vb, 64);
-            KVS_TILE_DP_BF16(5, 3, 4);
-            KVS_TILE_LOAD(4, vb + kTileRows * 32, 64);
-            KVS_TILE_DP_BF16(6, 3, 4);
+          if (dims_per_pass == 64) {
+            KVS_TILE_ZERO(7);
+            KVS_TILE_ZERO(0);
+            for (int64_t k32 = 0; k32 < ng32; k32 += 32) {
+              const uint16_t* vb = v_pack_.data() + ((k32 / 32) * dtiles + dt0) * kTileRows * 32;
+              KVS_TILE_LOAD(3, p_.data() + k32, kChunkKeys * 2);
+              KVS_TILE_LOAD(4, vb, 64);
+              KVS_TILE_DP_BF16(5, 3, 4);
+              KVS_TILE_LOAD(2, vb + kTileRows * 32, 64);  // tmm2 (K^T's, 16 x 64 bytes too) alternates with tmm4
+              KVS_TILE_DP_BF16(6, 3, 2);
+              KVS_TILE_LOAD(4, vb + 2 * kTileRows * 32, 64);
+              KVS_TILE_DP_BF16(7, 3, 4);
+              KVS_TILE_LOAD(2, vb + 3 * kTileRows * 32, 64);
+              KVS_TILE_DP_BF16(0, 3, 2);
+            }
+            KVS_TILE_STORE(7, o + 32, 256);
+            KVS_TILE_STORE(0, o + 48, 256);
+          } else {
+            for (int64_t k32 = 0; k32 < ng32; k32 += 32) {
+              const uint16_t* vb = v_pack_.data() + ((k32 / 32) * dtiles + dt0) * kTileRows * 32;
+              KVS_TILE_LOAD(3, p_.data() + k32, kChunkKeys * 2);
+              KVS_TILE_LOAD(4, vb, 64);
+              KVS_TILE_DP_BF16(5, 3, 4);
+              KVS_TILE_LOAD(2, vb + kTileRows * 32, 64);
+              KVS_TILE_DP_BF16(6, 3, 2);
+            }
           }
-          KVS_TILE_STORE(5, o, 128);
-          KVS_TILE_STORE(6, o + 16, 128);
+          KVS_TILE_STORE(5, o, 256);
+          KVS_TILE_STORE(6, o + 16, 256);
           for (int64_t j = 0; j < n; ++j) {
-            float* acc = acc_.data() + (hb * rows + r0 + j) * D + 32 * pass;
+            float* acc = acc_.data() + (hb * rows + r0 + j) * D + d0;
             const __m512 va = _mm512_set1_ps(alpha[j]);
-            _mm512_storeu_ps(acc, _mm512_fmadd_ps(_mm512_loadu_ps(acc), va, _mm512_loadu_ps(o + 32 * j)));
-            _mm512_storeu_ps(acc + 16,
-                             _mm512_fmadd_ps(_mm512_loadu_ps(acc + 16), va, _mm512_loadu_ps(o + 32 * j + 16)));
+            for (int64_t d = 0; d < dims_per_pass; d += 16)
+              _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(_mm512_loadu_ps(acc + d), va, _mm512_loadu_ps(o + 64 * j + d)));
           }
         }
       }

@@ -63,7 +63,8 @@ class AmxAttentionWorker {
  private:
   const AmxAttnArgs& a_;
   int64_t configured_rows_ = -1;  // the rows of the tile configuration loaded on this thread, -1: none
-  std::vector<uint32_t> q_t_;     // [KV heads][row groups][D / 32][16 dim pairs][rows]: Q^T in VNNI pairs
+  std::vector<uint16_t> q_rows_;  // [KV heads][rows][D]: the item's query rows, bf16, row-major
+  std::vector<uint32_t> k_pack_;  // [keys / 16][D / 32][16 dim pairs][16 keys]: a chunk's K^T in VNNI pairs
   std::vector<float> m_, l_, acc_;  // per (KV head, query row): running max, sum, and [D] accumulator
   std::vector<uint16_t> v_pack_;    // [keys / 32][D / 16][16 key pairs][32]: a chunk's V in VNNI pairs
   std::vector<uint16_t> p_;         // [16 rows][chunk keys] bf16 probabilities

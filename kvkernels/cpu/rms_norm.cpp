@@ -14,15 +14,37 @@
 namespace kvserve_cpu {
 namespace {
 
-inline float sum_squares(const float* x, int64_t n) { return dot_f32(x, x, n); }
-
-// buf holds the row in fp32; writes out = T(w * T(buf * r))
+// One row: buf <- the row in fp32 (with the residual: x + residual rounded to the dtype, written back to the
+// residual, as torch's add rounds), then out = T(w * T(buf * rsqrt(mean(buf^2) + eps))). The AVX-512 passes work
+// in registers; mean(buf^2) is dot_f32 on both paths, so the two give the same bits.
 template <typename T>
-inline void normalize_row(float* buf, const float* w32, T* out, int64_t n, float eps) {
-  const float var = sum_squares(buf, n) / static_cast<float>(n);
-  const float r = 1.f / std::sqrt(var + eps);
+inline void norm_row(T* res, const T* x, const float* w32, T* out, int64_t n, float eps, float* buf) {
+#ifdef KVS_AVX512
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = tail_mask(n - i);
+    __m512 v = load16<T>(x + i, m);
+    if (res) {
+      v = round_to<T>(_mm512_add_ps(load16<T>(res + i, m), v));
+      store16<T>(res + i, v, m);
+    }
+    _mm512_mask_storeu_ps(buf + i, m, v);
+  }
+  const __m512 r = _mm512_set1_ps(1.f / std::sqrt(dot_f32(buf, buf, n) / static_cast<float>(n) + eps));
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = tail_mask(n - i);
+    const __m512 normed = round_to<T>(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, buf + i), r));
+    store16<T>(out + i, _mm512_mul_ps(normed, _mm512_maskz_loadu_ps(m, w32 + i)), m);
+  }
+#else
+  load_row<T>(x, buf, n);
+  if (res) {
+    for (int64_t i = 0; i < n; ++i) buf[i] = to_f32(from_f32<T>(buf[i] + to_f32(res[i])));
+    store_row<T>(buf, res, n);
+  }
+  const float r = 1.f / std::sqrt(dot_f32(buf, buf, n) / static_cast<float>(n) + eps);
   for (int64_t i = 0; i < n; ++i) buf[i] = to_f32(from_f32<T>(buf[i] * r)) * w32[i];
   store_row<T>(buf, out, n);
+#endif
 }
 
 template <typename T>
@@ -36,19 +58,9 @@ void norm_impl(at::Tensor& out, at::Tensor* residual, const at::Tensor& x, const
   T* rp = residual ? residual->data_ptr<T>() : nullptr;
   at::parallel_for(0, rows, grain_rows(hidden), [&](int64_t b, int64_t e) {
     const FlushDenormalsScope no_subnormals;  // per worker thread: see cpu_vec.h
-    std::vector<float> buf(hidden), tmp(hidden);
-    for (int64_t i = b; i < e; ++i) {
-      if (rp) {
-        load_row<T>(rp + i * hidden, buf.data(), hidden);
-        load_row<T>(xp + i * hidden, tmp.data(), hidden);
-        for (int64_t j = 0; j < hidden; ++j) buf[j] += tmp[j];
-        store_row<T>(buf.data(), rp + i * hidden, hidden);      // residual in the dtype, as torch's add rounds
-        load_row<T>(rp + i * hidden, buf.data(), hidden);
-      } else {
-        load_row<T>(xp + i * hidden, buf.data(), hidden);
-      }
-      normalize_row<T>(buf.data(), w32.data(), op + i * hidden, hidden, eps);
-    }
+    std::vector<float> buf(hidden);
+    for (int64_t i = b; i < e; ++i)
+      norm_row<T>(rp ? rp + i * hidden : nullptr, xp + i * hidden, w32.data(), op + i * hidden, hidden, eps, buf.data());
   });
 }
 

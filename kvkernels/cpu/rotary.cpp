@@ -17,37 +17,27 @@ template <typename T>
 inline float rnd(float x) { return to_f32(from_f32<T>(x)); }
 
 #ifdef KVS_AVX512
-// v rounded to T and widened back (exact for float): the vector form of rnd<T>.
+// The same per-lane expression as the scalar loop below, 16 lanes at a time (half a multiple of 16), read from and
+// written to the rows in registers: each product and sum rounded to T, no fused multiply-add, so the bits are the
+// scalar loop's.
 template <typename T>
-inline __m512 rnd16(__m512 v);
-template <>
-inline __m512 rnd16<float>(__m512 v) { return v; }
-template <>
-inline __m512 rnd16<c10::BFloat16>(__m512 v) { return bf16x16_to_f32(f32_to_bf16x16(v)); }
-template <>
-inline __m512 rnd16<c10::Half>(__m512 v) {
-  return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
-
-// The same per-lane expression as the scalar loop below, 16 lanes at a time (half a multiple of 16): each product
-// and sum rounded to T, no fused multiply-add, so the bits are the scalar loop's.
-template <typename T>
-inline void rotate_rows16(T* base, int64_t s1, int64_t heads, int64_t half, const float* c, const float* s, float* x) {
+inline void rotate_rows16(T* base, int64_t s1, int64_t heads, int64_t half, const float* c, const float* s) {
   const __m512 sign = _mm512_set1_ps(-0.f);
+  constexpr __mmask16 all = 0xffff;
   for (int64_t h = 0; h < heads; ++h) {
     T* row = base + h * s1;
-    load_row<T>(row, x, 2 * half);
     for (int64_t d = 0; d < half; d += 16) {
-      const __m512 x1 = _mm512_loadu_ps(x + d), x2 = _mm512_loadu_ps(x + d + half);
+      const __m512 x1 = load16<T>(row + d, all), x2 = load16<T>(row + d + half, all);
       const __m512 c1 = _mm512_loadu_ps(c + d), c2 = _mm512_loadu_ps(c + d + half);
       const __m512 s1v = _mm512_loadu_ps(s + d), s2v = _mm512_loadu_ps(s + d + half);
       const __m512 neg_x2 = _mm512_xor_ps(x2, sign);
-      const __m512 y1 = rnd16<T>(_mm512_add_ps(rnd16<T>(_mm512_mul_ps(x1, c1)), rnd16<T>(_mm512_mul_ps(neg_x2, s1v))));
-      const __m512 y2 = rnd16<T>(_mm512_add_ps(rnd16<T>(_mm512_mul_ps(x2, c2)), rnd16<T>(_mm512_mul_ps(x1, s2v))));
-      _mm512_storeu_ps(x + d, y1);
-      _mm512_storeu_ps(x + d + half, y2);
+      const __m512 y1 =
+          round_to<T>(_mm512_add_ps(round_to<T>(_mm512_mul_ps(x1, c1)), round_to<T>(_mm512_mul_ps(neg_x2, s1v))));
+      const __m512 y2 =
+          round_to<T>(_mm512_add_ps(round_to<T>(_mm512_mul_ps(x2, c2)), round_to<T>(_mm512_mul_ps(x1, s2v))));
+      store16<T>(row + d, y1, all);
+      store16<T>(row + d + half, y2, all);
     }
-    store_row<T>(x, row, 2 * half);
   }
 }
 #endif
@@ -56,7 +46,7 @@ template <typename T>
 void rotate_rows(T* base, int64_t s1, int64_t heads, int64_t head_dim, const float* c, const float* s, float* x) {
   const int64_t half = head_dim / 2;
 #ifdef KVS_AVX512
-  if (half % 16 == 0) return rotate_rows16<T>(base, s1, heads, half, c, s, x);
+  if (half % 16 == 0) return rotate_rows16<T>(base, s1, heads, half, c, s);
 #endif
   for (int64_t h = 0; h < heads; ++h) {
     T* row = base + h * s1;

@@ -1,8 +1,8 @@
 // The AMX path of the CPU paged attention (bf16 caches): Q.K^T and P.V on AMX tiles instead of AVX-512 dot
 // products. Why: a tile product does a 16 x 16 x 32 block in one instruction and needs no horizontal sums; on the
-// 2-vCPU Sapphire Rapids, one thread, SmolLM2's heads, prompts of 32-320 tokens take 168 ms on AMX against 382 ms on
-// the AVX-512 kernel and 360 ms in torch's SDPA, prefill chunks over a cached prefix 321 vs 876 ms, decodes of
-// 8 query rows per KV head 28.5 vs 53.7 ms (tools/attention_amx_ab.py, docs/performance.md). Items with few query
+// 2-vCPU Sapphire Rapids, one thread, SmolLM2's heads, 8 prompts of 32-320 tokens take 68 ms on AMX against 204 ms
+// on the AVX-512 kernel and 150 ms in torch's SDPA, prefill chunks over a cached prefix 154 vs 484 ms, one
+// 1024-token prompt 138 ms against SDPA's 164 (tools/attention_amx_ab.py, docs/performance.md). Items with few query
 // rows per KV head stay on AVX-512 (kAmxMinRowsPerKvHead in the header says why).
 //
 // Per work item (sequence, query tokens, KV heads) and KV head, the item's query rows (tokens x the G heads that
@@ -12,8 +12,11 @@
 //   row-major buffer (the rows of a GQA group are not evenly spaced in q); K^T is the B operand, packed once per
 //   chunk and KV head into AMX's pair-interleaved ("VNNI") layout by a 16 x 16 transpose of 32-bit key pairs in
 //   registers. Every row group of the item reuses the packed chunk, and the S tile is stored straight into the
-//   per-row score lines. (The first version computed S^T = K . Q^T with K loaded straight from the cache and read
-//   S^T back per row with gathers; the gathers and Q^T's scalar packing were a third of its time in perf.)
+//   per-row score lines. An item of one row group (a decode, a short extend) reuses nothing, so it computes
+//   S^T = K . Q^T instead: K is the A operand loaded straight from the cache, Q^T is packed once, and each S^T tile
+//   is transposed back in registers (one transpose per 16 keys instead of D / 32). (The first version did that for
+//   every item, reading S^T back with gathers; the gathers and Q^T's scalar packing were a third of its prefill
+//   time in perf.)
 // * softmax in fp32 per row (max, exp, sum, the online rescale), keys past the row's causal limit never enter it;
 //   the probabilities are rounded to bf16 for the second product (as torch's own CPU flash attention does).
 // * O[n rows x D] += P[n x 32 keys] . V[32 keys x D]: P is the A operand as written; V is the B operand, packed per
@@ -56,7 +59,7 @@ constexpr int64_t kMaxHeadDim = 256;
 #define KVS_TILE_DP_BF16(c, a, b) __asm__ volatile("tdpbf16ps %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::)
 // tmm0: S (n rows x 16 keys fp32)   tmm1: Q (n rows x 32 dims bf16)   tmm2: K^T (16 dim pairs x 16 keys, interleaved)
 // tmm3: P (n rows x 32 keys)          tmm4: V (16 key pairs x 16 dims, interleaved)
-// tmm5, tmm6, tmm7 and (after the scores) tmm0: O (n x 16 dims each)
+// tmm5, tmm6, tmm7 and (after the scores) tmm0: O (n x 16 dims each). One row group: see load_tile_config.
 
 struct alignas(64) TileConfig {
   uint8_t palette_id;
@@ -66,16 +69,23 @@ struct alignas(64) TileConfig {
   uint8_t rows[16];
 };
 
-void load_tile_config(int64_t n) {
+// n: the row group's rows; transposed: the one-group layout (S^T = K . Q^T, see run()).
+void load_tile_config(int64_t n, bool transposed) {
   TileConfig c{};
   c.palette_id = 1;
   auto set = [&](int t, int64_t rows, int64_t colsb) {
     c.rows[t] = static_cast<uint8_t>(rows);
     c.colsb[t] = static_cast<uint16_t>(colsb);
   };
-  set(0, n, 64);
-  set(1, n, 64);
-  set(2, kTileRows, 64);
+  if (transposed) {  // tmm0: S^T (16 keys x n), tmm1: K (16 keys x 32 dims; also V), tmm2: Q^T (16 pairs x n)
+    set(0, kTileRows, 4 * n);
+    set(1, kTileRows, 64);
+    set(2, kTileRows, 4 * n);
+  } else {
+    set(0, n, 64);
+    set(1, n, 64);
+    set(2, kTileRows, 64);
+  }
   set(3, n, 64);
   set(4, kTileRows, 64);
   set(5, n, 64);
@@ -149,7 +159,7 @@ AmxAttentionWorker::AmxAttentionWorker(const AmxAttnArgs& args) : a_(args) {
 }
 
 AmxAttentionWorker::~AmxAttentionWorker() {
-  if (configured_rows_ >= 0) __asm__ volatile("tilerelease" ::);
+  if (configured_ >= 0) __asm__ volatile("tilerelease" ::);
 }
 
 void AmxAttentionWorker::run(const AttnItem& item, const AttnItem* next) {
@@ -167,14 +177,37 @@ void AmxAttentionWorker::run(const AttnItem& item, const AttnItem* next) {
   const int64_t rows = (t1 - t0) * G, groups = (rows + kTileRows - 1) / kTileRows;
   const int64_t key_end = start + t1;  // the item's last row sees keys < key_end
   const int32_t* table = a.block_tables + s * a.block_tables_stride;
-  // Per (KV head hb, row r): row r is token t0 + r / G, query head (h0 + hb) * G + r % G; copied to q_rows_.
-  q_rows_.resize(heads * rows * D);
-  for (int64_t hb = 0; hb < heads; ++hb)
-    for (int64_t r = 0; r < rows; ++r) {
-      const c10::BFloat16* qr = a.q + (tok0 + t0 + r / G) * a.q_stride0 + ((h0 + hb) * G + r % G) * a.q_stride1;
-      uint16_t* dst = q_rows_.data() + (hb * rows + r) * D;
-      for (int64_t d = 0; d < D; d += 32) _mm512_storeu_si512(dst + d, _mm512_loadu_si512(qr + d));
-    }
+  // Per (KV head hb, row r): row r is token t0 + r / G, query head (h0 + hb) * G + r % G.
+  // One row group (decodes, short extends): S^T = K . Q^T, with K the A operand loaded straight from the cache and
+  // Q^T (B) packed here, one 16 x 16 transpose per 32-dim slice; S^T is transposed back per 16 keys. Packing K^T
+  // instead, as the multi-group layout does, costs D / 32 transposes per 16 keys where this costs one: measured on
+  // decodes (tools/attention_amx_ab.py decode --kv-in-l2), the multi-group layout lost most of AMX's lead there.
+  // More groups (prefills) share each packed K^T chunk, so they take S = Q . K^T with Q rows copied as they are.
+  const bool transposed = groups == 1;
+  auto q_row = [&](int64_t hb, int64_t r) {
+    return a.q + (tok0 + t0 + r / G) * a.q_stride0 + ((h0 + hb) * G + r % G) * a.q_stride1;
+  };
+  if (transposed) {
+    q_t_.resize(heads * slices * kTileRows * rows);
+    const __mmask16 row_mask = static_cast<__mmask16>((1u << rows) - 1u);
+    for (int64_t hb = 0; hb < heads; ++hb)
+      for (int64_t sl = 0; sl < slices; ++sl) {
+        __m512i r[16];
+        for (int64_t j = 0; j < kTileRows; ++j)
+          r[j] = j < rows ? _mm512_loadu_si512(q_row(hb, j) + 32 * sl) : _mm512_setzero_si512();
+        transpose16x16_epi32(r);  // r[pair] = that dim pair of every row
+        uint32_t* dst = q_t_.data() + (hb * slices + sl) * kTileRows * rows;
+        for (int64_t pr = 0; pr < kTileRows; ++pr) _mm512_mask_storeu_epi32(dst + pr * rows, row_mask, r[pr]);
+      }
+  } else {
+    q_rows_.resize(heads * rows * D);
+    for (int64_t hb = 0; hb < heads; ++hb)
+      for (int64_t r = 0; r < rows; ++r) {
+        const c10::BFloat16* qr = q_row(hb, r);
+        uint16_t* dst = q_rows_.data() + (hb * rows + r) * D;
+        for (int64_t d = 0; d < D; d += 32) _mm512_storeu_si512(dst + d, _mm512_loadu_si512(qr + d));
+      }
+  }
   m_.assign(heads * rows, kNegInf);
   l_.assign(heads * rows, 0.f);
   acc_.assign(heads * rows * D, 0.f);
@@ -217,7 +250,7 @@ void AmxAttentionWorker::run(const AttnItem& item, const AttnItem* next) {
       const c10::BFloat16* v_h = a.v_cache + h * a.v_stride_head;
       // The chunk's K^T of this head: per 16 keys (one block's consecutive rows) and 32-dim slice, the 16 x 16
       // matrix [key][dim pair] transposed to [dim pair][key] (tile B's pair layout); keys past nk are zero.
-      for (int64_t k16 = 0; k16 < nk; k16 += kTileRows) {
+      for (int64_t k16 = 0; !transposed && k16 < nk; k16 += kTileRows) {
         const int64_t key = c0 + k16, nkeys = std::min(kTileRows, nk - k16);
         const c10::BFloat16* kp =
             k_h + table[key / a.block_size] * a.k_stride_block + (key % a.block_size) * a.k_stride_token;
@@ -254,17 +287,40 @@ void AmxAttentionWorker::run(const AttnItem& item, const AttnItem* next) {
         const int64_t group_end = start + t0 + (r0 + n - 1) / G + 1;  // the group's last row's causal limit
         if (c0 >= group_end) continue;
         const int64_t ng = std::min(nk, group_end - c0), ng32 = (ng + 31) / 32 * 32;
-        if (n != configured_rows_) load_tile_config(n), configured_rows_ = n;
-        const uint16_t* qg = q_rows_.data() + (hb * rows + r0) * D;
-        // Scores: S per 16 keys, stored straight into the rows' score lines.
-        for (int64_t k16 = 0; k16 < ng; k16 += kTileRows) {
-          KVS_TILE_ZERO(0);
-          for (int64_t sl = 0; sl < slices; ++sl) {
-            KVS_TILE_LOAD(1, qg + 32 * sl, head_bytes);
-            KVS_TILE_LOAD(2, k_pack_.data() + ((k16 / kTileRows) * slices + sl) * kTileRows * kTileRows, 64);
-            KVS_TILE_DP_BF16(0, 1, 2);
+        const int64_t config = 2 * n + (transposed ? 1 : 0);
+        if (config != configured_) load_tile_config(n, transposed), configured_ = config;
+        if (transposed) {
+          // Scores: S^T per 16 keys (K rows straight from the cache), transposed back into the rows' score lines.
+          const uint32_t* qt = q_t_.data() + hb * slices * kTileRows * n;
+          alignas(64) float s_t[kTileRows * kTileRows];  // [16 keys][16 lanes, n of them rows]
+          for (int64_t k16 = 0; k16 < ng; k16 += kTileRows) {
+            const int64_t key = c0 + k16;
+            const c10::BFloat16* kp =
+                k_h + table[key / a.block_size] * a.k_stride_block + (key % a.block_size) * a.k_stride_token;
+            KVS_TILE_ZERO(0);
+            for (int64_t sl = 0; sl < slices; ++sl) {
+              KVS_TILE_LOAD(1, kp + 32 * sl, a.k_stride_token * 2);
+              KVS_TILE_LOAD(2, qt + sl * kTileRows * n, 4 * n);
+              KVS_TILE_DP_BF16(0, 1, 2);
+            }
+            KVS_TILE_STORE(0, s_t, 64);
+            __m512i r[16];
+            for (int64_t i = 0; i < kTileRows; ++i) r[i] = _mm512_load_si512(s_t + i * kTileRows);
+            transpose16x16_epi32(r);  // r[j] = query row j's scores of the 16 keys
+            for (int64_t j = 0; j < n; ++j) _mm512_storeu_si512(s_.data() + j * kChunkKeys + k16, r[j]);
           }
-          KVS_TILE_STORE(0, s_.data() + k16, kChunkKeys * 4);
+        } else {
+          // Scores: S per 16 keys, stored straight into the rows' score lines.
+          const uint16_t* qg = q_rows_.data() + (hb * rows + r0) * D;
+          for (int64_t k16 = 0; k16 < ng; k16 += kTileRows) {
+            KVS_TILE_ZERO(0);
+            for (int64_t sl = 0; sl < slices; ++sl) {
+              KVS_TILE_LOAD(1, qg + 32 * sl, head_bytes);
+              KVS_TILE_LOAD(2, k_pack_.data() + ((k16 / kTileRows) * slices + sl) * kTileRows * kTileRows, 64);
+              KVS_TILE_DP_BF16(0, 1, 2);
+            }
+            KVS_TILE_STORE(0, s_.data() + k16, kChunkKeys * 4);
+          }
         }
         // Online softmax per row over its visible keys of this chunk; P in bf16, zero past them.
         float alpha[kTileRows];
@@ -306,7 +362,7 @@ void AmxAttentionWorker::run(const AttnItem& item, const AttnItem* next) {
         // loaded once per 32 keys for four products, and four independent accumulators keep the tile unit busy
         // (a product's latency is longer than its issue interval). The chunk's sum is added to the fp32
         // accumulators with alpha.
-        const int64_t dims_per_pass = D % 64 == 0 ? 64 : 32;
+        const int64_t dims_per_pass = D % 64 == 0 && !transposed ? 64 : 32;  // tmm0 and tmm2: see config
         for (int64_t d0 = 0; d0 < D; d0 += dims_per_pass) {
           const int64_t dt0 = d0 / 16;
           KVS_TILE_ZERO(5);
@@ -334,8 +390,13 @@ void AmxAttentionWorker::run(const AttnItem& item, const AttnItem* next) {
               KVS_TILE_LOAD(3, p_.data() + k32, kChunkKeys * 2);
               KVS_TILE_LOAD(4, vb, 64);
               KVS_TILE_DP_BF16(5, 3, 4);
-              KVS_TILE_LOAD(2, vb + kTileRows * 32, 64);
-              KVS_TILE_DP_BF16(6, 3, 2);
+              if (transposed) {
+                KVS_TILE_LOAD(1, vb + kTileRows * 32, 64);
+                KVS_TILE_DP_BF16(6, 3, 1);
+              } else {
+                KVS_TILE_LOAD(2, vb + kTileRows * 32, 64);
+                KVS_TILE_DP_BF16(6, 3, 2);
+              }
             }
           }
           KVS_TILE_STORE(5, o, 256);

@@ -42,11 +42,13 @@ struct AmxAttnArgs {
 bool amx_attention_usable(int64_t head_dim, int64_t block_size);
 
 // Items with at least this many query rows per KV head (tokens x query heads per KV head) run on AMX; fewer stay
-// on the AVX-512 kernel. Why: a tile product's latency (tens of cycles) is paid per 16 keys whatever the rows, so
-// with few rows the tiles do little per product. Measured on the 2-vCPU Sapphire Rapids (one thread, a decode step
-// of 128 sequences of 201-241 keys, KV in L2, 8 layers): 3 rows (9/3 heads of 64, SmolLM2) 23.6 ms on AMX against
-// 22.4 on AVX-512; 4 rows (8/2 of 128) 24.1 vs 29.5; 5 rows (20/4 of 64) 31.2 vs 42.9; 6 rows (12/2 of 128)
-// 28.7 vs 49.6; prefills run about 2x faster on AMX (docs/performance.md).
+// on the AVX-512 kernel. Why: with few rows a tile product does little work per 16 keys, and the packing around it
+// (Q^T, the S^T transpose, V pairs) costs about what the AVX-512 kernel spends. Measured on the 2-vCPU Sapphire
+// Rapids (one thread, a decode step of 128 sequences of 201-241 keys, KV in L2, 8 layers; AMX vs AVX-512, ms):
+// 3 rows (9/3 heads of 64, SmolLM2) 8.7 vs 9.1, and 73.0 vs 75.4 with each of 30 layers reading its own cache
+// from memory (perf: both wait on the K and V rows' loads); 4 rows (8/2 of 128) 11.9 vs 14.6; 5 rows (20/4 of
+// 64) 12.9 vs 19.2; 8 rows (16/2 of 128) 13.8 vs 27.0. Three rows stay on AVX-512: a 3-5% difference, on the
+// kernel that has run them longest. Prefills run about 3x faster on AMX (docs/performance.md).
 constexpr int64_t kAmxMinRowsPerKvHead = 4;
 
 // The AMX kernel of one worker thread: scratch buffers and the thread's tile configuration live as long as it
@@ -62,8 +64,9 @@ class AmxAttentionWorker {
 
  private:
   const AmxAttnArgs& a_;
-  int64_t configured_rows_ = -1;  // the rows of the tile configuration loaded on this thread, -1: none
+  int64_t configured_ = -1;  // the tile configuration loaded on this thread (2 * rows + transposed), -1: none
   std::vector<uint16_t> q_rows_;  // [KV heads][rows][D]: the item's query rows, bf16, row-major
+  std::vector<uint32_t> q_t_;     // one row group: [KV heads][D / 32][16 dim pairs][rows], Q^T in VNNI pairs
   std::vector<uint32_t> k_pack_;  // [keys / 16][D / 32][16 dim pairs][16 keys]: a chunk's K^T in VNNI pairs
   std::vector<float> m_, l_, acc_;  // per (KV head, query row): running max, sum, and [D] accumulator
   std::vector<uint16_t> v_pack_;    // [keys / 32][D / 16][16 key pairs][32]: a chunk's V in VNNI pairs

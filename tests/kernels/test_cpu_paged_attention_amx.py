@@ -55,8 +55,10 @@ def _batch(gen, heads, block_size, q_lens, ctx):
     )
 
 
-# (heads, kv heads, head_dim): groups 3 (decodes stay on AVX-512), 1, 4, 8, 20 (a decode's 20 rows: two row groups)
-HEADS = [(9, 3, 64), (4, 4, 64), (8, 2, 128), (16, 2, 64), (40, 2, 128)]
+# (heads, kv heads, head_dim): groups 3 (decodes stay on AVX-512), 1, 4, 8, 20 (a decode's 20 rows: two row groups);
+# head_dim 96 runs P.V in 32-dim passes (not a multiple of 64). One-group items (decodes, short extends) and
+# multi-group items (prefills) take the kernel's two score layouts (S^T = K . Q^T, and S = Q . K^T).
+HEADS = [(9, 3, 64), (4, 4, 64), (8, 2, 128), (16, 2, 64), (40, 2, 128), (12, 3, 96)]
 
 
 @pytest.mark.parametrize("block_size", [16, 128])

@@ -13,8 +13,9 @@ otherwise (a copy that is small next to the q_len x ctx work). The crossover, me
 On a CPU with AMX, bf16 prefills, extends and decodes of GQA groups of 4+ run the paged kernel's AMX path
 (kvkernels/cpu/paged_attention_amx.cpp; ``KVSERVE_CPU_ATTENTION_AMX=0`` keeps them on AVX-512). Measured on the
 2-vCPU Sapphire Rapids Xeon (9/3 heads, head_dim 64, one thread, 30 layers, tools/attention_amx_ab.py): 8 fresh
-prompts of 32-320 tokens in 168 ms on AMX against 360 ms through SDPA and 382 ms on AVX-512; one 1024-token
-prompt 299 ms against SDPA's 260 ms (so the 1024 limit stays; docs/performance.md has the table). Fresh
+prompts of 32-320 tokens in 68 ms on AMX against 150 ms through SDPA and 204 ms on AVX-512; one 1024-token
+prompt 138 ms against SDPA's 164 ms, level at 2048 tokens, SDPA 1.24x faster at 4096 (so the 1024 limit stays;
+docs/performance.md has the table). Fresh
 prefills therefore go to SDPA from ``PAGED_MAX_FRESH_Q_BF16_AMX`` tokens only when the AMX path is off: then
 torch's SDPA (AMX tiles too) is 1.25x faster than the AVX-512 kernel at 64 tokens, 2.2x at 320. Prefill chunks
 over a cached prefix stay on the paged kernel up to the general limit: SDPA needs an explicit mask there (no flash

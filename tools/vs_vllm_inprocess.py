@@ -4,7 +4,7 @@ drifts by 2x over hours; `kvserve bench peer` alternates whole processes). Run i
 
     taskset -c 1 ~/.cache/kvserve/peer-venv/bin/python tools/vs_vllm_inprocess.py attention decode|fresh|mixed
     taskset -c 1 ~/.cache/kvserve/peer-venv/bin/python tools/vs_vllm_inprocess.py engine [--prefix-caching]
-        [--rounds 2]
+        [--rounds 2] [--model HF_DIR]
 
 attention: vLLM's `cpu_attention_with_kv_cache` (its AMX kernel, KV written by its own `cpu_attn_reshape_and_cache`
 into its prepacked layout) against kvserve's paged op (AMX path on, and off) on the same q/K/V, 9/3 heads of 64
@@ -13,7 +13,8 @@ sequences of 201-241 keys; fresh: 8 prompts of 32-320 tokens; mixed: 90 decodes 
 engine: both engines' LLM classes on the real model (SmolLM2 bf16) and the served workload offline (128 chat
 prompts of 32-320 tokens, 16-48 outputs, max_num_seqs 128, 2048 batched tokens), generate() alternated
 vLLM, kvserve, kvserve, vLLM: two unprofiled rounds (wall), then --rounds ABBA rounds under torch's profiler with
-op time summed by kind (linears by rows, attention, element-wise, KV write).
+op time summed by kind (linears by rows, attention, element-wise, KV write). --model with a tiny random HF folder
+(the same 30 layers and vocabulary, hidden 128) leaves mostly per-step overhead: wall minus op time.
 """
 
 from __future__ import annotations
@@ -150,7 +151,7 @@ def _kind(event) -> str:
     return "other ops"
 
 
-def engine(prefix_caching: bool, rounds: int) -> None:
+def engine(prefix_caching: bool, rounds: int, model: str | None) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(sorted(os.sched_getaffinity(0))[0]))
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -164,7 +165,7 @@ def engine(prefix_caching: bool, rounds: int) -> None:
     from kvserve.runtime.bench import real_model
     from kvserve.runtime.bench.real_prompts import chat_prompts_of_lengths
 
-    model = real_model.hf_dir("bfloat16")
+    model = model or real_model.hf_dir("bfloat16")
     rng = random.Random(0)
     prompt_lens = [rng.randint(32, 320) for _ in range(128)]
     output_lens = [rng.randint(16, 48) for _ in range(128)]
@@ -212,12 +213,15 @@ def main() -> None:
     ap.add_argument("mode", nargs="?", default="decode", help="attention: decode, fresh or mixed")
     ap.add_argument("--prefix-caching", action="store_true")
     ap.add_argument("--rounds", type=int, default=1, help="engine: profiled ABBA rounds")
+    ap.add_argument(
+        "--model", help="engine: an HF folder instead of SmolLM2 (e.g. a tiny random one: per-step overhead)"
+    )
     args = ap.parse_args()
     make_kvserve_importable()
     if args.what == "attention":
         attention(args.mode)
     else:
-        engine(args.prefix_caching, args.rounds)
+        engine(args.prefix_caching, args.rounds, args.model)
 
 
 if __name__ == "__main__":

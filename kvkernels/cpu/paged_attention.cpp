@@ -8,7 +8,8 @@
 // Work items are (sequence, tile of query tokens, KV heads: all of them, or one when items are scarce); the G
 // query heads that share a KV head ride together, so each K/V row is read once per KV head and tile, and the
 // next chunk's cache rows are prefetched. Items are sorted longest first and dealt round-robin to
-// at::get_num_threads() workers (so each knows its next item and prefetches its first chunk). Per item: keys in chunks of kChunk,
+// at::get_num_threads() workers (so each knows its next item and prefetches its first chunk). Per item: keys in chunks of kChunk
+// (kChunkFewRows for items of up to kFewRows rows per KV head),
 // scores in fp32, online softmax in fp32, P.V accumulated in fp32, one rounding to the output dtype.
 // bf16 caches with head_dim % 32 == 0 compute Q.K with _mm512_dpbf16_ps when the compiler targets
 // AVX512-BF16 (both operands are bf16 already, so the products are exact and only the summation order
@@ -33,7 +34,15 @@
 namespace kvserve_cpu {
 namespace {
 
-constexpr int64_t kChunk = 64;     // keys per online-softmax step
+constexpr int64_t kChunk = 64;     // keys per online-softmax step (and the size of the per-chunk buffers)
+// ... for items of at most kFewRows query rows per KV head (decodes of small GQA groups): their work per key is small,
+// and shorter chunks keep the prefetched next chunk (prefetch_span) close to its use. Measured on the 2-vCPU Sapphire
+// Rapids (tools/attention_amx_ab.py decode, AVX-512 kernel, 30 layer caches, 16-key vs 64-key chunks, alternated
+// builds): 1 row (12/12 heads of 64) 216 / 218 vs 236 / 227 ms, 3 rows (SmolLM2) 66 / 70 vs 73 / 72 ms; 4 and 8 rows
+// level (106 vs 108, 153 vs 152); prefill chunks over a prefix 15-20% slower with 16 (so only decodes take it).
+constexpr int64_t kChunkFewRows = 16;
+constexpr int64_t kFewRows = 3;
+inline int64_t chunk_keys(int64_t rows_per_kv_head) { return rows_per_kv_head <= kFewRows ? kChunkFewRows : kChunk; }
 constexpr int64_t kMaxRows = 64;   // query rows (tokens x heads of one KV head) per work item
 // ... on AMX: an item packs its keys' V rows once for all its rows, so longer tiles amortise that packing.
 constexpr int64_t kMaxRowsAmx = 256;
@@ -317,13 +326,14 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
       std::fill(acc.begin(), acc.begin() + rows * head_dim, 0.f);
       const int32_t* table = bt + s * bts;
       const int64_t key_end = start + t1;  // the last row sees keys < key_end
-      for (int64_t c0 = 0; c0 < key_end; c0 += kChunk) {
-        const int64_t n = std::min(kChunk, key_end - c0);
+      const int64_t chunk = chunk_keys(rows_per_head);
+      for (int64_t c0 = 0; c0 < key_end; c0 += chunk) {
+        const int64_t n = std::min(chunk, key_end - c0);
         // This chunk's row pointers (computed as "next" during the previous chunk), then the next chunk's, whose
         // rows are prefetched a few at a time while this chunk computes (cache blocks sit anywhere).
         // On the last chunk, "next" is the first chunk of this worker's next item.
-        const int64_t c1 = c0 + kChunk;
-        int64_t n1 = std::max<int64_t>(0, std::min(kChunk, key_end - c1));
+        const int64_t c1 = c0 + chunk;
+        int64_t n1 = std::max<int64_t>(0, std::min(chunk, key_end - c1));
         if (c0 == 0) row_pointers(table, h0, 0, n, kbase.data(), vbase.data());
         else std::swap(kbase, nkbase), std::swap(vbase, nvbase);
         if (n1 > 0) {
@@ -331,7 +341,7 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
         } else if (it + workers < num_items) {
           const Item& nx = items[it + workers];
           const int64_t ns = nx.seq, nq = cu[ns + 1] - cu[ns];
-          n1 = std::min(kChunk, lens[ns] - nq + nx.t1);
+          n1 = std::min(chunk_keys((nx.t1 - nx.t0) * group), lens[ns] - nq + nx.t1);
           n1 = nx.h1 - nx.h0 == h1 - h0 ? n1 : 0;
           if (n1 > 0) row_pointers(bt + ns * bts, nx.h0, 0, n1, nkbase.data(), nvbase.data());
         }

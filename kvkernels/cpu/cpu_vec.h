@@ -187,6 +187,20 @@ inline void store16<c10::Half>(c10::Half* p, __m512 v, __mmask16 m) {
   _mm256_mask_storeu_epi16(p, m, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
+// The same, all 16 lanes (no mask: a plain load, for hot loops over whole vectors).
+template <typename T>
+inline __m512 load16(const T* p);
+template <>
+inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
+template <>
+inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {
+  return bf16x16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+template <>
+inline __m512 load16<c10::Half>(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
 // v rounded to T and widened back (exact for float): what `to_f32(from_f32<T>(x))` does per lane.
 template <typename T>
 inline __m512 round_to(__m512 v);

@@ -49,8 +49,8 @@ constexpr int64_t kMaxRowsAmx = 256;
 
 using Item = AttnItem;
 
-// Into L1 (prefetcht0): the next chunk's rows of one KV head (64 keys x 2 x head_dim, 16 KB at head_dim 64) fit
-// beside the current ones. Measured on the 2-vCPU Sapphire Rapids (tools/attention_amx_ab.py decode, SmolLM2's
+// Into L1 (prefetcht0): the next chunk's rows of one KV head (at most 64 keys x 2 x head_dim, 16 KB at head_dim 64)
+// fit beside the current ones. Measured on the 2-vCPU Sapphire Rapids (tools/attention_amx_ab.py decode, SmolLM2's
 // heads, 30 layer caches, alternated builds): 72.8 / 71.9 ms against 75.3 / 75.0 with prefetcht2; one burst of
 // every head's rows at the first head (89 ms) or no prefetch (97 ms) is worse.
 inline void prefetch_span(const void* p, int64_t bytes) {
@@ -120,19 +120,6 @@ inline void qk_rows_bf16(const c10::BFloat16* const* q, const c10::BFloat16* con
 #endif
 
 #ifdef KVS_AVX512
-template <typename T>
-inline __m512 load16(const T* p);
-template <>
-inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
-template <>
-inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {
-  return bf16x16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-template <>
-inline __m512 load16<c10::Half>(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
 // acc[r] = acc[r] * alpha[r] + sum_j p[r][j] * v[j] for R rows of head_dim 16 * NC, V read in the cache dtype and
 // widened in registers (exact), even keys into one accumulator set and odd keys into another.
 template <int R, int NC, typename T>

@@ -23,11 +23,10 @@ inline float rnd(float x) { return to_f32(from_f32<T>(x)); }
 template <typename T>
 inline void rotate_rows16(T* base, int64_t s1, int64_t heads, int64_t half, const float* c, const float* s) {
   const __m512 sign = _mm512_set1_ps(-0.f);
-  constexpr __mmask16 all = 0xffff;
   for (int64_t h = 0; h < heads; ++h) {
     T* row = base + h * s1;
     for (int64_t d = 0; d < half; d += 16) {
-      const __m512 x1 = load16<T>(row + d, all), x2 = load16<T>(row + d + half, all);
+      const __m512 x1 = load16<T>(row + d), x2 = load16<T>(row + d + half);
       const __m512 c1 = _mm512_loadu_ps(c + d), c2 = _mm512_loadu_ps(c + d + half);
       const __m512 s1v = _mm512_loadu_ps(s + d), s2v = _mm512_loadu_ps(s + d + half);
       const __m512 neg_x2 = _mm512_xor_ps(x2, sign);
@@ -35,8 +34,8 @@ inline void rotate_rows16(T* base, int64_t s1, int64_t heads, int64_t half, cons
           round_to<T>(_mm512_add_ps(round_to<T>(_mm512_mul_ps(x1, c1)), round_to<T>(_mm512_mul_ps(neg_x2, s1v))));
       const __m512 y2 =
           round_to<T>(_mm512_add_ps(round_to<T>(_mm512_mul_ps(x2, c2)), round_to<T>(_mm512_mul_ps(x1, s2v))));
-      store16<T>(row + d, y1, all);
-      store16<T>(row + d + half, y2, all);
+      store16<T>(row + d, y1, 0xffff);
+      store16<T>(row + d + half, y2, 0xffff);
     }
   }
 }

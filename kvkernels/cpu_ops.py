@@ -18,8 +18,10 @@ False and :func:`unavailable_reason` says why; callers fall back to pure torch. 
 ``torch.ops.kvserve_cpu.*`` (fake implementations are registered, so torch.compile treats them as opaque):
 
 * ``paged_attention(out, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, max_q_len,
-  max_fresh_q_len=-1, allow_amx=True)`` (bf16 on AMX tiles where the CPU has them: cpu/paged_attention_amx.cpp)
-* ``store_kv(k, v, k_cache, v_cache, slot_mapping)``
+  max_fresh_q_len=-1, allow_amx=True, packed_kv=False)`` (bf16 on AMX tiles where the CPU has them:
+  cpu/paged_attention_amx.cpp; packed_kv: the caches are in its AMX block layout, cpu/paged_attention_amx.h)
+* ``store_kv(k, v, k_cache, v_cache, slot_mapping, packed_kv=False)``
+* ``packed_kv_usable(head_dim, block_size) -> bool`` (this CPU, build and shape take the AMX block layout)
 * ``rms_norm(out, x, weight, eps)``, ``add_rms_norm(out, residual, x, weight, eps)``
 * ``rotary_embedding(positions, q, k, cos, sin)`` (in place), ``silu_and_mul(out, x)``
 * ``greedy_argmax(logits) -> int64 [rows]`` (torch.argmax(dim=-1) of float32 logits, vectorised)
@@ -47,8 +49,10 @@ _OP_NAMES = (
     "rotary_embedding",
     "silu_and_mul",
     "greedy_argmax",
+    "packed_kv_usable",
 )
 _RETURNING_OPS = {"greedy_argmax"}  # the others write into their arguments and return nothing
+_NO_TENSOR_OPS = {"packed_kv_usable"}  # plain values in and out: nothing for torch.compile to trace
 
 
 def cpu_flags() -> set[str]:
@@ -237,6 +241,8 @@ def _register_fakes() -> None:
         return logits.new_empty(logits.shape[:1], dtype=torch.long)
 
     for op in _OP_NAMES:
+        if op in _NO_TENSOR_OPS:
+            continue
         try:
             torch.library.register_fake(f"kvserve_cpu::{op}")(_argmax_fake if op in _RETURNING_OPS else _none)
         except Exception:  # already registered (a second load in one process) or an older torch

@@ -76,6 +76,9 @@ class CacheConfig:
     kv_offloading_disk_bytes: int = 0
     kv_offloading_remote_url: str | None = None  # the remote tier (--kv-offloading-remote-url; Redis / Valkey)
     num_blocks: int = 0  # filled in (a new frozen object) once the runner has sized the cache
+    # ... and the element order of a block its attention backend keeps ("token", or "amx-bf16" on AMX CPUs:
+    # models/attention_cpu.py), filled in the same way
+    kv_block_layout: str = "token"
 
 
 @dataclass(frozen=True)

@@ -41,9 +41,10 @@ def main() -> None:
     args = ap.parse_args()
     if not cpu_ops.load():
         raise SystemExit(cpu_ops.describe())
-    from kvserve.runtime.models.attention_cpu import amx_usable
+    from kvserve.runtime.models.attention_cpu import amx_usable, pack_kv_blocks
 
-    paths = (True, False) if amx_usable() else (False,)  # allow_amx: True = AMX where the kernel takes it
+    # "AMX": AMX where the kernel takes it; "packed": AMX on caches in the AMX block layout (every item on AMX)
+    paths = ("AMX", "AVX-512", "packed") if amx_usable() else ("AVX-512",)
     torch.set_num_threads(args.threads)
     heads, kv_heads, head_dim = (int(x) for x in args.heads.split(","))
     rng = random.Random(0)
@@ -79,13 +80,17 @@ def main() -> None:
     caches = 1 if args.kv_in_l2 or args.one_layer_cache else args.layers
     kc = [zeroed_cpu_tensor(shape, torch.bfloat16).normal_() for _ in range(caches)]
     vc = [zeroed_cpu_tensor(shape, torch.bfloat16).normal_() for _ in range(caches)]
+    packed = [pack_kv_blocks(k, v) for k, v in zip(kc, vc)] if "packed" in paths else []
+    packed = [(k.contiguous(), v.contiguous()) for k, v in packed]
     scale = head_dim**-0.5
 
-    def step(allow_amx: bool) -> float:
+    def step(path: str) -> float:
         t0 = time.perf_counter()
         for layer in range(args.layers):
-            k, v = kc[layer % caches], vc[layer % caches]
-            torch.ops.kvserve_cpu.paged_attention(out, q, k, v, tables, seq_lens, cu, scale, 1 << 30, -1, allow_amx)
+            k, v = packed[layer % caches] if path == "packed" else (kc[layer % caches], vc[layer % caches])
+            torch.ops.kvserve_cpu.paged_attention(
+                out, q, k, v, tables, seq_lens, cu, scale, 1 << 30, -1, path != "AVX-512", path == "packed"
+            )
         return time.perf_counter() - t0
 
     # SDPA on a fresh prompt reads this step's own K/V (the backend's route): contiguous tensors of the same size
@@ -108,10 +113,10 @@ def main() -> None:
                 out[a:b] = o.squeeze(0).transpose(0, 1)
         return time.perf_counter() - t0
 
-    runs: dict[str, list[float]] = {"AMX": [], "AVX-512": [], "SDPA": []}
+    runs: dict[str, list[float]] = {"AMX": [], "AVX-512": [], "packed": [], "SDPA": []}
     for i in range(args.rounds):
-        for amx in paths if i % 2 else paths[::-1]:
-            runs["AMX" if amx else "AVX-512"].append(step(amx))
+        for path in paths if i % 2 else paths[::-1]:
+            runs[path].append(step(path))
         if mode == "fresh":
             runs["SDPA"].append(sdpa_step())
     caches_are = "KV in L2" if args.kv_in_l2 else "one layer cache" if args.one_layer_cache else "layer caches"

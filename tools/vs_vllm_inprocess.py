@@ -88,7 +88,7 @@ def attention(mode: str) -> None:
     slots = torch.cat(
         [tables[s, torch.arange(n) // block].long() * block + torch.arange(n) % block for s, n in enumerate(lens)]
     )
-    kv_caches, vllm_caches = [], []
+    kv_caches, packed_caches, vllm_caches = [], [], []
     for _ in range(layers):  # every key of every sequence, written into both engines' caches
         k_all = torch.randn(sum(lens), kv_heads, head_dim, dtype=torch.bfloat16)
         v_all = torch.randn_like(k_all)
@@ -97,6 +97,9 @@ def attention(mode: str) -> None:
         kc.view(-1, kv_heads, head_dim)[slots] = k_all
         vc.view(-1, kv_heads, head_dim)[slots] = v_all
         kv_caches.append((kc, vc))
+        kp, vp = torch.zeros_like(kc), torch.zeros_like(vc)  # the same keys in kvserve's AMX block layout
+        torch.ops.kvserve_cpu.store_kv(k_all, v_all, kp, vp, slots, True)
+        packed_caches.append((kp, vp))
         both = torch.zeros(first, kv_heads, block * 2, head_dim, dtype=torch.bfloat16)  # vLLM's [K; V] per block
         k_v, v_v = both.chunk(2, dim=2)
         ops.cpu_attn_reshape_and_cache(k_all, v_all, k_v, v_v, slots, "amx")
@@ -114,17 +117,20 @@ def attention(mode: str) -> None:
             )
         return time.perf_counter() - t0
 
-    def kvserve_step(amx: bool) -> float:
+    def kvserve_step(amx: bool, packed: bool = False) -> float:
         t0 = time.perf_counter()
-        for kc, vc in kv_caches:
-            torch.ops.kvserve_cpu.paged_attention(out_kv, q, kc, vc, tables, seq_lens, cu, scale, 1 << 30, -1, amx)
+        for kc, vc in packed_caches if packed else kv_caches:
+            torch.ops.kvserve_cpu.paged_attention(
+                out_kv, q, kc, vc, tables, seq_lens, cu, scale, 1 << 30, -1, amx, packed
+            )
         return time.perf_counter() - t0
 
-    vllm_step(), kvserve_step(True)
+    vllm_step(), kvserve_step(True, True)
     diff = (out_kv.float() - out_vllm.float()).abs().max().item()
-    runs: dict[str, list[float]] = {"vLLM": [], "kvserve AMX on": [], "kvserve AMX off": []}
+    runs: dict[str, list[float]] = {"vLLM": [], "kvserve packed": [], "kvserve AMX on": [], "kvserve AMX off": []}
     for _ in range(20):
         runs["vLLM"].append(vllm_step())
+        runs["kvserve packed"].append(kvserve_step(True, True))
         runs["kvserve AMX on"].append(kvserve_step(True))
         runs["kvserve AMX off"].append(kvserve_step(False))
     print(

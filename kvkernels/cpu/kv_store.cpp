@@ -1,5 +1,6 @@
 // Writes this step's K/V rows into their paged-cache slots (the separate, tiny half of the KV write; the
-// attention op then reads them from the cache like every other key). Parallel over tokens.
+// attention op then reads them from the cache like every other key). Parallel over tokens. With packed_kv the rows
+// are scattered into the AMX block layout (paged_attention_amx.h): K by dim pairs, V by key pairs.
 #include "ops.h"
 
 #include <ATen/Parallel.h>
@@ -7,11 +8,12 @@
 #include <cstring>
 
 #include "cpu_vec.h"
+#include "paged_attention_amx.h"
 
 namespace kvserve_cpu {
 
 void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
-              const at::Tensor& slot_mapping) {
+              const at::Tensor& slot_mapping, bool packed_kv) {
   TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "store_kv: bad ranks");
   TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type(),
               "store_kv: k/v must have the cache dtype");
@@ -32,6 +34,33 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(slots[t] < num_slots, "store_kv: slot ", slots[t], " out of range (", num_slots, " slots)");
+  if (packed_kv) {
+    TORCH_CHECK(k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16 && head_dim % 2 == 0 &&
+                    k_cache.size(1) % 2 == 0,
+                "store_kv: the packed layout takes bf16 caches with an even head_dim and block_size");
+    const int64_t bs = k_cache.size(1), block_elems = bs * heads * head_dim;
+    const int64_t k0 = k.stride(0), k1 = k.stride(1), v0 = v.stride(0), v1 = v.stride(1);
+    const uint16_t* k16 = static_cast<const uint16_t*>(k.data_ptr());
+    const uint16_t* v16 = static_cast<const uint16_t*>(v.data_ptr());
+    uint16_t* kc16 = static_cast<uint16_t*>(k_cache.data_ptr());
+    uint16_t* vc16 = static_cast<uint16_t*>(v_cache.data_ptr());
+    at::parallel_for(0, tokens, grain_rows(2 * heads * head_dim), [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) {
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;
+        const int64_t blk = slot / bs, off = slot % bs;
+        for (int64_t h = 0; h < heads; ++h) {
+          const uint16_t* ks = k16 + t * k0 + h * k1;
+          const uint16_t* vs = v16 + t * v0 + h * v1;
+          uint16_t* kd = kc16 + packed_k_index(block_elems, bs, head_dim, blk, h, off, 0);
+          uint16_t* vd = vc16 + packed_v_index(block_elems, bs, head_dim, blk, h, off, 0);
+          for (int64_t d = 0; d < head_dim; d += 2) std::memcpy(kd + d * bs, ks + d, 4);  // dims d, d + 1: a pair
+          for (int64_t d = 0; d < head_dim; ++d) vd[2 * d] = vs[d];
+        }
+      }
+    });
+    return;
+  }
   at::parallel_for(0, tokens, grain_rows(2 * heads * head_dim), [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       const int64_t slot = slots[t];

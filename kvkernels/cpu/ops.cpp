@@ -7,13 +7,15 @@
 TORCH_LIBRARY(kvserve_cpu, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, Tensor cu_seqlens_q, float scale, int max_q_len, int max_fresh_q_len=-1, "
-        "bool allow_amx=True) -> ()");
-  m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
+        "bool allow_amx=True, bool packed_kv=False) -> ()");
+  m.def("store_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
+        "bool packed_kv=False) -> ()");
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
   m.def("add_rms_norm(Tensor(a!) out, Tensor(b!) residual, Tensor x, Tensor weight, float eps) -> ()");
   m.def("rotary_embedding(Tensor positions, Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def("greedy_argmax(Tensor logits) -> Tensor");
+  m.def("packed_kv_usable(int head_dim, int block_size) -> bool");
 }
 
 TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
@@ -24,4 +26,9 @@ TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
   m.impl("rotary_embedding", &kvserve_cpu::rotary_embedding);
   m.impl("silu_and_mul", &kvserve_cpu::silu_and_mul);
   m.impl("greedy_argmax", &kvserve_cpu::greedy_argmax);
+}
+
+// No tensor arguments: registered for every dispatch key (CompositeExplicitAutograd would need a tensor to route by).
+TORCH_LIBRARY_IMPL(kvserve_cpu, CatchAll, m) {
+  m.impl("packed_kv_usable", &kvserve_cpu::packed_kv_usable);
 }

@@ -9,13 +9,15 @@ namespace kvserve_cpu {
 // untouched: sequences with q_len > max_q_len, and fresh prefills (q_len == seq_len) with q_len > max_fresh_q_len
 // when that is >= 0 (the caller runs those through SDPA). allow_amx: bf16 may run on AMX tiles where the CPU and
 // the shapes allow it (paged_attention_amx.h); false keeps the AVX-512 kernel (A/B runs, KVSERVE_CPU_ATTENTION_AMX).
+// packed_kv: the caches are in the AMX block layout (paged_attention_amx.h; needs bf16 and allow_amx).
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cu_seqlens_q,
-                     double scale, int64_t max_q_len, int64_t max_fresh_q_len, bool allow_amx);
+                     double scale, int64_t max_q_len, int64_t max_fresh_q_len, bool allow_amx, bool packed_kv);
 
-// k_cache.view(-1, kv_heads, head_dim)[slot_mapping[t]] = k[t] (and v); slot -1 is skipped.
+// k_cache.view(-1, kv_heads, head_dim)[slot_mapping[t]] = k[t] (and v); slot -1 is skipped. packed_kv: into the AMX
+// block layout instead (paged_attention_amx.h).
 void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
-              const at::Tensor& slot_mapping);
+              const at::Tensor& slot_mapping, bool packed_kv);
 
 // out = weight * (x * rsqrt(mean(x^2) + eps)).to(dtype), computed in fp32 (Llama's RMSNorm order).
 void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps);
@@ -30,6 +32,9 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor& q, at::Tensor& k,
 
 // out[:, :I] = silu(x[:, :I]) * x[:, I:], rounding to the dtype after the silu and after the product.
 void silu_and_mul(at::Tensor& out, const at::Tensor& x);
+
+// Whether paged_attention / store_kv take packed_kv for these shapes on this CPU and build (bf16 caches).
+bool packed_kv_usable(int64_t head_dim, int64_t block_size);
 
 // int64 [rows]: torch.argmax(logits, dim=-1) for float32 [rows, vocab] (first maximum; first NaN if any).
 at::Tensor greedy_argmax(const at::Tensor& logits);

@@ -190,7 +190,7 @@ inline void pv_block(float* acc, int64_t acc_stride, const float* alpha, const f
 template <typename T>
 void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cu_seqlens_q,
-                    double scale_d, int64_t max_q_len, int64_t max_fresh_q_len, bool allow_amx) {
+                    double scale_d, int64_t max_q_len, int64_t max_fresh_q_len, bool allow_amx, bool packed_kv) {
   const int64_t num_seqs = seq_lens.size(0);
   const int64_t num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
@@ -210,11 +210,14 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
   // bf16 on a CPU with AMX: items with enough query rows run both products on tiles (paged_attention_amx.cpp).
   const bool use_amx =
       std::is_same<T, c10::BFloat16>::value && allow_amx && amx_attention_usable(head_dim, block_size);
+  // The AMX block layout (paged_attention_amx.h) is read by the AMX path only, so every item takes it.
+  TORCH_CHECK(!packed_kv || (use_amx && amx_packed_kv_usable(head_dim, block_size)),
+              "paged_attention: a packed KV cache needs bf16, the AMX path and its shapes");
   AmxAttnArgs amx{};
   if (use_amx) {
     amx = {reinterpret_cast<const c10::BFloat16*>(qp), reinterpret_cast<const c10::BFloat16*>(kc),
            reinterpret_cast<const c10::BFloat16*>(vc), reinterpret_cast<c10::BFloat16*>(op), qs0, qs1, os0, os1, kb, kt,
-           kh, vb, vt, vh, bt, bts, lens, cu, group, head_dim, block_size, scale};
+           kh, vb, vt, vh, bt, bts, lens, cu, group, head_dim, block_size, scale, packed_kv};
   }
   const int64_t tile = std::max<int64_t>(1, (use_amx ? kMaxRowsAmx : kMaxRows) / group);
   const int64_t threads = at::get_num_threads();
@@ -293,7 +296,7 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
     std::vector<const float*> kr32(kChunk), vr32(kChunk);
     for (int64_t it = worker; it < num_items; it += workers) {
       const Item& w = items[it];
-      if (use_amx && (w.t1 - w.t0) * group >= kAmxMinRowsPerKvHead) {
+      if (use_amx && (packed_kv || (w.t1 - w.t0) * group >= kAmxMinRowsPerKvHead)) {
         if (!amx_worker) amx_worker.emplace(amx);
         amx_worker->run(w, it + workers < num_items ? &items[it + workers] : nullptr);
         continue;
@@ -431,9 +434,11 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
 
 }  // namespace
 
+bool packed_kv_usable(int64_t head_dim, int64_t block_size) { return amx_packed_kv_usable(head_dim, block_size); }
+
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cu_seqlens_q,
-                     double scale, int64_t max_q_len, int64_t max_fresh_q_len, bool allow_amx) {
+                     double scale, int64_t max_q_len, int64_t max_fresh_q_len, bool allow_amx, bool packed_kv) {
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "paged_attention: bad ranks");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type() &&
                   q.scalar_type() == out.scalar_type(),
@@ -450,7 +455,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
   TORCH_CHECK(cu_seqlens_q.size(0) == seq_lens.size(0) + 1, "paged_attention: cu_seqlens_q size");
   KVS_DISPATCH(q.scalar_type(), "kvserve_paged_attention", [&] {
     attention_impl<scalar_t>(out, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, max_q_len,
-                             max_fresh_q_len, allow_amx);
+                             max_fresh_q_len, allow_amx, packed_kv);
   });
 }
 

@@ -69,8 +69,12 @@ struct alignas(64) TileConfig {
   uint8_t rows[16];
 };
 
-// n: the row group's rows; transposed: the one-group layout (S^T = K . Q^T, see run()).
-void load_tile_config(int64_t n, bool transposed) {
+enum TileLayout : int64_t { kRowsLayout = 0, kTransposedLayout = 1, kPacked16Layout = 2 };
+
+// n: the row group's rows; layout: S = Q . K^T with 32-key V tiles (also the packed cache with blocks of 32+ keys),
+// the one-group layout (S^T = K . Q^T, see run()), or the packed cache with 16-key blocks (16-key P and V tiles).
+void load_tile_config(int64_t n, TileLayout layout) {
+  const bool transposed = layout == kTransposedLayout;
   TileConfig c{};
   c.palette_id = 1;
   auto set = [&](int t, int64_t rows, int64_t colsb) {
@@ -86,8 +90,9 @@ void load_tile_config(int64_t n, bool transposed) {
     set(1, n, 64);
     set(2, kTileRows, 64);
   }
-  set(3, n, 64);
-  set(4, kTileRows, 64);
+  const int64_t v_keys = layout == kPacked16Layout ? 16 : 32;  // keys per P.V product
+  set(3, n, 2 * v_keys);
+  set(4, v_keys / 2, 64);
   set(5, n, 64);
   set(6, n, 64);
   set(7, n, 64);
@@ -152,8 +157,12 @@ AmxAttentionWorker::AmxAttentionWorker(const AmxAttnArgs& args) : a_(args) {
     pair_lo_[2 * d] = d, pair_lo_[2 * d + 1] = 32 + d;
     pair_hi_[2 * d] = 16 + d, pair_hi_[2 * d + 1] = 48 + d;
   }
-  v_pack_.resize((kChunkKeys / 32) * (args.head_dim / 16) * kTileRows * 32);
-  k_pack_.resize((kChunkKeys / kTileRows) * (args.head_dim / 32) * kTileRows * kTileRows);
+  if (args.packed) {
+    v_tail_.resize(kTileRows * 2 * args.head_dim);
+  } else {
+    v_pack_.resize((kChunkKeys / 32) * (args.head_dim / 16) * kTileRows * 32);
+    k_pack_.resize((kChunkKeys / kTileRows) * (args.head_dim / 32) * kTileRows * kTileRows);
+  }
   p_.assign(kTileRows * kChunkKeys, 0);
   s_.resize(kTileRows * kChunkKeys);
 }
@@ -183,7 +192,12 @@ void AmxAttentionWorker::run(const AttnItem& item, const AttnItem* next) {
   // instead, as the multi-group layout does, costs D / 32 transposes per 16 keys where this costs one: measured on
   // decodes (tools/attention_amx_ab.py decode --kv-in-l2), the multi-group layout lost most of AMX's lead there.
   // More groups (prefills) share each packed K^T chunk, so they take S = Q . K^T with Q rows copied as they are.
-  const bool transposed = groups == 1;
+  // The packed cache (AmxAttnArgs::packed) holds K^T and V in tile layout already: every item takes S = Q . K^T
+  // and loads both B operands straight from the cache, whatever its rows.
+  const bool packed = a.packed, transposed = !packed && groups == 1;
+  const int64_t bs = a.block_size, head_elems = bs * D;  // packed: one KV head's K (or V) in a block
+  const int64_t v_keys = packed ? std::min<int64_t>(32, bs) : 32;  // keys per P.V product
+  const TileLayout layout = transposed ? kTransposedLayout : v_keys == 16 ? kPacked16Layout : kRowsLayout;
   auto q_row = [&](int64_t hb, int64_t r) {
     return a.q + (tok0 + t0 + r / G) * a.q_stride0 + ((h0 + hb) * G + r % G) * a.q_stride1;
   };
@@ -208,6 +222,19 @@ void AmxAttentionWorker::run(const AttnItem& item, const AttnItem* next) {
         for (int64_t d = 0; d < D; d += 32) _mm512_storeu_si512(dst + d, _mm512_loadu_si512(qr + d));
       }
   }
+  // v_tail_ <- the V tile of keys key .. key + v_keys - 1 of one KV head (src: its first key pair in the packed
+  // cache), keys from `valid` on zero.
+  auto fill_v_tail = [&](const c10::BFloat16* src, int64_t valid, int64_t v_keys, int64_t D) {
+    const uint16_t* sp = reinterpret_cast<const uint16_t*>(src);
+    for (int64_t pr = 0; pr < v_keys / 2; ++pr) {
+      uint16_t* dst = v_tail_.data() + pr * 2 * D;
+      for (int64_t e = 0; e < 2 * D; e += 32) {
+        // element 2d + x is key 2 * pr + x's dim d: a mask of the even lanes keeps only key 2 * pr
+        const __mmask32 keep = 2 * pr + 1 < valid ? 0xFFFFFFFFu : 2 * pr < valid ? 0x55555555u : 0u;
+        _mm512_storeu_si512(dst + e, _mm512_maskz_loadu_epi16(keep, sp + pr * 2 * D + e));
+      }
+    }
+  };
   m_.assign(heads * rows, kNegInf);
   l_.assign(heads * rows, 0.f);
   acc_.assign(heads * rows * D, 0.f);
@@ -229,7 +256,27 @@ void AmxAttentionWorker::run(const AttnItem& item, const AttnItem* next) {
       pf_left = std::min<int64_t>(kChunkKeys, key_end_of(nx)), pf_h0 = nx.h0, pf_heads = nx.h1 - nx.h0;
     }
     const int64_t pf_per_row = (pf_left + nk - 1) / std::max<int64_t>(1, nk);  // rows ahead per row packed
+    // Packed cache: the unit is one KV head's 16 keys (D / 2 lines of K^T, one per dim pair, and 16 * D * 2 bytes
+    // of V pairs), spread evenly over every head's score steps of this chunk.
+    const int64_t pf_units = pf_heads * ((pf_left + kTileRows - 1) / kTileRows);
+    const int64_t pf_units_per_step = (pf_units + heads * ((nk + 15) / 16) - 1) / (heads * ((nk + 15) / 16));
+    int64_t pf_unit = 0;
+    const char *pf_k = nullptr, *pf_v = nullptr;  // the current 16 keys' head pf_h0 rows
+    auto prefetch_units = [&](int64_t count) {
+      for (; count > 0 && pf_unit < pf_units; --count, ++pf_unit) {
+        const int64_t hb = pf_unit % pf_heads;
+        if (hb == 0) {
+          const auto [blk, off] = pf.next();
+          for (int64_t i = 1; i < kTileRows; ++i) pf.next();
+          pf_k = reinterpret_cast<const char*>(a.k_cache + blk * a.k_stride_block + pf_h0 * head_elems + 2 * off);
+          pf_v = reinterpret_cast<const char*>(a.v_cache + blk * a.v_stride_block + pf_h0 * head_elems + off * D);
+        }
+        for (int64_t pr = 0; pr < D / 2; ++pr) _mm_prefetch(pf_k + hb * head_elems * 2 + pr * bs * 4, _MM_HINT_T0);
+        for (int64_t o = 0; o < kTileRows * head_bytes; o += 64) _mm_prefetch(pf_v + hb * head_elems * 2 + o, _MM_HINT_T0);
+      }
+    };
     auto prefetch_some = [&](int64_t count) {
+      if (packed) return prefetch_units(pf_units);
       for (; count > 0 && pf_left > 0; --count, --pf_left) {
         const auto [blk, off] = pf.next();
         const char* kr = reinterpret_cast<const char*>(a.k_cache + blk * a.k_stride_block + off * a.k_stride_token +
@@ -246,11 +293,12 @@ void AmxAttentionWorker::run(const AttnItem& item, const AttnItem* next) {
 
     for (int64_t hb = 0; hb < heads; ++hb) {
       const int64_t h = h0 + hb;
-      const c10::BFloat16* k_h = a.k_cache + h * a.k_stride_head;
-      const c10::BFloat16* v_h = a.v_cache + h * a.v_stride_head;
+      const c10::BFloat16* k_h = a.k_cache + h * (packed ? head_elems : a.k_stride_head);
+      bool v_tail_ready = false;  // packed: v_tail_ holds this head's last V tile of this chunk
+      const c10::BFloat16* v_h = a.v_cache + h * (packed ? head_elems : a.v_stride_head);
       // The chunk's K^T of this head: per 16 keys (one block's consecutive rows) and 32-dim slice, the 16 x 16
       // matrix [key][dim pair] transposed to [dim pair][key] (tile B's pair layout); keys past nk are zero.
-      for (int64_t k16 = 0; !transposed && k16 < nk; k16 += kTileRows) {
+      for (int64_t k16 = 0; !transposed && !packed && k16 < nk; k16 += kTileRows) {
         const int64_t key = c0 + k16, nkeys = std::min(kTileRows, nk - k16);
         const c10::BFloat16* kp =
             k_h + table[key / a.block_size] * a.k_stride_block + (key % a.block_size) * a.k_stride_token;
@@ -266,7 +314,7 @@ void AmxAttentionWorker::run(const AttnItem& item, const AttnItem* next) {
       // The chunk's V rows of this head, two keys interleaved per dimension; keys past nk are zero.
       RowWalker vw;
       vw.start(table, a.block_size, c0);
-      for (int64_t kp = 0; kp < nk32 / 2; ++kp) {
+      for (int64_t kp = 0; !packed && kp < nk32 / 2; ++kp) {
         const c10::BFloat16* vr[2] = {nullptr, nullptr};
         for (int e = 0; e < 2; ++e)
           if (2 * kp + e < nk) {
@@ -287,8 +335,8 @@ void AmxAttentionWorker::run(const AttnItem& item, const AttnItem* next) {
         const int64_t group_end = start + t0 + (r0 + n - 1) / G + 1;  // the group's last row's causal limit
         if (c0 >= group_end) continue;
         const int64_t ng = std::min(nk, group_end - c0), ng32 = (ng + 31) / 32 * 32;
-        const int64_t config = 2 * n + (transposed ? 1 : 0);
-        if (config != configured_) load_tile_config(n, transposed), configured_ = config;
+        const int64_t config = 4 * n + layout;
+        if (config != configured_) load_tile_config(n, layout), configured_ = config;
         if (transposed) {
           // Scores: S^T per 16 keys (K rows straight from the cache), transposed back into the rows' score lines.
           const uint32_t* qt = q_t_.data() + hb * slices * kTileRows * n;
@@ -308,6 +356,21 @@ void AmxAttentionWorker::run(const AttnItem& item, const AttnItem* next) {
             for (int64_t i = 0; i < kTileRows; ++i) r[i] = _mm512_load_si512(s_t + i * kTileRows);
             transpose16x16_epi32(r);  // r[j] = query row j's scores of the 16 keys
             for (int64_t j = 0; j < n; ++j) _mm512_storeu_si512(s_.data() + j * kChunkKeys + k16, r[j]);
+          }
+        } else if (packed) {
+          // Scores: S per 16 keys, K^T tiles straight from the cache (16 dim pairs of 64 bytes, block_size * 4 apart).
+          const uint16_t* qg = q_rows_.data() + (hb * rows + r0) * D;
+          for (int64_t k16 = 0; k16 < ng; k16 += kTileRows) {
+            const int64_t key = c0 + k16;
+            const c10::BFloat16* kt = k_h + table[key / bs] * a.k_stride_block + 2 * (key % bs);
+            KVS_TILE_ZERO(0);
+            for (int64_t sl = 0; sl < slices; ++sl) {
+              KVS_TILE_LOAD(1, qg + 32 * sl, head_bytes);
+              KVS_TILE_LOAD(2, kt + sl * 32 * bs, bs * 4);
+              KVS_TILE_DP_BF16(0, 1, 2);
+            }
+            KVS_TILE_STORE(0, s_.data() + k16, kChunkKeys * 4);
+            if (g == 0) prefetch_units(pf_units_per_step);
           }
         } else {
           // Scores: S per 16 keys, stored straight into the rows' score lines.
@@ -367,7 +430,51 @@ void AmxAttentionWorker::run(const AttnItem& item, const AttnItem* next) {
           const int64_t dt0 = d0 / 16;
           KVS_TILE_ZERO(5);
           KVS_TILE_ZERO(6);
-          if (dims_per_pass == 64) {
+          if (packed) {
+            // V tiles straight from the cache: v_keys / 2 key pairs of 16 dims, 4 * D bytes apart; the sequence's
+            // last tile, which reaches past its last key, from v_tail_ (zero there: never-written or stale slots
+            // must not reach the product, where 0 x NaN would be NaN).
+            if (dims_per_pass == 64) {
+              KVS_TILE_ZERO(7);
+              KVS_TILE_ZERO(0);
+            }
+            for (int64_t kk = 0; kk < ng; kk += v_keys) {
+              const int64_t key = c0 + kk;
+              const uint16_t* vb =
+                  key + v_keys > ctx ? v_tail_.data() + 32 * dt0
+                                     : reinterpret_cast<const uint16_t*>(v_h + table[key / bs] * a.v_stride_block +
+                                                                         (key % bs) * D) + 32 * dt0;
+              if (key + v_keys > ctx && !v_tail_ready) {
+                fill_v_tail(v_h + table[key / bs] * a.v_stride_block + (key % bs) * D, ctx - key, v_keys, D);
+                v_tail_ready = true;
+              }
+              KVS_TILE_LOAD(3, p_.data() + kk, kChunkKeys * 2);
+              KVS_TILE_LOAD(4, vb, 4 * D);
+              KVS_TILE_DP_BF16(5, 3, 4);
+              if (v_keys == 32) {  // tmm2 (16 x 64 bytes, as K^T) alternates with tmm4
+                KVS_TILE_LOAD(2, vb + 32, 4 * D);
+                KVS_TILE_DP_BF16(6, 3, 2);
+              } else {
+                KVS_TILE_LOAD(4, vb + 32, 4 * D);
+                KVS_TILE_DP_BF16(6, 3, 4);
+              }
+              if (dims_per_pass == 64) {
+                KVS_TILE_LOAD(4, vb + 64, 4 * D);
+                KVS_TILE_DP_BF16(7, 3, 4);
+                if (v_keys == 32) {
+                  KVS_TILE_LOAD(2, vb + 96, 4 * D);
+                  KVS_TILE_DP_BF16(0, 3, 2);
+                } else {
+                  KVS_TILE_LOAD(4, vb + 96, 4 * D);
+                  KVS_TILE_DP_BF16(0, 3, 4);
+                }
+              }
+            }
+            if (dims_per_pass == 64) {
+              KVS_TILE_STORE(7, o + 32, 256);
+              KVS_TILE_STORE(0, o + 48, 256);
+            }
+          } else if (dims_per_pass == 64) {
             KVS_TILE_ZERO(7);
             KVS_TILE_ZERO(0);
             for (int64_t k32 = 0; k32 < ng32; k32 += 32) {

@@ -34,12 +34,39 @@ struct AmxAttnArgs {
   int64_t head_dim;
   int64_t block_size;
   float scale;
+  bool packed;  // the caches are in the AMX block layout (below), not [block][token][KV head][D]
 };
+
+// The AMX block layout of a bf16 KV cache (store_kv / paged_attention with packed_kv): the cache tensors keep their
+// shape [num_blocks, block_size, kv_heads, D] and every whole-block copy (swap, host and disk tiers, NIXL) stays
+// valid, but the elements of one block are ordered per KV head as
+//   K: [D / 2 dim pairs][block_size keys][2]    K^T in the pair-interleaved ("VNNI") B layout of S = Q . K^T
+//   V: [block_size / 2 key pairs][D][2]         V in the B layout of O = P . V
+// so both products load their tiles straight from the cache: the reordering is done once per token when it is
+// stored, not on every step that reads it (vLLM's CPU attention prepacks its cache the same way). The element of
+// (block b, KV head h, key k of the block, dim d) is at
+//   K: b * block_size * kv_heads * D + h * block_size * D + (d / 2) * 2 * block_size + 2 * k + d % 2
+//   V: b * block_size * kv_heads * D + h * block_size * D + (k / 2) * 2 * D + 2 * d + k % 2
+// It needs block_size % 16 == 0 and the shapes amx_attention_usable accepts; runtime/models/attention_cpu.py packs
+// and unpacks it in torch for its fallbacks and tests.
+inline int64_t packed_k_index(int64_t block_elems, int64_t block_size, int64_t D, int64_t b, int64_t h, int64_t k,
+                              int64_t d) {
+  return b * block_elems + h * block_size * D + (d / 2) * 2 * block_size + 2 * k + d % 2;
+}
+inline int64_t packed_v_index(int64_t block_elems, int64_t block_size, int64_t D, int64_t b, int64_t h, int64_t k,
+                              int64_t d) {
+  return b * block_elems + h * block_size * D + (k / 2) * 2 * D + 2 * d + k % 2;
+}
 
 // True when this build has the AMX path (compiled for AMX-BF16), the OS lets this process use the tile data
 // (Linux arch_prctl ARCH_REQ_XCOMP_PERM, asked once) and the shapes fit it: head_dim a multiple of 32 (one tile
 // row of bf16) up to 256, block_size a multiple of 16 (a 16-key tile never straddles two cache blocks).
 bool amx_attention_usable(int64_t head_dim, int64_t block_size);
+
+// ... and the AMX block layout on top: a V tile spans 32 keys of one block, or 16 when blocks are 16 keys.
+inline bool amx_packed_kv_usable(int64_t head_dim, int64_t block_size) {
+  return amx_attention_usable(head_dim, block_size) && (block_size == 16 || block_size % 32 == 0);
+}
 
 // Items with at least this many query rows per KV head (tokens x query heads per KV head) run on AMX; fewer stay
 // on the AVX-512 kernel. Why: with few rows a tile product does little work per 16 keys, and the packing around it
@@ -64,7 +91,7 @@ class AmxAttentionWorker {
 
  private:
   const AmxAttnArgs& a_;
-  int64_t configured_ = -1;  // the tile configuration loaded on this thread (2 * rows + transposed), -1: none
+  int64_t configured_ = -1;  // the tile configuration loaded on this thread (4 * rows + layout), -1: none
   std::vector<uint16_t> q_rows_;  // [KV heads][rows][D]: the item's query rows, bf16, row-major
   std::vector<uint32_t> q_t_;     // one row group: [KV heads][D / 32][16 dim pairs][rows], Q^T in VNNI pairs
   std::vector<uint32_t> k_pack_;  // [keys / 16][D / 32][16 dim pairs][16 keys]: a chunk's K^T in VNNI pairs
@@ -72,6 +99,7 @@ class AmxAttentionWorker {
   std::vector<uint16_t> v_pack_;    // [keys / 32][D / 16][16 key pairs][32]: a chunk's V in VNNI pairs
   std::vector<uint16_t> p_;         // [16 rows][chunk keys] bf16 probabilities
   std::vector<float> s_;            // [16 rows][chunk keys] scores
+  std::vector<uint16_t> v_tail_;    // packed layout: the last V tile of a sequence, zero past its last key
   alignas(64) uint16_t pair_lo_[32], pair_hi_[32];  // permute indices that interleave two V rows (VNNI pairs)
 };
 

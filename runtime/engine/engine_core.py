@@ -79,7 +79,12 @@ class EngineCore:
         self.executor: Executor = create_executor(config)
         with timed(self.executor.startup_phases, "warmup"):  # a first forward of each shape class, before ready
             warmup.warm_up(self.executor, config)
-        self.config = replace(config, cache=replace(config.cache, num_blocks=self.executor.num_blocks))
+        self.config = config = replace(
+            config,
+            cache=replace(
+                config.cache, num_blocks=self.executor.num_blocks, kv_block_layout=self.executor.kv_block_layout
+            ),
+        )
         self.kv_cache_manager = KVCacheManager(
             self.executor.num_blocks,
             config.cache.block_size,

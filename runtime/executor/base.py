@@ -34,6 +34,7 @@ class Executor(Protocol):
     # KV sizing, fixed at start-up: every rank holds the same number of blocks (the smallest any rank found).
     num_blocks: int  # device KV blocks per rank, the null block 0 included
     num_host_blocks: int  # swap-space blocks in host RAM per rank (0: no swap space)
+    kv_block_layout: str  # the element order within a KV block (CacheConfig.kv_block_layout)
     kv_cache_bytes: int  # the device KV cache per rank (the largest stage's, with pipeline parallelism)
     # Seconds per start-up phase (runtime/startup_phases.py); the API server exports them once ready.
     startup_phases: dict[str, float]

@@ -45,6 +45,7 @@ def layout_facts(config: EngineConfig, rank: int = 0) -> dict:
         "weight_dtype": config.model.weight_dtype,
         "kv_dtype": layout.kv_dtype,
         "block_size": layout.block_size,
+        "kv_block_layout": config.cache.kv_block_layout,
         "num_layers": layout.num_layers,
         "num_kv_heads": layout.num_kv_heads,
         "head_dim": layout.head_dim,

@@ -44,6 +44,7 @@ from kvserve.runtime.kv_transfer.side_channel import (
     fetch_metadata,
     lease_held,
 )
+from kvserve.runtime.models.attention import TOKEN_LAYOUT
 from kvserve.runtime.models.parallel_layers import SINGLE, ParallelContext
 
 logger = logging.getLogger("kvserve.kv_transfer")
@@ -72,8 +73,15 @@ class _Pull:
 
 
 class KVPullWorker:
-    def __init__(self, kv: torch.Tensor, config: KVTransferConfig, parallel: ParallelContext = SINGLE):
-        """kv: the runner's KV tensor [2, layers, blocks, block_size, heads, head_dim] (this rank's heads)."""
+    def __init__(
+        self,
+        kv: torch.Tensor,
+        config: KVTransferConfig,
+        parallel: ParallelContext = SINGLE,
+        kv_block_layout: str = TOKEN_LAYOUT,
+    ):
+        """kv: the runner's KV tensor [2, layers, blocks, block_size, heads, head_dim] (this rank's heads), its
+        blocks' elements in kv_block_layout's order (the attention backend's, models/attention.py)."""
         if kv.device.type != "cpu":  # the VRAM path is the same calls with "VRAM", not exercised here
             raise NotImplementedError("P/D disaggregation over NIXL is implemented for a CPU KV cache only")
         self.config = config
@@ -86,7 +94,7 @@ class KVPullWorker:
         self.num_slabs = kv.shape[0] * kv.shape[1]
         self.num_blocks = kv.shape[2]
         self.block_bytes = kv[0, 0, 0].numel() * kv.element_size()
-        self.compat = compat_hash(tuple(kv.shape[:2]) + tuple(kv.shape[3:]), str(kv.dtype))
+        self.compat = compat_hash(tuple(kv.shape[:2]) + tuple(kv.shape[3:]), str(kv.dtype), kv_block_layout)
         self.side_channel = None
         self._leased_view: frozenset[str] = frozenset()  # prefill: the leases of the step now running
         self._seen: dict[str, None] = {}  # prefill: leases some step listed, most recent last (bounded)

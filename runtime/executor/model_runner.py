@@ -12,6 +12,7 @@ rows, so a decode step's host work is a few vector ops plus one short Python loo
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -22,7 +23,7 @@ from kvserve.runtime.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kvserve.runtime.executor import host_tier, kv_groups, kv_sizing, sleep_mode
 from kvserve.runtime.executor.block_tables import BlockTables
 from kvserve.runtime.executor.cuda_graphs import DecodeGraphs
-from kvserve.runtime.models.attention import AttentionMetadata
+from kvserve.runtime.models.attention import AttentionMetadata, kv_block_layout
 from kvserve.runtime.models.attention_backends import get_attention_backend
 from kvserve.runtime.models.cpu_linear import pack_linears
 from kvserve.runtime.models.loader import load_model
@@ -73,6 +74,12 @@ class ModelRunner:
         self._check_one_sequence_fits(self.num_blocks)
         with timed(phases, "kv_cache_allocate"):
             self.kv_caches = self._allocate_kv_cache(self.num_blocks)
+            # The attention backend's element order within a block ("token" or "amx-bf16", see attention_cpu.py):
+            # the tiers' fingerprints and the NIXL compatibility hash below name it.
+            self.kv_block_layout = kv_block_layout(
+                self.attention, self.kv.dtype, config.model.head_dim, self.block_size
+            )
+            self.config = config = replace(config, cache=replace(config.cache, kv_block_layout=self.kv_block_layout))
             # One host pool for swap preemption and the host KV tier (core/host_pool.py); the tier's size is
             # a total over the ranks (vLLM's --kv-offloading-size), each rank holding its shard's share.
             host_bytes = config.cache.swap_space_bytes + config.cache.kv_offloading_bytes // config.world_size
@@ -103,7 +110,7 @@ class ModelRunner:
             if config.kv_transfer is not None:
                 from kvserve.runtime.executor.kv_pull import KVPullWorker
 
-                self.kv_pull = KVPullWorker(self.kv, config.kv_transfer, self.parallel)
+                self.kv_pull = KVPullWorker(self.kv, config.kv_transfer, self.parallel, self.kv_block_layout)
             self._sync_for_timing()
         self.states: dict[str, RequestSamplingState] = {}
         self.plain_greedy: set[str] = set()  # requests whose sampling is a bare argmax (sampling.is_plain_greedy)

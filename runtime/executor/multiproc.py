@@ -180,6 +180,7 @@ class MultiprocExecutor:
         self.kv_cache_bytes: int = max(i.kv_cache_bytes for i in ranks)
         # Swap space is a per-rank byte budget too: a stage with more layers buys fewer host blocks.
         self.num_host_blocks: int = min(i.num_host_blocks for i in ranks)
+        self.kv_block_layout: str = ranks[0].kv_block_layout  # every rank runs the same backend on the same CPU kind
         self.startup_phases: dict[str, float] = dict(ranks[0].startup_phases)  # rank 0's, in seconds
         # --enable-lora: every rank's adapters, managed by the engine core's registry (executor/lora_calls.py)
         self.lora: WorkerLoraManagers | None = None

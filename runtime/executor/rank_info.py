@@ -22,6 +22,7 @@ class RankInfo(msgspec.Struct, frozen=True):
     kv_head_ids: list[int]
     num_heads: int
     num_host_blocks: int
+    kv_block_layout: str  # the attention backend's element order within a KV block (models/attention.py)
     max_rss_bytes: int
     startup_phases: dict[str, float]  # seconds (runtime/startup_phases.py)
     cuda_allocated_bytes: int
@@ -48,6 +49,7 @@ def measure_rank(runner, rank: int, pid: int | None = None) -> RankInfo:
         kv_head_ids=list(model.shard.kv_head_ids),
         num_heads=model.shard.num_heads,
         num_host_blocks=runner.num_host_blocks,
+        kv_block_layout=runner.kv_block_layout,
         max_rss_bytes=_max_rss_bytes(),
         startup_phases=dict(runner.startup_phases),
         cuda_allocated_bytes=_cuda_allocated_bytes(runner),

@@ -19,6 +19,7 @@ class UniprocExecutor:
         self.runner = ModelRunner(config)
         self.num_blocks: int = self.runner.num_blocks
         self.num_host_blocks: int = self.runner.num_host_blocks
+        self.kv_block_layout: str = self.runner.kv_block_layout
         self.kv_cache_bytes: int = self.runner.kv_cache_bytes
         self.startup_phases: dict[str, float] = self.runner.startup_phases
         self.lora = self.runner.lora

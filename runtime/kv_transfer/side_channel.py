@@ -40,11 +40,12 @@ class HandshakeReply(msgspec.Struct, array_like=True):
     block_bytes: int
 
 
-def compat_hash(kv_shape_without_blocks: tuple[int, ...], dtype: str) -> str:
+def compat_hash(kv_shape_without_blocks: tuple[int, ...], dtype: str, kv_block_layout: str) -> str:
     """What must agree for a block to mean the same on both sides: K/V x layers, block size, KV heads, head
-    size, dtype (vLLM's compatibility_hash also covers the model and versions). The weights themselves are
-    not checked: both sides must serve the same checkpoint."""
-    text = f"kvserve-nixl-{PROTOCOL_VERSION}:{kv_shape_without_blocks}:{dtype}"
+    size, dtype, the element order within a block (the attention backend's kv_block_layout) (vLLM's
+    compatibility_hash also covers the model and versions). The weights themselves are not checked: both sides
+    must serve the same checkpoint."""
+    text = f"kvserve-nixl-{PROTOCOL_VERSION}:{kv_shape_without_blocks}:{dtype}:{kv_block_layout}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -36,6 +36,18 @@ class AttentionMetadata:
     v_scale: float = 1.0
 
 
+# The element order of a KV block in the contract above ([block_size, kv_heads, head_dim]); a backend that keeps
+# another declares kv_block_layout(kv_dtype, head_dim, block_size) (the CPU backend on AMX: attention_cpu.py).
+TOKEN_LAYOUT = "token"
+
+
+def kv_block_layout(backend, kv_dtype: torch.dtype, head_dim: int, block_size: int) -> str:
+    """The element order of `backend`'s KV blocks for these shapes, which the KV tiers' fingerprints and the NIXL
+    compatibility hash name (so engines of two orders never share blocks)."""
+    declared = getattr(backend, "kv_block_layout", None)
+    return declared(kv_dtype, head_dim, block_size) if declared is not None else TOKEN_LAYOUT
+
+
 class TorchAttentionBackend:
     """Pure-torch paged attention (CPU default). Decodes of one step are batched into one padded SDPA call;
     prefill/extend chunks run one SDPA call each with an offset causal mask."""

@@ -175,3 +175,13 @@ def test_decode_waits_for_the_pull_then_computes_the_last_token(failed):
     # Pulled: only the last prompt token is computed here; failed: the whole prompt, recomputed.
     assert len(sched.token_ids) == (10 if failed else 1) and sched.sample and outs[0].new_token_ids == [7]
     assert s.pd.num_failed_pulls == int(failed)
+
+
+def test_compat_hash_names_the_block_layout():
+    """Two engines whose blocks order their elements differently (the CPU backend's AMX block layout against token
+    order) must fail the handshake's layout check instead of reading each other's blocks."""
+    from kvserve.runtime.kv_transfer.side_channel import compat_hash
+
+    shape = (2, 30, 16, 3, 64)
+    assert compat_hash(shape, "torch.bfloat16", "token") == compat_hash(shape, "torch.bfloat16", "token")
+    assert compat_hash(shape, "torch.bfloat16", "token") != compat_hash(shape, "torch.bfloat16", "amx-bf16")

@@ -29,7 +29,12 @@ if not cpu_ops.load():
     pytest.skip(f"compiled CPU ops unavailable: {cpu_ops.unavailable_reason()}", allow_module_level=True)
 
 from kvserve.runtime.models.attention import AttentionMetadata, TorchAttentionBackend  # noqa: E402
-from kvserve.runtime.models.attention_cpu import CpuAttentionBackend  # noqa: E402
+from kvserve.runtime.models.attention_cpu import (  # noqa: E402
+    AMX_LAYOUT,
+    CpuAttentionBackend,
+    pack_kv_blocks,
+    unpack_kv_blocks,
+)
 
 ops = torch.ops.kvserve_cpu
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
@@ -119,18 +124,20 @@ def test_paged_attention_op_strided_q_and_fp16(gen):
     assert rel_err(out, dense_causal_attention(b)) <= TOL[torch.float16]
 
 
+@pytest.mark.parametrize("layout", ["token", "amx"])
 @pytest.mark.parametrize(
     "sdpa_above", [None, 48, "fresh-39"], ids=["default-split", "sdpa-above-48", "fresh-sdpa-above-39"]
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("heads", [(12, 4, 64), (8, 8, 128)], ids=lambda h: f"h{h[0]}kv{h[1]}d{h[2]}")
-def test_backend_matches_torch_backend(heads, dtype, sdpa_above, seed, gen):
+def test_backend_matches_torch_backend(heads, dtype, sdpa_above, layout, seed, gen):
     """The whole backend (store + paged op + SDPA for long prefills), padding slots included, against the torch
     backend on identical caches: same outputs within tolerance, identical caches afterwards. With the default
     split every prefill here (<= 130 tokens) runs in the paged kernel (on AMX tiles where the CPU has them); with
     sdpa_above=48 the 60-130-token
     ones (fresh and over a cached prefix) take the SDPA branches; with "fresh-39" (bf16 on an AMX CPU) only the
-    fresh ones do (AMX CPU, AMX attention off), and the paged kernel skips them."""
+    fresh ones do (AMX CPU, AMX attention off), and the paged kernel skips them. layout "amx": bf16 caches in the
+    AMX block layout (AMX CPUs only), compared after unpacking; the paged kernel then takes every prefill here."""
     num_heads, num_kv_heads, head_dim = heads
     q_lens, ctx = _lengths(gen, 16)
     b = make_paged_batch(
@@ -150,6 +157,12 @@ def test_backend_matches_torch_backend(heads, dtype, sdpa_above, seed, gen):
     assert meta.has_padding_slots
     kc1, vc1, kc2, vc2 = b.k_cache.clone(), b.v_cache.clone(), b.k_cache.clone(), b.v_cache.clone()
     backend = CpuAttentionBackend()
+    if layout == "amx":
+        if sdpa_above == "fresh-39" or backend.kv_block_layout(dtype, head_dim, 16) != AMX_LAYOUT:
+            pytest.skip("the AMX block layout needs bf16 on an AMX CPU with the AMX path on")
+        kc1, vc1 = (t.contiguous() for t in pack_kv_blocks(kc1, vc1))
+    else:
+        backend.packed_kv = False
     # the AMX path where this CPU has it (test_cpu_paged_attention_amx.py tests it on its own), except in "fresh-39"
     if sdpa_above == "fresh-39":  # an AMX CPU with the AMX attention path off: fresh bf16 prefills go to SDPA
         backend._has_amx, backend.amx_attention = True, False
@@ -161,6 +174,9 @@ def test_backend_matches_torch_backend(heads, dtype, sdpa_above, seed, gen):
     assert (meta.max_seqlen_q > backend.paged_max_q(dtype, head_dim)) == (sdpa_above == 48)
     out_cpu = backend.forward(b.q, b.k_new, b.v_new, kc1, vc1, meta, b.scale)
     out_ref = TorchAttentionBackend().forward(b.q, b.k_new, b.v_new, kc2, vc2, meta, b.scale)
+    if layout == "amx":
+        assert backend._packs(kc1)
+        kc1, vc1 = unpack_kv_blocks(kc1, vc1)
     assert torch.equal(kc1, kc2) and torch.equal(vc1, vc2), "store_kv wrote different caches"
     n = int(b.cu_seqlens_q[-1])
     err = rel_err(out_cpu[:n], out_ref[:n])
@@ -374,7 +390,8 @@ def _generate(model_dir, prompts, backend, max_new=8, **kw):
         SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True, logprobs=1),
         use_tqdm=False,
     )
-    return [o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs]
+    layout = llm.engine.config.cache.kv_block_layout
+    return [o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs], layout
 
 
 def _prompts(seed: int, vocab: int):
@@ -391,19 +408,27 @@ def _prompts(seed: int, vocab: int):
         ("llama_gqa", "float32", dict(max_num_batched_tokens=24)),  # chunked prefill: extends over a cached prefix
         ("qwen2_qkv_bias", "float32", dict()),
         ("llama_gqa", "bfloat16", dict()),
+        # head_dim 64, GQA 3 (SmolLM2's): on an AMX CPU the AMX block layout, chunked extends and 3-row decodes
+        ("llama_gqa_d64", "bfloat16", dict(max_num_batched_tokens=24)),
     ],
-    ids=["llama_gqa-fp32-chunked", "qwen2-fp32", "llama_gqa-bf16"],
+    ids=["llama_gqa-fp32-chunked", "qwen2-fp32", "llama_gqa-bf16", "llama_gqa-d64-bf16-chunked"],
 )
 def test_engine_cpu_backend_matches_torch(tmp_path, name, dtype, kw):
     from kvserve_testing import TEST_MODEL_CONFIGS
 
     from kvserve.runtime.models.synthetic import make_random_model_dir
 
-    arch, kwargs = TEST_MODEL_CONFIGS[name]
+    from kvserve.runtime.models.attention_cpu import AMX_LAYOUT, amx_usable
+
+    d64 = name == "llama_gqa_d64"
+    arch, kwargs = TEST_MODEL_CONFIGS["llama_gqa" if d64 else name]
+    if d64:
+        kwargs = dict(kwargs, hidden_size=96, num_attention_heads=6, num_key_value_heads=2, head_dim=64)
     make_random_model_dir(str(tmp_path), arch, seed=1234, dtype=dtype, **kwargs)
     prompts = _prompts(3, 512)
-    exp_tokens, exp_lp = _generate(str(tmp_path), prompts, "torch", **kw)
-    got_tokens, got_lp = _generate(str(tmp_path), prompts, "cpu", **kw)
+    exp_tokens, exp_lp, _ = _generate(str(tmp_path), prompts, "torch", **kw)
+    got_tokens, got_lp, layout = _generate(str(tmp_path), prompts, "cpu", **kw)
+    assert layout == (AMX_LAYOUT if d64 and amx_usable() else "token")
     if dtype == "float32":
         assert got_tokens == exp_tokens
     else:  # bf16: the first tokens agree; logprobs of the chosen tokens within 0.1 nats where tokens agree

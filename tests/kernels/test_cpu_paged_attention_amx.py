@@ -9,7 +9,11 @@
   kernel's output (the two round probabilities differently), smaller ones are bit-identical to it;
 * shapes AMX does not take (block size 8, head_dim 80) give exactly the AVX-512 kernel's output;
 * the result does not depend on the thread count (each worker loads its own tile configuration);
-* peaky scores (q scaled by 40) stay finite and match the oracle.
+* peaky scores (q scaled by 40) stay finite and match the oracle;
+* the AMX block layout (packed_kv): the same batches, their caches packed, every item on AMX (3-row decodes
+  included) within tolerance of the oracle, NaN-poisoned slots past each context kept out (the last V tile is
+  zeroed there); store_kv's packed write equals packing its token-order write, slot -1 skipped; pack and unpack
+  are inverses; a cache the layout cannot take is refused with an error, not read.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from kvserve.runtime.bench.paged_batch import make_paged_batch, rel_err
 
 if not cpu_ops.load():
     pytest.skip(f"compiled CPU ops unavailable: {cpu_ops.unavailable_reason()}", allow_module_level=True)
-from kvserve.runtime.models.attention_cpu import amx_usable  # noqa: E402
+from kvserve.runtime.models.attention_cpu import amx_usable, pack_kv_blocks, unpack_kv_blocks  # noqa: E402
 
 if not amx_usable():
     pytest.skip("no AMX tiles here (CPU or OS): the AVX-512 kernel alone runs", allow_module_level=True)
@@ -33,10 +37,13 @@ BF16_TOL = 1e-2
 AMX_MIN_ROWS = 4  # kAmxMinRowsPerKvHead in paged_attention_amx.h
 
 
-def _run(b, allow_amx: bool, max_q: int = 1 << 30) -> torch.Tensor:
+def _run(b, allow_amx: bool, max_q: int = 1 << 30, packed: bool = False) -> torch.Tensor:
     out = torch.full_like(b.q, float("nan"))
+    k_cache, v_cache = b.k_cache, b.v_cache
+    if packed:
+        k_cache, v_cache = (t.contiguous() for t in pack_kv_blocks(k_cache, v_cache))
     ops.paged_attention(
-        out, b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.cu_seqlens_q, b.scale, max_q, -1, allow_amx
+        out, b.q, k_cache, v_cache, b.block_tables, b.seq_lens, b.cu_seqlens_q, b.scale, max_q, -1, allow_amx, packed
     )
     return out
 
@@ -110,3 +117,56 @@ def test_amx_peaky_scores_stay_finite(gen):
     out = _run(b, True)
     assert torch.isfinite(out).all()
     assert rel_err(out, dense_causal_attention(b)) <= BF16_TOL
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 128])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"h{h[0]}kv{h[1]}d{h[2]}")
+def test_packed_layout_matches_oracle(heads, block_size, seed, gen):
+    r = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=gen))  # noqa: E731
+    # as above, plus decodes whose last key opens a block or fills it (the zeroed last V tile at both ends)
+    q_lens = [1, 1, 1, 2, r(17, 40), r(60, 130), r(90, 140), r(3, 20), 1, 1, 1]
+    ctx = [r(1, 40), r(300, 700), block_size * 2 - 1, r(250, 260), r(240, 250), 0, r(200, 400), 0, 0, 32, 47]
+    b = _batch(gen, heads, block_size, q_lens, ctx)
+    out = _run(b, True, packed=True)
+    assert not torch.isnan(out).any(), f"unwritten / NaN rows (seed={seed})"
+    assert rel_err(out, dense_causal_attention(b)) <= BF16_TOL, f"rel err {rel_err(out, dense_causal_attention(b))}"
+
+
+def test_packed_layout_result_does_not_depend_on_threads(gen):
+    b = _batch(gen, (9, 3, 64), 16, [1] * 6 + [40, 90, 7], [100, 200, 300, 31, 64, 5, 0, 120, 260])
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _run(b, True, packed=True)
+        torch.set_num_threads(2)
+        two = _run(b, True, packed=True)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_store_kv_packed_equals_packing_the_token_order_write(block_size, gen):
+    blocks, kv_heads, head_dim, tokens = 7, 3, 64, 40
+    k = torch.randn(tokens, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    v = torch.randn(tokens, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    slots = torch.randperm(blocks * block_size, generator=gen)[:tokens]
+    slots[::7] = -1  # padding rows write nothing
+    k_tok = torch.randn(blocks, block_size, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    v_tok = torch.randn(blocks, block_size, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    k_packed, v_packed = (t.contiguous() for t in pack_kv_blocks(k_tok, v_tok))
+    ops.store_kv(k, v, k_tok, v_tok, slots)
+    ops.store_kv(k, v, k_packed, v_packed, slots, True)
+    want_k, want_v = pack_kv_blocks(k_tok, v_tok)
+    assert torch.equal(k_packed.view(torch.int16), want_k.contiguous().view(torch.int16))
+    assert torch.equal(v_packed.view(torch.int16), want_v.contiguous().view(torch.int16))
+    back_k, back_v = unpack_kv_blocks(k_packed, v_packed)
+    assert torch.equal(back_k.contiguous().view(torch.int16), k_tok.view(torch.int16))
+    assert torch.equal(back_v.contiguous().view(torch.int16), v_tok.view(torch.int16))
+
+
+def test_packed_layout_refuses_what_it_cannot_take(gen):
+    b = _batch(gen, (8, 2, 64), 8, [1, 30], [40, 0])  # 8-key blocks: a 16-key K^T tile would straddle two
+    with pytest.raises(RuntimeError, match="packed KV cache"):
+        _run(b, True, packed=True)
+    assert not ops.packed_kv_usable(64, 8) and not ops.packed_kv_usable(80, 16) and ops.packed_kv_usable(64, 16)

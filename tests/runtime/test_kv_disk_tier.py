@@ -95,3 +95,31 @@ def test_disk_tier_matches_off_survives_restart_and_recomputes_corrupt_blocks(mo
     assert index3.num_failed_blocks > 0
     # Whatever the third engine loaded came from blocks it computed and saved itself, never a corrupt file.
     assert engine3.kv_cache_manager.host.num_loaded_blocks * BLOCK == engine3.scheduler.num_offload_loaded_tokens
+
+
+def test_the_block_layout_names_the_directory(model_dir, tmp_path, monkeypatch):
+    """The element order of a block (the attention backend's kv_block_layout: the CPU backend keeps bf16 blocks in
+    the AMX block layout on AMX CPUs) is a layout fact: the scheduler's index and the runner's files share one
+    directory, named with it, and an engine ordering its blocks the other way never reads them."""
+    import json
+
+    first, _ = conversations(4, seed=5)
+    disk = dict(kv_offloading_disk_dir=str(tmp_path), kv_offloading_disk_size=256 * BYTES_PER_BLOCK / GIB)
+    kw = dict(dtype="bfloat16", attention_backend="cpu", **disk)
+    layouts = {}
+    for packed in ("1", "0"):
+        monkeypatch.setenv("KVSERVE_CPU_KV_PACKED", packed)
+        _, engine, _ = run_rounds(model_dir, (first,), 8 * BYTES_PER_BLOCK, **kw)
+        runner = engine.executor.runner
+        runner.kv_transfer.flush()
+        index = engine.kv_cache_manager.tier.disk
+        assert index.directory == runner.disk_store.directory
+        assert engine.config.cache.kv_block_layout == runner.kv_block_layout
+        with open(os.path.join(index.directory, "layout.json")) as f:
+            assert json.load(f)["kv_block_layout"] == runner.kv_block_layout
+        layouts[runner.kv_block_layout] = (index.directory, index.num_restored_blocks)
+    assert layouts.get("token") is not None
+    if "amx-bf16" in layouts:  # an AMX CPU: two layouts, two directories, nothing restored across them
+        assert layouts["amx-bf16"][0] != layouts["token"][0] and layouts["token"][1] == 0
+    else:
+        assert len(layouts) == 1

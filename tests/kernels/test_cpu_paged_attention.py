@@ -416,9 +416,8 @@ def _prompts(seed: int, vocab: int):
 def test_engine_cpu_backend_matches_torch(tmp_path, name, dtype, kw):
     from kvserve_testing import TEST_MODEL_CONFIGS
 
-    from kvserve.runtime.models.synthetic import make_random_model_dir
-
     from kvserve.runtime.models.attention_cpu import AMX_LAYOUT, amx_usable
+    from kvserve.runtime.models.synthetic import make_random_model_dir
 
     d64 = name == "llama_gqa_d64"
     arch, kwargs = TEST_MODEL_CONFIGS["llama_gqa" if d64 else name]

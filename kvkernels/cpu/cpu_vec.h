@@ -313,6 +313,32 @@ inline __m128 hsum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
   __m256 z = _mm256_add_ps(_mm512_castps512_ps256(y), _mm512_extractf32x8_ps(y, 1));
   return _mm_add_ps(_mm256_castps256_ps128(z), _mm256_extractf128_ps(z, 1));
 }
+
+// r[i] <- column i of the 16 x 16 matrix of 32-bit lanes whose rows are r[0..15] (unpack 32, unpack 64, then two
+// rounds of 128-bit lane shuffles: 64 shuffles for 256 values, where gathering them would take 16 gathers).
+inline void transpose16x16_epi32(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // r[4q + c], 128-bit lane L: column 4L + c of rows 4q..4q+3
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {  // column 4L + c = lane L of r[c], r[4 + c], r[8 + c], r[12 + c]
+    const __m512i x0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44), x1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xEE);
+    const __m512i x2 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44);
+    const __m512i x3 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xEE);
+    t[c] = _mm512_shuffle_i32x4(x0, x2, 0x88);
+    t[4 + c] = _mm512_shuffle_i32x4(x0, x2, 0xDD);
+    t[8 + c] = _mm512_shuffle_i32x4(x1, x3, 0x88);
+    t[12 + c] = _mm512_shuffle_i32x4(x1, x3, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
 #endif
 
 }  // namespace kvserve_cpu

@@ -44,11 +44,48 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
     const uint16_t* v16 = static_cast<const uint16_t*>(v.data_ptr());
     uint16_t* kc16 = static_cast<uint16_t*>(k_cache.data_ptr());
     uint16_t* vc16 = static_cast<uint16_t*>(v_cache.data_ptr());
+#ifdef KVS_AVX512
+    alignas(64) uint16_t pair_lo[32], pair_hi[32];  // interleave two V rows: dims 0-15 / 16-31 of a 32-dim slice
+    for (int d = 0; d < 16; ++d) {
+      pair_lo[2 * d] = d, pair_lo[2 * d + 1] = 32 + d;
+      pair_hi[2 * d] = 16 + d, pair_hi[2 * d + 1] = 48 + d;
+    }
+#endif
     at::parallel_for(0, tokens, grain_rows(2 * heads * head_dim), [&](int64_t b, int64_t e) {
-      for (int64_t t = b; t < e; ++t) {
+      for (int64_t t = b; t < e;) {
         const int64_t slot = slots[t];
-        if (slot < 0) continue;
+        if (slot < 0) {
+          ++t;
+          continue;
+        }
         const int64_t blk = slot / bs, off = slot % bs;
+#ifdef KVS_AVX512
+        // 16 tokens filling keys off .. off + 15 of one block (a prefill's run of slots): K^T by 16 x 16 transposes
+        // of dim pairs and V by interleaving pairs of rows, whole 64-byte lines instead of 2- and 4-byte stores.
+        bool run16 = off % 16 == 0 && bs % 16 == 0 && head_dim % 32 == 0 && t + 16 <= e;
+        for (int64_t i = 1; run16 && i < 16; ++i) run16 = slots[t + i] == slot + i;
+        if (run16) {
+          const __m512i lo = _mm512_load_si512(pair_lo), hi = _mm512_load_si512(pair_hi);
+          for (int64_t h = 0; h < heads; ++h) {
+            for (int64_t d0 = 0; d0 < head_dim; d0 += 32) {
+              __m512i r[16];
+              for (int64_t i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(k16 + (t + i) * k0 + h * k1 + d0);
+              transpose16x16_epi32(r);  // r[p]: dim pair d0 / 2 + p of the 16 tokens
+              uint16_t* kd = kc16 + packed_k_index(block_elems, bs, head_dim, blk, h, off, d0);
+              for (int64_t p = 0; p < 16; ++p) _mm512_storeu_si512(kd + p * 2 * bs, r[p]);
+              for (int64_t i = 0; i < 16; i += 2) {
+                const __m512i x0 = _mm512_loadu_si512(v16 + (t + i) * v0 + h * v1 + d0);
+                const __m512i x1 = _mm512_loadu_si512(v16 + (t + i + 1) * v0 + h * v1 + d0);
+                uint16_t* vd = vc16 + packed_v_index(block_elems, bs, head_dim, blk, h, off + i, d0);
+                _mm512_storeu_si512(vd, _mm512_permutex2var_epi16(x0, lo, x1));
+                _mm512_storeu_si512(vd + 32, _mm512_permutex2var_epi16(x0, hi, x1));
+              }
+            }
+          }
+          t += 16;
+          continue;
+        }
+#endif
         for (int64_t h = 0; h < heads; ++h) {
           const uint16_t* ks = k16 + t * k0 + h * k1;
           const uint16_t* vs = v16 + t * v0 + h * v1;
@@ -57,6 +94,7 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
           for (int64_t d = 0; d < head_dim; d += 2) std::memcpy(kd + d * bs, ks + d, 4);  // dims d, d + 1: a pair
           for (int64_t d = 0; d < head_dim; ++d) vd[2 * d] = vs[d];
         }
+        ++t;
       }
     });
     return;

@@ -59,7 +59,8 @@ constexpr int64_t kMaxHeadDim = 256;
 #define KVS_TILE_DP_BF16(c, a, b) __asm__ volatile("tdpbf16ps %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::)
 // tmm0: S (n rows x 16 keys fp32)   tmm1: Q (n rows x 32 dims bf16)   tmm2: K^T (16 dim pairs x 16 keys, interleaved)
 // tmm3: P (n rows x 32 keys)          tmm4: V (16 key pairs x 16 dims, interleaved)
-// tmm5, tmm6, tmm7 and (after the scores) tmm0: O (n x 16 dims each). One row group: see load_tile_config.
+// tmm5, tmm6, tmm7 and (after the scores) tmm0: O (n x 16 dims each). One row group, and the packed cache with
+// 16-key blocks: see load_tile_config.
 
 struct alignas(64) TileConfig {
   uint8_t palette_id;
@@ -93,36 +94,17 @@ void load_tile_config(int64_t n, TileLayout layout) {
   const int64_t v_keys = layout == kPacked16Layout ? 16 : 32;  // keys per P.V product
   set(3, n, 2 * v_keys);
   set(4, v_keys / 2, 64);
+  if (layout == kPacked16Layout) {  // tmm7 takes every other V tile (32-dim passes: tmm5 and tmm6 accumulate)
+    set(5, n, 64);
+    set(6, n, 64);
+    set(7, v_keys / 2, 64);
+    __asm__ volatile("ldtilecfg %0" ::"m"(c) : "memory");
+    return;
+  }
   set(5, n, 64);
   set(6, n, 64);
   set(7, n, 64);
   __asm__ volatile("ldtilecfg %0" ::"m"(c) : "memory");
-}
-
-// r[i] <- column i of the 16 x 16 matrix of 32-bit lanes whose rows are r[0..15] (unpack 32, unpack 64, then two
-// rounds of 128-bit lane shuffles: 64 shuffles for 256 values, where gathering them would take 16 gathers).
-inline void transpose16x16_epi32(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {  // r[4q + c], 128-bit lane L: column 4L + c of rows 4q..4q+3
-    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int c = 0; c < 4; ++c) {  // column 4L + c = lane L of r[c], r[4 + c], r[8 + c], r[12 + c]
-    const __m512i x0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44), x1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xEE);
-    const __m512i x2 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44);
-    const __m512i x3 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xEE);
-    t[c] = _mm512_shuffle_i32x4(x0, x2, 0x88);
-    t[4 + c] = _mm512_shuffle_i32x4(x0, x2, 0xDD);
-    t[8 + c] = _mm512_shuffle_i32x4(x1, x3, 0x88);
-    t[12 + c] = _mm512_shuffle_i32x4(x1, x3, 0xDD);
-  }
-  for (int i = 0; i < 16; ++i) r[i] = t[i];
 }
 
 bool request_amx_permission() {
@@ -359,6 +341,7 @@ void AmxAttentionWorker::run(const AttnItem& item, const AttnItem* next) {
           }
         } else if (packed) {
           // Scores: S per 16 keys, K^T tiles straight from the cache (16 dim pairs of 64 bytes, block_size * 4 apart).
+          // (Two 16-key groups at a time into two accumulators measured 3-15% slower.)
           const uint16_t* qg = q_rows_.data() + (hb * rows + r0) * D;
           for (int64_t k16 = 0; k16 < ng; k16 += kTileRows) {
             const int64_t key = c0 + k16;
@@ -425,7 +408,8 @@ void AmxAttentionWorker::run(const AttnItem& item, const AttnItem* next) {
         // loaded once per 32 keys for four products, and four independent accumulators keep the tile unit busy
         // (a product's latency is longer than its issue interval). The chunk's sum is added to the fp32
         // accumulators with alpha.
-        const int64_t dims_per_pass = D % 64 == 0 && !transposed ? 64 : 32;  // tmm0 and tmm2: see config
+        // tmm0 and tmm2 (or tmm7): see the config
+        const int64_t dims_per_pass = D % 64 == 0 && !transposed && layout != kPacked16Layout ? 64 : 32;
         for (int64_t d0 = 0; d0 < D; d0 += dims_per_pass) {
           const int64_t dt0 = d0 / 16;
           KVS_TILE_ZERO(5);
@@ -451,23 +435,20 @@ void AmxAttentionWorker::run(const AttnItem& item, const AttnItem* next) {
               KVS_TILE_LOAD(3, p_.data() + kk, kChunkKeys * 2);
               KVS_TILE_LOAD(4, vb, 4 * D);
               KVS_TILE_DP_BF16(5, 3, 4);
-              if (v_keys == 32) {  // tmm2 (16 x 64 bytes, as K^T) alternates with tmm4
+              // A second V register (tmm2, 16 x 64 bytes as K^T; tmm7 with 16-key blocks) alternates with tmm4: a
+              // load into the register a product still reads would wait for it.
+              if (v_keys == 32) {
                 KVS_TILE_LOAD(2, vb + 32, 4 * D);
                 KVS_TILE_DP_BF16(6, 3, 2);
               } else {
-                KVS_TILE_LOAD(4, vb + 32, 4 * D);
-                KVS_TILE_DP_BF16(6, 3, 4);
+                KVS_TILE_LOAD(7, vb + 32, 4 * D);
+                KVS_TILE_DP_BF16(6, 3, 7);
               }
               if (dims_per_pass == 64) {
                 KVS_TILE_LOAD(4, vb + 64, 4 * D);
                 KVS_TILE_DP_BF16(7, 3, 4);
-                if (v_keys == 32) {
-                  KVS_TILE_LOAD(2, vb + 96, 4 * D);
-                  KVS_TILE_DP_BF16(0, 3, 2);
-                } else {
-                  KVS_TILE_LOAD(4, vb + 96, 4 * D);
-                  KVS_TILE_DP_BF16(0, 3, 4);
-                }
+                KVS_TILE_LOAD(2, vb + 96, 4 * D);
+                KVS_TILE_DP_BF16(0, 3, 2);
               }
             }
             if (dims_per_pass == 64) {

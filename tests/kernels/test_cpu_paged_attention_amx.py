@@ -147,11 +147,16 @@ def test_packed_layout_result_does_not_depend_on_threads(gen):
 
 @pytest.mark.parametrize("block_size", [16, 128])
 def test_store_kv_packed_equals_packing_the_token_order_write(block_size, gen):
-    blocks, kv_heads, head_dim, tokens = 7, 3, 64, 40
+    blocks, kv_heads, head_dim = 7, 3, 64
+    # a prefill's runs of slots (whole 16-key groups, and a run from mid-group over a block end), then scattered
+    # decode slots and padding (-1): the op's 16-token transposes and its one-token path
+    runs = [torch.arange(2 * block_size, 2 * block_size + 40), torch.arange(5 * block_size - 21, 5 * block_size + 3)]
+    used = torch.cat(runs)
+    rest = torch.tensor([x for x in torch.randperm(blocks * block_size, generator=gen).tolist() if x not in used])
+    slots = torch.cat(runs + [rest[:12], torch.full((3,), -1)])
+    tokens = slots.shape[0]
     k = torch.randn(tokens, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
     v = torch.randn(tokens, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
-    slots = torch.randperm(blocks * block_size, generator=gen)[:tokens]
-    slots[::7] = -1  # padding rows write nothing
     k_tok = torch.randn(blocks, block_size, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
     v_tok = torch.randn(blocks, block_size, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
     k_packed, v_packed = (t.contiguous() for t in pack_kv_blocks(k_tok, v_tok))

@@ -85,6 +85,28 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
           t += 16;
           continue;
         }
+        // One token (a decode): K's dim pairs scattered 4 * block_size bytes apart, V's dims widened into every
+        // other 16-bit lane and written under a mask that keeps the pair's other key.
+        if (head_dim % 32 == 0) {
+          const __m512i pair_offsets = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4,
+                                                                           3, 2, 1, 0), _mm512_set1_epi32((int)bs));
+          const __mmask32 lane = off % 2 ? 0xAAAAAAAAu : 0x55555555u;
+          for (int64_t h = 0; h < heads; ++h) {
+            const uint16_t* ks = k16 + t * k0 + h * k1;
+            const uint16_t* vs = v16 + t * v0 + h * v1;
+            uint16_t* kd = kc16 + packed_k_index(block_elems, bs, head_dim, blk, h, off, 0);
+            uint16_t* vd = vc16 + packed_v_index(block_elems, bs, head_dim, blk, h, off - off % 2, 0);
+            for (int64_t d0 = 0; d0 < head_dim; d0 += 32)
+              _mm512_i32scatter_epi32(kd + d0 * bs, pair_offsets, _mm512_loadu_si512(ks + d0), 4);
+            for (int64_t d0 = 0; d0 < head_dim; d0 += 16) {
+              __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vs + d0)));
+              if (off % 2) x = _mm512_slli_epi32(x, 16);
+              _mm512_mask_storeu_epi16(vd + 2 * d0, lane, x);
+            }
+          }
+          ++t;
+          continue;
+        }
 #endif
         for (int64_t h = 0; h < heads; ++h) {
           const uint16_t* ks = k16 + t * k0 + h * k1;

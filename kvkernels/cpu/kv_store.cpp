@@ -36,8 +36,8 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
     TORCH_CHECK(slots[t] < num_slots, "store_kv: slot ", slots[t], " out of range (", num_slots, " slots)");
   if (packed_kv) {
     TORCH_CHECK(k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16 && head_dim % 2 == 0 &&
-                    k_cache.size(1) % 2 == 0,
-                "store_kv: the packed layout takes bf16 caches with an even head_dim and block_size");
+                    k_cache.size(1) % 16 == 0,
+                "store_kv: the packed layout takes bf16 caches with an even head_dim and a block_size of 16s");
     const int64_t bs = k_cache.size(1), block_elems = bs * heads * head_dim;
     const int64_t k0 = k.stride(0), k1 = k.stride(1), v0 = v.stride(0), v1 = v.stride(1);
     const uint16_t* k16 = static_cast<const uint16_t*>(k.data_ptr());
@@ -62,7 +62,7 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
 #ifdef KVS_AVX512
         // 16 tokens filling keys off .. off + 15 of one block (a prefill's run of slots): K^T by 16 x 16 transposes
         // of dim pairs and V by interleaving pairs of rows, whole 64-byte lines instead of 2- and 4-byte stores.
-        bool run16 = off % 16 == 0 && bs % 16 == 0 && head_dim % 32 == 0 && t + 16 <= e;
+        bool run16 = off % 16 == 0 && head_dim % 32 == 0 && t + 16 <= e;
         for (int64_t i = 1; run16 && i < 16; ++i) run16 = slots[t + i] == slot + i;
         if (run16) {
           const __m512i lo = _mm512_load_si512(pair_lo), hi = _mm512_load_si512(pair_hi);
@@ -72,7 +72,7 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
               for (int64_t i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(k16 + (t + i) * k0 + h * k1 + d0);
               transpose16x16_epi32(r);  // r[p]: dim pair d0 / 2 + p of the 16 tokens
               uint16_t* kd = kc16 + packed_k_index(block_elems, bs, head_dim, blk, h, off, d0);
-              for (int64_t p = 0; p < 16; ++p) _mm512_storeu_si512(kd + p * 2 * bs, r[p]);
+              for (int64_t p = 0; p < 16; ++p) _mm512_storeu_si512(kd + p * 32, r[p]);
               for (int64_t i = 0; i < 16; i += 2) {
                 const __m512i x0 = _mm512_loadu_si512(v16 + (t + i) * v0 + h * v1 + d0);
                 const __m512i x1 = _mm512_loadu_si512(v16 + (t + i + 1) * v0 + h * v1 + d0);
@@ -85,11 +85,11 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
           t += 16;
           continue;
         }
-        // One token (a decode): K's dim pairs scattered 4 * block_size bytes apart, V's dims widened into every
+        // One token (a decode): K's dim pairs scattered 64 bytes apart, V's dims widened into every
         // other 16-bit lane and written under a mask that keeps the pair's other key.
         if (head_dim % 32 == 0) {
           const __m512i pair_offsets = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4,
-                                                                           3, 2, 1, 0), _mm512_set1_epi32((int)bs));
+                                                                           3, 2, 1, 0), _mm512_set1_epi32(16));
           const __mmask32 lane = off % 2 ? 0xAAAAAAAAu : 0x55555555u;
           for (int64_t h = 0; h < heads; ++h) {
             const uint16_t* ks = k16 + t * k0 + h * k1;
@@ -97,7 +97,7 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
             uint16_t* kd = kc16 + packed_k_index(block_elems, bs, head_dim, blk, h, off, 0);
             uint16_t* vd = vc16 + packed_v_index(block_elems, bs, head_dim, blk, h, off - off % 2, 0);
             for (int64_t d0 = 0; d0 < head_dim; d0 += 32)
-              _mm512_i32scatter_epi32(kd + d0 * bs, pair_offsets, _mm512_loadu_si512(ks + d0), 4);
+              _mm512_i32scatter_epi32(kd + d0 * 16, pair_offsets, _mm512_loadu_si512(ks + d0), 4);
             for (int64_t d0 = 0; d0 < head_dim; d0 += 16) {
               __m512i x = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vs + d0)));
               if (off % 2) x = _mm512_slli_epi32(x, 16);
@@ -113,7 +113,7 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
           const uint16_t* vs = v16 + t * v0 + h * v1;
           uint16_t* kd = kc16 + packed_k_index(block_elems, bs, head_dim, blk, h, off, 0);
           uint16_t* vd = vc16 + packed_v_index(block_elems, bs, head_dim, blk, h, off, 0);
-          for (int64_t d = 0; d < head_dim; d += 2) std::memcpy(kd + d * bs, ks + d, 4);  // dims d, d + 1: a pair
+          for (int64_t d = 0; d < head_dim; d += 2) std::memcpy(kd + d * 16, ks + d, 4);  // dims d, d + 1: a pair
           for (int64_t d = 0; d < head_dim; ++d) vd[2 * d] = vs[d];
         }
         ++t;

@@ -69,10 +69,10 @@ def amx_usable() -> bool:
 
 def pack_kv_blocks(k_blocks: torch.Tensor, v_blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Blocks [n, block_size, kv_heads, head_dim] in token order -> the AMX block layout of the same shape
-    (kvkernels/cpu/paged_attention_amx.h): per KV head, K as [head_dim / 2][block_size][2] and V as
+    (kvkernels/cpu/paged_attention_amx.h): per KV head, K as [block_size / 16][head_dim / 2][16][2] and V as
     [block_size / 2][head_dim][2]."""
     n, bs, heads, d = k_blocks.shape
-    k = k_blocks.permute(0, 2, 3, 1).reshape(n, heads, d // 2, 2, bs).transpose(3, 4).reshape(n, bs, heads, d)
+    k = k_blocks.permute(0, 2, 1, 3).reshape(n, heads, bs // 16, 16, d // 2, 2).transpose(3, 4).reshape(n, bs, heads, d)
     v = v_blocks.permute(0, 2, 1, 3).reshape(n, heads, bs // 2, 2, d).transpose(3, 4).reshape(n, bs, heads, d)
     return k, v
 
@@ -80,7 +80,7 @@ def pack_kv_blocks(k_blocks: torch.Tensor, v_blocks: torch.Tensor) -> tuple[torc
 def unpack_kv_blocks(k_blocks: torch.Tensor, v_blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The inverse of pack_kv_blocks: blocks in the AMX block layout -> token order."""
     n, bs, heads, d = k_blocks.shape
-    k = k_blocks.reshape(n, heads, d // 2, bs, 2).transpose(3, 4).reshape(n, heads, d, bs).permute(0, 3, 1, 2)
+    k = k_blocks.reshape(n, heads, bs // 16, d // 2, 16, 2).transpose(3, 4).reshape(n, heads, bs, d).permute(0, 2, 1, 3)
     v = v_blocks.reshape(n, heads, bs // 2, d, 2).transpose(3, 4).reshape(n, heads, bs, d).permute(0, 2, 1, 3)
     return k, v
 

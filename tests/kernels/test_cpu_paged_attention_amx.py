@@ -172,6 +172,14 @@ def test_store_kv_packed_equals_packing_the_token_order_write(block_size, gen):
 
 def test_packed_layout_refuses_what_it_cannot_take(gen):
     b = _batch(gen, (8, 2, 64), 8, [1, 30], [40, 0])  # 8-key blocks: a 16-key K^T tile would straddle two
+    out = torch.empty_like(b.q)
+    args = (out, b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.cu_seqlens_q, b.scale, 1 << 30, -1)
     with pytest.raises(RuntimeError, match="packed KV cache"):
-        _run(b, True, packed=True)
+        ops.paged_attention(*args, True, True)
+    with pytest.raises(RuntimeError, match="packed KV cache"):  # fp32 never takes it
+        ops.paged_attention(
+            *(t.float() if getattr(t, "dtype", None) == torch.bfloat16 else t for t in args), True, True
+        )
+    with pytest.raises(RuntimeError, match="block_size of 16s"):
+        ops.store_kv(b.k_new, b.v_new, b.k_cache, b.v_cache, torch.arange(b.k_new.shape[0]), True)
     assert not ops.packed_kv_usable(64, 8) and not ops.packed_kv_usable(80, 16) and ops.packed_kv_usable(64, 16)

@@ -1,7 +1,8 @@
 // Paged attention on CPU that reads K/V straight from the block table (no gather into contiguous tensors).
 //
 // Layout (the kvserve contract, see runtime/models/attention.py): k_cache / v_cache are
-// [num_blocks, block_size, num_kv_heads, head_dim]; the step's tokens are one flat varlen batch (cu_seqlens_q);
+// [num_blocks, block_size, num_kv_heads, head_dim] (with packed_kv: the same shape in the AMX block layout of
+// paged_attention_amx.h, read by the AMX path only); the step's tokens are one flat varlen batch (cu_seqlens_q);
 // seq_lens counts the whole context including this step's tokens, which are already stored in the cache.
 // A query at position p (= seq_len - q_len + i) sees keys 0..p.
 //

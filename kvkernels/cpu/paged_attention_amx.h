@@ -78,7 +78,8 @@ inline bool amx_packed_kv_usable(int64_t head_dim, int64_t block_size) {
 // 3 rows (9/3 heads of 64, SmolLM2) 8.7 vs 9.1, and 73.0 vs 75.4 with each of 30 layers reading its own cache
 // from memory (perf: both wait on the K and V rows' loads); 4 rows (8/2 of 128) 11.9 vs 14.6; 5 rows (20/4 of
 // 64) 12.9 vs 19.2; 8 rows (16/2 of 128) 13.8 vs 27.0. Three rows stay on AVX-512: a 3-5% difference, on the
-// kernel that has run them longest. Prefills run about 3x faster on AMX (docs/performance.md).
+// kernel that has run them longest. Prefills run about 3x faster on AMX (docs/performance.md). On a cache in the
+// AMX block layout (below) nothing is packed per step, and every item runs on AMX whatever its rows.
 constexpr int64_t kAmxMinRowsPerKvHead = 4;
 
 // The AMX kernel of one worker thread: scratch buffers and the thread's tile configuration live as long as it

@@ -24,9 +24,10 @@ path).
 On a CPU with AMX, bf16 caches are kept in the AMX block layout (``kv_block_layout`` says "amx-bf16"; the kernel's
 paged_attention_amx.h defines it): per block and KV head, K^T and V already in the pair-interleaved order AMX's tile
 products load, written once per token by ``store_kv``, so no step repacks them and every item runs on AMX,
-SmolLM2's 3-row decodes included. Measured on the 2-vCPU Sapphire Rapids (tools/attention_amx_ab.py decode, 30 layer
-caches, one thread): a decode step of 128 sequences in 51-59 ms against 67-71 ms on the token-order cache (AVX-512 or
-AMX); prefill chunks over a prefix 124 vs 150 ms. Whole-block copies (swap, host/disk/remote tiers, NIXL) carry it
+SmolLM2's 3-row decodes included. Measured on the 2-vCPU Sapphire Rapids (tools/vs_vllm_inprocess.py attention,
+SmolLM2's heads, 30 layer caches, one thread, in one process with vLLM's own AMX kernel on its own prepacked
+cache): a decode step of 128 sequences 53.9 ms (vLLM 54.0; the token-order cache 74.6), a mixed step 85.0 (81.4;
+99.1), fresh prompts 62.9 (54.9; 72.3). Whole-block copies (swap, host/disk/remote tiers, NIXL) carry it
 unchanged; the tiers' fingerprints and the NIXL compatibility hash name it, so engines of the two layouts never
 share blocks. With it, sequences are never gathered from the cache (``_one_sequence`` reads token order): extends
 of any length stay on the paged kernel and only fresh prefills above ``PAGED_MAX_Q_BF16_DPBF16`` go to SDPA, on

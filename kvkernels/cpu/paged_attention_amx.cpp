@@ -314,98 +314,14 @@ void AmxAttentionWorker::run(const AttnItem& item, const AttnItem* next) {
           _mm512_storeu_si512(dst + (2 * sl + 1) * kTileRows * 32, _mm512_permutex2var_epi16(x0, vhi, x1));
         }
       }
-      for (int64_t g = 0; g < groups; ++g) {
-        const int64_t r0 = g * kTileRows, n = std::min(kTileRows, rows - r0);
-        const int64_t group_end = start + t0 + (r0 + n - 1) / G + 1;  // the group's last row's causal limit
-        if (c0 >= group_end) continue;
-        const int64_t ng = std::min(nk, group_end - c0), ng32 = (ng + 31) / 32 * 32;
-        const int64_t config = 4 * n + layout;
-        if (config != configured_) load_tile_config(n, layout), configured_ = config;
-        if (transposed) {
-          // Scores: S^T per 16 keys (K rows straight from the cache), transposed back into the rows' score lines.
-          const uint32_t* qt = q_t_.data() + hb * slices * kTileRows * n;
-          alignas(64) float s_t[kTileRows * kTileRows];  // [16 keys][16 lanes, n of them rows]
-          for (int64_t k16 = 0; k16 < ng; k16 += kTileRows) {
-            const int64_t key = c0 + k16;
-            const c10::BFloat16* kp =
-                k_h + table[key / a.block_size] * a.k_stride_block + (key % a.block_size) * a.k_stride_token;
-            KVS_TILE_ZERO(0);
-            for (int64_t sl = 0; sl < slices; ++sl) {
-              KVS_TILE_LOAD(1, kp + 32 * sl, a.k_stride_token * 2);
-              KVS_TILE_LOAD(2, qt + sl * kTileRows * n, 4 * n);
-              KVS_TILE_DP_BF16(0, 1, 2);
-            }
-            KVS_TILE_STORE(0, s_t, 64);
-            __m512i r[16];
-            for (int64_t i = 0; i < kTileRows; ++i) r[i] = _mm512_load_si512(s_t + i * kTileRows);
-            transpose16x16_epi32(r);  // r[j] = query row j's scores of the 16 keys
-            for (int64_t j = 0; j < n; ++j) _mm512_storeu_si512(s_.data() + j * kChunkKeys + k16, r[j]);
-          }
-        } else if (packed) {
-          // Scores: S per 16 keys, K^T tiles straight from the cache (16 dim pairs of 64 bytes, one after another).
-          // (Two 16-key groups at a time into two accumulators measured 3-15% slower.)
-          const uint16_t* qg = q_rows_.data() + (hb * rows + r0) * D;
-          for (int64_t k16 = 0; k16 < ng; k16 += kTileRows) {
-            const int64_t key = c0 + k16;
-            const c10::BFloat16* kt = k_h + table[key / bs] * a.k_stride_block + (key % bs) * D;
-            KVS_TILE_ZERO(0);
-            for (int64_t sl = 0; sl < slices; ++sl) {
-              KVS_TILE_LOAD(1, qg + 32 * sl, head_bytes);
-              KVS_TILE_LOAD(2, kt + sl * 32 * kTileRows, 64);
-              KVS_TILE_DP_BF16(0, 1, 2);
-            }
-            KVS_TILE_STORE(0, s_.data() + k16, kChunkKeys * 4);
-            if (g == 0) prefetch_units(pf_units_per_step);
-          }
-        } else {
-          // Scores: S per 16 keys, stored straight into the rows' score lines.
-          const uint16_t* qg = q_rows_.data() + (hb * rows + r0) * D;
-          for (int64_t k16 = 0; k16 < ng; k16 += kTileRows) {
-            KVS_TILE_ZERO(0);
-            for (int64_t sl = 0; sl < slices; ++sl) {
-              KVS_TILE_LOAD(1, qg + 32 * sl, head_bytes);
-              KVS_TILE_LOAD(2, k_pack_.data() + ((k16 / kTileRows) * slices + sl) * kTileRows * kTileRows, 64);
-              KVS_TILE_DP_BF16(0, 1, 2);
-            }
-            KVS_TILE_STORE(0, s_.data() + k16, kChunkKeys * 4);
-          }
-        }
-        // Online softmax per row over its visible keys of this chunk; P in bf16, zero past them.
+      // O += P . V of a row group whose probabilities are in p_ (see the loop below for when it runs).
+      struct PendingPV {
+        int64_t r0, n, ng, ng32;
         float alpha[kTileRows];
-        for (int64_t j = 0; j < n; ++j) {
-          const int64_t r = r0 + j, hr = hb * rows + r;
-          const int64_t visible = std::clamp<int64_t>(start + t0 + r / G + 1 - c0, 0, ng);
-          float* sr = s_.data() + j * kChunkKeys;
-          uint16_t* pr = p_.data() + j * kChunkKeys;
-          if (visible == 0) {
-            alpha[j] = 1.f;
-            std::fill(pr, pr + ng32, uint16_t(0));
-            continue;
-          }
-          // The scale is folded into the exponent, exp(s * scale - max * scale) as one fused multiply-add: the
-          // max of the raw scores times a positive scale is the max of the scaled ones, and the scores are read
-          // twice instead of scaled, stored and read again.
-          __m512 vmax = _mm512_set1_ps(kNegInf);
-          for (int64_t i = 0; i < visible; i += 16) {
-            const __mmask16 mk = tail_mask(visible - i);
-            vmax = _mm512_mask_max_ps(vmax, mk, vmax, _mm512_maskz_loadu_ps(mk, sr + i));
-          }
-          const float m_new = std::max(m_[hr], _mm512_reduce_max_ps(vmax) * a.scale);
-          alpha[j] = m_[hr] == kNegInf ? 0.f : std::exp(m_[hr] - m_new);
-          const __m512 vscale = _mm512_set1_ps(a.scale), vneg_m = _mm512_set1_ps(-m_new);
-          __m512 vsum = _mm512_setzero_ps();
-          int64_t i = 0;
-          for (; i < visible; i += 16) {
-            const __mmask16 mk = tail_mask(visible - i);
-            const __m512 x = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, sr + i), vscale, vneg_m);
-            const __m512 e = _mm512_maskz_mov_ps(mk, exp_ps(x));  // zeros past `visible`
-            vsum = _mm512_add_ps(vsum, e);
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + i), (__m256i)_mm512_cvtneps_pbh(e));
-          }
-          for (; i < ng32; i += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + i), _mm256_setzero_si256());
-          l_[hr] = l_[hr] * alpha[j] + _mm512_reduce_add_ps(vsum);
-          m_[hr] = m_new;
-        }
+      };
+      auto run_pv = [&](const PendingPV& pv) {
+        const int64_t r0 = pv.r0, n = pv.n, ng = pv.ng, ng32 = pv.ng32;
+        const float* alpha = pv.alpha;
         // O += P . V, 64 dims (four accumulator tiles) per pass, or 32 (two) when D is not a multiple of 64: P is
         // loaded once per 32 keys for four products, and four independent accumulators keep the tile unit busy
         // (a product's latency is longer than its issue interval). The chunk's sum is added to the fp32
@@ -498,7 +414,112 @@ void AmxAttentionWorker::run(const AttnItem& item, const AttnItem* next) {
               _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(_mm512_loadu_ps(acc + d), va, _mm512_loadu_ps(o + 64 * j + d)));
           }
         }
+      };
+      // Per row group: scores, then the previous group's P . V, then this group's softmax. A tile load of data that
+      // vector stores just wrote waits for them to drain, as do vector loads of a tile store: run in order, S's
+      // tile store fed the softmax's loads at once and the softmax's stores P's tile load (perf put a fifth of a
+      // prefill's time on those two waits); one group's P . V between them hides both.
+      PendingPV pending{};
+      bool has_pending = false;
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t r0 = g * kTileRows, n = std::min(kTileRows, rows - r0);
+        const int64_t group_end = start + t0 + (r0 + n - 1) / G + 1;  // the group's last row's causal limit
+        if (c0 >= group_end) continue;
+        const int64_t ng = std::min(nk, group_end - c0), ng32 = (ng + 31) / 32 * 32;
+        const int64_t config = 4 * n + layout;
+        if (config != configured_) {
+          if (has_pending) run_pv(pending), has_pending = false;  // in the configuration it was computed in
+          load_tile_config(n, layout), configured_ = config;
+        }
+        if (transposed) {
+          // Scores: S^T per 16 keys (K rows straight from the cache), transposed back into the rows' score lines.
+          const uint32_t* qt = q_t_.data() + hb * slices * kTileRows * n;
+          alignas(64) float s_t[kTileRows * kTileRows];  // [16 keys][16 lanes, n of them rows]
+          for (int64_t k16 = 0; k16 < ng; k16 += kTileRows) {
+            const int64_t key = c0 + k16;
+            const c10::BFloat16* kp =
+                k_h + table[key / a.block_size] * a.k_stride_block + (key % a.block_size) * a.k_stride_token;
+            KVS_TILE_ZERO(0);
+            for (int64_t sl = 0; sl < slices; ++sl) {
+              KVS_TILE_LOAD(1, kp + 32 * sl, a.k_stride_token * 2);
+              KVS_TILE_LOAD(2, qt + sl * kTileRows * n, 4 * n);
+              KVS_TILE_DP_BF16(0, 1, 2);
+            }
+            KVS_TILE_STORE(0, s_t, 64);
+            __m512i r[16];
+            for (int64_t i = 0; i < kTileRows; ++i) r[i] = _mm512_load_si512(s_t + i * kTileRows);
+            transpose16x16_epi32(r);  // r[j] = query row j's scores of the 16 keys
+            for (int64_t j = 0; j < n; ++j) _mm512_storeu_si512(s_.data() + j * kChunkKeys + k16, r[j]);
+          }
+        } else if (packed) {
+          // Scores: S per 16 keys, K^T tiles straight from the cache (16 dim pairs of 64 bytes, one after another).
+          // (Two 16-key groups at a time into two accumulators measured 3-15% slower.)
+          const uint16_t* qg = q_rows_.data() + (hb * rows + r0) * D;
+          for (int64_t k16 = 0; k16 < ng; k16 += kTileRows) {
+            const int64_t key = c0 + k16;
+            const c10::BFloat16* kt = k_h + table[key / bs] * a.k_stride_block + (key % bs) * D;
+            KVS_TILE_ZERO(0);
+            for (int64_t sl = 0; sl < slices; ++sl) {
+              KVS_TILE_LOAD(1, qg + 32 * sl, head_bytes);
+              KVS_TILE_LOAD(2, kt + sl * 32 * kTileRows, 64);
+              KVS_TILE_DP_BF16(0, 1, 2);
+            }
+            KVS_TILE_STORE(0, s_.data() + k16, kChunkKeys * 4);
+            if (g == 0) prefetch_units(pf_units_per_step);
+          }
+        } else {
+          // Scores: S per 16 keys, stored straight into the rows' score lines.
+          const uint16_t* qg = q_rows_.data() + (hb * rows + r0) * D;
+          for (int64_t k16 = 0; k16 < ng; k16 += kTileRows) {
+            KVS_TILE_ZERO(0);
+            for (int64_t sl = 0; sl < slices; ++sl) {
+              KVS_TILE_LOAD(1, qg + 32 * sl, head_bytes);
+              KVS_TILE_LOAD(2, k_pack_.data() + ((k16 / kTileRows) * slices + sl) * kTileRows * kTileRows, 64);
+              KVS_TILE_DP_BF16(0, 1, 2);
+            }
+            KVS_TILE_STORE(0, s_.data() + k16, kChunkKeys * 4);
+          }
+        }
+        if (has_pending) run_pv(pending), has_pending = false;
+        // Online softmax per row over its visible keys of this chunk; P in bf16, zero past them.
+        float* alpha = pending.alpha;
+        for (int64_t j = 0; j < n; ++j) {
+          const int64_t r = r0 + j, hr = hb * rows + r;
+          const int64_t visible = std::clamp<int64_t>(start + t0 + r / G + 1 - c0, 0, ng);
+          float* sr = s_.data() + j * kChunkKeys;
+          uint16_t* pr = p_.data() + j * kChunkKeys;
+          if (visible == 0) {
+            alpha[j] = 1.f;
+            std::fill(pr, pr + ng32, uint16_t(0));
+            continue;
+          }
+          // The scale is folded into the exponent, exp(s * scale - max * scale) as one fused multiply-add: the
+          // max of the raw scores times a positive scale is the max of the scaled ones, and the scores are read
+          // twice instead of scaled, stored and read again.
+          __m512 vmax = _mm512_set1_ps(kNegInf);
+          for (int64_t i = 0; i < visible; i += 16) {
+            const __mmask16 mk = tail_mask(visible - i);
+            vmax = _mm512_mask_max_ps(vmax, mk, vmax, _mm512_maskz_loadu_ps(mk, sr + i));
+          }
+          const float m_new = std::max(m_[hr], _mm512_reduce_max_ps(vmax) * a.scale);
+          alpha[j] = m_[hr] == kNegInf ? 0.f : std::exp(m_[hr] - m_new);
+          const __m512 vscale = _mm512_set1_ps(a.scale), vneg_m = _mm512_set1_ps(-m_new);
+          __m512 vsum = _mm512_setzero_ps();
+          int64_t i = 0;
+          for (; i < visible; i += 16) {
+            const __mmask16 mk = tail_mask(visible - i);
+            const __m512 x = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, sr + i), vscale, vneg_m);
+            const __m512 e = _mm512_maskz_mov_ps(mk, exp_ps(x));  // zeros past `visible`
+            vsum = _mm512_add_ps(vsum, e);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + i), (__m256i)_mm512_cvtneps_pbh(e));
+          }
+          for (; i < ng32; i += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + i), _mm256_setzero_si256());
+          l_[hr] = l_[hr] * alpha[j] + _mm512_reduce_add_ps(vsum);
+          m_[hr] = m_new;
+        }
+        pending.r0 = r0, pending.n = n, pending.ng = ng, pending.ng32 = ng32, has_pending = true;
       }
+      if (has_pending) run_pv(pending);
     }
     prefetch_some(pf_left);  // what the packing loop did not reach (a next chunk longer than this one)
   }

@@ -81,7 +81,10 @@ def main() -> None:
     kc = [zeroed_cpu_tensor(shape, torch.bfloat16).normal_() for _ in range(caches)]
     vc = [zeroed_cpu_tensor(shape, torch.bfloat16).normal_() for _ in range(caches)]
     packed = [pack_kv_blocks(k, v) for k, v in zip(kc, vc)] if "packed" in paths else []
-    packed = [(k.contiguous(), v.contiguous()) for k, v in packed]
+    packed = [
+        (zeroed_cpu_tensor(shape, torch.bfloat16).copy_(k), zeroed_cpu_tensor(shape, torch.bfloat16).copy_(v))
+        for k, v in packed
+    ]  # huge pages, as the token-order caches and the engine's
     scale = head_dim**-0.5
 
     def step(path: str) -> float:

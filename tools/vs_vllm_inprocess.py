@@ -5,6 +5,7 @@ drifts by 2x over hours; `kvserve bench peer` alternates whole processes). Run i
     taskset -c 1 ~/.cache/kvserve/peer-venv/bin/python tools/vs_vllm_inprocess.py attention decode|fresh|mixed
     taskset -c 1 ~/.cache/kvserve/peer-venv/bin/python tools/vs_vllm_inprocess.py engine [--prefix-caching]
         [--rounds 2] [--model HF_DIR]
+    taskset -c 1 ~/.cache/kvserve/peer-venv/bin/python tools/vs_vllm_inprocess.py linear
 
 attention: vLLM's `cpu_attention_with_kv_cache` (its AMX kernel, KV written by its own `cpu_attn_reshape_and_cache`
 into its prepacked layout) against kvserve's paged op (AMX path on, and off) on the same q/K/V, 9/3 heads of 64
@@ -15,6 +16,9 @@ prompts of 32-320 tokens, 16-48 outputs, max_num_seqs 128, 2048 batched tokens),
 vLLM, kvserve, kvserve, vLLM: two unprofiled rounds (wall), then --rounds ABBA rounds under torch's profiler with
 op time summed by kind (linears by rows, attention, element-wise, KV write). --model with a tiny random HF folder
 (the same 30 layers and vocabulary, hidden 128) leaves mostly per-step overhead: wall minus op time.
+linear: kvserve's linear (torch's `mkldnn._linear_pointwise` on a weight `_reorder_linear_weight` packed) against
+vLLM's (`create_onednn_mm` / `onednn_mm`, its own oneDNN) on SmolLM2's bf16 projection shapes at 64, 128 and 2,048
+rows; best of 10 interleaved rounds of 8 weights each.
 """
 
 from __future__ import annotations
@@ -213,9 +217,44 @@ def engine(prefix_caching: bool, rounds: int, model: str | None) -> None:
         print(f"  profiled  {name:8s} {wall:6.2f} s   op time (s): {kinds}", flush=True)
 
 
+def linear() -> None:
+    import torch
+    import vllm._custom_ops as ops
+
+    torch.set_num_threads(1)
+    torch._C._cpu._init_amx()
+    shapes = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "head": (49152, 576)}
+    for rows in (128, 64, 2048):
+        for name, (out_features, in_features) in shapes.items():
+            if rows == 2048 and name == "head":
+                continue  # the LM head runs on the sampled rows only
+            weights = [torch.randn(out_features, in_features, dtype=torch.bfloat16) * 0.05 for _ in range(8)]
+            x = torch.randn(rows, in_features, dtype=torch.bfloat16)
+            ours = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
+            theirs = [ops.create_onednn_mm(w.t(), 32) for w in weights]
+            calls = {
+                "kvserve": lambda x=x, ours=ours: [
+                    torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in ours
+                ],
+                "vLLM": lambda x=x, theirs=theirs: [ops.onednn_mm(h, x, None) for h in theirs],
+            }
+            best = {k: float("inf") for k in calls}
+            for i in range(11):
+                for k in calls if i % 2 else reversed(list(calls)):
+                    t0 = time.perf_counter()
+                    calls[k]()
+                    if i:  # the first round warms up
+                        best[k] = min(best[k], (time.perf_counter() - t0) / len(weights))
+            print(
+                f"linear {name:8s} {rows:5d} rows: kvserve {best['kvserve'] * 1e6:8.1f} us  "
+                f"vLLM {best['vLLM'] * 1e6:8.1f} us  ratio {best['kvserve'] / best['vLLM']:.2f}",
+                flush=True,
+            )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=["attention", "engine"])
+    ap.add_argument("what", choices=["attention", "engine", "linear"])
     ap.add_argument("mode", nargs="?", default="decode", help="attention: decode, fresh or mixed")
     ap.add_argument("--prefix-caching", action="store_true")
     ap.add_argument("--rounds", type=int, default=1, help="engine: profiled ABBA rounds")
@@ -226,6 +265,8 @@ def main() -> None:
     make_kvserve_importable()
     if args.what == "attention":
         attention(args.mode)
+    elif args.what == "linear":
+        linear()
     else:
         engine(args.prefix_caching, args.rounds, args.model)
 

@@ -98,19 +98,20 @@ inline void store_row<float>(const float* src, float* dst, int64_t n) { std::mem
 #ifdef KVS_AVX512
 inline __m512 bf16x16_to_f32(__m256i b) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)); }
 
-// fp32 -> bf16 with round-to-nearest-even and NaN -> 0x7fc0: the same bits as c10::BFloat16(float).
+// fp32 -> bf16 with round-to-nearest-even and NaN -> 0x7fc0: the same bits as c10::BFloat16(float) (see below).
 inline __m256i f32_to_bf16x16(__m512 f) {
 #ifdef KVS_AVX512BF16
   // One instruction, round-to-nearest-even like the sequence below; it differs from c10's scalar conversion only
   // on subnormal inputs (flushed, as the ops' FlushDenormalsScope flushes them anyway) and on NaN payloads.
   return (__m256i)_mm512_cvtneps_pbh(f);
-#endif
+#else
   __m512i u = _mm512_castps_si512(f);
   __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
   __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
   r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
   return _mm512_cvtepi32_epi16(r);
+#endif
 }
 
 template <>
@@ -317,6 +318,18 @@ inline __m128 hsum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
                            _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(x0), _mm512_castps_pd(x1))));
   __m256 z = _mm256_add_ps(_mm512_castps512_ps256(y), _mm512_extractf32x8_ps(y, 1));
   return _mm_add_ps(_mm256_castps256_ps128(z), _mm256_extractf128_ps(z, 1));
+}
+
+// Interleaves two rows of 32 16-bit values (two keys' 32 dims) into pairs per dim, AMX's B-operand ("VNNI") order:
+// *lo = x0[0], x1[0], x0[1], x1[1], ... for dims 0-15, *hi the same for dims 16-31. V's tiles are built this way by
+// the attention kernel (token-order caches) and by store_kv's write into the AMX block layout.
+alignas(64) inline constexpr uint16_t kPairLoIdx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                   8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+alignas(64) inline constexpr uint16_t kPairHiIdx[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                   24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+inline void interleave_pairs_epi16(__m512i x0, __m512i x1, __m512i* lo, __m512i* hi) {
+  *lo = _mm512_permutex2var_epi16(x0, _mm512_load_si512(kPairLoIdx), x1);
+  *hi = _mm512_permutex2var_epi16(x0, _mm512_load_si512(kPairHiIdx), x1);
 }
 
 // r[i] <- column i of the 16 x 16 matrix of 32-bit lanes whose rows are r[0..15] (unpack 32, unpack 64, then two

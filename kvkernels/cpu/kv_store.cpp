@@ -45,11 +45,9 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
     uint16_t* kc16 = static_cast<uint16_t*>(k_cache.data_ptr());
     uint16_t* vc16 = static_cast<uint16_t*>(v_cache.data_ptr());
 #ifdef KVS_AVX512
-    alignas(64) uint16_t pair_lo[32], pair_hi[32];  // interleave two V rows: dims 0-15 / 16-31 of a 32-dim slice
-    for (int d = 0; d < 16; ++d) {
-      pair_lo[2 * d] = d, pair_lo[2 * d + 1] = 32 + d;
-      pair_hi[2 * d] = 16 + d, pair_hi[2 * d + 1] = 48 + d;
-    }
+    // A decode's token: its K dim pairs go 16 dwords (one 64-byte tile row) apart.
+    const __m512i pair_offsets =
+        _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
 #endif
     at::parallel_for(0, tokens, grain_rows(2 * heads * head_dim), [&](int64_t b, int64_t e) {
       for (int64_t t = b; t < e;) {
@@ -65,7 +63,6 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
         bool run16 = off % 16 == 0 && head_dim % 32 == 0 && t + 16 <= e;
         for (int64_t i = 1; run16 && i < 16; ++i) run16 = slots[t + i] == slot + i;
         if (run16) {
-          const __m512i lo = _mm512_load_si512(pair_lo), hi = _mm512_load_si512(pair_hi);
           for (int64_t h = 0; h < heads; ++h) {
             for (int64_t d0 = 0; d0 < head_dim; d0 += 32) {
               __m512i r[16];
@@ -77,8 +74,10 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
                 const __m512i x0 = _mm512_loadu_si512(v16 + (t + i) * v0 + h * v1 + d0);
                 const __m512i x1 = _mm512_loadu_si512(v16 + (t + i + 1) * v0 + h * v1 + d0);
                 uint16_t* vd = vc16 + packed_v_index(block_elems, bs, head_dim, blk, h, off + i, d0);
-                _mm512_storeu_si512(vd, _mm512_permutex2var_epi16(x0, lo, x1));
-                _mm512_storeu_si512(vd + 32, _mm512_permutex2var_epi16(x0, hi, x1));
+                __m512i lo, hi;
+                interleave_pairs_epi16(x0, x1, &lo, &hi);
+                _mm512_storeu_si512(vd, lo);
+                _mm512_storeu_si512(vd + 32, hi);
               }
             }
           }
@@ -88,8 +87,6 @@ void store_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at:
         // One token (a decode): K's dim pairs scattered 64 bytes apart, V's dims widened into every
         // other 16-bit lane and written under a mask that keeps the pair's other key.
         if (head_dim % 32 == 0) {
-          const __m512i pair_offsets = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4,
-                                                                           3, 2, 1, 0), _mm512_set1_epi32(16));
           const __mmask32 lane = off % 2 ? 0xAAAAAAAAu : 0x55555555u;
           for (int64_t h = 0; h < heads; ++h) {
             const uint16_t* ks = k16 + t * k0 + h * k1;

@@ -134,11 +134,6 @@ struct RowWalker {
 };
 
 AmxAttentionWorker::AmxAttentionWorker(const AmxAttnArgs& args) : a_(args) {
-  // V pairs: out[2d] = key 2kk's dim d, out[2d + 1] = key 2kk+1's (of 16 dims; lo: dims 0-15 of a 32-dim slice)
-  for (int d = 0; d < 16; ++d) {
-    pair_lo_[2 * d] = d, pair_lo_[2 * d + 1] = 32 + d;
-    pair_hi_[2 * d] = 16 + d, pair_hi_[2 * d + 1] = 48 + d;
-  }
   if (args.packed) {
     v_tail_.resize(kTileRows * 2 * args.head_dim);
   } else {
@@ -157,7 +152,6 @@ void AmxAttentionWorker::run(const AttnItem& item, const AttnItem* next) {
   const AmxAttnArgs& a = a_;
   const int64_t D = a.head_dim, G = a.group, slices = D / 32, dtiles = D / 16;
   alignas(64) float o[kTileRows * 64];  // one pass of the P.V tiles: [16 rows][64 dims]
-  const __m512i vlo = _mm512_load_si512(pair_lo_), vhi = _mm512_load_si512(pair_hi_);
   const int64_t head_bytes = D * 2;
   auto key_end_of = [&](const AttnItem& x) {
     return a.seq_lens[x.seq] - (a.cu_seqlens_q[x.seq + 1] - a.cu_seqlens_q[x.seq]) + x.t1;
@@ -312,8 +306,10 @@ void AmxAttentionWorker::run(const AttnItem& item, const AttnItem* next) {
         for (int64_t sl = 0; sl < slices; ++sl) {
           const __m512i x0 = vr[0] ? _mm512_loadu_si512(vr[0] + 32 * sl) : _mm512_setzero_si512();
           const __m512i x1 = vr[1] ? _mm512_loadu_si512(vr[1] + 32 * sl) : _mm512_setzero_si512();
-          _mm512_storeu_si512(dst + (2 * sl) * kTileRows * 32, _mm512_permutex2var_epi16(x0, vlo, x1));
-          _mm512_storeu_si512(dst + (2 * sl + 1) * kTileRows * 32, _mm512_permutex2var_epi16(x0, vhi, x1));
+          __m512i lo, hi;
+          interleave_pairs_epi16(x0, x1, &lo, &hi);
+          _mm512_storeu_si512(dst + (2 * sl) * kTileRows * 32, lo);
+          _mm512_storeu_si512(dst + (2 * sl + 1) * kTileRows * 32, hi);
         }
       }
       // O += P . V of a row group whose probabilities are in p_ (see the loop below for when it runs).

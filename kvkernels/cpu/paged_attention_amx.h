@@ -104,7 +104,6 @@ class AmxAttentionWorker {
   std::vector<uint16_t> p_;         // [16 rows][chunk keys] bf16 probabilities
   std::vector<float> s_;            // [16 rows][chunk keys] scores
   std::vector<uint16_t> v_tail_;    // packed layout: the last V tile of a sequence, zero past its last key
-  alignas(64) uint16_t pair_lo_[32], pair_hi_[32];  // permute indices that interleave two V rows (VNNI pairs)
 };
 
 }  // namespace kvserve_cpu

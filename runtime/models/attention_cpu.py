@@ -143,14 +143,22 @@ class CpuAttentionBackend:
         )
 
     def store_kv(
-        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        packed: bool | None = None,
     ) -> None:
+        """packed: whether k_cache is in the AMX block layout, when the caller (forward) already asked _packs."""
         if k_cache.dtype not in _DTYPES or k.device.type != "cpu" or not k_cache.is_contiguous():
             return self._torch.store_kv(k, v, k_cache, v_cache, meta)
         k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
         k = k if k.stride(-1) == 1 else k.contiguous()
         v = v if v.stride(-1) == 1 else v.contiguous()
-        _ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, self._packs(k_cache))
+        packed = self._packs(k_cache) if packed is None else packed
+        _ops.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, packed)
 
     def forward(
         self,
@@ -166,10 +174,10 @@ class CpuAttentionBackend:
     ) -> torch.Tensor:
         if not self._supported(q, k_cache, sliding_window, softcap):
             return self._torch.forward(q, k, v, k_cache, v_cache, meta, scale, sliding_window, softcap)
-        self.store_kv(k, v, k_cache, v_cache, meta)
+        packed = self._packs(k_cache)  # once per layer call: the store and the read must agree
+        self.store_kv(k, v, k_cache, v_cache, meta, packed)
         q = q if q.stride(-1) == 1 else q.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype)
-        packed = self._packs(k_cache)
         if packed:  # nothing reads a packed cache but the kernel: only fresh prefills may leave it (for SDPA)
             limit, fresh_limit = 1 << 30, self.PAGED_MAX_Q_BF16_DPBF16
         else:

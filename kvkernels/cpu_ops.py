@@ -25,6 +25,8 @@ False and :func:`unavailable_reason` says why; callers fall back to pure torch. 
 * ``rms_norm(out, x, weight, eps)``, ``add_rms_norm(out, residual, x, weight, eps)``
 * ``rotary_embedding(positions, q, k, cos, sin)`` (in place), ``silu_and_mul(out, x)``
 * ``greedy_argmax(logits) -> int64 [rows]`` (torch.argmax(dim=-1) of float32 logits, vectorised)
+* ``screened_greedy_argmax(hidden, approx, weight, weight_norms) -> int64 [rows]`` (an fp32 LM head's greedy
+  tokens from a bf16 screen: runtime/models/screened_head.py)
 
 Set ``KVSERVE_CPU_OPS=0`` to refuse loading (the pure-torch path then runs everywhere).
 """
@@ -49,9 +51,10 @@ _OP_NAMES = (
     "rotary_embedding",
     "silu_and_mul",
     "greedy_argmax",
+    "screened_greedy_argmax",
     "packed_kv_usable",
 )
-_RETURNING_OPS = {"greedy_argmax"}  # the others write into their arguments and return nothing
+_RETURNING_OPS = {"greedy_argmax", "screened_greedy_argmax"}  # the others write into their arguments and return nothing
 _NO_TENSOR_OPS = {"packed_kv_usable"}  # plain values in and out: nothing for torch.compile to trace
 
 
@@ -237,8 +240,8 @@ def _register_fakes() -> None:
     def _none(*args, **kwargs):
         return None
 
-    def _argmax_fake(logits):
-        return logits.new_empty(logits.shape[:1], dtype=torch.long)
+    def _argmax_fake(rows, *args):  # one int64 per row of the first argument
+        return rows.new_empty(rows.shape[:1], dtype=torch.long)
 
     for op in _OP_NAMES:
         if op in _NO_TENSOR_OPS:

@@ -35,6 +35,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=24)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--block-size", type=int, default=128)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="float32: AVX-512 and SDPA")
     where = ap.add_mutually_exclusive_group()
     where.add_argument("--kv-in-l2", action="store_true")
     where.add_argument("--one-layer-cache", action="store_true")
@@ -44,7 +45,8 @@ def main() -> None:
     from kvserve.runtime.models.attention_cpu import amx_usable, pack_kv_blocks
 
     # "AMX": AMX where the kernel takes it; "packed": AMX on caches in the AMX block layout (every item on AMX)
-    paths = ("AMX", "AVX-512", "packed") if amx_usable() else ("AVX-512",)
+    dtype = getattr(torch, args.dtype)
+    paths = ("AMX", "AVX-512", "packed") if amx_usable() and dtype == torch.bfloat16 else ("AVX-512",)
     torch.set_num_threads(args.threads)
     heads, kv_heads, head_dim = (int(x) for x in args.heads.split(","))
     rng = random.Random(0)
@@ -74,15 +76,15 @@ def main() -> None:
     cu = torch.zeros(seqs + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(q_lens, dtype=torch.int32), 0)
     tokens = int(cu[-1])
-    q = torch.randn(tokens, heads + 2 * kv_heads, head_dim, dtype=torch.bfloat16)[:, :heads]  # a view, as qkv split
-    out = torch.empty(tokens, heads, head_dim, dtype=torch.bfloat16)
+    q = torch.randn(tokens, heads + 2 * kv_heads, head_dim, dtype=dtype)[:, :heads]  # a view, as qkv split
+    out = torch.empty(tokens, heads, head_dim, dtype=dtype)
     shape = (first, bs, kv_heads, head_dim)
     caches = 1 if args.kv_in_l2 or args.one_layer_cache else args.layers
-    kc = [zeroed_cpu_tensor(shape, torch.bfloat16).normal_() for _ in range(caches)]
-    vc = [zeroed_cpu_tensor(shape, torch.bfloat16).normal_() for _ in range(caches)]
+    kc = [zeroed_cpu_tensor(shape, dtype).normal_() for _ in range(caches)]
+    vc = [zeroed_cpu_tensor(shape, dtype).normal_() for _ in range(caches)]
     packed = [pack_kv_blocks(k, v) for k, v in zip(kc, vc)] if "packed" in paths else []
     packed = [
-        (zeroed_cpu_tensor(shape, torch.bfloat16).copy_(k), zeroed_cpu_tensor(shape, torch.bfloat16).copy_(v))
+        (zeroed_cpu_tensor(shape, dtype).copy_(k), zeroed_cpu_tensor(shape, dtype).copy_(v))
         for k, v in packed
     ]  # huge pages, as the token-order caches and the engine's
     scale = head_dim**-0.5
@@ -97,7 +99,7 @@ def main() -> None:
         return time.perf_counter() - t0
 
     # SDPA on a fresh prompt reads this step's own K/V (the backend's route): contiguous tensors of the same size
-    k_new = torch.randn(tokens, kv_heads, head_dim, dtype=torch.bfloat16)
+    k_new = torch.randn(tokens, kv_heads, head_dim, dtype=dtype)
     v_new = torch.randn_like(k_new)
 
     def sdpa_step() -> float:

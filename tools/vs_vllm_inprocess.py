@@ -161,7 +161,7 @@ def _kind(event) -> str:
     return "other ops"
 
 
-def engine(prefix_caching: bool, rounds: int, model: str | None) -> None:
+def engine(prefix_caching: bool, rounds: int, model: str | None, dtype: str) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(sorted(os.sched_getaffinity(0))[0]))
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -175,15 +175,15 @@ def engine(prefix_caching: bool, rounds: int, model: str | None) -> None:
     from kvserve.runtime.bench import real_model
     from kvserve.runtime.bench.real_prompts import chat_prompts_of_lengths
 
-    model = model or real_model.hf_dir("bfloat16")
+    model = model or real_model.hf_dir(dtype)
     rng = random.Random(0)
     prompt_lens = [rng.randint(32, 320) for _ in range(128)]
     output_lens = [rng.randint(16, 48) for _ in range(128)]
     prompts = chat_prompts_of_lengths(AutoTokenizer.from_pretrained(model), prompt_lens, 0)
     common = dict(max_model_len=400, max_num_seqs=128, max_num_batched_tokens=2048, block_size=128)
-    vllm_llm = VllmLLM(model, dtype="bfloat16", seed=0, enable_prefix_caching=prefix_caching, **common)
+    vllm_llm = VllmLLM(model, dtype=dtype, seed=0, enable_prefix_caching=prefix_caching, **common)
     torch.set_num_threads(1)
-    kv_llm = LLM(model, dtype="bfloat16", kv_cache_bytes=2 << 30, enable_prefix_caching=prefix_caching, **common)
+    kv_llm = LLM(model, dtype=dtype, kv_cache_bytes=2 << 30, enable_prefix_caching=prefix_caching, **common)
     reqs = [{"prompt_token_ids": p} for p in prompts]
     run = {
         "vllm": lambda: vllm_llm.generate(
@@ -217,7 +217,7 @@ def engine(prefix_caching: bool, rounds: int, model: str | None) -> None:
         print(f"  profiled  {name:8s} {wall:6.2f} s   op time (s): {kinds}", flush=True)
 
 
-def linear() -> None:
+def linear(dtype: str) -> None:
     import torch
     import vllm._custom_ops as ops
 
@@ -228,8 +228,8 @@ def linear() -> None:
         for name, (out_features, in_features) in shapes.items():
             if rows == 2048 and name == "head":
                 continue  # the LM head runs on the sampled rows only
-            weights = [torch.randn(out_features, in_features, dtype=torch.bfloat16) * 0.05 for _ in range(8)]
-            x = torch.randn(rows, in_features, dtype=torch.bfloat16)
+            weights = [torch.randn(out_features, in_features, dtype=getattr(torch, dtype)) * 0.05 for _ in range(8)]
+            x = torch.randn(rows, in_features, dtype=getattr(torch, dtype))
             ours = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
             theirs = [ops.create_onednn_mm(w.t(), 32) for w in weights]
             calls = {
@@ -258,6 +258,7 @@ def main() -> None:
     ap.add_argument("mode", nargs="?", default="decode", help="attention: decode, fresh or mixed")
     ap.add_argument("--prefix-caching", action="store_true")
     ap.add_argument("--rounds", type=int, default=1, help="engine: profiled ABBA rounds")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="engine and linear")
     ap.add_argument(
         "--model", help="engine: an HF folder instead of SmolLM2 (e.g. a tiny random one: per-step overhead)"
     )
@@ -266,9 +267,9 @@ def main() -> None:
     if args.what == "attention":
         attention(args.mode)
     elif args.what == "linear":
-        linear()
+        linear(args.dtype)
     else:
-        engine(args.prefix_caching, args.rounds, args.model)
+        engine(args.prefix_caching, args.rounds, args.model, args.dtype)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ TORCH_LIBRARY(kvserve_cpu, m) {
   m.def("rotary_embedding(Tensor positions, Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def("greedy_argmax(Tensor logits) -> Tensor");
+  m.def("screened_greedy_argmax(Tensor hidden, Tensor approx, Tensor weight, Tensor weight_norms) -> Tensor");
   m.def("packed_kv_usable(int head_dim, int block_size) -> bool");
 }
 
@@ -26,6 +27,7 @@ TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
   m.impl("rotary_embedding", &kvserve_cpu::rotary_embedding);
   m.impl("silu_and_mul", &kvserve_cpu::silu_and_mul);
   m.impl("greedy_argmax", &kvserve_cpu::greedy_argmax);
+  m.impl("screened_greedy_argmax", &kvserve_cpu::screened_greedy_argmax);
 }
 
 // No tensor arguments: registered for every dispatch key (CompositeExplicitAutograd would need a tensor to route by).

@@ -38,6 +38,12 @@ bool packed_kv_usable(int64_t head_dim, int64_t block_size);
 
 // int64 [rows]: torch.argmax(logits, dim=-1) for float32 [rows, vocab] (first maximum; first NaN if any).
 at::Tensor greedy_argmax(const at::Tensor& logits);
+// int64 [rows]: the fp32 LM head's greedy tokens, argmax(hidden . weight^T), from approx = the same product on bf16
+// operands (bfloat16 [rows, vocab]) and weight_norms (float32 [vocab], the rows' L2 norms rounded up): only the
+// vocab rows the screen cannot rule out are computed in fp32 (screened_argmax.cpp); -1 for a row that needs full
+// logits (a non-finite value).
+at::Tensor screened_greedy_argmax(const at::Tensor& hidden, const at::Tensor& approx, const at::Tensor& weight,
+                                  const at::Tensor& weight_norms);
 
 }  // namespace kvserve_cpu
 

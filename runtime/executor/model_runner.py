@@ -25,6 +25,7 @@ from kvserve.runtime.executor.block_tables import BlockTables
 from kvserve.runtime.executor.cuda_graphs import DecodeGraphs
 from kvserve.runtime.models.attention import AttentionMetadata, kv_block_layout
 from kvserve.runtime.models.attention_backends import get_attention_backend
+from kvserve.runtime.models import screened_head
 from kvserve.runtime.models.cpu_linear import pack_linears
 from kvserve.runtime.models.loader import load_model
 from kvserve.runtime.models.parallel_layers import SINGLE, ColumnParallelLinear, ParallelContext, RowParallelLinear
@@ -124,7 +125,9 @@ class ModelRunner:
                 self._capture_decode_graphs()
 
     def _pack_weights(self) -> None:
+        self.greedy_head = None  # an fp32 head's bf16 screen for all-greedy steps (models/screened_head.py)
         if self.device.type == "cpu":  # oneDNN with prepacked weights (models/cpu_linear.py)
+            self.greedy_head = screened_head.for_model(self.model, self.parallel.size)  # before packing frees it
             pack_linears(self.model, (ColumnParallelLinear, RowParallelLinear))
 
     def _capture_decode_graphs(self) -> None:
@@ -342,6 +345,8 @@ class ModelRunner:
             return ModelRunnerOutput({})
         # Every row samples in a pure-decode step: no gather needed.
         rows_to_sample = hidden if len(logits_rows) == num_tokens else hidden[torch.tensor(logits_rows, device=dev)]
+        if self.greedy_head is not None and not drafted and req_ids and self.plain_greedy.issuperset(req_ids):
+            return self._emit_greedy(self.greedy_head.tokens(rows_to_sample).tolist(), req_ids)
         logits = self.model.compute_logits(rows_to_sample)
         if logits is None:  # tensor-parallel rank > 0: rank 0 gathered the logits and samples
             return ModelRunnerOutput({})
@@ -364,6 +369,11 @@ class ModelRunner:
             return torch.ops.kvserve_cpu.greedy_argmax(logits)
         return logits.argmax(dim=-1)
 
+    def _emit_greedy(self, tokens: list[int], req_ids: list[str]) -> ModelRunnerOutput:
+        for rid, token in zip(req_ids, tokens):
+            self.states[rid].output_token_ids.append(token)
+        return ModelRunnerOutput(dict(zip(req_ids, tokens)))
+
     def _undrafted_rows(self, drafted: list[tuple[str, list[int], int]], num_rows: int) -> torch.Tensor:
         """The logits rows of the requests that decode one token (every row outside the drafted ranges)."""
         keep = np.ones(num_rows, dtype=bool)
@@ -376,10 +386,7 @@ class ModelRunner:
             return ModelRunnerOutput({})
         states = self.states
         if self.plain_greedy.issuperset(req_ids):  # what sample() would do for these, minus its passes
-            tokens = self._greedy_argmax(logits).tolist()
-            for rid, token in zip(req_ids, tokens):
-                states[rid].output_token_ids.append(token)
-            return ModelRunnerOutput(dict(zip(req_ids, tokens)))
+            return self._emit_greedy(self._greedy_argmax(logits).tolist(), req_ids)
         tokens, logprobs, failed = sample(logits, [states[rid] for rid in req_ids])
         return ModelRunnerOutput(
             {rid: t for rid, t in zip(req_ids, tokens) if t is not None},

@@ -42,6 +42,7 @@ def sleep(runner: Any, level: int) -> None:
     runner.kv_caches = []
     if level == 2:
         runner.model = None
+        runner.greedy_head = None  # it holds the LM head's weight and its bf16 copy
     elif runner.device.type != "cpu":
         runner.model.to("cpu")
     runner.sleep_level = level

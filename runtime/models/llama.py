@@ -240,6 +240,7 @@ class LlamaForCausalLM(nn.Module):
     (`qk_norm`) and sparse MLPs (registry.moe_shape decides which layers are sparse)."""
 
     qk_norm = False
+    plain_lm_head = True  # compute_logits is the bare head (no softcap, no scale): greedy may screen it
 
     def __init__(self, model_config, backend, parallel: ParallelContext = SINGLE):
         super().__init__()

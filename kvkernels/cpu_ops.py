@@ -24,9 +24,9 @@ False and :func:`unavailable_reason` says why; callers fall back to pure torch. 
 * ``packed_kv_usable(head_dim, block_size) -> bool`` (this CPU, build and shape take the AMX block layout)
 * ``rms_norm(out, x, weight, eps)``, ``add_rms_norm(out, residual, x, weight, eps)``
 * ``rotary_embedding(positions, q, k, cos, sin)`` (in place), ``silu_and_mul(out, x)``
-* ``greedy_argmax(logits) -> int64 [rows]`` (torch.argmax(dim=-1) of float32 logits, vectorised)
+* ``greedy_argmax(logits) -> int64 [rows]`` (torch.argmax(dim=-1) of float32 / bf16 / fp16 logits, vectorised)
 * ``screened_greedy_argmax(hidden, approx, weight, weight_norms) -> int64 [rows]`` (an fp32 LM head's greedy
-  tokens from a bf16 screen: runtime/models/screened_head.py)
+  tokens from a bf16 screen: runtime/models/greedy_head.py)
 
 Set ``KVSERVE_CPU_OPS=0`` to refuse loading (the pure-torch path then runs everywhere).
 """

@@ -84,8 +84,7 @@ def main() -> None:
     vc = [zeroed_cpu_tensor(shape, dtype).normal_() for _ in range(caches)]
     packed = [pack_kv_blocks(k, v) for k, v in zip(kc, vc)] if "packed" in paths else []
     packed = [
-        (zeroed_cpu_tensor(shape, dtype).copy_(k), zeroed_cpu_tensor(shape, dtype).copy_(v))
-        for k, v in packed
+        (zeroed_cpu_tensor(shape, dtype).copy_(k), zeroed_cpu_tensor(shape, dtype).copy_(v)) for k, v in packed
     ]  # huge pages, as the token-order caches and the engine's
     scale = head_dim**-0.5
 

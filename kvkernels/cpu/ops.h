@@ -36,7 +36,8 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& x);
 // Whether paged_attention / store_kv take packed_kv for these shapes on this CPU and build (bf16 caches).
 bool packed_kv_usable(int64_t head_dim, int64_t block_size);
 
-// int64 [rows]: torch.argmax(logits, dim=-1) for float32 [rows, vocab] (first maximum; first NaN if any).
+// int64 [rows]: torch.argmax(logits, dim=-1) for float32 / bfloat16 / float16 [rows, vocab] (first maximum; first
+// NaN if any).
 at::Tensor greedy_argmax(const at::Tensor& logits);
 // int64 [rows]: the fp32 LM head's greedy tokens, argmax(hidden . weight^T), from approx = the same product on bf16
 // operands (bfloat16 [rows, vocab]) and weight_norms (float32 [vocab], the rows' L2 norms rounded up): only the

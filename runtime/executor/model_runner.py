@@ -23,9 +23,9 @@ from kvserve.runtime.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kvserve.runtime.executor import host_tier, kv_groups, kv_sizing, sleep_mode
 from kvserve.runtime.executor.block_tables import BlockTables
 from kvserve.runtime.executor.cuda_graphs import DecodeGraphs
+from kvserve.runtime.models import greedy_head
 from kvserve.runtime.models.attention import AttentionMetadata, kv_block_layout
 from kvserve.runtime.models.attention_backends import get_attention_backend
-from kvserve.runtime.models import screened_head
 from kvserve.runtime.models.cpu_linear import pack_linears
 from kvserve.runtime.models.loader import load_model
 from kvserve.runtime.models.parallel_layers import SINGLE, ColumnParallelLinear, ParallelContext, RowParallelLinear
@@ -125,9 +125,9 @@ class ModelRunner:
                 self._capture_decode_graphs()
 
     def _pack_weights(self) -> None:
-        self.greedy_head = None  # an fp32 head's bf16 screen for all-greedy steps (models/screened_head.py)
+        self.greedy_head = None  # tokens straight from the LM head for all-greedy steps (models/greedy_head.py)
         if self.device.type == "cpu":  # oneDNN with prepacked weights (models/cpu_linear.py)
-            self.greedy_head = screened_head.for_model(self.model, self.parallel.size)  # before packing frees it
+            self.greedy_head = greedy_head.for_model(self.model, self.parallel.size)  # before packing frees it
             pack_linears(self.model, (ColumnParallelLinear, RowParallelLinear))
 
     def _capture_decode_graphs(self) -> None:

@@ -473,6 +473,9 @@ def test_greedy_argmax_equals_torch(vocab, gen):
     logits[8] = logits[8].round()  # many ties at the top
     for x in (logits, torch.randn(5, vocab * 2, generator=gen)[:, :vocab]):
         assert torch.equal(ops.greedy_argmax(x), x.argmax(dim=-1))
+        for dtype in (torch.bfloat16, torch.float16):  # widened in registers: the argmax of the same values
+            narrow = x.to(dtype)
+            assert torch.equal(ops.greedy_argmax(narrow), narrow.float().argmax(dim=-1))
 
 
 def test_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch, caplog):

@@ -1,4 +1,4 @@
-"""The fp32 LM head's greedy tokens from a bf16 screen (runtime/models/screened_head.py,
+"""The fp32 LM head's greedy tokens from a bf16 screen (runtime/models/greedy_head.py,
 kvkernels/cpu/screened_argmax.cpp) against the argmax of the full product.
 
 The reference is the float64 product, and the cases keep the top two logits of every row far apart next to fp32's
@@ -19,7 +19,7 @@ if not cpu_ops.load():
 if not torch.backends.mkldnn.is_available():
     pytest.skip("oneDNN unavailable", allow_module_level=True)
 
-from kvserve.runtime.models.screened_head import ScreenedGreedyHead  # noqa: E402
+from kvserve.runtime.models.greedy_head import ScreenedGreedyHead  # noqa: E402
 
 
 def reference(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""An fp32 engine on CPU screens its LM head on all-greedy steps (runtime/models/screened_head.py) and answers as
-with full logits; steps with a request that needs the logits (logprobs here) still compute them."""
+"""All-greedy steps on CPU take their tokens straight from the LM head (runtime/models/greedy_head.py): an fp32
+engine screens its head in bf16, a bf16 engine argmaxes the head's bf16 output; both answer as with full logits,
+and steps with a request that needs the logits (logprobs here) still compute them."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from kvserve_testing import hf_greedy, random_prompts
 
 from kvserve.kernels import cpu_ops
 from kvserve.runtime import LLM, SamplingParams
-from kvserve.runtime.models import screened_head
+from kvserve.runtime.models import greedy_head
 
 if not cpu_ops.load():
     pytest.skip(f"compiled CPU ops unavailable: {cpu_ops.unavailable_reason()}", allow_module_level=True)
@@ -17,16 +18,18 @@ if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf1
     pytest.skip("no oneDNN bf16 GEMM on this CPU", allow_module_level=True)
 
 
-def engine(model_dir: str, screen: bool, monkeypatch) -> tuple[LLM, list[int]]:
-    """The engine, and a list that grows by the row count of every screened call."""
-    monkeypatch.setenv(screened_head.ENV_SWITCH, "1" if screen else "0")
+def engine(model_dir: str, screen: bool, monkeypatch, dtype: str = "float32") -> tuple[LLM, list[int]]:
+    """The engine (with the greedy head, or without: full logits every step), and a list that grows by the row
+    count of every greedy-head call."""
+    monkeypatch.setattr(greedy_head, "for_model", greedy_head.for_model if screen else lambda *a: None)
     # On a CPU without native bf16 dot products the runner would not build the screen; the test wants it anyway.
-    monkeypatch.setattr(screened_head, "bf16_dot_products_native", lambda: True)
-    llm = LLM(model_dir, dtype="float32", attention_backend="cpu", kv_cache_bytes=64 << 20, max_num_seqs=8)
+    monkeypatch.setattr(greedy_head, "bf16_dot_products_native", lambda: True)
+    llm = LLM(model_dir, dtype=dtype, attention_backend="cpu", kv_cache_bytes=64 << 20, max_num_seqs=8)
     runner = llm.engine.executor.runner
     calls: list[int] = []
     if screen:
-        assert runner.greedy_head is not None
+        kind = greedy_head.ScreenedGreedyHead if dtype == "float32" else greedy_head.HeadArgmax
+        assert isinstance(runner.greedy_head, kind)
         tokens = runner.greedy_head.tokens
 
         def counted(hidden):
@@ -53,6 +56,25 @@ def test_greedy_tokens_equal_full_logits_and_transformers(name, model_factory, m
             assert len(calls) >= 12 and sum(calls) == 6 * 12
     assert answers[True] == answers[False]
     assert answers[True] == hf_greedy(hf, prompts, 12)
+
+
+def test_a_bf16_engine_argmaxes_the_bf16_head_output(model_factory, monkeypatch):
+    model_dir, _ = model_factory("llama_gqa", "bfloat16")
+    prompts = random_prompts(6, 512, 3, 40, seed=5)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    answers = {}
+    for screen in (True, False):
+        llm, calls = engine(model_dir, screen, monkeypatch, dtype="bfloat16")
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        answers[screen] = [list(o.outputs[0].token_ids) for o in outs]
+        assert (sum(calls) == 6 * 10) if screen else calls == []
+    assert answers[True] == answers[False]
+
+
+def test_the_switch_turns_the_fp32_screen_off(model_factory, monkeypatch):
+    monkeypatch.setenv(greedy_head.ENV_SWITCH, "0")
+    llm = LLM(model_factory("llama_gqa")[0], dtype="float32", attention_backend="cpu", kv_cache_bytes=64 << 20)
+    assert llm.engine.executor.runner.greedy_head is None
 
 
 def test_a_step_with_logprobs_computes_full_logits(model_factory, monkeypatch):

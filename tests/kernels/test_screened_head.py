@@ -3,8 +3,8 @@ kvkernels/cpu/screened_argmax.cpp) against the argmax of the full product.
 
 The reference is the float64 product, and the cases keep the top two logits of every row far apart next to fp32's
 rounding, so that "equal to the fp32 argmax" has one answer whatever order a GEMM sums in. The cases are built so
-that the bf16 product alone picks the wrong token on many rows: a screen that trusted it, or a bound too tight to
-keep the true maximum, fails them.
+that the bf16 product alone picks the wrong token on many rows (a screen that trusted it fails them), and one case
+sets every rounding error the same way (a bound under a sixth of the derived one fails it).
 """
 
 from __future__ import annotations

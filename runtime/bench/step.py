@@ -2,8 +2,9 @@
 how much is the serving stack's own host work (scheduling, input preparation, output bookkeeping).
 
 It drives the real `LLMEngine` and times its phases by wrapping, on the instances, `scheduler.schedule`,
-`runner.execute`, `scheduler.update_from_output` and the model's `__call__` / `compute_logits` (so the same
-benchmark runs unchanged on older checkouts, for before/after tables). Per step:
+`runner.execute`, `scheduler.update_from_output`, the model's `__call__` / `compute_logits` and, where the runner
+has one, its greedy head's `tokens` (CPU: the LM head of all-greedy steps, runtime/models/greedy_head.py), so the
+same benchmark runs unchanged on older checkouts, for before/after tables. Per step:
 
 - model     = the forward plus the LM head (device work; synchronised on CUDA so it is really measured);
               with --cuda-graphs, the graph replay and its input copies;
@@ -91,6 +92,17 @@ def _instrument(engine):
     runner = engine.executor.runner  # one rank, in this process (UniprocExecutor)
     sync = torch.cuda.synchronize if runner.device.type == "cuda" else (lambda: None)
     runner.model = _TimedModel(runner.model, model_s, sync)
+    head = getattr(runner, "greedy_head", None)
+    if head is not None:  # all-greedy steps take their tokens from the LM head here, not from compute_logits
+        head_tokens = head.tokens
+
+        def timed_tokens(*args):
+            t = time.perf_counter()
+            out = head_tokens(*args)
+            model_s[0] += time.perf_counter() - t
+            return out
+
+        head.tokens = timed_tokens
     graphs = getattr(runner, "decode_graphs", None)
     if graphs is not None:  # --cuda-graphs: a decode step's forward is a graph replay (plus its input copies)
         replay = graphs.run

@@ -4,12 +4,13 @@ state; prints min and median per step. The numbers in paged_attention_amx.h, att
 docs/performance.md come from it. Without AMX (CPU or OS) it times the AVX-512 kernel alone.
 
     taskset -c 1 .venv/bin/python tools/attention_amx_ab.py decode|fresh|prefix|long1024 [--heads 9,3,64]
-        [--layers 30] [--rounds 24] [--threads 1] [--kv-in-l2 | --one-layer-cache]
+        [--layers 30] [--rounds 24] [--threads 1] [--kv-in-l2 | --one-layer-cache] [--dtype float32]
 
 decode: 128 sequences of 201-241 keys, one new token each; fresh: 8 prompts of 32-320 tokens, no cached prefix
 (plus SDPA on the same tensors); prefix: 8 chunks of 32-320 tokens over 0-300 cached tokens; longN: one fresh
-N-token prompt (plus SDPA). --kv-in-l2: every sequence reads the same blocks of one layer cache (the kernel's own
-cost, no memory traffic); --one-layer-cache: every layer reads the same 20 MB cache with each sequence's own blocks
+N-token prompt (plus SDPA). --dtype float32: the AVX-512 kernel (fp32 never runs on AMX) and SDPA.
+--kv-in-l2: every sequence reads the same blocks of one layer cache (the kernel's own cost, no memory traffic);
+--one-layer-cache: every layer reads the same 20 MB cache with each sequence's own blocks
 (it stays in the last-level cache); otherwise each layer has its own cache, as in the engine.
 """
 

@@ -4,8 +4,8 @@ drifts by 2x over hours; `kvserve bench peer` alternates whole processes). Run i
 
     taskset -c 1 ~/.cache/kvserve/peer-venv/bin/python tools/vs_vllm_inprocess.py attention decode|fresh|mixed
     taskset -c 1 ~/.cache/kvserve/peer-venv/bin/python tools/vs_vllm_inprocess.py engine [--prefix-caching]
-        [--rounds 2] [--model HF_DIR]
-    taskset -c 1 ~/.cache/kvserve/peer-venv/bin/python tools/vs_vllm_inprocess.py linear
+        [--rounds 2] [--model HF_DIR] [--dtype float32]
+    taskset -c 1 ~/.cache/kvserve/peer-venv/bin/python tools/vs_vllm_inprocess.py linear [--dtype float32]
 
 attention: vLLM's `cpu_attention_with_kv_cache` (its AMX kernel, KV written by its own `cpu_attn_reshape_and_cache`
 into its prepacked layout) against kvserve's paged op (AMX path on, and off) on the same q/K/V, 9/3 heads of 64

@@ -33,8 +33,8 @@ def clear_winner(hidden: torch.Tensor, weight: torch.Tensor, min_gap: float = 1e
 
 
 def near_twins(gen: torch.Generator, vocab: int, dim: int, pairs: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A weight whose rows 2k+1 are rows 2k scaled by 1 + 0.2%..0.8% (bf16 keeps 8 bits: its rounding can reverse
-    such a pair), and hidden states pointing at the pairs (each twin's logit is the largest of its row)."""
+    """A weight whose rows 2k+1 are rows 2k scaled by 1 + 0.2%..0.8% (bf16 keeps 8 bits: its rounding can tie or
+    reverse such a pair), and hidden states pointing at the pairs (each twin's logit is the largest of its row)."""
     weight = torch.randn(vocab, dim, generator=gen) * 0.05
     scale = 1 + torch.empty(pairs).uniform_(0.002, 0.008, generator=gen)
     weight[1 : 2 * pairs : 2] = weight[0 : 2 * pairs : 2] * scale[:, None]
@@ -47,7 +47,9 @@ def test_near_twin_rows_get_the_fp32_winner_where_bf16_picks_the_other(gen):
     want = reference(hidden, weight)
     assert bool(clear_winner(hidden, weight).all())
     approx = (hidden.bfloat16() @ weight.bfloat16().T).float().argmax(dim=-1)
-    assert int((approx != want).sum()) >= 20  # the case is a real test of the exact pass
+    # the case is a real test of the exact pass: 19-41 misses (mean 30) over 60 seeds, mostly twins the bf16 output
+    # rounds to one value (the first then wins)
+    assert int((approx != want).sum()) >= 8
     assert torch.equal(ScreenedGreedyHead(weight).tokens(hidden), want)
 
 

@@ -27,22 +27,30 @@ constexpr double kBf16Unit = 1.0 / 256;  // unit roundoff of bf16 round-to-neare
 // The bound itself is evaluated in fp32 (a few roundings per vocab row): 1% slack covers them many times over.
 constexpr double kSlack = 1.01;
 
-inline float bf16_bits_to_f32(uint16_t b) {
-  uint32_t u = uint32_t(b) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
+#ifdef KVS_AVX512
+// 16 screen values from v on (masked) and their error bounds alpha * ||w_v|| + beta * |approx_v|: one definition for
+// both passes, so the lower bounds of pass 1 and the upper bounds of pass 2 are the same numbers.
+inline __m512 screen16(const c10::BFloat16* a, const float* norms, int64_t v, __mmask16 m, __m512 alpha, __m512 beta,
+                       __m512* bound) {
+  const __m512 x = load16<c10::BFloat16>(a + v, m);
+  *bound = _mm512_fmadd_ps(beta, _mm512_abs_ps(x), _mm512_mul_ps(alpha, _mm512_maskz_loadu_ps(m, norms + v)));
+  return x;
+}
+#endif
+inline float screen1(const c10::BFloat16* a, const float* norms, int64_t v, float alpha, float beta, float* bound) {
+  const float x = static_cast<float>(a[v]);
+  *bound = alpha * norms[v] + beta * std::fabs(x);
+  return x;
 }
 
 // One row: returns the token, or -1 when the row needs full logits.
-int64_t screened_row(const float* h, const c10::BFloat16* approx, const float* w, int64_t w_stride, const float* norms,
+int64_t screened_row(const float* h, const c10::BFloat16* a, const float* w, int64_t w_stride, const float* norms,
                      int64_t vocab, int64_t hidden, double abs_coef, double rel_coef) {
   double sq = 0.0;
   for (int64_t i = 0; i < hidden; ++i) sq += double(h[i]) * h[i];
   const double h_norm = std::sqrt(sq);
   if (!std::isfinite(h_norm)) return -1;
   const float alpha = float(abs_coef * h_norm * kSlack), beta = float(rel_coef * kSlack);
-  const uint16_t* a = reinterpret_cast<const uint16_t*>(approx);
   // Pass 1: the largest lower bound (every finite logit's bound is finite, so lb ends finite or a NaN shows).
   float lb = kNegInf;
   bool finite = true;
@@ -53,8 +61,8 @@ int64_t screened_row(const float* h, const c10::BFloat16* approx, const float* w
     __mmask16 bad = 0;
     for (int64_t v = 0; v < vocab; v += 16) {
       const __mmask16 m = tail_mask(vocab - v);
-      const __m512 x = bf16x16_to_f32(_mm256_maskz_loadu_epi16(m, a + v));
-      const __m512 e = _mm512_fmadd_ps(bv, _mm512_abs_ps(x), _mm512_mul_ps(av, _mm512_maskz_loadu_ps(m, norms + v)));
+      __m512 e;
+      const __m512 x = screen16(a, norms, v, m, av, bv, &e);
       lbv = _mm512_mask_max_ps(lbv, m, lbv, _mm512_sub_ps(x, e));
       // inf - inf, NaN, or an infinite screen value: full logits decide
       bad |= _mm512_mask_cmp_ps_mask(m, _mm512_abs_ps(x), _mm512_set1_ps(INFINITY), _CMP_NLT_UQ);
@@ -64,9 +72,10 @@ int64_t screened_row(const float* h, const c10::BFloat16* approx, const float* w
   }
 #else
   for (int64_t v = 0; v < vocab; ++v) {
-    const float x = bf16_bits_to_f32(a[v]);
+    float e;
+    const float x = screen1(a, norms, v, alpha, beta, &e);
     if (!std::isfinite(x)) finite = false;
-    lb = std::max(lb, x - (alpha * norms[v] + beta * std::fabs(x)));
+    lb = std::max(lb, x - e);
   }
 #endif
   if (!finite || !std::isfinite(lb)) return -1;
@@ -83,8 +92,8 @@ int64_t screened_row(const float* h, const c10::BFloat16* approx, const float* w
   const __m512 av = _mm512_set1_ps(alpha), bv = _mm512_set1_ps(beta), lbv = _mm512_set1_ps(lb);
   for (int64_t v = 0; v < vocab; v += 16) {
     const __mmask16 m = tail_mask(vocab - v);
-    const __m512 x = bf16x16_to_f32(_mm256_maskz_loadu_epi16(m, a + v));
-    const __m512 e = _mm512_fmadd_ps(bv, _mm512_abs_ps(x), _mm512_mul_ps(av, _mm512_maskz_loadu_ps(m, norms + v)));
+    __m512 e;
+    const __m512 x = screen16(a, norms, v, m, av, bv, &e);
     uint32_t keep = _mm512_mask_cmp_ps_mask(m, _mm512_add_ps(x, e), lbv, _CMP_GE_OQ);
     while (keep) {
       const int bit = __builtin_ctz(keep);
@@ -94,8 +103,9 @@ int64_t screened_row(const float* h, const c10::BFloat16* approx, const float* w
   }
 #else
   for (int64_t v = 0; v < vocab; ++v) {
-    const float x = bf16_bits_to_f32(a[v]);
-    if (x + (alpha * norms[v] + beta * std::fabs(x)) >= lb && !consider(v)) return -1;
+    float e;
+    const float x = screen1(a, norms, v, alpha, beta, &e);
+    if (x + e >= lb && !consider(v)) return -1;
   }
 #endif
   return best;

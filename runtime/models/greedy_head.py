@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.runtime.models.cpu_linear import linear
+from kvserve.runtime.models.cpu_linear import linear, pack_weight
 
 logger = logging.getLogger("kvserve.models")
 
@@ -49,7 +49,11 @@ class ScreenedGreedyHead:
         self.weight = weight.detach()
         if self.weight.dtype != torch.float32 or self.weight.dim() != 2 or self.weight.stride(-1) != 1:
             raise ValueError("ScreenedGreedyHead: weight must be float32 [vocab, hidden] with contiguous rows")
-        self.screen = torch.ops.mkldnn._reorder_linear_weight(self.weight.to(torch.bfloat16), None)
+        # the head on bf16 operands, run by models/cpu_linear.py's `linear` (packed for oneDNN; the plain bf16 weight
+        # is freed once packed)
+        self.screen = nn.Module()
+        self.screen.weight = nn.Parameter(self.weight.to(torch.bfloat16), requires_grad=False)
+        pack_weight(self.screen, self.screen.weight, free_original=True)
         norms = torch.empty(self.weight.shape[0], dtype=torch.float32)
         for start in range(0, len(norms), _NORM_ROWS_PER_CHUNK):
             chunk = self.weight[start : start + _NORM_ROWS_PER_CHUNK].double().norm(dim=1)
@@ -61,7 +65,7 @@ class ScreenedGreedyHead:
     def tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """int64 [rows]: argmax(hidden @ weight.T, dim=-1) for float32 hidden [rows, hidden]."""
         hidden = hidden.float().contiguous()
-        approx = torch.ops.mkldnn._linear_pointwise(hidden.to(torch.bfloat16), self.screen, None, "none", [], "")
+        approx = linear(hidden.to(torch.bfloat16), self.screen, None)
         tokens = torch.ops.kvserve_cpu.screened_greedy_argmax(hidden, approx, self.weight, self.norms)
         unresolved = tokens < 0
         if bool(unresolved.any()):

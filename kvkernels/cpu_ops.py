@@ -53,9 +53,11 @@ _OP_NAMES = (
     "greedy_argmax",
     "screened_greedy_argmax",
     "packed_kv_usable",
+    "panel_linear",
+    "panel_linear_native",
 )
 _RETURNING_OPS = {"greedy_argmax", "screened_greedy_argmax"}  # the others write into their arguments and return nothing
-_NO_TENSOR_OPS = {"packed_kv_usable"}  # plain values in and out: nothing for torch.compile to trace
+_NO_TENSOR_OPS = {"packed_kv_usable", "panel_linear_native"}  # plain values in and out: nothing for torch.compile to trace
 
 
 def cpu_flags() -> set[str]:

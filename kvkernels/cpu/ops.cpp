@@ -17,6 +17,8 @@ TORCH_LIBRARY(kvserve_cpu, m) {
   m.def("greedy_argmax(Tensor logits) -> Tensor");
   m.def("screened_greedy_argmax(Tensor hidden, Tensor approx, Tensor weight, Tensor weight_norms) -> Tensor");
   m.def("packed_kv_usable(int head_dim, int block_size) -> bool");
+  m.def("panel_linear(Tensor(a!) out, Tensor x, Tensor panels, Tensor? bias) -> ()");
+  m.def("panel_linear_native() -> bool");
 }
 
 TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
@@ -28,9 +30,11 @@ TORCH_LIBRARY_IMPL(kvserve_cpu, CPU, m) {
   m.impl("silu_and_mul", &kvserve_cpu::silu_and_mul);
   m.impl("greedy_argmax", &kvserve_cpu::greedy_argmax);
   m.impl("screened_greedy_argmax", &kvserve_cpu::screened_greedy_argmax);
+  m.impl("panel_linear", &kvserve_cpu::panel_linear);
 }
 
 // No tensor arguments: registered for every dispatch key (CompositeExplicitAutograd would need a tensor to route by).
 TORCH_LIBRARY_IMPL(kvserve_cpu, CatchAll, m) {
   m.impl("packed_kv_usable", &kvserve_cpu::packed_kv_usable);
+  m.impl("panel_linear_native", &kvserve_cpu::panel_linear_native);
 }

@@ -46,6 +46,13 @@ at::Tensor greedy_argmax(const at::Tensor& logits);
 at::Tensor screened_greedy_argmax(const at::Tensor& hidden, const at::Tensor& approx, const at::Tensor& weight,
                                   const at::Tensor& weight_norms);
 
+// out[M, N] = x[M, K] . W^T (+ bias), float32, with W in panels of 32 columns: panels[ceil(N / 32), K, 32], zero
+// past N (panel_linear.cpp). Each output is one sequential FMA chain over k, whatever M or the thread count.
+void panel_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias);
+
+// Whether this build runs panel_linear vectorised (AVX-512); elsewhere it runs a scalar loop, right but slow.
+bool panel_linear_native();
+
 }  // namespace kvserve_cpu
 
 #include <ATen/Dispatch.h>

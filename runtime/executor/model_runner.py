@@ -126,7 +126,7 @@ class ModelRunner:
 
     def _pack_weights(self) -> None:
         self.greedy_head = None  # tokens straight from the LM head for all-greedy steps (models/greedy_head.py)
-        if self.device.type == "cpu":  # oneDNN with prepacked weights (models/cpu_linear.py)
+        if self.device.type == "cpu":  # prepacked weights: fp32 in panels, bf16 on oneDNN (models/cpu_linear.py)
             self.greedy_head = greedy_head.for_model(self.model, self.parallel.size)  # before packing frees it
             pack_linears(self.model, (ColumnParallelLinear, RowParallelLinear))
 

@@ -57,7 +57,8 @@ _OP_NAMES = (
     "panel_linear_native",
 )
 _RETURNING_OPS = {"greedy_argmax", "screened_greedy_argmax"}  # the others write into their arguments and return nothing
-_NO_TENSOR_OPS = {"packed_kv_usable", "panel_linear_native"}  # plain values in and out: nothing for torch.compile to trace
+# plain values in and out: nothing for torch.compile to trace
+_NO_TENSOR_OPS = {"packed_kv_usable", "panel_linear_native"}
 
 
 def cpu_flags() -> set[str]:

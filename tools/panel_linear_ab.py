@@ -53,38 +53,46 @@ def main() -> None:
     print("| rows | oneDNN packed | panels | panels, weights in cache | sum of the same bytes | oneDNN / panels |")
     print("|---|---|---|---|---|---|")
     for rows in args.rows:
-        xs = {i: torch.randn(rows, i) for i in {i for _, i in SHAPES}}
-        a = torch.ops.mkldnn._linear_pointwise(xs[576], onednn[2], None, "none", [], "")
-        b = panel_linear.apply(xs[576], panels[2], None)
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        times = measure(rows, weights, onednn, panels, args.rounds)
 
-        def run_onednn():
-            for w, p in zip(weights, onednn):
-                torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
-
-        def run_panels():
-            for w, p in zip(weights, panels):
-                panel_linear.apply(xs[w.shape[1]], p, None)
-
-        def run_hot():
-            for i in range(len(weights)):
-                panel_linear.apply(xs[weights[i % 4].shape[1]], panels[i % 4], None)
-
-        def run_sum():
-            for w in weights:
-                w.sum()
-
-        # interleaved: each round times every path once, so a drift of the machine's speed hits all alike
-        times = {name: float("inf") for name in ("onednn", "panels", "hot", "sum")}
-        for _ in range(args.rounds):
-            for name, fn in (("onednn", run_onednn), ("panels", run_panels), ("hot", run_hot), ("sum", run_sum)):
-                times[name] = min(times[name], best_ms(fn, 1))
-
-        def cell(name):
+        def cell(name, times=times, rows=rows):
             return f"{times[name]:.1f} ({flops_per_row * rows / times[name] / 1e6:.0f})"
 
         ratio = times["onednn"] / times["panels"]
         print(f"| {rows} | {cell('onednn')} | {cell('panels')} | {cell('hot')} | {times['sum']:.1f} | {ratio:.2f}x |")
+
+
+def measure(rows: int, weights: list, onednn: list, panels: list, rounds: int) -> dict[str, float]:
+    """Best ms per pass of each path; interleaved: each round times every path once, so a drift of the machine's
+    speed hits all alike."""
+    from kvserve.runtime.models import panel_linear
+
+    xs = {i: torch.randn(rows, i) for i in {i for _, i in SHAPES}}
+    a = torch.ops.mkldnn._linear_pointwise(xs[576], onednn[2], None, "none", [], "")
+    torch.testing.assert_close(a, panel_linear.apply(xs[576], panels[2], None), rtol=1e-4, atol=1e-4)
+
+    def run_onednn():
+        for w, p in zip(weights, onednn):
+            torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
+
+    def run_panels():
+        for w, p in zip(weights, panels):
+            panel_linear.apply(xs[w.shape[1]], p, None)
+
+    def run_hot():  # one layer's four weights over and over: they stay in cache
+        for i in range(len(weights)):
+            panel_linear.apply(xs[weights[i % 4].shape[1]], panels[i % 4], None)
+
+    def run_sum():
+        for w in weights:
+            w.sum()
+
+    paths = {"onednn": run_onednn, "panels": run_panels, "hot": run_hot, "sum": run_sum}
+    times = {name: float("inf") for name in paths}
+    for _ in range(rounds):
+        for name, fn in paths.items():
+            times[name] = min(times[name], best_ms(fn, 1))
+    return times
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ constexpr int64_t kPanel = 32;  // output columns per panel: two 16-float vector
 constexpr int kMaxBlockRows = 12;  // 12 rows x 2 vectors = 24 accumulators of the 32 zmm registers
 // Prefetch distance: 128 k steps of 128 bytes (16 KB) ahead, into L2. 64-256 steps measured within a few percent.
 constexpr int64_t kPrefetchSteps = 128;
+constexpr int64_t kMinBytesPerThread = 256 * 1024;
 
 #ifdef KVS_AVX512
 // rows x 32 outputs of one panel. prefetch: the first row block of a panel brings the weights ahead of use; the
@@ -112,8 +113,11 @@ void panel_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels
   const int64_t ldx = x.stride(0);
   // Row blocks of near-equal size (13 rows: 7 + 6, not 12 + 1): each keeps a good ratio of FMAs to loads.
   const int64_t nblocks = (M + kMaxBlockRows - 1) / kMaxBlockRows;
-  // Threads split the panels: contiguous runs, so each thread's weights are one sequential stream.
-  at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
+  // Threads split the panels: contiguous runs, so each thread's weights are one sequential stream. At least
+  // kMinBytesPerThread of weights per thread: a small linear runs on the calling thread instead of paying for a
+  // parallel region (cpu_vec.h's grain_rows says what one costs on a busy machine).
+  const int64_t grain = std::max<int64_t>(1, kMinBytesPerThread / (K * kPanel * int64_t(sizeof(float))));
+  at::parallel_for(0, P, grain, [&](int64_t begin, int64_t end) {
     FlushDenormalsScope ftz;  // a subnormal product would cost a microcode assist (cpu_vec.h)
     for (int64_t p = begin; p < end; ++p) {
       const float* panel = wp + p * K * kPanel;

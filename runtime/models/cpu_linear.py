@@ -97,7 +97,7 @@ def pack_linears(model: nn.Module, linear_types: tuple[type, ...]) -> int:
         panels = sum(_PANELS in m.__dict__ for m in model.modules())
         logger.info(
             "CPU linears: %s (%d weights, %s); %s=onednn or =aten changes this",
-            "kvserve's panel kernel (fp32)" if panels else "oneDNN with prepacked weights",
+            "fp32 weights in panels for kvserve's kernel" if panels else "oneDNN with prepacked weights",
             count,
             str(dtype).removeprefix("torch."),
             ENV,

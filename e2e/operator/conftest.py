@@ -51,6 +51,20 @@ _ALL_VERBS = {"get", "list", "watch", "create", "patch", "update", "delete"}
 _server_url: str | None = None
 
 
+def _wait_for_reconciles(timeout: float = 40.0) -> None:
+    """Let reconciles still running finish against this test's server. KopfRunner closes its loop without waiting
+    for the executor threads that run sync handlers and the resync, and the API client is a module global the next
+    test's fixture re-points: a reconcile that read this test's InferenceService could otherwise write its children
+    into the next test's server. Each reconcile holds its object's lock from start to end (operator/handlers.py)."""
+    from kvserve.operator import handlers
+
+    with handlers._locks_guard:
+        locks = list(handlers._locks.values())
+    for lock in locks:
+        if lock.acquire(timeout=timeout):
+            lock.release()
+
+
 @kopf.on.login()
 def _login_to_emulator(**_: Any) -> kopf.ConnectionInfo:
     assert _server_url, "the emulator fixture is not running"
@@ -172,6 +186,7 @@ def emulator(request: pytest.FixtureRequest) -> Iterator[Emulator]:
     try:
         yield Emulator(box["handler"], box["url"], loop)
     finally:
+        _wait_for_reconciles()
         loop.call_soon_threadsafe(stop.set)
         thread.join(10)
         _server_url = None
@@ -217,4 +232,5 @@ def hybrid(emulator: Emulator) -> Iterator[Hybrid]:
     try:
         yield Hybrid(server, router, emulator)
     finally:
+        _wait_for_reconciles()
         router.stop()

@@ -4,14 +4,15 @@
 //
 // Why a kernel of our own: at a few to a hundred rows the weights are read once per step from memory, and oneDNN's
 // fp32 GEMM on its prepacked weight does not overlap that stream with its arithmetic: on the 2-core Sapphire
-// Rapids, SmolLM2's 120 projections (425 MB) at 24 rows took 29-31 ms against 13 ms for streaming the same bytes and
-// 15 ms for the same arithmetic with the weights in cache. This kernel prefetches the weights into L2 about 16 KB
-// ahead of its FMAs (software prefetch: the hardware streamer alone lags as soon as the core is busy), which
-// overlaps the two: 19 ms at 24 rows, 11-13 ms at 12 rows (oneDNN 24 ms), 10 ms at 1 row (16 ms).
+// Rapids, SmolLM2's 120 projections (425 MB) at 24 rows took 29.8 ms per pass, about the sum of reading the bytes
+// (14.6 ms) and of the arithmetic on weights in cache (14.7 ms). This kernel prefetches the weights into L2 about
+// 16 KB ahead of its FMAs (software prefetch: the hardware streamer alone lags as soon as the core is busy), which
+// overlaps the two: 21.8 ms (tools/panel_linear_ab.py; the table for 1-2048 rows is in docs/performance.md).
 //
 // Numerics: every output is one sequential fused multiply-add chain over k = 0..K-1 from 0, plus the bias in one
 // final add, whatever M, the row blocking or the thread split: a row's result does not depend on what else is in
-// the batch. The scalar path computes the same chain (std::fma), so both paths give the same bits.
+// the batch. The scalar path computes the same chain (std::fma), so both paths give the same bits. Subnormal inputs
+// read as zero and subnormal results flush to zero (FlushDenormalsScope, the rule of every compiled op here).
 #include "ops.h"
 
 #include <ATen/Parallel.h>
@@ -70,8 +71,8 @@ constexpr BlockFn kBlocks[kMaxBlockRows + 1] = {nullptr,   block<1>, block<2>, b
 #endif
 
 // The scalar chain, the same operations in the same order as the vector path.
-[[maybe_unused]] void panel_scalar(const float* x, int64_t ldx, const float* panel, int64_t K, const float* bias, float* y,
-                  int64_t ldy, int64_t rows, int64_t cols) {
+[[maybe_unused]] void panel_scalar(const float* x, int64_t ldx, const float* panel, int64_t K, const float* bias,
+                                   float* y, int64_t ldy, int64_t rows, int64_t cols) {
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t j = 0; j < cols; ++j) {
       float acc = 0.f;
@@ -90,7 +91,8 @@ bool panel_linear_native() {
 #endif
 }
 
-void panel_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels, const std::optional<at::Tensor>& bias) {
+void panel_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels,
+                  const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && panels.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
               "panel_linear: float32 only");
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && panels.dim() == 3 && panels.size(2) == kPanel,
@@ -99,7 +101,8 @@ void panel_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels
               "panel_linear: panels and out contiguous, x rows contiguous");
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1), P = panels.size(0);
   TORCH_CHECK(out.size(0) == M && panels.size(1) == K && P == (N + kPanel - 1) / kPanel,
-              "panel_linear: shapes do not match (x ", x.sizes(), ", panels ", panels.sizes(), ", out ", out.sizes(), ")");
+              "panel_linear: shapes do not match (x ", x.sizes(), ", panels ", panels.sizes(), ", out ", out.sizes(),
+              ")");
   const float* b = nullptr;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,

@@ -1,16 +1,16 @@
 """fp32 CPU linears on weights kept in panels of 32 output columns (kvkernels/cpu/panel_linear.cpp).
 
 Why: a decode step's linears read every weight once from memory for a few to a hundred rows, and oneDNN's fp32
-GEMM does not overlap that stream with its arithmetic. The panel kernel prefetches the weights ahead of its FMAs:
-SmolLM2's 120 fp32 projections at 24 rows take ~19 ms instead of oneDNN's 29-31 ms (2-core Sapphire Rapids, the
-numbers are in the kernel's header and docs/performance.md).
+GEMM does not overlap that stream with its arithmetic. The panel kernel prefetches the weights ahead of its FMAs
+(tools/panel_linear_ab.py; docs/performance.md has the table: 1.2-1.5x faster than oneDNN at 1-128 rows on the
+2-core Sapphire Rapids).
 
 One copy of the weight: the panels replace oneDNN's packed weight. Above `MAX_KERNEL_ROWS` rows (prefill) the work
-is compute-bound and torch's batched GEMM over the panels (MKL) runs at 96-98% of oneDNN's speed, in chunks of
+is compute-bound and torch's batched GEMM over the panels runs at 96-98% of oneDNN's speed, in chunks of
 `CHUNK_ROWS` rows so each chunk's rows stay in cache across the panels.
 
 Numerics: the kernel sums each output as one FMA chain over k, independent of the batch; the batched GEMM sums in
-MKL's order. Either differs from oneDNN's fp32 in the last bits only, as any two GEMM libraries do.
+that library's order. Either differs from oneDNN's fp32 in the last bits only, as any two GEMM libraries do.
 """
 
 from __future__ import annotations

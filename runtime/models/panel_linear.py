@@ -45,7 +45,9 @@ def usable(weight: torch.Tensor) -> bool:
 def pack(weight: torch.Tensor) -> PanelWeight:
     """[N, K] -> panels [ceil(N / 32), K, 32]."""
     n, k = weight.shape
-    padded = F.pad(weight.detach(), (0, 0, 0, -n % PANEL))
+    padded = weight.detach().contiguous()
+    if n % PANEL:  # F.pad copies even when it adds nothing: only pad when needed (a 7B fp32 model is 28 GB)
+        padded = F.pad(padded, (0, 0, 0, -n % PANEL))
     return PanelWeight(padded.view(-1, PANEL, k).transpose(1, 2).contiguous(), n)
 
 

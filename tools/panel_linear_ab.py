@@ -22,16 +22,6 @@ SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))  # SmolLM2-135M's qk
 LAYERS = 30
 
 
-def best_ms(fn, rounds: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e3
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
@@ -89,9 +79,13 @@ def measure(rows: int, weights: list, onednn: list, panels: list, rounds: int) -
 
     paths = {"onednn": run_onednn, "panels": run_panels, "hot": run_hot, "sum": run_sum}
     times = {name: float("inf") for name in paths}
+    for fn in paths.values():  # warm-up: first-call allocations and oneDNN's primitive cache
+        fn()
     for _ in range(rounds):
         for name, fn in paths.items():
-            times[name] = min(times[name], best_ms(fn, 1))
+            t0 = time.perf_counter()
+            fn()
+            times[name] = min(times[name], (time.perf_counter() - t0) * 1e3)
     return times
 
 

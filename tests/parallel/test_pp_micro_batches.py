@@ -89,7 +89,9 @@ def test_pp2_with_two_batches_in_flight_matches_one_process_and_overlaps_the_sta
     assert max_in_flight == 2
     num_batches, overlapped = len(intervals[0]), _overlaps(intervals)
     print(f"micro-batches: {overlapped} of {num_batches} batches overlapped")
-    assert overlapped >= num_batches // 3, f"only {overlapped} of {num_batches} batches overlapped"
+    # Lockstep gives exactly 0 (the control below), so a few overlaps already prove two batches ran at once. How many
+    # depends on the machine: 45-50 of 56 on an idle 2-core VM, 15 of 56 with the suite's other worker busy.
+    assert overlapped >= max(3, num_batches // 8), f"only {overlapped} of {num_batches} batches overlapped"
     assert after_aborts == {"abort-1": ref_tokens[4], "abort-2": ref_tokens[5]}
 
     # The control: one batch at a time through the same engine path, same tokens, no overlap.

@@ -49,6 +49,12 @@ def _state(pid: int) -> str:
         return "Z"
 
 
+# Long enough to outlast the test's set-up by far: the demo model streams 1,000 tokens in ~1.4 s on the 2-core VM
+# (2026-12-05), and a stream that finished early would let the queued request run (the 2,048-token context of
+# ServeProcess minus the prompt caps it).
+STREAM_TOKENS = 2000
+
+
 def test_killing_the_core_answers_every_request_with_an_error_and_exits_1(tmp_path):
     serve = ServeProcess(str(tmp_path), "--max-num-seqs", "2")
     try:
@@ -58,7 +64,7 @@ def test_killing_the_core_answers_every_request_with_an_error_and_exits_1(tmp_pa
         for _ in range(2):  # running
             started, result = threading.Event(), {}
             t = threading.Thread(
-                target=stream_completion, args=(serve.base_url, 100_000 // 100, started, result), daemon=True
+                target=stream_completion, args=(serve.base_url, STREAM_TOKENS, started, result), daemon=True
             )
             t.start()
             assert started.wait(30)
@@ -76,6 +82,8 @@ def test_killing_the_core_answers_every_request_with_an_error_and_exits_1(tmp_pa
         q.start()
         time.sleep(0.3)  # it waits behind the two running streams (max_num_seqs=2)
 
+        # the scenario: both streams still running and the third request still waiting when the core dies
+        assert all("text" not in r for r in results) and not queued, (results, queued)
         os.kill(cores[0], signal.SIGKILL)
         health = []
         deadline = time.monotonic() + 10

@@ -39,19 +39,27 @@ def best_ms(fn, rounds: int) -> float:
     return best * 1e3
 
 
-def make_paths(hidden: torch.Tensor, packed32, packed16, screen) -> dict:
+def make_paths(hidden: torch.Tensor, head32, head16, screen) -> dict:
+    """head32 / head16: the head as the engine runs it without the greedy head (models/cpu_linear.py's packing)."""
+    from kvserve.runtime.models.cpu_linear import linear
+
     ops = torch.ops.kvserve_cpu
     h16 = hidden.bfloat16()
-
-    def head(x, packed):
-        return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
-
     return {
-        "fp32 full": lambda: ops.greedy_argmax(head(hidden, packed32)),
+        "fp32 full": lambda: ops.greedy_argmax(linear(hidden, head32, None)),
         "fp32 screen": lambda: screen.tokens(hidden),
-        "bf16 .float()": lambda: ops.greedy_argmax(head(h16, packed16).float()),
-        "bf16 direct": lambda: ops.greedy_argmax(head(h16, packed16)),
+        "bf16 .float()": lambda: ops.greedy_argmax(linear(h16, head16, None).float()),
+        "bf16 direct": lambda: ops.greedy_argmax(linear(h16, head16, None)),
     }
+
+
+def packed_head(weight: torch.Tensor) -> torch.nn.Module:
+    from kvserve.runtime.models.cpu_linear import pack_weight
+
+    head = torch.nn.Module()
+    head.weight = torch.nn.Parameter(weight, requires_grad=False)
+    pack_weight(head, head.weight, free_original=True)
+    return head
 
 
 def main() -> None:
@@ -68,14 +76,13 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     weight, what = head_weight()
-    packed32 = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-    packed16 = torch.ops.mkldnn._reorder_linear_weight(weight.bfloat16(), None)
     screen = ScreenedGreedyHead(weight)
+    head32, head16 = packed_head(weight), packed_head(weight.bfloat16())
     print(f"head {tuple(weight.shape)} ({what}), {args.threads} thread(s), best of {args.rounds}")
     for rows in args.rows:
         hidden = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(rows))
         hidden *= 46.0 / hidden.norm(dim=1, keepdim=True)
-        paths = make_paths(hidden, packed32, packed16, screen)
+        paths = make_paths(hidden, head32, head16, screen)
         assert torch.equal(paths["fp32 full"](), paths["fp32 screen"]())
         assert torch.equal(paths["bf16 .float()"](), paths["bf16 direct"]())
         times = {name: float("inf") for name in paths}

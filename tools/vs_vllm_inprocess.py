@@ -16,9 +16,9 @@ prompts of 32-320 tokens, 16-48 outputs, max_num_seqs 128, 2048 batched tokens),
 vLLM, kvserve, kvserve, vLLM: two unprofiled rounds (wall), then --rounds ABBA rounds under torch's profiler with
 op time summed by kind (linears by rows, attention, element-wise, KV write). --model with a tiny random HF folder
 (the same 30 layers and vocabulary, hidden 128) leaves mostly per-step overhead: wall minus op time.
-linear: kvserve's linear (torch's `mkldnn._linear_pointwise` on a weight `_reorder_linear_weight` packed) against
-vLLM's (`create_onednn_mm` / `onednn_mm`, its own oneDNN) on SmolLM2's bf16 projection shapes at 64, 128 and 2,048
-rows; best of 10 interleaved rounds of 8 weights each.
+linear: kvserve's linear (models/cpu_linear.py as the engine packs it: fp32 in kvserve's panel kernel, bf16 on
+oneDNN's `mkldnn._linear_pointwise`) against vLLM's (`create_onednn_mm` / `onednn_mm`, its own oneDNN) on SmolLM2's
+projection shapes at 64, 128 and 2,048 rows; best of 10 interleaved rounds of 8 weights each.
 """
 
 from __future__ import annotations
@@ -217,9 +217,23 @@ def engine(prefix_caching: bool, rounds: int, model: str | None, dtype: str) -> 
         print(f"  profiled  {name:8s} {wall:6.2f} s   op time (s): {kinds}", flush=True)
 
 
+def _packed(weight):
+    """A module holding `weight` as kvserve's engine packs it (models/cpu_linear.py: panels for fp32, oneDNN bf16)."""
+    import torch
+
+    from kvserve.runtime.models import cpu_linear
+
+    module = torch.nn.Module()
+    module.weight = torch.nn.Parameter(weight, requires_grad=False)
+    cpu_linear.pack_weight(module, module.weight, free_original=True)
+    return module
+
+
 def linear(dtype: str) -> None:
     import torch
     import vllm._custom_ops as ops
+
+    from kvserve.runtime.models import cpu_linear
 
     torch.set_num_threads(1)
     torch._C._cpu._init_amx()
@@ -230,12 +244,10 @@ def linear(dtype: str) -> None:
                 continue  # the LM head runs on the sampled rows only
             weights = [torch.randn(out_features, in_features, dtype=getattr(torch, dtype)) * 0.05 for _ in range(8)]
             x = torch.randn(rows, in_features, dtype=getattr(torch, dtype))
-            ours = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
+            ours = [_packed(w) for w in weights]
             theirs = [ops.create_onednn_mm(w.t(), 32) for w in weights]
             calls = {
-                "kvserve": lambda x=x, ours=ours: [
-                    torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in ours
-                ],
+                "kvserve": lambda x=x, ours=ours: [cpu_linear.linear(x, m, None) for m in ours],
                 "vLLM": lambda x=x, theirs=theirs: [ops.onednn_mm(h, x, None) for h in theirs],
             }
             best = {k: float("inf") for k in calls}
